@@ -1,0 +1,42 @@
+# Treadle developer commands. Every target works on a fresh machine with only Python 3.11+.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench bench-quick docs clean lint typecheck
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev,cli]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/treadle demo
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m benchmarks.run --quick
+
+docs: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) build dist site .pytest_cache .mypy_cache .ruff_cache .treadle
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

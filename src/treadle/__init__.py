@@ -1,0 +1,81 @@
+"""Treadle: an asyncio-first runtime for LLM agent passes, with lazy session handles.
+
+This module is the map of the public API. Names are imported lazily on first access so that
+`import treadle` stays fast; everything listed in `__all__` is part of the contract.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # values
+    "Session": "treadle.session",
+    "SessionData": "treadle.session",
+    "ChunkRow": "treadle.session",
+    "ChunkTable": "treadle.session",
+    "LineageNode": "treadle.session",
+    "Usage": "treadle.session",
+    # runtime
+    "LazyValue": "treadle.runtime",
+    "run_lazy": "treadle.runtime",
+    "get_runtime": "treadle.runtime",
+    # errors
+    "TreadleError": "treadle.errors",
+    "ConfigurationError": "treadle.errors",
+    "RuntimeLoopError": "treadle.errors",
+    "ProviderError": "treadle.errors",
+    "AuthenticationError": "treadle.errors",
+    "RateLimitError": "treadle.errors",
+    "ContextLengthError": "treadle.errors",
+    "ProviderTimeout": "treadle.errors",
+    "ProviderConnectionError": "treadle.errors",
+    "MalformedResponse": "treadle.errors",
+    "ToolError": "treadle.errors",
+    "ToolTimeoutError": "treadle.errors",
+    "SandboxError": "treadle.errors",
+    "PathViolation": "treadle.errors",
+    "BudgetExceededError": "treadle.errors",
+    "PersistenceError": "treadle.errors",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from treadle.errors import (
+        AuthenticationError,
+        BudgetExceededError,
+        ConfigurationError,
+        ContextLengthError,
+        MalformedResponse,
+        PathViolation,
+        PersistenceError,
+        ProviderConnectionError,
+        ProviderError,
+        ProviderTimeout,
+        RateLimitError,
+        RuntimeLoopError,
+        SandboxError,
+        ToolError,
+        ToolTimeoutError,
+        TreadleError,
+    )
+    from treadle.runtime import LazyValue, get_runtime, run_lazy
+    from treadle.session import ChunkRow, ChunkTable, LineageNode, Session, SessionData, Usage
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treadle' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,152 @@
+"""Every exception Treadle raises, in one hierarchy rooted at `TreadleError`.
+
+```
+TreadleError
+├── ConfigurationError (also ValueError)      bad arguments at a public entry point
+├── RuntimeLoopError (also RuntimeError)      a blocking read on the runtime's own loop thread
+├── SessionFailedError                        reserved: a pass failed (the original error is raised)
+├── ProviderError                             the model endpoint answered with an error
+│   ├── AuthenticationError                   401 / 403
+│   ├── RateLimitError                        429 after all retries
+│   ├── ContextLengthError                    the prompt does not fit the model's context
+│   ├── ProviderTimeout (also TimeoutError)   connect or read timed out after all retries
+│   ├── ProviderConnectionError               refused / reset / disconnected after all retries
+│   └── MalformedResponse                     non-JSON body, no choices, torn stream
+├── ToolError                                 raised by the tool layer, reported to the model
+│   └── ToolTimeoutError
+├── SandboxError
+│   └── PathViolation                         a path leaves the workspace
+├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
+└── PersistenceError                          a session file cannot be read
+```
+
+Error messages say what happened and what to do next, in one sentence. This module must never
+import anything heavier than the standard library: every layer imports it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "BudgetExceededError",
+    "ConfigurationError",
+    "ContextLengthError",
+    "MalformedResponse",
+    "PathViolation",
+    "PersistenceError",
+    "ProviderConnectionError",
+    "ProviderError",
+    "ProviderTimeout",
+    "RateLimitError",
+    "RuntimeLoopError",
+    "SandboxError",
+    "SessionFailedError",
+    "ToolError",
+    "ToolTimeoutError",
+    "TreadleError",
+]
+
+
+class TreadleError(Exception):
+    """Base class of every error Treadle raises on purpose."""
+
+
+class ConfigurationError(TreadleError, ValueError):
+    """A public entry point was called with arguments that cannot work."""
+
+
+class RuntimeLoopError(TreadleError, RuntimeError):
+    """A blocking read was made on the runtime's own event-loop thread (it would deadlock)."""
+
+
+class SessionFailedError(TreadleError):
+    """A pass failed; raised only when the original exception cannot be re-raised as it was."""
+
+
+class ProviderError(TreadleError):
+    """The model endpoint answered with an error (or could not be reached).
+
+    Attributes carry what a user needs to report or fix the problem: the HTTP status (None when no
+    response arrived), an excerpt of the body, and the server's request id when it sent one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        body: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.body = body
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        if self.status_code is not None:
+            parts.append(f"(HTTP {self.status_code})")
+        if self.request_id:
+            parts.append(f"[request id {self.request_id}]")
+        return " ".join(parts)
+
+
+class AuthenticationError(ProviderError):
+    """The endpoint rejected the API key (401/403)."""
+
+
+class RateLimitError(ProviderError):
+    """The endpoint kept answering 429 after every retry."""
+
+
+class ContextLengthError(ProviderError):
+    """The request does not fit the model's context window."""
+
+
+class ProviderTimeout(ProviderError, TimeoutError):
+    """Connecting to or reading from the endpoint timed out after every retry."""
+
+
+class ProviderConnectionError(ProviderError):
+    """The endpoint could not be reached or dropped the connection after every retry."""
+
+
+class MalformedResponse(ProviderError):
+    """The endpoint's reply is not a valid chat completion (bad JSON, no choices, torn stream)."""
+
+
+class ToolError(TreadleError):
+    """A tool failed in a way the tool layer reports to the model with an `error_kind`."""
+
+    error_kind: str = "tool_execution_exception"
+
+    def __init__(self, message: str, *, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class ToolTimeoutError(ToolError):
+    """A tool ran past its timeout and was cancelled or killed."""
+
+    error_kind = "timeout"
+
+
+class SandboxError(TreadleError):
+    """The sandbox could not be opened or used."""
+
+
+class PathViolation(SandboxError, ToolError):
+    """A path given to a workspace operation leaves the workspace."""
+
+    error_kind = "path_violation"
+
+
+class BudgetExceededError(TreadleError):
+    """Raise from `on_budget_exceeded` to stop a pass with `stop_reason == "budget"`."""
+
+
+class PersistenceError(TreadleError):
+    """A persisted session file is missing, unreadable or not a Treadle session."""

@@ -1,0 +1,89 @@
+"""Lineage: which sessions a session was made from, and by which operator.
+
+Each session holds a `LineageNode`. A node keeps strong references to its parents (so ancestors
+stay walkable) and weak references to its children (so descendants are walkable while they live,
+and a long fan-out never accumulates a process-wide registry). Pure values, no I/O.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+
+__all__ = ["LineageNode"]
+
+
+class LineageNode:
+    """Where one session came from: its `id`, the `operator` that made it, its `kind`, parents."""
+
+    __slots__ = ("__weakref__", "_children", "id", "kind", "operator", "parents")
+
+    def __init__(
+        self, id: str, operator: str, kind: str, parents: Iterable[LineageNode] = ()
+    ) -> None:
+        self.id = id
+        self.operator = operator
+        self.kind = kind
+        self.parents: tuple[LineageNode, ...] = tuple(parents)
+        self._children: weakref.WeakSet[LineageNode] = weakref.WeakSet()
+        for parent in self.parents:
+            parent._children.add(self)
+
+    @property
+    def parent_ids(self) -> tuple[str, ...]:
+        """Ids of the direct parents, in order."""
+        return tuple(p.id for p in self.parents)
+
+    @property
+    def children(self) -> list[LineageNode]:
+        """Direct children that are still alive (sorted by id for a stable order)."""
+        return sorted(self._children, key=lambda n: n.id)
+
+    def ancestors(self) -> list[LineageNode]:
+        """Every ancestor, nearest first (breadth-first, each once)."""
+        return _walk(self, lambda n: n.parents)
+
+    def descendants(self) -> list[LineageNode]:
+        """Every living descendant, nearest first (breadth-first, each once)."""
+        return _walk(self, lambda n: n.children)
+
+    def to_mermaid(self) -> str:
+        """The graph of this node's ancestors and descendants as Mermaid `graph TD` text."""
+        nodes = {n.id: n for n in [*self.ancestors(), self, *self.descendants()]}
+        lines = ["graph TD"]
+        for node in nodes.values():
+            marker = ":::focus" if node is self else ""
+            lines.append(f'    {_mid(node)}["{node.operator}<br/>{node.id[:8]}"]{marker}')
+        for node in nodes.values():
+            for parent in node.parents:
+                if parent.id in nodes:
+                    lines.append(f"    {_mid(parent)} --> {_mid(node)}")
+        lines.append("    classDef focus stroke-width:3px")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"LineageNode(id={self.id!r}, operator={self.operator!r}, kind={self.kind!r}, "
+            f"parents={list(self.parent_ids)!r})"
+        )
+
+
+def _mid(node: LineageNode) -> str:
+    return "s_" + "".join(c if c.isalnum() else "_" for c in node.id)
+
+
+def _walk(
+    start: LineageNode, next_of: Callable[[LineageNode], Iterable[LineageNode]]
+) -> list[LineageNode]:
+    seen: set[int] = {id(start)}
+    out: list[LineageNode] = []
+    queue: deque[LineageNode] = deque([start])
+    while queue:
+        node = queue.popleft()
+        for nxt in next_of(node):
+            if id(nxt) not in seen:
+                seen.add(id(nxt))
+                out.append(nxt)
+                queue.append(nxt)
+    return out

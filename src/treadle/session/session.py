@@ -1,0 +1,427 @@
+"""`Session`: an ordered table of rows with an id, lineage, usage and a shared sandbox handle.
+
+A session is a value: every operation returns a new session. It may also be a *lazy facade* over a
+pass still running on the runtime: its `id` and `lineage` are known at once, while reading
+`chunk_table`, `usage` or `stop_reason` blocks (sync) or is awaited (async) until the pass ends.
+A failed pass re-raises its error on every read, never a partial transcript.
+
+This module does no I/O; opening a sandbox is delegated to `treadle.sandbox` on first use.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+from treadle.errors import ConfigurationError
+from treadle.session.lineage import LineageNode
+from treadle.session.rows import ChunkRow, ChunkTable
+from treadle.session.usage import Usage
+
+if TYPE_CHECKING:
+    from treadle.runtime.lazy import LazyValue
+    from treadle.sandbox.handle import Sandbox, SandboxHandle
+
+__all__ = ["Session", "SessionData", "new_session_id"]
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+def new_session_id() -> str:
+    """A fresh session id (32 hex characters)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class SessionData:
+    """What a session holds once materialised (shared between a facade and its result)."""
+
+    table: ChunkTable
+    """The rows."""
+    usage: Usage = field(default_factory=Usage)
+    """Cumulative token usage."""
+    stop_reason: str | None = None
+    """Why the pass that produced this session ended (None when no pass produced it)."""
+    metadata: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    """Extra facts set by the loop (interrupt reason, tripwire, structured output, ...)."""
+
+
+def _release_handle(handle: SandboxHandle) -> None:
+    handle.release()
+
+
+class Session:
+    """An ordered table of chunk rows with an id, lineage, usage and a sandbox handle.
+
+    Build one with `Session.from_agent_prompt`, `Session.from_user_message` or
+    `Session.from_messages`; bind a sandbox placement with `.to("local")`. A session returned by
+    `run_session_loop` may still be running: read it (blocks), `await` it, or `synchronize()`.
+    """
+
+    __slots__ = ("__weakref__", "_data", "_finalizer", "_lazy", "_sandbox", "id", "lineage")
+
+    id: str
+    lineage: LineageNode
+
+    def __init__(
+        self,
+        rows: Iterable[ChunkRow] | ChunkTable = (),
+        *,
+        id: str | None = None,
+        usage: Usage | None = None,
+        operator: str = "new",
+        kind: str = "user",
+        parents: Sequence[Session] = (),
+    ) -> None:
+        table = rows if isinstance(rows, ChunkTable) else ChunkTable(rows)
+        sid = id or new_session_id()
+        lineage = LineageNode(sid, operator, kind, (p.lineage for p in parents))
+        self._init(sid, lineage, SessionData(table, usage or Usage()), None, None)
+
+    def _init(
+        self,
+        id: str,
+        lineage: LineageNode,
+        data: SessionData | None,
+        lazy: LazyValue[SessionData] | None,
+        sandbox: SandboxHandle | None,
+    ) -> None:
+        self.id = id
+        self.lineage = lineage
+        self._data = data
+        self._lazy = lazy
+        self._sandbox = sandbox
+        self._finalizer: weakref.finalize[Any, Session] | None = (
+            weakref.finalize(self, _release_handle, sandbox) if sandbox is not None else None
+        )
+
+    @classmethod
+    def _derive(
+        cls,
+        data: SessionData | None,
+        *,
+        operator: str,
+        kind: str,
+        parents: Sequence[Session],
+        sandbox: SandboxHandle | None,
+        lazy: LazyValue[SessionData] | None = None,
+        id: str | None = None,
+    ) -> Session:
+        """A new session made by `operator` from `parents`, taking one reference on `sandbox`."""
+        new = cls.__new__(cls)
+        sid = id or new_session_id()
+        if sandbox is not None:
+            sandbox.acquire()
+        new._init(
+            sid, LineageNode(sid, operator, kind, (p.lineage for p in parents)), data, lazy, sandbox
+        )
+        return new
+
+    # -- constructors --------------------------------------------------------------------------
+    @classmethod
+    def from_agent_prompt(cls, text: str) -> Session:
+        """An agent session holding one system row with `text`."""
+        _require_text("text", text)
+        return cls([ChunkRow.system(text)], operator="from_agent_prompt", kind="agent")
+
+    @classmethod
+    def from_user_message(cls, text: str) -> Session:
+        """A user session holding one user row with `text`."""
+        _require_text("text", text)
+        return cls([ChunkRow.user(text)], operator="from_user_message", kind="user")
+
+    @classmethod
+    def from_messages(cls, messages: Iterable[Mapping[str, Any]]) -> Session:
+        """A session from a plain OpenAI `messages` list (system rows stay system rows)."""
+        if isinstance(messages, (str, bytes, Mapping)):
+            raise ConfigurationError(
+                "from_messages takes a list of message dicts, not a single string or dict."
+            )
+        rows = []
+        for i, message in enumerate(messages):
+            try:
+                rows.append(ChunkRow.from_message(message))
+            except ConfigurationError as err:
+                raise ConfigurationError(f"message {i}: {err}") from None
+        return cls(rows, operator="from_messages", kind="user")
+
+    @classmethod
+    def _pending(
+        cls,
+        lazy: LazyValue[SessionData],
+        *,
+        id: str,
+        operator: str,
+        kind: str,
+        parents: Sequence[Session],
+        sandbox: SandboxHandle | None,
+    ) -> Session:
+        """A lazy facade whose data arrives when `lazy` settles."""
+        return cls._derive(
+            None,
+            operator=operator,
+            kind=kind,
+            parents=parents,
+            sandbox=sandbox,
+            lazy=lazy,
+            id=id,
+        )
+
+    # -- laziness -------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True when the session's rows are available without waiting."""
+        return self._data is not None or (self._lazy is not None and self._lazy.done())
+
+    def synchronize(self, timeout: float | None = None) -> Session:
+        """Block until the session is materialised; `TimeoutError` after `timeout` seconds."""
+        self._materialise(timeout)
+        return self
+
+    def _materialise(self, timeout: float | None = None) -> SessionData:
+        data = self._data
+        if data is None:
+            assert self._lazy is not None
+            data = self._lazy.result(timeout)
+            self._data = data
+        return data
+
+    async def _await(self) -> Session:
+        if self._data is None:
+            assert self._lazy is not None
+            self._data = await self._lazy.wait()
+        return self
+
+    async def wait_ready(self) -> SessionData:
+        """Await the data without cancelling the producing pass if this waiter is cancelled."""
+        if self._data is None:
+            assert self._lazy is not None
+            self._data = await self._lazy.wait(propagate_cancel=False)
+        return self._data
+
+    def __await__(self) -> Generator[Any, None, Session]:
+        return self._await().__await__()
+
+    def cancel(self) -> None:
+        """Ask the pass producing this session to stop (no effect once done)."""
+        if self._lazy is not None:
+            self._lazy.cancel()
+
+    # -- reading ----------------------------------------------------------------------------
+    @property
+    def chunk_table(self) -> ChunkTable:
+        """The rows (blocks until a pending pass ends)."""
+        return self._materialise().table
+
+    @property
+    def rows(self) -> tuple[ChunkRow, ...]:
+        """Shortcut for `chunk_table.rows`."""
+        return self._materialise().table.rows
+
+    @property
+    def usage(self) -> Usage:
+        """Cumulative token usage (blocks until a pending pass ends)."""
+        return self._materialise().usage
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the producing pass ended (`final_answer`, `max_steps`, `budget`, ...)."""
+        return self._materialise().stop_reason
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """Extra facts the producing pass recorded (read-only)."""
+        return self._materialise().metadata
+
+    @property
+    def data(self) -> SessionData:
+        """The materialised data (blocks until a pending pass ends)."""
+        return self._materialise()
+
+    def to_messages(self) -> list[dict[str, Any]]:
+        """The rows as a plain OpenAI `messages` list."""
+        return self._materialise().table.to_messages()
+
+    @property
+    def final_text(self) -> str | None:
+        """The text of the last assistant row, if any."""
+        for row in reversed(self._materialise().table.rows):
+            if row.kind == "assistant":
+                content = row.content
+                return content if isinstance(content, str) else None
+        return None
+
+    # -- deriving -------------------------------------------------------------------------------
+    def _with_rows(self, rows: Iterable[ChunkRow], operator: str) -> Session:
+        data = self._materialise()
+        table = data.table.extend(rows)
+        return Session._derive(
+            SessionData(table, data.usage),
+            operator=operator,
+            kind=self.lineage.kind,
+            parents=[self],
+            sandbox=self._sandbox,
+        )
+
+    def append(self, *rows: ChunkRow) -> Session:
+        """A new session with `rows` added (shares this session's sandbox)."""
+        return self._with_rows(rows, "append")
+
+    def add_user_message(self, text: str) -> Session:
+        """A new session with one more user row: the next turn of a conversation."""
+        _require_text("text", text)
+        return self._with_rows([ChunkRow.user(text)], "add_user_message")
+
+    def fork(self) -> Session:
+        """A copy with a new id and this session as parent (shares the rows and the sandbox)."""
+        data = self._materialise()
+        return Session._derive(
+            SessionData(data.table, data.usage),
+            operator="fork",
+            kind=self.lineage.kind,
+            parents=[self],
+            sandbox=self._sandbox,
+        )
+
+    def merge(self, other: Session) -> Session:
+        """A session with this session's rows, then the rows of `other` past their common prefix.
+
+        Usage adds up; the sandbox is this session's (or `other`'s when this one has none).
+        """
+        if not isinstance(other, Session):
+            raise ConfigurationError(f"merge takes a Session, got {type(other).__name__}.")
+        mine, theirs = self._materialise(), other._materialise()
+        common = 0
+        for a, b in zip(mine.table, theirs.table, strict=False):
+            if a is not b and a != b:
+                break
+            common += 1
+        table = mine.table.extend(theirs.table.rows[common:])
+        return Session._derive(
+            SessionData(table, mine.usage + theirs.usage),
+            operator="merge",
+            kind=self.lineage.kind,
+            parents=[self, other],
+            sandbox=self._sandbox or other._sandbox,
+        )
+
+    def with_data(self, **changes: Any) -> Session:
+        """A copy whose `SessionData` fields are replaced (same id, lineage and sandbox share)."""
+        data = replace(self._materialise(), **changes)
+        new = Session.__new__(Session)
+        if self._sandbox is not None:
+            self._sandbox.acquire()
+        new._init(self.id, self.lineage, data, None, self._sandbox)
+        return new
+
+    # -- lineage ----------------------------------------------------------------------------------
+    def ancestors(self) -> list[LineageNode]:
+        """Lineage nodes of every ancestor, nearest first."""
+        return self.lineage.ancestors()
+
+    def descendants(self) -> list[LineageNode]:
+        """Lineage nodes of every living descendant, nearest first."""
+        return self.lineage.descendants()
+
+    def lineage_mermaid(self) -> str:
+        """The lineage graph around this session as Mermaid text."""
+        return self.lineage.to_mermaid()
+
+    # -- sandbox ----------------------------------------------------------------------------------
+    def to(self, placement: str) -> Session:
+        """A copy bound to a sandbox `placement` (`"local"` or a directory); opens nothing yet."""
+        from treadle.sandbox.handle import SandboxHandle
+
+        if not isinstance(placement, str) or not placement:
+            raise ConfigurationError(
+                "placement must be 'local' or a directory path, e.g. session.to('local')."
+            )
+        handle = SandboxHandle(placement)
+        data = self._materialise()
+        new = Session._derive(
+            SessionData(data.table, data.usage),
+            operator="to",
+            kind=self.lineage.kind,
+            parents=[self],
+            sandbox=handle,
+        )
+        handle.release()  # _derive took the reference the new session owns; drop the creator's
+        return new
+
+    @property
+    def placement(self) -> str | None:
+        """The sandbox placement this session is bound to, if any."""
+        return self._sandbox.placement if self._sandbox is not None else None
+
+    @property
+    def sandbox_handle(self) -> SandboxHandle | None:
+        """The shared, refcounted sandbox handle (None without a placement)."""
+        return self._sandbox
+
+    @property
+    def sandbox_closed(self) -> bool:
+        """True once this session released its sandbox share (or never had one)."""
+        return self._finalizer is None or not self._finalizer.alive
+
+    def require_sandbox(self) -> Sandbox:
+        """The session's sandbox, opened on first use."""
+        if self._sandbox is None:
+            raise ConfigurationError(
+                "this session has no sandbox placement; bind one with session.to('local')."
+            )
+        if self.sandbox_closed:
+            raise ConfigurationError(
+                "this session already closed its sandbox share; use a session that still holds it."
+            )
+        return self._sandbox.open()
+
+    def close_sandbox(self) -> None:
+        """Release this session's share of the sandbox (the backend closes at zero shares)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close_sandbox()
+
+    async def __aenter__(self) -> Session:
+        return await self._await()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        handle = self._sandbox
+        if self._finalizer is not None and self._finalizer.alive and handle is not None:
+            self._finalizer.detach()
+            await handle.arelease()
+
+    def __repr__(self) -> str:
+        if self._data is None and not (self._lazy is not None and self._lazy.done()):
+            return f"<Session {self.id[:8]} pending>"
+        if self._data is None:
+            try:
+                self._materialise()
+            except Exception:
+                return f"<Session {self.id[:8]} failed>"
+        data = self._data
+        assert data is not None
+        reason = f" stop={data.stop_reason}" if data.stop_reason else ""
+        return f"<Session {self.id[:8]} rows={len(data.table)}{reason}>"
+
+
+def _require_text(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{name} must be a str, got {type(value).__name__}.")

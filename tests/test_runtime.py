@@ -1,0 +1,188 @@
+"""The background runtime and lazy values: overlap, waiting, errors, timeouts, fork safety."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+
+import pytest
+
+from treadle import RuntimeLoopError, Session
+from treadle.runtime import get_runtime, run_lazy, submit
+
+
+async def _value(x: int, delay: float = 0.0) -> int:
+    await asyncio.sleep(delay)
+    return x
+
+
+def test_thousand_lazy_values_all_complete() -> None:
+    lazies = [submit(_value(i, 0.01)) for i in range(1000)]
+    assert [lv.result(timeout=60) for lv in lazies] == list(range(1000))
+
+
+def test_runtime_runs_on_a_daemon_thread() -> None:
+    rt = get_runtime()
+    assert rt._thread.daemon
+    assert not rt.in_loop_thread()
+    assert rt.run(_value(7)) == 7
+
+
+def test_timeout_raises_timeout_error() -> None:
+    gate = threading.Event()
+
+    async def blocked() -> int:
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return 1
+
+    lazy = submit(blocked())
+    with pytest.raises(TimeoutError):
+        lazy.result(timeout=0.05)
+    gate.set()
+    assert lazy.result(timeout=30) == 1
+
+
+def test_failure_reraises_same_error_on_every_read() -> None:
+    async def fail() -> Session:
+        raise KeyError("boom")
+
+    out = run_lazy(fail())
+    errors = []
+    for _ in range(3):
+        with pytest.raises(KeyError, match="boom") as info:
+            _ = out.chunk_table
+        errors.append(info.value)
+    assert errors[0] is errors[1] is errors[2]
+    with pytest.raises(KeyError):
+        _ = out.usage
+
+
+def test_sync_read_on_runtime_thread_raises_instead_of_deadlocking() -> None:
+    gate = threading.Event()
+
+    async def slow() -> Session:
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return Session.from_user_message("late")
+
+    pending = run_lazy(slow())
+
+    async def reads_synchronously() -> str:
+        try:
+            _ = pending.chunk_table
+        except RuntimeLoopError as err:
+            return str(err)
+        return "no error"
+
+    message = submit(reads_synchronously()).result(timeout=30)
+    gate.set()
+    assert "use `await`" in message
+    assert pending.synchronize(timeout=30).rows[0].content == "late"
+
+
+def test_lazy_session_facade_knows_id_and_lineage_at_once() -> None:
+    gate = threading.Event()
+    parent = Session.from_user_message("p")
+
+    async def make() -> Session:
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return parent.add_user_message("child")
+
+    out = run_lazy(make(), parents=[parent], operator="test")
+    assert not out.done()
+    assert out.lineage.parent_ids == (parent.id,)
+    assert "pending" in repr(out)
+    gate.set()
+    assert [r.content for r in out.synchronize(timeout=30).rows] == ["p", "child"]
+
+
+async def test_await_from_another_loop_does_not_block_it() -> None:
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    async def slow() -> Session:
+        await asyncio.sleep(0.3)
+        return Session.from_user_message("done")
+
+    beat = asyncio.create_task(heartbeat())
+    try:
+        out = await run_lazy(slow())
+    finally:
+        beat.cancel()
+    assert out.rows[0].content == "done"
+    assert ticks >= 5  # the caller's loop kept running while it awaited
+
+
+async def test_cancelling_the_awaiter_cancels_the_work() -> None:
+    started = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def forever() -> int:
+        loop.call_soon_threadsafe(started.set)
+        await asyncio.sleep(3600)
+        return 0
+
+    lazy = submit(forever())
+    waiter = asyncio.ensure_future(lazy.wait())
+    await started.wait()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.to_thread(_wait_done, lazy)
+    assert lazy.done()
+
+
+def _wait_done(lazy: object) -> None:
+    import concurrent.futures
+    import contextlib
+
+    with contextlib.suppress(concurrent.futures.CancelledError):
+        lazy.result(timeout=30)  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_child_gets_a_fresh_runtime() -> None:
+    parent_rt = get_runtime()
+    assert parent_rt.run(_value(1)) == 1
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must not touch the parent's (dead) loop thread
+        code = 1
+        try:
+            child_rt = get_runtime()
+            ok = child_rt is not parent_rt and child_rt.run(_value(41, 0.01), timeout=10) == 41
+            os.write(write_end, b"ok" if ok else b"bad")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read_end, 10) == b"ok"
+    assert os.WEXITSTATUS(status) == 0
+    assert get_runtime() is parent_rt
+
+
+def test_shutdown_drains_then_a_new_runtime_starts(tmp_path: object) -> None:
+    import subprocess
+
+    script = (
+        "import asyncio, treadle.runtime as r\n"
+        "async def work():\n"
+        "    await asyncio.sleep(0.2)\n"
+        "    print('finished', flush=True)\n"
+        "r.submit(work())\n"
+        "print('exiting', flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["exiting", "finished"]  # drained at exit, not dropped

@@ -1,0 +1,108 @@
+"""Session values: constructors, interop with message lists, fork/merge and lineage."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from treadle import ChunkRow, ConfigurationError, Session, Usage
+
+
+def test_constructors() -> None:
+    agent = Session.from_agent_prompt("be brief")
+    user = Session.from_user_message("hello")
+    assert agent.chunk_table.kinds() == ["system"]
+    assert user.chunk_table.kinds() == ["user"]
+    assert agent.lineage.kind == "agent"
+    assert user.lineage.operator == "from_user_message"
+    assert len(agent.id) == 32 and agent.id != user.id
+    assert user.usage == Usage()
+    assert user.stop_reason is None
+    assert user.done()
+
+
+def test_constructors_validate_input() -> None:
+    with pytest.raises(ConfigurationError, match="must be a str"):
+        Session.from_user_message(42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="message 1: field 'role'"):
+        Session.from_messages([{"role": "user", "content": "x"}, {"content": "no role"}])
+    with pytest.raises(ConfigurationError, match="list of message dicts"):
+        Session.from_messages({"role": "user", "content": "x"})  # type: ignore[arg-type]
+
+
+def test_messages_round_trip() -> None:
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "add 2 and 3"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "name": "add", "content": '{"ok": true}'},
+        {"role": "assistant", "content": "5"},
+    ]
+    session = Session.from_messages(messages)
+    assert session.chunk_table.kinds() == [
+        "system",
+        "user",
+        "assistant",
+        "tool_result",
+        "assistant",
+    ]
+    assert session.to_messages() == messages
+    assert session.final_text == "5"
+
+
+def test_add_user_message_and_append_make_new_values() -> None:
+    first = Session.from_user_message("one")
+    second = first.add_user_message("two")
+    third = second.append(ChunkRow("assistant", {"content": "ok"}))
+    assert len(first.chunk_table) == 1
+    assert [r.content for r in third.rows] == ["one", "two", "ok"]
+    assert third.lineage.parents[0] is second.lineage
+
+
+def test_fork_and_merge() -> None:
+    base = Session.from_user_message("root")
+    left = base.fork().append(ChunkRow.user("left"))
+    right = base.fork().append(ChunkRow.user("right"))
+    merged = left.merge(right)
+    assert [r.content for r in merged.rows] == ["root", "left", "right"]
+    assert merged.lineage.operator == "merge"
+    assert set(merged.lineage.parent_ids) == {left.id, right.id}
+
+
+def test_lineage_walks_and_exports() -> None:
+    root = Session.from_user_message("root")
+    child = root.fork()
+    grandchild = child.add_user_message("more")
+    assert [n.id for n in grandchild.ancestors()] == [child.id, root.id]
+    assert [n.id for n in root.descendants()] == [child.id, grandchild.id]
+    text = child.lineage_mermaid()
+    assert text.startswith("graph TD")
+    assert f"s_{root.id} --> s_{child.id}" in text
+    assert f"s_{child.id} --> s_{grandchild.id}" in text
+
+
+def test_descendants_do_not_outlive_their_sessions() -> None:
+    root = Session.from_user_message("root")
+    for _ in range(100):
+        root.fork()
+    gc.collect()
+    assert root.descendants() == []
+
+
+def test_with_data_keeps_identity() -> None:
+    session = Session.from_user_message("x")
+    changed = session.with_data(stop_reason="final_answer")
+    assert changed.id == session.id and changed.stop_reason == "final_answer"
+    assert session.stop_reason is None
+
+
+def test_require_sandbox_without_placement_is_a_clear_error() -> None:
+    with pytest.raises(ConfigurationError, match=r"to\('local'\)"):
+        Session.from_user_message("x").require_sandbox()
