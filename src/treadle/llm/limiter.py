@@ -1,0 +1,125 @@
+"""`EndpointLimiter`: a per-endpoint cap on concurrent requests, requests/min and tokens/min.
+
+One limiter is shared by every pass that calls the same endpoint with the same limits (per event
+loop: passes share the runtime loop). Waiting callers are admitted first-in first-out. Tokens are
+estimated from the request size (`len(body) / 4`) and corrected once the server reports usage.
+Never blocks the event loop; a cancelled waiter leaves no trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+__all__ = ["BYTES_PER_TOKEN", "EndpointLimiter", "Permit", "estimate_tokens"]
+
+BYTES_PER_TOKEN = 4
+"""Rough bytes of request JSON per prompt token, for the tokens-per-minute estimate."""
+
+
+def estimate_tokens(body: bytes) -> int:
+    """A rough token count of a request body (refined later by the server's reported usage)."""
+    return len(body) // BYTES_PER_TOKEN + 1
+
+
+class Permit:
+    """One admitted request; give it back with `EndpointLimiter.release`."""
+
+    __slots__ = ("started", "tokens")
+
+    def __init__(self, started: float, tokens: int) -> None:
+        self.started = started
+        self.tokens = tokens
+
+
+class EndpointLimiter:
+    """FIFO admission under up to three caps; `None` disables a cap.
+
+    `window` is the rate window in seconds (60 for "per minute"; tests shrink it). `clock` and
+    `sleep` are injectable so the logic can be tested without wall-clock assertions.
+    """
+
+    def __init__(
+        self,
+        max_concurrent: int,
+        requests_per_window: int | None = None,
+        tokens_per_window: int | None = None,
+        *,
+        window: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
+        self.max_concurrent = max_concurrent
+        self.requests_per_window = requests_per_window
+        self.tokens_per_window = tokens_per_window
+        self.window = window
+        self._clock = clock
+        self._sleep = sleep
+        self._gate = asyncio.Lock()
+        self._freed = asyncio.Event()
+        self._active = 0
+        self._recent: deque[Permit] = deque()
+        self._rated = requests_per_window is not None or tokens_per_window is not None
+        self.peak_active = 0
+        """Highest number of requests in flight seen (for tests and metrics)."""
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not yet released."""
+        return self._active
+
+    def _admit(self, now: float, tokens: int) -> Permit:
+        self._active += 1
+        if self._active > self.peak_active:
+            self.peak_active = self._active
+        permit = Permit(now, tokens)
+        if self._rated:
+            self._recent.append(permit)
+        return permit
+
+    async def acquire(self, tokens: int = 0) -> Permit:
+        """Wait for a turn (FIFO) under every cap, then count the request in."""
+        if not self._rated and self._active < self.max_concurrent and not self._gate.locked():
+            return self._admit(0.0, tokens)
+        async with self._gate:
+            while self._active >= self.max_concurrent:
+                self._freed.clear()
+                await self._freed.wait()
+            if self._rated:
+                await self._wait_for_rate(tokens)
+            return self._admit(self._clock() if self._rated else 0.0, tokens)
+
+    async def _wait_for_rate(self, tokens: int) -> None:
+        recent = self._recent
+        while True:
+            now = self._clock()
+            horizon = now - self.window
+            while recent and recent[0].started <= horizon:
+                recent.popleft()
+            wait = 0.0
+            rpw = self.requests_per_window
+            if rpw is not None and len(recent) >= rpw:
+                wait = recent[len(recent) - rpw].started - horizon
+            tpw = self.tokens_per_window
+            if tpw is not None and recent:
+                used = sum(p.tokens for p in recent)
+                # A request larger than the whole quota goes alone once the window is empty.
+                if used + tokens > tpw:
+                    budget = used + tokens - tpw
+                    for permit in recent:
+                        budget -= permit.tokens
+                        if budget <= 0:
+                            wait = max(wait, permit.started - horizon)
+                            break
+            if wait <= 0:
+                return
+            await self._sleep(wait)
+
+    def release(self, permit: Permit, actual_tokens: int | None = None) -> None:
+        """Count the request out; `actual_tokens` (reported usage) replaces the estimate."""
+        self._active -= 1
+        if actual_tokens is not None:
+            permit.tokens = actual_tokens
+        self._freed.set()
