@@ -1,0 +1,474 @@
+"""`FakeOpenAIServer`: a fast OpenAI-compatible HTTP server on 127.0.0.1 for tests and benchmarks.
+
+A minimal HTTP/1.1 keep-alive server on `asyncio.Protocol` (no framework: it must sustain
+thousands of concurrent passes on a small machine). It serves `POST /v1/chat/completions`
+(whole and SSE), `GET /v1/models` and `GET /health`, answers from a queue of `Reply`s or a script,
+and injects faults on request. It runs in its own thread and event loop (context manager), or
+from a shell: `python -m treadle.testing.fake_server --port 8000 --latency-ms 50 --script echo`.
+It must never block its loop: latency is a timer, not a sleep, and scripts must be quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_core import from_json, to_json
+
+from treadle.testing.scripts import Reply, Script, get_script, render_completion, render_stream
+
+__all__ = ["FakeOpenAIServer", "FaultRule", "RecordedRequest", "main"]
+
+MAX_HEADER_BYTES = 64 * 1024
+"""Requests whose head is larger than this are answered 431 and the connection closed."""
+
+_REASONS = {
+    200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+    408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large",
+    429: "Too Many Requests", 431: "Request Header Fields Too Large",
+    500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
+    504: "Gateway Timeout",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """A request the server received (bodies of chat completions parsed as JSON)."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: Any
+    """Parsed JSON body (None when empty or not JSON)."""
+    size: int
+    """Body size in bytes."""
+
+
+@dataclass(slots=True)
+class FaultRule:
+    """Answer `reply` when `when(request)` holds, with `probability`, at most `times` times."""
+
+    reply: Reply | Callable[[dict[str, Any]], Reply]
+    probability: float = 1.0
+    when: Callable[[dict[str, Any]], bool] | None = None
+    times: int | None = None
+    used: int = field(default=0)
+
+
+def _head(status: int, headers: list[tuple[str, str]]) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
+    lines.extend(f"{k}: {v}" for k, v in headers)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests in order, answers each after its latency."""
+
+    def __init__(self, server: FakeOpenAIServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.busy = False
+        self.close_after = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.server._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server._connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+            self.server._done_one()
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if not self.busy:
+            self._next_request()
+
+    def _write(self, data: bytes) -> bool:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.write(data)
+        return True
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _next_request(self) -> None:
+        buf = self.buffer
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > MAX_HEADER_BYTES:
+                self._write(_head(431, [("content-length", "0"), ("connection", "close")]))
+                self._close()
+            return
+        lines = buf[:end].decode("latin-1").split("\r\n")
+        try:
+            method, target, version = lines[0].split(" ", 2)
+        except ValueError:
+            self._close()
+            return
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "chunked" in headers.get("transfer-encoding", ""):
+            self._write(_head(411, [("content-length", "0"), ("connection", "close")]))
+            self._close()
+            return
+        length = int(headers.get("content-length") or 0)
+        if len(buf) < end + 4 + length:
+            return
+        body = bytes(buf[end + 4 : end + 4 + length])
+        del buf[: end + 4 + length]
+        self.close_after = version == "HTTP/1.0" or headers.get("connection") == "close"
+        self.busy = True
+        self.server._handle(self, method, target.split("?", 1)[0], headers, body)
+
+    def finish(self) -> None:
+        """The current response is fully written: serve the next pipelined request, if any."""
+        self.busy = False
+        if self.close_after:
+            self._close()
+        elif self.buffer and self.transport is not None:
+            self._next_request()
+
+    def send(self, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
+        """Write a whole response with a Content-Length."""
+        headers.append(("content-length", str(len(body))))
+        self._write(_head(status, headers) + body)
+        self.finish()
+
+
+class FakeOpenAIServer:
+    """An OpenAI-compatible server on 127.0.0.1, scripted and fault-injectable.
+
+    ```text
+    with FakeOpenAIServer(script="echo", latency_ms=5) as server:
+        Provider(model="fake-model", base_url=server.base_url)
+    ```
+
+    Replies come from, in order: fault rules (`add_fault`), the queue (`enqueue`), then
+    `script` (a built-in name or a function of the request dict returning a `Reply`).
+    """
+
+    def __init__(
+        self,
+        script: str | Script = "echo",
+        *,
+        replies: list[Reply] | None = None,
+        latency_ms: float = 0.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model: str = "fake-model",
+        rounds: int = 3,
+        seed: int | None = 0,
+        max_recorded: int = 1000,
+    ) -> None:
+        self.script: Script = (
+            get_script(script, rounds=rounds) if isinstance(script, str) else script
+        )
+        self.latency_ms = latency_ms
+        """Default delay before each response, in milliseconds."""
+        self.host = host
+        self.port = port
+        self.model = model
+        self.requests: deque[RecordedRequest] = deque(maxlen=max_recorded)
+        """The most recent requests received (bounded by `max_recorded`)."""
+        self.request_count = 0
+        """Chat-completion requests received (including faulted ones)."""
+        self.in_flight = 0
+        """Chat-completion requests received and not yet answered."""
+        self.max_in_flight = 0
+        """Highest `in_flight` seen: the concurrency clients really achieved."""
+        self._queue: deque[Reply] = deque(replies or ())
+        self._faults: list[FaultRule] = []
+        self._rng = random.Random(seed)
+        self._connections: set[_Connection] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = 0
+
+    # -- scripting -------------------------------------------------------------------------------
+
+    def enqueue(self, *replies: Reply) -> None:
+        """Queue replies; each chat request takes the next one (before the script)."""
+        self._queue.extend(replies)
+
+    def add_fault(
+        self,
+        reply: Reply | Callable[[dict[str, Any]], Reply],
+        *,
+        probability: float = 1.0,
+        when: Callable[[dict[str, Any]], bool] | None = None,
+        times: int | None = None,
+    ) -> FaultRule:
+        """Answer with `reply` (e.g. `Reply.rate_limited()`) per the rule; returns the rule."""
+        rule = FaultRule(reply, probability, when, times)
+        self._faults = [*self._faults, rule]
+        return rule
+
+    def clear_faults(self) -> None:
+        """Remove every fault rule."""
+        self._faults = []
+
+    def reset_stats(self) -> None:
+        """Forget recorded requests and counters."""
+        self.requests.clear()
+        self.request_count = 0
+        self.max_in_flight = self.in_flight
+
+    def _pick(self, request: dict[str, Any]) -> Reply:
+        for rule in self._faults:
+            if rule.times is not None and rule.used >= rule.times:
+                continue
+            if rule.when is not None and not rule.when(request):
+                continue
+            if rule.probability < 1.0 and self._rng.random() >= rule.probability:
+                continue
+            rule.used += 1
+            return rule.reply if isinstance(rule.reply, Reply) else rule.reply(request)
+        if self._queue:
+            try:
+                return self._queue.popleft()
+            except IndexError:
+                pass
+        return self.script(request)
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        """`http://127.0.0.1:PORT/v1`, the value for `Provider(base_url=...)`."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def _done_one(self) -> None:
+        self.in_flight -= 1
+
+    def _handle(
+        self, conn: _Connection, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> None:
+        if path.startswith("/v1/"):
+            path = path[3:]
+        if method == "POST" and path == "/chat/completions":
+            self._chat(conn, headers, body)
+        elif method == "GET" and path == "/models":
+            models = {"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": 0, "owned_by": "treadle"}
+            ]}  # fmt: skip
+            conn.send(200, to_json(models), [("content-type", "application/json")])
+        elif method == "GET" and path == "/health":
+            conn.send(200, b'{"status":"ok"}', [("content-type", "application/json")])
+        else:
+            error = {"error": {"message": f"No route for {method} {path}", "type": "not_found"}}
+            conn.send(404, to_json(error), [("content-type", "application/json")])
+
+    def _chat(self, conn: _Connection, headers: dict[str, str], body: bytes) -> None:
+        try:
+            request = from_json(body)
+        except ValueError:
+            request = None
+        self.requests.append(RecordedRequest("POST", "/v1/chat/completions", headers, request,
+                                             len(body)))  # fmt: skip
+        self.request_count += 1
+        if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+            error = {
+                "error": {
+                    "message": "The body must be a JSON object with `messages`.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+            conn.send(400, to_json(error), [("content-type", "application/json")])
+            return
+        reply = self._pick(request)
+        self.in_flight += 1
+        if self.in_flight > self.max_in_flight:
+            self.max_in_flight = self.in_flight
+        latency = (reply.latency_ms if reply.latency_ms is not None else self.latency_ms) / 1000.0
+        args = (conn, reply, request, len(body))
+        if latency > 0:
+            assert self._loop is not None
+            conn.timer = self._loop.call_later(latency, self._respond, *args)
+        else:
+            self._respond(*args)
+
+    def _respond(self, conn: _Connection, reply: Reply, request: dict[str, Any], size: int) -> None:
+        conn.timer = None
+        self.in_flight -= 1
+        if conn.transport is None:
+            return
+        if reply.drop:
+            conn._close()
+            return
+        self._ids += 1
+        request_id = f"req_{self._ids:08d}"
+        common = [("x-request-id", request_id), *reply.headers]
+        if reply.body is not None or reply.status != 200:
+            payload = reply.body if reply.body is not None else b"{}"
+            conn.send(reply.status, payload, [("content-type", "application/json"), *common])
+            return
+        model = str(request.get("model") or self.model)
+        created = int(time.time())
+        completion_id = f"chatcmpl-{request_id[4:]}"
+        if request.get("stream"):
+            options = request.get("stream_options")
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            events = render_stream(reply, model=model, completion_id=completion_id,
+                                   created=created, request_bytes=size,
+                                   include_usage=include_usage)  # fmt: skip
+            head = _head(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache"),
+                               ("transfer-encoding", "chunked"), *common])  # fmt: skip
+            self._write_stream(conn, head, events, reply)
+            return
+        payload = render_completion(reply, model=model, completion_id=completion_id,
+                                    created=created, request_bytes=size)  # fmt: skip
+        if reply.tear_after is None and reply.stall_ms is None:
+            conn.send(200, payload, [("content-type", "application/json"), *common])
+            return
+        half = len(payload) // 2
+        head = _head(200, [("content-type", "application/json"),
+                           ("content-length", str(len(payload))), *common])  # fmt: skip
+        conn._write(head + payload[:half])
+        if reply.tear_after is not None:
+            conn._close()
+            return
+        self._later(conn, reply.stall_ms or 0.0, payload[half:])
+
+    def _later(self, conn: _Connection, ms: float, data: bytes) -> None:
+        def write() -> None:
+            conn.timer = None
+            self.in_flight -= 1
+            if conn._write(data):
+                conn.finish()
+
+        assert self._loop is not None
+        self.in_flight += 1  # balanced in write() or connection_lost()
+        conn.timer = self._loop.call_later(ms / 1000.0, write)
+
+    def _write_stream(
+        self, conn: _Connection, head: bytes, events: list[bytes], reply: Reply
+    ) -> None:
+        def chunk(parts: list[bytes]) -> bytes:
+            data = b"".join(parts)
+            return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+
+        if reply.tear_after is not None:
+            conn._write(head + chunk(events[: reply.tear_after]))
+            conn._close()
+            return
+        if reply.stall_ms is not None and len(events) > 1:
+            conn._write(head + chunk(events[:1]))
+            self._later(conn, reply.stall_ms, chunk(events[1:]) + b"0\r\n\r\n")
+            return
+        conn._write(head + chunk(events) + b"0\r\n\r\n")
+        conn.finish()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start_serving(self) -> None:
+        """Start listening on the current loop (the port is known afterwards)."""
+        self._loop = asyncio.get_running_loop()
+        self._server = await self._loop.create_server(
+            lambda: _Connection(self), self.host, self.port, backlog=4096, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop_serving(self) -> None:
+        """Stop listening and close every connection."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            if conn.transport is not None:
+                conn.transport.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    def start(self) -> FakeOpenAIServer:
+        """Serve from a background thread with its own event loop; returns once listening."""
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(self.start_serving())
+            except BaseException as exc:
+                errors.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+                loop.run_until_complete(self.stop_serving())
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="treadle-fake-openai", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise errors[0]
+        return self
+
+    def stop(self) -> None:
+        """Stop the background server and join its thread."""
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+        self._thread = None
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: serve until killed, printing the base URL first."""
+    parser = argparse.ArgumentParser(description="Fake OpenAI-compatible server for Treadle.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--script", default="echo", help="echo, file_worker or tool_loop")
+    parser.add_argument("--rounds", type=int, default=3, help="tool rounds of tool_loop")
+    parser.add_argument("--model", default="fake-model")
+    args = parser.parse_args(argv)
+    server = FakeOpenAIServer(args.script, latency_ms=args.latency_ms, host=args.host,
+                              port=args.port, rounds=args.rounds, model=args.model)  # fmt: skip
+
+    async def serve() -> None:
+        await server.start_serving()
+        print(server.base_url, flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop_serving()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
