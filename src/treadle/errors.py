@@ -13,6 +13,7 @@ TreadleError
 │   ├── ProviderConnectionError               refused / reset / disconnected after all retries
 │   └── MalformedResponse                     non-JSON body, no choices, torn stream
 ├── ToolError                                 raised by the tool layer, reported to the model
+│   ├── ToolArgumentsError                    arguments do not match the tool's schema
 │   └── ToolTimeoutError
 ├── SandboxError
 │   └── PathViolation                         a path leaves the workspace
@@ -41,6 +42,7 @@ __all__ = [
     "RuntimeLoopError",
     "SandboxError",
     "SessionFailedError",
+    "ToolArgumentsError",
     "ToolError",
     "ToolTimeoutError",
     "TreadleError",
@@ -126,6 +128,12 @@ class ToolError(TreadleError):
         super().__init__(message)
         self.message = message
         self.detail = detail
+
+
+class ToolArgumentsError(ToolError):
+    """The arguments of a tool call do not match the tool's schema (field paths in the message)."""
+
+    error_kind = "invalid_tool_arguments"
 
 
 class ToolTimeoutError(ToolError):

@@ -1,0 +1,33 @@
+"""Sandboxes: the `Backend` protocol, refcounted `SandboxHandle`, the `local` backend, and the
+built-in workspace tools offered to sessions bound with `session.to(...)`.
+"""
+
+from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
+from treadle.sandbox.environment import DEFAULT_ENV_ALLOW, SECRET_PATTERNS, scrubbed_environment
+from treadle.sandbox.handle import Sandbox, SandboxHandle
+from treadle.sandbox.local import MAX_LIST_ENTRIES, MAX_READ_BYTES, SANDBOX_IO_THREADS, LocalBackend
+from treadle.sandbox.paths import MAX_PATH_CHARS, resolve_in_workspace
+from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES
+
+from treadle.sandbox.builtin_tools import global_system_tools  # isort: skip (needs handle first)
+
+__all__ = [
+    "DEFAULT_COMMAND_TIMEOUT",
+    "DEFAULT_ENV_ALLOW",
+    "MAX_LIST_ENTRIES",
+    "MAX_PATH_CHARS",
+    "MAX_READ_BYTES",
+    "MAX_STREAM_BYTES",
+    "SANDBOX_IO_THREADS",
+    "SECRET_PATTERNS",
+    "Backend",
+    "CommandResult",
+    "DirEntry",
+    "FileContent",
+    "LocalBackend",
+    "Sandbox",
+    "SandboxHandle",
+    "global_system_tools",
+    "resolve_in_workspace",
+    "scrubbed_environment",
+]

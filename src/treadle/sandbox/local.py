@@ -1,0 +1,225 @@
+"""`LocalBackend`: a sandbox on this machine, in a temporary or user-given directory.
+
+The workspace is a fresh temporary directory (deleted on close) or a directory the user named
+(never deleted). File operations are confined to it (see `treadle.sandbox.paths`) and run on the
+sandbox I/O threads; commands run as subprocesses in their own process groups with a scrubbed
+environment (see `treadle.sandbox.process`). This is confinement of paths and processes, not a
+security boundary: commands can still reach the rest of the machine. This module must never block
+the event loop and never delete a directory it did not create.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Literal
+
+from treadle.errors import PathViolation, SandboxError
+from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
+from treadle.sandbox.environment import DEFAULT_ENV_ALLOW, scrubbed_environment
+from treadle.sandbox.paths import relative_name, resolve_in_workspace
+from treadle.sandbox.process import (
+    DEFAULT_COMMAND_TIMEOUT,
+    MAX_STREAM_BYTES,
+    kill_process_group,
+    run_command,
+)
+from treadle.tools.threads import LoopThreadLimiter
+
+__all__ = ["MAX_LIST_ENTRIES", "MAX_READ_BYTES", "SANDBOX_IO_THREADS", "LocalBackend"]
+
+#: Threads per event loop for sandbox file I/O (separate from the sync-tool threads).
+SANDBOX_IO_THREADS = 16
+#: Bytes read from a file at most (the result says how big the file really is).
+MAX_READ_BYTES = 256 * 1024
+#: Directory entries listed at most.
+MAX_LIST_ENTRIES = 1_000
+
+_IO = LoopThreadLimiter(SANDBOX_IO_THREADS)
+
+
+class LocalBackend:
+    """A sandbox in a local directory: `placement` is `"local"` (temporary) or a directory path."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        placement: str = "local",
+        *,
+        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+        max_output_bytes: int = MAX_STREAM_BYTES,
+        env_allow: Iterable[str] = DEFAULT_ENV_ALLOW,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.placement = placement
+        self.command_timeout = command_timeout
+        self.max_output_bytes = max_output_bytes
+        self.env_allow = tuple(env_allow)
+        self.extra_env = dict(extra_env or {})
+        self._root: Path | None = None
+        self._owns_root = placement == "local"
+        self._closed = False
+        self._lock = threading.Lock()
+        self._groups: set[int] = set()
+
+    @property
+    def workspace(self) -> Path:
+        """The workspace root (a real, absolute path)."""
+        if self._root is None:
+            raise SandboxError("the sandbox is not open yet; call open() first.")
+        return self._root
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` ran."""
+        return self._closed
+
+    def open(self) -> Path:
+        """Create the temporary workspace (or check the given directory) and return its root."""
+        with self._lock:
+            if self._closed:
+                raise SandboxError("this sandbox is closed; bind a new one with session.to(...).")
+            if self._root is None:
+                if self._owns_root:
+                    self._root = Path(os.path.realpath(tempfile.mkdtemp(prefix="treadle-")))
+                else:
+                    root = Path(os.path.realpath(os.path.expanduser(self.placement)))
+                    if not root.is_dir():
+                        raise SandboxError(
+                            f"sandbox directory {self.placement!r} does not exist; create it "
+                            "first or use session.to('local') for a temporary one."
+                        )
+                    self._root = root
+            return self._root
+
+    def close(self) -> None:
+        """Kill running commands, then delete the workspace if it is temporary; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            groups, self._groups = set(self._groups), set()
+        for pgid in groups:
+            kill_process_group(pgid)
+        if self._owns_root and self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    def _live_root(self) -> Path:
+        if self._closed:
+            raise SandboxError("this sandbox is closed; bind a new one with session.to(...).")
+        return self.workspace
+
+    # -- commands -----------------------------------------------------------------------------
+    def _started(self, pgid: int) -> None:
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._groups.add(pgid)
+        if closed:  # closed while the command was starting
+            kill_process_group(pgid)
+
+    def _exited(self, pgid: int) -> None:
+        with self._lock:
+            self._groups.discard(pgid)
+
+    async def run_command(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (reported)
+    ) -> CommandResult:
+        """Run `command` with `/bin/sh -c` in the workspace; `timeout` defaults per backend."""
+        root = self._live_root()
+        return await run_command(
+            command,
+            cwd=root,
+            env=scrubbed_environment(allow=self.env_allow, extra=self.extra_env),
+            timeout=self.command_timeout if timeout is None else timeout,
+            max_bytes=self.max_output_bytes,
+            on_start=self._started,
+            on_exit=self._exited,
+        )
+
+    # -- files ------------------------------------------------------------------------------------
+    async def read_file(self, path: str) -> FileContent:
+        """The first `MAX_READ_BYTES` of a workspace file."""
+        root = self._live_root()
+        return await _IO.run(_read, root, path)
+
+    async def write_file(self, path: str, data: bytes) -> int:
+        """Create or replace a workspace file (parent directories are created)."""
+        root = self._live_root()
+        return await _IO.run(_write, root, path, data)
+
+    async def list_files(self, path: str = ".") -> list[DirEntry]:
+        """The entries of a workspace directory, sorted by name (at most `MAX_LIST_ENTRIES`)."""
+        root = self._live_root()
+        return await _IO.run(_list, root, path)
+
+
+def _read(root: Path, path: str) -> FileContent:
+    real = resolve_in_workspace(root, path)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise SandboxError(f"no file {path!r} in the workspace; list the files first.") from None
+    except IsADirectoryError:
+        raise SandboxError(f"{path!r} is a directory; list it instead of reading it.") from None
+    with os.fdopen(fd, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if not os.path.isfile(real):
+            raise SandboxError(f"{path!r} is not a regular file.")
+        data = handle.read(MAX_READ_BYTES)
+    return FileContent(relative_name(root, real), data, max(size, len(data)))
+
+
+def _write(root: Path, path: str, data: bytes) -> int:
+    if not path or not path.strip():
+        raise PathViolation("the path is empty; name a file inside the workspace.")
+    real = resolve_in_workspace(root, path)
+    if real == root:
+        raise SandboxError("cannot write to the workspace root; name a file inside it.")
+    parent = real.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    # The parent may have been swapped for a link while we created it: check again.
+    resolve_in_workspace(root, str(parent))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    try:
+        fd = os.open(real, flags, 0o644)
+    except IsADirectoryError:
+        raise SandboxError(f"{path!r} is a directory; choose a file name.") from None
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    return len(data)
+
+
+def _entry_type(entry: os.DirEntry[str]) -> Literal["file", "directory", "symlink", "other"]:
+    if entry.is_symlink():
+        return "symlink"
+    if entry.is_dir(follow_symlinks=False):
+        return "directory"
+    if entry.is_file(follow_symlinks=False):
+        return "file"
+    return "other"
+
+
+def _list(root: Path, path: str) -> list[DirEntry]:
+    real = resolve_in_workspace(root, path)
+    try:
+        with os.scandir(real) as it:
+            entries = []
+            for entry in it:
+                kind = _entry_type(entry)
+                size = entry.stat(follow_symlinks=False).st_size if kind == "file" else 0
+                entries.append(DirEntry(entry.name, kind, size))
+    except FileNotFoundError:
+        raise SandboxError(f"no directory {path!r} in the workspace.") from None
+    except NotADirectoryError:
+        raise SandboxError(f"{path!r} is a file; read it instead of listing it.") from None
+    entries.sort(key=lambda e: e.name)
+    return entries[:MAX_LIST_ENTRIES]

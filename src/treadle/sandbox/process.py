@@ -1,0 +1,119 @@
+"""Run one shell command in its own process group, with a timeout and capped, streamed output.
+
+The command runs under `/bin/sh -c` with `start_new_session=True`, so the whole group (the shell
+and everything it started) is killed with SIGKILL on timeout, on cancellation and when the shell
+exits (background jobs do not outlive their command). Output is read incrementally: at most
+`max_bytes` per stream are kept, the rest is counted and dropped, so a flood never sits in memory.
+This module must never block the event loop and never leave a child process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import anyio
+import anyio.abc
+
+from treadle.sandbox.backend import CommandResult
+from treadle.tools.results import truncation_marker
+
+__all__ = ["DEFAULT_COMMAND_TIMEOUT", "MAX_STREAM_BYTES", "kill_process_group", "run_command"]
+
+#: Seconds a sandbox command may run before its process group is killed.
+DEFAULT_COMMAND_TIMEOUT = 60.0
+#: Bytes kept per output stream (stdout, stderr); the rest is dropped with a truncation marker.
+MAX_STREAM_BYTES = 64 * 1024
+
+_READ_CHUNK = 64 * 1024
+
+
+def kill_process_group(pgid: int) -> None:
+    """SIGKILL every process in group `pgid` (no error when it is already gone)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+class _CappedBuffer:
+    """Keeps the first `limit` bytes of a stream and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.dropped = 0
+
+    def feed(self, chunk: bytes) -> None:
+        room = self.limit - len(self.kept)
+        if room > 0:
+            self.kept += chunk[:room]
+        self.dropped += max(0, len(chunk) - max(room, 0))
+
+    def text(self) -> str:
+        text = self.kept.decode("utf-8", errors="replace")
+        return text + truncation_marker(self.dropped, "bytes") if self.dropped else text
+
+
+async def _pump(stream: anyio.abc.ByteReceiveStream | None, buffer: _CappedBuffer) -> None:
+    if stream is None:
+        return
+    try:
+        while True:
+            buffer.feed(await stream.receive(_READ_CHUNK))
+    except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+        pass
+
+
+async def run_command(
+    command: str,
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    timeout: float | None = DEFAULT_COMMAND_TIMEOUT,  # noqa: ASYNC109 (reported, not raised)
+    max_bytes: int = MAX_STREAM_BYTES,
+    on_start: Callable[[int], None] | None = None,
+    on_exit: Callable[[int], None] | None = None,
+) -> CommandResult:
+    """Run `command` through `/bin/sh -c` in `cwd`; kill its process group when done or late.
+
+    `on_start(pgid)` / `on_exit(pgid)` let the backend track live groups (to kill them on close).
+    Cancelling the caller kills the group too, then re-raises the cancellation.
+    """
+    started = time.monotonic()
+    process = await anyio.open_process(
+        ["/bin/sh", "-c", command],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env=dict(env),
+        start_new_session=True,
+    )
+    pgid = process.pid  # a new session's leader: its pid is the group id
+    if on_start is not None:
+        on_start(pgid)
+    out, err = _CappedBuffer(max_bytes), _CappedBuffer(max_bytes)
+    try:
+        with anyio.move_on_after(timeout) as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_pump, process.stdout, out)
+                group.start_soon(_pump, process.stderr, err)
+                await process.wait()
+                kill_process_group(pgid)  # background jobs would hold the pipes open
+    finally:
+        kill_process_group(pgid)
+        with anyio.CancelScope(shield=True):
+            await process.aclose()
+        if on_exit is not None:
+            on_exit(pgid)
+    return CommandResult(
+        exit_code=process.returncode,
+        stdout=out.text(),
+        stderr=err.text(),
+        elapsed_ms=int((time.monotonic() - started) * 1000),
+        timed_out=scope.cancelled_caught,
+    )

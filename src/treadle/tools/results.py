@@ -1,0 +1,98 @@
+"""Turn what a tool returned (or raised) into the JSON text the model reads next.
+
+Success: a mapping becomes `{"ok": true, **mapping}`, any other value `{"ok": true, "result":
+value}`; pydantic models, dataclasses, enums, paths and dates serialise through pydantic-core.
+Failure: `{"ok": false, "error_kind", "message", "detail"?}`. Every string inside is capped with
+an explicit truncation marker, and the whole body is capped too, so one chatty tool can never
+flood the context window. This module must never raise for an unserialisable value (it falls back
+to `repr`) and never call a tool.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import pydantic_core
+
+__all__ = [
+    "MAX_CONTENT_CHARS",
+    "MAX_DETAIL_CHARS",
+    "MAX_TEXT_CHARS",
+    "cap_text",
+    "error_content",
+    "exception_detail",
+    "success_content",
+    "truncation_marker",
+]
+
+#: Default cap on every string field of a tool result (a tool's `max_result_chars` overrides it).
+MAX_TEXT_CHARS = 20_000
+#: Cap on the `detail` of an error (a traceback excerpt: its last lines are kept).
+MAX_DETAIL_CHARS = 4_000
+#: Cap on the whole JSON body of one tool result, after each string is capped.
+MAX_CONTENT_CHARS = 100_000
+
+
+def truncation_marker(dropped: int, unit: str = "chars") -> str:
+    """The marker appended where text was cut: `…[truncated 12345 chars]`."""
+    return f"…[truncated {dropped} {unit}]"
+
+
+def cap_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """`text` cut to `limit` characters plus a truncation marker (unchanged when it fits)."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + truncation_marker(len(text) - limit)
+
+
+def _cap_tail(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return truncation_marker(len(text) - limit) + text[-limit:]
+
+
+def _cap_strings(value: Any, limit: int) -> Any:
+    if isinstance(value, str):
+        return cap_text(value, limit)
+    if isinstance(value, dict):
+        return {k: _cap_strings(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cap_strings(v, limit) for v in value]
+    return value
+
+
+def _encode(body: Mapping[str, Any], limit: int) -> str:
+    jsonable = pydantic_core.to_jsonable_python(body, fallback=repr, serialize_unknown=True)
+    text = pydantic_core.to_json(_cap_strings(jsonable, limit)).decode()
+    if len(text) > MAX_CONTENT_CHARS:
+        # Too big even with each string capped (say, a huge list): hand back a cut JSON text.
+        cut = cap_text(text, MAX_CONTENT_CHARS)
+        text = pydantic_core.to_json({"ok": body.get("ok", True), "result": cut}).decode()
+    return text
+
+
+def success_content(value: Any, *, max_chars: int | None = None) -> str:
+    """The JSON text for a successful call that returned `value`."""
+    limit = max_chars if max_chars is not None else MAX_TEXT_CHARS
+    if isinstance(value, Mapping):
+        body: dict[str, Any] = {"ok": True}
+        body.update({str(k): v for k, v in value.items()})
+    else:
+        body = {"ok": True, "result": value}
+    return _encode(body, limit)
+
+
+def error_content(kind: str, message: str, detail: str | None = None) -> str:
+    """The JSON text for a failed call: `{"ok": false, "error_kind", "message", "detail"?}`."""
+    body: dict[str, Any] = {"ok": False, "error_kind": kind, "message": cap_text(message)}
+    if detail:
+        body["detail"] = _cap_tail(detail, MAX_DETAIL_CHARS)
+    return _encode(body, MAX_TEXT_CHARS)
+
+
+def exception_detail(error: BaseException) -> str:
+    """A traceback excerpt for `error`, its last `MAX_DETAIL_CHARS` characters kept."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return _cap_tail(text, MAX_DETAIL_CHARS)
