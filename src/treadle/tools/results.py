@@ -48,9 +48,11 @@ def cap_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
 
 
 def _cap_tail(text: str, limit: int) -> str:
+    """`text` with its start cut so that the result, marker included, fits in `limit`."""
     if len(text) <= limit:
         return text
-    return truncation_marker(len(text) - limit) + text[-limit:]
+    keep = max(0, limit - len(truncation_marker(len(text))))
+    return truncation_marker(len(text) - keep) + text[len(text) - keep :]
 
 
 def _cap_strings(value: Any, limit: int) -> Any:
@@ -66,11 +68,17 @@ def _cap_strings(value: Any, limit: int) -> Any:
 def _encode(body: Mapping[str, Any], limit: int) -> str:
     jsonable = pydantic_core.to_jsonable_python(body, fallback=repr, serialize_unknown=True)
     text = pydantic_core.to_json(_cap_strings(jsonable, limit)).decode()
-    if len(text) > MAX_CONTENT_CHARS:
-        # Too big even with each string capped (say, a huge list): hand back a cut JSON text.
-        cut = cap_text(text, MAX_CONTENT_CHARS)
-        text = pydantic_core.to_json({"ok": body.get("ok", True), "result": cut}).decode()
-    return text
+    if len(text) <= MAX_CONTENT_CHARS:
+        return text
+    # Too big even with each string capped (say, a huge list): hand back a cut JSON text,
+    # shrinking the cut until its escaped form fits.
+    keep = MAX_CONTENT_CHARS
+    while True:
+        cut = cap_text(text, keep)
+        wrapped = pydantic_core.to_json({"ok": body.get("ok", True), "result": cut}).decode()
+        if len(wrapped) <= MAX_CONTENT_CHARS or keep == 0:
+            return wrapped
+        keep = max(0, keep - (len(wrapped) - MAX_CONTENT_CHARS) - 64)
 
 
 def success_content(value: Any, *, max_chars: int | None = None) -> str:
@@ -93,6 +101,13 @@ def error_content(kind: str, message: str, detail: str | None = None) -> str:
 
 
 def exception_detail(error: BaseException) -> str:
-    """A traceback excerpt for `error`, its last `MAX_DETAIL_CHARS` characters kept."""
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    return _cap_tail(text, MAX_DETAIL_CHARS)
+    """A traceback excerpt for `error` of at most `MAX_DETAIL_CHARS` characters.
+
+    The innermost frames are kept, and the closing `Type: message` line always survives (its
+    message cut to a tenth of the budget).
+    """
+    last = f"{type(error).__name__}: {cap_text(str(error), MAX_DETAIL_CHARS // 10)}\n"
+    frames = "Traceback (most recent call last):\n" + "".join(
+        traceback.format_tb(error.__traceback__)
+    )
+    return _cap_tail(frames, MAX_DETAIL_CHARS - len(last)) + last
