@@ -1,20 +1,27 @@
 """Test helpers for code built on Treadle: a fake OpenAI-compatible server and its replies.
 
 `FakeOpenAIServer` serves real HTTP on 127.0.0.1, so tests exercise the same client path as
-production. Nothing here is imported by Treadle itself.
+production. Nothing here is imported by Treadle itself. Names load lazily so that
+`python -m treadle.testing.fake_server` runs the module cleanly.
 """
 
-from treadle.testing.fake_server import FakeOpenAIServer, FaultRule, RecordedRequest
-from treadle.testing.scripts import (
-    SCRIPTS,
-    Reply,
-    Script,
-    ToolCallSpec,
-    echo,
-    file_worker,
-    get_script,
-    tool_loop,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.testing.fake_server import FakeOpenAIServer, FaultRule, RecordedRequest
+    from treadle.testing.scripts import (
+        SCRIPTS,
+        Reply,
+        Script,
+        ToolCallSpec,
+        echo,
+        file_worker,
+        get_script,
+        tool_loop,
+    )
 
 __all__ = [
     "SCRIPTS",
@@ -29,3 +36,26 @@ __all__ = [
     "get_script",
     "tool_loop",
 ]
+
+_HOMES = {
+    "FakeOpenAIServer": "fake_server",
+    "FaultRule": "fake_server",
+    "RecordedRequest": "fake_server",
+    "SCRIPTS": "scripts",
+    "Reply": "scripts",
+    "Script": "scripts",
+    "ToolCallSpec": "scripts",
+    "echo": "scripts",
+    "file_worker": "scripts",
+    "get_script": "scripts",
+    "tool_loop": "scripts",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'treadle.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"treadle.testing.{home}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,96 @@
+"""SSE decoding and stream accumulation: any chunking accumulates to the non-streamed reply."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treadle.llm import ChatCompletion, ChatCompletionChunk, SSEDecoder, StreamAccumulator
+from treadle.llm.sse import DONE
+from treadle.testing.scripts import Reply, ToolCallSpec, render_completion, render_stream
+
+texts = st.text(min_size=0, max_size=60)
+
+
+@st.composite
+def replies(draw: st.DrawFn) -> Reply:
+    content = draw(st.none() | texts)
+    calls = tuple(
+        ToolCallSpec(name, args, id=f"call_{i}")
+        for i, (name, args) in enumerate(
+            draw(st.lists(st.tuples(st.from_regex(r"[a-z_]{1,12}", fullmatch=True), texts),
+                          max_size=3))
+        )
+    )  # fmt: skip
+    reasoning = draw(st.none() | st.text(min_size=1, max_size=40))
+    return Reply(
+        content=content,
+        tool_calls=calls,
+        message_extra={"reasoning_content": reasoning} if reasoning else None,
+        chunk_chars=draw(st.integers(1, 20)),
+    )
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, start = [], 0
+    for p in points:
+        pieces.append(data[start:p])
+        start = p
+    pieces.append(data[start:])
+    return pieces
+
+
+@settings(max_examples=150, deadline=None)
+@given(reply=replies(), cuts=st.lists(st.integers(0, 10_000), max_size=30), crlf=st.booleans())
+def test_any_chunking_accumulates_to_the_whole_reply(
+    reply: Reply, cuts: list[int], crlf: bool
+) -> None:
+    meta = {"model": "m", "completion_id": "chatcmpl-1", "created": 7, "request_bytes": 100}
+    whole = ChatCompletion.model_validate_json(render_completion(reply, **meta))
+    stream = b"".join(render_stream(reply, include_usage=True, **meta))
+    stream = b": keep-alive\n\n" + stream
+    if crlf:
+        stream = stream.replace(b"\n", b"\r\n")
+    decoder, acc, done = SSEDecoder(), StreamAccumulator(), False
+    for piece in _split(stream, cuts):
+        for data in decoder.feed(piece):
+            if data == DONE:
+                done = True
+                continue
+            acc.add(ChatCompletionChunk.model_validate_json(data))
+    assert done and not decoder.flush()
+    result = acc.result()
+    assert result.message.model_dump(exclude_none=True) == whole.message.model_dump(
+        exclude_none=True
+    )
+    assert result.finish_reason == whole.finish_reason
+    assert result.usage == whole.usage
+    assert (result.id, result.model, result.created) == (whole.id, whole.model, whole.created)
+
+
+def test_decoder_handles_multiline_data_comments_and_unterminated_tail() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b": comment\nevent: x\ndata: a\ndata: b\n\nda") == [b"a\nb"]
+    assert decoder.feed(b"ta: {}") == []
+    assert decoder.flush() == [b"{}"]
+
+
+def test_accumulator_replaces_identity_fields_and_keeps_unknown_ones() -> None:
+    acc = StreamAccumulator()
+    for delta in (
+        {"role": "assistant", "content": "He"},
+        {"role": "assistant", "content": "llo", "reasoning_content": "think"},
+        {"tool_calls": [{"index": 1, "id": "b", "function": {"name": "g", "arguments": "{}"}}]},
+        {"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f", "arguments": '{"x"'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]},
+    ):
+        acc.add(ChatCompletionChunk.model_validate({"choices": [{"index": 0, "delta": delta}]}))
+    acc.add(ChatCompletionChunk.model_validate({"choices": [{"delta": {}, "finish_reason": "x"}]}))
+    message = acc.result().message
+    assert message.role == "assistant" and message.content == "Hello"
+    assert message.model_extra == {"reasoning_content": "think"}
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        ("a", "f", '{"x":1}'),
+        ("b", "g", "{}"),
+    ]
