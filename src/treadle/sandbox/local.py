@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping
@@ -165,17 +166,27 @@ class LocalBackend:
 def _read(root: Path, path: str) -> FileContent:
     real = resolve_in_workspace(root, path)
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise SandboxError(f"no file {path!r} in the workspace; list the files first.") from None
-    except IsADirectoryError:
-        raise SandboxError(f"{path!r} is a directory; list it instead of reading it.") from None
-    with os.fdopen(fd, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if not os.path.isfile(real):
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise SandboxError(f"{path!r} is a directory; list it instead of reading it.")
+        if not stat.S_ISREG(info.st_mode):
             raise SandboxError(f"{path!r} is not a regular file.")
-        data = handle.read(MAX_READ_BYTES)
-    return FileContent(relative_name(root, real), data, max(size, len(data)))
+        chunks: list[bytes] = []
+        remaining = MAX_READ_BYTES
+        while remaining > 0:
+            chunk = os.read(fd, remaining)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    return FileContent(relative_name(root, real), data, max(info.st_size, len(data)))
 
 
 def _write(root: Path, path: str, data: bytes) -> int:
