@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -114,10 +115,8 @@ async def test_connect_timeout(client: httpx.AsyncClient) -> None:
         for _ in range(4):
             filler = socket.socket()
             filler.setblocking(False)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 filler.connect(("127.0.0.1", port))
-            except BlockingIOError:
-                pass
             fillers.append(filler)
         await asyncio.sleep(0.05)
         with pytest.raises(httpx.ConnectTimeout):

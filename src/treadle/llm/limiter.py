@@ -113,6 +113,8 @@ class EndpointLimiter:
                         if budget <= 0:
                             wait = max(wait, permit.started - horizon)
                             break
+                    else:
+                        wait = max(wait, recent[-1].started - horizon)
             if wait <= 0:
                 return
             await self._sleep(wait)
