@@ -231,6 +231,21 @@ async def test_builtin_tools_through_dispatch() -> None:
         )
 
 
+async def test_cancelling_a_round_kills_its_sandbox_commands() -> None:
+    tools = ToolSet.build(None, builtins=True)
+    async with Session.from_user_message("x").to("local") as session:
+        marker = session.require_sandbox().workspace / "pid"
+        cmd = f"sleep 30 & echo $! > {marker}; wait"
+        with anyio.move_on_after(0.3):
+            await run_tool_calls(
+                [call("run_shell_command", {"cmd": cmd})] * 2, tools, session=session
+            )
+        child = int(marker.read_text().strip())
+        with anyio.fail_after(5):
+            while _alive(child):
+                await anyio.sleep(0.01)
+
+
 async def test_many_concurrent_rounds_do_not_deadlock() -> None:
     tools = ToolSet.build(None, builtins=True)
 

@@ -205,9 +205,12 @@ async def test_sync_tools_run_concurrently() -> None:
     intervals: list[tuple[float, float]] = []
     lock = threading.Lock()
 
+    loop_thread = threading.get_ident()
+
     @tool
     def nap(i: int) -> int:
         """Sleeps."""
+        assert threading.get_ident() != loop_thread  # never on the event loop
         start = time.monotonic()
         time.sleep(0.2)
         with lock:

@@ -113,7 +113,6 @@ class Tool:
             try:
                 key = key(arguments)
             except Exception:  # a broken key function must not lose the call: serialise it
-                key = None
                 return f"tool:{self.name}"
         if key is not None:
             return f"key:{key}"
