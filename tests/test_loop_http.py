@@ -77,7 +77,8 @@ def test_no_builtin_tools_without_a_placement(server: FakeOpenAIServer) -> None:
 
 def test_streaming_equals_non_streaming(server: FakeOpenAIServer) -> None:
     user = Session.from_user_message("Create a file, then read it back.").to("local")
-    plain = run_session_loop(user, AGENT, agent_provider=_provider(server))
+    # one after the other: both passes share the sandbox and write the same file
+    plain = run_session_loop(user, AGENT, agent_provider=_provider(server)).synchronize()
     deltas: list[Any] = []
     streamed = run_session_loop(
         user, AGENT, agent_provider=_provider(server, stream=True), on_event=deltas.append
@@ -119,8 +120,9 @@ def test_a_raising_callback_ends_only_its_own_pass(server: FakeOpenAIServer) -> 
         raise ValueError("callback broke")
 
     user = Session.from_user_message("Create a file, then read it back.").to("local")
+    other = Session.from_user_message("Create a file, then read it back.").to("local")
     broken = run_session_loop(user, AGENT, agent_provider=_provider(server), on_event=bad)
-    fine = run_session_loop(user, AGENT, agent_provider=_provider(server))
+    fine = run_session_loop(other, AGENT, agent_provider=_provider(server))
     with pytest.raises(ValueError, match="callback broke"):
         broken.synchronize()
     assert fine.stop_reason == "final_answer"

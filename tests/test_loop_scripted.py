@@ -213,6 +213,7 @@ def test_second_pass_sees_first_pass_tool_results() -> None:
     first = run_session_loop(Session.from_user_message("add"), AGENT, executor=ex1, tools=[add])
     ex2 = ScriptedExecutor(["it was 42"])
     second = run_session_loop(first.add_user_message("what was it?"), AGENT, executor=ex2)
+    second.synchronize()
     sent = ex2.requests[0].messages()
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool", "assistant", "user"]
     assert json.loads(sent[3]["content"])["result"] == 42

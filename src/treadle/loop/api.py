@@ -1,4 +1,4 @@
-"""`run_session_loop` and `arun_session_loop`: the public entry points of one agent pass.
+"""`run_session_loop`, `arun_session_loop` and `stream_session_loop`: the entry points of a pass.
 
 Arguments are validated at the call, so configuration errors (no model, a tool shadowing a
 built-in, `on_event` with a custom executor) raise there and not at the first read. The lazy form
@@ -7,38 +7,69 @@ submits the pass to the runtime and returns a `Session` facade at once.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from treadle.errors import ConfigurationError
 from treadle.llm.provider import Provider
+from treadle.loop.control import Limits, PassControl, normalise_guardrails
 from treadle.loop.engine import PassPlan, run_pass
+from treadle.loop.events import Event, PassStopped
 from treadle.loop.executor import HttpExecutor, validate_executor
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
-from treadle.session import Session, new_session_id
+from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools import ToolSet
 
-__all__ = ["DEFAULT_MAX_TOOL_ROUNDS", "arun_session_loop", "run_session_loop"]
+__all__ = [
+    "DEFAULT_MAX_TOOL_ROUNDS",
+    "PassOptions",
+    "arun_session_loop",
+    "run_session_loop",
+    "stream_session_loop",
+]
 
 #: Tool rounds a pass may run before it stops with `stop_reason == "max_steps"`.
 DEFAULT_MAX_TOOL_ROUNDS = 64
 
 
+class PassOptions(TypedDict, total=False):
+    """The keyword arguments every pass entry point takes (see `run_session_loop`)."""
+
+    agent_provider: Provider | None
+    tools: Iterable[Any] | None
+    executor: object | None
+    max_tool_rounds: int
+    on_event: Callable[[Any], Any] | None
+    persist: bool
+    persist_path: str | os.PathLike[str] | None
+    limits: Limits | None
+    guardrails: Iterable[Any] | None
+    on_message: Callable[[ChunkRow, PassControl], Any] | None
+    approvals: Mapping[str, bool | str] | None
+
+
 def _plan(
     user_session: Session,
     agent_session: Session,
-    *,
-    agent_provider: Provider | None,
-    tools: Iterable[Any] | None,
-    executor: object | None,
-    max_tool_rounds: int,
-    on_event: Callable[[Any], Any] | None,
-    persist: bool,
-    persist_path: str | os.PathLike[str] | None,
     out_id: str,
+    emit: Callable[[Event], None] | None = None,
+    *,
+    agent_provider: Provider | None = None,
+    tools: Iterable[Any] | None = None,
+    executor: object | None = None,
+    max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+    on_event: Callable[[Any], Any] | None = None,
+    persist: bool = False,
+    persist_path: str | os.PathLike[str] | None = None,
+    limits: Limits | None = None,
+    guardrails: Iterable[Any] | None = None,
+    on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
+    approvals: Mapping[str, bool | str] | None = None,
 ) -> PassPlan:
     if not isinstance(user_session, Session):
         raise ConfigurationError(
@@ -54,8 +85,13 @@ def _plan(
         raise ConfigurationError("max_tool_rounds must be an int.")
     if max_tool_rounds < 1:
         raise ConfigurationError(f"max_tool_rounds must be at least 1, got {max_tool_rounds}.")
-    if on_event is not None and not callable(on_event):
-        raise ConfigurationError("on_event must be a callable taking one stream delta.")
+    for name, fn in (("on_event", on_event), ("on_message", on_message)):
+        if fn is not None and not callable(fn):
+            raise ConfigurationError(f"{name} must be callable.")
+    if limits is not None and not isinstance(limits, Limits):
+        raise ConfigurationError("limits must be a treadle Limits(...).")
+    if approvals is not None and not isinstance(approvals, Mapping):
+        raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
     if agent_provider is not None and not isinstance(agent_provider, Provider):
         raise ConfigurationError(
             f"agent_provider must be a treadle Provider, got {type(agent_provider).__name__}."
@@ -94,6 +130,22 @@ def _plan(
         on_event=on_event,
         persist_path=path,
         stream=bool(provider.stream) if provider is not None and executor is None else False,
+        limits=limits or Limits(),
+        guardrails=normalise_guardrails(guardrails),
+        on_message=on_message,
+        approvals=dict(approvals) if approvals else None,
+        emit=emit,
+    )
+
+
+def _output(plan: PassPlan, out_id: str, data: SessionData) -> Session:
+    return Session._derive(
+        data,
+        operator="run_session_loop",
+        kind="output",
+        parents=[plan.user, plan.agent],
+        sandbox=plan.user.sandbox_handle,
+        id=out_id,
     )
 
 
@@ -108,13 +160,18 @@ def run_session_loop(
     on_event: Callable[[Any], Any] | None = None,
     persist: bool = False,
     persist_path: str | os.PathLike[str] | None = None,
+    limits: Limits | None = None,
+    guardrails: Iterable[Any] | None = None,
+    on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
+    approvals: Mapping[str, bool | str] | None = None,
     lazy: bool = True,
 ) -> Session:
     """Run one agent pass on the runtime and return its output `Session` at once.
 
     The output holds the user session's rows plus the pass's new rows (agent rows are never
     copied in), shares the user session's sandbox, and records both inputs as parents. Reading it
-    blocks until the pass ends; `await` it from async code. `lazy=False` waits before returning.
+    blocks until the pass ends; `await` it from async code; `out.cancel()` stops it with
+    `stop_reason == "cancelled"`. `lazy=False` waits before returning.
 
     Args:
         user_session: The conversation so far; may itself be a pending output of another pass.
@@ -123,15 +180,22 @@ def run_session_loop(
         tools: Extra tools (`@tool` functions, `Tool`s or plain callables).
         executor: A custom executor (tests, other transports) instead of HTTP.
         max_tool_rounds: Tool rounds before the pass stops with `stop_reason == "max_steps"`.
-        on_event: Called with each stream delta (run off the event loop).
+        on_event: Called with each raw stream delta (sync callbacks run off the event loop).
         persist: Write the transcript to `.treadle/sessions/<id>.jsonl` as it grows.
         persist_path: A directory for that file, or the `.jsonl` file itself.
+        limits: Step, token, deadline and tool-call limits (see `Limits`).
+        guardrails: Checks run before each request or after each reply (see `Guardrail`).
+        on_message: Called as `on_message(row, control)` after each assistant and tool_result
+            row; `control.interrupt(reason)` stops the pass, resumable.
+        approvals: Decisions for calls to tools marked `needs_approval`, by tool call id:
+            True runs the call, False or a reason string denies it.
         lazy: Return at once (True) or after the pass ends (False).
     """
     out_id = new_session_id()
     plan = _plan(
         user_session,
         agent_session,
+        out_id,
         agent_provider=agent_provider,
         tools=tools,
         executor=executor,
@@ -139,10 +203,13 @@ def run_session_loop(
         on_event=on_event,
         persist=persist,
         persist_path=persist_path,
-        out_id=out_id,
+        limits=limits,
+        guardrails=guardrails,
+        on_message=on_message,
+        approvals=approvals,
     )
     out = Session._pending(
-        submit(run_pass(plan, out_id)),
+        submit(run_pass(plan, out_id, cancel_as_stop=True)),
         id=out_id,
         operator="run_session_loop",
         kind="output",
@@ -155,41 +222,50 @@ def run_session_loop(
 
 
 async def arun_session_loop(
-    user_session: Session,
-    agent_session: Session,
-    *,
-    agent_provider: Provider | None = None,
-    tools: Iterable[Any] | None = None,
-    executor: object | None = None,
-    max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
-    on_event: Callable[[Any], Any] | None = None,
-    persist: bool = False,
-    persist_path: str | os.PathLike[str] | None = None,
+    user_session: Session, agent_session: Session, **options: Unpack[PassOptions]
 ) -> Session:
     """Run one agent pass on the calling event loop and return the finished output `Session`.
 
-    Same arguments and result as `run_session_loop`; use it inside your own task groups when you
-    want the pass to be a plain coroutine you own.
+    Takes the same keyword arguments as `run_session_loop`. The pass is a plain coroutine that
+    you own: cancelling it cancels the pass and propagates `CancelledError`.
     """
     out_id = new_session_id()
-    plan = _plan(
-        user_session,
-        agent_session,
-        agent_provider=agent_provider,
-        tools=tools,
-        executor=executor,
-        max_tool_rounds=max_tool_rounds,
-        on_event=on_event,
-        persist=persist,
-        persist_path=persist_path,
-        out_id=out_id,
-    )
-    data = await run_pass(plan, out_id)
-    return Session._derive(
-        data,
-        operator="run_session_loop",
-        kind="output",
-        parents=[user_session, agent_session],
-        sandbox=user_session.sandbox_handle,
-        id=out_id,
-    )
+    plan = _plan(user_session, agent_session, out_id, **options)
+    return _output(plan, out_id, await run_pass(plan, out_id))
+
+
+async def stream_session_loop(
+    user_session: Session, agent_session: Session, **options: Unpack[PassOptions]
+) -> AsyncIterator[Event]:
+    """Run one agent pass and yield its typed events as they happen.
+
+    Takes the same keyword arguments as `run_session_loop`. The last event is `PassStopped`,
+    which carries the output session. Leaving the loop early cancels the pass.
+    """
+    out_id = new_session_id()
+    queue: asyncio.Queue[Event | None] = asyncio.Queue()
+    next_seq = 0
+
+    def sink(event: Event) -> None:
+        nonlocal next_seq
+        next_seq = event.seq + 1
+        queue.put_nowait(event)
+
+    plan = _plan(user_session, agent_session, out_id, sink, **options)
+    task = asyncio.ensure_future(run_pass(plan, out_id))
+    task.add_done_callback(lambda _t: queue.put_nowait(None))
+    try:
+        while (event := await queue.get()) is not None:
+            yield event
+        data = task.result()  # re-raises the pass's error
+        yield PassStopped(
+            session_id=out_id,
+            seq=next_seq,
+            stop_reason=data.stop_reason or "",
+            session=_output(plan, out_id, data),
+        )
+    finally:
+        if not task.done():  # the consumer left early: the pass must not outlive its iterator
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -5,14 +5,19 @@ runs, then one `tool_result` row per call, in call order. The pass keeps the JSO
 it sends in a list it only appends to, so a round's request body is a join of cached bytes and
 per-round work does not grow with the transcript beyond that join.
 
-Only tool problems are caught (and reported to the model); provider errors, callback errors and
-configuration errors propagate and fail the pass. Nothing here blocks the event loop.
+Every stop (limits, budget, deadline, interrupt, guardrail, cancellation of a lazy pass) ends the
+pass with a `stop_reason` and keeps the transcript. Only tool problems are caught (and reported to
+the model); provider, guardrail and callback errors propagate and fail the pass. Nothing here
+blocks the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,26 @@ from treadle.errors import BudgetExceededError
 from treadle.llm.provider import Provider
 from treadle.llm.wire import ChatCompletion
 from treadle.loop.callbacks import CallbackPump
+from treadle.loop.control import (
+    Guardrail,
+    GuardrailInput,
+    Limits,
+    PassControl,
+    Tripwire,
+    approval_decision,
+    call_user,
+)
+from treadle.loop.events import (
+    AssistantRowEvent,
+    Emitter,
+    Event,
+    GuardrailTripped,
+    Interrupted,
+    PassStarted,
+    ToolResultEvent,
+    ToolStarted,
+    UsageEvent,
+)
 from treadle.loop.executor import (
     CompletionRequest,
     HttpExecutor,
@@ -30,7 +55,7 @@ from treadle.loop.executor import (
     completion_to_delta,
     parse_completion,
 )
-from treadle.loop.tool_round import pending_tool_calls, run_round
+from treadle.loop.tool_round import call_name, pending_tool_calls, run_round
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 from treadle.tools import ToolSet
@@ -38,6 +63,8 @@ from treadle.tools import ToolSet
 __all__ = ["PassPlan", "run_pass"]
 
 log = logging.getLogger("treadle.loop")
+
+_NO_TOOLS = {"tool_choice": "none"}
 
 
 @dataclass(slots=True)
@@ -53,179 +80,350 @@ class PassPlan:
     on_event: Callable[[Any], Any] | None
     persist_path: Path | None
     stream: bool
-    extras: Mapping[str, Any] = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
+    guardrails: Sequence[Guardrail] = ()
+    on_message: Callable[[ChunkRow, PassControl], Any] | None = None
+    approvals: Mapping[str, bool | str] | None = None
+    emit: Callable[[Event], None] | None = None
 
 
-@dataclass(slots=True)
-class _State:
-    """The growing transcript of one pass."""
-
-    table: ChunkTable
-    messages_json: list[bytes]
-    usage: Usage
-    pass_usage: Usage = field(default_factory=Usage)
-    budget_fired: bool = False
-    budget_stop: bool = False
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-async def run_pass(plan: PassPlan, out_id: str) -> SessionData:
-    """Run one agent pass and return the output session's data."""
-    user = await plan.user.wait_ready()
-    agent = await plan.agent.wait_ready()
-    agent_rows = agent.table.rows
-    state = _State(
-        table=user.table,
-        messages_json=[r.message_json() for r in (*agent_rows, *user.table)],
-        usage=user.usage,
-    )
-    writer: SessionWriter | None = None
-    if plan.persist_path is not None:
-        writer = SessionWriter(plan.persist_path)
-        await writer.open(
-            session_id=out_id,
-            parent_ids=(plan.user.id, plan.agent.id),
-            operator="run_session_loop",
-            placement=plan.user.placement,
-            agent_rows=agent_rows,
-            rows=user.table.rows,
-        )
-        state.metadata["path"] = str(plan.persist_path)
-    pump = CallbackPump(plan.on_event) if plan.on_event is not None else None
-    snapshot = _Snapshots(plan, out_id)
-    try:
-        stop_reason = await _rounds(plan, out_id, agent_rows, state, writer, pump, snapshot, user)
-        if pump is not None:
-            await pump.drain()
-        if writer is not None:
-            await writer.finish(usage=state.usage, stop_reason=stop_reason, metadata={})
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            if pump is not None:
-                await pump.aclose()
-            if writer is not None:
-                await writer.aclose()
-        raise
-    return SessionData(state.table, state.usage, stop_reason, state.metadata)
-
-
-class _Snapshots:
-    """Builds the `Session` that tools and budget callbacks see: the output so far."""
+class _Pass:
+    """The mutable state of one running pass."""
 
     def __init__(self, plan: PassPlan, out_id: str) -> None:
-        self._plan = plan
-        self._out_id = out_id
+        self.plan = plan
+        self.out_id = out_id
+        self.table = ChunkTable()
+        self.messages_json: list[bytes] = []
+        self.agent_rows: Sequence[ChunkRow] = ()
+        self.usage = Usage()
+        self.pass_usage = Usage()
+        self.metadata: dict[str, Any] = {}
+        self.tool_calls_run = 0
+        self.budget_fired = False
+        self.budget_stop = False
+        self.writer: SessionWriter | None = None
+        self.pump = CallbackPump(plan.on_event) if plan.on_event is not None else None
+        self.events = Emitter(out_id, plan.emit) if plan.emit is not None else None
+        self.control = PassControl(out_id)
+        self.user_metadata: Mapping[str, Any] = {}
+        limits = plan.limits
+        self.max_steps = limits.max_steps or plan.max_tool_rounds
+        self.deadline = (
+            time.monotonic() + limits.deadline_seconds if limits.deadline_seconds else None
+        )
 
-    def __call__(self, state: _State) -> Session:
-        return Session._derive(
-            SessionData(state.table, state.usage, None, dict(state.metadata)),
+    # -- building blocks ---------------------------------------------------------------------
+    def data(self, stop_reason: str) -> SessionData:
+        return SessionData(self.table, self.usage, stop_reason, self.metadata)
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Session]:
+        """The output so far, as the `Session` tools and callbacks see; its sandbox share is
+        released when the step ends rather than whenever it is garbage collected."""
+        plan = self.plan
+        session = Session._derive(
+            SessionData(self.table, self.usage, None, dict(self.metadata)),
             operator="run_session_loop",
             kind="output",
-            parents=[self._plan.user, self._plan.agent],
-            sandbox=self._plan.user.sandbox_handle,
-            id=self._out_id,
+            parents=[plan.user, plan.agent],
+            sandbox=plan.user.sandbox_handle,
+            id=self.out_id,
         )
+        try:
+            yield session
+        finally:
+            session.close_sandbox()
 
+    async def append(self, rows: Sequence[ChunkRow], *, boundary: bool) -> None:
+        self.table = self.table.extend(rows)
+        self.messages_json.extend(r.message_json() for r in rows)
+        if self.writer is not None:
+            await self.writer.rows(rows, turn_boundary=boundary)
 
-async def _append(
-    state: _State, rows: Sequence[ChunkRow], writer: SessionWriter | None, *, boundary: bool
-) -> None:
-    state.table = state.table.extend(rows)
-    state.messages_json.extend(r.message_json() for r in rows)
-    if writer is not None:
-        await writer.rows(rows, turn_boundary=boundary)
-
-
-async def _rounds(
-    plan: PassPlan,
-    out_id: str,
-    agent_rows: Sequence[ChunkRow],
-    state: _State,
-    writer: SessionWriter | None,
-    pump: CallbackPump | None,
-    snapshot: _Snapshots,
-    user: SessionData,
-) -> str:
-    rounds = 0
-    # Resume: tool calls the model asked for that never got a result run first.
-    unanswered = pending_tool_calls(state.table)
-    if unanswered:
-        unknown = set(user.metadata.get("unknown_outcome_tool_calls", ()))
-        results = await run_round(
-            unanswered, plan.tools, plan.executor, snapshot(state), writer, unknown
-        )
-        await _append(state, results, writer, boundary=True)
-        rounds += 1
-    while True:
-        if rounds >= plan.max_tool_rounds:
-            return "max_steps"
-        if state.budget_stop:
-            return "budget"
-        request = CompletionRequest(
-            session_id=out_id,
+    def request(self, extra: Mapping[str, Any] | None = None) -> CompletionRequest:
+        plan = self.plan
+        return CompletionRequest(
+            session_id=self.out_id,
             provider=plan.provider,
-            agent_rows=agent_rows,
-            rows=state.table,
+            agent_rows=self.agent_rows,
+            rows=self.table,
             tools=plan.tools,
             stream=plan.stream,
             # Only the HTTP executor consumes the growing list at once; custom executors may keep
             # the request, so they get the immutable rows and build bodies from those.
-            messages_json=state.messages_json if isinstance(plan.executor, HttpExecutor) else (),
+            messages_json=self.messages_json if isinstance(plan.executor, HttpExecutor) else (),
+            extra=extra,
         )
-        completion = await _complete(plan, request, pump)
+
+    async def complete(self, request: CompletionRequest) -> ChatCompletion:
+        executor = self.plan.executor
+        if self.plan.stream and isinstance(executor, HttpExecutor):
+            from treadle.llm.accumulate import StreamAccumulator
+
+            acc = StreamAccumulator()
+            async for chunk in executor.astream(request):
+                acc.add(chunk)
+                if self.pump is not None:
+                    self.pump.put(chunk)
+                if self.events is not None:
+                    self.events.deltas(chunk)
+            return acc.result()
+        completion = await call_complete(executor, request)
+        if self.pump is not None or self.events is not None:
+            delta = completion_to_delta(completion)
+            if self.pump is not None:
+                self.pump.put(delta)
+            if self.events is not None:
+                self.events.deltas(delta)
+        return completion
+
+    async def notify(self, row: ChunkRow) -> None:
+        """Hand a new row to `on_message` (which may interrupt the pass)."""
+        callback = self.plan.on_message
+        if callback is not None:
+            await call_user(callback, row, self.control)
+
+    def interrupt(self, reason: str) -> str:
+        self.metadata["interrupt_reason"] = reason
+        if self.events is not None:
+            self.events.emit(Interrupted, reason=reason)
+        return "interrupted"
+
+    # -- the pass ---------------------------------------------------------------------------
+    async def rounds(self) -> str:
+        rounds = 0
+        unanswered = pending_tool_calls(self.table)
+        if unanswered:  # resume: calls the model asked for that never got a result run first
+            stop = await self.tool_round(unanswered, resuming=True)
+            if stop is not None:
+                return stop
+            rounds += 1
+        while True:
+            if rounds >= self.max_steps:
+                return "max_steps"
+            limit = self.plan.limits.max_tool_calls
+            if limit is not None and self.tool_calls_run >= limit:
+                return "max_steps"
+            if self.budget_stop:
+                return "budget"
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                return "deadline"
+            request = self.request()
+            tripped = await self.guard("before", request, None)
+            if tripped is not None:
+                return tripped
+            completion = await self.complete_in_time(request)
+            if completion is None:
+                return "deadline"
+            payload, usage = parse_completion(completion)
+            self.count(usage)
+            tripped = await self.guard("after", request, completion)
+            if tripped is not None:
+                return tripped
+            row = ChunkRow._trusted("assistant", payload)
+            if self.pump is not None:
+                await self.pump.drain()  # deltas reach the callback before the row they build
+            calls = row.tool_calls
+            await self.append([row], boundary=not calls)
+            if self.events is not None:
+                self.events.emit(AssistantRowEvent, row=row)
+            await self.notify(row)
+            await self.check_budget()
+            if self.control.interrupted:
+                return self.interrupt(self.control.reason or "interrupted")
+            if not calls:
+                return "final_answer"
+            stop = await self.tool_round(calls)
+            if stop is not None:
+                return stop
+            rounds += 1
+
+    async def complete_in_time(self, request: CompletionRequest) -> ChatCompletion | None:
+        if self.deadline is None:
+            return await self.complete(request)
+        with anyio.move_on_after(max(0.0, self.deadline - time.monotonic())):
+            return await self.complete(request)
+        return None
+
+    def count(self, usage: Usage) -> None:
+        self.usage = self.usage + usage
+        self.pass_usage = self.pass_usage + usage
+        if self.events is not None:
+            self.events.emit(UsageEvent, usage=usage, total=self.pass_usage)
+
+    async def guard(
+        self, when: str, request: CompletionRequest, reply: ChatCompletion | None
+    ) -> str | None:
+        guards = [g for g in self.plan.guardrails if g.when == when]
+        if not guards:
+            return None
+        with self.snapshot() as session:
+            data = GuardrailInput(session=session, request=request, reply=reply)
+            for guard in guards:
+                tripwire = await guard.run(data)
+                if tripwire is not None:
+                    return self.block(tripwire)
+        return None
+
+    def block(self, tripwire: Tripwire) -> str:
+        self.metadata["tripwire"] = tripwire
+        if self.events is not None:
+            self.events.emit(GuardrailTripped, tripwire=tripwire)
+        return "blocked"
+
+    async def tool_round(
+        self, calls: Sequence[Mapping[str, Any]], *, resuming: bool = False
+    ) -> str | None:
+        plan = self.plan
+        waiting = [
+            c
+            for c in calls
+            if call_name(c) in plan.tools
+            and getattr(plan.tools[call_name(c)], "needs_approval", False)
+            and approval_decision(plan.approvals, str(c.get("id"))) is None
+        ]
+        if waiting:
+            self.metadata["pending_approvals"] = [
+                {
+                    "id": str(c.get("id")),
+                    "name": call_name(c),
+                    "arguments": c.get("function", {}).get("arguments", ""),
+                }
+                for c in waiting
+            ]
+            names = ", ".join(call_name(c) for c in waiting)
+            return self.interrupt(f"approval required for {names}")
+        self.metadata.pop("pending_approvals", None)
+        denied: dict[str, str] = {}
+        for c in calls:
+            decision = approval_decision(plan.approvals, str(c.get("id")))
+            if decision is False or isinstance(decision, str):
+                denied[str(c.get("id"))] = decision if isinstance(decision, str) else ""
+        if self.events is not None:
+            for c in calls:
+                if str(c.get("id")) not in denied:
+                    self.events.emit(
+                        ToolStarted,
+                        call_id=str(c.get("id", "")),
+                        name=call_name(c),
+                        arguments=str(c.get("function", {}).get("arguments", "")),
+                    )
+        unknown: set[str] = set()
+        if resuming:
+            unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
+        with self.snapshot() as session:
+            rows = await run_round(
+                calls, plan.tools, plan.executor, session, self.writer, unknown, denied
+            )
+        await self.append(rows, boundary=True)
+        self.tool_calls_run += len(calls)
+        for row in rows:
+            if self.events is not None:
+                self.events.emit(ToolResultEvent, row=row)
+            await self.notify(row)
+        if self.control.interrupted:
+            return self.interrupt(self.control.reason or "interrupted")
+        return None
+
+    async def check_budget(self) -> None:
+        total = self.pass_usage.total_tokens
+        cap = self.plan.limits.max_total_tokens
+        if cap is not None and total >= cap:
+            self.budget_stop = True
+        provider = self.plan.provider
+        budget = provider.budget_total_tokens if provider is not None else None
+        if budget is None or self.budget_fired or total < budget:
+            return
+        self.budget_fired = True  # fires once per pass, when the total first crosses the cap
+        callback = provider.on_budget_exceeded if provider is not None else None
+        if callback is None:
+            log.warning(
+                "pass used %d tokens, over its budget of %d; set on_budget_exceeded to stop it",
+                total,
+                budget,
+            )
+            return
+        try:
+            with self.snapshot() as session:
+                await call_user(callback, session, self.pass_usage)
+        except BudgetExceededError as err:
+            self.budget_stop = True
+            self.metadata["budget_message"] = str(err)
+
+    async def final_answer(self) -> None:
+        """One last completion with tools switched off, after a limit stopped the pass."""
+        completion = await self.complete(self.request(_NO_TOOLS))
         payload, usage = parse_completion(completion)
-        state.usage = state.usage + usage
-        state.pass_usage = state.pass_usage + usage
+        payload.pop("tool_calls", None)  # a model that calls tools anyway: keep its text only
+        self.count(usage)
         row = ChunkRow._trusted("assistant", payload)
-        if pump is not None:
-            await pump.drain()  # deltas reach the callback before the row they build
-        calls = row.tool_calls
-        await _append(state, [row], writer, boundary=not calls)
-        await _check_budget(plan, state, snapshot)
-        if not calls:
-            return "final_answer"
-        results = await run_round(calls, plan.tools, plan.executor, snapshot(state), writer, set())
-        await _append(state, results, writer, boundary=True)
-        rounds += 1
+        if self.pump is not None:
+            await self.pump.drain()
+        await self.append([row], boundary=True)
+        if self.events is not None:
+            self.events.emit(AssistantRowEvent, row=row)
 
 
-async def _complete(
-    plan: PassPlan, request: CompletionRequest, pump: CallbackPump | None
-) -> ChatCompletion:
-    executor = plan.executor
-    if plan.stream and isinstance(executor, HttpExecutor):
-        from treadle.llm.accumulate import StreamAccumulator
+async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False) -> SessionData:
+    """Run one agent pass and return the output session's data.
 
-        acc = StreamAccumulator()
-        async for chunk in executor.astream(request):
-            acc.add(chunk)
-            if pump is not None:
-                pump.put(chunk)
-        return acc.result()
-    completion = await call_complete(executor, request)
-    if pump is not None:
-        pump.put(completion_to_delta(completion))
-    return completion
-
-
-async def _check_budget(plan: PassPlan, state: _State, snapshot: _Snapshots) -> None:
-    provider = plan.provider
-    cap = provider.budget_total_tokens if provider is not None else None
-    if cap is None or state.budget_fired or state.pass_usage.total_tokens < cap:
-        return
-    state.budget_fired = True  # fires once per pass, when the total first crosses the cap
-    callback = provider.on_budget_exceeded if provider is not None else None
-    if callback is None:
-        log.warning(
-            "pass used %d tokens, over its budget of %d; set on_budget_exceeded to stop it",
-            state.pass_usage.total_tokens,
-            cap,
-        )
-        return
+    With `cancel_as_stop` (the lazy path, where the runtime owns the task) a cancellation ends
+    the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
+    """
+    run = _Pass(plan, out_id)
+    user = await plan.user.wait_ready()
+    agent = await plan.agent.wait_ready()
+    run.user_metadata = user.metadata
+    run.agent_rows = agent.table.rows
+    run.table = user.table
+    run.usage = user.usage
+    run.messages_json = [r.message_json() for r in (*run.agent_rows, *user.table)]
+    if run.events is not None:
+        run.events.emit(PassStarted, rows=len(user.table))
     try:
-        result = callback(snapshot(state), state.pass_usage)
-        if hasattr(result, "__await__"):
-            await result
-    except BudgetExceededError as err:
-        state.budget_stop = True
-        state.metadata["budget_message"] = str(err)
+        if plan.persist_path is not None:
+            run.writer = SessionWriter(plan.persist_path)
+            await run.writer.open(
+                session_id=out_id,
+                parent_ids=(plan.user.id, plan.agent.id),
+                operator="run_session_loop",
+                placement=plan.user.placement,
+                agent_rows=run.agent_rows,
+                rows=user.table.rows,
+            )
+            run.metadata["path"] = str(plan.persist_path)
+        stop_reason = await run.rounds()
+        if plan.limits.final_answer_on_limit and stop_reason in ("max_steps", "budget"):
+            await run.final_answer()
+        if run.pump is not None:
+            await run.pump.drain()
+        if run.writer is not None:
+            await run.writer.finish(
+                usage=run.usage, stop_reason=stop_reason, metadata=_plain(run.metadata)
+            )
+    except BaseException as err:
+        with anyio.CancelScope(shield=True):
+            if run.pump is not None:
+                await run.pump.aclose()
+            if run.writer is not None:
+                await run.writer.aclose()  # no trailer: readers see the pass did not end cleanly
+        if cancel_as_stop and isinstance(err, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the runtime owns this task; the stop is the pass's answer
+            run.metadata["cancelled"] = True
+            return run.data("cancelled")
+        raise
+    return run.data(stop_reason)
+
+
+def _plain(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Metadata as JSON-friendly values for the trailer."""
+    out: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if isinstance(value, Tripwire):
+            out[key] = {"reason": value.reason, "guardrail": value.guardrail, "when": value.when}
+        elif isinstance(value, (str, int, float, bool, list, dict)) or value is None:
+            out[key] = value
+    return out

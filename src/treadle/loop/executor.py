@@ -62,6 +62,8 @@ class CompletionRequest:
     """Whether the pass wants the reply streamed."""
     messages_json: Sequence[bytes] = field(default_factory=tuple)
     """Each message of `agent_rows + rows`, already JSON-encoded (the hot path joins these)."""
+    extra: Mapping[str, Any] | None = None
+    """Request fields that override the provider's for this request only (e.g. tool_choice)."""
 
     def messages(self) -> list[dict[str, Any]]:
         """The messages as plain OpenAI dicts (agent rows first)."""
@@ -77,7 +79,7 @@ class CompletionRequest:
             raise ConfigurationError("this request has no provider; pass agent_provider=...")
         messages = self.messages_json or [r.message_json() for r in (*self.agent_rows, *self.rows)]
         return build_request_body(
-            self.provider, messages, self.tools.schemas_json(), stream=self.stream
+            self.provider, messages, self.tools.schemas_json(), stream=self.stream, extra=self.extra
         )
 
 

@@ -20,7 +20,7 @@ from treadle.session import ChunkRow, ChunkTable, Session
 from treadle.tools import ToolSet, run_tool_calls
 from treadle.tools.results import error_content, exception_detail, success_content
 
-__all__ = ["pending_tool_calls", "run_round"]
+__all__ = ["call_name", "pending_tool_calls", "run_round"]
 
 
 def pending_tool_calls(table: ChunkTable) -> list[dict[str, Any]]:
@@ -37,7 +37,7 @@ def pending_tool_calls(table: ChunkTable) -> list[dict[str, Any]]:
     return []
 
 
-def _call_name(call: Mapping[str, Any]) -> str:
+def call_name(call: Mapping[str, Any]) -> str:
     function = call.get("function")
     return str(function.get("name", "")) if isinstance(function, Mapping) else ""
 
@@ -49,19 +49,30 @@ async def run_round(
     session: Session,
     writer: SessionWriter | None,
     unknown_outcome: set[str],
+    denied: Mapping[str, str] | None = None,
 ) -> list[ChunkRow]:
     """Run `calls` and return one `tool_result` row per call, in call order.
 
     Calls listed in `unknown_outcome` (an intent was recorded before a crash, no result) are not
     run again unless their tool is declared `idempotent`; the model is told the outcome is unknown.
+    Calls in `denied` (a human refused approval) are not run; the model gets a `denied` error.
     """
+    denied = denied or {}
     if writer is not None:
-        await writer.intents([(str(c.get("id", "")), _call_name(c)) for c in calls])
+        await writer.intents(
+            [(str(c.get("id", "")), call_name(c)) for c in calls if str(c.get("id")) not in denied]
+        )
     contents: dict[int, str] = {}
     to_run: list[tuple[int, Mapping[str, Any]]] = []
     for i, call in enumerate(calls):
-        name = _call_name(call)
-        if str(call.get("id")) in unknown_outcome and not (
+        name = call_name(call)
+        if str(call.get("id")) in denied:
+            why = denied[str(call.get("id"))]
+            contents[i] = error_content(
+                "denied",
+                f"the user did not approve this call to {name}" + (f": {why}" if why else "."),
+            )
+        elif str(call.get("id")) in unknown_outcome and not (
             name in tools and getattr(tools[name], "idempotent", False)
         ):
             contents[i] = error_content(
@@ -84,7 +95,7 @@ async def run_round(
             "tool_result",
             {
                 "tool_call_id": str(call.get("id", "")),
-                "name": _call_name(call),
+                "name": call_name(call),
                 "content": contents[i],
             },
         )
@@ -98,7 +109,7 @@ async def _dispatch_custom(
     out: list[str] = [""] * len(calls)
 
     async def one(i: int, call: Mapping[str, Any]) -> None:
-        name = _call_name(call)
+        name = call_name(call)
         if name not in tools:
             out[i] = error_content("unknown_tool", f"no tool named {name!r}.")
             return

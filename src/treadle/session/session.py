@@ -237,6 +237,27 @@ class Session:
         return self._materialise().metadata
 
     @property
+    def interrupt_reason(self) -> str | None:
+        """Why the pass was interrupted (`stop_reason == "interrupted"`), else None."""
+        value = self._materialise().metadata.get("interrupt_reason")
+        return value if isinstance(value, str) else None
+
+    @property
+    def tripwire(self) -> Any:
+        """The guardrail `Tripwire` that blocked the pass (stop_reason "blocked"), else None."""
+        return self._materialise().metadata.get("tripwire")
+
+    @property
+    def pending_approvals(self) -> list[dict[str, Any]]:
+        """Tool calls waiting for a human decision (pass them back as `approvals=`)."""
+        return list(self._materialise().metadata.get("pending_approvals", ()))
+
+    @property
+    def output(self) -> Any:
+        """The validated structured output of an agent with an `output_type`, else None."""
+        return self._materialise().metadata.get("output")
+
+    @property
     def data(self) -> SessionData:
         """The materialised data (blocks until a pending pass ends)."""
         return self._materialise()

@@ -1,0 +1,200 @@
+"""Control of a pass: `Limits`, guardrails and their `Tripwire`, and `PassControl` for interrupts.
+
+Every stop ends the pass with a `stop_reason` and keeps the transcript:
+
+| mechanism | stop_reason | resumable |
+| --- | --- | --- |
+| `Limits.max_steps` / `max_tool_calls` | `max_steps` | yes |
+| `Limits.max_total_tokens`, budget callback | `budget` | yes |
+| `Limits.deadline_seconds` | `deadline` | yes |
+| `PassControl.interrupt`, a tool needing approval | `interrupted` | yes |
+| a guardrail tripwire | `blocked` | no (by design) |
+| cancellation | `cancelled` | yes |
+
+This module defines values and runs user callbacks; sync callbacks run in worker threads so a
+slow check never stalls other passes on the loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio.to_thread
+
+from treadle.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from treadle.llm.wire import ChatCompletion
+    from treadle.loop.executor import CompletionRequest
+    from treadle.session import Session
+
+__all__ = [
+    "Guardrail",
+    "GuardrailInput",
+    "Limits",
+    "PassControl",
+    "Tripwire",
+    "after_model",
+    "before_model",
+    "call_user",
+    "normalise_guardrails",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Limits of one pass; reaching one ends it with a stop reason instead of raising."""
+
+    max_steps: int | None = None
+    """Tool rounds before `stop_reason == "max_steps"` (overrides `max_tool_rounds`)."""
+    max_total_tokens: int | None = None
+    """Tokens this pass may use before `stop_reason == "budget"`."""
+    deadline_seconds: float | None = None
+    """Wall-clock seconds from the pass start before `stop_reason == "deadline"`; a model request
+    still running then is cancelled (tools are left to finish their own timeouts)."""
+    max_tool_calls: int | None = None
+    """Tool calls this pass may run before `stop_reason == "max_steps"`."""
+    final_answer_on_limit: bool = False
+    """On `max_steps` or `budget`, ask for one last completion without tools, so the user still
+    gets an answer (the stop reason stays the limit's)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "max_total_tokens", "max_tool_calls"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigurationError(f"Limits.{name} must be an int or None.")
+            if value is not None and value < 1:
+                raise ConfigurationError(f"Limits.{name} must be at least 1, got {value}.")
+        if self.deadline_seconds is not None and not self.deadline_seconds > 0:
+            raise ConfigurationError("Limits.deadline_seconds must be a positive number.")
+
+
+@dataclass(frozen=True, slots=True)
+class Tripwire:
+    """Why a guardrail blocked a pass (`out.metadata["tripwire"]`)."""
+
+    reason: str
+    """What the guardrail said."""
+    guardrail: str
+    """The guardrail's name."""
+    when: Literal["before", "after"]
+    """`before`: the model was not called; `after`: its reply was discarded."""
+    info: Any = None
+    """Anything the guardrail attached."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardrailInput:
+    """What a guardrail sees."""
+
+    session: Session
+    """The output session so far."""
+    request: CompletionRequest
+    """The request about to be sent (before) or that was sent (after)."""
+    reply: ChatCompletion | None = None
+    """The model's reply (after guardrails only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Guardrail:
+    """A check run before each model request or after each reply.
+
+    `check(input)` returns None or False to let the pass go on, or trips the wire by returning
+    True, a reason string, or a `Tripwire`. An exception raised by a check fails the pass.
+    """
+
+    check: Callable[[GuardrailInput], Any]
+    when: Literal["before", "after"] = "before"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not callable(self.check):
+            raise ConfigurationError("Guardrail.check must be callable.")
+        if self.when not in ("before", "after"):
+            raise ConfigurationError("Guardrail.when must be 'before' or 'after'.")
+
+    @property
+    def label(self) -> str:
+        """The name shown in tripwires and events."""
+        return self.name or getattr(self.check, "__name__", "guardrail")
+
+    async def run(self, data: GuardrailInput) -> Tripwire | None:
+        """Run the check; return a tripwire when it trips."""
+        verdict = await call_user(self.check, data)
+        if verdict is None or verdict is False:
+            return None
+        if isinstance(verdict, Tripwire):
+            return verdict
+        reason = verdict if isinstance(verdict, str) else f"{self.label} tripped"
+        return Tripwire(reason=reason, guardrail=self.label, when=self.when)
+
+
+def before_model(fn: Callable[[GuardrailInput], Any]) -> Guardrail:
+    """Decorator: a guardrail that sees each request; a trip means the model is not called."""
+    return Guardrail(fn, "before", getattr(fn, "__name__", ""))
+
+
+def after_model(fn: Callable[[GuardrailInput], Any]) -> Guardrail:
+    """Decorator: a guardrail that sees each reply; a trip discards the reply."""
+    return Guardrail(fn, "after", getattr(fn, "__name__", ""))
+
+
+def normalise_guardrails(items: Iterable[Any] | None) -> tuple[Guardrail, ...]:
+    """Guardrails from a list of `Guardrail`s or plain callables (plain ones run `before`)."""
+    if items is None:
+        return ()
+    if isinstance(items, (Guardrail, str)) or callable(items):
+        raise ConfigurationError("guardrails takes a list, e.g. guardrails=[my_check].")
+    out = []
+    for item in items:
+        if isinstance(item, Guardrail):
+            out.append(item)
+        elif callable(item):
+            out.append(Guardrail(item, "before", getattr(item, "__name__", "")))
+        else:
+            raise ConfigurationError(
+                f"a guardrail must be a Guardrail or a callable, got {type(item).__name__}."
+            )
+    return tuple(out)
+
+
+@dataclass(slots=True)
+class PassControl:
+    """Handed to `on_message(row, control)`: lets the callback interrupt its pass."""
+
+    session_id: str
+    """Id of the output session being produced."""
+    reason: str | None = None
+    """Set by `interrupt`."""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def interrupt(self, reason: str = "interrupted") -> None:
+        """End the pass after the current step with `stop_reason == "interrupted"`."""
+        self.reason = reason or "interrupted"
+
+    @property
+    def interrupted(self) -> bool:
+        """True once `interrupt` was called."""
+        return self.reason is not None
+
+
+async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a user callback: async ones are awaited, sync ones run in a worker thread."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+        return await fn(*args)
+    result = await anyio.to_thread.run_sync(fn, *args)
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+def approval_decision(
+    approvals: Mapping[str, bool | str] | None, call_id: str
+) -> bool | str | None:
+    """The user's decision on a call: True (run), False or a reason (deny), None (undecided)."""
+    if not approvals:
+        return None
+    return approvals.get(call_id)
