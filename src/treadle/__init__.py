@@ -24,7 +24,33 @@ _EXPORTS: dict[str, str] = {
     "LazyValue": "treadle.runtime",
     "run_lazy": "treadle.runtime",
     "get_runtime": "treadle.runtime",
+    # the pass
+    "Provider": "treadle.llm",
+    "run_session_loop": "treadle.loop",
+    "arun_session_loop": "treadle.loop",
+    "stream_session_loop": "treadle.loop",
+    "Limits": "treadle.loop",
+    "Guardrail": "treadle.loop",
+    "GuardrailInput": "treadle.loop",
+    "Tripwire": "treadle.loop",
+    "PassControl": "treadle.loop",
+    "before_model": "treadle.loop",
+    "after_model": "treadle.loop",
+    "CompletionRequest": "treadle.loop",
+    "Executor": "treadle.loop",
+    "AsyncExecutor": "treadle.loop",
+    # tools and sandbox
+    "tool": "treadle.tools",
+    "Tool": "treadle.tools",
+    "BaseTool": "treadle.tools",
+    "SandboxHandle": "treadle.sandbox",
+    "LocalBackend": "treadle.sandbox",
+    "global_system_tools": "treadle.sandbox",
+    # persistence
+    "load_session": "treadle.persist",
+    "LoadedSession": "treadle.persist",
     # errors
+    "ToolArgumentsError": "treadle.errors",
     "TreadleError": "treadle.errors",
     "ConfigurationError": "treadle.errors",
     "RuntimeLoopError": "treadle.errors",
@@ -48,6 +74,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from treadle.errors import (
         AuthenticationError,
+        ToolArgumentsError,
         BudgetExceededError,
         ConfigurationError,
         ContextLengthError,
@@ -64,7 +91,26 @@ if TYPE_CHECKING:
         ToolTimeoutError,
         TreadleError,
     )
+    from treadle.llm import Provider
+    from treadle.loop import (
+        AsyncExecutor,
+        CompletionRequest,
+        Executor,
+        Guardrail,
+        GuardrailInput,
+        Limits,
+        PassControl,
+        Tripwire,
+        after_model,
+        arun_session_loop,
+        before_model,
+        run_session_loop,
+        stream_session_loop,
+    )
+    from treadle.persist import LoadedSession, load_session
     from treadle.runtime import LazyValue, get_runtime, run_lazy
+    from treadle.sandbox import LocalBackend, SandboxHandle, global_system_tools
+    from treadle.tools import BaseTool, Tool, tool
     from treadle.session import ChunkRow, ChunkTable, LineageNode, Session, SessionData, Usage
 
 
