@@ -74,7 +74,6 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from treadle.errors import (
         AuthenticationError,
-        ToolArgumentsError,
         BudgetExceededError,
         ConfigurationError,
         ContextLengthError,
@@ -87,6 +86,7 @@ if TYPE_CHECKING:
         RateLimitError,
         RuntimeLoopError,
         SandboxError,
+        ToolArgumentsError,
         ToolError,
         ToolTimeoutError,
         TreadleError,
@@ -110,8 +110,8 @@ if TYPE_CHECKING:
     from treadle.persist import LoadedSession, load_session
     from treadle.runtime import LazyValue, get_runtime, run_lazy
     from treadle.sandbox import LocalBackend, SandboxHandle, global_system_tools
-    from treadle.tools import BaseTool, Tool, tool
     from treadle.session import ChunkRow, ChunkTable, LineageNode, Session, SessionData, Usage
+    from treadle.tools import BaseTool, Tool, tool
 
 
 def __getattr__(name: str) -> Any:
