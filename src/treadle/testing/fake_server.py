@@ -395,9 +395,16 @@ class FakeOpenAIServer:
         """Stop listening and close every connection."""
         if self._server is not None:
             self._server.close()
-        for conn in list(self._connections):
-            if conn.transport is not None:
-                conn.transport.abort()
+        # Python 3.11's Server.wait_closed() returns at once after close(), and abort() only
+        # schedules the transport's teardown: turn the loop until every connection is gone, so
+        # no socket outlives the server (a ResourceWarning otherwise).
+        for _ in range(100):
+            for conn in list(self._connections):
+                if conn.transport is not None:
+                    conn.transport.abort()
+            await asyncio.sleep(0)
+            if not self._connections:
+                break
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None

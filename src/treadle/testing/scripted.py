@@ -7,6 +7,7 @@ the request, or an exception to raise. Every request is recorded for assertions.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
@@ -125,6 +126,8 @@ class ScriptedExecutor:
             )
         while callable(step) and not isinstance(step, BaseException):
             step = step(request)
+            if inspect.isawaitable(step):  # async steps (slow replies, gated replies)
+                step = await step
         if isinstance(step, BaseException):
             raise step
         if isinstance(step, str):
