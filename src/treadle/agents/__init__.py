@@ -1,0 +1,47 @@
+"""Agents and workflows: `Agent`, fan-out (`map`), pipelines, handoffs, structured output and
+compaction, all built on the public session loop."""
+
+from treadle.agents.agent import MAX_COMPACTIONS_PER_RUN, Agent, AgentInput
+from treadle.agents.compaction import (
+    DEFAULT_COMPACTION_INSTRUCTION,
+    DEFAULT_KEEP_LAST,
+    SUMMARY_PREFIX,
+    TokenEstimator,
+    arun_session_compress,
+    compaction_cut,
+    run_session_compress,
+)
+from treadle.agents.fanout import DEFAULT_CONCURRENCY, amap, map, map_iter
+from treadle.agents.patterns import Handoff, Pipeline, brainstorm, handoff, pipeline
+from treadle.agents.structured import (
+    DEFAULT_OUTPUT_RETRIES,
+    FINAL_RESULT_TOOL,
+    StructuredMode,
+    StructuredOutputError,
+)
+
+__all__ = [
+    "DEFAULT_COMPACTION_INSTRUCTION",
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_KEEP_LAST",
+    "DEFAULT_OUTPUT_RETRIES",
+    "FINAL_RESULT_TOOL",
+    "MAX_COMPACTIONS_PER_RUN",
+    "SUMMARY_PREFIX",
+    "Agent",
+    "AgentInput",
+    "Handoff",
+    "Pipeline",
+    "StructuredMode",
+    "StructuredOutputError",
+    "TokenEstimator",
+    "amap",
+    "arun_session_compress",
+    "brainstorm",
+    "compaction_cut",
+    "handoff",
+    "map",
+    "map_iter",
+    "pipeline",
+    "run_session_compress",
+]

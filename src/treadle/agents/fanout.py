@@ -1,0 +1,294 @@
+"""Fan-out: run one agent over many sessions with a bounded number of passes in flight.
+
+`map` (sync, blocks until every item is done), `amap` (async, same result) and `map_iter` (async
+iterator of `(index, result)` as items complete). Inputs are pulled from any iterable or async
+iterable only as slots free up, so a million inputs are never materialised up front. One item's
+failure never cancels the others: it is reported per item. `backend="local"` runs every pass on
+one event loop; the parameter is where process and cluster backends will plug in.
+
+This module must never start more than `concurrency` runs at once, never reorder `map`'s results
+and never block the event loop it runs on (sync input iterators are expected to be cheap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import sys
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TextIO
+
+import anyio
+
+from treadle.errors import ConfigurationError
+from treadle.runtime import submit
+from treadle.session import Session
+
+__all__ = ["DEFAULT_CONCURRENCY", "Progress", "amap", "map", "map_iter"]
+
+#: Runs in flight at once when `concurrency` is not given.
+DEFAULT_CONCURRENCY = 64
+_BACKENDS = ("local",)
+# The plain progress line is redrawn at most this often (seconds).
+_PLAIN_REFRESH = 0.2
+
+Runner = Callable[[Any], Awaitable[Session]]
+
+
+def _runner(agent: Any) -> Runner:
+    """An async `item -> Session` from an `Agent`, a pipeline, or any callable returning a
+    session, an awaitable of one, or a lazy session."""
+    run = getattr(agent, "run", None)
+    if run is not None and inspect.iscoroutinefunction(run):
+        return run  # type: ignore[no-any-return]
+    if not callable(agent):
+        raise ConfigurationError(f"map needs an Agent or a callable, got {type(agent).__name__}.")
+
+    async def call(item: Any) -> Session:
+        result = agent(item)
+        if inspect.isawaitable(result):
+            result = await result
+        if isinstance(result, Session):
+            await result.wait_ready()
+        return result  # type: ignore[no-any-return]
+
+    return call
+
+
+def _check(concurrency: int, backend: str) -> None:
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigurationError(f"concurrency must be an int >= 1, got {concurrency!r}.")
+    if backend not in _BACKENDS:
+        raise ConfigurationError(
+            f"backend={backend!r} is not available yet; use backend='local' (process and Ray "
+            "backends are planned)."
+        )
+
+
+async def _drive(
+    run: Runner,
+    items: Iterable[Any] | AsyncIterable[Any],
+    concurrency: int,
+    on_start: Callable[[int], None],
+    on_result: Callable[[int, Any], None],
+) -> None:
+    """Pull items as slots free up, run each, report `(index, session or exception)`."""
+    if isinstance(items, AsyncIterable):
+        source: AsyncIterator[Any] | None = aiter(items)
+        sync_source = None
+    elif isinstance(items, Iterable) and not isinstance(items, (str, bytes, Session)):
+        source = None
+        sync_source = iter(items)
+    else:
+        raise ConfigurationError(
+            f"map takes an iterable of sessions, got {type(items).__name__}; wrap one item in "
+            "a list."
+        )
+    pull = asyncio.Lock()  # an async generator cannot be advanced by two workers at once
+    counter = 0
+    exhausted = False
+
+    async def next_item() -> tuple[int, Any] | None:
+        nonlocal counter, exhausted
+        async with pull:
+            if exhausted:
+                return None
+            try:
+                item = await anext(source) if source is not None else next(sync_source)  # type: ignore[arg-type]
+            except (StopIteration, StopAsyncIteration):
+                exhausted = True
+                return None
+            index = counter
+            counter += 1
+            on_start(index)
+            return index, item
+
+    async def worker() -> None:
+        while (pulled := await next_item()) is not None:
+            index, item = pulled
+            try:
+                result: Any = await run(item)
+            except Exception as err:  # an item's failure is its own; the others go on
+                result = err
+            on_result(index, result)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(worker)
+
+
+async def map_iter(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    backend: str = "local",
+) -> AsyncIterator[tuple[int, Session | BaseException]]:
+    """Run `agent` over `sessions`; yield `(index, output session or exception)` as each ends.
+
+    Leaving the loop early cancels the runs still in flight.
+    """
+    _check(concurrency, backend)
+    run = _runner(agent)
+    queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+    task = asyncio.ensure_future(
+        _drive(run, sessions, concurrency, lambda _i: None, lambda i, r: queue.put_nowait((i, r)))
+    )
+    task.add_done_callback(lambda _t: queue.put_nowait(None))
+    try:
+        while (entry := await queue.get()) is not None:
+            yield entry
+        task.result()  # re-raises a failure of the input iterable itself
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def amap(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    progress: bool = False,
+    return_exceptions: bool = False,
+    backend: str = "local",
+) -> list[Any]:
+    """Async `map`: the output sessions in input order (see `map`)."""
+    _check(concurrency, backend)
+    run = _runner(agent)
+    results: list[Any] = []
+    bar = Progress.create(_total(sessions)) if progress else None
+
+    def on_start(index: int) -> None:
+        results.append(None)
+
+    def on_result(index: int, result: Any) -> None:
+        results[index] = result
+        if bar is not None:
+            bar.advance(failed=isinstance(result, BaseException))
+
+    try:
+        await _drive(run, sessions, concurrency, on_start, on_result)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not return_exceptions:
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            first = failures[0]
+            first.add_note(
+                f"treadle.map: {len(failures)} of {len(results)} items failed (this is the "
+                "first); pass return_exceptions=True to get every result."
+            )
+            raise first
+    return results
+
+
+def map(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    progress: bool = False,
+    return_exceptions: bool = False,
+    backend: str = "local",
+) -> list[Any]:
+    """Run `agent` over every session with at most `concurrency` runs in flight; block until done.
+
+    `agent` is an `Agent`, a pipeline or handoff, or any callable `session -> Session`
+    (sync or async). Items may be sessions or strings (user messages); they are pulled from the
+    iterable only as slots free up. Returns the output sessions in input order. A failing item
+    never stops the others: with `return_exceptions=True` its place holds the exception;
+    otherwise, after every item finished, the first failure (in input order) is raised with a note
+    counting the failures. `progress=True` shows a progress bar on a terminal (rich when
+    installed, a plain line otherwise; nothing when stderr is not a TTY). Use `amap` or
+    `map_iter` from async code. `backend` accepts `"local"` only for now.
+    """
+    _check(concurrency, backend)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise ConfigurationError(
+            "treadle.map blocks; inside async code use `await treadle.agents.amap(...)`."
+        )
+    return submit(
+        amap(
+            agent,
+            sessions,
+            concurrency=concurrency,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            backend=backend,
+        )
+    ).result()
+
+
+def _total(items: object) -> int | None:
+    try:
+        return len(items)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+class Progress:
+    """A progress display for `map`: rich's bar when available, else one redrawn line."""
+
+    def __init__(self, total: int | None, stream: TextIO, *, use_rich: bool) -> None:
+        self.total = total
+        self.done = 0
+        self.failed = 0
+        self.stream = stream
+        self._last = 0.0
+        self._rich: Any = None
+        self._task: Any = None
+        if use_rich:
+            from rich.console import Console
+            from rich.progress import Progress as RichProgress
+
+            self._rich = RichProgress(console=Console(file=stream), transient=False)
+            self._task = self._rich.add_task("treadle.map", total=total)
+            self._rich.start()
+
+    @classmethod
+    def create(cls, total: int | None, stream: TextIO | None = None) -> Progress | None:
+        """A display on `stream` (default stderr), or None when it is not a terminal."""
+        stream = stream or sys.stderr
+        if not stream.isatty():
+            return None
+        try:
+            import rich  # noqa: F401
+        except ImportError:
+            return cls(total, stream, use_rich=False)
+        return cls(total, stream, use_rich=True)
+
+    def advance(self, *, failed: bool = False) -> None:
+        """Count one finished item."""
+        self.done += 1
+        self.failed += failed
+        if self._rich is not None:
+            self._rich.update(self._task, advance=1, description=self._label())
+            return
+        now = time.monotonic()
+        if now - self._last >= _PLAIN_REFRESH or self.done == self.total:
+            self._last = now
+            self.stream.write("\r" + self._label())
+            self.stream.flush()
+
+    def _label(self) -> str:
+        total = "?" if self.total is None else str(self.total)
+        failed = f", {self.failed} failed" if self.failed else ""
+        return f"treadle.map {self.done}/{total}{failed}"
+
+    def close(self) -> None:
+        """Finish the display."""
+        if self._rich is not None:
+            self._rich.stop()
+        else:
+            self.stream.write("\r" + self._label() + "\n")
+            self.stream.flush()
