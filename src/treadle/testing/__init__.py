@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from treadle.testing.fake_server import FakeOpenAIServer, FaultRule, RecordedRequest
+    from treadle.testing.scripted import ScriptedExecutor
     from treadle.testing.scripts import (
         SCRIPTS,
         Reply,
@@ -30,6 +31,7 @@ __all__ = [
     "RecordedRequest",
     "Reply",
     "Script",
+    "ScriptedExecutor",
     "ToolCallSpec",
     "echo",
     "file_worker",
@@ -49,6 +51,7 @@ _HOMES = {
     "file_worker": "scripts",
     "get_script": "scripts",
     "tool_loop": "scripts",
+    "ScriptedExecutor": "scripted",
 }
 
 
