@@ -140,3 +140,21 @@ def test_thousand_overlapping_passes_over_http() -> None:
             assert out.rows[0].content == f"task {i}"
             assert out.chunk_table.kinds()[-1] == "assistant"
         assert srv.max_in_flight > 100  # the passes really overlapped
+
+
+def test_a_slow_callback_does_not_stall_other_passes(server: FakeOpenAIServer) -> None:
+    import threading
+
+    release = threading.Event()
+
+    def slow(_delta: Any) -> None:
+        release.wait(30)  # blocks its worker thread until the other pass has finished
+
+    slow_user = Session.from_user_message("Create a file, then read it back.").to("local")
+    fast_user = Session.from_user_message("Create a file, then read it back.").to("local")
+    stalled = run_session_loop(slow_user, AGENT, agent_provider=_provider(server), on_event=slow)
+    fast = run_session_loop(fast_user, AGENT, agent_provider=_provider(server))
+    assert fast.synchronize(timeout=60).stop_reason == "final_answer"
+    assert not stalled.done()  # still waiting on its own callback, without blocking the loop
+    release.set()
+    assert stalled.synchronize(timeout=60).stop_reason == "final_answer"

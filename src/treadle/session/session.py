@@ -10,6 +10,7 @@ This module does no I/O; opening a sandbox is delegated to `treadle.sandbox` on 
 
 from __future__ import annotations
 
+import os
 import uuid
 import weakref
 from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -148,6 +149,17 @@ class Session:
             except ConfigurationError as err:
                 raise ConfigurationError(f"message {i}: {err}") from None
         return cls(rows, operator="from_messages", kind="user")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Session:
+        """The session persisted at `path` (see `treadle.load_session` for the full record).
+
+        `session.metadata["closed"]` tells whether the pass that wrote it ended gracefully; pass
+        the result back to `run_session_loop` to continue it.
+        """
+        from treadle.persist import load_session
+
+        return load_session(path).session
 
     @classmethod
     def _pending(
