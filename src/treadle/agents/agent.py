@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -44,8 +44,8 @@ from treadle.loop import (
     run_session_loop,
 )
 from treadle.loop.executor import validate_executor
-from treadle.runtime import run_lazy
-from treadle.session import ChunkRow, Session
+from treadle.runtime import submit
+from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools import FunctionTool, Tool, ToolSet
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
@@ -58,6 +58,32 @@ AgentInput = Session | str
 
 _COMPACTION_GUARD = "treadle.auto_compaction"
 _TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def lazy_session(
+    make: Callable[[], Coroutine[Any, Any, Session]],
+    *,
+    parents: Sequence[Session],
+    operator: str,
+) -> Session:
+    """A lazy output session whose data comes from `make()`, run on the runtime.
+
+    Like `run_lazy`, but the coroutine is created only once the runtime starts the work, so a
+    cancellation that arrives first leaves no never-awaited coroutine behind.
+    """
+
+    async def produce() -> SessionData:
+        return await (await make()).wait_ready()
+
+    sandbox = next((p.sandbox_handle for p in parents if p.sandbox_handle is not None), None)
+    return Session._pending(
+        submit(produce()),
+        id=new_session_id(),
+        operator=operator,
+        kind="output",
+        parents=parents,
+        sandbox=sandbox,
+    )
 
 
 def as_session(value: AgentInput) -> Session:
@@ -190,8 +216,8 @@ class Agent:
         `stop_reason == "cancelled"`.
         """
         user = as_session(session)
-        return run_lazy(
-            self._run(user, lazy=True),
+        return lazy_session(
+            lambda: self._run(user, lazy=True),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
         )

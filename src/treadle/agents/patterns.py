@@ -19,9 +19,8 @@ from typing import Any
 
 import pydantic
 
-from treadle.agents.agent import Agent, AgentInput, as_session
+from treadle.agents.agent import Agent, AgentInput, as_session, lazy_session
 from treadle.errors import ConfigurationError
-from treadle.runtime import run_lazy
 from treadle.session import Session
 
 __all__ = ["Handoff", "Pipeline", "brainstorm", "handoff", "pipeline"]
@@ -110,7 +109,7 @@ class Handoff:
     def __call__(self, session: AgentInput) -> Session:
         """Triage, then the specialist's output, returned lazily at once."""
         user = as_session(session)
-        return run_lazy(self.run(user), parents=[user], operator="handoff")
+        return lazy_session(lambda: self.run(user), parents=[user], operator="handoff")
 
     async def run(self, session: AgentInput) -> Session:
         """Triage and hand off on the calling loop.
