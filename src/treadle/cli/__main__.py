@@ -1,0 +1,7 @@
+"""`python -m treadle.cli`: the same as the `treadle` command."""
+
+import sys
+
+from treadle.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,175 @@
+"""The `treadle` command: argument parsing and dispatch to the subcommands.
+
+`main()` turns every failure into one line of cause and one of fix on stderr and a documented
+exit code (see `treadle.cli.failures.EXIT_CODES`); it never lets a traceback reach the user unless
+`TREADLE_DEBUG=1` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from treadle import __version__
+from treadle.cli.console import make_console
+from treadle.cli.failures import EXIT_CODES, explain
+
+__all__ = ["build_parser", "main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `treadle` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="treadle",
+        description="Run LLM agent passes from the shell, and read their transcripts.",
+        epilog="Configuration: OPENAI_API_KEY, OPENAI_BASE_URL, TREADLE_MODEL (or the flags).",
+    )
+    parser.add_argument("--version", action="version", version=f"treadle {__version__}")
+    parser.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="styled output with rich: auto (when a terminal), always or never",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run one pass against the configured endpoint")
+    run.add_argument("prompt", help="the user message")
+    run.add_argument("--system", help="the agent's system prompt")
+    run.add_argument("--model", help="model name (default: $TREADLE_MODEL)")
+    run.add_argument("--base-url", help="OpenAI-compatible endpoint (default: $OPENAI_BASE_URL)")
+    run.add_argument(
+        "--sandbox",
+        metavar="local|DIR",
+        help="give the model a workspace: a temporary one (local) or a directory",
+    )
+    run.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream the reply as it is generated (default: on)",
+    )
+    run.add_argument(
+        "--persist", action="store_true", help="write the transcript to .treadle/sessions/"
+    )
+    run.add_argument("--max-steps", type=_positive_int, help="tool rounds before stopping")
+    run.add_argument("--retries", type=_count, help="retries of a failed request (default 3)")
+    run.add_argument("--timeout", type=float, help="seconds to wait for the endpoint")
+    run.add_argument(
+        "--json", action="store_true", help="print the output session as JSON, nothing else"
+    )
+
+    demo = sub.add_parser("demo", help="run the offline demo (fake server, real sandbox)")
+    demo.add_argument(
+        "--fanout", type=_count, default=100, help="passes in the fan-out part (default 100)"
+    )
+    demo.add_argument(
+        "--latency-ms", type=float, default=50.0, help="fake model latency (default 50)"
+    )
+    demo.add_argument(
+        "--no-persist", action="store_true", help="do not write the first pass's transcript"
+    )
+    demo.add_argument(
+        "--local-model", action="store_true", help="run the demo on a small local model instead"
+    )
+
+    show = sub.add_parser("show", help="render a persisted transcript (.jsonl)")
+    show.add_argument("file", type=Path)
+    show.add_argument(
+        "--follow", "-f", action="store_true", help="tail a live file until it closes"
+    )
+
+    sessions = sub.add_parser("sessions", help="list persisted sessions")
+    sessions.add_argument("directory", nargs="?", type=Path, help="default: .treadle/sessions")
+    sessions.add_argument("--json", action="store_true", help="print the list as JSON")
+    return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    console = make_console(args.color)
+    if args.command == "run":
+        from treadle.cli.run import RunOptions, run_command
+
+        opts = RunOptions(
+            prompt=args.prompt,
+            system=args.system,
+            model=args.model,
+            base_url=args.base_url,
+            sandbox=args.sandbox,
+            stream=args.stream,
+            persist=args.persist,
+            max_steps=args.max_steps,
+            json=args.json,
+            retries=args.retries,
+            timeout=args.timeout,
+        )
+        return run_command(opts, console)
+    if args.command == "demo":
+        from treadle.cli.demo import demo_command, local_model_command
+
+        if args.local_model:
+            return local_model_command(console)
+        return asyncio.run(
+            demo_command(
+                console,
+                fanout=args.fanout,
+                latency_ms=args.latency_ms,
+                persist=not args.no_persist,
+            )
+        )
+    if args.command == "show":
+        from treadle.cli.show import show_command
+
+        return show_command(args.file, console, follow=args.follow)
+    if args.command == "sessions":
+        from treadle.cli.show import sessions_command
+
+        return sessions_command(args.directory, console, as_json=args.json)
+    raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `treadle` command with `argv` (default: `sys.argv[1:]`); returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_CODES["usage"]
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("treadle: interrupted.", file=sys.stderr)
+        return EXIT_CODES["interrupted"]
+    except Exception as err:
+        if os.environ.get("TREADLE_DEBUG"):
+            traceback.print_exc()
+        failure = explain(err)
+        print(f"treadle: error: {failure.cause}", file=sys.stderr)
+        if failure.fix:
+            print(f"treadle: fix: {failure.fix}", file=sys.stderr)
+        return failure.code

@@ -1,0 +1,95 @@
+"""What the command line says, and which exit code it returns, when something goes wrong.
+
+Every failure becomes one line of cause and one line of fix on stderr, never a traceback (set
+`TREADLE_DEBUG=1` to see one). This module only classifies errors; it never prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treadle.errors import (
+    AuthenticationError,
+    ConfigurationError,
+    ContextLengthError,
+    PersistenceError,
+    ProviderConnectionError,
+    ProviderError,
+    ProviderTimeout,
+    RateLimitError,
+    SandboxError,
+    TreadleError,
+)
+
+__all__ = ["EXIT_CODES", "CliFailure", "explain"]
+
+#: Exit codes of the `treadle` command (documented in docs/getting-started.md).
+EXIT_CODES: dict[str, int] = {
+    "ok": 0,
+    "error": 1,  # anything else that went wrong during a pass
+    "usage": 2,  # bad flags or configuration (missing key or model), bad files
+    "auth": 3,  # the endpoint rejected the API key
+    "connection": 4,  # the endpoint could not be reached or timed out
+    "endpoint": 5,  # the endpoint answered with another error (unknown model, rate limit...)
+    "interrupted": 130,  # Ctrl-C
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CliFailure(Exception):
+    """A failure the CLI reports as `cause` and `fix`, exiting with `code`."""
+
+    cause: str
+    fix: str = ""
+    code: int = EXIT_CODES["error"]
+
+    def __str__(self) -> str:
+        return self.cause
+
+
+def explain(err: BaseException) -> CliFailure:
+    """The cause, fix and exit code for an error raised while running a command."""
+    if isinstance(err, CliFailure):
+        return err
+    message = str(err) or type(err).__name__
+    if isinstance(err, AuthenticationError):
+        return CliFailure(
+            message,
+            "set OPENAI_API_KEY to a key this endpoint accepts (or pass --base-url for another "
+            "endpoint).",
+            EXIT_CODES["auth"],
+        )
+    if isinstance(err, ProviderConnectionError | ProviderTimeout):
+        return CliFailure(
+            message,
+            "check --base-url / OPENAI_BASE_URL (it ends in /v1) and that the server is running; "
+            "`treadle demo` needs no server.",
+            EXIT_CODES["connection"],
+        )
+    if isinstance(err, ProviderError):
+        status = err.status_code
+        if status == 404:
+            return CliFailure(
+                message,
+                "the endpoint does not know this model or path: check --model / TREADLE_MODEL "
+                "and that --base-url ends in /v1.",
+                EXIT_CODES["endpoint"],
+            )
+        if isinstance(err, RateLimitError):
+            fix = "wait and retry, or raise --retries."
+        elif isinstance(err, ContextLengthError):
+            fix = "shorten the prompt or use a model with a larger context window."
+        else:
+            fix = "retry later, or check the endpoint's logs."
+        return CliFailure(message, fix, EXIT_CODES["endpoint"])
+    if isinstance(err, ConfigurationError | PersistenceError):
+        return CliFailure(message, "", EXIT_CODES["usage"])
+    if isinstance(err, SandboxError):
+        return CliFailure(message, "check the --sandbox directory.", EXIT_CODES["error"])
+    if isinstance(err, TreadleError):
+        return CliFailure(message, "", EXIT_CODES["error"])
+    return CliFailure(
+        f"{type(err).__name__}: {message}",
+        "this looks like a bug in Treadle; rerun with TREADLE_DEBUG=1 and report the traceback.",
+        EXIT_CODES["error"],
+    )

@@ -1,0 +1,151 @@
+"""`treadle run`: one pass against the configured endpoint, shown live, then a summary.
+
+Configuration comes from flags or the environment (`OPENAI_API_KEY`, `OPENAI_BASE_URL`,
+`TREADLE_MODEL`). Missing configuration is reported before any request, with the variable to set.
+This module must never print an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treadle.cli.console import Console
+from treadle.cli.describe import summary_line
+from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.cli.live import LiveView
+from treadle.llm.provider import DEFAULT_BASE_URL, Provider, is_loopback_url
+from treadle.loop import Limits, PassStopped, stream_session_loop
+from treadle.session import Session
+
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "RunOptions", "run_command", "session_json"]
+
+#: The system prompt of `treadle run` when `--system` is not given.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Use the workspace tools for file and shell work."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """The flags of `treadle run`."""
+
+    prompt: str
+    system: str | None = None
+    model: str | None = None
+    base_url: str | None = None
+    sandbox: str | None = None
+    stream: bool = True
+    persist: bool = False
+    max_steps: int | None = None
+    json: bool = False
+    retries: int | None = None
+    timeout: float | None = None
+
+
+def provider_for(opts: RunOptions) -> Provider:
+    """The provider the flags and environment describe; `CliFailure` naming what is missing."""
+    model = opts.model or os.environ.get("TREADLE_MODEL")
+    if not model:
+        raise CliFailure(
+            "No model configured.",
+            "pass --model NAME or set TREADLE_MODEL (for example TREADLE_MODEL=gpt-4o-mini).",
+            EXIT_CODES["usage"],
+        )
+    base_url = opts.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+    if not os.environ.get("OPENAI_API_KEY") and not is_loopback_url(base_url):
+        raise CliFailure(
+            f"No API key for {base_url}.",
+            "set OPENAI_API_KEY, or point --base-url at a local OpenAI-compatible server.",
+            EXIT_CODES["usage"],
+        )
+    options: dict[str, Any] = {"model": model, "base_url": base_url, "stream": opts.stream}
+    if opts.retries is not None:
+        options["max_retries"] = opts.retries
+    if opts.timeout is not None:
+        options["timeout"] = opts.timeout
+    return Provider(**options)
+
+
+def session_json(session: Session, *, seconds: float | None = None) -> dict[str, Any]:
+    """The output session as plain JSON data (what `--json` prints)."""
+    data: dict[str, Any] = {
+        "id": session.id,
+        "stop_reason": session.stop_reason,
+        "final_text": session.final_text,
+        "usage": session.usage.to_dict(),
+        "messages": session.to_messages(),
+        "transcript": session.metadata.get("path"),
+    }
+    if seconds is not None:
+        data["seconds"] = round(seconds, 3)
+    return data
+
+
+async def run_pass(
+    user: Session,
+    agent: Session,
+    provider: Provider,
+    view: LiveView | None,
+    **options: Any,
+) -> Session:
+    """Run one pass with `view` showing its events; returns the output session."""
+    out: Session | None = None
+    async for event in stream_session_loop(user, agent, agent_provider=provider, **options):
+        if view is not None:
+            view(event)
+        if isinstance(event, PassStopped):
+            out = event.session
+    if view is not None:
+        view.finish()
+    if out is None:  # pragma: no cover - stream_session_loop always ends with PassStopped
+        raise CliFailure("The pass ended without a result.", "", EXIT_CODES["error"])
+    return out
+
+
+def run_command(opts: RunOptions, console: Console) -> int:
+    """Run `treadle run`; returns the exit code."""
+    provider = provider_for(opts)
+    if opts.sandbox and opts.sandbox != "local":
+        # a command-line user expects `--sandbox ./work` to be created
+        Path(opts.sandbox).mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_run(opts, provider, console))
+
+
+async def _run(opts: RunOptions, provider: Provider, console: Console) -> int:
+    user = Session.from_user_message(opts.prompt)
+    if opts.sandbox:
+        user = user.to(opts.sandbox)
+    agent = Session.from_agent_prompt(opts.system or DEFAULT_SYSTEM_PROMPT)
+    limits = Limits(max_steps=opts.max_steps) if opts.max_steps is not None else None
+    view = None if opts.json else LiveView(console)
+    started = time.perf_counter()
+    out: Session | None = None
+    try:
+        out = await run_pass(user, agent, provider, view, persist=opts.persist, limits=limits)
+    finally:
+        if out is not None:
+            out.close_sandbox()
+        user.close_sandbox()
+    seconds = time.perf_counter() - started
+    if opts.json:
+        console.line(json.dumps(session_json(out, seconds=seconds), ensure_ascii=False, indent=2))
+        return EXIT_CODES["ok"]
+    tool_calls = view.tool_calls if view is not None else 0
+    console.line(
+        summary_line(
+            rows=len(out.rows),
+            tool_calls=tool_calls,
+            usage=out.usage,
+            seconds=seconds,
+            stop_reason=out.stop_reason,
+            path=out.metadata.get("path"),
+        ),
+        "summary",
+    )
+    return EXIT_CODES["ok"]
