@@ -1,4 +1,4 @@
-"""A pipeline: a writer's output session feeds an editor; the call returns a lazy session at once."""
+"""A pipeline: a writer's output session feeds an editor; the call returns a lazy session."""
 
 from treadle.agents import Agent, pipeline
 from treadle.llm import Provider
