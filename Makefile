@@ -14,9 +14,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Only the code folders that exist (a fresh tree may not have every one yet).
+CODE_DIRS := $(wildcard src tests benchmarks examples)
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check $(CODE_DIRS)
+	$(BIN)/ruff format --check $(CODE_DIRS)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict
@@ -34,9 +37,11 @@ demo: $(STAMP)
 	$(BIN)/treadle demo
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python -m benchmarks.run
 
 bench-quick: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python -m benchmarks.run --quick
 
 docs: $(STAMP)
