@@ -320,3 +320,31 @@ async def test_leaving_the_event_stream_early_cancels_the_pass() -> None:
         await agen.aclose()
         while server.in_flight:
             await asyncio.sleep(0.01)
+
+
+def test_cancel_before_the_pass_starts_is_a_clean_stop() -> None:
+    gate = asyncio.Event()
+
+    async def never() -> Session:
+        await gate.wait()
+        return Session.from_user_message("late")
+
+    from treadle.runtime import run_lazy
+
+    pending_input = run_lazy(never())
+    out = run_session_loop(pending_input, AGENT, executor=ScriptedExecutor(["x"]))
+    out.cancel()  # the pass is still waiting for its input (or has not even started)
+    assert out.synchronize(timeout=30).stop_reason == "cancelled"
+    assert not pending_input.done()  # a consumer's cancel never cancels a shared input
+    pending_input.cancel()
+
+
+def test_cancel_immediately_after_submit() -> None:
+    outs = [
+        run_session_loop(Session.from_user_message(str(i)), AGENT, executor=ScriptedExecutor(["x"]))
+        for i in range(50)
+    ]
+    for out in outs:
+        out.cancel()
+    for out in outs:
+        assert out.synchronize(timeout=30).stop_reason in ("cancelled", "final_answer")

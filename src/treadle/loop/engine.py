@@ -372,16 +372,17 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
     the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
     """
     run = _Pass(plan, out_id)
-    user = await plan.user.wait_ready()
-    agent = await plan.agent.wait_ready()
-    run.user_metadata = user.metadata
-    run.agent_rows = agent.table.rows
-    run.table = user.table
-    run.usage = user.usage
-    run.messages_json = [r.message_json() for r in (*run.agent_rows, *user.table)]
-    if run.events is not None:
-        run.events.emit(PassStarted, rows=len(user.table))
     try:
+        # Inside the try: a cancellation while waiting for a pending input is a clean stop too.
+        user = await plan.user.wait_ready()
+        agent = await plan.agent.wait_ready()
+        run.user_metadata = user.metadata
+        run.agent_rows = agent.table.rows
+        run.table = user.table
+        run.usage = user.usage
+        run.messages_json = [r.message_json() for r in (*run.agent_rows, *user.table)]
+        if run.events is not None:
+            run.events.emit(PassStarted, rows=len(user.table))
         if plan.persist_path is not None:
             run.writer = SessionWriter(plan.persist_path)
             await run.writer.open(

@@ -26,12 +26,13 @@ T = TypeVar("T")
 class LazyValue(Generic[T]):
     """The future result of a coroutine submitted to the runtime."""
 
-    __slots__ = ("__weakref__", "_future", "_runtime", "_task")
+    __slots__ = ("__weakref__", "_future", "_runtime", "_started", "_task")
 
     def __init__(self, future: concurrent.futures.Future[T], runtime: Runtime) -> None:
         self._future = future
         self._runtime = runtime
         self._task: asyncio.Task[T] | None = None
+        self._started = False
 
     def done(self) -> bool:
         """True once the coroutine finished (with a value, an error, or cancelled)."""
@@ -53,6 +54,8 @@ class LazyValue(Generic[T]):
             try:
                 return future.result(timeout)
             except concurrent.futures.TimeoutError:
+                if future.done():  # the coroutine's own TimeoutError (ProviderTimeout...)
+                    raise
                 raise TimeoutError(
                     f"the value was not ready within {timeout} s; wait longer or await it."
                 ) from None
@@ -73,8 +76,15 @@ class LazyValue(Generic[T]):
         self._runtime.call_soon(self._cancel_task)
 
     def _cancel_task(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task = self._task
+        if task is None or task.done():
+            return
+        if not self._started:
+            # A task cancelled before its first step never runs its body, so the coroutine could
+            # not turn the cancellation into a clean stop; deliver it once the body has started.
+            self._runtime.loop.call_soon(self._cancel_task)
+            return
+        task.cancel()
 
     def add_done_callback(self, fn: Callable[[LazyValue[T]], Any]) -> None:
         """Call `fn(self)` when done, on whichever thread settles the value."""

@@ -90,7 +90,7 @@ class Runtime:
         return lazy
 
     def _start(self, coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> None:
-        task = self.loop.create_task(coro)
+        task = self.loop.create_task(_started(coro, lazy))
         lazy._task = task
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._settle(t, lazy._future))
@@ -150,6 +150,11 @@ class Runtime:
                 log.exception("a Treadle shutdown hook failed")
         await self.loop.shutdown_asyncgens()
         await self.loop.shutdown_default_executor()
+
+
+async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> T:
+    lazy._started = True
+    return await coro
 
 
 _lock = threading.Lock()
