@@ -39,6 +39,17 @@ _EXPORTS: dict[str, str] = {
     "CompletionRequest": "treadle.loop",
     "Executor": "treadle.loop",
     "AsyncExecutor": "treadle.loop",
+    # agents and workflows
+    "Agent": "treadle.agents",
+    "map": "treadle.agents",
+    "amap": "treadle.agents",
+    "map_iter": "treadle.agents",
+    "pipeline": "treadle.agents",
+    "brainstorm": "treadle.agents",
+    "handoff": "treadle.agents",
+    "run_session_compress": "treadle.agents",
+    "arun_session_compress": "treadle.agents",
+    "StructuredOutputError": "treadle.agents",
     # tools and sandbox
     "tool": "treadle.tools",
     "Tool": "treadle.tools",
@@ -72,6 +83,18 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
+    from treadle.agents import (
+        Agent,
+        StructuredOutputError,
+        amap,
+        arun_session_compress,
+        brainstorm,
+        handoff,
+        map,
+        map_iter,
+        pipeline,
+        run_session_compress,
+    )
     from treadle.errors import (
         AuthenticationError,
         BudgetExceededError,
