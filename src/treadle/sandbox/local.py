@@ -175,6 +175,11 @@ def _read(root: Path, path: str) -> FileContent:
             raise SandboxError(f"{path!r} is a directory; list it instead of reading it.")
         if not stat.S_ISREG(info.st_mode):
             raise SandboxError(f"{path!r} is not a regular file.")
+        if info.st_nlink > 1:
+            # A hard link shares its data with another name, possibly outside the workspace.
+            raise PathViolation(
+                f"{path!r} has other hard links, possibly outside the workspace; not read."
+            )
         chunks: list[bytes] = []
         remaining = MAX_READ_BYTES
         while remaining > 0:
@@ -199,12 +204,27 @@ def _write(root: Path, path: str, data: bytes) -> int:
     parent.mkdir(parents=True, exist_ok=True)
     # The parent may have been swapped for a link while we created it: check again.
     resolve_in_workspace(root, str(parent))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    # O_NONBLOCK: opening a FIFO without a reader would otherwise block this thread for good.
+    # No O_TRUNC yet: what the path names is checked first (see below).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         fd = os.open(real, flags, 0o644)
     except IsADirectoryError:
         raise SandboxError(f"{path!r} is a directory; choose a file name.") from None
+    except OSError as e:  # ENXIO: a FIFO nobody reads
+        raise SandboxError(f"{path!r} is not a regular file ({e.strerror}).") from None
     with os.fdopen(fd, "wb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SandboxError(f"{path!r} is not a regular file.")
+        if info.st_nlink > 1:
+            # A hard link shares its data with another name, possibly outside the workspace.
+            raise PathViolation(
+                f"{path!r} has other hard links, which may be outside the workspace; write a new "
+                "file instead."
+            )
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
         handle.write(data)
     return len(data)
 
