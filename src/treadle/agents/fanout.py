@@ -30,7 +30,7 @@ __all__ = ["DEFAULT_CONCURRENCY", "Progress", "amap", "map", "map_iter"]
 
 #: Runs in flight at once when `concurrency` is not given.
 DEFAULT_CONCURRENCY = 64
-_BACKENDS = ("local",)
+_BACKENDS = ("local", "process", "ray")
 # The plain progress line is redrawn at most this often (seconds).
 _PLAIN_REFRESH = 0.2
 
@@ -57,13 +57,16 @@ def _runner(agent: Any) -> Runner:
     return call
 
 
-def _check(concurrency: int, backend: str) -> None:
+def _check(concurrency: int, backend: str, options: dict[str, Any] | None = None) -> None:
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ConfigurationError(f"concurrency must be an int >= 1, got {concurrency!r}.")
     if backend not in _BACKENDS:
         raise ConfigurationError(
-            f"backend={backend!r} is not available yet; use backend='local' (process and Ray "
-            "backends are planned)."
+            f"backend={backend!r} is not a backend; use 'local', 'process' or 'ray'."
+        )
+    if backend == "local" and options:
+        raise ConfigurationError(
+            f"{sorted(options)} apply to backend='process' or 'ray' only (see treadle.distributed)."
         )
 
 
@@ -125,12 +128,26 @@ async def map_iter(
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
     backend: str = "local",
+    **backend_options: Any,
 ) -> AsyncIterator[tuple[int, Session | BaseException]]:
     """Run `agent` over `sessions`; yield `(index, output session or exception)` as each ends.
 
-    Leaving the loop early cancels the runs still in flight.
+    Leaving the loop early cancels the runs still in flight. `backend="process"` or `"ray"`
+    runs on worker processes (see `treadle.distributed.map_outcomes` for `backend_options`).
     """
-    _check(concurrency, backend)
+    _check(concurrency, backend, backend_options)
+    if backend != "local":
+        from treadle.distributed import map_iter as remote_map_iter
+
+        remote = remote_map_iter(
+            agent, sessions, backend=backend, concurrency=concurrency, **backend_options
+        )
+        try:
+            async for remote_entry in remote:
+                yield remote_entry
+        finally:
+            await remote.aclose()
+        return
     run = _runner(agent)
     queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
     task = asyncio.ensure_future(
@@ -156,9 +173,22 @@ async def amap(
     progress: bool = False,
     return_exceptions: bool = False,
     backend: str = "local",
+    **backend_options: Any,
 ) -> list[Any]:
     """Async `map`: the output sessions in input order (see `map`)."""
-    _check(concurrency, backend)
+    _check(concurrency, backend, backend_options)
+    if backend != "local":
+        from treadle.distributed import amap as remote_amap
+
+        return await remote_amap(
+            agent,
+            sessions,
+            backend=backend,
+            concurrency=concurrency,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            **backend_options,
+        )
     run = _runner(agent)
     results: list[Any] = []
     bar = Progress.create(_total(sessions)) if progress else None
@@ -196,6 +226,7 @@ def map(
     progress: bool = False,
     return_exceptions: bool = False,
     backend: str = "local",
+    **backend_options: Any,
 ) -> list[Any]:
     """Run `agent` over every session with at most `concurrency` runs in flight; block until done.
 
@@ -206,9 +237,11 @@ def map(
     otherwise, after every item finished, the first failure (in input order) is raised with a note
     counting the failures. `progress=True` shows a progress bar on a terminal (rich when
     installed, a plain line otherwise; nothing when stderr is not a TTY). Use `amap` or
-    `map_iter` from async code. `backend` accepts `"local"` only for now.
+    `map_iter` from async code. `backend="process"` (this machine's cores) or `"ray"` (a Ray
+    cluster) run passes on worker processes; `concurrency` is then per worker, and
+    `backend_options` are those of `treadle.distributed.map_outcomes` (docs/distributed.md).
     """
-    _check(concurrency, backend)
+    _check(concurrency, backend, backend_options)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -225,6 +258,7 @@ def map(
             progress=progress,
             return_exceptions=return_exceptions,
             backend=backend,
+            **backend_options,
         )
     ).result()
 

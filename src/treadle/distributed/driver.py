@@ -1,0 +1,215 @@
+"""The scheduler shared by the process and Ray backends: lazy feeding, bounded work, retries.
+
+`drive(pool, sessions, ...)` pulls sessions from any iterable only when a slot frees up, keeps at
+most `concurrency` passes in flight per worker, streams outcomes back as they finish, and when a
+worker is lost (its process died, or a call outlived `call_timeout`) restarts that worker and
+puts its in-flight passes back in the queue for any worker, up to `max_attempts` attempts each.
+This module must never hold more than the in-flight passes plus the undelivered outcomes (both
+bounded), never stop the map because one pass failed, and never block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable
+from typing import Any, Protocol
+
+from treadle.distributed.outcome import PassItem, PassOutcome
+from treadle.errors import ConfigurationError
+from treadle.session import Session
+
+__all__ = ["WorkerLost", "WorkerPool", "drive"]
+
+
+class WorkerLost(Exception):
+    """The worker running a pass died or stopped answering (the pass may be retried)."""
+
+
+class WorkerPool(Protocol):
+    """A fixed number of worker slots, each one live worker at a time."""
+
+    size: int
+
+    def worker_name(self, slot: int) -> str:
+        """The current worker of `slot` (`host:pid`), for attempt records."""
+        ...
+
+    async def run(self, slot: int, item: PassItem) -> PassOutcome:
+        """Run one pass on the worker of `slot`; raise `WorkerLost` if the worker is gone."""
+        ...
+
+    async def restart(self, slot: int) -> None:
+        """Replace the worker of `slot` (after a loss) with a fresh one."""
+        ...
+
+
+_DONE = object()
+
+
+async def drive(
+    pool: WorkerPool,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int,
+    max_attempts: int,
+    call_timeout: float | None,
+) -> AsyncGenerator[PassOutcome, None]:
+    """Run every session on `pool`; yield each `PassOutcome` as it finishes (any order)."""
+    if isinstance(sessions, AsyncIterable):
+        async_source: AsyncIterator[Any] | None = aiter(sessions)
+        sync_source = None
+    elif isinstance(sessions, Iterable) and not isinstance(sessions, (str, bytes, Session)):
+        async_source = None
+        sync_source = iter(sessions)
+    else:
+        raise ConfigurationError(
+            f"map takes an iterable of sessions, got {type(sessions).__name__}; wrap one item "
+            "in a list."
+        )
+    consumers = pool.size * concurrency
+    results: asyncio.Queue[Any] = asyncio.Queue()
+    # Outcomes not yet taken by the caller plus passes in flight stay under this bound.
+    undelivered = asyncio.Semaphore(2 * consumers)
+    changed = asyncio.Condition()
+    retry: deque[PassItem] = deque()
+    history: dict[int, list[dict[str, Any]]] = {}
+    state = {"next": 0, "in_flight": 0, "exhausted": False}
+    generation = [0] * pool.size
+    ready = [asyncio.Event() for _ in range(pool.size)]
+    for event in ready:
+        event.set()
+
+    async def pull() -> Any:
+        try:
+            if async_source is not None:
+                return await anext(async_source)
+            assert sync_source is not None
+            return next(sync_source)
+        except (StopIteration, StopAsyncIteration):
+            return _DONE
+
+    async def next_item() -> PassItem | PassOutcome | None:
+        async with changed:
+            while True:
+                if retry:
+                    state["in_flight"] += 1
+                    return retry.popleft()
+                if not state["exhausted"]:
+                    value = await pull()
+                    if value is _DONE:
+                        state["exhausted"] = True
+                        changed.notify_all()
+                        continue
+                    index = state["next"]
+                    state["next"] += 1
+                    if isinstance(value, Session):
+                        await value.wait_ready()
+                    try:
+                        item = PassItem.from_input(index, value)
+                    except Exception as err:  # reported like a failed pass
+                        return _bad_input(index, err)
+                    state["in_flight"] += 1
+                    return item
+                if state["in_flight"] == 0:
+                    return None
+                await changed.wait()
+
+    async def restart(slot: int, seen: int) -> None:
+        if generation[slot] != seen:  # another pass on this worker already restarted it
+            await ready[slot].wait()
+            return
+        generation[slot] += 1
+        ready[slot].clear()
+        try:
+            await pool.restart(slot)
+        finally:
+            ready[slot].set()
+
+    async def lost(worker: str, item: PassItem, err: BaseException) -> None:
+        records = history.setdefault(item.index, [])
+        records.append(
+            {
+                "attempt": item.attempt,
+                "worker": worker,
+                "status": "lost",
+                "error": f"{type(err).__name__}: {err}"[:2000],
+            }
+        )
+        if item.attempt < max_attempts:
+            retry.append(dataclasses.replace(item, attempt=item.attempt + 1))
+            undelivered.release()  # nothing delivered for this attempt
+            return
+        del history[item.index]
+        results.put_nowait(
+            PassOutcome(
+                index=item.index,
+                session_id=item.session_id,
+                status="lost",
+                attempts=item.attempt,
+                worker=records[-1]["worker"],
+                error=records[-1]["error"],
+                history=tuple(records),
+            )
+        )
+
+    async def consume(slot: int) -> None:
+        while True:
+            await undelivered.acquire()
+            item = await next_item()
+            if item is None:
+                undelivered.release()
+                return
+            if isinstance(item, PassOutcome):  # an input that is not a session
+                results.put_nowait(item)
+                continue
+            try:
+                await ready[slot].wait()
+                seen = generation[slot]
+                worker = pool.worker_name(slot)
+                try:
+                    outcome = await asyncio.wait_for(pool.run(slot, item), call_timeout)
+                except (WorkerLost, TimeoutError) as err:
+                    await lost(worker, item, err)
+                    await restart(slot, seen)
+                else:
+                    earlier = history.pop(item.index, None)
+                    if earlier:
+                        outcome = dataclasses.replace(outcome, history=(*earlier, *outcome.history))
+                    results.put_nowait(outcome)
+            finally:
+                async with changed:
+                    state["in_flight"] -= 1
+                    changed.notify_all()
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for slot in range(pool.size):
+                for _ in range(concurrency):
+                    tg.create_task(consume(slot))
+
+    task = asyncio.ensure_future(main())
+    task.add_done_callback(lambda _t: results.put_nowait(_DONE))
+    try:
+        while (entry := await results.get()) is not _DONE:
+            yield entry
+            undelivered.release()
+        task.result()  # a failing input iterable or a worker that cannot restart
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def _bad_input(index: int, err: Exception) -> PassOutcome:
+    return PassOutcome(
+        index=index,
+        session_id="",
+        status="error",
+        attempts=0,
+        worker="driver",
+        error=f"{type(err).__name__}: {err}",
+    )

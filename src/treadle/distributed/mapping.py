@@ -1,0 +1,210 @@
+"""Distributed fan-out: `map_outcomes` (stream of `PassOutcome`s), and the `amap` / `map_iter`
+forms `treadle.map(..., backend="process" | "ray")` dispatches to.
+
+The agent becomes an `AgentSpec`, sessions become `PassItem`s as workers have room for them, and
+outcomes come back as they finish (optionally appended to a JSONL results file). Delivery is
+at-least-once: a pass in flight on a worker that dies runs again elsewhere. This module must never
+pull more inputs than the workers have room for, and never ship an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+from typing import Any, Literal
+
+from treadle.distributed.driver import WorkerPool, drive
+from treadle.distributed.outcome import PassFailed, PassOutcome
+from treadle.distributed.results import ResultsWriter
+from treadle.distributed.spec import DEFAULT_API_KEY_ENV, AgentSpec
+from treadle.errors import ConfigurationError
+from treadle.session import Session
+
+__all__ = [
+    "DEFAULT_CALL_GRACE",
+    "DEFAULT_MAX_ATTEMPTS",
+    "REMOTE_BACKENDS",
+    "amap",
+    "map_iter",
+    "map_outcomes",
+]
+
+#: The backends served by this package.
+REMOTE_BACKENDS = ("process", "ray")
+#: Attempts per pass (first run plus retries after a worker died) when not given.
+DEFAULT_MAX_ATTEMPTS = 3
+#: Seconds past `pass_timeout` the driver waits for a worker's answer before declaring it lost.
+DEFAULT_CALL_GRACE = 60.0
+
+RateLimitMode = Literal["split", "shared"]
+
+
+def _check(
+    backend: str, concurrency: int, max_attempts: int, rate_limit: str, workers: int | None
+) -> None:
+    if backend not in REMOTE_BACKENDS:
+        raise ConfigurationError(
+            f"backend={backend!r} is not a distributed backend; use 'process' or 'ray'."
+        )
+    for name, value in (("concurrency", concurrency), ("max_attempts", max_attempts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}.")
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+    ):
+        raise ConfigurationError(f"workers must be an int >= 1 or None, got {workers!r}.")
+    if rate_limit not in ("split", "shared"):
+        raise ConfigurationError(f"rate_limit must be 'split' or 'shared', got {rate_limit!r}.")
+    if rate_limit == "shared" and backend != "ray":
+        raise ConfigurationError(
+            "rate_limit='shared' needs backend='ray' (it is a named Ray actor); the process "
+            "backend splits the limit between its workers."
+        )
+
+
+async def map_outcomes(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    backend: str = "process",
+    workers: int | None = None,
+    concurrency: int = 64,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    pass_timeout: float | None = None,
+    call_timeout: float | None = None,
+    results_path: str | None = None,
+    rate_limit: RateLimitMode = "split",
+    sandbox_base: str | None = None,
+    ray_address: str | None = None,
+    api_key_env: str = DEFAULT_API_KEY_ENV,
+) -> AsyncGenerator[PassOutcome, None]:
+    """Run `agent` over `sessions` on worker processes; yield a `PassOutcome` as each ends.
+
+    Args:
+        agent: An `Agent` (importable tools, a `Provider`) or an `AgentSpec`.
+        sessions: Sessions or user-message strings, from any iterable or async iterable; pulled
+            only as workers have room.
+        backend: `"process"` (this machine's cores) or `"ray"` (a Ray cluster).
+        workers: Worker processes (default: one per CPU of this machine / of the cluster).
+        concurrency: Passes in flight per worker.
+        max_attempts: Attempts per pass when workers die with it in flight.
+        pass_timeout: Seconds one pass may run; past it the outcome has status `"timeout"`.
+        call_timeout: Seconds the driver waits for a worker's answer before treating the worker
+            as lost (default: `pass_timeout` + 60, or no limit without `pass_timeout`).
+        results_path: Also append each outcome as one JSON line to this file.
+        rate_limit: `"split"` divides the endpoint's limits between workers; `"shared"` (Ray
+            only) makes requests-per-minute one token bucket for all workers.
+        sandbox_base: Directory under which workers make their sandbox roots.
+        ray_address: Ray cluster to connect to when Ray is not initialised (`"auto"`, an
+            address, or None for a local instance).
+        api_key_env: Environment variable each worker reads the API key from.
+
+    Outcomes arrive in completion order; `outcome.index` is the input position.
+    """
+    _check(backend, concurrency, max_attempts, rate_limit, workers)
+    spec = AgentSpec.from_agent(agent, api_key_env=api_key_env)
+    if call_timeout is None and pass_timeout is not None:
+        call_timeout = pass_timeout + DEFAULT_CALL_GRACE
+    pool: Any
+    if backend == "process":
+        from treadle.distributed.process import ProcessPool
+
+        pool = ProcessPool(
+            spec.to_json(), size=workers, sandbox_base=sandbox_base, pass_timeout=pass_timeout
+        )
+    else:
+        from treadle.distributed.ray_backend import RayPool
+
+        pool = RayPool(
+            spec.to_json(),
+            size=workers,
+            concurrency=concurrency,
+            sandbox_base=sandbox_base,
+            pass_timeout=pass_timeout,
+            rate_limit=rate_limit,
+            requests_per_minute=spec.requests_per_minute,
+            address=ray_address,
+        )
+    writer = ResultsWriter(results_path) if results_path is not None else None
+    try:
+        await pool.start()
+        try:
+            stream = drive(
+                _as_pool(pool),
+                sessions,
+                concurrency=concurrency,
+                max_attempts=max_attempts,
+                call_timeout=call_timeout,
+            )
+            try:
+                async for outcome in stream:
+                    if writer is not None:
+                        writer.write(outcome)
+                    yield outcome
+            finally:
+                await stream.aclose()
+        finally:
+            await asyncio.shield(pool.close())
+    finally:
+        if writer is not None:
+            await asyncio.to_thread(writer.close)
+
+
+def _as_pool(pool: Any) -> WorkerPool:
+    return pool  # type: ignore[no-any-return]
+
+
+def _result(outcome: PassOutcome) -> Session | PassFailed:
+    return outcome.session() if outcome.ok else PassFailed(outcome)
+
+
+async def map_iter(
+    agent: Any, sessions: Iterable[Any] | AsyncIterable[Any], **options: Any
+) -> AsyncGenerator[tuple[int, Session | BaseException], None]:
+    """`treadle.agents.map_iter` on a distributed backend: `(index, output session or
+    PassFailed)` as each pass ends (options as for `map_outcomes`)."""
+    stream = map_outcomes(agent, sessions, **options)
+    try:
+        async for outcome in stream:
+            yield outcome.index, _result(outcome)
+    finally:
+        await stream.aclose()
+
+
+async def amap(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    progress: bool = False,
+    return_exceptions: bool = False,
+    **options: Any,
+) -> list[Any]:
+    """`treadle.agents.amap` on a distributed backend: output sessions in input order.
+
+    A failed pass is a `PassFailed` (with its `outcome`) in its place with
+    `return_exceptions=True`; otherwise the first failure is raised once every pass ended.
+    """
+    from treadle.agents.fanout import Progress, _total
+
+    bar = Progress.create(_total(sessions)) if progress else None
+    results: list[Any] = []
+    try:
+        async for index, result in map_iter(agent, sessions, **options):
+            if index >= len(results):
+                results.extend([None] * (index + 1 - len(results)))
+            results[index] = result
+            if bar is not None:
+                bar.advance(failed=isinstance(result, BaseException))
+    finally:
+        if bar is not None:
+            bar.close()
+    if not return_exceptions:
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            first = failures[0]
+            first.add_note(
+                f"treadle.map: {len(failures)} of {len(results)} items failed (this is the "
+                "first); pass return_exceptions=True to get every result."
+            )
+            raise first
+    return results

@@ -1,0 +1,125 @@
+"""What crosses the wire per pass: `PassItem` (a session going out) and `PassOutcome` (its result).
+
+Both are plain JSON: sessions travel as OpenAI message lists (`session.to_messages()` and back
+with `Session.from_messages`), usage as its four counters. An outcome records every attempt (the
+worker it ran on and how it ended), so at-least-once delivery is visible in the results. This
+module must never hold a live `Session` in an outcome: outcomes are data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from treadle.errors import ConfigurationError, SessionFailedError
+from treadle.session import Session, Usage
+
+__all__ = ["OUTCOME_METADATA_KEY", "PassFailed", "PassItem", "PassOutcome", "PassStatus"]
+
+PassStatus = Literal["ok", "error", "timeout", "lost"]
+"""How a pass ended: it finished, it raised, it ran past `pass_timeout`, or every attempt was on
+a worker that died."""
+
+#: The metadata key of a rebuilt output session holding `{status, attempts, worker, ...}`.
+OUTCOME_METADATA_KEY = "treadle.distributed"
+
+
+@dataclass(frozen=True, slots=True)
+class PassItem:
+    """One session sent to a worker: its position, id, messages and sandbox placement."""
+
+    index: int
+    session_id: str
+    messages: list[dict[str, Any]]
+    placement: str | None = None
+    attempt: int = 1
+
+    @classmethod
+    def from_input(cls, index: int, value: Any) -> PassItem:
+        """An item from a map input: a finished `Session` or a user message string."""
+        if isinstance(value, str):
+            value = Session.from_user_message(value)
+        if not isinstance(value, Session):
+            raise ConfigurationError(
+                f"a distributed map takes Sessions or strs, got {type(value).__name__}."
+            )
+        return cls(index, value.id, value.to_messages(), value.placement)
+
+    def to_json(self) -> dict[str, Any]:
+        """The item as a JSON-able dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PassItem:
+        """The item from `to_json` output."""
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class PassOutcome:
+    """The result of one input: status, attempts, worker, and the output session as data."""
+
+    index: int
+    """Position of the input in the map's iterable."""
+    session_id: str
+    """Id of the input session."""
+    status: PassStatus
+    attempts: int
+    """Attempts made (more than 1 when a worker died with the pass in flight)."""
+    worker: str
+    """The worker of the last attempt, `host:pid`."""
+    messages: list[dict[str, Any]] | None = None
+    """The output session's rows as OpenAI messages (None unless status is ok)."""
+    usage: dict[str, int] = field(default_factory=dict)
+    """Token usage: `prompt_tokens`, `completion_tokens`, `total_tokens`, `requests`."""
+    stop_reason: str | None = None
+    error: str | None = None
+    """`ErrorType: message` when the pass did not finish."""
+    history: tuple[dict[str, Any], ...] = ()
+    """One `{attempt, worker, status, error}` per attempt, oldest first."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the pass finished (whatever its stop reason)."""
+        return self.status == "ok"
+
+    def session(self) -> Session:
+        """The output session rebuilt from the outcome (raises `PassFailed` if it failed)."""
+        if self.status != "ok" or self.messages is None:
+            raise PassFailed(self)
+        base = Session.from_messages(self.messages)
+        info = {
+            "status": self.status,
+            "attempts": self.attempts,
+            "worker": self.worker,
+            "input_session_id": self.session_id,
+        }
+        return base.with_data(
+            usage=Usage(**self.usage) if self.usage else Usage(),
+            stop_reason=self.stop_reason,
+            metadata={OUTCOME_METADATA_KEY: info},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The outcome as a JSON-able dict (one line of the results file)."""
+        data = dataclasses.asdict(self)
+        data["history"] = list(self.history)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PassOutcome:
+        """The outcome from `to_json` output."""
+        return cls(**{**data, "history": tuple(data.get("history", ()))})
+
+
+class PassFailed(SessionFailedError):
+    """A distributed pass did not finish: it raised, timed out, or lost every worker it ran on."""
+
+    def __init__(self, outcome: PassOutcome) -> None:
+        self.outcome = outcome
+        super().__init__(
+            f"pass {outcome.index} (session {outcome.session_id}) ended with status "
+            f"{outcome.status!r} after {outcome.attempts} attempt(s): {outcome.error}"
+        )

@@ -1,0 +1,283 @@
+"""`ProcessPool`: the `backend="process"` workers, one fresh Python process per core here.
+
+Each worker process (`python -m treadle.distributed.process FD`, a fresh interpreter that never
+re-runs the caller's `__main__`) runs a `PassWorker` on its own event loop, many passes at once;
+the driver talks to it over a socket pair wrapped in a `multiprocessing` `Connection` (items out,
+outcomes back, as JSON-able dicts). Reads
+and writes of the pipe happen on threads, so the driver's event loop never waits on a pipe. When
+a worker process dies, every pass it had in flight fails with `WorkerLost` and the slot is
+restarted by the scheduler (`treadle.distributed.driver`). This module must never share Python
+objects with a worker other than by pipe messages, and never leave a worker process running
+after `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from treadle.distributed.driver import WorkerLost
+from treadle.distributed.outcome import PassItem, PassOutcome
+from treadle.errors import ConfigurationError
+
+__all__ = ["WORKER_START_TIMEOUT", "ProcessPool"]
+
+#: Seconds a worker process may take to start and build its agent.
+WORKER_START_TIMEOUT = 60.0
+# Seconds to wait for a worker to exit after being asked to stop, before it is killed.
+_STOP_GRACE = 10.0
+
+
+# -- inside the worker process ------------------------------------------------------------------
+
+
+def _worker_main(fd: int) -> None:
+    """Entry point of a worker process: the first message carries the spec and `sys.path`."""
+    conn = Connection(fd)
+    try:
+        _kind, spec, options, path = conn.recv()
+    except (EOFError, OSError):
+        return
+    sys.path[:] = path  # the driver's import path, so tools import here as they do there
+    asyncio.run(_serve(conn, spec, options))
+
+
+async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]) -> None:
+    from treadle.distributed.worker import PassWorker
+
+    loop = asyncio.get_running_loop()
+    outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def write() -> None:
+        while (message := outbox.get()) is not None:
+            try:
+                conn.send(message)
+            except OSError:  # the driver is gone; nothing left to tell
+                return
+
+    writer = threading.Thread(target=write, name="treadle-worker-send", daemon=True)
+    writer.start()
+    try:
+        worker = PassWorker(spec, **options)
+    except Exception as err:
+        outbox.put(("failed", f"{type(err).__name__}: {err}"))
+        outbox.put(None)
+        writer.join()
+        return
+    outbox.put(("ready", worker.name))
+    stop = asyncio.Event()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def run_one(call_id: int, item: dict[str, Any]) -> None:
+        outcome = await worker.run(item)
+        outbox.put(("done", call_id, outcome.to_json()))
+
+    def on_message(message: Any) -> None:
+        if message is None:
+            stop.set()
+            return
+        task = loop.create_task(run_one(*message))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def read() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = None
+            loop.call_soon_threadsafe(on_message, message)
+            if message is None:
+                return
+
+    threading.Thread(target=read, name="treadle-worker-recv", daemon=True).start()
+    await stop.wait()
+    for task in list(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.to_thread(worker.close)
+    outbox.put(None)
+    writer.join()
+
+
+# -- in the driver -------------------------------------------------------------------------------
+
+
+class _Worker:
+    """The driver's end of one worker process."""
+
+    def __init__(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+        self.name = f"process:{process.pid}"
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="treadle-pool-send")
+        self.lost = False
+
+    def start_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        def read() -> None:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    message = None
+                try:
+                    loop.call_soon_threadsafe(self.on_message, message)
+                except RuntimeError:  # the driver's loop is closed
+                    return
+                if message is None:
+                    return
+
+        threading.Thread(target=read, name="treadle-pool-recv", daemon=True).start()
+
+    def on_message(self, message: Any) -> None:
+        if message is None:
+            self.fail(WorkerLost(f"worker {self.name} exited"))
+        elif message[0] == "done":
+            future = self.pending.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif message[0] == "ready" and not self.ready.done():
+            self.name = message[1]
+            self.ready.set_result(message[1])
+        elif message[0] == "failed" and not self.ready.done():
+            self.ready.set_exception(
+                ConfigurationError(f"a process worker could not start: {message[1]}")
+            )
+
+    def fail(self, err: Exception) -> None:
+        self.lost = True
+        if not self.ready.done():
+            self.ready.set_exception(err)
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(err)
+
+    def stop(self) -> None:
+        """Ask the process to finish, kill it if it does not, and reap it (blocks)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)
+        try:
+            self.process.wait(_STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+        self.sender.shutdown(wait=True)
+
+
+class ProcessPool:
+    """`size` worker processes (spawned), each running passes of `spec` on its own loop."""
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        *,
+        size: int | None = None,
+        sandbox_base: str | None = None,
+        pass_timeout: float | None = None,
+    ) -> None:
+        self.size = size or os.cpu_count() or 1
+        self._spec = spec
+        self._options = {
+            "share": 1.0 / self.size,
+            "sandbox_base": sandbox_base,
+            "pass_timeout": pass_timeout,
+        }
+        self._workers: list[_Worker | None] = [None] * self.size
+        self._calls = itertools.count()
+
+    def worker_name(self, slot: int) -> str:
+        """The current worker of `slot`, `host:pid`."""
+        worker = self._workers[slot]
+        return worker.name if worker is not None else "none"
+
+    async def _spawn(self) -> _Worker:
+        parent, child = socket.socketpair()
+        with child:
+            process = await asyncio.to_thread(
+                subprocess.Popen,
+                [sys.executable, "-m", "treadle.distributed.process", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        conn = Connection(parent.detach())
+        conn.send(("init", self._spec, self._options, list(sys.path)))
+        worker = _Worker(process, conn)
+        worker.start_reader(asyncio.get_running_loop())
+        try:
+            await asyncio.wait_for(asyncio.shield(worker.ready), WORKER_START_TIMEOUT)
+        except BaseException:
+            await asyncio.to_thread(worker.stop)
+            raise
+        return worker
+
+    async def start(self) -> None:
+        """Start every worker (they start in parallel)."""
+        results = await asyncio.gather(
+            *(self._spawn() for _ in range(self.size)), return_exceptions=True
+        )
+        for slot, result in enumerate(results):
+            if isinstance(result, _Worker):
+                self._workers[slot] = result
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+
+    async def run(self, slot: int, item: PassItem) -> PassOutcome:
+        """Run one pass on the worker of `slot`."""
+        worker = self._workers[slot]
+        if worker is None or worker.lost:
+            raise WorkerLost(f"worker slot {slot} has no live worker")
+        call_id = next(self._calls)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        worker.pending[call_id] = future
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(worker.sender, worker.conn.send, (call_id, item.to_json()))
+        except OSError as err:
+            worker.pending.pop(call_id, None)
+            raise WorkerLost(f"worker {worker.name} is gone ({err})") from None
+        try:
+            return PassOutcome.from_json(await future)
+        finally:
+            worker.pending.pop(call_id, None)
+
+    async def restart(self, slot: int) -> None:
+        """Replace the worker of `slot`: reap the old process, spawn a new one (whose janitor
+        removes the old one's sandboxes)."""
+        old = self._workers[slot]
+        self._workers[slot] = None
+        if old is not None:
+            old.fail(WorkerLost(f"worker {old.name} was replaced"))
+            await asyncio.to_thread(old.stop)
+        self._workers[slot] = await self._spawn()
+
+    async def close(self) -> None:
+        """Stop every worker and reap its process."""
+        workers = [w for w in self._workers if w is not None]
+        self._workers = [None] * self.size
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in workers))
+        for worker in workers:
+            worker.fail(WorkerLost("the pool is closed"))
+
+    def pids(self) -> list[int | None]:
+        """The process ids of the live workers, by slot."""
+        return [w.process.pid if w is not None else None for w in self._workers]
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]))

@@ -1,0 +1,239 @@
+"""`AgentSpec`: an agent as plain data, so it can cross process and machine boundaries.
+
+A spec names everything a worker needs to rebuild the agent: the model, the endpoint URL, the
+instructions, the tools by import path (`package.module:function`), limits and the per-endpoint
+rate limits. The API key never travels: the spec carries the *name* of the environment variable
+holding it, and each worker reads its own environment. This module must never put a secret into
+a spec and never import a tool before a worker builds the agent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from treadle.errors import ConfigurationError
+from treadle.llm.provider import Provider
+from treadle.loop import DEFAULT_MAX_TOOL_ROUNDS, Limits
+
+__all__ = ["DEFAULT_API_KEY_ENV", "AgentSpec", "resolve_tool", "tool_path"]
+
+#: The environment variable a worker reads the API key from when the spec names none.
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+
+
+def tool_path(tool: Any) -> str:
+    """The import path `package.module:qualname` of a tool function (or a `@tool` object).
+
+    Raises `ConfigurationError` when the function cannot be imported back by that path (lambdas,
+    closures, functions defined in `__main__` or a test body).
+    """
+    if isinstance(tool, str):
+        module, sep, qualname = tool.partition(":")
+        if not (module and sep and qualname):
+            raise ConfigurationError(
+                f"tool path {tool!r} must look like 'package.module:function'."
+            )
+        return tool
+    fn = getattr(tool, "fn", tool)
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or "<" in qualname or module == "__main__":
+        raise ConfigurationError(
+            f"tool {getattr(tool, 'name', qualname)!r} cannot cross to a worker: define it at the "
+            "top level of an importable module and pass it (or 'package.module:function')."
+        )
+    path = f"{module}:{qualname}"
+    resolved = resolve_tool(path)
+    if resolved is not tool and getattr(resolved, "fn", resolved) is not fn:
+        raise ConfigurationError(
+            f"tool path {path!r} does not lead back to the same tool; define the tool at the "
+            "top level of its module."
+        )
+    return path
+
+
+def resolve_tool(path: str) -> Any:
+    """Import the tool named by `package.module:qualname`."""
+    module_name, sep, qualname = path.partition(":")
+    if not sep or not module_name or not qualname:
+        raise ConfigurationError(f"tool path {path!r} must look like 'package.module:function'.")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ConfigurationError(
+            f"cannot import tool {path!r} on this worker ({err}); install the module that "
+            "defines it on every worker."
+        ) from None
+    return obj
+
+
+def _limits_dict(limits: Limits | None) -> dict[str, Any] | None:
+    return None if limits is None else dataclasses.asdict(limits)
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Everything a worker needs to rebuild an agent, as JSON-able data (no secrets)."""
+
+    model: str
+    """Model name sent in each request."""
+    instructions: str = ""
+    """The system prompt."""
+    name: str = "agent"
+    """The agent's name (lineage, logs)."""
+    base_url: str | None = None
+    """Endpoint root; None lets each worker use its own `OPENAI_BASE_URL`."""
+    api_key_env: str = DEFAULT_API_KEY_ENV
+    """Name of the environment variable each worker reads its API key from."""
+    tools: tuple[str, ...] = ()
+    """Tools by import path, `package.module:function`."""
+    limits: Mapping[str, Any] | None = None
+    """`Limits` fields (max_steps, max_total_tokens, deadline_seconds, ...)."""
+    max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS
+    """Tool rounds per pass before `stop_reason == "max_steps"`."""
+    provider_options: Mapping[str, Any] = field(default_factory=dict)
+    """Other JSON-able `Provider` fields (temperature, max_tokens, timeout, max_retries, ...)."""
+    max_concurrent_requests: int | None = None
+    """Concurrent requests to the endpoint, over all workers (split between them)."""
+    requests_per_minute: int | None = None
+    """Requests per minute to the endpoint, over all workers (split, or one shared bucket)."""
+    tokens_per_minute: int | None = None
+    """Tokens per minute to the endpoint, over all workers (split between them)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigurationError(
+                "AgentSpec needs a model name, e.g. AgentSpec(model='gpt-4o')."
+            )
+        object.__setattr__(self, "tools", tuple(tool_path(t) for t in self.tools))
+        for key in ("api_key", "http_client", "on_budget_exceeded"):
+            if key in self.provider_options:
+                raise ConfigurationError(
+                    f"provider_options cannot carry {key!r}: it does not cross machines "
+                    "(keys come from each worker's environment, see api_key_env)."
+                )
+
+    @classmethod
+    def from_agent(cls, agent: Any, *, api_key_env: str = DEFAULT_API_KEY_ENV) -> AgentSpec:
+        """The spec of an `Agent` whose tools are importable functions and whose provider is
+        plain data (no executor, guardrails or output type: those cannot cross machines)."""
+        if isinstance(agent, AgentSpec):
+            return agent
+        provider = getattr(agent, "provider", None)
+        if not isinstance(provider, Provider) or getattr(agent, "executor", None) is not None:
+            raise ConfigurationError(
+                "a distributed map needs an Agent with provider=Provider(...) or an AgentSpec; "
+                "custom executors do not cross machines (use backend='local' for them)."
+            )
+        if agent.guardrails or agent.output_type is not None:
+            raise ConfigurationError(
+                f"Agent {agent.name!r} has guardrails or an output_type, which do not cross "
+                "machines yet; use backend='local' for it."
+            )
+        if provider.model is None:
+            raise ConfigurationError(f"Agent {agent.name!r} needs Provider(model=...).")
+        options = {
+            f.name: getattr(provider, f.name)
+            for f in dataclasses.fields(provider)
+            if f.init and f.name in _PLAIN_PROVIDER_FIELDS
+        }
+        defaults = Provider()
+        options = {k: v for k, v in options.items() if v != getattr(defaults, k)}
+        return cls(
+            model=provider.model,
+            instructions=agent.instructions,
+            name=agent.name,
+            base_url=provider.base_url,
+            api_key_env=api_key_env,
+            tools=tuple(tool_path(t) for t in agent.tools),
+            limits=_limits_dict(agent.limits),
+            max_tool_rounds=agent.max_tool_rounds,
+            provider_options=options,
+            max_concurrent_requests=provider.max_concurrent_requests,
+            requests_per_minute=provider.requests_per_minute,
+            tokens_per_minute=provider.tokens_per_minute,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as a JSON-able dict."""
+        data = dataclasses.asdict(self)
+        data["tools"] = list(self.tools)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AgentSpec:
+        """The spec from `to_json` output."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ConfigurationError(f"unknown AgentSpec fields: {sorted(unknown)}.")
+        return cls(**{**data, "tools": tuple(data.get("tools", ()))})
+
+    def build_agent(
+        self, *, share: float = 1.0, shared_rate: bool = False, guardrails: Sequence[Any] = ()
+    ) -> Any:
+        """Rebuild the `Agent` on a worker, with `share` (0-1] of the endpoint's limits.
+
+        With `shared_rate=True` the requests-per-minute cap is left to a shared bucket (passed in
+        `guardrails`). The API key is read from this process's `api_key_env` variable.
+        """
+        from treadle.agents import Agent
+
+        def part(value: int | None) -> int | None:
+            return None if value is None else max(1, math.floor(value * share))
+
+        options: dict[str, Any] = dict(self.provider_options)
+        if isinstance(options.get("timeout"), list):
+            options["timeout"] = tuple(options["timeout"])
+        if self.max_concurrent_requests is not None:
+            options["max_concurrent_requests"] = part(self.max_concurrent_requests)
+        provider = Provider(
+            model=self.model,
+            base_url=self.base_url,
+            api_key=os.environ.get(self.api_key_env),
+            requests_per_minute=None if shared_rate else part(self.requests_per_minute),
+            tokens_per_minute=part(self.tokens_per_minute),
+            **options,
+        )
+        return Agent(
+            self.name,
+            self.instructions,
+            tools=[resolve_tool(path) for path in self.tools],
+            provider=provider,
+            limits=Limits(**self.limits) if self.limits else None,
+            max_tool_rounds=self.max_tool_rounds,
+            guardrails=guardrails,
+        )
+
+    def with_tools(self, tools: Iterable[Any]) -> AgentSpec:
+        """A copy offering `tools` (functions or import paths)."""
+        return dataclasses.replace(self, tools=tuple(tool_path(t) for t in tools))
+
+
+# Provider fields that are plain JSON data and worth carrying (secrets and objects are not).
+_PLAIN_PROVIDER_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "seed",
+        "stop",
+        "extra_body",
+        "stream",
+        "timeout",
+        "max_retries",
+        "retry_base_delay",
+        "budget_total_tokens",
+    }
+)

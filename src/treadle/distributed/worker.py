@@ -1,0 +1,134 @@
+"""`PassWorker`: what runs inside one worker process, whatever the backend.
+
+A worker rebuilds the agent from its spec once (its own HTTP pool, limiter and sandbox root),
+then runs many passes concurrently on its event loop: each pass gets a fresh sandbox directory
+under the worker's root (when its session had a placement), a per-pass timeout, and comes back as
+a `PassOutcome`. Before anything else a worker runs the janitor over the sandbox base. This module
+must never let one pass's failure escape `run` (it becomes the outcome) and never leave a pass's
+sandbox directory behind once `run` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from treadle.distributed.janitor import clean_orphans, make_sandbox_root
+from treadle.distributed.outcome import PassItem, PassOutcome
+from treadle.distributed.spec import AgentSpec
+from treadle.loop import Guardrail
+from treadle.session import Session
+
+__all__ = ["PassWorker", "worker_name"]
+
+RateGate = Callable[[], Awaitable[None]]
+"""Awaited before every model request when the rate limit is one shared bucket."""
+
+
+def worker_name() -> str:
+    """This process as a worker: `host:pid`."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _error_text(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}"[:2000]
+
+
+class PassWorker:
+    """Runs passes of one agent spec in this process (create it on the loop that will run it)."""
+
+    def __init__(
+        self,
+        spec: AgentSpec | Mapping[str, Any],
+        *,
+        share: float = 1.0,
+        sandbox_base: str | os.PathLike[str] | None = None,
+        pass_timeout: float | None = None,
+        rate_gate: RateGate | None = None,
+    ) -> None:
+        self.spec = spec if isinstance(spec, AgentSpec) else AgentSpec.from_json(spec)
+        self.name = worker_name()
+        self.pass_timeout = pass_timeout
+        self.orphans_removed = clean_orphans(sandbox_base)
+        self.root: Path = make_sandbox_root(sandbox_base)
+        guards = []
+        if rate_gate is not None:
+            gate = rate_gate
+
+            async def take_rate_token(_data: Any) -> None:
+                await gate()
+
+            guards.append(Guardrail(take_rate_token, "before", "treadle.shared_rate_limit"))
+        self.agent = self.spec.build_agent(
+            share=share, shared_rate=rate_gate is not None, guardrails=guards
+        )
+
+    async def run(self, item: PassItem | Mapping[str, Any]) -> PassOutcome:
+        """Run one pass; every failure (error, timeout) is reported in the outcome."""
+        if not isinstance(item, PassItem):
+            item = PassItem.from_json(item)
+        workspace: Path | None = None
+        session = Session.from_messages(item.messages)
+        out: Session | None = None
+        deadline = asyncio.timeout(self.pass_timeout)
+        try:
+            if item.placement == "local":
+                workspace = self.root / f"{item.index}-{item.attempt}-{item.session_id[:8]}"
+                await asyncio.to_thread(workspace.mkdir)
+                session = session.to(str(workspace))
+            elif item.placement is not None:
+                session = session.to(item.placement)
+            async with deadline:
+                out = await self.agent.run(session)
+            usage = out.usage
+            return self._outcome(
+                item,
+                "ok",
+                messages=out.to_messages(),
+                usage=dataclasses.asdict(usage),
+                stop_reason=out.stop_reason,
+            )
+        except TimeoutError as err:
+            if not deadline.expired():  # a timeout inside the pass (e.g. ProviderTimeout)
+                return self._outcome(item, "error", error=_error_text(err))
+            return self._outcome(
+                item, "timeout", error=f"TimeoutError: pass ran over {self.pass_timeout} s"
+            )
+        except Exception as err:  # a failing pass is its own outcome, never the worker's end
+            return self._outcome(item, "error", error=_error_text(err))
+        finally:
+            if out is not None:
+                out.close_sandbox()
+            session.close_sandbox()
+            if workspace is not None:
+                await asyncio.to_thread(shutil.rmtree, workspace, True)
+
+    def _outcome(self, item: PassItem, status: Any, **fields: Any) -> PassOutcome:
+        record = {
+            "attempt": item.attempt,
+            "worker": self.name,
+            "status": status,
+            "error": fields.get("error"),
+        }
+        return PassOutcome(
+            index=item.index,
+            session_id=item.session_id,
+            status=status,
+            attempts=item.attempt,
+            worker=self.name,
+            history=(record,),
+            **fields,
+        )
+
+    def close(self) -> None:
+        """Remove this worker's sandbox root (blocks; call when no pass is running)."""
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.root)

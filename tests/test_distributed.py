@@ -1,0 +1,220 @@
+"""Distributed fan-out on the process backend: spec, janitor, results file, retries, failures.
+
+Real worker processes, the fake OpenAI server over loopback, real sandbox directories. The Ray
+backend has its own module (tests/test_distributed_ray.py, `make test-ray`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from treadle import ConfigurationError, Session
+from treadle.agents import Agent, amap, map
+from treadle.distributed import (
+    OUTCOME_METADATA_KEY,
+    AgentSpec,
+    PassFailed,
+    PassOutcome,
+    clean_orphans,
+    map_outcomes,
+    read_results,
+)
+from treadle.distributed.janitor import ROOT_PREFIX, make_sandbox_root, owner_of
+from treadle.llm import Provider
+from treadle.testing import FakeOpenAIServer, Reply
+from treadle.testing.sample_tools import shout, shout_script
+
+
+def _agent(base_url: str, **provider: Any) -> Agent:
+    return Agent(
+        "shouter",
+        "Shout what the user says.",
+        tools=[shout],
+        provider=Provider(model="fake", base_url=base_url, **provider),
+    )
+
+
+def _inputs(n: int) -> list[Any]:
+    # Every other input has a sandbox placement, so workers make (and must remove) directories.
+    return [
+        Session.from_user_message(f"item {i}").to("local") if i % 2 else f"item {i}"
+        for i in range(n)
+    ]
+
+
+def _left(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _view(session: Session) -> tuple[Any, ...]:
+    return (session.to_messages(), session.stop_reason, session.usage)
+
+
+def test_spec_carries_data_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MY_KEY", "sk-secret-value")
+    provider = Provider(
+        model="m",
+        base_url="https://example.test/v1",
+        api_key="sk-secret-value",
+        temperature=0.2,
+        requests_per_minute=600,
+    )
+    agent = Agent("a", "Be brief.", tools=[shout], provider=provider)
+    spec = AgentSpec.from_agent(agent, api_key_env="MY_KEY")
+    data = spec.to_json()
+    assert "sk-secret-value" not in json.dumps(data)
+    assert data["tools"] == ["treadle.testing.sample_tools:shout"]
+    assert data["api_key_env"] == "MY_KEY"
+    assert AgentSpec.from_json(json.loads(json.dumps(data))) == spec
+    rebuilt = spec.build_agent(share=0.5)
+    assert rebuilt.provider.api_key == "sk-secret-value"  # read from this process's environment
+    assert rebuilt.provider.requests_per_minute == 300  # half of the endpoint's limit
+    assert rebuilt.provider.temperature == 0.2
+
+
+def test_spec_refuses_what_cannot_cross() -> None:
+    def local_tool(x: int) -> int:
+        return x
+
+    provider = Provider(model="m", base_url="http://127.0.0.1:1/v1")
+    with pytest.raises(ConfigurationError, match="cannot cross"):
+        AgentSpec.from_agent(Agent("a", tools=[local_tool], provider=provider))
+    with pytest.raises(ConfigurationError, match=r"package\.module:function"):
+        AgentSpec(model="m", tools=("no_colon",))
+    with pytest.raises(ConfigurationError, match="api_key"):
+        AgentSpec(model="m", provider_options={"api_key": "sk-x"})
+
+
+def test_janitor_removes_roots_of_dead_owners_only(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine = make_sandbox_root(tmp_path)
+        host = owner_of(mine)
+        assert host is not None and host[1] == os.getpid()
+        orphan = tmp_path / f"{ROOT_PREFIX}{host[0]}-{dead.pid}-abcd1234"
+        (orphan / "pass-1").mkdir(parents=True)
+        alive = tmp_path / f"{ROOT_PREFIX}{host[0]}-{live.pid}-abcd1234"
+        alive.mkdir()
+        elsewhere = tmp_path / f"{ROOT_PREFIX}otherhost-{dead.pid}-abcd1234"
+        elsewhere.mkdir()
+        unrelated = tmp_path / "keep-me"
+        unrelated.mkdir()
+        assert clean_orphans(tmp_path) == [orphan]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            p.name for p in (mine, alive, elsewhere, unrelated)
+        )
+    finally:
+        live.kill()
+        live.wait()
+
+
+async def test_process_backend_matches_local_and_writes_results(tmp_path: Path) -> None:
+    results = tmp_path / "results.jsonl"
+    sandboxes = tmp_path / "sandboxes"
+    with FakeOpenAIServer(script=shout_script) as server:
+        agent = _agent(server.base_url)
+        local = await amap(agent, _inputs(80), concurrency=32)
+        remote = await amap(
+            agent,
+            _inputs(80),
+            backend="process",
+            workers=2,
+            concurrency=16,
+            results_path=str(results),
+            sandbox_base=str(sandboxes),
+        )
+    assert [_view(s) for s in remote] == [_view(s) for s in local]
+    info = remote[0].metadata[OUTCOME_METADATA_KEY]
+    assert info["status"] == "ok" and info["attempts"] == 1
+    outcomes = list(read_results(results))
+    assert sorted(o.index for o in outcomes) == list(range(80))
+    assert {o.status for o in outcomes} == {"ok"}
+    assert len({o.worker for o in outcomes}) == 2  # both workers ran passes
+    assert all(o.usage["requests"] == 2 and o.stop_reason == "final_answer" for o in outcomes)
+    assert _left(sandboxes) == []  # every pass's and every worker's directory is gone
+
+
+def _faulty(request: dict[str, Any]) -> Reply:
+    text = next(m["content"] for m in request["messages"] if m["role"] == "user")
+    if text == "fail":
+        return Reply.bad_request("this one is refused")
+    if text == "slow":
+        return Reply.text("late").with_latency(2_000)
+    return shout_script(request)
+
+
+async def test_a_failing_pass_never_stops_the_map(tmp_path: Path) -> None:
+    inputs = ["a", "fail", "b", "slow", "c", 42]
+    with FakeOpenAIServer(script=_faulty) as server:
+        outs = await amap(
+            _agent(server.base_url, max_retries=0),
+            inputs,
+            backend="process",
+            workers=1,
+            pass_timeout=0.5,
+            return_exceptions=True,
+            sandbox_base=str(tmp_path),
+        )
+    assert [o.final_text for o in outs if isinstance(o, Session)] == [
+        'shouted: {"ok":true,"result":"A"}',
+        'shouted: {"ok":true,"result":"B"}',
+        'shouted: {"ok":true,"result":"C"}',
+    ]
+    failed = {i: o.outcome for i, o in enumerate(outs) if isinstance(o, PassFailed)}
+    assert {i: o.status for i, o in failed.items()} == {1: "error", 3: "timeout", 5: "error"}
+    assert "this one is refused" in (failed[1].error or "")
+    assert "Sessions or strs" in (failed[5].error or "")
+
+
+async def test_a_killed_worker_has_its_passes_retried(tmp_path: Path) -> None:
+    killed: list[str] = []
+    outcomes: list[PassOutcome] = []
+    with FakeOpenAIServer(script=shout_script, latency_ms=50) as server:
+        async for outcome in map_outcomes(
+            _agent(server.base_url),
+            _inputs(40),
+            backend="process",
+            workers=2,
+            concurrency=8,
+            sandbox_base=str(tmp_path),
+        ):
+            outcomes.append(outcome)
+            if not killed:  # kill the worker that just answered, while it has passes in flight
+                killed.append(outcome.worker)
+                os.kill(int(outcome.worker.rsplit(":", 1)[1]), signal.SIGKILL)
+    assert sorted(o.index for o in outcomes) == list(range(40))
+    assert {o.status for o in outcomes} == {"ok"}
+    retried = [o for o in outcomes if o.attempts > 1]
+    assert retried, "the killed worker had passes in flight"
+    for outcome in retried:
+        assert outcome.history[0]["status"] == "lost"
+        assert outcome.history[0]["worker"] == killed[0]
+        assert outcome.history[-1]["status"] == "ok"
+        assert outcome.worker != killed[0]
+    assert _left(tmp_path) == []  # the janitor removed the dead worker's sandboxes
+
+
+def test_sync_map_and_argument_errors(tmp_path: Path) -> None:
+    with FakeOpenAIServer(script=shout_script) as server:
+        agent = _agent(server.base_url)
+        outs = map(agent, ["x", "y"], backend="process", workers=1, sandbox_base=str(tmp_path))
+        assert [o.final_text for o in outs] == [
+            'shouted: {"ok":true,"result":"X"}',
+            'shouted: {"ok":true,"result":"Y"}',
+        ]
+        with pytest.raises(ConfigurationError, match="shared"):
+            map(agent, ["x"], backend="process", rate_limit="shared")
+        with pytest.raises(ConfigurationError, match="apply to backend"):
+            map(agent, ["x"], workers=2)
+        with pytest.raises(ConfigurationError, match="not a backend"):
+            map(agent, ["x"], backend="dask")
