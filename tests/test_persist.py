@@ -60,6 +60,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert loaded.session.chunk_table == out.chunk_table
     assert loaded.session.usage == out.usage
     assert loaded.agent.chunk_table == AGENT.chunk_table
+    assert loaded.session.id == out.id  # the id the pass gave its output survives the reload
     assert Session.load(path).chunk_table == out.chunk_table
     assert Session.load(path).metadata["closed"] is True
     # the loaded session continues the conversation

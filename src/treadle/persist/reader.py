@@ -16,7 +16,8 @@ import pydantic_core
 
 from treadle.errors import ConfigurationError, PersistenceError
 from treadle.persist.format import SCHEMA_VERSION
-from treadle.session import ChunkRow, Session, Usage
+from treadle.sandbox.handle import SandboxHandle
+from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 
 __all__ = ["LoadedSession", "load_session"]
 
@@ -101,17 +102,23 @@ def load_session(path: str | os.PathLike[str]) -> LoadedSession:
         )
     stop_reason = trailer.get("stop_reason") if trailer else None
     pending = tuple(cid for cid in intents if cid not in answered)
-    session_id = str(header.get("session_id") or "") or None
-    session = Session(rows, id=session_id, usage=usage, operator="load_session", kind="output")
     metadata: dict[str, Any] = {"closed": trailer is not None, "path": str(p)}
     if pending:
         metadata["unknown_outcome_tool_calls"] = list(pending)
-    session = session.with_data(stop_reason=stop_reason, metadata=metadata)
     # A resumed pass gets a sandbox of the same placement: the same directory when the user gave
     # one, a fresh temporary workspace for "local" (the old one was removed or orphaned).
     placement = header.get("placement")
-    if isinstance(placement, str) and placement:
-        session = session.to(placement)
+    handle = SandboxHandle(placement) if isinstance(placement, str) and placement else None
+    session = Session._derive(
+        SessionData(ChunkTable(rows), usage, stop_reason, metadata),
+        operator="load_session",
+        kind="output",
+        parents=(),
+        sandbox=handle,
+        id=str(header.get("session_id") or "") or None,  # the id the pass gave its output
+    )
+    if handle is not None:
+        handle.release()  # the session took its own share; drop the creator's
     agent = Session(agent_rows, operator="load_session", kind="agent")
     return LoadedSession(
         session=session,
