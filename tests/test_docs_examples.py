@@ -7,6 +7,7 @@ Blocks fenced as ```text or ```bash are not run.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,36 +27,29 @@ def _blocks(page: Path) -> list[str]:
 
 @pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)], ids=lambda p: p.name)
 def test_doc_page_code_runs(page: Path, tmp_path: Path) -> None:
-    code = "\n\n".join(_blocks(page))
     script = tmp_path / f"{page.stem}_blocks.py"
-    script.write_text(code)
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**_clean_env(), "PYTHONPATH": str(ROOT / "src")},
-    )
-    assert proc.returncode == 0, f"{page.name} failed:\n{proc.stdout}\n{proc.stderr}"
+    script.write_text("\n\n".join(_blocks(page)))
+    _run(script, tmp_path, page.name)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(example: Path, tmp_path: Path) -> None:
+    _run(example, tmp_path, example.name)
+
+
+def _run(script: Path, cwd: Path, label: str) -> None:
     proc = subprocess.run(
-        [sys.executable, str(example)],
-        cwd=tmp_path,
+        [sys.executable, str(script)],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=240,
         env={**_clean_env(), "PYTHONPATH": str(ROOT / "src")},
     )
-    assert proc.returncode == 0, f"{example.name} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{label} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
 def _clean_env() -> dict[str, str]:
-    import os
-
     # Examples must run offline with no real key: drop any the developer has set.
     return {
         k: v
