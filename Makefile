@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test e2e demo bench bench-quick docs clean lint typecheck
+.PHONY: install test e2e demo bench bench-quick docs clean lint typecheck soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: lint typecheck
 e2e: $(STAMP)
 	$(BIN)/python -m treadle.testing.local_model install
 	$(BIN)/python -m pytest -q -m e2e tests/e2e --durations=5
+
+# Long reliability runs: 10,000 concurrent passes, the fan-out soak (TREADLE_SOAK_SECONDS,
+# default 600) and 50 random SIGKILLs. Skipped by `make test`.
+soak: $(STAMP)
+	TREADLE_SOAK=1 $(BIN)/python -m pytest -q -s -m soak tests/soak
 
 demo: $(STAMP)
 	$(BIN)/treadle demo
