@@ -176,8 +176,13 @@ def test_a_resumed_file_is_itself_crash_safe(tmp_path: Path) -> None:
     _kill_at(file, 0.2)
     loaded = load_session(file)
     second = tmp_path / "second.jsonl"
-    out = run_session_loop(loaded.session, loaded.agent, executor=ScriptedExecutor(["finished"]),
-                           tools=[slow, again], persist_path=second)  # fmt: skip
+    out = run_session_loop(
+        loaded.session,
+        loaded.agent,
+        executor=ScriptedExecutor(["finished"]),
+        tools=[slow, again],
+        persist_path=second,
+    )
     assert out.stop_reason == "final_answer"
     again_loaded = load_session(second)
     assert again_loaded.closed and again_loaded.stop_reason == "final_answer"

@@ -85,8 +85,9 @@ def test_any_tool_names_get_one_result_each(names: list[str]) -> None:
         assert result["error_kind"] == expected
 
 
-_extras = st.dictionaries(st.text(min_size=1, max_size=8).map(lambda k: "x_" + k), json_values,
-                          max_size=3)  # fmt: skip
+_extras = st.dictionaries(
+    st.text(min_size=1, max_size=8).map(lambda k: "x_" + k), json_values, max_size=3
+)
 _call = st.fixed_dictionaries(
     {
         "id": st.text(min_size=1, max_size=12),
@@ -108,15 +109,22 @@ def rows(draw: st.DrawFn) -> ChunkRow:
         if calls:
             payload["tool_calls"] = calls
     else:
-        payload.update(tool_call_id=draw(st.text(min_size=1)), name=draw(st.text()),
-                       content=draw(st.text()))  # fmt: skip
+        payload.update(
+            tool_call_id=draw(st.text(min_size=1)), name=draw(st.text()), content=draw(st.text())
+        )
     return ChunkRow(kind, payload)
 
 
 async def _write(path: Path, head: list[ChunkRow], tail: list[ChunkRow]) -> None:
     writer = SessionWriter(path)
-    await writer.open(session_id="s1", parent_ids=("u", "a"), operator="test", placement=None,
-                      agent_rows=(), rows=head)  # fmt: skip
+    await writer.open(
+        session_id="s1",
+        parent_ids=("u", "a"),
+        operator="test",
+        placement=None,
+        agent_rows=(),
+        rows=head,
+    )
     await writer.rows(tail, turn_boundary=True)
     await writer.aclose()
 
