@@ -187,7 +187,7 @@ async def test_dropped_keepalive_connections_never_fail_a_request(
     local_server: LocalModelServer, closing_clients: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The server closes the socket just after each streamed reply; reuse must be retried."""
-    provider = local_server.provider(max_tokens=8)
+    provider = local_server.provider(max_tokens=4)
     user = _messages({"role": "user", "content": "Say hello."})
     with caplog.at_level(logging.INFO, logger="treadle.llm"):
         for _ in range(20):
@@ -198,7 +198,7 @@ async def test_dropped_keepalive_connections_never_fail_a_request(
 
 
 def test_back_to_back_streamed_passes(local_server: LocalModelServer) -> None:
-    for _ in range(3):
+    for _ in range(2):
         out = run_session_loop(
             Session.from_user_message(PROMPT),
             AGENT,

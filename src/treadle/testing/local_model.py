@@ -390,8 +390,10 @@ def serve(port: int, model_path: str, context_tokens: int = DEFAULT_CONTEXT_TOKE
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    parent = os.getppid()
     server = xllamacpp.Server(params)
-    while not stop.wait(0.5):
+    # Also stop when the parent dies without stopping us (killed test run): never linger.
+    while not stop.wait(0.5) and os.getppid() == parent:
         pass
     del server
     # The native server's threads do not all join on shutdown: leave without running finalisers.
