@@ -34,8 +34,8 @@ def tool_path(tool: Any) -> str:
     closures, functions defined in `__main__` or a test body).
     """
     if isinstance(tool, str):
-        module, sep, qualname = tool.partition(":")
-        if not (module and sep and qualname):
+        head, sep, tail = tool.partition(":")
+        if not (head and sep and tail):
             raise ConfigurationError(
                 f"tool path {tool!r} must look like 'package.module:function'."
             )
