@@ -123,10 +123,10 @@ async def test_process_backend_matches_local_and_writes_results(tmp_path: Path) 
     sandboxes = tmp_path / "sandboxes"
     with FakeOpenAIServer(script=shout_script) as server:
         agent = _agent(server.base_url)
-        local = await amap(agent, _inputs(80), concurrency=32)
+        local = await amap(agent, _inputs(60), concurrency=32)
         remote = await amap(
             agent,
-            _inputs(80),
+            _inputs(60),
             backend="process",
             workers=2,
             concurrency=16,
@@ -137,7 +137,7 @@ async def test_process_backend_matches_local_and_writes_results(tmp_path: Path) 
     info = remote[0].metadata[OUTCOME_METADATA_KEY]
     assert info["status"] == "ok" and info["attempts"] == 1
     outcomes = list(read_results(results))
-    assert sorted(o.index for o in outcomes) == list(range(80))
+    assert sorted(o.index for o in outcomes) == list(range(60))
     assert {o.status for o in outcomes} == {"ok"}
     assert len({o.worker for o in outcomes}) == 2  # both workers ran passes
     assert all(o.usage["requests"] == 2 and o.stop_reason == "final_answer" for o in outcomes)
@@ -149,7 +149,7 @@ def _faulty(request: dict[str, Any]) -> Reply:
     if text == "fail":
         return Reply.bad_request("this one is refused")
     if text == "slow":
-        return Reply.text("late").with_latency(2_000)
+        return Reply.text("late").with_latency(10_000)
     return shout_script(request)
 
 
@@ -161,7 +161,7 @@ async def test_a_failing_pass_never_stops_the_map(tmp_path: Path) -> None:
             inputs,
             backend="process",
             workers=1,
-            pass_timeout=0.5,
+            pass_timeout=1.5,  # generous: the other passes must finish under any load
             return_exceptions=True,
             sandbox_base=str(tmp_path),
         )
