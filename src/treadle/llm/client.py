@@ -15,7 +15,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from pydantic import ValidationError
@@ -32,8 +32,10 @@ from treadle.llm.limiter import EndpointLimiter, estimate_tokens
 from treadle.llm.provider import Provider
 from treadle.llm.retry import backoff_delay, is_retryable_status, parse_retry_after
 from treadle.llm.sse import DONE, SSEDecoder
-from treadle.llm.transport import AiohttpTransport
 from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
+
+if TYPE_CHECKING:  # imported on first use: aiohttp's import costs ~170 ms
+    from treadle.llm.transport import AiohttpTransport
 
 __all__ = ["ModelClient", "aclose_clients", "close_all_clients_for_loop", "get_client"]
 
@@ -54,10 +56,20 @@ class _Retry(Exception):
 class ModelClient:
     """Sends chat-completion bodies to one endpoint; obtain it with `get_client(provider)`."""
 
-    def __init__(self, http: httpx.AsyncClient, *, owns_http: bool) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        owns_http: bool,
+        fast_transport: AiohttpTransport | None = None,
+    ) -> None:
         self.http = http
         """The underlying `httpx.AsyncClient`."""
         self._owns_http = owns_http
+        # Set when Treadle built `http` over its own transport: whole (non-streamed) completions
+        # then skip httpx's Request/Response layer (same headers, errors and timeouts).
+        self._fast = fast_transport
+        self._fast_headers: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
         self._limiters: dict[tuple[int, int | None, int | None], EndpointLimiter] = {}
         self.closed = False
         """True once `aclose` ran."""
@@ -88,14 +100,26 @@ class ModelClient:
             used: int | None = None
             try:
                 try:
-                    response = await self.http.post(
-                        url, content=body, headers=headers, timeout=timeout
-                    )
+                    if self._fast is not None:
+                        status, reply_headers, content = await self._fast.post_buffered(
+                            url, body, self._merged_headers(headers), timeout
+                        )
+                        if status != 200:
+                            response = httpx.Response(status, headers=reply_headers.items(),
+                                                      content=content)  # fmt: skip
+                            self._raise_status(provider, response, attempt)
+                        result = _parse_completion(content, reply_headers.get("x-request-id"))
+                    else:
+                        response = await self.http.post(
+                            url, content=body, headers=headers, timeout=timeout
+                        )
+                        if response.status_code != 200:
+                            self._raise_status(provider, response, attempt)
+                        result = _parse_completion(
+                            response.content, response.headers.get("x-request-id")
+                        )
                 except httpx.TransportError as exc:
                     raise _Retry(error_from_transport(exc, url=url, retries=attempt)) from exc
-                if response.status_code != 200:
-                    self._raise_status(provider, response, attempt)
-                result = _parse_completion(response)
                 if result.usage is not None:
                     used = result.usage.total_tokens
                 return result
@@ -114,6 +138,19 @@ class ModelClient:
                 limiter.release(permit, used)
             await asyncio.sleep(delay)
             attempt += 1
+
+    def _merged_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """The headers httpx would send: the client's defaults, then the provider's."""
+        key = tuple(headers.items())
+        merged = self._fast_headers.get(key)
+        if merged is None:
+            merged = dict(self.http.headers)
+            merged.update(headers)
+            # Only what aiohttp itself decodes (httpx may also offer br/zstd when installed).
+            merged["accept-encoding"] = "gzip, deflate"
+            merged.pop("content-length", None)
+            self._fast_headers[key] = merged
+        return merged
 
     def _raise_status(self, provider: Provider, response: httpx.Response, attempt: int) -> None:
         status = response.status_code
@@ -210,13 +247,12 @@ class ModelClient:
         self.closed = True
         if self._owns_http:
             transport = getattr(self.http, "_transport", None)
-            if isinstance(transport, AiohttpTransport):
-                transport.close_now()
+            close_now = getattr(transport, "close_now", None)
+            if callable(close_now):  # our AiohttpTransport
+                close_now()
 
 
-def _parse_completion(response: httpx.Response) -> ChatCompletion:
-    content = response.content
-    request_id = response.headers.get("x-request-id")
+def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
     try:
         result = ChatCompletion.model_validate_json(content)
     except ValidationError as exc:
@@ -284,8 +320,12 @@ async def _aclose_all(loop_clients: _LoopClients) -> None:
         await client.aclose()
 
 
-def _new_http_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=AiohttpTransport(), trust_env=False, follow_redirects=False)
+def _new_client() -> ModelClient:
+    from treadle.llm.transport import AiohttpTransport
+
+    transport = AiohttpTransport()
+    http = httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False)
+    return ModelClient(http, owns_http=True, fast_transport=transport)
 
 
 def get_client(provider: Provider) -> ModelClient:
@@ -304,10 +344,7 @@ def get_client(provider: Provider) -> ModelClient:
     key = (base_url, key_digest, id(user_http) if user_http is not None else 0)
     client = loop_clients.clients.get(key)
     if client is None or client.closed:
-        if user_http is not None:
-            client = ModelClient(user_http, owns_http=False)
-        else:
-            client = ModelClient(_new_http_client(), owns_http=True)
+        client = _new_client() if user_http is None else ModelClient(user_http, owns_http=False)
         loop_clients.clients[key] = client
         if loop_clients.closer is None:
             # The loop's asyncgen hooks track this generator; shutdown_asyncgens() finalises it,

@@ -1,0 +1,1 @@
+"""Treadle as a benchmark contestant (through its public API only)."""

@@ -1,0 +1,166 @@
+"""Treadle through its public API: `run_session_loop` with a `Provider` and `@tool` tools.
+
+Variants: `lazy` (the default facade: submit passes, then read them from this thread) and
+`await` (`arun_session_loop` awaited on the caller's own event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from benchmarks.worker import Meter
+from benchmarks.workload import (
+    API_KEY,
+    MODEL,
+    SYSTEM_PROMPT,
+    USER_PROMPT,
+    WARMUP_PASSES,
+    Stamps,
+    async_nap,
+    noop_result,
+    sync_nap,
+)
+from treadle import Provider, Session, arun_session_loop, run_session_loop, tool
+
+_stamps = Stamps()
+
+
+@tool
+async def noop(round: int) -> dict[str, Any]:
+    """Do nothing and report the round."""
+    return noop_result(round)
+
+
+@tool(name="noop")
+async def stamped_noop(round: int) -> dict[str, Any]:
+    """Do nothing and report the round (recording when it ran)."""
+    _stamps.mark()
+    return noop_result(round)
+
+
+nap_async = tool(name="nap")(async_nap)
+nap_sync = tool(name="nap")(sync_nap)
+
+
+def _provider(job: dict[str, Any]) -> Provider:
+    return Provider(
+        model=MODEL, base_url=job["url"], api_key=API_KEY, stream=bool(job.get("stream"))
+    )
+
+
+def _ok(out: Session) -> bool:
+    try:
+        return out.stop_reason == "final_answer"
+    except Exception:
+        return False
+
+
+def serial(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
+    """`n` passes one at a time."""
+    provider, agent = _provider(job), Session.from_agent_prompt(SYSTEM_PROMPT)
+    tools = [noop]
+    if job.get("variant") == "await":
+
+        async def main() -> int:
+            async def one() -> bool:
+                user = Session.from_user_message(USER_PROMPT)
+                out = await arun_session_loop(user, agent, agent_provider=provider, tools=tools)
+                return out.stop_reason == "final_answer"
+
+            for _ in range(WARMUP_PASSES):
+                await one()
+            meter.start()
+            errors = 0
+            for _ in range(job["n"]):
+                errors += not await one()
+            meter.stop()
+            return errors
+
+        return {"errors": asyncio.run(main())}
+
+    def one() -> bool:
+        user = Session.from_user_message(USER_PROMPT)
+        return _ok(run_session_loop(user, agent, agent_provider=provider, tools=tools))
+
+    for _ in range(WARMUP_PASSES):
+        one()
+    meter.start()
+    errors = sum(not one() for _ in range(job["n"]))
+    meter.stop()
+    return {"errors": errors}
+
+
+def fanout(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
+    """`n` concurrent passes: submit them all, then read them."""
+    provider, agent = _provider(job), Session.from_agent_prompt(SYSTEM_PROMPT)
+    tools = [noop]
+    user = Session.from_user_message(USER_PROMPT)
+    if job.get("variant") == "await":
+
+        async def main() -> int:
+            await arun_session_loop(user, agent, agent_provider=provider, tools=tools)
+            meter.start()
+            outs = await asyncio.gather(
+                *(
+                    arun_session_loop(user, agent, agent_provider=provider, tools=tools)
+                    for _ in range(job["n"])
+                ),
+                return_exceptions=True,
+            )
+            meter.stop()
+            return sum(not (isinstance(o, Session) and _ok(o)) for o in outs)
+
+        return {"errors": asyncio.run(main())}
+
+    _ok(run_session_loop(user, agent, agent_provider=provider, tools=tools))  # warm the pool
+    meter.start()
+    outs = [
+        run_session_loop(user, agent, agent_provider=provider, tools=tools) for _ in range(job["n"])
+    ]
+    errors = sum(not _ok(out) for out in outs)
+    meter.stop()
+    return {"errors": errors}
+
+
+def growth(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
+    """One pass of many tool rounds; per-round costs from the tool's stamps."""
+    provider, agent = _provider(job), Session.from_agent_prompt(SYSTEM_PROMPT)
+    limit = job["rounds"] + 5
+    warm = run_session_loop(
+        Session.from_user_message(USER_PROMPT),
+        agent,
+        agent_provider=provider,
+        tools=[noop],
+        max_tool_rounds=limit,
+    )
+    warm.synchronize()
+    _stamps.wall.clear()
+    _stamps.cpu.clear()
+    meter.start()
+    _stamps.mark()
+    out = run_session_loop(
+        Session.from_user_message(USER_PROMPT),
+        agent,
+        agent_provider=provider,
+        tools=[stamped_noop],
+        max_tool_rounds=limit,
+    )
+    errors = int(not _ok(out))
+    meter.stop()
+    return {"errors": errors, **_stamps.result()}
+
+
+def parallel(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
+    """Passes whose every round asks for several sleeping tools at once."""
+    provider, agent = _provider(job), Session.from_agent_prompt(SYSTEM_PROMPT)
+    tools = [nap_sync if job["tool_kind"] == "sync" else nap_async]
+    user = Session.from_user_message(USER_PROMPT)
+    _ok(run_session_loop(user, agent, agent_provider=provider, tools=tools))
+    meter.start()
+    errors = sum(
+        not _ok(run_session_loop(user, agent, agent_provider=provider, tools=tools))
+        for _ in range(job["n"])
+    )
+    meter.stop()
+    return {"errors": errors}

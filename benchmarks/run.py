@@ -1,0 +1,149 @@
+"""`python -m benchmarks.run [--quick | --size tiny] [--out DIR]`: run the suite, write results.
+
+Starts each scenario's fake server in its own process (pinned to CPU 1 where the machine has two
+CPUs), runs Treadle and the reference loops interleaved in fresh workers pinned to CPU 0, and
+writes `results.json`, `results.md` and `results.png` under `benchmarks/results/`. It prints each
+target with PASS/FAIL; a FAIL is a finding, not an error (the exit code stays 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report, scenarios
+from benchmarks.harness import Harness
+from benchmarks.server import can_pin
+
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {
+        "serial_n": 200,
+        "serial_reps": 5,
+        "stream_reps": 3,
+        "fanout_ns": [1000, 10000],
+        "fanout_reps": 3,
+        "fanout_big_reps": 1,
+        "growth_rounds": 200,
+        "growth_window": 20,
+        "growth_reps": 3,
+        "parallel_n": 2,
+        "parallel_rounds": 3,
+        "parallel_reps": 3,
+        "import_runs": 9,
+        "variants": True,
+        "peers": True,
+    },
+    "quick": {
+        "serial_n": 60,
+        "serial_reps": 2,
+        "stream_reps": 1,
+        "fanout_ns": [300],
+        "fanout_reps": 1,
+        "fanout_big_reps": 1,
+        "growth_rounds": 60,
+        "growth_window": 10,
+        "growth_reps": 1,
+        "parallel_n": 1,
+        "parallel_rounds": 2,
+        "parallel_reps": 1,
+        "import_runs": 3,
+        "variants": False,
+        "peers": False,
+    },
+    "tiny": {
+        "serial_n": 5,
+        "serial_reps": 1,
+        "stream_reps": 1,
+        "fanout_ns": [20],
+        "fanout_reps": 1,
+        "fanout_big_reps": 1,
+        "growth_rounds": 8,
+        "growth_window": 2,
+        "growth_reps": 1,
+        "parallel_n": 1,
+        "parallel_rounds": 1,
+        "parallel_reps": 1,
+        "parallel_kinds": ("async",),
+        "import_runs": 1,
+        "variants": False,
+        "peers": False,
+    },
+}
+"""Workload sizes: `full` for `make bench`, `quick` for `make bench-quick`, `tiny` for tests."""
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite; returns the process exit code."""
+    parser = argparse.ArgumentParser(description="Treadle benchmark suite.")
+    parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    parser.add_argument("--size", choices=sorted(SIZES), help="full, quick or tiny")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    parser.add_argument(
+        "--peer-fanout", action="store_true", help="also run installed peers in the fan-out"
+    )
+    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,s3,s4,s5,s6)")
+    args = parser.parse_args(argv)
+    size_name = args.size or ("quick" if args.quick else "full")
+    size = {**SIZES[size_name], "peer_fanout": args.peer_fanout}
+    only = set(args.only.split(",")) if args.only else None
+    h = Harness(log=lambda msg: print(msg, flush=True))
+    started = time.perf_counter()
+    plan = [
+        ("s1", lambda: scenarios.per_round(h, size, stream=False)),
+        ("s2", lambda: scenarios.fanout(h, size, stream=False)),
+        ("s3", lambda: scenarios.growth(h, size)),
+        ("s4", lambda: scenarios.parallel(h, size)),
+        ("s5", lambda: scenarios.import_time(h, size)),
+        (
+            "s6",
+            lambda: scenarios.per_round(
+                h, {**size, "serial_reps": size["stream_reps"]}, stream=True
+            ),
+        ),
+        ("s6", lambda: scenarios.fanout(h, size, stream=True)),
+    ]
+    results = []
+    for key, run in plan:
+        if only is not None and key not in only:
+            continue
+        print(f"== {key} ({time.perf_counter() - started:.0f} s)", flush=True)
+        result = run()
+        # A ratio to a reference that did not run (small sizes, skipped peers) is left blank.
+        result.rows = [
+            {k: v for k, v in row.items() if k == "label" or scenarios.finite(v)}
+            for row in result.rows
+        ]
+        results.append(result)
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "size": size_name,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "pinned": can_pin(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "notes": list(dict.fromkeys(h.notes)),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    report.write_json(args.out / "results.json", results, meta)
+    (args.out / "results.md").write_text(report.markdown(results, meta))
+    skipped = report.plot(args.out / "results.png", results)
+    print()
+    for r in results:
+        for t in r.targets:
+            print(f"{'PASS' if t.passed else 'FAIL'}  {t.name}: {t.value:.3g} (goal {t.goal})")
+    if skipped:
+        print(skipped)
+    print(f"\nwrote {args.out}/results.{{json,md,png}} in {meta['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The fake OpenAI server in its own process, pinned to its own CPU, with CPU accounting.
+
+`ServerProcess` starts `python -m benchmarks.server ...` (the project's `FakeOpenAIServer` with
+the built-in `tool_loop` script, or the `parallel` script below), reads the base URL it prints and
+reports the CPU seconds it used, so every result can say whether the server was the bottleneck.
+It must never share a CPU with the client when the machine has two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from typing import Any
+
+CLIENT_CPU = 0
+SERVER_CPU = 1
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def can_pin() -> bool:
+    """True when the client and the server can each have a CPU of their own."""
+    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Pin `pid` to `cpu` when the machine allows it (no-op otherwise)."""
+    if can_pin():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, {cpu})
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of `pid` so far, from /proc (0.0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+class ServerProcess:
+    """A fake server subprocess: `with ServerProcess(script="tool_loop", rounds=3) as s: s.url`."""
+
+    def __init__(
+        self, script: str = "tool_loop", *, rounds: int = 3, latency_ms: float = 0, calls: int = 8
+    ) -> None:
+        self.args = [
+            "--script",
+            script,
+            "--rounds",
+            str(rounds),
+            "--latency-ms",
+            str(latency_ms),
+            "--calls",
+            str(calls),
+        ]
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def __enter__(self) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.server", *self.args],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        pin(self.proc.pid, SERVER_CPU)
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http"):
+            self.__exit__()
+            raise RuntimeError("the fake server did not start")
+        return self
+
+    def cpu(self) -> float:
+        """CPU seconds the server has used so far."""
+        return proc_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self.proc = None
+
+
+def parallel_script(rounds: int, calls: int, tool_name: str = "nap") -> Any:
+    """A script asking for `calls` parallel calls of `tool_name` per reply, `rounds` times."""
+    from treadle.testing import Reply
+
+    def script(request: dict[str, Any]) -> Reply:
+        done = sum(1 for m in request.get("messages", ()) if m.get("role") == "assistant")
+        if done < rounds:
+            return Reply.tool_calls_of([(tool_name, {"i": i}) for i in range(calls)])
+        return Reply.text(f"finished after {done} rounds")
+
+    return script
+
+
+def main() -> None:
+    """Serve until terminated, printing the base URL first."""
+    parser = argparse.ArgumentParser(description="Fake OpenAI server for the benchmarks.")
+    parser.add_argument("--script", default="tool_loop", help="tool_loop or parallel")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=8, help="calls per reply (parallel)")
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    args = parser.parse_args()
+    if args.script != "parallel":
+        from treadle.testing.fake_server import main as serve
+
+        serve(
+            [
+                "--script",
+                args.script,
+                "--rounds",
+                str(args.rounds),
+                "--latency-ms",
+                str(args.latency_ms),
+            ]
+        )
+        return
+    from treadle.testing import FakeOpenAIServer
+
+    server = FakeOpenAIServer(parallel_script(args.rounds, args.calls), latency_ms=args.latency_ms)
+
+    async def serve_parallel() -> None:
+        await server.start_serving()
+        print(server.base_url, flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop_serving()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_parallel())
+
+
+if __name__ == "__main__":
+    main()

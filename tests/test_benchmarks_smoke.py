@@ -1,0 +1,39 @@
+"""The benchmark harness runs end to end on a tiny size and reports a number for every scenario.
+
+No timing assertions: timing lives in the benchmark results, not in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tiny_benchmark_run_writes_results(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--size", "tiny", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "results.md").read_text().count("### ") >= 7
+    keys = [s["key"] for s in data["scenarios"]]
+    assert keys == ["s1", "s2", "s3", "s4", "s5", "s6a", "s6b"]
+    for scenario in data["scenarios"]:
+        assert scenario["rows"], scenario["key"]
+        for row in scenario["rows"]:
+            numbers = [v for k, v in row.items() if k != "label"]
+            assert numbers and all(math.isfinite(float(v)) for v in numbers), row
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "results.png").stat().st_size > 0
