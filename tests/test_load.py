@@ -109,9 +109,7 @@ class _Sampler(threading.Thread):
             self.stop.wait(0.02)
 
 
-def fan_out(
-    base_url: str, passes: int, *, prefix: str = "task", close: bool = True
-) -> LoadFigures:
+def fan_out(base_url: str, passes: int, *, prefix: str = "task", close: bool = True) -> LoadFigures:
     """Run `passes` concurrent passes; every one must end with a final answer.
 
     With `close`, the pooled connections are closed afterwards (to measure what is left).
