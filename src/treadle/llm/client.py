@@ -23,6 +23,7 @@ from pydantic_core import from_json
 
 from treadle.errors import ProviderError
 from treadle.llm.http_errors import (
+    StaleConnectionError,
     error_from_payload,
     error_from_response,
     error_from_transport,
@@ -95,6 +96,7 @@ class ModelClient:
         limiter = self.limiter(provider)
         estimate = estimate_tokens(body)
         attempt = 0
+        stale_retried = False
         while True:
             permit = await limiter.acquire(estimate)
             used: int | None = None
@@ -118,6 +120,11 @@ class ModelClient:
                         result = _parse_completion(
                             response.content, response.headers.get("x-request-id")
                         )
+                except StaleConnectionError as exc:
+                    if stale_retried:
+                        raise _Retry(error_from_transport(exc, url=url, retries=attempt)) from exc
+                    stale_retried = True  # a pooled connection the server had closed: once, now
+                    continue
                 except httpx.TransportError as exc:
                     raise _Retry(error_from_transport(exc, url=url, retries=attempt)) from exc
                 if result.usage is not None:
@@ -175,6 +182,7 @@ class ModelClient:
         limiter = self.limiter(provider)
         estimate = estimate_tokens(body)
         attempt = 0
+        stale_retried = False
         yielded = False
         while True:
             permit = await limiter.acquire(estimate)
@@ -215,6 +223,14 @@ class ModelClient:
                                 request_id=request_id,
                             )
                     return
+                except StaleConnectionError as exc:
+                    if stale_retried or yielded:
+                        error = error_from_transport(exc, url=url, retries=attempt)
+                        if yielded:
+                            raise malformed(f"the stream was torn ({error.message})") from exc
+                        raise _Retry(error) from exc
+                    stale_retried = True  # a pooled connection the server had closed: once, now
+                    continue
                 except httpx.TransportError as exc:
                     error = error_from_transport(exc, url=url, retries=attempt)
                     if yielded:

@@ -24,11 +24,22 @@ from treadle.errors import (
 
 __all__ = [
     "BODY_EXCERPT_CHARS",
+    "StaleConnectionError",
     "error_from_payload",
     "error_from_response",
     "error_from_transport",
     "excerpt",
 ]
+
+
+class StaleConnectionError(httpx.RemoteProtocolError):
+    """The connection closed before any byte of the response arrived.
+
+    Typical of a pooled keep-alive connection the server had already closed (llama.cpp's server
+    closes every connection shortly after a streamed reply while still advertising keep-alive).
+    The client retries such a request once at once, without counting it as a retry.
+    """
+
 
 BODY_EXCERPT_CHARS = 2000
 """Characters of an error body kept on `ProviderError.body`."""

@@ -19,6 +19,8 @@ import aiohttp
 import httpx
 from yarl import URL
 
+from treadle.llm.http_errors import StaleConnectionError
+
 __all__ = [
     "DEFAULT_CONNECTION_LIMIT",
     "MAX_BUFFERED_BODY_BYTES",
@@ -32,9 +34,22 @@ MAX_BUFFERED_BODY_BYTES = 4 * 1024 * 1024
 """Bodies with a Content-Length up to this size are read fully inside the transport."""
 
 
-def map_aiohttp_error(exc: BaseException, request: httpx.Request) -> httpx.TransportError | None:
-    """The httpx exception httpx itself would raise for this aiohttp failure (None: not ours)."""
+def map_aiohttp_error(
+    exc: BaseException, request: httpx.Request, *, before_response: bool = False
+) -> httpx.TransportError | None:
+    """The httpx exception httpx itself would raise for this aiohttp failure (None: not ours).
+
+    `before_response` says no response byte had arrived: a disconnect then is a stale connection.
+    """
     message = str(exc) or type(exc).__name__
+    if (
+        before_response
+        and isinstance(
+            exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | ConnectionResetError
+        )
+        and not isinstance(exc, aiohttp.ClientConnectorError)
+    ):
+        return StaleConnectionError(message, request=request)
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(message, request=request)
     if isinstance(exc, aiohttp.ServerTimeoutError | asyncio.TimeoutError):
@@ -165,7 +180,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 compress=None,
             )
         except BaseException as exc:
-            mapped = map_aiohttp_error(exc, request)
+            mapped = map_aiohttp_error(exc, request, before_response=True)
             if mapped is not None:
                 raise mapped from exc
             raise
@@ -219,7 +234,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         except BaseException as exc:
             if response is not None:
                 response.close()
-            mapped = map_aiohttp_error(exc, httpx.Request("POST", url))
+            mapped = map_aiohttp_error(
+                exc, httpx.Request("POST", url), before_response=response is None
+            )
             if mapped is not None:
                 raise mapped from exc
             raise
