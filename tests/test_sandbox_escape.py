@@ -158,7 +158,12 @@ def _processes_of(uid: int) -> int:
     strict=True,
 )
 async def test_setsid_escapes_the_process_group(sandbox: Sandbox) -> None:
-    result = await sandbox.run_command("setsid sleep 30 > /dev/null 2>&1 & echo $!")
+    # Wait until the child has really called setsid() (it writes its pid from the new session);
+    # otherwise the group kill can land first and the escape never happens (a flaky XPASS).
+    result = await sandbox.run_command(
+        "setsid sh -c 'echo $$ > escaped.pid; exec sleep 30' > /dev/null 2>&1 & "
+        "while [ ! -s escaped.pid ]; do sleep 0.01; done; cat escaped.pid"
+    )
     pid = int(result.stdout)
     try:
         await _all_dead([pid])
