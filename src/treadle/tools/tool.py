@@ -13,6 +13,7 @@ sits above this one; `Sandbox` annotations are recognised by name).
 
 from __future__ import annotations
 
+import abc
 import inspect
 import re
 import types
@@ -48,7 +49,7 @@ class _ToolJsonSchema(GenerateJsonSchema):
         return False
 
 
-class Tool:
+class Tool(abc.ABC):
     """Something a model can call: a name, a description, a JSON schema and an implementation.
 
     Build one with `@tool` (a function) or by subclassing `BaseTool` (a hand-written schema).
@@ -94,17 +95,17 @@ class Tool:
             self._schema_json = pydantic_core.to_json(self.schema())
         return self._schema_json
 
+    @abc.abstractmethod
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """The arguments to call with; raises `ToolArgumentsError` naming the bad field paths."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def invoke(self, arguments: Mapping[str, Any], *, session: Session | None) -> Any:
         """Run the tool with validated `arguments`, injecting the session or sandbox it asks for.
 
         No timeout here: `run_tool_calls` applies `timeout`. Sync implementations run on the
         sync-tool threads, never on the event loop.
         """
-        raise NotImplementedError
 
     def key_for(self, arguments: Mapping[str, Any]) -> str | None:
         """The ordering key of a call with these validated arguments (None: fully concurrent)."""
@@ -357,9 +358,9 @@ class BaseTool(Tool):
         self.injected = types.MappingProxyType(injected)
         self._is_async = _is_async(call)
 
+    @abc.abstractmethod
     def __call__(self, **arguments: Any) -> Any:
         """The implementation; override it (sync or `async def`)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement __call__")
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """Check `arguments` against the top level of `parameters`."""
