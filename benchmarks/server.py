@@ -132,17 +132,8 @@ def main() -> None:
     from treadle.testing import FakeOpenAIServer
 
     server = FakeOpenAIServer(parallel_script(args.rounds, args.calls), latency_ms=args.latency_ms)
-
-    async def serve_parallel() -> None:
-        await server.start_serving()
-        print(server.base_url, flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await server.stop_serving()
-
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_parallel())
+        asyncio.run(server.serve_forever())
 
 
 if __name__ == "__main__":

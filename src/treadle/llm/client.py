@@ -131,16 +131,7 @@ class ModelClient:
                     used = result.usage.total_tokens
                 return result
             except _Retry as retry:
-                if attempt >= provider.max_retries:
-                    raise retry.error from retry.__cause__
-                delay = backoff_delay(attempt, provider.retry_base_delay, retry.retry_after)
-                logger.info(
-                    "retrying chat completion (%s) in %.2fs, attempt %d/%d",
-                    retry.error.message,
-                    delay,
-                    attempt + 1,
-                    provider.max_retries,
-                )
+                delay = _next_delay(provider, retry, attempt, "chat completion")
             finally:
                 limiter.release(permit, used)
             await asyncio.sleep(delay)
@@ -237,16 +228,7 @@ class ModelClient:
                         raise malformed(f"the stream was torn ({error.message})") from exc
                     raise _Retry(error) from exc
             except _Retry as retry:
-                if attempt >= provider.max_retries:
-                    raise retry.error from retry.__cause__
-                delay = backoff_delay(attempt, provider.retry_base_delay, retry.retry_after)
-                logger.info(
-                    "retrying streamed chat completion (%s) in %.2fs, attempt %d/%d",
-                    retry.error.message,
-                    delay,
-                    attempt + 1,
-                    provider.max_retries,
-                )
+                delay = _next_delay(provider, retry, attempt, "streamed chat completion")
             finally:
                 limiter.release(permit, used)
             await asyncio.sleep(delay)
@@ -266,6 +248,22 @@ class ModelClient:
             close_now = getattr(transport, "close_now", None)
             if callable(close_now):  # our AiohttpTransport
                 close_now()
+
+
+def _next_delay(provider: Provider, retry: _Retry, attempt: int, what: str) -> float:
+    """Seconds to wait before the next attempt; re-raises the error when retries are used up."""
+    if attempt >= provider.max_retries:
+        raise retry.error from retry.__cause__
+    delay = backoff_delay(attempt, provider.retry_base_delay, retry.retry_after)
+    logger.info(
+        "retrying %s (%s) in %.2fs, attempt %d/%d",
+        what,
+        retry.error.message,
+        delay,
+        attempt + 1,
+        provider.max_retries,
+    )
+    return delay
 
 
 def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:

@@ -409,6 +409,15 @@ class FakeOpenAIServer:
             await self._server.wait_closed()
             self._server = None
 
+    async def serve_forever(self) -> None:
+        """Serve on the current loop until cancelled, printing the base URL once listening."""
+        await self.start_serving()
+        print(self.base_url, flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.stop_serving()
+
     def start(self) -> FakeOpenAIServer:
         """Serve from a background thread with its own event loop; returns once listening."""
         ready = threading.Event()
@@ -464,17 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     server = FakeOpenAIServer(args.script, latency_ms=args.latency_ms, host=args.host,
                               port=args.port, rounds=args.rounds, model=args.model)  # fmt: skip
-
-    async def serve() -> None:
-        await server.start_serving()
-        print(server.base_url, flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await server.stop_serving()
-
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve())
+        asyncio.run(server.serve_forever())
 
 
 if __name__ == "__main__":
