@@ -206,6 +206,12 @@ async def amap(
     finally:
         if bar is not None:
             bar.close()
+    return settle_results(results, return_exceptions)
+
+
+def settle_results(results: list[Any], return_exceptions: bool) -> list[Any]:
+    """The list `map` returns: as is with `return_exceptions`, else the first failure raised
+    (in input order, once every item has finished) with a note counting the failures."""
     if not return_exceptions:
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:

@@ -184,7 +184,7 @@ async def amap(
     A failed pass is a `PassFailed` (with its `outcome`) in its place with
     `return_exceptions=True`; otherwise the first failure is raised once every pass ended.
     """
-    from treadle.agents.fanout import Progress, _total
+    from treadle.agents.fanout import Progress, _total, settle_results
 
     bar = Progress.create(_total(sessions)) if progress else None
     results: list[Any] = []
@@ -198,13 +198,4 @@ async def amap(
     finally:
         if bar is not None:
             bar.close()
-    if not return_exceptions:
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            first = failures[0]
-            first.add_note(
-                f"treadle.map: {len(failures)} of {len(results)} items failed (this is the "
-                "first); pass return_exceptions=True to get every result."
-            )
-            raise first
-    return results
+    return settle_results(results, return_exceptions)
