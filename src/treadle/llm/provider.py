@@ -12,14 +12,16 @@ import hashlib
 import ipaddress
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from treadle.errors import ConfigurationError
+
+if TYPE_CHECKING:  # httpx is imported by the first request, not by building a Provider
+    import httpx
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -69,6 +71,28 @@ def _check_range(name: str, value: float | None, low: float, high: float) -> Non
         raise ConfigurationError(
             f"Provider.{name} must be between {low} and {high}, got {value!r}."
         )
+
+
+def _check_timeout(t: object) -> Any:
+    """`t` if it is seconds, a `(connect, read)` pair or an `httpx.Timeout`; else a clear error.
+
+    An `httpx.Timeout` can only exist once httpx is imported, so the check needs no import.
+    """
+    httpx_module = sys.modules.get("httpx")
+    if httpx_module is not None and isinstance(t, httpx_module.Timeout):
+        return t
+    if isinstance(t, tuple):
+        if len(t) != 2:
+            raise ConfigurationError("Provider.timeout pair must be (connect, read) seconds.")
+        _check_positive("timeout", t[0])
+        _check_positive("timeout", t[1])
+        return t
+    if isinstance(t, int | float) and not isinstance(t, bool):
+        _check_positive("timeout", t)
+        return t
+    raise ConfigurationError(
+        "Provider.timeout must be seconds, a (connect, read) pair or an httpx.Timeout."
+    )
 
 
 def _check_positive(name: str, value: float | None) -> None:
@@ -165,7 +189,7 @@ class Provider:
             raise ConfigurationError("Provider.max_concurrent_requests must be an integer >= 1.")
         if not (self.retry_base_delay >= 0 and math.isfinite(self.retry_base_delay)):
             raise ConfigurationError("Provider.retry_base_delay must be a number >= 0.")
-        self.httpx_timeout  # noqa: B018  (validates the timeout shape now, not at the first request)
+        _check_timeout(self.timeout)  # the shape is checked now, not at the first request
         if self.on_budget_exceeded is not None and not callable(self.on_budget_exceeded):
             raise ConfigurationError("Provider.on_budget_exceeded must be callable or None.")
 
@@ -204,22 +228,15 @@ class Provider:
         cached = self._cache.get("timeout")
         if cached is not None:
             return cached  # type: ignore[no-any-return]
-        t = self.timeout
+        import httpx
+
+        t = _check_timeout(self.timeout)
         if isinstance(t, httpx.Timeout):
             result = t
         elif isinstance(t, tuple):
-            if len(t) != 2:
-                raise ConfigurationError("Provider.timeout pair must be (connect, read) seconds.")
-            _check_positive("timeout", t[0])
-            _check_positive("timeout", t[1])
             result = httpx.Timeout(t[1], connect=t[0])
-        elif isinstance(t, int | float) and not isinstance(t, bool):
-            _check_positive("timeout", t)
-            result = httpx.Timeout(float(t))
         else:
-            raise ConfigurationError(
-                "Provider.timeout must be seconds, a (connect, read) pair or an httpx.Timeout."
-            )
+            result = httpx.Timeout(float(t))
         self._cache["timeout"] = result
         return result
 

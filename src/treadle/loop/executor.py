@@ -17,7 +17,6 @@ import anyio.to_thread
 from pydantic import ValidationError
 
 from treadle.errors import ConfigurationError, MalformedResponse
-from treadle.llm.client import get_client
 from treadle.llm.provider import Provider
 from treadle.llm.wire import (
     ChatCompletion,
@@ -112,11 +111,15 @@ class HttpExecutor:
 
     async def acomplete(self, request: CompletionRequest) -> ChatCompletion:
         """Send the request and return the whole completion."""
+        from treadle.llm.client import get_client  # httpx loads with the first request
+
         provider = _require_provider(request)
         return await get_client(provider).complete(provider, request.body())
 
     async def astream(self, request: CompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         """Send the request with `stream: true` and yield chunks as they arrive."""
+        from treadle.llm.client import get_client
+
         provider = _require_provider(request)
         async for chunk in get_client(provider).stream(provider, request.body()):
             yield chunk

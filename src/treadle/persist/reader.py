@@ -16,7 +16,6 @@ import pydantic_core
 
 from treadle.errors import ConfigurationError, PersistenceError
 from treadle.persist.format import SCHEMA_VERSION
-from treadle.sandbox.handle import SandboxHandle
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 
 __all__ = ["LoadedSession", "load_session"]
@@ -107,6 +106,8 @@ def load_session(path: str | os.PathLike[str]) -> LoadedSession:
         metadata["unknown_outcome_tool_calls"] = list(pending)
     # A resumed pass gets a sandbox of the same placement: the same directory when the user gave
     # one, a fresh temporary workspace for "local" (the old one was removed or orphaned).
+    from treadle.sandbox.handle import SandboxHandle  # only a load with a placement needs it
+
     placement = header.get("placement")
     handle = SandboxHandle(placement) if isinstance(placement, str) and placement else None
     session = Session._derive(
