@@ -63,7 +63,8 @@ def run_worker(job: Job, url: str, timeout: float = WORKER_TIMEOUT_SECONDS) -> d
     if python is None:
         return {"skipped": f"{job.contestant} is not installed (run benchmarks/peers/setup.sh)"}
     spec = json.dumps({"contestant": job.contestant, "kind": job.kind, "url": url, **job.params})
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Measure the Treadle of this checkout (its src/), whatever else is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     proc = subprocess.Popen(
         [python, "-m", "benchmarks.worker", spec],
         cwd=ROOT,

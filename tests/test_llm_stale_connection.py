@@ -48,3 +48,17 @@ async def test_a_second_drop_is_an_ordinary_connection_error(stream: bool) -> No
             else:
                 await client.complete(provider, body)
         assert server.request_count == 2  # one free retry, then max_retries=0 applies
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sequential_requests_reuse_one_pooled_connection(stream: bool) -> None:
+    # Whole and streamed replies alike leave their connection in the pool for the next request.
+    with FakeOpenAIServer(script="echo") as server:
+        provider = _provider(server, stream=stream)
+        for i in range(20):
+            out = await arun_session_loop(
+                Session.from_user_message(f"turn {i}"), AGENT, agent_provider=provider
+            )
+            assert out.stop_reason == "final_answer"
+        assert server.request_count == 20
+        assert server.connections_opened == 1

@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -180,16 +180,21 @@ class ModelClient:
             used: int | None = None
             try:
                 try:
-                    async with self.http.stream(
-                        "POST", url, content=body, headers=headers, timeout=timeout
-                    ) as response:
-                        if response.status_code != 200:
-                            await response.aread()
+                    async with self._open_stream(url, body, headers, timeout) as (
+                        status,
+                        reply_headers,
+                        body_bytes,
+                    ):
+                        if status != 200:
+                            content = b"".join([piece async for piece in body_bytes])
+                            response = httpx.Response(
+                                status, headers=list(reply_headers.items()), content=content
+                            )
                             self._raise_status(provider, response, attempt)
-                        request_id = response.headers.get("x-request-id")
+                        request_id = reply_headers.get("x-request-id")
                         decoder = SSEDecoder()
                         done = finished = False
-                        async for raw in response.aiter_bytes():
+                        async for raw in body_bytes:
                             for data in decoder.feed(raw):
                                 if data == DONE:
                                     done = True
@@ -233,6 +238,33 @@ class ModelClient:
                 limiter.release(permit, used)
             await asyncio.sleep(delay)
             attempt += 1
+
+    @contextlib.asynccontextmanager
+    async def _open_stream(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
+    ) -> AsyncIterator[tuple[int, Mapping[str, str], AsyncIterator[bytes]]]:
+        """`(status, headers, body bytes)` of a streamed POST, closed on exit.
+
+        When Treadle built the client, aiohttp is used directly (no httpx Request/Response per
+        request, the streaming twin of `complete`'s fast path); a user's `http_client` goes
+        through httpx. Leaving early closes the connection rather than pooling it.
+        """
+        fast = self._fast
+        if fast is not None:
+            status, reply_headers, stream = await fast.post_stream(
+                url, body, self._merged_headers(headers), timeouts
+            )
+            chunks = stream.__aiter__()
+            try:
+                yield status, reply_headers, chunks
+            finally:
+                await chunks.aclose()
+                await stream.aclose()
+            return
+        async with self.http.stream(
+            "POST", url, content=body, headers=headers, timeout=timeouts
+        ) as response:
+            yield response.status_code, response.headers, response.aiter_bytes()
 
     async def aclose(self) -> None:
         """Close the pooled connections (a user-supplied `http_client` is left open)."""

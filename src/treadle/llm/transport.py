@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import aiohttp
@@ -74,17 +74,25 @@ class _ResponseStream(httpx.AsyncByteStream):
 
     __slots__ = ("_request", "_response")
 
-    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request | str) -> None:
         self._response = response
+        # The fast path passes the URL: an httpx.Request is built only if an error needs one.
         self._request = request
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def __aiter__(self) -> AsyncGenerator[bytes, None]:
         try:
             async for chunk in self._response.content.iter_any():
                 yield chunk
+        except GeneratorExit:
+            # The reader stopped early (say, at an SSE `[DONE]`): not a failure. `aclose()`
+            # returns the connection to the pool when the body is complete, else closes it.
+            raise
         except BaseException as exc:
             self._response.close()
-            mapped = map_aiohttp_error(exc, self._request)
+            request = self._request
+            if isinstance(request, str):
+                request = httpx.Request("POST", request)
+            mapped = map_aiohttp_error(exc, request)
             if mapped is not None:
                 raise mapped from exc
             raise
@@ -242,6 +250,34 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             raise
         response.release()
         return response.status, response.headers, content
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeouts: httpx.Timeout
+    ) -> tuple[int, Any, _ResponseStream]:
+        """POST `body` and return `(status, headers, body stream)` as soon as the headers arrive.
+
+        The streaming twin of `post_buffered`: no httpx objects on the way. The caller must
+        `aclose()` the stream; closing it before the end closes the connection instead of
+        returning it to the pool. Failures surface as the same httpx exceptions.
+        """
+        session = self._get_session()
+        try:
+            response = await session.request(
+                "POST",
+                URL(url, encoded=True),
+                headers=headers,
+                data=body,
+                timeout=self._timeout_for(timeouts.connect, timeouts.read),
+                allow_redirects=False,
+                compress=None,
+                auto_decompress=True,
+            )
+        except BaseException as exc:
+            mapped = map_aiohttp_error(exc, httpx.Request("POST", url), before_response=True)
+            if mapped is not None:
+                raise mapped from exc
+            raise
+        return response.status, response.headers, _ResponseStream(response, url)
 
     async def aclose(self) -> None:
         """Close the aiohttp session and every pooled connection."""

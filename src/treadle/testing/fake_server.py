@@ -84,6 +84,7 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         self.server._connections.add(self)
+        self.server.connections_opened += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server._connections.discard(self)
@@ -196,6 +197,8 @@ class FakeOpenAIServer:
         """Chat-completion requests received and not yet answered."""
         self.max_in_flight = 0
         """Highest `in_flight` seen: the concurrency clients really achieved."""
+        self.connections_opened = 0
+        """TCP connections accepted so far (shows whether clients reuse pooled connections)."""
         self._queue: deque[Reply] = deque(replies or ())
         self._faults: list[FaultRule] = []
         self._rng = random.Random(seed)
