@@ -216,19 +216,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             extensions={"http_version": b"HTTP/1.1"},
         )
 
-    async def post_buffered(
+    async def _post(
         self, url: str, body: bytes, headers: Mapping[str, str], timeouts: httpx.Timeout
-    ) -> tuple[int, Any, bytes]:
-        """POST `body` and read the whole reply: `(status, headers, content)`, decompressed.
-
-        The hot path of `ModelClient.complete` when Treadle owns the client: no `httpx.Request`
-        or `httpx.Response` is built (about a third of a round's CPU). Failures surface as the
-        same httpx exceptions `handle_async_request` raises.
-        """
-        session = self._get_session()
-        response = None
+    ) -> aiohttp.ClientResponse:
+        """POST without httpx objects; returns once the response headers arrived."""
         try:
-            response = await session.request(
+            return await self._get_session().request(
                 "POST",
                 URL(url, encoded=True),
                 headers=headers,
@@ -238,13 +231,27 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 compress=None,
                 auto_decompress=True,
             )
+        except BaseException as exc:
+            mapped = map_aiohttp_error(exc, httpx.Request("POST", url), before_response=True)
+            if mapped is not None:
+                raise mapped from exc
+            raise
+
+    async def post_buffered(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeouts: httpx.Timeout
+    ) -> tuple[int, Any, bytes]:
+        """POST `body` and read the whole reply: `(status, headers, content)`, decompressed.
+
+        The hot path of `ModelClient.complete` when Treadle owns the client: no `httpx.Request`
+        or `httpx.Response` is built (about a third of a round's CPU). Failures surface as the
+        same httpx exceptions `handle_async_request` raises.
+        """
+        response = await self._post(url, body, headers, timeouts)
+        try:
             content = await response.read()
         except BaseException as exc:
-            if response is not None:
-                response.close()
-            mapped = map_aiohttp_error(
-                exc, httpx.Request("POST", url), before_response=response is None
-            )
+            response.close()
+            mapped = map_aiohttp_error(exc, httpx.Request("POST", url))
             if mapped is not None:
                 raise mapped from exc
             raise
@@ -260,23 +267,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         `aclose()` the stream; closing it before the end closes the connection instead of
         returning it to the pool. Failures surface as the same httpx exceptions.
         """
-        session = self._get_session()
-        try:
-            response = await session.request(
-                "POST",
-                URL(url, encoded=True),
-                headers=headers,
-                data=body,
-                timeout=self._timeout_for(timeouts.connect, timeouts.read),
-                allow_redirects=False,
-                compress=None,
-                auto_decompress=True,
-            )
-        except BaseException as exc:
-            mapped = map_aiohttp_error(exc, httpx.Request("POST", url), before_response=True)
-            if mapped is not None:
-                raise mapped from exc
-            raise
+        response = await self._post(url, body, headers, timeouts)
         return response.status, response.headers, _ResponseStream(response, url)
 
     async def aclose(self) -> None:
