@@ -30,24 +30,10 @@ from treadle.distributed import (
 from treadle.distributed.janitor import ROOT_PREFIX, make_sandbox_root, owner_of
 from treadle.llm import Provider
 from treadle.testing import FakeOpenAIServer, Reply
-from treadle.testing.sample_tools import shout, shout_script
+from treadle.testing.sample_tools import shout, shout_inputs, shout_script, shouter
 
-
-def _agent(base_url: str, **provider: Any) -> Agent:
-    return Agent(
-        "shouter",
-        "Shout what the user says.",
-        tools=[shout],
-        provider=Provider(model="fake", base_url=base_url, **provider),
-    )
-
-
-def _inputs(n: int) -> list[Any]:
-    # Every other input has a sandbox placement, so workers make (and must remove) directories.
-    return [
-        Session.from_user_message(f"item {i}").to("local") if i % 2 else f"item {i}"
-        for i in range(n)
-    ]
+_agent = shouter
+_inputs = shout_inputs
 
 
 def _left(directory: Path) -> list[str]:

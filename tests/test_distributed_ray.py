@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 
 from treadle import Session
-from treadle.agents import Agent, amap
+from treadle.agents import amap
 from treadle.distributed import PassOutcome, map_outcomes
-from treadle.llm import Provider
 from treadle.testing import FakeOpenAIServer, Reply
-from treadle.testing.sample_tools import shout, shout_script
+from treadle.testing.sample_tools import shout_inputs, shout_script, shouter
 
 pytestmark = pytest.mark.ray
 
@@ -56,20 +55,8 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
                     os.environ[key] = value
 
 
-def _agent(base_url: str, **provider: Any) -> Agent:
-    return Agent(
-        "shouter",
-        "Shout what the user says.",
-        tools=[shout],
-        provider=Provider(model="fake", base_url=base_url, **provider),
-    )
-
-
-def _inputs(n: int) -> list[Any]:
-    return [
-        Session.from_user_message(f"item {i}").to("local") if i % 2 else f"item {i}"
-        for i in range(n)
-    ]
+_agent = shouter
+_inputs = shout_inputs
 
 
 def _view(session: Session) -> tuple[Any, ...]:

@@ -8,12 +8,15 @@ transcript on any backend. This module must never do I/O at import time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treadle.testing.scripts import Reply, ToolCallSpec
 from treadle.tools import tool
 
-__all__ = ["shout", "shout_script"]
+if TYPE_CHECKING:
+    from treadle.agents import Agent
+
+__all__ = ["shout", "shout_inputs", "shout_script", "shouter"]
 
 
 @tool
@@ -41,3 +44,27 @@ def _quote(text: str) -> str:
     from pydantic_core import to_json
 
     return to_json(text).decode()
+
+
+def shouter(base_url: str, **provider: Any) -> Agent:
+    """An `Agent` that shouts through `shout`, against the endpoint at `base_url`."""
+    from treadle.agents import Agent
+    from treadle.llm import Provider
+
+    return Agent(
+        "shouter",
+        "Shout what the user says.",
+        tools=[shout],
+        provider=Provider(model="fake", base_url=base_url, **provider),
+    )
+
+
+def shout_inputs(n: int) -> list[Any]:
+    """`n` map inputs; every other one has a sandbox placement, so workers make (and must remove)
+    directories."""
+    from treadle.session import Session
+
+    return [
+        Session.from_user_message(f"item {i}").to("local") if i % 2 else f"item {i}"
+        for i in range(n)
+    ]
