@@ -2,7 +2,7 @@
 
 from treadle.runtime.lazy import LazyValue
 from treadle.runtime.lazy_session import run_lazy
-from treadle.runtime.loop import (
+from treadle.runtime.background import (
     DEFAULT_DRAIN_SECONDS,
     Runtime,
     add_shutdown_hook,

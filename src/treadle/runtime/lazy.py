@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from treadle.errors import RuntimeLoopError
 
 if TYPE_CHECKING:
-    from treadle.runtime.loop import Runtime
+    from treadle.runtime.background import Runtime
 
 __all__ = ["LazyValue"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from treadle.runtime.loop import submit
+from treadle.runtime.background import submit
 from treadle.session.session import Session, SessionData, new_session_id
 
 __all__ = ["run_lazy"]
