@@ -11,7 +11,13 @@ import anyio
 import pytest
 
 from treadle.errors import PathViolation, SandboxError
-from treadle.sandbox import LocalBackend, Sandbox, SandboxHandle, scrubbed_environment
+from treadle.sandbox import (
+    LocalBackend,
+    Sandbox,
+    SandboxHandle,
+    global_system_tools,
+    scrubbed_environment,
+)
 from treadle.sandbox.paths import MAX_PATH_CHARS
 from treadle.sandbox.process import MAX_STREAM_BYTES
 from treadle.session import Session
@@ -191,7 +197,7 @@ async def test_closed_backend_refuses_work_and_kills_commands(sandbox: Sandbox) 
 
 
 async def test_builtin_tools_through_dispatch() -> None:
-    tools = ToolSet.build(None, builtins=True)
+    tools = ToolSet.build(None, builtins=global_system_tools())
     async with Session.from_user_message("x").to("local") as session:
         outs = await run_tool_calls(
             [call("write_workspace_file", {"path": "notes/a.txt", "content": "abc"}, id="1")],
@@ -232,7 +238,7 @@ async def test_builtin_tools_through_dispatch() -> None:
 
 
 async def test_cancelling_a_round_kills_its_sandbox_commands() -> None:
-    tools = ToolSet.build(None, builtins=True)
+    tools = ToolSet.build(None, builtins=global_system_tools())
     async with Session.from_user_message("x").to("local") as session:
         marker = session.require_sandbox().workspace / "pid"
         cmd = f"sleep 30 & echo $! > {marker}; wait"
@@ -247,7 +253,7 @@ async def test_cancelling_a_round_kills_its_sandbox_commands() -> None:
 
 
 async def test_many_concurrent_rounds_do_not_deadlock() -> None:
-    tools = ToolSet.build(None, builtins=True)
+    tools = ToolSet.build(None, builtins=global_system_tools())
 
     async def one_pass(n: int, session: Session) -> None:
         shell = [call("run_shell_command", {"cmd": f"echo {n}-{i}"}, id=str(i)) for i in range(4)]

@@ -75,7 +75,7 @@ async def as_model() -> Reply:
 
 
 async def test_success_shapes() -> None:
-    tools = ToolSet.build([echo, as_mapping, as_dataclass, as_model], builtins=False)
+    tools = ToolSet.build([echo, as_mapping, as_dataclass, as_model])
     outs = await run_tool_calls(
         [call("echo", {"text": "hi"}), call("as_mapping"), call("as_dataclass"), call("as_model")],
         tools,
@@ -361,7 +361,7 @@ class Counter(BaseTool):
 async def test_base_tool_dispatch() -> None:
     outs = await run_tool_calls(
         [call("counter", {"n": 1}), call("counter", {"n": "x"})],
-        ToolSet.build([Counter], builtins=False),
+        ToolSet.build([Counter]),
         session=Session.from_user_message("x"),
     )
     assert body(outs[0]) == {"ok": True, "n": 2, "has_session": True}

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from treadle.errors import ConfigurationError, ToolArgumentsError
-from treadle.sandbox import Sandbox
+from treadle.sandbox import Sandbox, global_system_tools
 from treadle.session import Session
 from treadle.tools import BaseTool, FunctionTool, Tool, ToolSet, tool
 from treadle.tools.docstrings import parse_docstring
@@ -253,17 +253,17 @@ def test_toolset_build_and_name_clashes() -> None:
         """Look up a key."""
         return key
 
-    ts = ToolSet.build([lookup, Weather], builtins=False)
+    ts = ToolSet.build([lookup, Weather])
     assert ts.names == ["lookup", "weather"]
     assert "lookup" in ts and len(ts) == 2 and isinstance(ts["weather"], Weather)
     body = ts.schemas_json()
     assert body is not None and body is ts.schemas_json()
     assert [s["function"]["name"] for s in json.loads(body)] == ["lookup", "weather"]
-    assert ToolSet.build(None, builtins=False).schemas_json() is None
-    with_builtins = ToolSet.build([lookup], builtins=True)
+    assert ToolSet.build(None).schemas_json() is None
+    with_builtins = ToolSet.build([lookup], builtins=global_system_tools())
     assert {"run_shell_command", "write_workspace_file", "read_workspace_file",
             "list_workspace_files", "lookup"} == set(with_builtins.names)  # fmt: skip
     with pytest.raises(ConfigurationError, match="shadows a built-in"):
-        ToolSet.build([tool(name="run_shell_command")(lookup)], builtins=True)
+        ToolSet.build([tool(name="run_shell_command")(lookup)], builtins=global_system_tools())
     with pytest.raises(ConfigurationError, match="two tools are named"):
-        ToolSet.build([lookup, tool(lookup)], builtins=False)
+        ToolSet.build([lookup, tool(lookup)])

@@ -33,6 +33,7 @@ from treadle.agents.structured import (
     StructuredMode,
 )
 from treadle.errors import ConfigurationError, ContextLengthError
+from treadle.llm import validate_executor
 from treadle.llm.provider import Provider
 from treadle.loop import (
     DEFAULT_MAX_TOOL_ROUNDS,
@@ -43,7 +44,6 @@ from treadle.loop import (
     arun_session_loop,
     run_session_loop,
 )
-from treadle.loop.executor import validate_executor
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools import FunctionTool, Tool, ToolSet
@@ -195,7 +195,7 @@ class Agent:
         )
         extra: list[Tool] = [self.spec.tool] if self.spec and self.spec.mode == "tool" else []
         self.tools: tuple[Any, ...] = (*(tools or ()), *extra)
-        self._tools_json = ToolSet.build(self.tools, builtins=False).schemas_json()  # validates
+        self._tools_json = ToolSet.build(self.tools).schemas_json()  # validates
         self._provider = self.spec.provider_for(provider) if self.spec else provider
         self.agent_session = (
             Session.from_agent_prompt(instructions)

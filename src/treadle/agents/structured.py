@@ -22,7 +22,7 @@ import pydantic
 import pydantic_core
 
 from treadle.errors import ConfigurationError, ToolArgumentsError, TreadleError
-from treadle.tools import Tool
+from treadle.tools import Tool, ToolContext
 from treadle.tools.results import error_content, success_content
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class _FinalResultTool(Tool):
             ) from None
         return dict(arguments)
 
-    async def invoke(self, arguments: Mapping[str, Any], *, session: Session | None) -> Any:
+    async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
         """Reached only when the pass was not ended by the agent (e.g. used outside an Agent)."""
         return {"accepted": True}
 

@@ -18,10 +18,20 @@ if TYPE_CHECKING:
         close_all_clients_for_loop,
         get_client,
     )
+    from treadle.llm.executor import (
+        AsyncExecutor,
+        Executor,
+        HttpExecutor,
+        ModelExecutor,
+        coerce_completion,
+        validate_executor,
+    )
     from treadle.llm.limiter import EndpointLimiter
     from treadle.llm.provider import Provider
+    from treadle.llm.request import CompletionRequest, OfferedTools
     from treadle.llm.sse import SSEDecoder
     from treadle.llm.transport import AiohttpTransport
+    from treadle.llm.turn import AssistantTurn, ToolCallPiece, TurnDelta, request_turn
     from treadle.llm.wire import (
         ChatCompletion,
         ChatCompletionChunk,
@@ -29,12 +39,12 @@ if TYPE_CHECKING:
         ChatMessage,
         Choice,
         ChoiceDelta,
+        ChoiceDeltaToolCall,
         ChunkChoice,
+        CompletionUsage,
         FunctionCall,
         FunctionCallDelta,
-        ToolCall,
-        ToolCallDelta,
-        Usage,
+        MessageToolCall,
         build_request_body,
     )
 
@@ -48,6 +58,20 @@ _HOMES = {
     "close_all_clients_for_loop": "client",
     "get_client": "client",
     "EndpointLimiter": "limiter",
+    **{
+        name: "executor"
+        for name in (
+            "AsyncExecutor",
+            "Executor",
+            "HttpExecutor",
+            "ModelExecutor",
+            "coerce_completion",
+            "validate_executor",
+        )
+    },
+    "CompletionRequest": "request",
+    "OfferedTools": "request",
+    **{name: "turn" for name in ("AssistantTurn", "ToolCallPiece", "TurnDelta", "request_turn")},
     "Provider": "provider",
     "SSEDecoder": "sse",
     **{
@@ -62,9 +86,9 @@ _HOMES = {
             "ChunkChoice",
             "FunctionCall",
             "FunctionCallDelta",
-            "ToolCall",
-            "ToolCallDelta",
-            "Usage",
+            "MessageToolCall",
+            "ChoiceDeltaToolCall",
+            "CompletionUsage",
             "build_request_body",
         )
     },
@@ -82,25 +106,37 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AiohttpTransport",
+    "AssistantTurn",
+    "AsyncExecutor",
     "ChatCompletion",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
     "ChatMessage",
     "Choice",
     "ChoiceDelta",
+    "ChoiceDeltaToolCall",
     "ChunkChoice",
+    "CompletionRequest",
+    "CompletionUsage",
     "EndpointLimiter",
+    "Executor",
     "FunctionCall",
     "FunctionCallDelta",
+    "HttpExecutor",
+    "MessageToolCall",
     "ModelClient",
+    "ModelExecutor",
+    "OfferedTools",
     "Provider",
     "SSEDecoder",
     "StreamAccumulator",
-    "ToolCall",
-    "ToolCallDelta",
-    "Usage",
+    "ToolCallPiece",
+    "TurnDelta",
     "aclose_clients",
     "build_request_body",
     "close_all_clients_for_loop",
+    "coerce_completion",
     "get_client",
+    "request_turn",
+    "validate_executor",
 ]

@@ -23,12 +23,12 @@ __all__ = [
     "ChatMessage",
     "Choice",
     "ChoiceDelta",
+    "ChoiceDeltaToolCall",
     "ChunkChoice",
+    "CompletionUsage",
     "FunctionCall",
     "FunctionCallDelta",
-    "ToolCall",
-    "ToolCallDelta",
-    "Usage",
+    "MessageToolCall",
     "build_request_body",
 ]
 
@@ -44,7 +44,7 @@ class FunctionCall(_Wire):
     arguments: str = ""
 
 
-class ToolCall(_Wire):
+class MessageToolCall(_Wire):
     """One tool call in an assistant message."""
 
     id: str
@@ -57,7 +57,7 @@ class ChatMessage(_Wire):
 
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class Choice(_Wire):
@@ -68,7 +68,7 @@ class Choice(_Wire):
     finish_reason: str | None = None
 
 
-class Usage(_Wire):
+class CompletionUsage(_Wire):
     """Token counts the server reports for one completion."""
 
     prompt_tokens: int = 0
@@ -84,7 +84,7 @@ class ChatCompletion(_Wire):
     created: int = 0
     model: str = ""
     choices: list[Choice]
-    usage: Usage | None = None
+    usage: CompletionUsage | None = None
 
     @property
     def message(self) -> ChatMessage:
@@ -104,7 +104,7 @@ class FunctionCallDelta(_Wire):
     arguments: str | None = None
 
 
-class ToolCallDelta(_Wire):
+class ChoiceDeltaToolCall(_Wire):
     """A piece of a streamed tool call; pieces with the same `index` belong together."""
 
     index: int = 0
@@ -118,7 +118,7 @@ class ChoiceDelta(_Wire):
 
     role: str | None = None
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
+    tool_calls: list[ChoiceDeltaToolCall] | None = None
 
 
 class ChunkChoice(_Wire):
@@ -137,7 +137,7 @@ class ChatCompletionChunk(_Wire):
     created: int = 0
     model: str = ""
     choices: list[ChunkChoice] = Field(default_factory=list)
-    usage: Usage | None = None
+    usage: CompletionUsage | None = None
 
 
 class ChatCompletionRequest(_Wire):

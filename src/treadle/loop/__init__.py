@@ -1,5 +1,6 @@
 """The session loop: one agent pass as a coroutine, its control, events and entry points."""
 
+from treadle.llm import AsyncExecutor, CompletionRequest, Executor, HttpExecutor
 from treadle.loop.api import (
     DEFAULT_MAX_TOOL_ROUNDS,
     PassOptions,
@@ -29,7 +30,6 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
-from treadle.loop.executor import AsyncExecutor, CompletionRequest, Executor, HttpExecutor
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
 from treadle.errors import ConfigurationError
+from treadle.llm.executor import HttpExecutor, ModelExecutor, validate_executor
 from treadle.llm.provider import Provider
 from treadle.loop.control import Limits, PassControl, normalise_guardrails
 from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped
-from treadle.loop.executor import HttpExecutor, validate_executor
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
+from treadle.sandbox.builtin_tools import global_system_tools
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools import ToolSet
 
@@ -102,17 +103,17 @@ def _plan(
                 "run_session_loop needs agent_provider=Provider(model=...) (or a custom executor)."
             )
         provider: Provider | None = agent_provider.resolve()
-        runner: object = HttpExecutor()
+        runner: ModelExecutor = HttpExecutor()
     else:
-        validate_executor(executor)
+        runner = validate_executor(executor)
         if on_event is not None:
             raise ConfigurationError(
                 "on_event needs the default HTTP executor (custom executors do not stream); "
                 "drop on_event or the executor."
             )
         provider = agent_provider
-        runner = executor
-    toolset = ToolSet.build(tools, builtins=user_session.placement is not None)
+    builtins = global_system_tools() if user_session.placement is not None else ()
+    toolset = ToolSet.build(tools, builtins=builtins)
     path: Path | None = None
     if persist or persist_path is not None:
         target = Path(persist_path) if persist_path is not None else None

@@ -27,8 +27,7 @@ import anyio.to_thread
 from treadle.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from treadle.llm.wire import ChatCompletion
-    from treadle.loop.executor import CompletionRequest
+    from treadle.llm import ChatCompletion, CompletionRequest
     from treadle.session import Session
 
 __all__ = [

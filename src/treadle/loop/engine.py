@@ -25,8 +25,10 @@ from typing import Any
 import anyio
 
 from treadle.errors import BudgetExceededError
+from treadle.llm.executor import HttpExecutor, ModelExecutor
 from treadle.llm.provider import Provider
-from treadle.llm.wire import ChatCompletion
+from treadle.llm.request import CompletionRequest
+from treadle.llm.turn import AssistantTurn, TurnDelta, request_turn
 from treadle.loop.callbacks import CallbackPump
 from treadle.loop.control import (
     Guardrail,
@@ -48,17 +50,10 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
-from treadle.loop.executor import (
-    CompletionRequest,
-    HttpExecutor,
-    call_complete,
-    completion_to_delta,
-    parse_completion,
-)
-from treadle.loop.tool_round import call_name, pending_tool_calls, run_round
+from treadle.loop.tool_round import pending_tool_calls, run_round
 from treadle.persist.writer import SessionWriter
-from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
-from treadle.tools import ToolSet
+from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
+from treadle.tools import ToolContext, ToolSet
 
 __all__ = ["PassPlan", "run_pass"]
 
@@ -75,7 +70,7 @@ class PassPlan:
     agent: Session
     provider: Provider | None
     tools: ToolSet
-    executor: object
+    executor: ModelExecutor
     max_tool_rounds: int
     on_event: Callable[[Any], Any] | None
     persist_path: Path | None
@@ -156,27 +151,15 @@ class _Pass:
             extra=extra,
         )
 
-    async def complete(self, request: CompletionRequest) -> ChatCompletion:
-        executor = self.plan.executor
-        if self.plan.stream and isinstance(executor, HttpExecutor):
-            from treadle.llm.accumulate import StreamAccumulator
+    async def complete(self, request: CompletionRequest) -> AssistantTurn:
+        sink = self.on_delta if self.pump is not None or self.events is not None else None
+        return await request_turn(self.plan.executor, request, sink)
 
-            acc = StreamAccumulator()
-            async for chunk in executor.astream(request):
-                acc.add(chunk)
-                if self.pump is not None:
-                    self.pump.put(chunk)
-                if self.events is not None:
-                    self.events.deltas(chunk)
-            return acc.result()
-        completion = await call_complete(executor, request)
-        if self.pump is not None or self.events is not None:
-            delta = completion_to_delta(completion)
-            if self.pump is not None:
-                self.pump.put(delta)
-            if self.events is not None:
-                self.events.deltas(delta)
-        return completion
+    def on_delta(self, delta: TurnDelta) -> None:
+        if self.pump is not None:
+            self.pump.put(delta.raw)  # `on_event` receives the provider's chunk as sent
+        if self.events is not None:
+            self.events.deltas(delta)
 
     async def notify(self, row: ChunkRow) -> None:
         """Hand a new row to `on_message` (which may interrupt the pass)."""
@@ -213,18 +196,17 @@ class _Pass:
             tripped = await self.guard("before", request, None)
             if tripped is not None:
                 return tripped
-            completion = await self.complete_in_time(request)
-            if completion is None:
+            turn = await self.complete_in_time(request)
+            if turn is None:
                 return "deadline"
-            payload, usage = parse_completion(completion)
-            self.count(usage)
-            tripped = await self.guard("after", request, completion)
+            self.count(turn.usage)
+            tripped = await self.guard("after", request, turn)
             if tripped is not None:
                 return tripped
-            row = ChunkRow._trusted("assistant", payload)
+            row = ChunkRow._trusted("assistant", turn.payload)
             if self.pump is not None:
                 await self.pump.drain()  # deltas reach the callback before the row they build
-            calls = row.tool_calls
+            calls = row.calls
             await self.append([row], boundary=not calls)
             if self.events is not None:
                 self.events.emit(AssistantRowEvent, row=row)
@@ -239,7 +221,7 @@ class _Pass:
                 return stop
             rounds += 1
 
-    async def complete_in_time(self, request: CompletionRequest) -> ChatCompletion | None:
+    async def complete_in_time(self, request: CompletionRequest) -> AssistantTurn | None:
         if self.deadline is None:
             return await self.complete(request)
         with anyio.move_on_after(max(0.0, self.deadline - time.monotonic())):
@@ -253,11 +235,12 @@ class _Pass:
             self.events.emit(UsageEvent, usage=usage, total=self.pass_usage)
 
     async def guard(
-        self, when: str, request: CompletionRequest, reply: ChatCompletion | None
+        self, when: str, request: CompletionRequest, turn: AssistantTurn | None
     ) -> str | None:
         guards = [g for g in self.plan.guardrails if g.when == when]
         if not guards:
             return None
+        reply = turn.completion if turn is not None else None
         with self.snapshot() as session:
             data = GuardrailInput(session=session, request=request, reply=reply)
             for guard in guards:
@@ -272,49 +255,38 @@ class _Pass:
             self.events.emit(GuardrailTripped, tripwire=tripwire)
         return "blocked"
 
-    async def tool_round(
-        self, calls: Sequence[Mapping[str, Any]], *, resuming: bool = False
-    ) -> str | None:
+    async def tool_round(self, calls: Sequence[ToolCall], *, resuming: bool = False) -> str | None:
         plan = self.plan
         waiting = [
             c
             for c in calls
-            if call_name(c) in plan.tools
-            and getattr(plan.tools[call_name(c)], "needs_approval", False)
-            and approval_decision(plan.approvals, str(c.get("id"))) is None
+            if c.name in plan.tools
+            and plan.tools[c.name].needs_approval
+            and approval_decision(plan.approvals, c.id) is None
         ]
         if waiting:
             self.metadata["pending_approvals"] = [
-                {
-                    "id": str(c.get("id")),
-                    "name": call_name(c),
-                    "arguments": c.get("function", {}).get("arguments", ""),
-                }
-                for c in waiting
+                {"id": c.id, "name": c.name, "arguments": c.arguments} for c in waiting
             ]
-            names = ", ".join(call_name(c) for c in waiting)
+            names = ", ".join(c.name for c in waiting)
             return self.interrupt(f"approval required for {names}")
         self.metadata.pop("pending_approvals", None)
         denied: dict[str, str] = {}
         for c in calls:
-            decision = approval_decision(plan.approvals, str(c.get("id")))
+            decision = approval_decision(plan.approvals, c.id)
             if decision is False or isinstance(decision, str):
-                denied[str(c.get("id"))] = decision if isinstance(decision, str) else ""
+                denied[c.id] = decision if isinstance(decision, str) else ""
         if self.events is not None:
             for c in calls:
-                if str(c.get("id")) not in denied:
-                    self.events.emit(
-                        ToolStarted,
-                        call_id=str(c.get("id", "")),
-                        name=call_name(c),
-                        arguments=str(c.get("function", {}).get("arguments", "")),
-                    )
+                if c.id not in denied:
+                    self.events.emit(ToolStarted, call_id=c.id, name=c.name, arguments=c.arguments)
         unknown: set[str] = set()
         if resuming:
             unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
         with self.snapshot() as session:
+            context = ToolContext(session, self.out_id, self.deadline)
             rows = await run_round(
-                calls, plan.tools, plan.executor, session, self.writer, unknown, denied
+                calls, plan.tools, plan.executor, context, self.writer, unknown, denied
             )
         await self.append(rows, boundary=True)
         self.tool_calls_run += len(calls)
@@ -353,10 +325,10 @@ class _Pass:
 
     async def final_answer(self) -> None:
         """One last completion with tools switched off, after a limit stopped the pass."""
-        completion = await self.complete(self.request(_NO_TOOLS))
-        payload, usage = parse_completion(completion)
+        turn = await self.complete(self.request(_NO_TOOLS))
+        payload = dict(turn.payload)
         payload.pop("tool_calls", None)  # a model that calls tools anyway: keep its text only
-        self.count(usage)
+        self.count(turn.usage)
         row = ChunkRow._trusted("assistant", payload)
         if self.pump is not None:
             await self.pump.drain()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from treadle.llm.wire import ChatCompletionChunk
+from treadle.llm.turn import TurnDelta
 from treadle.loop.control import Tripwire
 from treadle.session import ChunkRow, Session, Usage
 
@@ -143,18 +143,15 @@ class Emitter:
         self.seq += 1
         self.sink(event)
 
-    def deltas(self, chunk: ChatCompletionChunk) -> None:
-        """Events for one stream chunk (or a whole reply turned into one chunk)."""
-        for choice in chunk.choices:
-            delta = choice.delta
-            if delta.content:
-                self.emit(TextDelta, text=delta.content)
-            for call in delta.tool_calls or ():
-                fn = call.function
-                self.emit(
-                    ToolCallDelta,
-                    index=call.index,
-                    call_id=call.id,
-                    name=fn.name if fn is not None else None,
-                    arguments=(fn.arguments or "") if fn is not None else "",
-                )
+    def deltas(self, delta: TurnDelta) -> None:
+        """Events for one stream delta (or a whole reply, given as one delta)."""
+        if delta.text:
+            self.emit(TextDelta, text=delta.text)
+        for piece in delta.tool_calls:
+            self.emit(
+                ToolCallDelta,
+                index=piece.index,
+                call_id=piece.call_id,
+                name=piece.name,
+                arguments=piece.arguments,
+            )

@@ -15,6 +15,7 @@ import atexit
 import sys
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import anyio.to_thread
 
@@ -71,6 +72,7 @@ class Sandbox:
     """An opened sandbox: its `backend`, `workspace` root and async operations on it."""
 
     __slots__ = ("backend",)
+    __treadle_inject__: ClassVar[str] = "sandbox"  # a tool parameter of this type gets it
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend

@@ -18,6 +18,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from treadle.errors import ConfigurationError
+from treadle.session.calls import ToolCall, tool_calls_of
 
 __all__ = ["ROLE_OF_KIND", "ChunkRow", "ChunkTable", "RowKind"]
 
@@ -174,6 +175,11 @@ class ChunkRow:
         """The tool calls of an assistant row (empty for other kinds)."""
         calls = self.payload.get("tool_calls")
         return list(calls) if calls else []
+
+    @property
+    def calls(self) -> tuple[ToolCall, ...]:
+        """The tool calls of an assistant row as typed `ToolCall` values (empty otherwise)."""
+        return tool_calls_of(self.payload.get("tool_calls"))
 
     def to_message(self) -> dict[str, Any]:
         """This row as an OpenAI message dict (a fresh dict the caller may change)."""

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from treadle.errors import ConfigurationError
 from treadle.session.lineage import LineageNode
@@ -64,6 +64,7 @@ class Session:
     """
 
     __slots__ = ("__weakref__", "_data", "_finalizer", "_lazy", "_sandbox", "id", "lineage")
+    __treadle_inject__: ClassVar[str] = "session"  # a tool parameter of this type gets the caller
 
     id: str
     lineage: LineageNode

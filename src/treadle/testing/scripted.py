@@ -15,8 +15,7 @@ from typing import Any, TypeAlias
 import pydantic_core
 
 from treadle.errors import ConfigurationError
-from treadle.llm.wire import ChatCompletion
-from treadle.loop.executor import CompletionRequest, coerce_completion
+from treadle.llm import ChatCompletion, CompletionRequest, coerce_completion
 
 __all__ = ["Reply", "ScriptedExecutor", "text", "tool_call", "tool_calls"]
 

@@ -1,10 +1,12 @@
-"""Run one round of model tool calls: the function the session loop calls, and the tool set.
+"""The one tool dispatcher: run a round of model tool calls, whoever executes them.
 
-`ToolSet.build` makes the name -> tool mapping once per pass; `run_tool_calls` parses, validates
-and runs a round of OpenAI wire `tool_calls` and returns one `ToolOutcome` per call, in call
-order. Calls run concurrently inside one task group that owns every task; calls sharing a resource
-key run one at a time in call order. Problems with a call (unknown tool, bad arguments, an
-exception, a timeout, a path outside the workspace) become an error body for the model.
+`run_tool_calls` parses, validates and runs a round of `ToolCall`s and returns one `ToolOutcome`
+per call, in call order. Calls run concurrently inside one task group that owns every task; calls
+sharing a resource key run one at a time in call order. The same path serves the default
+implementation (`Tool.invoke`) and a custom executor's `dispatch_tool` / `adispatch_tool`: both
+get the same validation, timeouts, lanes, approvals (denied calls) and unknown-outcome handling.
+Problems with a call (unknown tool, bad arguments, an exception, a timeout, a path outside the
+workspace) become an error body for the model.
 
 This module must never raise for a tool's problem, never leave a task running after it returns
 (cancellation cancels async tools and kills sandbox commands), and never block the event loop.
@@ -12,27 +14,47 @@ This module must never raise for a tool's problem, never leave a task running af
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from treadle.errors import (
-    ConfigurationError,
-    ToolArgumentsError,
-    ToolError,
-    ToolTimeoutError,
-    TreadleError,
-)
+from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
+from treadle.session import Session, ToolCall
+from treadle.tools.context import ToolContext
 from treadle.tools.results import error_content, exception_detail, success_content
-from treadle.tools.tool import Tool, tool
+from treadle.tools.threads import run_sync_tool
+from treadle.tools.tool import Tool
+from treadle.tools.toolset import ToolSet
 
-if TYPE_CHECKING:
-    from treadle.session.session import Session
+__all__ = [
+    "AsyncToolExecutor",
+    "ToolExecutor",
+    "ToolOutcome",
+    "has_tool_dispatch",
+    "run_tool_calls",
+]
 
-__all__ = ["ToolOutcome", "ToolSet", "run_tool_calls"]
+
+@runtime_checkable
+class ToolExecutor(Protocol):
+    """An executor that runs tools itself, synchronously (called on the sync-tool threads)."""
+
+    def dispatch_tool(self, session: Session | None, tool: Tool, arguments: Any) -> Any:
+        """Run `tool` with validated `arguments`; return its result."""
+        ...
+
+
+@runtime_checkable
+class AsyncToolExecutor(Protocol):
+    """An executor that runs tools itself, on the event loop (must not block it)."""
+
+    async def adispatch_tool(self, session: Session | None, tool: Tool, arguments: Any) -> Any:
+        """Run `tool` with validated `arguments`; return its result."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,110 +71,18 @@ class ToolOutcome:
     """True when the tool ran and returned."""
     error_kind: str | None
     """`unknown_tool`, `invalid_tool_arguments`, `tool_execution_exception`, `timeout`,
-    `path_violation` (or a custom `ToolError.error_kind`); None when `ok`."""
+    `path_violation`, `denied`, `unknown_outcome` (or a custom `ToolError.error_kind`); None when
+    `ok`."""
 
 
-def _as_tool(item: Tool | type[Tool] | Callable[..., Any]) -> Tool:
-    if isinstance(item, Tool):
-        return item
-    if isinstance(item, type) and issubclass(item, Tool):
-        return item()
-    if callable(item):
-        return tool(item)
-    raise ConfigurationError(f"a tool must be a function or a Tool, got {type(item).__name__}.")
+def _failure(call: ToolCall, kind: str, message: str, detail: str | None = None) -> ToolOutcome:
+    return ToolOutcome(call.id, call.name, error_content(kind, message, detail), False, kind)
 
 
-class ToolSet(Mapping[str, Tool]):
-    """The tools offered in one pass: a read-only name -> `Tool` mapping, schemas encoded once."""
-
-    __slots__ = ("_schemas_json", "_tools")
-
-    def __init__(self, tools: Iterable[Tool] = ()) -> None:
-        self._tools: dict[str, Tool] = {}
-        for item in tools:
-            if item.name in self._tools:
-                raise ConfigurationError(
-                    f"two tools are named {item.name!r}; give one a different name with "
-                    "@tool(name=...)."
-                )
-            self._tools[item.name] = item
-        self._schemas_json: bytes | None = None
-
-    @classmethod
-    def build(
-        cls,
-        custom_tools: Iterable[Tool | type[Tool] | Callable[..., Any]] | None,
-        *,
-        builtins: bool,
-    ) -> ToolSet:
-        """The tool set of a pass: `custom_tools` (functions are wrapped with `@tool`), plus the
-        built-in workspace tools when `builtins` (the session has a sandbox placement).
-
-        Raises `ConfigurationError` when a custom tool shadows a built-in or two share a name.
-        """
-        custom = [_as_tool(item) for item in custom_tools or ()]
-        tools: list[Tool] = []
-        if builtins:
-            # The sandbox layer sits above this one, so its tools are imported only when asked.
-            from treadle.sandbox.builtin_tools import global_system_tools
-
-            tools = list(global_system_tools())
-            reserved = {t.name for t in tools}
-            for item in custom:
-                if item.name in reserved:
-                    raise ConfigurationError(
-                        f"tool {item.name!r} shadows a built-in sandbox tool; rename it with "
-                        "@tool(name=...)."
-                    )
-        return cls([*tools, *custom])
-
-    def schemas_json(self) -> bytes | None:
-        """The JSON array of tool schemas, encoded once (None when the set is empty)."""
-        if not self._tools:
-            return None
-        if self._schemas_json is None:
-            self._schemas_json = b"[" + b",".join(t.schema_json() for t in self.values()) + b"]"
-        return self._schemas_json
-
-    @property
-    def names(self) -> list[str]:
-        """The tool names, in the order they are offered."""
-        return list(self._tools)
-
-    def __getitem__(self, name: str) -> Tool:
-        return self._tools[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tools
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tools)
-
-    def __len__(self) -> int:
-        return len(self._tools)
-
-    def __repr__(self) -> str:
-        return f"<ToolSet {self.names}>"
-
-
-def _failure(call_id: str, name: str, error: ToolError) -> ToolOutcome:
-    return ToolOutcome(
-        call_id,
-        name,
-        error_content(error.error_kind, error.message, error.detail),
-        False,
-        error.error_kind,
-    )
-
-
-def _parse_arguments(raw: Any) -> dict[str, Any]:
+def _parse_arguments(raw: str) -> dict[str, Any]:
     """The arguments object of a call; empty or whitespace text means `{}`."""
-    if isinstance(raw, Mapping):
-        return dict(raw)
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
+    if not raw.strip():
         return {}
-    if not isinstance(raw, (str, bytes)):
-        raise ToolArgumentsError("the arguments must be a JSON object text.")
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -167,22 +97,55 @@ def _parse_arguments(raw: Any) -> dict[str, Any]:
     return value
 
 
+Runner = Callable[[Tool, dict[str, Any], ToolContext], Awaitable[Any]]
+
+
+async def _invoke(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
+    return await tool.invoke(arguments, context=context)
+
+
+def _runner_of(executor: object) -> Runner:
+    """How calls run: the tool's own implementation, or the executor's dispatch."""
+    if isinstance(executor, AsyncToolExecutor):
+        custom_async = executor
+
+        async def run_async(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
+            return await custom_async.adispatch_tool(context.session, tool, arguments)
+
+        return run_async
+    if isinstance(executor, ToolExecutor):
+        custom = executor
+
+        async def run_sync(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
+            call = functools.partial(custom.dispatch_tool, context.session, tool, arguments)
+            return await run_sync_tool(call)
+
+        return run_sync
+    return _invoke
+
+
+def has_tool_dispatch(executor: object) -> bool:
+    """True when `executor` runs tools itself."""
+    return isinstance(executor, (AsyncToolExecutor, ToolExecutor))
+
+
 @dataclass(slots=True)
 class _Ready:
     index: int
-    call_id: str
+    call: ToolCall
     tool: Tool
     arguments: dict[str, Any]
 
 
-async def _execute(ready: _Ready, session: Session | None) -> ToolOutcome:
-    item = ready.tool
+async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
+    item, call = ready.tool, ready.call
+    context = context.for_call(call)
     try:
         if item.timeout is None:
-            result = await item.invoke(ready.arguments, session=session)
+            result = await run(item, ready.arguments, context)
         else:
             with anyio.move_on_after(item.timeout) as scope:
-                result = await item.invoke(ready.arguments, session=session)
+                result = await run(item, ready.arguments, context)
             if scope.cancelled_caught:
                 sync_note = (
                     ""
@@ -194,62 +157,92 @@ async def _execute(ready: _Ready, session: Session | None) -> ToolOutcome:
                     f"abandoned{sync_note}. Try a smaller task or different arguments."
                 )
     except ToolError as error:
-        return _failure(ready.call_id, item.name, error)
+        return _failure(call, error.error_kind, error.message, error.detail)
     except TreadleError as error:  # our own clear message (e.g. a missing file): no traceback
-        message = f"tool {item.name!r} failed: {error}"
-        return ToolOutcome(
-            ready.call_id,
-            item.name,
-            error_content("tool_execution_exception", message),
-            False,
-            "tool_execution_exception",
-        )
+        return _failure(call, "tool_execution_exception", f"tool {item.name!r} failed: {error}")
     except Exception as error:
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
-        detail = exception_detail(error)
-        return ToolOutcome(
-            ready.call_id,
-            item.name,
-            error_content("tool_execution_exception", message, detail),
-            False,
-            "tool_execution_exception",
-        )
+        return _failure(call, "tool_execution_exception", message, exception_detail(error))
     content = success_content(result, max_chars=item.max_result_chars)
-    return ToolOutcome(ready.call_id, item.name, content, True, None)
+    return ToolOutcome(call.id, item.name, content, True, None)
+
+
+def _as_call(call: ToolCall | Mapping[str, Any], index: int) -> ToolCall:
+    return call if isinstance(call, ToolCall) else ToolCall.from_wire(call, index)
+
+
+def _settled(
+    call: ToolCall,
+    tools: ToolSet,
+    denied: Mapping[str, str],
+    unknown_outcome: Collection[str],
+) -> ToolOutcome | None:
+    """The outcome of a call decided without running it (denied, unknown outcome), if any."""
+    if call.id in denied:
+        why = denied[call.id]
+        return _failure(
+            call,
+            "denied",
+            f"the user did not approve this call to {call.name}" + (f": {why}" if why else "."),
+        )
+    found = tools.get(call.name)
+    if call.id in unknown_outcome and not (found is not None and found.idempotent):
+        return _failure(
+            call,
+            "unknown_outcome",
+            f"the call to {call.name} was interrupted by a crash; it may or may not have run. "
+            "Check its effects before calling it again.",
+        )
+    return None
 
 
 async def run_tool_calls(
-    calls: Sequence[Mapping[str, Any]], tools: ToolSet, *, session: Session | None
+    calls: Sequence[ToolCall | Mapping[str, Any]],
+    tools: ToolSet,
+    *,
+    session: Session | None = None,
+    context: ToolContext | None = None,
+    executor: object = None,
+    denied: Mapping[str, str] | None = None,
+    unknown_outcome: Collection[str] = (),
 ) -> list[ToolOutcome]:
-    """Run one round of OpenAI wire tool calls; one `ToolOutcome` per call, in call order.
+    """Run one round of tool calls; one `ToolOutcome` per call, in call order.
 
-    Each call is `{"id", "type": "function", "function": {"name", "arguments": "<json>"}}`.
-    Calls run concurrently; calls sharing a resource key (or of a tool with
-    `parallel_safe=False`) run one at a time in call order. Never raises for a tool's problem;
-    cancelling the caller cancels every call (sandbox commands are killed).
+    Calls are `ToolCall` values (or OpenAI wire dicts). The tools see `context` (or one built
+    from `session`). `executor`, when it defines `adispatch_tool` / `dispatch_tool`, runs the
+    validated calls instead of the tools' own implementations. Calls in `denied` (id -> reason)
+    are not run; calls in `unknown_outcome` (interrupted by a crash) are not run again unless
+    their tool is `idempotent`. Calls run concurrently; calls sharing a resource key (or of a
+    tool with `parallel_safe=False`) run one at a time in call order. Never raises for a tool's
+    problem; cancelling the caller cancels every call (sandbox commands are killed).
     """
+    ctx = context if context is not None else ToolContext(session)
+    run = _runner_of(executor)
+    denied = denied or {}
     outcomes: list[ToolOutcome | None] = [None] * len(calls)
     lanes: dict[str, list[_Ready]] = {}
     free: list[_Ready] = []
-    for index, call in enumerate(calls):
-        function = call.get("function") or {}
-        call_id = str(call.get("id") or f"call_{index}")
-        name = str(function.get("name") or "")
-        found = tools.get(name)
+    for index, raw in enumerate(calls):
+        call = _as_call(raw, index)
+        settled = _settled(call, tools, denied, unknown_outcome)
+        if settled is not None:
+            outcomes[index] = settled
+            continue
+        found = tools.get(call.name)
         if found is None:
             known = ", ".join(tools.names) or "none"
             outcomes[index] = _failure(
-                call_id,
-                name,
-                _UnknownTool(f"there is no tool named {name!r}; available tools: {known}."),
+                call,
+                "unknown_tool",
+                f"there is no tool named {call.name!r}; available tools: {known}.",
             )
             continue
         try:
-            arguments = found.validate(_parse_arguments(function.get("arguments")))
+            arguments = found.validate(_parse_arguments(call.arguments))
         except ToolError as error:
-            outcomes[index] = _failure(call_id, name, error)
+            outcomes[index] = _failure(call, error.error_kind, error.message, error.detail)
             continue
-        ready = _Ready(index, call_id, found, arguments)
+        ready = _Ready(index, call, found, arguments)
         key = found.key_for(arguments)
         if key is None:
             free.append(ready)
@@ -257,11 +250,11 @@ async def run_tool_calls(
             lanes.setdefault(key, []).append(ready)
 
     async def run_one(ready: _Ready) -> None:
-        outcomes[ready.index] = await _execute(ready, session)
+        outcomes[ready.index] = await _execute(ready, run, ctx)
 
     async def run_lane(lane: list[_Ready]) -> None:
         for ready in lane:
-            outcomes[ready.index] = await _execute(ready, session)
+            outcomes[ready.index] = await _execute(ready, run, ctx)
 
     if len(free) == 1 and not lanes:
         await run_one(free[0])  # the common single-call round needs no task group
@@ -272,7 +265,3 @@ async def run_tool_calls(
             for lane in lanes.values():
                 group.start_soon(run_lane, lane)
     return [o for o in outcomes if o is not None]
-
-
-class _UnknownTool(ToolError):
-    error_kind = "unknown_tool"

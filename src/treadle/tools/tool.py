@@ -2,13 +2,14 @@
 
 A function tool gets its name from the function, its description and parameter descriptions from
 the docstring, and its JSON schema and argument validation from the type hints (through a pydantic
-model built once at decoration time). Parameters annotated `Session` or `Sandbox` are injected by
-the dispatcher and left out of the schema. `BaseTool` is the hand-written form: class attributes
-`name`, `description`, `parameters` (a JSON schema) and a sync or async `__call__`.
+model built once at decoration time). A parameter annotated `ToolContext` receives the calling
+pass's context; `Session` and `Sandbox` are shorthands for its session and sandbox. Those
+parameters are found by type (each such type declares `__treadle_inject__`), never by name, and
+are left out of the schema. `BaseTool` is the hand-written form: class attributes `name`,
+`description`, `parameters` (a JSON schema) and a sync or async `__call__`.
 
 This module must never run a tool on the event loop thread when the tool is sync (sync tools go to
-`treadle.tools.threads`), and never import the sandbox package at import time (the sandbox layer
-sits above this one; `Sandbox` annotations are recognised by name).
+`treadle.tools.threads`), and never import the sandbox layer above it.
 """
 
 from __future__ import annotations
@@ -25,19 +26,17 @@ import pydantic
 import pydantic_core
 from pydantic.json_schema import GenerateJsonSchema
 
-from treadle.errors import ConfigurationError, ToolArgumentsError, ToolError
+from treadle.errors import ConfigurationError, ToolArgumentsError
+from treadle.tools.context import ToolContext
 from treadle.tools.docstrings import parse_docstring
 from treadle.tools.threads import run_sync_tool
-
-if typing.TYPE_CHECKING:
-    from treadle.session.session import Session
 
 __all__ = ["BaseTool", "FunctionTool", "ResourceKey", "Tool", "tool"]
 
 ResourceKey = str | Callable[[Mapping[str, Any]], str | None] | None
 """A fixed key, or a function of the validated arguments returning one (None: no ordering)."""
 
-Injected = Literal["session", "sandbox"]
+Injected = Literal["session", "sandbox", "context"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -74,7 +73,8 @@ class Tool(abc.ABC):
     idempotent: bool = False
     """Repeating a call has no further effect (stored for retry and resume logic)."""
     injected: Mapping[str, Injected] = types.MappingProxyType({})
-    """Parameters the dispatcher fills in (`"session"` or `"sandbox"`), not in the schema."""
+    """Parameters the dispatcher fills in (`"session"`, `"sandbox"` or `"context"`), not in the
+    schema."""
 
     _schema_json: bytes | None = None
 
@@ -100,8 +100,8 @@ class Tool(abc.ABC):
         """The arguments to call with; raises `ToolArgumentsError` naming the bad field paths."""
 
     @abc.abstractmethod
-    async def invoke(self, arguments: Mapping[str, Any], *, session: Session | None) -> Any:
-        """Run the tool with validated `arguments`, injecting the session or sandbox it asks for.
+    async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
+        """Run the tool with validated `arguments`, injecting the context values it asks for.
 
         No timeout here: `run_tool_calls` applies `timeout`. Sync implementations run on the
         sync-tool threads, never on the event loop.
@@ -145,24 +145,16 @@ def _strip_optional(annotation: Any) -> Any:
 
 
 def _injection(annotation: Any) -> Injected | None:
-    """`"session"` / `"sandbox"` when `annotation` asks for the calling session or its sandbox."""
-    from treadle.session.session import Session
-
+    """What `annotation` asks the dispatcher for, by the type's `__treadle_inject__` marker."""
     base = _strip_optional(annotation)
-    if isinstance(base, str):
-        base = base.replace(" ", "").removesuffix("|None").rsplit(".", 1)[-1]
-        return {"Session": "session", "Sandbox": "sandbox"}.get(base)  # type: ignore[return-value]
-    if base is Session:
-        return "session"
-    if getattr(base, "__module__", "").startswith("treadle.sandbox") and (
-        getattr(base, "__qualname__", None) == "Sandbox"
-    ):
-        return "sandbox"
-    return None
+    if not isinstance(base, type):
+        return None
+    what = getattr(base, "__treadle_inject__", None)
+    return what if what in ("session", "sandbox", "context") else None
 
 
 def _type_hints(fn: Callable[..., Any], sig: inspect.Signature) -> dict[str, Any]:
-    """Resolved annotations; names that cannot be resolved stay strings for `_injection`."""
+    """Resolved annotations; a name that cannot be resolved is a clear configuration error."""
     try:
         return typing.get_type_hints(fn, include_extras=True)
     except Exception:
@@ -175,11 +167,11 @@ def _type_hints(fn: Callable[..., Any], sig: inspect.Signature) -> dict[str, Any
             try:
                 annotation = eval(annotation, dict(namespace))  # resolving a forward reference
             except Exception:
-                if _injection(annotation) is None:
-                    raise ConfigurationError(
-                        f"cannot resolve the type hint {annotation!r} of parameter "
-                        f"{param.name!r}; import that type at module level."
-                    ) from None
+                raise ConfigurationError(
+                    f"cannot resolve the type hint {annotation!r} of parameter "
+                    f"{param.name!r}; import that type at module level (not only under "
+                    "TYPE_CHECKING)."
+                ) from None
         if annotation is not inspect.Parameter.empty:
             hints[param.name] = annotation
     return hints
@@ -199,12 +191,15 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
-def _inject(tool: Tool, arguments: Mapping[str, Any], session: Session | None) -> dict[str, Any]:
+def _inject(tool: Tool, arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
     kwargs = dict(arguments)
     for param, what in tool.injected.items():
-        if session is None:
-            raise ToolError(f"tool {tool.name!r} needs the calling session, but none was given.")
-        kwargs[param] = session if what == "session" else session.require_sandbox()
+        if what == "context":
+            kwargs[param] = context
+        elif what == "session":
+            kwargs[param] = context.require_session()
+        else:
+            kwargs[param] = context.sandbox
     return kwargs
 
 
@@ -313,10 +308,10 @@ class FunctionTool(Tool):
             values.update(model.model_extra)
         return values
 
-    async def invoke(self, arguments: Mapping[str, Any], *, session: Session | None) -> Any:
+    async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
         """Call the function (sync ones on the sync-tool threads) with injected values."""
         return await _call_implementation(
-            self.fn, _inject(self, arguments, session), self._is_async
+            self.fn, _inject(self, arguments, context), self._is_async
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -331,7 +326,7 @@ class BaseTool(Tool):
     object, required properties present, no unknown properties when `additionalProperties` is
     false, top-level JSON types); validate deeper inside `__call__` and raise
     `ToolArgumentsError` for anything else. `__call__` may be sync or async and may declare a
-    parameter annotated `Session` or `Sandbox` to receive it.
+    parameter annotated `ToolContext`, `Session` or `Sandbox` to receive it.
     """
 
     name: ClassVar[str]  # type: ignore[misc]
@@ -372,10 +367,10 @@ class BaseTool(Tool):
             )
         return dict(arguments)
 
-    async def invoke(self, arguments: Mapping[str, Any], *, session: Session | None) -> Any:
+    async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
         """Call `__call__` (sync ones on the sync-tool threads) with injected values."""
         return await _call_implementation(
-            self.__call__, _inject(self, arguments, session), self._is_async
+            self.__call__, _inject(self, arguments, context), self._is_async
         )
 
 
@@ -444,8 +439,9 @@ def tool(
     """Turn a sync or async function into a `Tool` (use bare, `@tool`, or with options).
 
     The docstring gives the description and the per-parameter descriptions; the type hints give
-    the JSON schema and argument validation. Parameters annotated `Session` or `Sandbox` receive
-    the calling session or its sandbox and are not shown to the model.
+    the JSON schema and argument validation. Parameters annotated `ToolContext`, `Session` or
+    `Sandbox` receive the calling pass's context, session or sandbox and are not shown to the
+    model.
     """
 
     def wrap(function: Callable[..., Any]) -> FunctionTool:
