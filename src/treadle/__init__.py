@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from treadle.session import ports as _ports
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it
@@ -148,3 +150,24 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+def _open_placement(placement: str, backend: object | None) -> Any:
+    """Open a sandbox placement; the sandbox layer loads on the first open, not at import."""
+    from treadle.sandbox.opening import open_placement
+
+    return open_placement(placement, backend)
+
+
+def _load_session(path: str) -> Any:
+    """Read a session file; the persist layer loads on the first read, not at import."""
+    from treadle.persist import load_session
+
+    return load_session(path).session
+
+
+# The session layer counts sandbox shares and names files; opening a placement and reading a file
+# are the sandbox and persist layers' jobs. Wiring them here keeps `session` free of upward
+# imports and `import treadle` free of both layers.
+_ports.install_opener(_open_placement)
+_ports.install_loader(_load_session)

@@ -17,6 +17,7 @@ import pydantic_core
 from treadle.errors import ConfigurationError, PersistenceError
 from treadle.persist.format import SCHEMA_VERSION
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
+from treadle.session.placement import SandboxHandle
 
 __all__ = ["LoadedSession", "load_session"]
 
@@ -106,7 +107,6 @@ def load_session(path: str | os.PathLike[str]) -> LoadedSession:
         metadata["unknown_outcome_tool_calls"] = list(pending)
     # A resumed pass gets a sandbox of the same placement: the same directory when the user gave
     # one, a fresh temporary workspace for "local" (the old one was removed or orphaned).
-    from treadle.sandbox.handle import SandboxHandle  # only a load with a placement needs it
 
     placement = header.get("placement")
     handle = SandboxHandle(placement) if isinstance(placement, str) and placement else None

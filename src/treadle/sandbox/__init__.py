@@ -1,15 +1,17 @@
-"""Sandboxes: the `Backend` protocol, refcounted `SandboxHandle`, the `local` backend, and the
-built-in workspace tools offered to sessions bound with `session.to(...)`.
+"""Sandboxes: the `Backend` protocol, opening placements (`Sandbox`), the `local` backend, and
+the built-in workspace tools offered to sessions bound with `session.to(...)`. The refcounted
+`SandboxHandle` is a value of the session layer, re-exported here.
 """
 
 from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
 from treadle.sandbox.environment import DEFAULT_ENV_ALLOW, SECRET_PATTERNS, scrubbed_environment
-from treadle.sandbox.handle import Sandbox, SandboxHandle
 from treadle.sandbox.local import MAX_LIST_ENTRIES, MAX_READ_BYTES, SANDBOX_IO_THREADS, LocalBackend
+from treadle.sandbox.opening import Sandbox, open_placement
 from treadle.sandbox.paths import MAX_PATH_CHARS, resolve_in_workspace
 from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES
 
-from treadle.sandbox.builtin_tools import global_system_tools  # isort: skip (needs handle first)
+from treadle.sandbox.builtin_tools import global_system_tools  # isort: skip (needs opening)
+from treadle.session.placement import SandboxHandle
 
 __all__ = [
     "DEFAULT_COMMAND_TIMEOUT",
@@ -28,6 +30,7 @@ __all__ = [
     "Sandbox",
     "SandboxHandle",
     "global_system_tools",
+    "open_placement",
     "resolve_in_workspace",
     "scrubbed_environment",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from treadle.sandbox.handle import Sandbox
+from treadle.sandbox.opening import Sandbox
 from treadle.tools.tool import FunctionTool, Tool, tool
 
 __all__ = [

@@ -5,7 +5,7 @@ pass still running on the runtime: its `id` and `lineage` are known at once, whi
 `chunk_table`, `usage` or `stop_reason` blocks (sync) or is awaited (async) until the pass ends.
 A failed pass re-raises its error on every read, never a partial transcript.
 
-This module does no I/O; opening a sandbox is delegated to `treadle.sandbox` on first use.
+This module does no I/O; opening a sandbox is the sandbox layer's job, on first use.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from treadle.errors import ConfigurationError
+from treadle.session import ports
 from treadle.session.lineage import LineageNode
+from treadle.session.placement import SandboxHandle
 from treadle.session.rows import ChunkRow, ChunkTable
 from treadle.session.usage import Usage
 
 if TYPE_CHECKING:
     from treadle.runtime.lazy import LazyValue
-    from treadle.sandbox.handle import Sandbox, SandboxHandle
+    from treadle.sandbox import Sandbox
 
 __all__ = ["Session", "SessionData", "new_session_id"]
 
@@ -158,9 +160,12 @@ class Session:
         `session.metadata["closed"]` tells whether the pass that wrote it ended gracefully; pass
         the result back to `run_session_loop` to continue it.
         """
-        from treadle.persist import load_session
-
-        return load_session(path).session
+        load = ports.loader()
+        if load is None:
+            raise ConfigurationError("no persist layer is loaded to read sessions; import treadle.")
+        session = load(os.fspath(path))
+        assert isinstance(session, Session)
+        return session
 
     @classmethod
     def _pending(
@@ -367,8 +372,6 @@ class Session:
     # -- sandbox ----------------------------------------------------------------------------------
     def to(self, placement: str) -> Session:
         """A copy bound to a sandbox `placement` (`"local"` or a directory); opens nothing yet."""
-        from treadle.sandbox.handle import SandboxHandle
-
         if not isinstance(placement, str) or not placement:
             raise ConfigurationError(
                 "placement must be 'local' or a directory path, e.g. session.to('local')."

@@ -1,0 +1,147 @@
+"""`Sandbox`: an opened placement, and the opener the session layer's `SandboxHandle` calls.
+
+`treadle.session.SandboxHandle` counts the sessions sharing a placement; this module opens the
+placement's backend on first use and closes it when the count reaches zero. A close is safe from
+any thread, from a finaliser and at interpreter exit; on a thread running an event loop it is
+handed to a separate thread so the loop never waits on `rmtree`.
+This module must never block an event loop and never open a backend before it is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import anyio.to_thread
+
+from treadle.errors import ConfigurationError
+from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
+from treadle.sandbox.local import LocalBackend
+from treadle.session.ports import install_opener
+
+__all__ = ["Sandbox", "open_placement"]
+
+_closers: set[threading.Thread] = set()
+_closers_lock = threading.Lock()
+
+
+def _join_closers() -> None:
+    """At exit, let background closes finish so temporary workspaces are deleted."""
+    with _closers_lock:
+        pending = list(_closers)
+    for thread in pending:
+        thread.join(timeout=5)
+
+
+atexit.register(_join_closers)
+
+
+def _on_event_loop_thread() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _close_in_background(backend: Backend, on_closed: Callable[[], None]) -> None:
+    def close() -> None:
+        try:
+            backend.close()
+        finally:
+            on_closed()
+            with _closers_lock:
+                _closers.discard(threading.current_thread())
+
+    thread = threading.Thread(target=close, name="treadle-sandbox-close", daemon=True)
+    with _closers_lock:
+        _closers.add(thread)
+    try:
+        thread.start()
+    except RuntimeError:  # interpreter shutting down: no new threads, close right here
+        with _closers_lock:
+            _closers.discard(thread)
+        close()
+
+
+class Sandbox:
+    """An opened sandbox: its `backend`, `workspace` root and async operations on it."""
+
+    __slots__ = ("backend",)
+    __treadle_inject__: ClassVar[str] = "sandbox"  # a tool parameter of this type gets it
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @property
+    def workspace(self) -> Path:
+        """The workspace root directory."""
+        return self.backend.workspace
+
+    async def run_command(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (reported)
+    ) -> CommandResult:
+        """Run a shell command in the workspace (own process group, scrubbed env, capped output).
+
+        `timeout` defaults to the backend's; when it passes, the whole process group is killed.
+        """
+        return await self.backend.run_command(command, timeout=timeout)
+
+    async def read_file(self, path: str) -> FileContent:
+        """Read a workspace file (`PathViolation` when `path` leaves the workspace)."""
+        return await self.backend.read_file(path)
+
+    async def write_file(self, path: str, data: str | bytes) -> int:
+        """Write a workspace file (text is UTF-8 encoded); return the number of bytes written."""
+        raw = data.encode() if isinstance(data, str) else data
+        return await self.backend.write_file(path, raw)
+
+    async def list_files(self, path: str = ".") -> list[DirEntry]:
+        """List a workspace directory, sorted by name."""
+        return await self.backend.list_files(path)
+
+    def close_soon(self, on_closed: Callable[[], None]) -> None:
+        """Close the backend; on an event loop's thread the close runs on a separate thread.
+
+        `on_closed` is called when the close finished (on whichever thread ran it). At
+        interpreter exit, or on a thread without a loop, the close runs right here.
+        """
+        if _on_event_loop_thread() and not sys.is_finalizing():
+            _close_in_background(self.backend, on_closed)
+            return
+        try:
+            self.backend.close()
+        finally:
+            on_closed()
+
+    async def aclose(self) -> None:
+        """Close the backend on a worker thread."""
+        await anyio.to_thread.run_sync(self.backend.close)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.backend.name} {self.backend.workspace}>"
+
+
+def open_placement(placement: str, backend: object | None = None) -> Sandbox:
+    """Open `placement` (or the ready `backend`): the session layer's opener."""
+    if backend is None:
+        backend = LocalBackend(placement)
+    # Checked on the class: a protocol isinstance would read properties that need an open backend.
+    elif not all(callable(getattr(type(backend), m, None)) for m in ("open", "close")):
+        raise ConfigurationError(
+            f"backend must implement treadle.sandbox.Backend, got {type(backend).__name__}."
+        )
+    opened: Backend = backend  # type: ignore[assignment]
+    opened.open()
+    return Sandbox(opened)
+
+
+install_opener(open_placement)

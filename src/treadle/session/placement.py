@@ -1,0 +1,150 @@
+"""`SandboxHandle`: a sandbox placement shared by reference count, as a value of this layer.
+
+Sessions share a handle: `session.to(...)` creates it, every derived session `acquire`s it and
+releases its share when closed or garbage collected. The handle only counts: opening a placement
+(and closing it at zero) is the sandbox layer's job, reached through the opener in
+`treadle.session.ports` (`import treadle` installs it without importing the sandbox). This module
+does no I/O and starts no thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from treadle.errors import ConfigurationError, SandboxError
+from treadle.session import ports
+
+if TYPE_CHECKING:
+    from treadle.sandbox import Sandbox
+
+__all__ = ["OpenedSandbox", "SandboxHandle"]
+
+
+class OpenedSandbox(Protocol):
+    """What the sandbox layer hands back for an opened placement."""
+
+    def close_soon(self, on_closed: Callable[[], None]) -> None:
+        """Close without blocking an event loop; call `on_closed` when done (any thread)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close, awaiting the work on a worker thread."""
+        ...
+
+
+class SandboxHandle:
+    """A reference-counted share of one sandbox; the sandbox opens on first use.
+
+    Starts with one reference (the creator's). `placement` is `"local"` (a fresh temporary
+    directory, deleted on close), another backend name, or a directory path (used as is, never
+    deleted). `backend` hands in a ready backend object to open instead of the placement's.
+    """
+
+    __slots__ = (
+        "_backend",
+        "_closed",
+        "_done",
+        "_lock",
+        "_refcount",
+        "_sandbox",
+        "placement",
+    )
+
+    def __init__(self, placement: str, *, backend: object | None = None) -> None:
+        self.placement = placement
+        """Where the sandbox lives: `"local"`, a backend name, or a directory path."""
+        self._backend = backend
+        self._sandbox: OpenedSandbox | None = None
+        self._refcount = 1
+        self._closed = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    @property
+    def refcount(self) -> int:
+        """Live references."""
+        return self._refcount
+
+    @property
+    def closed(self) -> bool:
+        """True once the count reached zero (the sandbox is closed or closing)."""
+        return self._closed
+
+    @property
+    def opened(self) -> bool:
+        """True once the sandbox was opened."""
+        return self._sandbox is not None
+
+    @property
+    def sandbox(self) -> Sandbox | None:
+        """The opened sandbox, or None before first use."""
+        return self._sandbox  # type: ignore[return-value]
+
+    def acquire(self) -> SandboxHandle:
+        """Take one more reference; `SandboxError` once closed."""
+        with self._lock:
+            if self._closed:
+                raise SandboxError(
+                    "this sandbox is already closed; bind a new one with session.to(...)."
+                )
+            self._refcount += 1
+        return self
+
+    def open(self) -> Sandbox:
+        """The sandbox, opening it on first use (cheap); thread-safe."""
+        with self._lock:
+            if self._closed:
+                raise SandboxError(
+                    "this sandbox is already closed; bind a new one with session.to(...)."
+                )
+            if self._sandbox is None:
+                open_placement = ports.opener()
+                if open_placement is None:
+                    raise ConfigurationError(
+                        "no sandbox layer is loaded to open this placement; import treadle."
+                    )
+                self._sandbox = open_placement(self.placement, self._backend)
+            return self._sandbox  # type: ignore[return-value]
+
+    def _drop(self) -> OpenedSandbox | None:
+        """Drop one reference; the sandbox to close when it was the last (else None)."""
+        with self._lock:
+            if self._refcount <= 0:
+                return None  # over-release (e.g. a finaliser after a manual close): ignore
+            self._refcount -= 1
+            if self._refcount > 0:
+                return None
+            self._closed = True
+            opened = self._sandbox
+        if opened is None:
+            self._done.set()
+        return opened
+
+    def release(self) -> None:
+        """Drop one reference; at zero the sandbox closes. Safe from any thread.
+
+        The close never blocks an event loop: the sandbox layer moves it off the loop's thread.
+        """
+        opened = self._drop()
+        if opened is not None:
+            opened.close_soon(self._done.set)
+
+    async def arelease(self) -> None:
+        """Drop one reference; at zero, await the close on a worker thread."""
+        opened = self._drop()
+        if opened is None:
+            return
+        try:
+            await opened.aclose()
+        finally:
+            self._done.set()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Block until a close started by `release` finished; False on timeout."""
+        return self._done.wait(timeout)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("open" if self.opened else "unopened")
+        return f"<SandboxHandle {self.placement!r} refs={self._refcount} {state}>"
