@@ -18,20 +18,23 @@ if TYPE_CHECKING:
         close_all_clients_for_loop,
         get_client,
     )
-    from treadle.llm.executor import (
-        AsyncExecutor,
-        Executor,
-        HttpExecutor,
-        ModelExecutor,
-        coerce_completion,
-        validate_executor,
-    )
     from treadle.llm.limiter import EndpointLimiter
     from treadle.llm.provider import Provider
     from treadle.llm.request import CompletionRequest, OfferedTools
     from treadle.llm.sse import SSEDecoder
     from treadle.llm.transport import AiohttpTransport
-    from treadle.llm.turn import AssistantTurn, ToolCallPiece, TurnDelta, request_turn
+    from treadle.llm.turn import (
+        AssistantTurn,
+        AsyncExecutor,
+        Executor,
+        HttpExecutor,
+        ModelExecutor,
+        ToolCallPiece,
+        TurnDelta,
+        coerce_completion,
+        request_turn,
+        validate_executor,
+    )
     from treadle.llm.wire import (
         ChatCompletion,
         ChatCompletionChunk,
@@ -59,7 +62,7 @@ _HOMES = {
     "get_client": "client",
     "EndpointLimiter": "limiter",
     **{
-        name: "executor"
+        name: "turn"
         for name in (
             "AsyncExecutor",
             "Executor",

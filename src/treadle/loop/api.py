@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
 from treadle.errors import ConfigurationError
-from treadle.llm.executor import HttpExecutor, ModelExecutor, validate_executor
 from treadle.llm.provider import Provider
+from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
 from treadle.loop.control import Limits, PassControl, normalise_guardrails
 from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped

@@ -3,7 +3,10 @@
 Row order is the contract: the assistant row (with its tool calls) is appended before any tool
 runs, then one `tool_result` row per call, in call order. The pass keeps the JSON of every message
 it sends in a list it only appends to, so a round's request body is a join of cached bytes and
-per-round work does not grow with the transcript beyond that join.
+per-round work does not grow with the transcript beyond that join. Before any tool of a round
+runs, the persisted file records an intent per call, so a resume after a crash can tell a call
+whose outcome is unknown from one that never started; every call then goes through the one
+dispatcher, `treadle.tools.run_tool_calls`.
 
 Every stop (limits, budget, deadline, interrupt, guardrail, cancellation of a lazy pass) ends the
 pass with a `stop_reason` and keeps the transcript. Only tool problems are caught (and reported to
@@ -25,10 +28,9 @@ from typing import Any
 import anyio
 
 from treadle.errors import BudgetExceededError
-from treadle.llm.executor import HttpExecutor, ModelExecutor
 from treadle.llm.provider import Provider
 from treadle.llm.request import CompletionRequest
-from treadle.llm.turn import AssistantTurn, TurnDelta, request_turn
+from treadle.llm.turn import AssistantTurn, HttpExecutor, ModelExecutor, TurnDelta, request_turn
 from treadle.loop.callbacks import CallbackPump
 from treadle.loop.control import (
     Guardrail,
@@ -50,10 +52,9 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
-from treadle.loop.tool_round import pending_tool_calls, run_round
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
-from treadle.tools import ToolContext, ToolSet
+from treadle.tools import ToolContext, ToolSet, run_tool_calls
 
 __all__ = ["PassPlan", "run_pass"]
 
@@ -283,11 +284,23 @@ class _Pass:
         unknown: set[str] = set()
         if resuming:
             unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
+        if self.writer is not None:  # before any tool runs: a crash leaves its intent behind
+            await self.writer.intents([(c.id, c.name) for c in calls if c.id not in denied])
         with self.snapshot() as session:
-            context = ToolContext(session, self.out_id, self.deadline)
-            rows = await run_round(
-                calls, plan.tools, plan.executor, context, self.writer, unknown, denied
+            outcomes = await run_tool_calls(
+                calls,
+                plan.tools,
+                context=ToolContext(session, self.out_id, self.deadline),
+                executor=plan.executor,
+                denied=denied,
+                unknown_outcome=unknown,
             )
+        rows = [
+            ChunkRow._trusted(
+                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": o.content}
+            )
+            for c, o in zip(calls, outcomes, strict=True)
+        ]
         await self.append(rows, boundary=True)
         self.tool_calls_run += len(calls)
         for row in rows:
@@ -389,6 +402,20 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
             return run.data("cancelled")
         raise
     return run.data(stop_reason)
+
+
+def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:
+    """Tool calls of the last assistant row that have no `tool_result` row yet (for resume)."""
+    answered: set[str] = set()
+    for i in range(len(table) - 1, -1, -1):
+        row = table[i]
+        if row.kind == "tool_result":
+            answered.add(str(row.payload.get("tool_call_id")))
+        elif row.kind == "assistant":
+            return [c for c in row.calls if c.id not in answered]
+        else:
+            return []
+    return []
 
 
 def _plain(metadata: Mapping[str, Any]) -> dict[str, Any]:
