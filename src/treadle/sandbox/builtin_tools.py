@@ -3,7 +3,7 @@
 `run_shell_command`, `write_workspace_file`, `read_workspace_file` and `list_workspace_files`
 all work through the calling session's sandbox, so they inherit its confinement, timeouts, output
 caps and scrubbed environment. This module must never touch the filesystem directly: every
-operation goes through `Sandbox`.
+operation goes to the opened sandbox's backend (straight to it, one hop less on every call).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ async def run_shell_command(
         timeout: Seconds before the command and everything it started are killed
             (default: the sandbox's limit).
     """
-    result = await sandbox.run_command(cmd, timeout=timeout)
+    result = await sandbox.backend.run_command(cmd, timeout=timeout)
     body: dict[str, Any] = {
         "exit_code": result.exit_code,
         "stdout": result.stdout,
@@ -60,7 +60,7 @@ async def write_workspace_file(sandbox: Sandbox, path: str, content: str) -> dic
         path: The file path, relative to the workspace root.
         content: The full text to write.
     """
-    written = await sandbox.write_file(path, content)
+    written = await sandbox.backend.write_file(path, content.encode())
     return {"path": path, "bytes_written": written}
 
 
@@ -71,7 +71,7 @@ async def read_workspace_file(sandbox: Sandbox, path: str) -> dict[str, Any]:
     Args:
         path: The file path, relative to the workspace root.
     """
-    content = await sandbox.read_file(path)
+    content = await sandbox.backend.read_file(path)
     body: dict[str, Any] = {"path": content.path, "data": content.data.decode(errors="replace")}
     if content.truncated:
         body["size"] = content.size
@@ -86,7 +86,7 @@ async def list_workspace_files(sandbox: Sandbox, path: str = ".") -> dict[str, A
     Args:
         path: The directory, relative to the workspace root.
     """
-    entries = await sandbox.list_files(path)
+    entries = await sandbox.backend.list_files(path)
     return {
         "path": path,
         "entries": [{"name": e.name, "type": e.type, "size": e.size} for e in entries],
