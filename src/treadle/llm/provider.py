@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
+
+#: Body fields Treadle itself writes; options of the same name are ignored.
+RESERVED_BODY_KEYS = frozenset({"messages", "tools", "stream"})
 """Used when neither `base_url` nor `OPENAI_BASE_URL` is set."""
 DEFAULT_CONNECT_TIMEOUT = 10.0
 """Seconds to open a TCP (and TLS) connection."""
@@ -239,6 +242,23 @@ class Provider:
             result = httpx.Timeout(float(t))
         self._cache["timeout"] = result
         return result
+
+    def body_head(self, *, with_tools: bool) -> tuple[bytes, frozenset[str]]:
+        """`{"model":...,<options>` (no closing brace) of every request body, and its keys.
+
+        Encoded once per provider value: request bodies join it with pre-encoded messages.
+        """
+        key = "body_head_tools" if with_tools else "body_head"
+        cached: tuple[bytes, frozenset[str]] | None = self._cache.get(key)
+        if cached is None:
+            import pydantic_core  # loads with the first request, not with `import treadle`
+
+            opts = self.sampling_options(with_tools=with_tools)
+            for name in RESERVED_BODY_KEYS:
+                opts.pop(name, None)
+            cached = (pydantic_core.to_json(opts)[:-1], frozenset(opts))
+            self._cache[key] = cached
+        return cached
 
     def resolve(self) -> Provider:
         """This provider with env fallbacks filled in; raises `ConfigurationError` if unusable.

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_json
 
-from treadle.llm.provider import Provider
+from treadle.llm.provider import RESERVED_BODY_KEYS, Provider
 
 __all__ = [
     "ChatCompletion",
@@ -150,23 +150,10 @@ class ChatCompletionRequest(_Wire):
     stream_options: dict[str, Any] | None = None
 
 
-_RESERVED = frozenset({"messages", "tools", "stream"})
+_RESERVED = RESERVED_BODY_KEYS
 _STREAM_TAIL = b',"stream":true,"stream_options":{"include_usage":true}}'
 _STREAM_TAIL_CUSTOM_OPTIONS = b',"stream":true}'
 _NO_STREAM_TAIL = b',"stream":false}'
-
-
-def _head(provider: Provider, with_tools: bool) -> tuple[bytes, frozenset[str]]:
-    """`{"model":...,<options>` (no closing brace) for this provider, cached on it."""
-    key = "body_head_tools" if with_tools else "body_head"
-    cached: tuple[bytes, frozenset[str]] | None = provider._cache.get(key)
-    if cached is None:
-        opts = provider.sampling_options(with_tools=with_tools)
-        for name in _RESERVED:
-            opts.pop(name, None)
-        cached = (to_json(opts)[:-1], frozenset(opts))
-        provider._cache[key] = cached
-    return cached
 
 
 def build_request_body(
@@ -183,7 +170,7 @@ def build_request_body(
     an encoded JSON array. Model and sampling options come from `provider` (then its
     `extra_body`, then `extra`, later ones winning). Streaming asks for a final usage chunk.
     """
-    head, keys = _head(provider, tools is not None)
+    head, keys = provider.body_head(with_tools=tools is not None)
     if extra:
         extra = {k: v for k, v in extra.items() if k not in _RESERVED}
         if keys.intersection(extra):
