@@ -16,9 +16,10 @@ of the protocol belongs to the tools layer. Nothing here blocks the loop.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
 
 import anyio.to_thread
 from pydantic import ValidationError
@@ -117,13 +118,24 @@ def validate_executor(executor: object) -> ModelExecutor:
     )
 
 
+_ASYNC: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _is_async_executor(cls: type) -> bool:
+    """Whether `cls` is an `AsyncExecutor` (a protocol check is slow: once per class)."""
+    known = _ASYNC.get(cls)
+    if known is None:
+        known = _ASYNC[cls] = issubclass(cls, AsyncExecutor)
+    return known
+
+
 async def call_complete(executor: ModelExecutor, request: CompletionRequest) -> ChatCompletion:
     """Ask `executor` for a completion and validate it."""
     raw: object
-    if isinstance(executor, AsyncExecutor):
-        raw = await executor.acomplete(request)
+    if _is_async_executor(type(executor)):
+        raw = await cast(AsyncExecutor, executor).acomplete(request)
     else:
-        raw = await anyio.to_thread.run_sync(executor.complete, request)
+        raw = await anyio.to_thread.run_sync(cast(Executor, executor).complete, request)
     if inspect.isawaitable(raw):
         raw = await raw
     return coerce_completion(raw)

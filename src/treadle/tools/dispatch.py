@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -104,8 +105,26 @@ async def _invoke(tool: Tool, arguments: dict[str, Any], context: ToolContext) -
     return await tool.invoke(arguments, context=context)
 
 
+_KINDS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
+
+
+def _dispatch_kind(cls: type) -> str:
+    """`async`, `sync` or `none`: a protocol check is slow, so it runs once per class."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, AsyncToolExecutor):
+            kind = "async"
+        else:
+            kind = "sync" if issubclass(cls, ToolExecutor) else "none"
+        _KINDS[cls] = kind
+    return kind
+
+
 def _runner_of(executor: object) -> Runner:
     """How calls run: the tool's own implementation, or the executor's dispatch."""
+    kind = _dispatch_kind(type(executor))
+    if kind == "none":
+        return _invoke
     if isinstance(executor, AsyncToolExecutor):
         custom_async = executor
 
@@ -126,7 +145,7 @@ def _runner_of(executor: object) -> Runner:
 
 def has_tool_dispatch(executor: object) -> bool:
     """True when `executor` runs tools itself."""
-    return isinstance(executor, (AsyncToolExecutor, ToolExecutor))
+    return _dispatch_kind(type(executor)) != "none"
 
 
 @dataclass(slots=True)
@@ -173,7 +192,7 @@ def _as_call(call: ToolCall | Mapping[str, Any], index: int) -> ToolCall:
 
 def _settled(
     call: ToolCall,
-    tools: ToolSet,
+    found: Tool | None,
     denied: Mapping[str, str],
     unknown_outcome: Collection[str],
 ) -> ToolOutcome | None:
@@ -185,7 +204,6 @@ def _settled(
             "denied",
             f"the user did not approve this call to {call.name}" + (f": {why}" if why else "."),
         )
-    found = tools.get(call.name)
     if call.id in unknown_outcome and not (found is not None and found.idempotent):
         return _failure(
             call,
@@ -224,11 +242,13 @@ async def run_tool_calls(
     free: list[_Ready] = []
     for index, raw in enumerate(calls):
         call = _as_call(raw, index)
-        settled = _settled(call, tools, denied, unknown_outcome)
+        found = tools.get(call.name)
+        settled = (
+            _settled(call, found, denied, unknown_outcome) if denied or unknown_outcome else None
+        )
         if settled is not None:
             outcomes[index] = settled
             continue
-        found = tools.get(call.name)
         if found is None:
             known = ", ".join(tools.names) or "none"
             outcomes[index] = _failure(
