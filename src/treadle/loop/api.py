@@ -24,6 +24,7 @@ from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.sandbox.builtin_tools import global_system_tools
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
+from treadle.telemetry import capture_parent
 from treadle.tools import ToolSet
 
 __all__ = [
@@ -136,6 +137,7 @@ def _plan(
         on_message=on_message,
         approvals=dict(approvals) if approvals else None,
         emit=emit,
+        trace_parent=capture_parent(),
     )
 
 

@@ -54,6 +54,8 @@ from treadle.loop.events import (
 )
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
+from treadle.telemetry import TraceParent, capturing_content, finish_pass, start_pass
+from treadle.telemetry.hooks import PassTrace
 from treadle.tools import ToolContext, ToolSet, run_tool_calls
 
 __all__ = ["PassPlan", "run_pass"]
@@ -81,6 +83,10 @@ class PassPlan:
     on_message: Callable[[ChunkRow, PassControl], Any] | None = None
     approvals: Mapping[str, bool | str] | None = None
     emit: Callable[[Event], None] | None = None
+    trace_parent: TraceParent | None = None
+    """The caller's tracing context (None when tracing is off)."""
+    agent_name: str | None = None
+    """The agent's name, for traces."""
 
 
 class _Pass:
@@ -103,6 +109,7 @@ class _Pass:
         self.events = Emitter(out_id, plan.emit) if plan.emit is not None else None
         self.control = PassControl(out_id)
         self.user_metadata: Mapping[str, Any] = {}
+        self.trace: PassTrace | None = None
         limits = plan.limits
         self.max_steps = limits.max_steps or plan.max_tool_rounds
         self.deadline = (
@@ -154,7 +161,28 @@ class _Pass:
 
     async def complete(self, request: CompletionRequest) -> AssistantTurn:
         sink = self.on_delta if self.pump is not None or self.events is not None else None
-        return await request_turn(self.plan.executor, request, sink)
+        trace = self.trace
+        if trace is None:
+            return await request_turn(self.plan.executor, request, sink)
+        provider = self.plan.provider
+        trace.start_chat(
+            provider.model if provider is not None else None,
+            request.messages() if capturing_content() else None,
+        )
+        try:
+            turn = await request_turn(self.plan.executor, request, sink)
+        except BaseException as err:
+            trace.end_chat(error=err)
+            raise
+        trace.end_chat(
+            response_id=turn.completion.id,
+            response_model=turn.completion.model,
+            finish_reason=turn.finish_reason,
+            input_tokens=turn.usage.prompt_tokens,
+            output_tokens=turn.usage.completion_tokens,
+            output=turn.payload,
+        )
+        return turn
 
     def on_delta(self, delta: TurnDelta) -> None:
         if self.pump is not None:
@@ -357,6 +385,17 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
     the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
     """
     run = _Pass(plan, out_id)
+    traced = None
+    if plan.trace_parent is not None:
+        provider = plan.provider
+        traced = start_pass(
+            plan.trace_parent,
+            session_id=out_id,
+            agent_name=plan.agent_name,
+            model=provider.model if provider is not None else None,
+            base_url=provider.base_url if provider is not None else None,
+        )
+        run.trace = traced[0] if traced is not None else None
     try:
         # Inside the try: a cancellation while waiting for a pending input is a clean stop too.
         user = await plan.user.wait_ready()
@@ -389,6 +428,16 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
                 usage=run.usage, stop_reason=stop_reason, metadata=_plain(run.metadata)
             )
     except BaseException as err:
+        if traced is not None:
+            cancelled = isinstance(err, asyncio.CancelledError)
+            usage = run.pass_usage
+            finish_pass(
+                traced,
+                "cancelled" if cancelled else None,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                None if cancelled and cancel_as_stop else err,
+            )
         with anyio.CancelScope(shield=True):
             if run.pump is not None:
                 await run.pump.aclose()
@@ -401,6 +450,9 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
             run.metadata["cancelled"] = True
             return run.data("cancelled")
         raise
+    if traced is not None:
+        usage = run.pass_usage
+        finish_pass(traced, stop_reason, usage.prompt_tokens, usage.completion_tokens)
     return run.data(stop_reason)
 
 

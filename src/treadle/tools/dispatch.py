@@ -25,6 +25,7 @@ import anyio
 
 from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
 from treadle.session import Session, ToolCall
+from treadle.telemetry import tool_span
 from treadle.tools.context import ToolContext
 from treadle.tools.results import error_content, exception_detail, success_content
 from treadle.tools.threads import run_sync_tool
@@ -157,6 +158,20 @@ class _Ready:
 
 
 async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
+    traced = tool_span(ready.tool.name, ready.call.id, ready.call.arguments)
+    if traced is None:
+        return await _outcome(ready, run, context)
+    trace, span = traced
+    try:
+        outcome = await _outcome(ready, run, context)
+    except BaseException:
+        trace.end_tool(span, "cancelled", "")
+        raise
+    trace.end_tool(span, outcome.error_kind, outcome.content)
+    return outcome
+
+
+async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
     item, call = ready.tool, ready.call
     context = context.for_call(call)
     try:
