@@ -13,7 +13,6 @@ and never block the event loop it runs on (sync input iterators are expected to 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import sys
 import time
@@ -24,6 +23,7 @@ import anyio
 
 from treadle.errors import ConfigurationError
 from treadle.runtime import submit
+from treadle.runtime.streams import produce
 from treadle.session import Session
 
 __all__ = ["DEFAULT_CONCURRENCY", "Progress", "amap", "map", "map_iter"]
@@ -149,20 +149,14 @@ async def map_iter(
             await remote.aclose()
         return
     run = _runner(agent)
-    queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
-    task = asyncio.ensure_future(
-        _drive(run, sessions, concurrency, lambda _i: None, lambda i, r: queue.put_nowait((i, r)))
-    )
-    task.add_done_callback(lambda _t: queue.put_nowait(None))
-    try:
-        while (entry := await queue.get()) is not None:
+
+    async def drive(send: Callable[[tuple[int, Any]], None]) -> None:
+        await _drive(run, sessions, concurrency, lambda _i: None, lambda i, r: send((i, r)))
+
+    async with produce(drive) as entries:
+        async for entry in entries:
             yield entry
-        task.result()  # re-raises a failure of the input iterable itself
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        entries.result()  # re-raises a failure of the input iterable itself
 
 
 async def amap(

@@ -1,7 +1,5 @@
 """The background event-loop runtime and lazy values (see `loop` and `lazy`)."""
 
-from treadle.runtime.lazy import LazyValue
-from treadle.runtime.lazy_session import run_lazy
 from treadle.runtime.background import (
     DEFAULT_DRAIN_SECONDS,
     Runtime,
@@ -10,6 +8,8 @@ from treadle.runtime.background import (
     shutdown,
     submit,
 )
+from treadle.runtime.lazy import LazyValue
+from treadle.runtime.lazy_session import run_lazy
 
 __all__ = [
     "DEFAULT_DRAIN_SECONDS",
