@@ -41,9 +41,9 @@ _EXPORTS: dict[str, str] = {
     "AsyncExecutor": "treadle.loop",
     # agents and workflows
     "Agent": "treadle.agents",
-    "map": "treadle.agents",
-    "amap": "treadle.agents",
-    "map_iter": "treadle.agents",
+    "map": "treadle.distributed",
+    "amap": "treadle.distributed",
+    "map_iter": "treadle.distributed",
     "pipeline": "treadle.agents",
     "brainstorm": "treadle.agents",
     "handoff": "treadle.agents",
