@@ -17,13 +17,15 @@ from typing import Any
 import pytest
 
 from treadle import ConfigurationError, Session
-from treadle.agents import Agent, amap, map
+from treadle.agents import Agent
 from treadle.distributed import (
     OUTCOME_METADATA_KEY,
     AgentSpec,
     PassFailed,
     PassOutcome,
+    amap,
     clean_orphans,
+    map,
     map_outcomes,
     read_results,
 )

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from treadle.llm import ChatCompletion, ChatCompletionChunk, SSEDecoder, StreamAccumulator
 from treadle.llm.sse import DONE
-from treadle.testing.scripts import Reply, ToolCallSpec, render_completion, render_stream
+from treadle.testing.fake_replies import Reply, ToolCallSpec, render_completion, render_stream
 
 texts = st.text(min_size=0, max_size=60)
 

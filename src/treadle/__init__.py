@@ -13,7 +13,9 @@ from treadle.session import ports as _ports
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# Public name -> module that exports it: the one list of the public face. `__all__` and the lazy
+# `__getattr__` are built from it; the `TYPE_CHECKING` block below repeats it for type checkers
+# (tests/test_exports.py checks that the two agree).
 _EXPORTS: dict[str, str] = {
     # values
     "Session": "treadle.session",
@@ -43,15 +45,14 @@ _EXPORTS: dict[str, str] = {
     "AsyncExecutor": "treadle.loop",
     # agents and workflows
     "Agent": "treadle.agents",
-    "map": "treadle.agents",
-    "amap": "treadle.agents",
-    "map_iter": "treadle.agents",
+    "map": "treadle.distributed",
+    "amap": "treadle.distributed",
+    "map_iter": "treadle.distributed",
     "pipeline": "treadle.agents",
     "brainstorm": "treadle.agents",
     "handoff": "treadle.agents",
     "run_session_compress": "treadle.agents",
     "arun_session_compress": "treadle.agents",
-    "StructuredOutputError": "treadle.agents",
     # tools and sandbox
     "tool": "treadle.tools",
     "Tool": "treadle.tools",
@@ -80,63 +81,70 @@ _EXPORTS: dict[str, str] = {
     "PathViolation": "treadle.errors",
     "BudgetExceededError": "treadle.errors",
     "PersistenceError": "treadle.errors",
+    "StructuredOutputError": "treadle.errors",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = ["__version__", *_EXPORTS]
 
-if TYPE_CHECKING:
-    from treadle.agents import (
-        Agent,
-        StructuredOutputError,
-        amap,
-        arun_session_compress,
-        brainstorm,
-        handoff,
-        map,
-        map_iter,
-        pipeline,
-        run_session_compress,
-    )
-    from treadle.errors import (
-        AuthenticationError,
-        BudgetExceededError,
-        ConfigurationError,
-        ContextLengthError,
-        MalformedResponse,
-        PathViolation,
-        PersistenceError,
-        ProviderConnectionError,
-        ProviderError,
-        ProviderTimeout,
-        RateLimitError,
-        RuntimeLoopError,
-        SandboxError,
-        ToolArgumentsError,
-        ToolError,
-        ToolTimeoutError,
-        TreadleError,
-    )
-    from treadle.llm import Provider
-    from treadle.loop import (
-        AsyncExecutor,
-        CompletionRequest,
-        Executor,
-        Guardrail,
-        GuardrailInput,
-        Limits,
-        PassControl,
-        Tripwire,
-        after_model,
-        arun_session_loop,
-        before_model,
-        run_session_loop,
-        stream_session_loop,
-    )
-    from treadle.persist import LoadedSession, load_session
-    from treadle.runtime import LazyValue, get_runtime, run_lazy
-    from treadle.sandbox import LocalBackend, SandboxHandle, global_system_tools
-    from treadle.session import ChunkRow, ChunkTable, LineageNode, Session, SessionData, Usage
-    from treadle.tools import BaseTool, Tool, tool
+if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users may import them
+    from treadle.agents import Agent as Agent
+    from treadle.agents import arun_session_compress as arun_session_compress
+    from treadle.agents import brainstorm as brainstorm
+    from treadle.agents import handoff as handoff
+    from treadle.agents import pipeline as pipeline
+    from treadle.agents import run_session_compress as run_session_compress
+    from treadle.distributed import amap as amap
+    from treadle.distributed import map as map
+    from treadle.distributed import map_iter as map_iter
+    from treadle.errors import AuthenticationError as AuthenticationError
+    from treadle.errors import BudgetExceededError as BudgetExceededError
+    from treadle.errors import ConfigurationError as ConfigurationError
+    from treadle.errors import ContextLengthError as ContextLengthError
+    from treadle.errors import MalformedResponse as MalformedResponse
+    from treadle.errors import PathViolation as PathViolation
+    from treadle.errors import PersistenceError as PersistenceError
+    from treadle.errors import ProviderConnectionError as ProviderConnectionError
+    from treadle.errors import ProviderError as ProviderError
+    from treadle.errors import ProviderTimeout as ProviderTimeout
+    from treadle.errors import RateLimitError as RateLimitError
+    from treadle.errors import RuntimeLoopError as RuntimeLoopError
+    from treadle.errors import SandboxError as SandboxError
+    from treadle.errors import StructuredOutputError as StructuredOutputError
+    from treadle.errors import ToolArgumentsError as ToolArgumentsError
+    from treadle.errors import ToolError as ToolError
+    from treadle.errors import ToolTimeoutError as ToolTimeoutError
+    from treadle.errors import TreadleError as TreadleError
+    from treadle.llm import Provider as Provider
+    from treadle.loop import AsyncExecutor as AsyncExecutor
+    from treadle.loop import CompletionRequest as CompletionRequest
+    from treadle.loop import Executor as Executor
+    from treadle.loop import Guardrail as Guardrail
+    from treadle.loop import GuardrailInput as GuardrailInput
+    from treadle.loop import Limits as Limits
+    from treadle.loop import PassControl as PassControl
+    from treadle.loop import Tripwire as Tripwire
+    from treadle.loop import after_model as after_model
+    from treadle.loop import arun_session_loop as arun_session_loop
+    from treadle.loop import before_model as before_model
+    from treadle.loop import run_session_loop as run_session_loop
+    from treadle.loop import stream_session_loop as stream_session_loop
+    from treadle.persist import LoadedSession as LoadedSession
+    from treadle.persist import load_session as load_session
+    from treadle.runtime import LazyValue as LazyValue
+    from treadle.runtime import get_runtime as get_runtime
+    from treadle.runtime import run_lazy as run_lazy
+    from treadle.sandbox import LocalBackend as LocalBackend
+    from treadle.sandbox import SandboxHandle as SandboxHandle
+    from treadle.sandbox import global_system_tools as global_system_tools
+    from treadle.session import ChunkRow as ChunkRow
+    from treadle.session import ChunkTable as ChunkTable
+    from treadle.session import LineageNode as LineageNode
+    from treadle.session import Session as Session
+    from treadle.session import SessionData as SessionData
+    from treadle.session import Usage as Usage
+    from treadle.tools import BaseTool as BaseTool
+    from treadle.tools import Tool as Tool
+    from treadle.tools import tool as tool
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,7 @@ TreadleError
 ├── ConfigurationError (also ValueError)      bad arguments at a public entry point
 ├── RuntimeLoopError (also RuntimeError)      a blocking read on the runtime's own loop thread
 ├── SessionFailedError                        reserved: a pass failed (the original error is raised)
+│   └── PassFailed                            a distributed pass raised, timed out or was lost
 ├── ProviderError                             the model endpoint answered with an error
 │   ├── AuthenticationError                   401 / 403
 │   ├── RateLimitError                        429 after all retries
@@ -18,7 +19,9 @@ TreadleError
 ├── SandboxError
 │   └── PathViolation                         a path leaves the workspace
 ├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
-└── PersistenceError                          a session file cannot be read
+├── PersistenceError                          a session file cannot be read
+├── StructuredOutputError                     no valid structured output within `output_retries`
+└── WorkerLost                                a distributed worker died or stopped answering
 ```
 
 Error messages say what happened and what to do next, in one sentence. This module must never
@@ -27,12 +30,18 @@ import anything heavier than the standard library: every layer imports it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the outcome is a plain dataclass of the distributed layer; never imported here
+    from treadle.distributed.outcome import PassOutcome
+
 __all__ = [
     "AuthenticationError",
     "BudgetExceededError",
     "ConfigurationError",
     "ContextLengthError",
     "MalformedResponse",
+    "PassFailed",
     "PathViolation",
     "PersistenceError",
     "ProviderConnectionError",
@@ -42,10 +51,12 @@ __all__ = [
     "RuntimeLoopError",
     "SandboxError",
     "SessionFailedError",
+    "StructuredOutputError",
     "ToolArgumentsError",
     "ToolError",
     "ToolTimeoutError",
     "TreadleError",
+    "WorkerLost",
 ]
 
 
@@ -63,6 +74,17 @@ class RuntimeLoopError(TreadleError, RuntimeError):
 
 class SessionFailedError(TreadleError):
     """A pass failed; raised only when the original exception cannot be re-raised as it was."""
+
+
+class PassFailed(SessionFailedError):
+    """A distributed pass did not finish: it raised, timed out, or lost every worker it ran on."""
+
+    def __init__(self, outcome: PassOutcome) -> None:
+        self.outcome = outcome
+        super().__init__(
+            f"pass {outcome.index} (session {outcome.session_id}) ended with status "
+            f"{outcome.status!r} after {outcome.attempts} attempt(s): {outcome.error}"
+        )
 
 
 class ProviderError(TreadleError):
@@ -158,3 +180,11 @@ class BudgetExceededError(TreadleError):
 
 class PersistenceError(TreadleError):
     """A persisted session file is missing, unreadable or not a Treadle session."""
+
+
+class StructuredOutputError(TreadleError):
+    """The model did not produce a valid structured output within `output_retries` retries."""
+
+
+class WorkerLost(TreadleError):
+    """The worker running a distributed pass died or stopped answering (the pass may be retried)."""

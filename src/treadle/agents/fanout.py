@@ -3,8 +3,9 @@
 `map` (sync, blocks until every item is done), `amap` (async, same result) and `map_iter` (async
 iterator of `(index, result)` as items complete). Inputs are pulled from any iterable or async
 iterable only as slots free up, so a million inputs are never materialised up front. One item's
-failure never cancels the others: it is reported per item. `backend="local"` runs every pass on
-one event loop; the parameter is where process and cluster backends will plug in.
+failure never cancels the others: it is reported per item. Every pass runs on one event loop;
+`treadle.map(..., backend="process" | "ray")` (the switch in `treadle.distributed.backends`) runs
+them on worker processes instead.
 
 This module must never start more than `concurrency` runs at once, never reorder `map`'s results
 and never block the event loop it runs on (sync input iterators are expected to be cheap).
@@ -13,26 +14,22 @@ and never block the event loop it runs on (sync input iterators are expected to 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import sys
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TextIO
+from typing import Any
 
 import anyio
 
+from treadle.agents.progress import Progress, known_length, settle_results
 from treadle.errors import ConfigurationError
 from treadle.runtime import submit
+from treadle.runtime.streams import produce
 from treadle.session import Session
 
-__all__ = ["DEFAULT_CONCURRENCY", "Progress", "amap", "map", "map_iter"]
+__all__ = ["DEFAULT_CONCURRENCY", "Progress", "amap", "map", "map_iter", "settle_results"]
 
 #: Runs in flight at once when `concurrency` is not given.
 DEFAULT_CONCURRENCY = 64
-_BACKENDS = ("local", "process", "ray")
-# The plain progress line is redrawn at most this often (seconds).
-_PLAIN_REFRESH = 0.2
 
 Runner = Callable[[Any], Awaitable[Session]]
 
@@ -57,14 +54,20 @@ def _runner(agent: Any) -> Runner:
     return call
 
 
-def _check(concurrency: int, backend: str, options: dict[str, Any] | None = None) -> None:
+def check_concurrency(concurrency: int) -> None:
+    """Raise `ConfigurationError` unless `concurrency` is an int >= 1."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ConfigurationError(f"concurrency must be an int >= 1, got {concurrency!r}.")
-    if backend not in _BACKENDS:
+
+
+def _check(concurrency: int, backend: str, options: dict[str, Any]) -> None:
+    check_concurrency(concurrency)
+    if backend != "local":
         raise ConfigurationError(
-            f"backend={backend!r} is not a backend; use 'local', 'process' or 'ray'."
+            f"treadle.agents runs every pass on this event loop (backend='local'); for "
+            f"backend={backend!r} use treadle.map / treadle.amap / treadle.map_iter."
         )
-    if backend == "local" and options:
+    if options:
         raise ConfigurationError(
             f"{sorted(options)} apply to backend='process' or 'ray' only (see treadle.distributed)."
         )
@@ -132,37 +135,19 @@ async def map_iter(
 ) -> AsyncIterator[tuple[int, Session | BaseException]]:
     """Run `agent` over `sessions`; yield `(index, output session or exception)` as each ends.
 
-    Leaving the loop early cancels the runs still in flight. `backend="process"` or `"ray"`
-    runs on worker processes (see `treadle.distributed.map_outcomes` for `backend_options`).
+    Leaving the loop early cancels the runs still in flight. Only `backend="local"` runs here;
+    `treadle.map_iter` also takes `"process"` and `"ray"`.
     """
     _check(concurrency, backend, backend_options)
-    if backend != "local":
-        from treadle.distributed import map_iter as remote_map_iter
-
-        remote = remote_map_iter(
-            agent, sessions, backend=backend, concurrency=concurrency, **backend_options
-        )
-        try:
-            async for remote_entry in remote:
-                yield remote_entry
-        finally:
-            await remote.aclose()
-        return
     run = _runner(agent)
-    queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
-    task = asyncio.ensure_future(
-        _drive(run, sessions, concurrency, lambda _i: None, lambda i, r: queue.put_nowait((i, r)))
-    )
-    task.add_done_callback(lambda _t: queue.put_nowait(None))
-    try:
-        while (entry := await queue.get()) is not None:
+
+    async def drive(send: Callable[[tuple[int, Any]], None]) -> None:
+        await _drive(run, sessions, concurrency, lambda _i: None, lambda i, r: send((i, r)))
+
+    async with produce(drive) as entries:
+        async for entry in entries:
             yield entry
-        task.result()  # re-raises a failure of the input iterable itself
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        entries.result()  # re-raises a failure of the input iterable itself
 
 
 async def amap(
@@ -177,21 +162,9 @@ async def amap(
 ) -> list[Any]:
     """Async `map`: the output sessions in input order (see `map`)."""
     _check(concurrency, backend, backend_options)
-    if backend != "local":
-        from treadle.distributed import amap as remote_amap
-
-        return await remote_amap(
-            agent,
-            sessions,
-            backend=backend,
-            concurrency=concurrency,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            **backend_options,
-        )
     run = _runner(agent)
     results: list[Any] = []
-    bar = Progress.create(_total(sessions)) if progress else None
+    bar = Progress.create(known_length(sessions)) if progress else None
 
     def on_start(index: int) -> None:
         results.append(None)
@@ -207,21 +180,6 @@ async def amap(
         if bar is not None:
             bar.close()
     return settle_results(results, return_exceptions)
-
-
-def settle_results(results: list[Any], return_exceptions: bool) -> list[Any]:
-    """The list `map` returns: as is with `return_exceptions`, else the first failure raised
-    (in input order, once every item has finished) with a note counting the failures."""
-    if not return_exceptions:
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            first = failures[0]
-            first.add_note(
-                f"treadle.map: {len(failures)} of {len(results)} items failed (this is the "
-                "first); pass return_exceptions=True to get every result."
-            )
-            raise first
-    return results
 
 
 def map(
@@ -243,9 +201,8 @@ def map(
     otherwise, after every item finished, the first failure (in input order) is raised with a note
     counting the failures. `progress=True` shows a progress bar on a terminal (rich when
     installed, a plain line otherwise; nothing when stderr is not a TTY). Use `amap` or
-    `map_iter` from async code. `backend="process"` (this machine's cores) or `"ray"` (a Ray
-    cluster) run passes on worker processes; `concurrency` is then per worker, and
-    `backend_options` are those of `treadle.distributed.map_outcomes` (docs/distributed.md).
+    `map_iter` from async code. Only `backend="local"` runs here: `treadle.map` (the same call)
+    also takes `backend="process"` or `"ray"` (docs/distributed.md).
     """
     _check(concurrency, backend, backend_options)
     try:
@@ -267,68 +224,3 @@ def map(
             **backend_options,
         )
     ).result()
-
-
-def _total(items: object) -> int | None:
-    try:
-        return len(items)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
-class Progress:
-    """A progress display for `map`: rich's bar when available, else one redrawn line."""
-
-    def __init__(self, total: int | None, stream: TextIO, *, use_rich: bool) -> None:
-        self.total = total
-        self.done = 0
-        self.failed = 0
-        self.stream = stream
-        self._last = 0.0
-        self._rich: Any = None
-        self._task: Any = None
-        if use_rich:
-            from rich.console import Console
-            from rich.progress import Progress as RichProgress
-
-            self._rich = RichProgress(console=Console(file=stream), transient=False)
-            self._task = self._rich.add_task("treadle.map", total=total)
-            self._rich.start()
-
-    @classmethod
-    def create(cls, total: int | None, stream: TextIO | None = None) -> Progress | None:
-        """A display on `stream` (default stderr), or None when it is not a terminal."""
-        stream = stream or sys.stderr
-        if not stream.isatty():
-            return None
-        try:
-            import rich  # noqa: F401
-        except ImportError:
-            return cls(total, stream, use_rich=False)
-        return cls(total, stream, use_rich=True)
-
-    def advance(self, *, failed: bool = False) -> None:
-        """Count one finished item."""
-        self.done += 1
-        self.failed += failed
-        if self._rich is not None:
-            self._rich.update(self._task, advance=1, description=self._label())
-            return
-        now = time.monotonic()
-        if now - self._last >= _PLAIN_REFRESH or self.done == self.total:
-            self._last = now
-            self.stream.write("\r" + self._label())
-            self.stream.flush()
-
-    def _label(self) -> str:
-        total = "?" if self.total is None else str(self.total)
-        failed = f", {self.failed} failed" if self.failed else ""
-        return f"treadle.map {self.done}/{total}{failed}"
-
-    def close(self) -> None:
-        """Finish the display."""
-        if self._rich is not None:
-            self._rich.stop()
-        else:
-            self.stream.write("\r" + self._label() + "\n")
-            self.stream.flush()

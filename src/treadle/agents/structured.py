@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pydantic
 import pydantic_core
 
-from treadle.errors import ConfigurationError, ToolArgumentsError, TreadleError
+from treadle.errors import ConfigurationError, StructuredOutputError, ToolArgumentsError
 from treadle.tools import Tool, ToolContext
 from treadle.tools.results import error_content, success_content
 
@@ -48,10 +48,6 @@ FINAL_RESULT_TOOL = "final_result"
 # Interrupt reasons the agent's `on_message` hook uses to end a pass (never shown to users).
 _ACCEPTED = "treadle:final_result"
 _GAVE_UP = "treadle:output_retries_exhausted"
-
-
-class StructuredOutputError(TreadleError):
-    """The model did not produce a valid structured output within `output_retries` retries."""
 
 
 def _format_errors(error: pydantic.ValidationError) -> str:

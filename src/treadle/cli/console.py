@@ -12,7 +12,7 @@ import os
 import sys
 from typing import IO, Any, Literal
 
-__all__ = ["ColorMode", "Console", "Progress", "make_console"]
+__all__ = ["ColorMode", "Console", "ConsoleProgress", "make_console"]
 
 ColorMode = Literal["auto", "always", "never"]
 
@@ -37,7 +37,7 @@ def _rich_available() -> bool:
         return False
 
 
-class Progress:
+class ConsoleProgress:
     """A progress display over `total` steps: a rich bar, or a few plain lines."""
 
     def __init__(self, console: Console, total: int, label: str) -> None:
@@ -62,7 +62,7 @@ class Progress:
             )
             self._task = self._rich.add_task(label, total=total)
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> ConsoleProgress:
         if self._rich is not None:
             self._rich.start()
         return self
@@ -135,9 +135,9 @@ class Console:
             self.out.write("\n")
         self.out.flush()
 
-    def progress(self, total: int, label: str) -> Progress:
+    def progress(self, total: int, label: str) -> ConsoleProgress:
         """A progress display for `total` steps (use as a context manager)."""
-        return Progress(self, total, label)
+        return ConsoleProgress(self, total, label)
 
 
 def make_console(color: ColorMode = "auto", out: IO[str] | None = None) -> Console:

@@ -8,13 +8,12 @@ processes of this machine (`backend="process"`) or Ray actors (`backend="ray"`, 
 sandbox root. Delivery is at-least-once. See docs/distributed.md.
 """
 
+from treadle.distributed.backends import BACKENDS, amap, map, map_iter
 from treadle.distributed.janitor import ROOT_PREFIX, clean_orphans, default_sandbox_base
 from treadle.distributed.mapping import (
     DEFAULT_CALL_GRACE,
     DEFAULT_MAX_ATTEMPTS,
     REMOTE_BACKENDS,
-    amap,
-    map_iter,
     map_outcomes,
 )
 from treadle.distributed.outcome import (
@@ -29,6 +28,7 @@ from treadle.distributed.spec import DEFAULT_API_KEY_ENV, AgentSpec, resolve_too
 from treadle.distributed.worker import PassWorker
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_API_KEY_ENV",
     "DEFAULT_CALL_GRACE",
     "DEFAULT_MAX_ATTEMPTS",
@@ -45,6 +45,7 @@ __all__ = [
     "amap",
     "clean_orphans",
     "default_sandbox_base",
+    "map",
     "map_iter",
     "map_outcomes",
     "read_results",

@@ -11,21 +11,17 @@ bounded), never stop the map because one pass failed, and never block the event 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 from treadle.distributed.outcome import PassItem, PassOutcome
-from treadle.errors import ConfigurationError
+from treadle.errors import ConfigurationError, WorkerLost
+from treadle.runtime.streams import produce
 from treadle.session import Session
 
 __all__ = ["WorkerLost", "WorkerPool", "drive"]
-
-
-class WorkerLost(Exception):
-    """The worker running a pass died or stopped answering (the pass may be retried)."""
 
 
 class WorkerPool(Protocol):
@@ -70,7 +66,6 @@ async def drive(
             "in a list."
         )
     consumers = pool.size * concurrency
-    results: asyncio.Queue[Any] = asyncio.Queue()
     # Outcomes not yet taken by the caller plus passes in flight stay under this bound.
     undelivered = asyncio.Semaphore(2 * consumers)
     changed = asyncio.Condition()
@@ -128,7 +123,9 @@ async def drive(
         finally:
             ready[slot].set()
 
-    async def lost(worker: str, item: PassItem, err: BaseException) -> None:
+    async def lost(
+        worker: str, item: PassItem, err: BaseException, send: Callable[[PassOutcome], None]
+    ) -> None:
         records = history.setdefault(item.index, [])
         records.append(
             {
@@ -143,7 +140,7 @@ async def drive(
             undelivered.release()  # nothing delivered for this attempt
             return
         del history[item.index]
-        results.put_nowait(
+        send(
             PassOutcome(
                 index=item.index,
                 session_id=item.session_id,
@@ -155,7 +152,7 @@ async def drive(
             )
         )
 
-    async def consume(slot: int) -> None:
+    async def consume(slot: int, send: Callable[[PassOutcome], None]) -> None:
         while True:
             await undelivered.acquire()
             item = await next_item()
@@ -163,7 +160,7 @@ async def drive(
                 undelivered.release()
                 return
             if isinstance(item, PassOutcome):  # an input that is not a session
-                results.put_nowait(item)
+                send(item)
                 continue
             try:
                 await ready[slot].wait()
@@ -172,36 +169,29 @@ async def drive(
                 try:
                     outcome = await asyncio.wait_for(pool.run(slot, item), call_timeout)
                 except (WorkerLost, TimeoutError) as err:
-                    await lost(worker, item, err)
+                    await lost(worker, item, err, send)
                     await restart(slot, seen)
                 else:
                     earlier = history.pop(item.index, None)
                     if earlier:
                         outcome = dataclasses.replace(outcome, history=(*earlier, *outcome.history))
-                    results.put_nowait(outcome)
+                    send(outcome)
             finally:
                 async with changed:
                     state["in_flight"] -= 1
                     changed.notify_all()
 
-    async def main() -> None:
+    async def main(send: Callable[[PassOutcome], None]) -> None:
         async with asyncio.TaskGroup() as tg:
             for slot in range(pool.size):
                 for _ in range(concurrency):
-                    tg.create_task(consume(slot))
+                    tg.create_task(consume(slot, send))
 
-    task = asyncio.ensure_future(main())
-    task.add_done_callback(lambda _t: results.put_nowait(_DONE))
-    try:
-        while (entry := await results.get()) is not _DONE:
-            yield entry
+    async with produce(main) as outcomes:
+        async for outcome in outcomes:
+            yield outcome
             undelivered.release()
-        task.result()  # a failing input iterable or a worker that cannot restart
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        outcomes.result()  # a failing input iterable or a worker that cannot restart
 
 
 def _bad_input(index: int, err: Exception) -> PassOutcome:

@@ -1,5 +1,5 @@
-"""Distributed fan-out: `map_outcomes` (stream of `PassOutcome`s), and the `amap` / `map_iter`
-forms `treadle.map(..., backend="process" | "ray")` dispatches to.
+"""Distributed fan-out: `map_outcomes` (stream of `PassOutcome`s), and the `remote_amap` /
+`remote_map_iter` forms `treadle.map(..., backend="process" | "ray")` dispatches to.
 
 The agent becomes an `AgentSpec`, sessions become `PassItem`s as workers have room for them, and
 outcomes come back as they finish (optionally appended to a JSONL results file). Delivery is
@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from typing import Any, Literal
 
+from treadle.agents.progress import Progress, known_length, settle_results
 from treadle.distributed.driver import WorkerPool, drive
 from treadle.distributed.outcome import PassFailed, PassOutcome
 from treadle.distributed.results import ResultsWriter
@@ -24,9 +25,9 @@ __all__ = [
     "DEFAULT_CALL_GRACE",
     "DEFAULT_MAX_ATTEMPTS",
     "REMOTE_BACKENDS",
-    "amap",
-    "map_iter",
     "map_outcomes",
+    "remote_amap",
+    "remote_map_iter",
 ]
 
 #: The backends served by this package.
@@ -158,10 +159,10 @@ def _result(outcome: PassOutcome) -> Session | PassFailed:
     return outcome.session() if outcome.ok else PassFailed(outcome)
 
 
-async def map_iter(
+async def remote_map_iter(
     agent: Any, sessions: Iterable[Any] | AsyncIterable[Any], **options: Any
 ) -> AsyncGenerator[tuple[int, Session | BaseException], None]:
-    """`treadle.agents.map_iter` on a distributed backend: `(index, output session or
+    """`treadle.map_iter` on a distributed backend: `(index, output session or
     PassFailed)` as each pass ends (options as for `map_outcomes`)."""
     stream = map_outcomes(agent, sessions, **options)
     try:
@@ -171,7 +172,7 @@ async def map_iter(
         await stream.aclose()
 
 
-async def amap(
+async def remote_amap(
     agent: Any,
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
@@ -179,17 +180,15 @@ async def amap(
     return_exceptions: bool = False,
     **options: Any,
 ) -> list[Any]:
-    """`treadle.agents.amap` on a distributed backend: output sessions in input order.
+    """`treadle.amap` on a distributed backend: output sessions in input order.
 
     A failed pass is a `PassFailed` (with its `outcome`) in its place with
     `return_exceptions=True`; otherwise the first failure is raised once every pass ended.
     """
-    from treadle.agents.fanout import Progress, _total, settle_results
-
-    bar = Progress.create(_total(sessions)) if progress else None
+    bar = Progress.create(known_length(sessions)) if progress else None
     results: list[Any] = []
     try:
-        async for index, result in map_iter(agent, sessions, **options):
+        async for index, result in remote_map_iter(agent, sessions, **options):
             if index >= len(results):
                 results.extend([None] * (index + 1 - len(results)))
             results[index] = result

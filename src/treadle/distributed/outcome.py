@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from treadle.errors import ConfigurationError, SessionFailedError
+from treadle.errors import ConfigurationError, PassFailed
 from treadle.session import Session, Usage
 
 __all__ = ["OUTCOME_METADATA_KEY", "PassFailed", "PassItem", "PassOutcome", "PassStatus"]
@@ -112,14 +112,3 @@ class PassOutcome:
     def from_json(cls, data: Mapping[str, Any]) -> PassOutcome:
         """The outcome from `to_json` output."""
         return cls(**{**data, "history": tuple(data.get("history", ()))})
-
-
-class PassFailed(SessionFailedError):
-    """A distributed pass did not finish: it raised, timed out, or lost every worker it ran on."""
-
-    def __init__(self, outcome: PassOutcome) -> None:
-        self.outcome = outcome
-        super().__init__(
-            f"pass {outcome.index} (session {outcome.session_id}) ended with status "
-            f"{outcome.status!r} after {outcome.attempts} attempt(s): {outcome.error}"
-        )

@@ -7,8 +7,6 @@ submits the pass to the runtime and returns a `Session` facade at once.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
@@ -22,6 +20,7 @@ from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
+from treadle.runtime.streams import produce
 from treadle.sandbox.builtin_tools import global_system_tools
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.telemetry import capture_parent
@@ -246,29 +245,30 @@ async def stream_session_loop(
     which carries the output session. Leaving the loop early cancels the pass.
     """
     out_id = new_session_id()
-    queue: asyncio.Queue[Event | None] = asyncio.Queue()
     next_seq = 0
+    send_event: Callable[[Event], None] | None = None
 
     def sink(event: Event) -> None:
         nonlocal next_seq
         next_seq = event.seq + 1
-        queue.put_nowait(event)
+        assert send_event is not None  # events come only from the pass, which `produce` runs
+        send_event(event)
 
     plan = _plan(user_session, agent_session, out_id, sink, **options)
-    task = asyncio.ensure_future(run_pass(plan, out_id))
-    task.add_done_callback(lambda _t: queue.put_nowait(None))
-    try:
-        while (event := await queue.get()) is not None:
+
+    async def pass_events(send: Callable[[Event], None]) -> SessionData:
+        nonlocal send_event
+        send_event = send
+        return await run_pass(plan, out_id)
+
+    # Leaving early cancels the pass: it must not outlive its iterator.
+    async with produce(pass_events) as events:
+        async for event in events:
             yield event
-        data = task.result()  # re-raises the pass's error
-        yield PassStopped(
-            session_id=out_id,
-            seq=next_seq,
-            stop_reason=data.stop_reason or "",
-            session=_output(plan, out_id, data),
-        )
-    finally:
-        if not task.done():  # the consumer left early: the pass must not outlive its iterator
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        data = events.result()  # re-raises the pass's error
+    yield PassStopped(
+        session_id=out_id,
+        seq=next_seq,
+        stop_reason=data.stop_reason or "",
+        session=_output(plan, out_id, data),
+    )

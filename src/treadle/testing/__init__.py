@@ -11,9 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from treadle.testing.fake_server import FakeOpenAIServer, FaultRule, RecordedRequest
-    from treadle.testing.scripted import ScriptedExecutor
-    from treadle.testing.scripts import (
+    from treadle.testing.fake_replies import (
         SCRIPTS,
         Reply,
         Script,
@@ -23,6 +21,8 @@ if TYPE_CHECKING:
         get_script,
         tool_loop,
     )
+    from treadle.testing.fake_server import FakeOpenAIServer, FaultRule, RecordedRequest
+    from treadle.testing.scripted import ScriptedExecutor
 
 __all__ = [
     "SCRIPTS",
@@ -43,14 +43,14 @@ _HOMES = {
     "FakeOpenAIServer": "fake_server",
     "FaultRule": "fake_server",
     "RecordedRequest": "fake_server",
-    "SCRIPTS": "scripts",
-    "Reply": "scripts",
-    "Script": "scripts",
-    "ToolCallSpec": "scripts",
-    "echo": "scripts",
-    "file_worker": "scripts",
-    "get_script": "scripts",
-    "tool_loop": "scripts",
+    "SCRIPTS": "fake_replies",
+    "Reply": "fake_replies",
+    "Script": "fake_replies",
+    "ToolCallSpec": "fake_replies",
+    "echo": "fake_replies",
+    "file_worker": "fake_replies",
+    "get_script": "fake_replies",
+    "tool_loop": "fake_replies",
     "ScriptedExecutor": "scripted",
 }
 

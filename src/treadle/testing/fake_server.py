@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from treadle.testing.scripts import Reply, Script, get_script, render_completion, render_stream
+from treadle.testing.fake_replies import Reply, Script, get_script, render_completion, render_stream
 
 __all__ = ["FakeOpenAIServer", "FaultRule", "RecordedRequest", "main"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from treadle.testing.scripts import Reply, ToolCallSpec
+from treadle.testing.fake_replies import Reply, ToolCallSpec
 from treadle.tools import tool
 
 if TYPE_CHECKING:

@@ -1,0 +1,140 @@
+"""The map's backend switch: `map`, `amap`, `map_iter` with `backend="local" | "process" | "ray"`.
+
+This is what `treadle.map` is. It sits above both fan-outs it chooses between: the local one
+(`treadle.agents.fanout`, every pass on one event loop) and the distributed one
+(`treadle.distributed.mapping`, passes on worker processes or Ray actors). The results are the
+same output sessions, in input order, whichever backend ran them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+from treadle.agents import fanout
+from treadle.agents.fanout import DEFAULT_CONCURRENCY, check_concurrency
+from treadle.distributed.mapping import REMOTE_BACKENDS, remote_amap, remote_map_iter
+from treadle.errors import ConfigurationError
+from treadle.runtime import submit
+from treadle.session import Session
+
+__all__ = ["BACKENDS", "amap", "map", "map_iter"]
+
+#: Every value `backend=` takes.
+BACKENDS = ("local", *REMOTE_BACKENDS)
+
+
+def _check(concurrency: int, backend: str, options: dict[str, Any]) -> None:
+    check_concurrency(concurrency)
+    if backend not in BACKENDS:
+        raise ConfigurationError(
+            f"backend={backend!r} is not a backend; use 'local', 'process' or 'ray'."
+        )
+    if backend == "local" and options:
+        raise ConfigurationError(
+            f"{sorted(options)} apply to backend='process' or 'ray' only (see treadle.distributed)."
+        )
+
+
+async def map_iter(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    backend: str = "local",
+    **backend_options: Any,
+) -> AsyncIterator[tuple[int, Session | BaseException]]:
+    """Run `agent` over `sessions`; yield `(index, output session or exception)` as each ends.
+
+    Leaving the loop early cancels the runs still in flight. `backend="process"` or `"ray"`
+    runs on worker processes (see `treadle.distributed.map_outcomes` for `backend_options`).
+    """
+    _check(concurrency, backend, backend_options)
+    if backend == "local":
+        stream = fanout.map_iter(agent, sessions, concurrency=concurrency)
+    else:
+        stream = remote_map_iter(
+            agent, sessions, backend=backend, concurrency=concurrency, **backend_options
+        )
+    try:
+        async for entry in stream:
+            yield entry
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def amap(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    progress: bool = False,
+    return_exceptions: bool = False,
+    backend: str = "local",
+    **backend_options: Any,
+) -> list[Any]:
+    """Async `map`: the output sessions in input order (see `map`)."""
+    _check(concurrency, backend, backend_options)
+    if backend == "local":
+        return await fanout.amap(
+            agent,
+            sessions,
+            concurrency=concurrency,
+            progress=progress,
+            return_exceptions=return_exceptions,
+        )
+    return await remote_amap(
+        agent,
+        sessions,
+        backend=backend,
+        concurrency=concurrency,
+        progress=progress,
+        return_exceptions=return_exceptions,
+        **backend_options,
+    )
+
+
+def map(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    progress: bool = False,
+    return_exceptions: bool = False,
+    backend: str = "local",
+    **backend_options: Any,
+) -> list[Any]:
+    """Run `agent` over every session with at most `concurrency` runs in flight; block until done.
+
+    `agent` is an `Agent`, a pipeline or handoff, or any callable `session -> Session`
+    (sync or async). Items may be sessions or strings (user messages); they are pulled from the
+    iterable only as slots free up. Returns the output sessions in input order. A failing item
+    never stops the others: with `return_exceptions=True` its place holds the exception;
+    otherwise, after every item finished, the first failure (in input order) is raised with a note
+    counting the failures. `progress=True` shows a progress bar on a terminal (rich when
+    installed, a plain line otherwise; nothing when stderr is not a TTY). Use `amap` or
+    `map_iter` from async code. `backend="process"` (this machine's cores) or `"ray"` (a Ray
+    cluster) run passes on worker processes; `concurrency` is then per worker, and
+    `backend_options` are those of `treadle.distributed.map_outcomes` (docs/distributed.md).
+    """
+    _check(concurrency, backend, backend_options)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise ConfigurationError(
+            "treadle.map blocks; inside async code use `await treadle.amap(...)`."
+        )
+    return submit(
+        amap(
+            agent,
+            sessions,
+            concurrency=concurrency,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            backend=backend,
+            **backend_options,
+        )
+    ).result()
