@@ -49,12 +49,12 @@ def classify(
 class OpenStream:
     """A streamed reply: its byte chunks, SSE decoder and the events read so far.
 
-    `start` reads until the first events arrived (a failure there may still be retried);
-    `next_events` reads on, turning a torn connection into `MalformedResponse`. Always `aclose`
-    it: closing before the end closes the connection rather than pooling it.
+    `start` reads until the first events arrived (a failure there may still be retried); the
+    caller reads on from `chunks` through `decoder`, and reports a torn connection with `torn`.
+    Always `aclose` it: closing before the end closes the connection rather than pooling it.
     """
 
-    __slots__ = ("_chunks", "_close", "_headers", "decoder", "ended", "first", "request_id")
+    __slots__ = ("_close", "_headers", "chunks", "decoder", "ended", "first", "request_id")
 
     def __init__(
         self,
@@ -62,7 +62,8 @@ class OpenStream:
         close: Callable[[], Awaitable[None]],
         headers: Mapping[str, str],
     ) -> None:
-        self._chunks = chunks
+        self.chunks = chunks
+        """The body's byte chunks (read on by `ModelClient.stream` after `start`)."""
         self._close = close
         self.request_id = headers.get("x-request-id")
         self._headers = headers
@@ -79,7 +80,7 @@ class OpenStream:
         """
         try:
             if status != 200:
-                content = b"".join([piece async for piece in self._chunks])
+                content = b"".join([piece async for piece in self.chunks])
                 raise StatusError(status, self._headers, content)
             while not self.first and not self.ended:
                 self.first = await self._read()
@@ -89,25 +90,21 @@ class OpenStream:
 
     async def _read(self) -> list[bytes]:
         try:
-            raw = await anext(self._chunks)
+            raw = await anext(self.chunks)
         except StopAsyncIteration:
             self.ended = True
             return self.decoder.flush()
         return self.decoder.feed(raw)
 
-    async def next_events(self, url: str) -> list[bytes]:
-        """The event payloads completed by the next piece of the body (possibly none)."""
-        try:
-            return await self._read()
-        except httpx.TransportError as exc:
-            error = error_from_transport(exc, url=url, retries=0)
-            raise malformed(f"the stream was torn ({error.message})") from exc
+    def torn(self, exc: httpx.TransportError, url: str) -> ProviderError:
+        """The error for a connection lost after the first events (never retried)."""
+        error = error_from_transport(exc, url=url, retries=0)
+        return malformed(f"the stream was torn ({error.message})", request_id=self.request_id)
 
     async def aclose(self) -> None:
         """Close the body stream (idempotent)."""
-        chunks = self._chunks
         try:
-            aclose = getattr(chunks, "aclose", None)
+            aclose = getattr(self.chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
         finally:

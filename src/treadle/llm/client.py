@@ -82,10 +82,7 @@ class ModelClient:
         headers = provider.request_headers()
         timeouts = provider.httpx_timeout
         (content, reply_headers), limiter, permit = await self._send(
-            provider,
-            body,
-            lambda: self._post_whole(url, body, headers, timeouts),
-            "chat completion",
+            provider, body, self._post_whole, (url, body, headers, timeouts), "chat completion"
         )
         used: int | None = None
         try:
@@ -108,14 +105,12 @@ class ModelClient:
         headers = provider.request_headers()
         timeouts = provider.httpx_timeout
         opened, limiter, permit = await self._send(
-            provider,
-            body,
-            lambda: self._open_stream(url, body, headers, timeouts),
-            "streamed chat completion",
+            provider, body, self._open_stream, (url, body, headers, timeouts), "streamed completion"
         )
         used: int | None = None
         try:
             request_id = opened.request_id
+            chunks, decoder = opened.chunks, opened.decoder
             done = finished = False
             events = opened.first
             while True:
@@ -132,7 +127,15 @@ class ModelClient:
                     yield chunk
                 if done or opened.ended:
                     break
-                events = await opened.next_events(url)
+                try:  # inline, not a helper: this runs once per network read
+                    raw = await chunks.__anext__()
+                except StopAsyncIteration:
+                    opened.ended = True
+                    events = decoder.flush()
+                    continue
+                except httpx.TransportError as exc:
+                    raise opened.torn(exc, url) from exc
+                events = decoder.feed(raw)
             if not done and not finished:
                 raise malformed(
                     "the stream ended without [DONE] or a finish_reason", request_id=request_id
@@ -147,10 +150,11 @@ class ModelClient:
         self,
         provider: Provider,
         body: bytes,
-        attempt: Callable[[], Awaitable[_T]],
+        attempt: Callable[[str, bytes, dict[str, str], httpx.Timeout], Awaitable[_T]],
+        args: tuple[str, bytes, dict[str, str], httpx.Timeout],
         what: str,
     ) -> tuple[_T, EndpointLimiter, Permit]:
-        """The one retry loop of whole and streamed completions: `attempt` until it succeeds.
+        """The one retry loop of whole and streamed completions: `attempt(*args)` until it succeeds.
 
         Each try holds a limiter permit; the successful one is returned with the attempt's result
         and the caller releases it once the reply is consumed. Raises the classified
@@ -165,7 +169,7 @@ class ModelClient:
         while True:
             permit = await limiter.acquire(estimate)
             try:
-                return await attempt(), limiter, permit
+                return await attempt(*args), limiter, permit
             except (httpx.TransportError, StatusError) as exc:
                 limiter.release(permit)
                 if isinstance(exc, StaleConnectionError) and not stale_resent:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import weakref
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
@@ -52,24 +51,21 @@ class _Connector(aiohttp.TCPConnector):
     connect timeout instead of hanging until it, so `https://` to such a port fails fast.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._used: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
-
     async def connect(
         self,
         req: aiohttp.ClientRequest,
         traces: list[Any],
         timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's signature
     ) -> aiohttp.connector.Connection:
-        _reused.set(False)
         conn = await super().connect(req, traces, timeout)
         protocol = conn.protocol
-        if protocol is not None:
-            if protocol in self._used:
-                _reused.set(True)
-            else:
-                self._used.add(protocol)
+        # A mark on the protocol, not a set of ids: an id may be reused by a fresh connection.
+        # (A failure inside `connect` is a connector error, never taken for a stale connection,
+        # so the flag need not be reset before it.)
+        reused = getattr(protocol, "_treadle_used", False)
+        _reused.set(reused)
+        if not reused and protocol is not None:
+            protocol._treadle_used = True  # type: ignore[attr-defined]
         return conn
 
     async def _wrap_create_connection(
