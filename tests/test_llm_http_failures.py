@@ -83,10 +83,6 @@ def plain_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[str
         thread.join(10)
 
 
-def _count_posts(hits: list[str], handler_hits: int) -> int:
-    return handler_hits
-
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_server_that_is_not_openai_compatible_is_a_wrong_url(
     plain_server: tuple[str, list[str]], stream: bool
@@ -229,6 +225,40 @@ async def test_https_to_a_plain_http_port_fails_fast_without_retries(stream: boo
         assert "http://" in info.value.message
         assert server.connections_opened == 1  # no retry
         assert "http://" in explain(info.value).fix
+
+
+class _TlsPortHandler(_PlainHandler):
+    """What nginx answers to plain HTTP at its TLS port."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        body = (
+            b"<html><head><title>400 The plain HTTP request was sent to HTTPS port</title></head>"
+            b"<body><center><h1>400 Bad Request</h1></center></body></html>"
+        )
+        self.send_response(400)
+        self.send_header("content-type", "text/html")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+async def test_http_to_an_https_port_says_use_https() -> None:
+    handler = type("Handler", (_TlsPortHandler,), {"hits": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        provider = Provider(model="m", base_url=base_url, api_key="k")
+        with pytest.raises(ProtocolMismatchError) as info:
+            await send(provider, stream=False)
+        assert f"https://127.0.0.1:{server.server_address[1]}/v1" in info.value.message
+        assert "https://" in explain(info.value).fix
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
 
 
 def test_a_base_url_that_is_not_a_url_gets_a_fix_line(

@@ -95,7 +95,8 @@ def _explain_provider(err: ProviderError, message: str) -> CliFailure:
     if isinstance(err, ProtocolMismatchError):
         return CliFailure(
             message,
-            "use http:// in --base-url / OPENAI_BASE_URL: the server speaks plain HTTP there.",
+            "give --base-url / OPENAI_BASE_URL the scheme the server speaks (http:// for a "
+            "plain-HTTP server such as a local llama.cpp, https:// for a TLS one).",
             EXIT_CODES["connection"],
         )
     if isinstance(err, ProviderConnectionError | ProviderTimeout):

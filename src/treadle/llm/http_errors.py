@@ -138,6 +138,15 @@ def _is_context_length(message: str, type_: str, code: str) -> bool:
     return any(marker in haystack for marker in _CONTEXT_MARKERS)
 
 
+def _base_of(url: str) -> str:
+    """The base URL of a chat-completions URL (what the user passed as `base_url`)."""
+    return url.removesuffix("/chat/completions")
+
+
+def _lower_bytes(body: bytes | str) -> bytes:
+    return (body.encode("utf-8", "replace") if isinstance(body, str) else body)[:4096].lower()
+
+
 def _is_openai_error(payload: Any) -> bool:
     """True for an OpenAI-style error body: `{"error": {...}}` or `{"error": "..."}`."""
     return isinstance(payload, Mapping) and isinstance(payload.get("error"), Mapping | str)
@@ -198,6 +207,13 @@ def error_from_payload(
             f"The endpoint does not serve this model{said_part}; check Provider.model "
             "against the endpoint's /models list.",
             **kw,
+        )
+    if status == 400 and b"plain http request was sent to https port" in _lower_bytes(body):
+        # nginx's answer to http:// at its TLS port
+        base = _base_of(url or "")
+        secure = "https:" + base[len("http:") :] if base.startswith("http:") else "https://"
+        return ProtocolMismatchError(
+            f"The server at {base or 'the base URL'} speaks HTTPS; use base_url={secure}.", **kw
         )
     if status in (404, 405, 501):
         # A route the server does not have: the base URL is wrong (or not an OpenAI server).
@@ -271,10 +287,10 @@ def error_from_transport(exc: httpx.TransportError, *, url: str, retries: int) -
     if isinstance(exc, TLSMismatchError) or (
         url.startswith("https:") and isinstance(exc, httpx.ConnectError) and is_tls_mismatch(exc)
     ):
-        plain = "http:" + url[len("https:") :]
+        base = _base_of(url)
         return ProtocolMismatchError(
-            f"The server behind {url} does not speak TLS ({exc}); if it serves plain HTTP, use "
-            f"{plain}."
+            f"The server at {base} does not speak TLS ({exc}); if it serves plain HTTP, use "
+            f"base_url=http:{base[len('https:') :]}."
         )
     if isinstance(exc, httpx.TimeoutException):
         phase = "connecting to" if isinstance(exc, httpx.ConnectTimeout) else "waiting for"
