@@ -11,6 +11,7 @@ import http.server
 import threading
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from pydantic_core import to_json
 
@@ -68,7 +69,22 @@ class _HtmlPostHandler(_PlainHandler):
         self.do_GET()
 
 
-@pytest.fixture(params=[_PlainHandler, _HtmlPostHandler], ids=["501", "404-html"])
+class _PagePostHandler(_PlainHandler):
+    """Answers every POST with 200 and a web page (a single-page app's catch-all route)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        body = b"<!doctype html><html><body><div id=app></div></body></html>"
+        self.send_response(200)
+        self.send_header("content-type", "text/html; charset=utf-8")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture(
+    params=[_PlainHandler, _HtmlPostHandler, _PagePostHandler], ids=["501", "404-html", "200-html"]
+)
 def plain_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[str]]]:
     hits: list[str] = []
     handler = type("Handler", (request.param,), {"hits": hits})
@@ -225,6 +241,39 @@ async def test_https_to_a_plain_http_port_fails_fast_without_retries(stream: boo
         assert "http://" in info.value.message
         assert server.connections_opened == 1  # no retry
         assert "http://" in explain(info.value).fix
+
+
+@pytest.mark.parametrize("own_client", [False, True], ids=["treadle-client", "user-httpx"])
+async def test_https_to_a_server_that_answers_plain_http_fails_at_once(own_client: bool) -> None:
+    # A plain-HTTP server that answers the ClientHello with an HTTP error (most do): the TLS
+    # layer sees "wrong version number" at once; it must not be retried as a connection error.
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.read(10)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    http_client = httpx.AsyncClient() if own_client else None
+    try:
+        provider = Provider(
+            model="m", base_url=f"https://127.0.0.1:{port}/v1", api_key="k",
+            retry_base_delay=0.001, http_client=http_client,
+        )  # fmt: skip
+        with pytest.raises(ProtocolMismatchError) as info:
+            await send(provider, stream=False)
+        assert f"base_url=http://127.0.0.1:{port}/v1" in info.value.message
+        assert connections == 1
+    finally:
+        if http_client is not None:
+            await http_client.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 class _TlsPortHandler(_PlainHandler):

@@ -31,6 +31,7 @@ class StatusError(Exception):
         super().__init__(f"HTTP {status}")
         self.status = status
         self.headers = headers
+        """The reply's headers."""
         self.body = body
 
 
@@ -54,7 +55,7 @@ class OpenStream:
     Always `aclose` it: closing before the end closes the connection rather than pooling it.
     """
 
-    __slots__ = ("_close", "_headers", "chunks", "decoder", "ended", "first", "request_id")
+    __slots__ = ("_close", "chunks", "decoder", "ended", "first", "headers", "request_id")
 
     def __init__(
         self,
@@ -66,7 +67,8 @@ class OpenStream:
         """The body's byte chunks (read on by `ModelClient.stream` after `start`)."""
         self._close = close
         self.request_id = headers.get("x-request-id")
-        self._headers = headers
+        self.headers = headers
+        """The reply's headers."""
         self.decoder = SSEDecoder()
         self.first: list[bytes] = []
         """The first event payloads (empty only when the body ended without any)."""
@@ -81,7 +83,7 @@ class OpenStream:
         try:
             if status != 200:
                 content = b"".join([piece async for piece in self.chunks])
-                raise StatusError(status, self._headers, content)
+                raise StatusError(status, self.headers, content)
             while not self.first and not self.ended:
                 self.first = await self._read()
         except BaseException:

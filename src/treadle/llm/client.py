@@ -21,8 +21,14 @@ import httpx
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from treadle.errors import MalformedResponse
 from treadle.llm.attempt import OpenStream, StatusError, classify
-from treadle.llm.http_errors import StaleConnectionError, error_from_payload, malformed
+from treadle.llm.http_errors import (
+    StaleConnectionError,
+    error_from_payload,
+    html_reply_error,
+    malformed,
+)
 from treadle.llm.limiter import EndpointLimiter, Permit, estimate_tokens
 from treadle.llm.provider import Provider
 from treadle.llm.retry import backoff_delay, is_retryable_error
@@ -86,7 +92,13 @@ class ModelClient:
         )
         used: int | None = None
         try:
-            result = _parse_completion(content, reply_headers.get("x-request-id"))
+            try:
+                result = _parse_completion(content, reply_headers.get("x-request-id"))
+            except MalformedResponse as exc:
+                page = html_reply_error(url, reply_headers, content)
+                if page is not None:
+                    raise page from exc
+                raise
             if result.usage is not None:
                 used = result.usage.total_tokens
             return result
@@ -137,6 +149,9 @@ class ModelClient:
                     raise opened.torn(exc, url) from exc
                 events = decoder.feed(raw)
             if not done and not finished:
+                page = html_reply_error(url, opened.headers)
+                if page is not None:
+                    raise page
                 raise malformed(
                     "the stream ended without [DONE] or a finish_reason", request_id=request_id
                 )

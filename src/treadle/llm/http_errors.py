@@ -44,6 +44,7 @@ __all__ = [
     "error_from_status",
     "error_from_transport",
     "excerpt",
+    "html_reply_error",
     "is_tls_mismatch",
     "redact",
 ]
@@ -158,6 +159,24 @@ def _not_openai(url: str | None, said_part: str, kw: dict[str, Any]) -> Provider
         f"The server has no OpenAI-compatible chat-completions endpoint at {where}{said_part}; "
         "the base URL is wrong: check base_url (it usually ends in /v1).",
         **kw,
+    )
+
+
+def html_reply_error(
+    url: str, headers: Mapping[str, str], body: bytes = b""
+) -> NotOpenAIEndpointError | None:
+    """For a 200 reply that is not an API reply: `NotOpenAIEndpointError` when it is a web page.
+
+    Called only once the reply failed to parse (never on the fast path of a good reply).
+    """
+    if "text/html" not in (headers.get("content-type") or "").lower():
+        return None
+    return NotOpenAIEndpointError(
+        f"The server at {_base_of(url)} answered with a web page, not an OpenAI-compatible "
+        "chat completion; the base URL is wrong: check base_url (it usually ends in /v1).",
+        status_code=200,
+        body=excerpt(body) if body else None,
+        request_id=headers.get("x-request-id"),
     )
 
 
