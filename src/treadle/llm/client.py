@@ -117,7 +117,11 @@ class ModelClient:
         headers = provider.request_headers()
         timeouts = provider.httpx_timeout
         opened, limiter, permit = await self._send(
-            provider, body, self._open_stream, (url, body, headers, timeouts), "streamed completion"
+            provider,
+            body,
+            self._open_stream,
+            (url, body, headers, timeouts),
+            "streamed chat completion",
         )
         used: int | None = None
         try:

@@ -40,7 +40,6 @@ __all__ = [
     "StaleConnectionError",
     "TLSMismatchError",
     "error_from_payload",
-    "error_from_response",
     "error_from_status",
     "error_from_transport",
     "excerpt",
@@ -284,19 +283,6 @@ def error_from_status(
         api_key=api_key,
         retries=retries,
         url=url,
-    )
-
-
-def error_from_response(
-    response: httpx.Response, *, api_key: str | None, retries: int = 0
-) -> ProviderError:
-    """The typed error for a non-2xx `response` whose body has been read."""
-    return error_from_status(
-        response.status_code,
-        response.headers,
-        response.content,
-        api_key=api_key,
-        retries=retries,
     )
 
 
