@@ -164,6 +164,28 @@ def failed_pass() -> None:
     _no_key(spans)
 
 
+def retried_request() -> None:
+    from treadle import Provider, Session, run_session_loop
+    from treadle.testing import FakeOpenAIServer, Reply
+
+    exporter, _ = _sdk()
+    with FakeOpenAIServer(script="echo") as server:
+        server.add_fault(Reply.rate_limited(retry_after=0), times=1)
+        provider = Provider(
+            model="fake-model", base_url=server.base_url, api_key=KEY, retry_base_delay=0.01
+        )
+        out = run_session_loop(
+            Session.from_user_message("q"), Session.from_agent_prompt("a"), agent_provider=provider
+        )
+        assert out.stop_reason == "final_answer"
+    spans, _ = _tree(exporter)
+    [chat] = [s for s in spans if s.name.startswith("chat")]
+    [event] = [e for e in chat.events if e.name == "treadle.retry"]
+    assert event.attributes["treadle.retry.attempt"] == 1
+    assert chat.attributes["treadle.retries"] == 1
+    assert chat.attributes["treadle.limiter.wait_s"] >= 0
+
+
 def cancelled_pass() -> None:
     import time
 
@@ -320,6 +342,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "streamed": streamed,
     "failed_pass": failed_pass,
     "cancelled_pass": cancelled_pass,
+    "retried_request": retried_request,
     "hundred_passes_one_caller": hundred_passes_one_caller,
     "content_on": content_on,
     "off_imports_nothing": off_imports_nothing,

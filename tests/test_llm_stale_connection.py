@@ -1,12 +1,16 @@
-"""A connection closed before any response byte (a stale keep-alive connection) is retried once,
-at once, without using up `max_retries` (llama.cpp's server closes connections after streaming)."""
+"""A reused keep-alive connection closed before any response byte (a stale connection) is re-sent
+once, at once, without using up `max_retries` (llama.cpp's server closes connections after
+streaming). A fresh connection closed the same way is not: the server may have processed (and
+billed) that request, so only `max_retries` may send it again."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from treadle import ProviderConnectionError, Session
-from treadle.llm import Provider, build_request_body, get_client
+from treadle.llm import ModelClient, Provider, build_request_body, get_client
 from treadle.loop import arun_session_loop
 from treadle.testing import FakeOpenAIServer, Reply
 
@@ -38,9 +42,11 @@ async def test_one_dropped_connection_is_retried_without_counting(stream: bool) 
 async def test_a_second_drop_is_an_ordinary_connection_error(stream: bool) -> None:
     with FakeOpenAIServer(script="echo") as server:
         provider = _provider(server, stream=stream)
-        server.enqueue(Reply.dropped_connection(), Reply.dropped_connection())
         body = build_request_body(provider, [b'{"role":"user","content":"x"}'], stream=stream)
         client = get_client(provider)
+        await _send(client, provider, body, stream)  # warm the pool: the drops hit a reused one
+        server.reset_stats()
+        server.enqueue(Reply.dropped_connection(), Reply.dropped_connection())
         with pytest.raises(ProviderConnectionError):
             if stream:
                 async for _ in client.stream(provider, body):
@@ -62,3 +68,56 @@ async def test_sequential_requests_reuse_one_pooled_connection(stream: bool) -> 
             assert out.stop_reason == "final_answer"
         assert server.request_count == 20
         assert server.connections_opened == 1
+
+
+async def _send(client: ModelClient, provider: Provider, body: bytes, stream: bool) -> None:
+    if stream:
+        async for _ in client.stream(provider, body):
+            pass
+    else:
+        await client.complete(provider, body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_fresh_connection_dropped_is_not_resent_with_max_retries_0(stream: bool) -> None:
+    with FakeOpenAIServer(script="echo") as server:
+        provider = _provider(server, stream=stream)  # max_retries=0
+        server.enqueue(Reply.dropped_connection())
+        body = build_request_body(provider, [b'{"role":"user","content":"x"}'], stream=stream)
+        with pytest.raises(ProviderConnectionError):
+            await _send(get_client(provider), provider, body, stream)
+        assert server.request_count == 1  # the server got it once: it is never sent twice
+        assert server.connections_opened == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_fresh_connection_dropped_counts_as_a_retry(stream: bool) -> None:
+    with FakeOpenAIServer(script="echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", max_retries=1,
+                            retry_base_delay=0.001, stream=stream)  # fmt: skip
+        server.enqueue(Reply.dropped_connection(), Reply.dropped_connection())
+        body = build_request_body(provider, [b'{"role":"user","content":"x"}'], stream=stream)
+        with pytest.raises(ProviderConnectionError, match="after 1 retries"):
+            await _send(get_client(provider), provider, body, stream)
+        assert server.request_count == 2  # the first send and its one counted retry
+
+
+async def test_a_dropped_fresh_connection_beside_a_pooled_one_is_not_stale() -> None:
+    # Two concurrent requests: one reuses the pooled connection, the other must open a new
+    # one; a drop on the new one is not a stale keep-alive connection.
+    with FakeOpenAIServer(script="echo") as server:
+        provider = _provider(server)
+        body = build_request_body(provider, [b'{"role":"user","content":"x"}'], stream=False)
+        client = get_client(provider)
+        await client.complete(provider, body)
+        server.reset_stats()
+        server.add_fault(Reply.dropped_connection(), when=lambda r: "drop" in str(r), times=1)
+        dropped = build_request_body(provider, [b'{"role":"user","content":"drop"}'], stream=False)
+        fine = build_request_body(provider, [b'{"role":"user","content":"slow"}'], stream=False)
+        results = await asyncio.gather(
+            client.complete(provider, fine), client.complete(provider, dropped),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert not isinstance(results[0], BaseException)
+        assert isinstance(results[1], ProviderConnectionError)
+        assert server.request_count == 2  # the dropped one was not sent again

@@ -12,6 +12,10 @@ TreadleError
 │   ├── ContextLengthError                    the prompt does not fit the model's context
 │   ├── ProviderTimeout (also TimeoutError)   connect or read timed out after all retries
 │   ├── ProviderConnectionError               refused / reset / disconnected after all retries
+│   │   └── ProtocolMismatchError             https:// to a plain-HTTP port (or the reverse)
+│   ├── NotOpenAIEndpointError                the URL answers, but not as an OpenAI endpoint
+│   ├── ModelNotFoundError                    the endpoint does not serve the requested model
+│   ├── InvalidRequestError                   a 5xx saying this request cannot be parsed
 │   └── MalformedResponse                     non-JSON body, no choices, torn stream
 ├── ToolError                                 raised by the tool layer, reported to the model
 │   ├── ToolArgumentsError                    arguments do not match the tool's schema
@@ -40,10 +44,14 @@ __all__ = [
     "BudgetExceededError",
     "ConfigurationError",
     "ContextLengthError",
+    "InvalidRequestError",
     "MalformedResponse",
+    "ModelNotFoundError",
+    "NotOpenAIEndpointError",
     "PassFailed",
     "PathViolation",
     "PersistenceError",
+    "ProtocolMismatchError",
     "ProviderConnectionError",
     "ProviderError",
     "ProviderTimeout",
@@ -139,6 +147,32 @@ class ProviderConnectionError(ProviderError):
 
 class MalformedResponse(ProviderError):
     """The endpoint's reply is not a valid chat completion (bad JSON, no choices, torn stream)."""
+
+
+class ProtocolMismatchError(ProviderConnectionError):
+    """The base URL's scheme does not match the server: `https://` to a plain-HTTP port.
+
+    Never retried: the same URL fails the same way every time.
+    """
+
+
+class NotOpenAIEndpointError(ProviderError):
+    """The base URL answers HTTP, but not as an OpenAI-compatible chat-completions endpoint.
+
+    A web page, a 404/405/501 without an OpenAI error body, or a path the server does not know
+    (often a base URL without its `/v1`). Never retried.
+    """
+
+
+class ModelNotFoundError(ProviderError):
+    """The endpoint does not serve the requested model (404 naming the model). Never retried."""
+
+
+class InvalidRequestError(ProviderError):
+    """A server error (5xx) that says this request could not be parsed or processed as it is
+    (llama.cpp's "Failed to parse tool call"). The same request fails the same way again, so it
+    is never retried. (A plain 400 stays a `ProviderError` with `status_code` 400.)
+    """
 
 
 class ToolError(TreadleError):

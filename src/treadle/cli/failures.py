@@ -12,7 +12,11 @@ from treadle.errors import (
     AuthenticationError,
     ConfigurationError,
     ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NotOpenAIEndpointError,
     PersistenceError,
+    ProtocolMismatchError,
     ProviderConnectionError,
     ProviderError,
     ProviderTimeout,
@@ -52,38 +56,15 @@ def explain(err: BaseException) -> CliFailure:
     if isinstance(err, CliFailure):
         return err
     message = str(err) or type(err).__name__
-    if isinstance(err, AuthenticationError):
-        return CliFailure(
-            message,
-            "set OPENAI_API_KEY to a key this endpoint accepts (or pass --base-url for another "
-            "endpoint).",
-            EXIT_CODES["auth"],
-        )
-    if isinstance(err, ProviderConnectionError | ProviderTimeout):
-        return CliFailure(
-            message,
-            "check --base-url / OPENAI_BASE_URL (it ends in /v1) and that the server is running; "
-            "`treadle demo` needs no server.",
-            EXIT_CODES["connection"],
-        )
     if isinstance(err, ProviderError):
-        status = err.status_code
-        if status == 404:
-            return CliFailure(
-                message,
-                "the endpoint does not know this model or path: check --model / TREADLE_MODEL "
-                "and that --base-url ends in /v1.",
-                EXIT_CODES["endpoint"],
-            )
-        if isinstance(err, RateLimitError):
-            fix = "wait and retry, or raise --retries."
-        elif isinstance(err, ContextLengthError):
-            fix = "shorten the prompt or use a model with a larger context window."
-        else:
-            fix = "retry later, or check the endpoint's logs."
-        return CliFailure(message, fix, EXIT_CODES["endpoint"])
-    if isinstance(err, ConfigurationError | PersistenceError):
-        return CliFailure(message, "", EXIT_CODES["usage"])
+        return _explain_provider(err, message)
+    if isinstance(err, ConfigurationError):
+        return CliFailure(message, _configuration_fix(message), EXIT_CODES["usage"])
+    if isinstance(err, PersistenceError):
+        return CliFailure(
+            message, "check the path; `treadle sessions DIR` lists readable sessions.",
+            EXIT_CODES["usage"],
+        )  # fmt: skip
     if isinstance(err, SandboxError):
         return CliFailure(message, "check the --sandbox directory.", EXIT_CODES["error"])
     if isinstance(err, TreadleError):
@@ -93,3 +74,67 @@ def explain(err: BaseException) -> CliFailure:
         "this looks like a bug in Treadle; rerun with TREADLE_DEBUG=1 and report the traceback.",
         EXIT_CODES["error"],
     )
+
+
+_URL_FIX = (
+    "point --base-url / OPENAI_BASE_URL at an OpenAI-compatible API, for example "
+    "http://127.0.0.1:8080/v1 (the URL usually ends in /v1)."
+)
+
+
+def _explain_provider(err: ProviderError, message: str) -> CliFailure:
+    """One fix per kind of endpoint failure: what the user should do, not what went wrong."""
+    endpoint = EXIT_CODES["endpoint"]
+    if isinstance(err, AuthenticationError):
+        return CliFailure(
+            message,
+            "set OPENAI_API_KEY to a key this endpoint accepts (or pass --base-url for another "
+            "endpoint).",
+            EXIT_CODES["auth"],
+        )
+    if isinstance(err, ProtocolMismatchError):
+        return CliFailure(
+            message,
+            "give --base-url / OPENAI_BASE_URL the scheme the server speaks (http:// for a "
+            "plain-HTTP server such as a local llama.cpp, https:// for a TLS one).",
+            EXIT_CODES["connection"],
+        )
+    if isinstance(err, ProviderConnectionError | ProviderTimeout):
+        return CliFailure(
+            message,
+            "check --base-url / OPENAI_BASE_URL (it ends in /v1) and that the server is running; "
+            "`treadle demo` needs no server.",
+            EXIT_CODES["connection"],
+        )
+    if isinstance(err, NotOpenAIEndpointError):
+        return CliFailure(message, _URL_FIX, endpoint)
+    if isinstance(err, ModelNotFoundError):
+        return CliFailure(
+            message,
+            "check --model / TREADLE_MODEL: use a model this endpoint serves (see /v1/models).",
+            endpoint,
+        )
+    if isinstance(err, InvalidRequestError):
+        return CliFailure(
+            message,
+            "the model or server cannot handle this request: try another model or a simpler "
+            "prompt; retrying the same request will not help.",
+            endpoint,
+        )
+    if isinstance(err, RateLimitError):
+        fix = "wait and retry, or raise --retries."
+    elif isinstance(err, ContextLengthError):
+        fix = "shorten the prompt or use a model with a larger context window."
+    elif err.status_code is not None and 400 <= err.status_code < 500:
+        fix = "the endpoint refused the request: check --model and the server's documentation."
+    else:
+        fix = "the endpoint is failing: retry later, or check the endpoint's logs."
+    return CliFailure(message, fix, endpoint)
+
+
+def _configuration_fix(message: str) -> str:
+    if "base_url" in message:
+        return _URL_FIX
+    if "api_key" in message or "API key" in message:
+        return "set OPENAI_API_KEY, or point --base-url at a local OpenAI-compatible server."
+    return "check the flags and environment variables (`treadle run --help`)."

@@ -13,27 +13,29 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import time
 import weakref
-from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
 from pydantic_core import from_json
 
-from treadle.errors import ProviderError
+from treadle.errors import MalformedResponse
+from treadle.llm.attempt import OpenStream, StatusError, classify
 from treadle.llm.http_errors import (
     StaleConnectionError,
     error_from_payload,
-    error_from_response,
-    error_from_transport,
+    html_reply_error,
     malformed,
 )
-from treadle.llm.limiter import EndpointLimiter, estimate_tokens
+from treadle.llm.limiter import EndpointLimiter, Permit, estimate_tokens
 from treadle.llm.provider import Provider
-from treadle.llm.retry import backoff_delay, is_retryable_status, parse_retry_after
-from treadle.llm.sse import DONE, SSEDecoder
+from treadle.llm.retry import backoff_delay, is_retryable_error
+from treadle.llm.sse import DONE
 from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
+from treadle.telemetry import current_pass
 
 if TYPE_CHECKING:  # imported on first use: aiohttp's import costs ~170 ms
     from treadle.llm.transport import AiohttpTransport
@@ -45,13 +47,7 @@ logger = logging.getLogger("treadle.llm")
 _CLOSE_TIMEOUT_SECONDS = 10.0
 
 
-class _Retry(Exception):
-    """Internal: this attempt failed in a retryable way."""
-
-    def __init__(self, error: ProviderError, retry_after: float | None = None) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.retry_after = retry_after
+_T = TypeVar("_T")
 
 
 class ModelClient:
@@ -92,50 +88,181 @@ class ModelClient:
         provider = provider.resolve()
         url = provider.chat_completions_url
         headers = provider.request_headers()
-        timeout = provider.httpx_timeout
-        limiter = self.limiter(provider)
-        estimate = estimate_tokens(body)
-        attempt = 0
-        stale_retried = False
-        while True:
-            permit = await limiter.acquire(estimate)
-            used: int | None = None
+        timeouts = provider.httpx_timeout
+        (content, reply_headers), limiter, permit = await self._send(
+            provider, body, self._post_whole, (url, body, headers, timeouts), "chat completion"
+        )
+        used: int | None = None
+        try:
             try:
-                try:
-                    if self._fast is not None:
-                        status, reply_headers, content = await self._fast.post_buffered(
-                            url, body, self._merged_headers(headers), timeout
-                        )
-                        if status != 200:
-                            response = httpx.Response(status, headers=reply_headers.items(),
-                                                      content=content)  # fmt: skip
-                            self._raise_status(provider, response, attempt)
-                        result = _parse_completion(content, reply_headers.get("x-request-id"))
-                    else:
-                        response = await self.http.post(
-                            url, content=body, headers=headers, timeout=timeout
-                        )
-                        if response.status_code != 200:
-                            self._raise_status(provider, response, attempt)
-                        result = _parse_completion(
-                            response.content, response.headers.get("x-request-id")
-                        )
-                except StaleConnectionError as exc:
-                    if stale_retried:
-                        raise _Retry(error_from_transport(exc, url=url, retries=attempt)) from exc
-                    stale_retried = True  # a pooled connection the server had closed: once, now
+                result = _parse_completion(content, reply_headers.get("x-request-id"))
+            except MalformedResponse as exc:
+                page = html_reply_error(url, reply_headers, content)
+                if page is not None:
+                    raise page from exc
+                raise
+            if result.usage is not None:
+                used = result.usage.total_tokens
+            return result
+        finally:
+            limiter.release(permit, used)
+
+    async def stream(self, provider: Provider, body: bytes) -> AsyncIterator[ChatCompletionChunk]:
+        """POST `body` with `"stream": true` and yield chunks as they arrive.
+
+        Retries only until the first event has arrived (nothing yielded yet); a stream torn after
+        that raises `MalformedResponse`. Use it inside `contextlib.aclosing(...)` when you may
+        stop early.
+        """
+        provider = provider.resolve()
+        url = provider.chat_completions_url
+        headers = provider.request_headers()
+        timeouts = provider.httpx_timeout
+        opened, limiter, permit = await self._send(
+            provider,
+            body,
+            self._open_stream,
+            (url, body, headers, timeouts),
+            "streamed chat completion",
+        )
+        used: int | None = None
+        try:
+            request_id = opened.request_id
+            chunks, decoder = opened.chunks, opened.decoder
+            done = finished = False
+            events = opened.first
+            while True:
+                for data in events:
+                    if data == DONE:
+                        done = True
+                        break
+                    chunk = _parse_chunk(data, provider, request_id)
+                    if chunk.usage is not None:
+                        used = chunk.usage.total_tokens
+                    for choice in chunk.choices:
+                        if choice.finish_reason is not None:
+                            finished = True
+                    yield chunk
+                if done or opened.ended:
+                    break
+                try:  # inline, not a helper: this runs once per network read
+                    raw = await chunks.__anext__()
+                except StopAsyncIteration:
+                    opened.ended = True
+                    events = decoder.flush()
                     continue
                 except httpx.TransportError as exc:
-                    raise _Retry(error_from_transport(exc, url=url, retries=attempt)) from exc
-                if result.usage is not None:
-                    used = result.usage.total_tokens
-                return result
-            except _Retry as retry:
-                delay = _next_delay(provider, retry, attempt, "chat completion")
+                    raise opened.torn(exc, url) from exc
+                events = decoder.feed(raw)
+            if not done and not finished:
+                page = html_reply_error(url, opened.headers)
+                if page is not None:
+                    raise page
+                raise malformed(
+                    "the stream ended without [DONE] or a finish_reason", request_id=request_id
+                )
+        finally:
+            try:
+                await opened.aclose()
             finally:
                 limiter.release(permit, used)
+
+    async def _send(
+        self,
+        provider: Provider,
+        body: bytes,
+        attempt: Callable[[str, bytes, dict[str, str], httpx.Timeout], Awaitable[_T]],
+        args: tuple[str, bytes, dict[str, str], httpx.Timeout],
+        what: str,
+    ) -> tuple[_T, EndpointLimiter, Permit]:
+        """The one retry loop of whole and streamed completions: `attempt(*args)` until it succeeds.
+
+        Each try holds a limiter permit; the successful one is returned with the attempt's result
+        and the caller releases it once the reply is consumed. Raises the classified
+        `ProviderError` when the failure cannot succeed on retry or `max_retries` are used up. A
+        reused keep-alive connection the server had closed (`StaleConnectionError`: the request
+        never reached it) is re-sent once at once, not counted as a retry.
+        """
+        limiter = self.limiter(provider)
+        estimate = estimate_tokens(body)
+        trace = current_pass()  # None unless the application traces passes
+        tries = 0
+        stale_resent = False
+        while True:
+            if trace is None:
+                permit = await limiter.acquire(estimate)
+            else:
+                waited = time.monotonic()
+                permit = await limiter.acquire(estimate)
+                trace.note_limiter_wait(time.monotonic() - waited)
+            try:
+                return await attempt(*args), limiter, permit
+            except (httpx.TransportError, StatusError) as exc:
+                limiter.release(permit)
+                if isinstance(exc, StaleConnectionError) and not stale_resent:
+                    stale_resent = True
+                    continue
+                failure: httpx.TransportError | StatusError = exc
+            except BaseException:
+                limiter.release(permit)
+                raise
+            error, retry_after = classify(provider, failure, 0)
+            if not is_retryable_error(error) or tries >= provider.max_retries:
+                if tries:  # the final error says how many retries were spent
+                    error, _ = classify(provider, failure, tries)
+                raise error from (failure if isinstance(failure, httpx.TransportError) else None)
+            delay = backoff_delay(tries, provider.retry_base_delay, retry_after)
+            logger.info("retrying %s (%s) in %.2fs, attempt %d/%d", what, error.message, delay,
+                        tries + 1, provider.max_retries)  # fmt: skip
+            if trace is not None:
+                trace.note_retry(tries + 1, error.message, delay)
             await asyncio.sleep(delay)
-            attempt += 1
+            tries += 1
+
+    async def _post_whole(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
+    ) -> tuple[bytes, Mapping[str, str]]:
+        """One non-streamed POST: `(content, headers)` of a 200 reply, else `StatusError`."""
+        fast = self._fast
+        if fast is not None:
+            status, reply_headers, content = await fast.post_buffered(
+                url, body, self._merged_headers(headers), timeouts
+            )
+        else:
+            response = await self.http.post(url, content=body, headers=headers, timeout=timeouts)
+            status, reply_headers, content = (
+                response.status_code,
+                response.headers,
+                response.content,
+            )
+        if status != 200:
+            raise StatusError(status, reply_headers, content)
+        return content, reply_headers
+
+    async def _open_stream(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
+    ) -> OpenStream:
+        """One streamed POST, read until its first SSE events (or its end) arrived.
+
+        When Treadle built the client, aiohttp is used directly (no httpx Request/Response per
+        request, the streaming twin of `complete`'s fast path); a user's `http_client` goes
+        through httpx. A non-200 reply is read whole and raised as `StatusError`.
+        """
+        fast = self._fast
+        if fast is not None:
+            status, reply_headers, stream = await fast.post_stream(
+                url, body, self._merged_headers(headers), timeouts
+            )
+            opened = OpenStream(stream.__aiter__(), stream.aclose, reply_headers)
+        else:
+            request = self.http.build_request(
+                "POST", url, content=body, headers=headers, timeout=timeouts
+            )
+            response = await self.http.send(request, stream=True)
+            status, reply_headers = response.status_code, response.headers
+            opened = OpenStream(response.aiter_bytes(), response.aclose, reply_headers)
+        await opened.start(status)
+        return opened
 
     def _merged_headers(self, headers: dict[str, str]) -> dict[str, str]:
         """The headers httpx would send: the client's defaults, then the provider's."""
@@ -149,122 +276,6 @@ class ModelClient:
             merged.pop("content-length", None)
             self._fast_headers[key] = merged
         return merged
-
-    def _raise_status(self, provider: Provider, response: httpx.Response, attempt: int) -> None:
-        status = response.status_code
-        retryable = is_retryable_status(status) and attempt < provider.max_retries
-        error = error_from_response(
-            response, api_key=provider.api_key, retries=attempt if not retryable else 0
-        )
-        if retryable:
-            raise _Retry(error, parse_retry_after(response.headers))
-        raise error
-
-    async def stream(self, provider: Provider, body: bytes) -> AsyncIterator[ChatCompletionChunk]:
-        """POST `body` with `"stream": true` and yield chunks as they arrive.
-
-        Retries only while nothing has been yielded; a stream torn after that raises
-        `MalformedResponse`. Use it inside `contextlib.aclosing(...)` when you may stop early.
-        """
-        provider = provider.resolve()
-        url = provider.chat_completions_url
-        headers = provider.request_headers()
-        timeout = provider.httpx_timeout
-        limiter = self.limiter(provider)
-        estimate = estimate_tokens(body)
-        attempt = 0
-        stale_retried = False
-        yielded = False
-        while True:
-            permit = await limiter.acquire(estimate)
-            used: int | None = None
-            try:
-                try:
-                    async with self._open_stream(url, body, headers, timeout) as (
-                        status,
-                        reply_headers,
-                        body_bytes,
-                    ):
-                        if status != 200:
-                            content = b"".join([piece async for piece in body_bytes])
-                            response = httpx.Response(
-                                status, headers=list(reply_headers.items()), content=content
-                            )
-                            self._raise_status(provider, response, attempt)
-                        request_id = reply_headers.get("x-request-id")
-                        decoder = SSEDecoder()
-                        done = finished = False
-                        async for raw in body_bytes:
-                            for data in decoder.feed(raw):
-                                if data == DONE:
-                                    done = True
-                                    break
-                                chunk = _parse_chunk(data, provider, request_id)
-                                if chunk.usage is not None:
-                                    used = chunk.usage.total_tokens
-                                for choice in chunk.choices:
-                                    if choice.finish_reason is not None:
-                                        finished = True
-                                yielded = True
-                                yield chunk
-                            if done:
-                                break
-                        if not done:
-                            for data in decoder.flush():
-                                if data == DONE:
-                                    done = True
-                        if not done and not finished:
-                            raise malformed(
-                                "the stream ended without [DONE] or a finish_reason",
-                                request_id=request_id,
-                            )
-                    return
-                except StaleConnectionError as exc:
-                    if stale_retried or yielded:
-                        error = error_from_transport(exc, url=url, retries=attempt)
-                        if yielded:
-                            raise malformed(f"the stream was torn ({error.message})") from exc
-                        raise _Retry(error) from exc
-                    stale_retried = True  # a pooled connection the server had closed: once, now
-                    continue
-                except httpx.TransportError as exc:
-                    error = error_from_transport(exc, url=url, retries=attempt)
-                    if yielded:
-                        raise malformed(f"the stream was torn ({error.message})") from exc
-                    raise _Retry(error) from exc
-            except _Retry as retry:
-                delay = _next_delay(provider, retry, attempt, "streamed chat completion")
-            finally:
-                limiter.release(permit, used)
-            await asyncio.sleep(delay)
-            attempt += 1
-
-    @contextlib.asynccontextmanager
-    async def _open_stream(
-        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
-    ) -> AsyncIterator[tuple[int, Mapping[str, str], AsyncIterator[bytes]]]:
-        """`(status, headers, body bytes)` of a streamed POST, closed on exit.
-
-        When Treadle built the client, aiohttp is used directly (no httpx Request/Response per
-        request, the streaming twin of `complete`'s fast path); a user's `http_client` goes
-        through httpx. Leaving early closes the connection rather than pooling it.
-        """
-        fast = self._fast
-        if fast is not None:
-            status, reply_headers, stream = await fast.post_stream(
-                url, body, self._merged_headers(headers), timeouts
-            )
-            chunks = stream.__aiter__()
-            try:
-                yield status, reply_headers, chunks
-            finally:
-                await chunks.aclose()
-                await stream.aclose()
-            return
-        async with self.http.stream(
-            "POST", url, content=body, headers=headers, timeout=timeouts
-        ) as response:
-            yield response.status_code, response.headers, response.aiter_bytes()
 
     async def aclose(self) -> None:
         """Close the pooled connections (a user-supplied `http_client` is left open)."""
@@ -280,22 +291,6 @@ class ModelClient:
             close_now = getattr(transport, "close_now", None)
             if callable(close_now):  # our AiohttpTransport
                 close_now()
-
-
-def _next_delay(provider: Provider, retry: _Retry, attempt: int, what: str) -> float:
-    """Seconds to wait before the next attempt; re-raises the error when retries are used up."""
-    if attempt >= provider.max_retries:
-        raise retry.error from retry.__cause__
-    delay = backoff_delay(attempt, provider.retry_base_delay, retry.retry_after)
-    logger.info(
-        "retrying %s (%s) in %.2fs, attempt %d/%d",
-        what,
-        retry.error.message,
-        delay,
-        attempt + 1,
-        provider.max_retries,
-    )
-    return delay
 
 
 def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:

@@ -1,11 +1,19 @@
 """Maps HTTP outcomes (error statuses, httpx transport errors) to `treadle.errors` exceptions.
 
-Every message is one sentence saying what happened and what to do. This module must never put an
-API key into a message or body excerpt: the caller passes the key so it can be redacted.
+Failures are classified by what the user should do: wrong URL or protocol
+(`NotOpenAIEndpointError`, `ProtocolMismatchError`), bad key (`AuthenticationError`), bad model
+(`ModelNotFoundError`), bad request (`ProviderError` 4xx, `ContextLengthError`, a 5xx that says it
+could not parse the request: `InvalidRequestError`), overloaded (`RateLimitError`, 5xx) or down
+(`ProviderConnectionError`, `ProviderTimeout`). Only the last two are worth a retry
+(`treadle.llm.retry.is_retryable_error`). Every message is one sentence saying what happened and
+what to do. Error mapping takes plain values (status, headers, body): the fast path builds no
+`httpx.Response`. This module must never put an API key into a message or body excerpt: the
+caller passes the key so it can be redacted.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +23,11 @@ from pydantic_core import from_json
 from treadle.errors import (
     AuthenticationError,
     ContextLengthError,
+    InvalidRequestError,
     MalformedResponse,
+    ModelNotFoundError,
+    NotOpenAIEndpointError,
+    ProtocolMismatchError,
     ProviderConnectionError,
     ProviderError,
     ProviderTimeout,
@@ -24,21 +36,32 @@ from treadle.errors import (
 
 __all__ = [
     "BODY_EXCERPT_CHARS",
+    "MIN_SECRET_CHARS",
     "StaleConnectionError",
+    "TLSMismatchError",
     "error_from_payload",
-    "error_from_response",
+    "error_from_status",
     "error_from_transport",
     "excerpt",
+    "html_reply_error",
+    "is_tls_mismatch",
+    "redact",
 ]
 
 
 class StaleConnectionError(httpx.RemoteProtocolError):
-    """The connection closed before any byte of the response arrived.
+    """A reused keep-alive connection closed before any byte of the response arrived.
 
-    Typical of a pooled keep-alive connection the server had already closed (llama.cpp's server
-    closes every connection shortly after a streamed reply while still advertising keep-alive).
-    The client retries such a request once at once, without counting it as a retry.
+    The server had closed the pooled connection while it sat idle (llama.cpp's server closes
+    every connection shortly after a streamed reply while still advertising keep-alive), so the
+    request was never processed: the client re-sends it once at once, without counting a retry.
+    A fresh connection closed the same way is an ordinary `RemoteProtocolError`: the server may
+    have processed (and billed) that request, so only `max_retries` may send it again.
     """
+
+
+class TLSMismatchError(httpx.ConnectError):
+    """The TLS handshake failed in a way that says the server speaks plain HTTP on that port."""
 
 
 BODY_EXCERPT_CHARS = 2000
@@ -55,13 +78,41 @@ _CONTEXT_MARKERS = (
 )
 
 
+MIN_SECRET_CHARS = 8
+"""Keys shorter than this are placeholders (`OPENAI_API_KEY=x` for a local server), not secrets:
+redacting them would mangle every word that contains them."""
+
+# Markers of a 5xx that the request itself caused: the same request fails the same way again.
+_REQUEST_FAULT_MARKERS = (
+    "failed to parse",  # llama.cpp: "Failed to parse tool call arguments as JSON"
+    "could not parse",
+    "unable to parse",
+    "cannot parse",
+    "json.exception",  # nlohmann::json errors surfaced by llama.cpp
+    "invalid request",
+)
+_MODEL_MISSING_MARKERS = ("not found", "does not exist", "not exist", "unknown model", "no model")
+
+
+def redact(text: str, api_key: str | None) -> str:
+    """`text` with every whole-token occurrence of `api_key` replaced by `***`.
+
+    A token is bounded by characters that cannot be part of a key (not a letter, digit, `_` or
+    `-`), so the key's characters inside a longer word stay; keys shorter than
+    `MIN_SECRET_CHARS` are not secrets and are left alone.
+    """
+    if not api_key or len(api_key) < MIN_SECRET_CHARS or api_key not in text:
+        return text
+    return re.sub(rf"(?<![\w-]){re.escape(api_key)}(?![\w-])", "***", text)
+
+
 def excerpt(body: bytes | str, api_key: str | None = None, limit: int = BODY_EXCERPT_CHARS) -> str:
     """The first `limit` characters of `body` as text, with the API key redacted."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    # Redact before cutting: a key across the cut would otherwise leave its first half.
+    text = redact(text[: limit + 256], api_key)
     if len(text) > limit:
         text = text[:limit] + "…[truncated]"
-    if api_key and api_key in text:
-        text = text.replace(api_key, "***")
     return text
 
 
@@ -87,6 +138,47 @@ def _is_context_length(message: str, type_: str, code: str) -> bool:
     return any(marker in haystack for marker in _CONTEXT_MARKERS)
 
 
+def _base_of(url: str) -> str:
+    """The base URL of a chat-completions URL (what the user passed as `base_url`)."""
+    return url.removesuffix("/chat/completions")
+
+
+def _lower_bytes(body: bytes | str) -> bytes:
+    return (body.encode("utf-8", "replace") if isinstance(body, str) else body)[:4096].lower()
+
+
+def _is_openai_error(payload: Any) -> bool:
+    """True for an OpenAI-style error body: `{"error": {...}}` or `{"error": "..."}`."""
+    return isinstance(payload, Mapping) and isinstance(payload.get("error"), Mapping | str)
+
+
+def _not_openai(url: str | None, said_part: str, kw: dict[str, Any]) -> ProviderError:
+    where = url or "the base URL"
+    return NotOpenAIEndpointError(
+        f"The server has no OpenAI-compatible chat-completions endpoint at {where}{said_part}; "
+        "the base URL is wrong: check base_url (it usually ends in /v1).",
+        **kw,
+    )
+
+
+def html_reply_error(
+    url: str, headers: Mapping[str, str], body: bytes = b""
+) -> NotOpenAIEndpointError | None:
+    """For a 200 reply that is not an API reply: `NotOpenAIEndpointError` when it is a web page.
+
+    Called only once the reply failed to parse (never on the fast path of a good reply).
+    """
+    if "text/html" not in (headers.get("content-type") or "").lower():
+        return None
+    return NotOpenAIEndpointError(
+        f"The server at {_base_of(url)} answered with a web page, not an OpenAI-compatible "
+        "chat completion; the base URL is wrong: check base_url (it usually ends in /v1).",
+        status_code=200,
+        body=excerpt(body) if body else None,
+        request_id=headers.get("x-request-id"),
+    )
+
+
 def error_from_payload(
     status: int | None,
     payload: Any,
@@ -95,8 +187,12 @@ def error_from_payload(
     request_id: str | None,
     api_key: str | None,
     retries: int = 0,
+    url: str | None = None,
 ) -> ProviderError:
-    """The typed error for an error `payload` (parsed body) answered with HTTP `status`."""
+    """The typed error for an error `payload` (parsed body, None if not JSON) with HTTP `status`.
+
+    `url` is the request's URL, named in messages about a wrong base URL.
+    """
     message, type_, code = _error_fields(payload)
     said = excerpt(message, api_key, _MESSAGE_CHARS) if message else ""
     said_part = f": {said}" if said else ""
@@ -106,6 +202,7 @@ def error_from_payload(
         "request_id": request_id,
     }
     after = f" after {retries} retries" if retries else ""
+    lowered = f"{code} {type_} {message}".lower()
     if status in (401, 403):
         return AuthenticationError(
             f"The endpoint rejected the API key{said_part}; check OPENAI_API_KEY or "
@@ -118,6 +215,27 @@ def error_from_payload(
             "requests_per_minute or max_concurrent_requests, or raise max_retries.",
             **kw,
         )
+    if (
+        status in (400, 404)
+        and _is_openai_error(payload)
+        and "model" in lowered
+        and (code == "model_not_found" or any(m in lowered for m in _MODEL_MISSING_MARKERS))
+    ):
+        return ModelNotFoundError(
+            f"The endpoint does not serve this model{said_part}; check Provider.model "
+            "against the endpoint's /models list.",
+            **kw,
+        )
+    if status == 400 and b"plain http request was sent to https port" in _lower_bytes(body):
+        # nginx's answer to http:// at its TLS port
+        base = _base_of(url or "")
+        secure = "https:" + base[len("http:") :] if base.startswith("http:") else "https://"
+        return ProtocolMismatchError(
+            f"The server at {base or 'the base URL'} speaks HTTPS; use base_url={secure}.", **kw
+        )
+    if status in (404, 405, 501):
+        # A route the server does not have: the base URL is wrong (or not an OpenAI server).
+        return _not_openai(url, said_part, kw)
     if status in (400, 413, 422, None) and _is_context_length(message, type_, code):
         return ContextLengthError(
             f"The request does not fit the model's context window{said_part}; shorten or "
@@ -125,6 +243,12 @@ def error_from_payload(
             **kw,
         )
     if status is not None and status >= 500:
+        if any(marker in lowered for marker in _REQUEST_FAULT_MARKERS):
+            return InvalidRequestError(
+                f"The endpoint could not process this request{said_part}; the same request "
+                "fails the same way again: check the tools' schemas, or try another model.",
+                **kw,
+            )
         return ProviderError(
             f"The endpoint failed with a server error{after}{said_part}; retry later.", **kw
         )
@@ -134,28 +258,45 @@ def error_from_payload(
     )
 
 
-def error_from_response(
-    response: httpx.Response, *, api_key: str | None, retries: int = 0
+def error_from_status(
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    api_key: str | None,
+    retries: int = 0,
+    url: str | None = None,
 ) -> ProviderError:
-    """The typed error for a non-2xx `response` whose body has been read."""
-    body = response.content
+    """The typed error for a non-2xx reply, from plain values (no `httpx.Response` needed).
+
+    `headers` is any case-insensitive mapping (aiohttp's or httpx's headers).
+    """
     try:
         payload = from_json(body) if body else None
     except ValueError:
         payload = None
     return error_from_payload(
-        response.status_code,
+        status,
         payload,
         body,
-        request_id=response.headers.get("x-request-id"),
+        request_id=headers.get("x-request-id"),
         api_key=api_key,
         retries=retries,
+        url=url,
     )
 
 
 def error_from_transport(exc: httpx.TransportError, *, url: str, retries: int) -> ProviderError:
     """The typed error for a request that got no usable response (connect, read, disconnect)."""
     after = f" after {retries} retries" if retries else ""
+    if isinstance(exc, TLSMismatchError) or (
+        url.startswith("https:") and isinstance(exc, httpx.ConnectError) and is_tls_mismatch(exc)
+    ):
+        base = _base_of(url)
+        return ProtocolMismatchError(
+            f"The server at {base} does not speak TLS ({exc}); if it serves plain HTTP, use "
+            f"base_url=http:{base[len('https:') :]}."
+        )
     if isinstance(exc, httpx.TimeoutException):
         phase = "connecting to" if isinstance(exc, httpx.ConnectTimeout) else "waiting for"
         return ProviderTimeout(
@@ -168,6 +309,22 @@ def error_from_transport(exc: httpx.TransportError, *, url: str, retries: int) -
     return ProviderConnectionError(
         f"The connection to {url} failed{after} ({type(exc).__name__}: {exc}); retry later."
     )
+
+
+_TLS_MISMATCH_MARKERS = (
+    "wrong_version_number",  # OpenSSL: the reply to a ClientHello is not TLS (plain HTTP)
+    "wrong version number",
+    "record layer failure",  # OpenSSL 3 wording of the same
+    "packet length too long",
+    "http request",  # OpenSSL "http request": TLS spoken to us... by a plain HTTP peer
+    "ssl handshake is taking longer",  # asyncio's handshake timeout: no TLS answer at all
+)
+
+
+def is_tls_mismatch(exc: BaseException) -> bool:
+    """True when a connect failure says the peer does not speak TLS (plain HTTP on that port)."""
+    text = f"{exc} {exc.__cause__ or ''}".lower()
+    return any(marker in text for marker in _TLS_MISMATCH_MARKERS)
 
 
 def malformed(

@@ -1,8 +1,11 @@
 """The one retry policy of Treadle's model client: what to retry and how long to wait.
 
 Retried: HTTP 408, 429 and 5xx, and transport errors where no usable response arrived (refused,
-reset, disconnected, timeouts; a keep-alive connection the server closed is one of these). Never
-retried: other 4xx. Waits use full-jitter exponential backoff, or the server's `Retry-After` /
+reset, disconnected, timeouts). Never retried: what fails the same way every time: other 4xx, a
+wrong base URL or scheme (`NotOpenAIEndpointError`, `ProtocolMismatchError`), an unknown model, a
+5xx that says the request could not be parsed (`InvalidRequestError`). A reused keep-alive
+connection the server had closed is re-sent once at once, outside this policy (the request never
+reached the server). Waits use full-jitter exponential backoff, or the server's `Retry-After` /
 `retry-after-ms` (capped). Pure functions: this module never sleeps or does I/O itself.
 """
 
@@ -14,10 +17,21 @@ import random
 import time
 from collections.abc import Mapping
 
+from treadle.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    NotOpenAIEndpointError,
+    ProtocolMismatchError,
+    ProviderConnectionError,
+    ProviderError,
+    ProviderTimeout,
+)
+
 __all__ = [
     "MAX_BACKOFF_SECONDS",
     "MAX_RETRY_AFTER_SECONDS",
     "backoff_delay",
+    "is_retryable_error",
     "is_retryable_status",
     "parse_retry_after",
 ]
@@ -33,6 +47,27 @@ _rng = random.Random()
 def is_retryable_status(status: int) -> bool:
     """True for statuses worth another attempt: 408, 429 and every 5xx."""
     return status in (408, 429) or 500 <= status <= 599
+
+
+# Failures that repeat identically: wrong URL or scheme, unknown model, an unparseable request.
+_NEVER_RETRIED = (
+    NotOpenAIEndpointError,
+    ProtocolMismatchError,
+    ModelNotFoundError,
+    InvalidRequestError,
+)
+
+
+def is_retryable_error(error: ProviderError) -> bool:
+    """True when sending the same request again can succeed (the endpoint is busy or down)."""
+    if isinstance(
+        error,
+        NotOpenAIEndpointError | ProtocolMismatchError | ModelNotFoundError | InvalidRequestError,
+    ):
+        return False
+    if error.status_code is not None:
+        return is_retryable_status(error.status_code)
+    return isinstance(error, ProviderConnectionError | ProviderTimeout)
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:

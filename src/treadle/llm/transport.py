@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import aiohttp
 import httpx
+from aiohttp.client_proto import ResponseHandler
 from yarl import URL
 
-from treadle.llm.http_errors import StaleConnectionError
+from treadle.llm.http_errors import StaleConnectionError, TLSMismatchError, is_tls_mismatch
 
 __all__ = [
     "DEFAULT_CONNECTION_LIMIT",
@@ -34,22 +36,71 @@ MAX_BUFFERED_BODY_BYTES = 4 * 1024 * 1024
 """Bodies with a Content-Length up to this size are read fully inside the transport."""
 
 
+# Whether the connection of the current request came from the pool. Set by `_Connector.connect`,
+# which runs inside the request's own task, and read when the request fails before its response.
+_reused: contextvars.ContextVar[bool] = contextvars.ContextVar("treadle_reused", default=False)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, telling fresh connections from reused ones and bounding TLS handshakes.
+
+    A request that dies before any response byte may be re-sent for free only on a reused
+    keep-alive connection (the server closed it while idle and never saw the request). A server
+    that accepts TCP but never answers the TLS ClientHello is almost always plain HTTP on that
+    port (llama.cpp's server waits silently for a request line): the handshake gets half the
+    connect timeout instead of hanging until it, so `https://` to such a port fails fast.
+    """
+
+    async def connect(
+        self,
+        req: aiohttp.ClientRequest,
+        traces: list[Any],
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's signature
+    ) -> aiohttp.connector.Connection:
+        conn = await super().connect(req, traces, timeout)
+        protocol = conn.protocol
+        # A mark on the protocol, not a set of ids: an id may be reused by a fresh connection.
+        # (A failure inside `connect` is a connector error, never taken for a stale connection,
+        # so the flag need not be reset before it.)
+        reused = getattr(protocol, "_treadle_used", False)
+        _reused.set(reused)
+        if not reused and protocol is not None:
+            protocol._treadle_used = True  # type: ignore[attr-defined]
+        return conn
+
+    async def _wrap_create_connection(
+        self, *args: Any, **kwargs: Any
+    ) -> tuple[asyncio.Transport, ResponseHandler]:
+        timeout = kwargs.get("timeout")
+        if kwargs.get("ssl") and timeout is not None and timeout.sock_connect:
+            kwargs.setdefault("ssl_handshake_timeout", timeout.sock_connect / 2)
+        return await super()._wrap_create_connection(*args, **kwargs)
+
+
 def map_aiohttp_error(
-    exc: BaseException, request: httpx.Request, *, before_response: bool = False
+    exc: BaseException,
+    request: httpx.Request,
+    *,
+    before_response: bool = False,
+    reused: bool = False,
 ) -> httpx.TransportError | None:
     """The httpx exception httpx itself would raise for this aiohttp failure (None: not ours).
 
-    `before_response` says no response byte had arrived: a disconnect then is a stale connection.
+    `before_response` says no response byte had arrived and `reused` that the connection came
+    from the pool: a disconnect then is a stale connection (`StaleConnectionError`).
     """
     message = str(exc) or type(exc).__name__
     if (
         before_response
+        and reused
         and isinstance(
             exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | ConnectionResetError
         )
         and not isinstance(exc, aiohttp.ClientConnectorError)
     ):
         return StaleConnectionError(message, request=request)
+    if isinstance(exc, aiohttp.ClientConnectorError) and is_tls_mismatch(exc):
+        return TLSMismatchError(message, request=request)
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(message, request=request)
     if isinstance(exc, aiohttp.ServerTimeoutError | asyncio.TimeoutError):
@@ -141,7 +192,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if self._closed:
             raise RuntimeError("This AiohttpTransport is closed; create a new client.")
         self._loop = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(
+        connector = _Connector(
             limit=self._limit or 0,
             limit_per_host=0,
             keepalive_timeout=self._keepalive_timeout,
@@ -188,7 +239,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 compress=None,
             )
         except BaseException as exc:
-            mapped = map_aiohttp_error(exc, request, before_response=True)
+            mapped = map_aiohttp_error(exc, request, before_response=True, reused=_reused.get())
             if mapped is not None:
                 raise mapped from exc
             raise
@@ -232,7 +283,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 auto_decompress=True,
             )
         except BaseException as exc:
-            mapped = map_aiohttp_error(exc, httpx.Request("POST", url), before_response=True)
+            mapped = map_aiohttp_error(
+                exc, httpx.Request("POST", url), before_response=True, reused=_reused.get()
+            )
             if mapped is not None:
                 raise mapped from exc
             raise

@@ -1,0 +1,113 @@
+"""One attempt of a chat-completion request, as plain values for `ModelClient`'s one retry loop.
+
+A non-200 reply is a `StatusError` carrying status, headers and body (no `httpx.Response` is
+built); `classify` turns it, or an httpx transport error, into the typed `ProviderError` and the
+server's `Retry-After`. `OpenStream` is a streamed 200 reply read up to its first SSE events: the
+point after which a stream is never retried. Nothing here sleeps or retries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+
+import httpx
+
+from treadle.errors import ProviderError
+from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
+from treadle.llm.retry import parse_retry_after
+from treadle.llm.sse import SSEDecoder
+
+if TYPE_CHECKING:
+    from treadle.llm.provider import Provider
+
+__all__ = ["OpenStream", "StatusError", "classify"]
+
+
+class StatusError(Exception):
+    """An attempt got a non-200 reply: its status, headers and whole body, classified later."""
+
+    def __init__(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.headers = headers
+        """The reply's headers."""
+        self.body = body
+
+
+def classify(
+    provider: Provider, failure: httpx.TransportError | StatusError, retries: int
+) -> tuple[ProviderError, float | None]:
+    """The typed error of a failed attempt (saying `retries` were spent), and `Retry-After`."""
+    url = provider.chat_completions_url
+    if isinstance(failure, StatusError):
+        error = error_from_status(failure.status, failure.headers, failure.body,
+                                  api_key=provider.api_key, retries=retries, url=url)  # fmt: skip
+        return error, parse_retry_after(failure.headers)
+    return error_from_transport(failure, url=url, retries=retries), None
+
+
+class OpenStream:
+    """A streamed reply: its byte chunks, SSE decoder and the events read so far.
+
+    `start` reads until the first events arrived (a failure there may still be retried); the
+    caller reads on from `chunks` through `decoder`, and reports a torn connection with `torn`.
+    Always `aclose` it: closing before the end closes the connection rather than pooling it.
+    """
+
+    __slots__ = ("_close", "chunks", "decoder", "ended", "first", "headers", "request_id")
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        close: Callable[[], Awaitable[None]],
+        headers: Mapping[str, str],
+    ) -> None:
+        self.chunks = chunks
+        """The body's byte chunks (read on by `ModelClient.stream` after `start`)."""
+        self._close = close
+        self.request_id = headers.get("x-request-id")
+        self.headers = headers
+        """The reply's headers."""
+        self.decoder = SSEDecoder()
+        self.first: list[bytes] = []
+        """The first event payloads (empty only when the body ended without any)."""
+        self.ended = False
+        """True once the body has been read to its end."""
+
+    async def start(self, status: int) -> None:
+        """Read a non-200 reply whole (raising `StatusError`), or a 200 up to its first events.
+
+        Closes the stream when it raises (including on cancellation).
+        """
+        try:
+            if status != 200:
+                content = b"".join([piece async for piece in self.chunks])
+                raise StatusError(status, self.headers, content)
+            while not self.first and not self.ended:
+                self.first = await self._read()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _read(self) -> list[bytes]:
+        try:
+            raw = await anext(self.chunks)
+        except StopAsyncIteration:
+            self.ended = True
+            return self.decoder.flush()
+        return self.decoder.feed(raw)
+
+    def torn(self, exc: httpx.TransportError, url: str) -> ProviderError:
+        """The error for a connection lost after the first events (never retried)."""
+        error = error_from_transport(exc, url=url, retries=0)
+        return malformed(f"the stream was torn ({error.message})", request_id=self.request_id)
+
+    async def aclose(self) -> None:
+        """Close the body stream (idempotent)."""
+        try:
+            aclose = getattr(self.chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            await self._close()
