@@ -60,7 +60,10 @@ def wilson_interval(successes: int, n: int, level: float = 0.95) -> Interval:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), level, "wilson", n)
+    # At 0 or n successes the bound is exactly 0 or 1; rounding would leave it a hair inside.
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return Interval(p, low, high, level, "wilson", n)
 
 
 def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
