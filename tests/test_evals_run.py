@@ -319,3 +319,39 @@ def test_dataset_validation(tmp_path: Path) -> None:
     assert data[0].id == "1" and data.name == "good" and len(data.hash) == 64
     with pytest.raises(ConfigurationError, match="samples"):
         run_eval(lambda s: s, data, log=tmp_path / "x.jsonl", samples=0)
+
+
+async def test_cancelled_run_closes_its_log_and_removes_workspaces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    items = [Item(f"i{i}", f"x{i}", files={"f.txt": "x"}, expected=f"x{i}") for i in range(40)]
+
+    def script(request: dict[str, Any]) -> Reply:
+        text = request["messages"][-1]["content"]
+        return Reply.text(text).with_latency(5 if text in ("x0", "x1") else 5000)
+
+    with FakeOpenAIServer(script) as fake:
+        provider = Provider(model="fake-model", base_url=fake.base_url, api_key="k")
+        agent = Agent("slow", provider=provider)
+        log = tmp_path / "log.jsonl"
+        done = asyncio.Event()
+
+        def progress(state: Any) -> None:
+            if state.done == 2:
+                done.set()
+
+        task = asyncio.ensure_future(
+            arun_eval(agent, items, exact(), log=log, sandbox=True, progress=progress)
+        )
+        await asyncio.wait_for(done.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert list((tmp_path / "tmp").iterdir()) == []  # every workspace removed
+        assert {r.item_id for r in read_log(log).records} == {"i0", "i1"}
+        assert log.read_bytes().endswith(b"\n")

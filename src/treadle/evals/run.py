@@ -35,13 +35,15 @@ from treadle.evals.log import ANSWER_CAP, LogHeader, LogWriter, SampleRecord, re
 from treadle.evals.scorers import Score, ScoreInput, Scorer, as_scorer
 from treadle.evals.summary import Summary, summarize
 from treadle.persist.format import encode_header, encode_row, encode_trailer
-from treadle.runtime import submit
+from treadle.runtime import get_runtime
 from treadle.session import Session
 
 __all__ = ["DEFAULT_MAX_RETRIES", "EvalProgress", "EvalResult", "arun_eval", "run_eval"]
 
 #: Times a sample runs again after an infrastructure failure before it is logged as an error.
 DEFAULT_MAX_RETRIES = 3
+# Seconds Ctrl-C waits for a cancelled run to close its log before giving up on it.
+_CANCEL_GRACE = 30.0
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -85,7 +87,8 @@ class _Attempt:
 def run_eval(agent: Any, dataset: Any, scorer: Any = "exact", **options: Any) -> EvalResult:
     """Run `agent` over `dataset`, score every sample, log each as it ends; block until done.
 
-    Same arguments as `arun_eval`; use that from async code.
+    Same arguments as `arun_eval`; use that from async code. Ctrl-C cancels the run, waits for
+    the log to be flushed and closed (and workspaces removed), then re-raises.
     """
     try:
         asyncio.get_running_loop()
@@ -93,7 +96,14 @@ def run_eval(agent: Any, dataset: Any, scorer: Any = "exact", **options: Any) ->
         pass
     else:
         raise ConfigurationError("run_eval blocks; inside async code use `await arun_eval(...)`.")
-    return submit(arun_eval(agent, dataset, scorer, **options)).result()
+    lazy = get_runtime().submit(arun_eval(agent, dataset, scorer, **options))
+    try:
+        return lazy.result()
+    except KeyboardInterrupt:
+        lazy.cancel()
+        with contextlib.suppress(BaseException):  # its CancelledError: we re-raise Ctrl-C
+            lazy.result(timeout=_CANCEL_GRACE)
+        raise
 
 
 async def arun_eval(
