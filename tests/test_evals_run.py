@@ -355,3 +355,17 @@ async def test_cancelled_run_closes_its_log_and_removes_workspaces(
         assert list((tmp_path / "tmp").iterdir()) == []  # every workspace removed
         assert {r.item_id for r in read_log(log).records} == {"i0", "i1"}
         assert log.read_bytes().endswith(b"\n")
+
+
+def test_a_failing_progress_callback_does_not_stop_the_run(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    def progress(state: Any) -> None:
+        if state.done == 1:
+            raise BrokenPipeError("stdout went away")
+
+    log = tmp_path / "p.jsonl"
+    with pytest.raises(BrokenPipeError) as caught:
+        run_eval(_agent(server), ITEMS, exact(), log=log, progress=progress, concurrency=1)
+    assert "went on to the end" in str(caught.value.__notes__)
+    assert len(read_log(log).records) == 3

@@ -152,6 +152,10 @@ def eval_command(opts: EvalOptions, console: Console) -> int:
                     f"resuming {log}: {state.resumed} of {state.total} samples done", "dim"
                 )
             bar = console.progress(state.total, "eval").__enter__()
+        ran = state.done - state.resumed
+        if ran:
+            label = f"eval  pass {state.passed / ran:.0%}"
+            bar.describe(label + (f"  errors {state.errors}" if state.errors else ""))
         bar.advance(state.done - shown)
         shown = state.done
 

@@ -175,6 +175,11 @@ async def arun_eval(
             )
     finally:
         await asyncio.to_thread(writer.close)
+    if run.progress_error is not None:
+        run.progress_error.add_note(
+            f"the progress callback failed; the run went on to the end: {log}"
+        )
+        raise run.progress_error
     read = await asyncio.to_thread(read_log, log_path)
     return EvalResult(log_path, summarize(read), read.records)
 
@@ -224,20 +229,20 @@ class _Run:
         self.finished = 0
         self.passed = 0
         self.errors = 0
+        self.progress_error: Exception | None = None
         self.agent_rows = getattr(getattr(agent, "agent_session", None), "rows", ())
 
     def report(self, last: SampleRecord | None) -> None:
-        if self.progress is not None:
-            self.progress(
-                EvalProgress(
-                    self.total,
-                    self.resumed + self.finished,
-                    self.resumed,
-                    self.passed,
-                    self.errors,
-                    last,
-                )
-            )
+        if self.progress is None:
+            return
+        state = EvalProgress(
+            self.total, self.resumed + self.finished, self.resumed, self.passed, self.errors, last
+        )
+        try:
+            self.progress(state)
+        except Exception as err:  # a display must not stop the run: raised once it has ended
+            self.progress_error = err
+            self.progress = None
 
     async def drive(
         self,
