@@ -265,11 +265,26 @@ def test_sandbox_gives_each_sample_its_files(server: FakeOpenAIServer, tmp_path:
 
 
 def test_process_backend(server: FakeOpenAIServer, tmp_path: Path) -> None:
+    server.add_fault(Reply.server_error(500), times=2)
     result = run_eval(
         _agent(server), ITEMS, contains(), log=tmp_path / "p.jsonl", backend="process", workers=1
     )
     assert {r.item_id: r.passed for r in result.records} == {"a": True, "b": True, "c": False}
     assert all(r.usage["requests"] == 1 for r in result.records)
+    assert result.summary.retries == 2 and result.summary.errors == {}
+    files = [
+        Item(f"f{i}", "read in.txt", files={"in.txt": f"c{i}"}, expected=f"c{i}") for i in range(4)
+    ]
+    result = run_eval(
+        _agent(server),
+        files,
+        exact(),
+        log=tmp_path / "w.jsonl",
+        backend="process",
+        workers=2,
+        sandbox=True,
+    )
+    assert result.summary.pass_rate == 1.0, [r.error for r in result.records]
 
 
 def test_callable_agent_on_the_local_backend(tmp_path: Path) -> None:

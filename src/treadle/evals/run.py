@@ -260,6 +260,7 @@ class _Run:
         again: asyncio.Queue[_Attempt | None] = asyncio.Queue()
         dispatched: dict[int, _Attempt] = {}
         counter = itertools.count()
+        scoring = asyncio.Semaphore(concurrency)
         workspace_root = Path(tempfile.mkdtemp(prefix="treadle-eval-")) if sandbox else None
 
         async def feed() -> AsyncIterator[Any]:
@@ -283,7 +284,8 @@ class _Run:
             nonlocal remaining
             latency = time.perf_counter() - attempt.started
             try:
-                record, body = await self._score(attempt, result, latency, transcripts)
+                async with scoring:  # judges are passes too: at most `concurrency` at once
+                    record, body = await self._score(attempt, result, latency, transcripts)
             finally:
                 await self._release(attempt, result)
             if retryable(record.error_kind) and attempt.retries < max_retries:
