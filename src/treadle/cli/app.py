@@ -14,6 +14,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from treadle import __version__
 from treadle.cli.console import make_console
@@ -104,10 +105,47 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow", "-f", action="store_true", help="tail a live file until it closes"
     )
 
+    _add_eval_parsers(sub)
+
     sessions = sub.add_parser("sessions", help="list persisted sessions")
     sessions.add_argument("directory", nargs="?", type=Path, help="default: .treadle/sessions")
     sessions.add_argument("--json", action="store_true", help="print the list as JSON")
     return parser
+
+
+# `treadle eval report LOG` and `treadle eval compare A B` share the `eval` word with
+# `treadle eval DATASET`; main() rewrites them to these commands before parsing.
+_EVAL_SUBCOMMANDS = {"report": "eval-report", "compare": "eval-compare"}
+
+
+def _add_eval_parsers(sub: Any) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="run an agent over a dataset, scored and logged (also: eval report, eval compare)",
+        description="Run an agent over a JSONL dataset; resumes --log when it exists. "
+        "`treadle eval report LOG` writes an HTML report; `treadle eval compare A B` diffs logs.",
+    )
+    ev.add_argument("dataset", type=Path, help="JSONL file: one {id, input, expected} per line")
+    ev.add_argument("--agent", required=True, help="module:attribute of a treadle Agent")
+    ev.add_argument(
+        "--scorer", default="exact", help="exact, contains, or module:attribute of a scorer"
+    )
+    ev.add_argument("--samples", type=_positive_int, default=1, help="samples per item (k)")
+    ev.add_argument("--concurrency", type=_positive_int, default=64, help="passes in flight")
+    ev.add_argument("--backend", choices=["local", "process", "ray"], default="local")
+    ev.add_argument("--workers", type=_positive_int, help="worker processes (process/ray)")
+    ev.add_argument("--log", type=Path, help="results log (default .treadle/evals/NAME.jsonl)")
+    ev.add_argument("--sandbox", action="store_true", help="a workspace per sample")
+    ev.add_argument(
+        "--retries", type=_count, default=3, help="reruns after infrastructure failures"
+    )
+    ev.add_argument("--timeout", type=float, help="seconds one sample may run")
+    report = sub.add_parser("eval-report", help="write the HTML report of an eval log")
+    report.add_argument("log", type=Path)
+    report.add_argument("--out", type=Path, help="default: the log's path with .html")
+    comp = sub.add_parser("eval-compare", help="compare two eval logs item by item")
+    comp.add_argument("before", type=Path)
+    comp.add_argument("after", type=Path)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -146,6 +184,33 @@ def _dispatch(args: argparse.Namespace) -> int:
         from treadle.cli.show import show_command
 
         return show_command(args.file, console, follow=args.follow)
+    if args.command == "eval":
+        from treadle.cli.eval import EvalOptions, eval_command
+
+        return eval_command(
+            EvalOptions(
+                dataset=args.dataset,
+                agent=args.agent,
+                scorer=args.scorer,
+                samples=args.samples,
+                concurrency=args.concurrency,
+                backend=args.backend,
+                log=args.log,
+                sandbox=args.sandbox,
+                retries=args.retries,
+                timeout=args.timeout,
+                workers=args.workers,
+            ),
+            console,
+        )
+    if args.command == "eval-report":
+        from treadle.cli.eval import report_command
+
+        return report_command(args.log, args.out, console)
+    if args.command == "eval-compare":
+        from treadle.cli.eval import compare_command
+
+        return compare_command(args.before, args.after, console)
     if args.command == "sessions":
         from treadle.cli.show import sessions_command
 
@@ -153,10 +218,21 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
 
 
+def _rewrite_eval(argv: list[str]) -> list[str]:
+    """`eval report ...` / `eval compare ...` as their own commands (a dataset file named
+    `report` is still reachable as `./report`)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 2 if argv[i] == "--color" else 1  # the one global option with a separate value
+    if argv[i : i + 1] == ["eval"] and i + 1 < len(argv) and argv[i + 1] in _EVAL_SUBCOMMANDS:
+        return [*argv[:i], _EVAL_SUBCOMMANDS[argv[i + 1]], *argv[i + 2 :]]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `treadle` command with `argv` (default: `sys.argv[1:]`); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_rewrite_eval(list(sys.argv[1:] if argv is None else argv)))
     if args.command is None:
         parser.print_help()
         return EXIT_CODES["usage"]

@@ -71,6 +71,12 @@ class ConsoleProgress:
         if self._rich is not None:
             self._rich.stop()
 
+    def describe(self, label: str) -> None:
+        """Change the label shown before the bar (e.g. a running pass rate)."""
+        self._label = label
+        if self._rich is not None:
+            self._rich.update(self._task, description=label)
+
     def advance(self, steps: int = 1) -> None:
         """Record `steps` more finished steps."""
         self._done += steps

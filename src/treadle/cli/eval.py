@@ -1,0 +1,219 @@
+"""`treadle eval`: run an agent over a dataset with a live progress bar, then print the summary;
+`treadle eval report LOG` writes the HTML report; `treadle eval compare A B` diffs two logs.
+
+The agent (and a custom scorer) are named as `module:attribute`, imported with the current
+directory on the path, as `python -m` would. This module only parses, prints and delegates to
+`treadle.evals`; it never scores or writes a log itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treadle.cli.console import Console
+from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.evals import (
+    EvalProgress,
+    Summary,
+    compare,
+    read_log,
+    run_eval,
+    summarize,
+    write_report,
+)
+
+__all__ = ["EvalOptions", "compare_command", "eval_command", "load_object", "report_command"]
+
+#: Where `treadle eval` writes its log when `--log` is not given (one file per dataset name).
+DEFAULT_LOG_DIR = Path(".treadle") / "evals"
+
+
+@dataclass(frozen=True, slots=True)
+class EvalOptions:
+    """The flags of `treadle eval DATASET`."""
+
+    dataset: Path
+    agent: str
+    scorer: str = "exact"
+    samples: int = 1
+    concurrency: int = 64
+    backend: str = "local"
+    log: Path | None = None
+    sandbox: bool = False
+    retries: int = 3
+    timeout: float | None = None
+    workers: int | None = None
+
+
+def load_object(spec: str, what: str) -> Any:
+    """The object named by `module:attribute` (dots allowed in both parts)."""
+    module_name, sep, attr = spec.partition(":")
+    if not (module_name and sep and attr):
+        raise CliFailure(
+            f"{what} {spec!r} is not module:attribute",
+            f"name it like mypkg.agents:solver (a module importable from {Path.cwd()}).",
+            EXIT_CODES["usage"],
+        )
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise CliFailure(
+            f"cannot load {what} {spec!r}: {err}",
+            "check the module path and that it imports cleanly.",
+            EXIT_CODES["usage"],
+        ) from None
+    return obj
+
+
+def _agent(spec: str) -> Any:
+    obj = load_object(spec, "agent")
+    if hasattr(obj, "instructions") and hasattr(obj, "run"):
+        return obj
+    if callable(obj):
+        try:
+            params = inspect.signature(obj).parameters.values()
+        except (TypeError, ValueError):
+            return obj
+        if not any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                   for p in params):  # fmt: skip
+            return obj()  # a factory: build the agent
+        return obj
+    raise CliFailure(
+        f"agent {spec!r} is a {type(obj).__name__}, not an Agent",
+        "point --agent at a treadle Agent, or a function that returns one.",
+        EXIT_CODES["usage"],
+    )
+
+
+def _scorer(spec: str) -> Any:
+    if spec in ("exact", "contains"):
+        return spec
+    return load_object(spec, "scorer")
+
+
+def summary_rows(summary: Summary) -> list[list[str]]:
+    """The summary as `[metric, value]` rows."""
+    s = summary.score
+    method = "Wilson" if s.method == "wilson" else "t over item means"
+    rows = [
+        ["samples", f"{summary.samples} ({summary.items} items)"],
+        ["score", f"{s.estimate:.4f}  {s.level:.0%} CI [{s.low:.4f}, {s.high:.4f}] ({method})"],
+        ["pass rate", f"{summary.pass_rate:.2%}"],
+    ]
+    rows += [[f"pass@{k}", f"{v:.4f}"] for k, v in summary.pass_at_k.items()]
+    lat = summary.latency
+    rows.append(
+        ["latency", f"p50 {lat['p50']:.3f} s  p95 {lat['p95']:.3f} s  p99 {lat['p99']:.3f} s"]
+    )
+    tokens = summary.tokens
+    rows.append(
+        [
+            "tokens",
+            f"{tokens['total_tokens']:,} ({tokens['prompt_tokens']:,} prompt, "
+            f"{tokens['completion_tokens']:,} completion, {tokens['requests']:,} requests)",
+        ]
+    )
+    errors = ", ".join(f"{k} {v}" for k, v in summary.errors.items()) or "none"
+    rows.append(["errors", f"{errors}; {summary.retries} retries"])
+    return rows
+
+
+def eval_command(opts: EvalOptions, console: Console) -> int:
+    """Run the evaluation, showing progress; print the summary table."""
+    if not opts.dataset.is_file():
+        raise CliFailure(
+            f"no dataset file at {opts.dataset}",
+            "pass a JSONL file with one {id, input, expected} object per line.",
+            EXIT_CODES["usage"],
+        )
+    agent = _agent(opts.agent)
+    scorer = _scorer(opts.scorer)
+    log = opts.log or DEFAULT_LOG_DIR / f"{opts.dataset.stem}.jsonl"
+    backend_options: dict[str, Any] = {}
+    if opts.workers is not None:
+        backend_options["workers"] = opts.workers
+    bar: Any = None
+    shown = 0
+
+    def progress(state: EvalProgress) -> None:
+        nonlocal bar, shown
+        if bar is None:
+            if state.resumed:
+                console.line(
+                    f"resuming {log}: {state.resumed} of {state.total} samples done", "dim"
+                )
+            bar = console.progress(state.total, "eval").__enter__()
+        ran = state.done - state.resumed
+        if ran:
+            label = f"eval  pass {state.passed / ran:.0%}"
+            bar.describe(label + (f"  errors {state.errors}" if state.errors else ""))
+        bar.advance(state.done - shown)
+        shown = state.done
+
+    try:
+        result = run_eval(
+            agent,
+            opts.dataset,
+            scorer,
+            log=log,
+            samples=opts.samples,
+            concurrency=opts.concurrency,
+            backend=opts.backend,
+            sandbox=opts.sandbox,
+            max_retries=opts.retries,
+            sample_timeout=opts.timeout,
+            progress=progress,
+            **backend_options,
+        )
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    console.table(["metric", "value"], summary_rows(result.summary))
+    console.line(f"log: {result.log}  (treadle eval report {result.log})", "dim")
+    return EXIT_CODES["ok"]
+
+
+def report_command(log: Path, out: Path | None, console: Console) -> int:
+    """Write the HTML report of a log."""
+    path = write_report(log, out)
+    console.line(f"report: {path}", "ok")
+    return EXIT_CODES["ok"]
+
+
+def compare_command(before: Path, after: Path, console: Console) -> int:
+    """Print the per-item differences between two logs."""
+    a, b = read_log(before), read_log(after)
+    diff = compare(a, b)
+    if not diff.same_dataset:
+        console.line("warning: the two logs ran different datasets", "warn")
+    console.line(
+        f"score {diff.before_score:.4f} -> {diff.after_score:.4f}; {len(diff.improved)} items "
+        f"improved, {len(diff.regressed)} regressed, {diff.unchanged} unchanged",
+        "summary",
+    )
+    rows = [
+        [d.item_id, f"{d.before:.3f}", f"{d.after:.3f}", f"{d.delta:+.3f}"]
+        for d in [*diff.regressed, *diff.improved]
+        if d.before is not None and d.after is not None and d.delta is not None
+    ]
+    if rows:
+        console.table(["item", "before", "after", "change"], rows)
+    for label, ids in (("only in before", diff.only_before), ("only in after", diff.only_after)):
+        if ids:
+            console.line(f"{label}: {', '.join(ids[:20])}" + (" ..." if len(ids) > 20 else ""))
+    console.table(["metric", "before", "after"], _side_by_side(summarize(a), summarize(b)))
+    return EXIT_CODES["ok"]
+
+
+def _side_by_side(a: Summary, b: Summary) -> list[list[str]]:
+    left, right = dict(summary_rows(a)), dict(summary_rows(b))
+    return [[k, left.get(k, ""), right.get(k, "")] for k in dict.fromkeys([*left, *right])]

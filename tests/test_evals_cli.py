@@ -1,0 +1,80 @@
+"""`treadle eval`, `eval report` and `eval compare`, in process, on the fake server."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from treadle.cli import main
+from treadle.testing import FakeOpenAIServer
+
+_names = itertools.count()
+
+AGENT = """
+from treadle import Agent, Provider
+agent = Agent("echo", "Repeat.", provider=Provider(model="fake-model", base_url={url!r},
+              api_key="k", max_retries=0))
+
+def make_agent():
+    return agent
+
+def first_word(sample):
+    return (sample.answer or "").split()[0] == sample.item.expected
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, str]]:
+    with FakeOpenAIServer("echo") as server:
+        module = f"evalcli_agent_{next(_names)}"
+        (tmp_path / f"{module}.py").write_text(AGENT.format(url=server.base_url))
+        with (tmp_path / "qa.jsonl").open("w") as file:
+            for i in range(20):
+                item = {"id": f"q{i}", "input": f"w{i % 3} tail", "expected": f"w{i % 2} tail"}
+                file.write(json.dumps(item) + "\n")
+        monkeypatch.chdir(tmp_path)
+        yield tmp_path, module
+
+
+def test_eval_run_resume_report_compare(
+    project: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, module = project
+    assert main(["eval", "qa.jsonl", "--agent", f"{module}:agent", "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pass@2" in out and "Wilson" not in out and "samples    40 (20 items)" in out
+    log = root / ".treadle" / "evals" / "qa.jsonl"
+    assert len(log.read_text().splitlines()) == 41
+    # same configuration (a factory this time): resumes with nothing to do
+    assert main(["eval", "qa.jsonl", "--agent", f"{module}:make_agent", "--samples", "2"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    # another scorer against the same log is refused
+    args = ["eval", "qa.jsonl", "--agent", f"{module}:agent", "--scorer", "contains"]
+    assert main([*args, "--samples", "2"]) == 2
+    assert "different configuration" in capsys.readouterr().err
+    other = root / "other.jsonl"
+    custom = [*args[:-1], f"{module}:first_word", "--log", str(other)]
+    assert main(custom) == 0
+    assert main(["--color", "never", "eval", "report", str(log)]) == 0
+    assert (root / ".treadle" / "evals" / "qa.html").read_text().startswith("<!DOCTYPE html>")
+    assert main(["eval", "report", str(other), "--out", "r.html"]) == 0
+    assert (root / "r.html").is_file()
+    assert main(["eval", "compare", str(log), str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "improved" in out and "regressed" in out
+
+
+def test_eval_usage_errors(project: tuple[Path, str], capsys: pytest.CaptureFixture[str]) -> None:
+    _, module = project
+    assert main(["eval", "missing.jsonl", "--agent", f"{module}:agent"]) == 2
+    assert "no dataset file" in capsys.readouterr().err
+    assert main(["eval", "qa.jsonl", "--agent", "no_colon"]) == 2
+    assert "module:attribute" in capsys.readouterr().err
+    assert main(["eval", "qa.jsonl", "--agent", f"{module}:nothing"]) == 2
+    assert "cannot load agent" in capsys.readouterr().err
+    assert main(["eval", "report", "nope.jsonl"]) == 2
+    assert "no evaluation log" in capsys.readouterr().err
