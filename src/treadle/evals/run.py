@@ -1,7 +1,7 @@
 """`run_eval` / `arun_eval`: an agent over a dataset, k samples per item, scored and logged.
 
-Samples go through `treadle.agents.map_iter` (local, process or Ray backend) from one feed: first
-every sample the log does not hold yet, then samples put back after an infrastructure failure
+Samples go through `treadle.distributed.map_iter` (local, process or Ray backend) from one
+feed: first every sample the log does not hold yet, then samples put back after an infrastructure failure
 (up to `max_retries` times each). Each finished pass is scored on this process and its record
 written to the log; the summary is computed from the log afterwards, so a resumed run and an
 uninterrupted one summarise the same lines the same way. This module must never write a sample
@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from treadle.agents import map_iter
+from treadle.distributed import map_iter
 from treadle.errors import ConfigurationError
 from treadle.evals.config import config_hash, fingerprint_agent
 from treadle.evals.dataset import Dataset, Item
