@@ -1,11 +1,12 @@
 """`run_eval` / `arun_eval`: an agent over a dataset, k samples per item, scored and logged.
 
 Samples go through `treadle.distributed.map_iter` (local, process or Ray backend) from one
-feed: first every sample the log does not hold yet, then samples put back after an infrastructure failure
-(up to `max_retries` times each). Each finished pass is scored on this process and its record
-written to the log; the summary is computed from the log afterwards, so a resumed run and an
-uninterrupted one summarise the same lines the same way. This module must never write a sample
-twice in one run, never retry a scored failure, and never leave a sample's workspace behind.
+feed: first every sample the log does not hold yet, then samples put back after an
+infrastructure failure (up to `max_retries` times each). Each finished pass is scored on this
+process and its record written to the log; the summary is computed from the log afterwards, so a
+resumed run and an uninterrupted one summarise the same lines the same way. This module must
+never write a sample twice in one run, never retry a scored failure, and never leave a sample's
+workspace behind.
 """
 
 from __future__ import annotations
