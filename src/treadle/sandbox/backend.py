@@ -1,8 +1,8 @@
 """The `Backend` protocol every sandbox implements, and the values its operations return.
 
 A backend owns one workspace: it opens it (cheaply), runs commands in it, reads, writes and lists
-files confined to it, and closes it. `treadle.sandbox.handle` shares one backend between sessions
-by reference count. This module holds only definitions: it must never do I/O.
+files confined to it, and closes it. `treadle.session.SandboxHandle` shares one backend between
+sessions by reference count. This module holds only definitions: it must never do I/O.
 """
 
 from __future__ import annotations
