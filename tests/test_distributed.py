@@ -204,3 +204,40 @@ def test_sync_map_and_argument_errors(tmp_path: Path) -> None:
             map(agent, ["x"], workers=2)
         with pytest.raises(ConfigurationError, match="not a backend"):
             map(agent, ["x"], backend="dask")
+
+
+def _keyed_agent(base_url: str, key: str) -> Agent:
+    return Agent(
+        "keyed", "Answer.", provider=Provider(model="fake", base_url=base_url, api_key=key)
+    )
+
+
+async def test_an_explicit_key_the_workers_cannot_see_is_refused_at_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Workers read their key from the environment; an explicit Provider(api_key=...) used to be
+    # dropped silently, so every item failed with 401 against an endpoint that needs the key.
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with FakeOpenAIServer(script="echo", api_key="sk-required-key") as server:
+        agent = _keyed_agent(server.base_url, "sk-required-key")
+        with pytest.raises(ConfigurationError, match="OPENAI_API_KEY, which here is not set") as e:
+            await amap(agent, ["a", "b"], backend="process", workers=1)
+        assert "sk-required-key" not in str(e.value)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-other-key")
+        with pytest.raises(ConfigurationError, match="holds a different key"):
+            await amap(agent, ["a", "b"], backend="process", workers=1)
+        assert server.request_count == 0
+
+
+async def test_the_key_in_the_environment_reaches_process_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MY_TREADLE_KEY", "sk-required-key")
+    with FakeOpenAIServer(script="echo", api_key="sk-required-key") as server:
+        agent = _keyed_agent(server.base_url, "sk-required-key")
+        outs = await amap(
+            agent, ["a", "b"], backend="process", workers=1, api_key_env="MY_TREADLE_KEY"
+        )
+        assert [o.final_text for o in outs] == ["a", "b"]
+        auth = {r.headers.get("authorization") for r in server.requests}
+        assert auth == {"Bearer sk-required-key"}

@@ -140,6 +140,7 @@ class AgentSpec:
             )
         if provider.model is None:
             raise ConfigurationError(f"Agent {agent.name!r} needs Provider(model=...).")
+        _check_key_reaches_workers(agent.name, provider.api_key, api_key_env)
         options = {
             f.name: getattr(provider, f.name)
             for f in dataclasses.fields(provider)
@@ -216,6 +217,27 @@ class AgentSpec:
     def with_tools(self, tools: Iterable[Any]) -> AgentSpec:
         """A copy offering `tools` (functions or import paths)."""
         return dataclasses.replace(self, tools=tuple(tool_path(t) for t in tools))
+
+
+def _check_key_reaches_workers(name: str, api_key: str | None, api_key_env: str) -> None:
+    """Refuse an explicit `Provider(api_key=...)` that workers would not see.
+
+    The key never travels in a spec (specs are logged, written and shipped as JSON), so workers
+    read `api_key_env`. Process workers inherit this process's environment; when the variable
+    here does not hold the explicit key, the workers would call the endpoint with another key or
+    none, and every item would fail with 401. Saying so at the call beats 10,000 failed passes.
+    The message names the variable, never the key.
+    """
+    if api_key is None or os.environ.get(api_key_env) == api_key:
+        return
+    state = "is not set" if os.environ.get(api_key_env) is None else "holds a different key"
+    raise ConfigurationError(
+        f"Agent {name!r} has an explicit Provider(api_key=...), but distributed workers never "
+        f"receive keys: each reads the environment variable {api_key_env}, which here {state}. "
+        f"Set it before the map (os.environ[{api_key_env!r}] = key; process workers inherit "
+        "this environment, Ray workers need it in the cluster's), or name your variable with "
+        "api_key_env='...'."
+    )
 
 
 # Provider fields that are plain JSON data and worth carrying (secrets and objects are not).
