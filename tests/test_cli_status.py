@@ -8,7 +8,6 @@ must advance, and it must be gone (no half-drawn line) once real output arrives.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from treadle.testing import FakeOpenAIServer, Reply
+from treadle.testing import FakeOpenAIServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_MS = 2500.0  # every reply of the fake model waits this long
@@ -166,8 +165,10 @@ def test_in_a_terminal_the_status_line_counts_up_then_gives_way_to_output(
 def test_extra_body_reaches_every_request(tmp_path: Path) -> None:
     with FakeOpenAIServer(script="echo") as server:
         proc = subprocess.run(
-            [sys.executable, "-m", "treadle.cli", "run", "hi", "--model", "fake-model"]
-            + ["--base-url", server.base_url, "--extra-body", '{"top_k": 20, "min_p": 0.1}'],
+            [
+                *(sys.executable, "-m", "treadle.cli", "run", "hi", "--model", "fake-model"),
+                *("--base-url", server.base_url, "--extra-body", '{"top_k": 20, "min_p": 0.1}'),
+            ],
             cwd=tmp_path,
             env=_env(),
             capture_output=True,
@@ -221,7 +222,7 @@ def test_the_local_model_demo_prints_text_not_reprs(tmp_path: Path) -> None:
     stand_in.write_text(
         "from pathlib import Path\n"
         "from treadle.llm import Provider\n"
-        "from treadle.testing import FakeOpenAIServer, Reply\n"
+        "from treadle.testing import FakeOpenAIServer\n"
         "from treadle.testing.local_model import demo_tools\n\n"
         "def ensure_installed(*, progress):\n"
         "    progress('model ready')\n"
@@ -260,4 +261,3 @@ def test_the_local_model_demo_prints_text_not_reprs(tmp_path: Path) -> None:
     assert "2 + 3 = 5" in proc.stdout and "stop: final_answer" in proc.stdout
     for raw in ("Usage(", "ChunkRow(", "usage=", "stop_reason="):
         assert raw not in proc.stdout, proc.stdout
-    json.dumps(proc.stdout)  # plain text
