@@ -222,7 +222,7 @@ def test_the_local_model_demo_prints_text_not_reprs(tmp_path: Path) -> None:
     stand_in.write_text(
         "from pathlib import Path\n"
         "from treadle.llm import Provider\n"
-        "from treadle.testing import FakeOpenAIServer\n"
+        "from treadle.testing import FakeOpenAIServer, Reply\n"
         "from treadle.testing.local_model import demo_tools\n\n"
         "def ensure_installed(*, progress):\n"
         "    progress('model ready')\n"
