@@ -24,7 +24,7 @@ import pytest
 from treadle.testing import FakeOpenAIServer
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW_MS = 2500.0  # every reply of the fake model waits this long
+SLOW_MS = 1500.0  # every reply of the fake model waits this long
 HANG_GUARD = 60.0  # seconds; only a hung CLI hits this
 
 
