@@ -477,11 +477,7 @@ def run_demo(*, out: Any = None) -> int:
             else:
                 say(f"  {row.kind:<11} {' '.join(str(row.payload.get('content') or '').split())}")
         usage = result.usage
-        say(
-            f"stop: {result.stop_reason} | {usage.total_tokens} tokens "
-            f"({usage.prompt_tokens} prompt, {usage.completion_tokens} completion) "
-            f"in {usage.requests} requests"
-        )
+        say(f"stop: {result.stop_reason} | {usage.total_tokens} tokens, {usage.requests} requests")
         return 0 if result.stop_reason == "final_answer" else 1
     finally:
         server.stop()
