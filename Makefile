@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-ray e2e demo bench bench-quick docs clean lint typecheck soak
+.PHONY: install test test-ray e2e demo bench bench-quick docs docs-serve clean lint typecheck soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -61,3 +61,10 @@ docs: $(STAMP)
 clean:
 	rm -rf $(VENV) build dist site .pytest_cache .mypy_cache .ruff_cache .treadle
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# The docs site served with live reload on http://127.0.0.1:8000 (search works there; it does not
+# in pages opened from disk). DOCS_PORT=8001 make docs-serve for another port.
+DOCS_PORT ?= 8000
+docs-serve: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/mkdocs serve -a 127.0.0.1:$(DOCS_PORT)

@@ -4,6 +4,8 @@ The fake model first answers with a field missing; the validation error goes bac
 fixes its answer. `out.output` holds the validated pydantic object.
 """
 
+from typing import Any
+
 from pydantic import BaseModel
 
 from treadle.agents import Agent
@@ -16,7 +18,7 @@ class City(BaseModel):
     population: int
 
 
-def fake_model(request: dict) -> Reply:
+def fake_model(request: dict[str, Any]) -> Reply:
     # The fake model: first try without population; after the error, a complete answer.
     last = request["messages"][-1]
     if last["role"] == "tool" and '"ok":false' in last["content"]:

@@ -8,6 +8,7 @@ offline; point `base_url` at a real endpoint to evaluate a real model.
 import random
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from treadle import Agent, Provider
 from treadle.evals import contains, read_log, run_eval, summarize, write_report
@@ -20,7 +21,7 @@ GUESSES = {"Australia": "Sydney", "Brazil": "Rio de Janeiro", "Turkey": "Istanbu
 rng = random.Random(7)
 
 
-def fake_model(request: dict) -> Reply:
+def fake_model(request: dict[str, Any]) -> Reply:
     country = request["messages"][-1]["content"].rsplit(" ", 1)[-1].rstrip("?")
     if country == "Nigeria":  # a coin flip: pass@k rewards trying more than once
         return Reply.text(rng.choice(["Abuja.", "Lagos."]))

@@ -1,13 +1,15 @@
 """Compaction: summarise the older rows of a long session, keep the last turns verbatim; and an
 agent that compacts on its own when the estimated context reaches `compact_at_tokens`."""
 
+from typing import Any
+
 from treadle import Session
 from treadle.agents import Agent, run_session_compress
 from treadle.loop import CompletionRequest
 from treadle.testing.scripted import ScriptedExecutor, text
 
 
-def fake_model(request: CompletionRequest) -> dict:
+def fake_model(request: CompletionRequest) -> dict[str, Any]:
     if "<conversation>" in str(request.rows[0].content):  # the summariser's request
         return text("The user planned a trip to Lisbon in May; budget 1,200 EUR.")
     return text("Book the 9:40 train.")

@@ -1,12 +1,14 @@
 """Fan-out: one agent over 500 sessions, 50 in flight, results in input order, one failure kept."""
 
+from typing import Any
+
 from treadle import ProviderError, Session
 from treadle.agents import Agent, map
 from treadle.llm import Provider
 from treadle.testing import FakeOpenAIServer, Reply
 
 
-def fake_model(request: dict) -> Reply:
+def fake_model(request: dict[str, Any]) -> Reply:
     question = request["messages"][-1]["content"]
     if question == "q13":
         return Reply.bad_request("this one is refused")

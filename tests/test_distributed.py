@@ -206,3 +206,55 @@ def test_sync_map_and_argument_errors(tmp_path: Path) -> None:
             map(agent, ["x"], workers=2)
         with pytest.raises(ConfigurationError, match="not a backend"):
             map(agent, ["x"], backend="dask")
+
+
+def _keyed_agent(base_url: str, key: str) -> Agent:
+    return Agent(
+        "keyed", "Answer.", provider=Provider(model="fake", base_url=base_url, api_key=key)
+    )
+
+
+async def test_an_explicit_key_reaches_process_workers_over_their_pipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An explicit Provider(api_key=...) used to be dropped silently on the process backend, so
+    # every item failed with 401 against an endpoint that needs the key. It now travels to each
+    # worker over its private socketpair (never argv, environment or the JSON spec).
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with FakeOpenAIServer(script="echo", api_key="sk-required-key") as server:
+        agent = _keyed_agent(server.base_url, "sk-required-key")
+        assert "sk-required-key" not in json.dumps(AgentSpec.from_agent(agent).to_json())
+        outs = await amap(agent, ["a", "b"], backend="process", workers=1)
+        assert [o.final_text for o in outs] == ["a", "b"]
+        auth = {r.headers.get("authorization") for r in server.requests}
+        assert auth == {"Bearer sk-required-key"}
+
+
+def test_an_explicit_key_ray_workers_cannot_see_is_refused_at_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from treadle.distributed.spec import check_key_reaches_workers
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ConfigurationError, match="OPENAI_API_KEY, which here is not set") as e:
+        check_key_reaches_workers("keyed", "sk-required-key", "OPENAI_API_KEY")
+    assert "sk-required-key" not in str(e.value)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-other-key")
+    with pytest.raises(ConfigurationError, match="holds a different key"):
+        check_key_reaches_workers("keyed", "sk-required-key", "OPENAI_API_KEY")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-required-key")
+    check_key_reaches_workers("keyed", "sk-required-key", "OPENAI_API_KEY")  # same key: fine
+
+
+async def test_the_key_in_the_environment_reaches_process_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MY_TREADLE_KEY", "sk-required-key")
+    with FakeOpenAIServer(script="echo", api_key="sk-required-key") as server:
+        agent = _keyed_agent(server.base_url, "sk-required-key")
+        outs = await amap(
+            agent, ["a", "b"], backend="process", workers=1, api_key_env="MY_TREADLE_KEY"
+        )
+        assert [o.final_text for o in outs] == ["a", "b"]
+        auth = {r.headers.get("authorization") for r in server.requests}
+        assert auth == {"Bearer sk-required-key"}

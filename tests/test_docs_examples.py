@@ -1,8 +1,9 @@
 """Every ```python block in README.md and docs/, and every script in examples/, runs.
 
-So docs cannot drift from the code. Each page runs in a fresh interpreter (blocks of one page
-share a namespace, in order) inside a temporary working directory; examples run as scripts.
-Blocks fenced as ```text or ```bash are not run.
+So docs cannot drift from the code. Every block runs ALONE, in a fresh interpreter inside a
+temporary working directory, as a reader who copies that one block would run it: a block that
+needs a name from an earlier block fails here (`NameError`). Examples run as scripts. Blocks
+fenced as ```text or ```bash are not run.
 """
 
 from __future__ import annotations
@@ -26,10 +27,23 @@ def _blocks(page: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)], ids=lambda p: p.name)
-def test_doc_page_code_runs(page: Path, tmp_path: Path) -> None:
-    script = tmp_path / f"{page.stem}_blocks.py"
-    script.write_text("\n\n".join(_blocks(page)))
-    _run(script, tmp_path, page.name)
+def test_each_doc_block_runs_alone(page: Path, tmp_path: Path) -> None:
+    failures = []
+    for number, block in enumerate(_blocks(page), 1):
+        cwd = tmp_path / f"block{number}"
+        cwd.mkdir()
+        script = cwd / f"{page.stem}_block{number}.py"
+        script.write_text(block)
+        label = f"{page.name}, python block {number} (line {_line_of(page, block)})"
+        try:
+            _run(script, cwd, label)
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n\n".join(failures)
+
+
+def _line_of(page: Path, block: str) -> int:
+    return page.read_text()[: page.read_text().index(block)].count("\n") + 1
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)

@@ -134,3 +134,14 @@ def test_command_line_prints_the_url_and_serves() -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=10)
+
+
+def test_a_required_key_is_checked_like_a_real_endpoint() -> None:
+    with FakeOpenAIServer(script="echo", api_key="sk-required") as server:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        url = f"{server.base_url}/chat/completions"
+        assert httpx.post(url, json=body).status_code == 401
+        wrong = httpx.post(url, json=body, headers={"authorization": "Bearer sk-wrong"})
+        assert wrong.status_code == 401
+        right = httpx.post(url, json=body, headers={"authorization": "Bearer sk-required"})
+        assert right.status_code == 200

@@ -158,3 +158,31 @@ def test_a_slow_callback_does_not_stall_other_passes(server: FakeOpenAIServer) -
     assert not stalled.done()  # still waiting on its own callback, without blocking the loop
     release.set()
     assert stalled.synchronize(timeout=60).stop_reason == "final_answer"
+
+
+async def test_provider_is_an_alias_of_agent_provider(server: FakeOpenAIServer) -> None:
+    # `Agent` takes provider=; the entry points take it too, so one spelling works everywhere.
+    from treadle.loop import arun_session_loop, stream_session_loop
+    from treadle.loop.events import PassStopped
+
+    user = Session.from_user_message("hi")
+    out = run_session_loop(user, AGENT, provider=_provider(server), lazy=False)
+    assert out.stop_reason == "final_answer"
+    out2 = await arun_session_loop(user, AGENT, provider=_provider(server))
+    assert out2.stop_reason == "final_answer"
+    events = [e async for e in stream_session_loop(user, AGENT, provider=_provider(server))]
+    assert isinstance(events[-1], PassStopped)
+
+
+async def test_provider_and_agent_provider_together_is_a_configuration_error(
+    server: FakeOpenAIServer,
+) -> None:
+    from treadle.errors import ConfigurationError
+    from treadle.loop import arun_session_loop
+
+    user = Session.from_user_message("hi")
+    p = _provider(server)
+    with pytest.raises(ConfigurationError, match="provider= or agent_provider="):
+        run_session_loop(user, AGENT, provider=p, agent_provider=p)
+    with pytest.raises(ConfigurationError, match="provider= or agent_provider="):
+        await arun_session_loop(user, AGENT, provider=p, agent_provider=p)

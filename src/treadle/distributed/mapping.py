@@ -17,7 +17,12 @@ from treadle.agents.progress import Progress, known_length, settle_results
 from treadle.distributed.driver import WorkerPool, drive
 from treadle.distributed.outcome import PassFailed, PassOutcome
 from treadle.distributed.results import ResultsWriter
-from treadle.distributed.spec import DEFAULT_API_KEY_ENV, AgentSpec
+from treadle.distributed.spec import (
+    DEFAULT_API_KEY_ENV,
+    AgentSpec,
+    check_key_reaches_workers,
+    explicit_key,
+)
 from treadle.errors import ConfigurationError
 from treadle.session import Session
 
@@ -111,9 +116,14 @@ async def map_outcomes(
         from treadle.distributed.process import ProcessPool
 
         pool = ProcessPool(
-            spec.to_json(), size=workers, sandbox_base=sandbox_base, pass_timeout=pass_timeout
+            spec.to_json(),
+            size=workers,
+            sandbox_base=sandbox_base,
+            pass_timeout=pass_timeout,
+            api_key=explicit_key(agent),
         )
     else:
+        check_key_reaches_workers(spec.name, explicit_key(agent), api_key_env)
         from treadle.distributed.ray_backend import RayPool
 
         pool = RayPool(

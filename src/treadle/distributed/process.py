@@ -188,13 +188,17 @@ class ProcessPool:
         size: int | None = None,
         sandbox_base: str | None = None,
         pass_timeout: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.size = size or os.cpu_count() or 1
         self._spec = spec
+        # The key goes to each worker over its socketpair only: never in argv, the environment
+        # or the spec (which is JSON that may be logged or written).
         self._options = {
             "share": 1.0 / self.size,
             "sandbox_base": sandbox_base,
             "pass_timeout": pass_timeout,
+            "api_key": api_key,
         }
         self._workers: list[_Worker | None] = [None] * self.size
         self._calls = itertools.count()

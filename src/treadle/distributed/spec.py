@@ -178,12 +178,18 @@ class AgentSpec:
         return cls(**{**data, "tools": tuple(data.get("tools", ()))})
 
     def build_agent(
-        self, *, share: float = 1.0, shared_rate: bool = False, guardrails: Sequence[Any] = ()
+        self,
+        *,
+        share: float = 1.0,
+        shared_rate: bool = False,
+        guardrails: Sequence[Any] = (),
+        api_key: str | None = None,
     ) -> Any:
         """Rebuild the `Agent` on a worker, with `share` (0-1] of the endpoint's limits.
 
         With `shared_rate=True` the requests-per-minute cap is left to a shared bucket (passed in
-        `guardrails`). The API key is read from this process's `api_key_env` variable.
+        `guardrails`). The API key is `api_key` (handed over the driver's private pipe), else
+        this process's `api_key_env` variable.
         """
         from treadle.agents import Agent
 
@@ -198,7 +204,7 @@ class AgentSpec:
         provider = Provider(
             model=self.model,
             base_url=self.base_url,
-            api_key=os.environ.get(self.api_key_env),
+            api_key=api_key or os.environ.get(self.api_key_env),
             requests_per_minute=None if shared_rate else part(self.requests_per_minute),
             tokens_per_minute=part(self.tokens_per_minute),
             **options,
@@ -216,6 +222,33 @@ class AgentSpec:
     def with_tools(self, tools: Iterable[Any]) -> AgentSpec:
         """A copy offering `tools` (functions or import paths)."""
         return dataclasses.replace(self, tools=tuple(tool_path(t) for t in tools))
+
+
+def explicit_key(agent: Any) -> str | None:
+    """The `Provider(api_key=...)` an `Agent` was given explicitly (None for a spec or none)."""
+    provider = getattr(agent, "provider", None)
+    return provider.api_key if isinstance(provider, Provider) else None
+
+
+def check_key_reaches_workers(name: str, api_key: str | None, api_key_env: str) -> None:
+    """Refuse an explicit `Provider(api_key=...)` that Ray workers would not see.
+
+    The key never travels in a spec (specs are logged, written and shipped as JSON). Process
+    workers get it over their private pipe; Ray workers read `api_key_env` in the cluster's
+    environment, so when the variable here does not hold the explicit key they would call the
+    endpoint with another key or none, and every item would fail with 401. Saying so at the call
+    beats 10,000 failed passes. The message names the variable, never the key.
+    """
+    if api_key is None or os.environ.get(api_key_env) == api_key:
+        return
+    state = "is not set" if os.environ.get(api_key_env) is None else "holds a different key"
+    raise ConfigurationError(
+        f"Agent {name!r} has an explicit Provider(api_key=...), but Ray workers never receive "
+        f"keys: each reads the environment variable {api_key_env}, which here {state}. Set it "
+        f"in the cluster's environment and here before the map (os.environ[{api_key_env!r}] = "
+        "key), name your variable with api_key_env='...', or use backend='process', whose "
+        "workers get the key over a private pipe."
+    )
 
 
 # Provider fields that are plain JSON data and worth carrying (secrets and objects are not).

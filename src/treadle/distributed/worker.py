@@ -53,6 +53,7 @@ class PassWorker:
         sandbox_base: str | os.PathLike[str] | None = None,
         pass_timeout: float | None = None,
         rate_gate: RateGate | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.spec = spec if isinstance(spec, AgentSpec) else AgentSpec.from_json(spec)
         self.name = worker_name()
@@ -68,7 +69,7 @@ class PassWorker:
 
             guards.append(Guardrail(take_rate_token, "before", "treadle.shared_rate_limit"))
         self.agent = self.spec.build_agent(
-            share=share, shared_rate=rate_gate is not None, guardrails=guards
+            share=share, shared_rate=rate_gate is not None, guardrails=guards, api_key=api_key
         )
 
     async def run(self, item: PassItem | Mapping[str, Any]) -> PassOutcome:

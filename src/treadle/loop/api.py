@@ -42,16 +42,29 @@ class PassOptions(TypedDict, total=False):
     """The keyword arguments every pass entry point takes (see `run_session_loop`)."""
 
     agent_provider: Provider | None
+    """The model endpoint and its options."""
+    provider: Provider | None
+    """Alias of `agent_provider` (the name `Agent` uses); give one of the two."""
     tools: Iterable[Any] | None
+    """Extra tools (`@tool` functions, `Tool`s or plain callables)."""
     executor: object | None
+    """A custom executor (tests, other transports) instead of HTTP."""
     max_tool_rounds: int
+    """Tool rounds before the pass stops with `stop_reason == "max_steps"`."""
     on_event: Callable[[Any], Any] | None
+    """Called with each raw stream delta (sync callbacks run off the event loop)."""
     persist: bool
+    """Write the transcript to `.treadle/sessions/<id>.jsonl` as it grows."""
     persist_path: str | os.PathLike[str] | None
+    """A directory for that file, or the `.jsonl` file itself."""
     limits: Limits | None
+    """Step, token, deadline and tool-call limits (see `Limits`)."""
     guardrails: Iterable[Any] | None
+    """Checks run before each request or after each reply (see `Guardrail`)."""
     on_message: Callable[[ChunkRow, PassControl], Any] | None
+    """Called as `on_message(row, control)` after each assistant and tool_result row."""
     approvals: Mapping[str, bool | str] | None
+    """Decisions for calls to tools marked `needs_approval`, by tool call id."""
 
 
 def _plan(
@@ -61,6 +74,7 @@ def _plan(
     emit: Callable[[Event], None] | None = None,
     *,
     agent_provider: Provider | None = None,
+    provider: Provider | None = None,
     tools: Iterable[Any] | None = None,
     executor: object | None = None,
     max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
@@ -72,6 +86,13 @@ def _plan(
     on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
 ) -> PassPlan:
+    if provider is not None:
+        if agent_provider is not None:
+            raise ConfigurationError(
+                "give the model endpoint once: provider= or agent_provider= (they are the same "
+                "argument), not both."
+            )
+        agent_provider = provider
     if not isinstance(user_session, Session):
         raise ConfigurationError(
             f"user_session must be a Session, got {type(user_session).__name__}; "
@@ -102,7 +123,7 @@ def _plan(
             raise ConfigurationError(
                 "run_session_loop needs agent_provider=Provider(model=...) (or a custom executor)."
             )
-        provider: Provider | None = agent_provider.resolve()
+        resolved: Provider | None = agent_provider.resolve()
         runner: ModelExecutor = HttpExecutor()
     else:
         runner = validate_executor(executor)
@@ -111,7 +132,7 @@ def _plan(
                 "on_event needs the default HTTP executor (custom executors do not stream); "
                 "drop on_event or the executor."
             )
-        provider = agent_provider
+        resolved = agent_provider
     builtins = global_system_tools() if user_session.placement is not None else ()
     toolset = ToolSet.build(tools, builtins=builtins)
     path: Path | None = None
@@ -124,13 +145,13 @@ def _plan(
     return PassPlan(
         user=user_session,
         agent=agent_session,
-        provider=provider,
+        provider=resolved,
         tools=toolset,
         executor=runner,
         max_tool_rounds=max_tool_rounds,
         on_event=on_event,
         persist_path=path,
-        stream=bool(provider.stream) if provider is not None and executor is None else False,
+        stream=bool(resolved.stream) if resolved is not None and executor is None else False,
         limits=limits or Limits(),
         guardrails=normalise_guardrails(guardrails),
         on_message=on_message,
@@ -156,6 +177,7 @@ def run_session_loop(
     agent_session: Session,
     *,
     agent_provider: Provider | None = None,
+    provider: Provider | None = None,
     tools: Iterable[Any] | None = None,
     executor: object | None = None,
     max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
@@ -179,6 +201,7 @@ def run_session_loop(
         user_session: The conversation so far; may itself be a pending output of another pass.
         agent_session: The agent's rows (system prompt), sent first.
         agent_provider: The model endpoint and its options.
+        provider: Alias of `agent_provider` (the name `Agent` takes); give one of the two.
         tools: Extra tools (`@tool` functions, `Tool`s or plain callables).
         executor: A custom executor (tests, other transports) instead of HTTP.
         max_tool_rounds: Tool rounds before the pass stops with `stop_reason == "max_steps"`.
@@ -199,6 +222,7 @@ def run_session_loop(
         agent_session,
         out_id,
         agent_provider=agent_provider,
+        provider=provider,
         tools=tools,
         executor=executor,
         max_tool_rounds=max_tool_rounds,

@@ -165,7 +165,9 @@ class FakeOpenAIServer:
     ```
 
     Replies come from, in order: fault rules (`add_fault`), the queue (`enqueue`), then
-    `script` (a built-in name or a function of the request dict returning a `Reply`).
+    `script` (a built-in name or a function of the request dict returning a `Reply`). With
+    `api_key`, a chat request that does not carry it as a bearer token gets a 401, as a real
+    endpoint would.
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class FakeOpenAIServer:
         rounds: int = 3,
         seed: int | None = 0,
         max_recorded: int = 1000,
+        api_key: str | None = None,
     ) -> None:
         self.script: Script = (
             get_script(script, rounds=rounds) if isinstance(script, str) else script
@@ -189,6 +192,8 @@ class FakeOpenAIServer:
         self.host = host
         self.port = port
         self.model = model
+        self.api_key = api_key
+        """When set, chat requests without `Authorization: Bearer <api_key>` get a 401."""
         self.requests: deque[RecordedRequest] = deque(maxlen=max_recorded)
         """The most recent requests received (bounded by `max_recorded`)."""
         self.request_count = 0
@@ -301,7 +306,10 @@ class FakeOpenAIServer:
             }
             conn.send(400, to_json(error), [("content-type", "application/json")])
             return
-        reply = self._pick(request)
+        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            reply = Reply.unauthorized()
+        else:
+            reply = self._pick(request)
         self.in_flight += 1
         if self.in_flight > self.max_in_flight:
             self.max_in_flight = self.in_flight

@@ -53,6 +53,7 @@ __all__ = [
     "REQUEST_EXTRA_BODY",
     "LocalModelServer",
     "assemble_model",
+    "demo_tools",
     "ensure_installed",
     "install",
     "is_installed",
@@ -333,7 +334,8 @@ def serve(port: int, model_path: str, context_tokens: int = DEFAULT_CONTEXT_TOKE
     os._exit(0)
 
 
-def _demo_tools() -> list[Any]:
+def demo_tools() -> list[Any]:
+    """The demo's one tool, `add` (defined on first use so the module imports no tools layer)."""
     from treadle.tools import tool
 
     @tool
@@ -389,7 +391,7 @@ def run_demo(*, out: Any = None) -> int:
             Session.from_user_message(prompt),
             Session.from_agent_prompt("You are a helpful assistant. Use the tools you are given."),
             agent_provider=server.provider(stream=True),
-            tools=_demo_tools(),
+            tools=demo_tools(),
             on_event=on_event,
             max_tool_rounds=4,
         )
@@ -403,8 +405,9 @@ def run_demo(*, out: Any = None) -> int:
                 )
                 say(f"  {row.kind:<11} tool call: {shown}")
             else:
-                say(f"  {row.kind:<11} {row.payload.get('content')!r}")
-        say(f"stop_reason={result.stop_reason} usage={result.usage}")
+                say(f"  {row.kind:<11} {' '.join(str(row.payload.get('content') or '').split())}")
+        usage = result.usage
+        say(f"stop: {result.stop_reason} | {usage.total_tokens} tokens, {usage.requests} requests")
         return 0 if result.stop_reason == "final_answer" else 1
     finally:
         server.stop()

@@ -20,7 +20,7 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal, Union, overload
+from typing import Any, Literal, Union, overload
 
 import pydantic
 import pydantic_core
@@ -329,9 +329,10 @@ class BaseTool(Tool):
     parameter annotated `ToolContext`, `Session` or `Sandbox` to receive it.
     """
 
-    name: ClassVar[str]  # type: ignore[misc]
-    description: ClassVar[str] = ""  # type: ignore[misc]
-    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}  # type: ignore[misc]
+    # Declared as the plain attributes of `Tool` with class-level defaults (not ClassVar), so a
+    # user's subclass body `name = "lookup"` type-checks under `mypy --strict`.
+    description: str = ""
+    parameters: dict[str, Any] = {"type": "object", "properties": {}}
 
     def __init__(self) -> None:
         name = getattr(self, "name", None)
@@ -354,8 +355,9 @@ class BaseTool(Tool):
         self._is_async = _is_async(call)
 
     @abc.abstractmethod
-    def __call__(self, **arguments: Any) -> Any:
-        """The implementation; override it (sync or `async def`)."""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The implementation; override it (sync or `async def`) with the tool's parameters as
+        keyword arguments (`(*args: Any, **kwargs: Any)` lets any such signature override it)."""
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """Check `arguments` against the top level of `parameters`."""
