@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-import anyio.to_thread
 from pydantic import ValidationError
 
 from treadle.errors import ConfigurationError, MalformedResponse
@@ -35,6 +34,7 @@ from treadle.llm.wire import (
     ChunkChoice,
     FunctionCallDelta,
 )
+from treadle.runtime.threads import run_user_code
 from treadle.session import Usage
 
 __all__ = [
@@ -123,7 +123,7 @@ async def call_complete(executor: ModelExecutor, request: CompletionRequest) -> 
     if isinstance(executor, AsyncExecutor):
         raw = await executor.acomplete(request)
     else:
-        raw = await anyio.to_thread.run_sync(executor.complete, request)
+        raw = await run_user_code(executor.complete, request)
     if inspect.isawaitable(raw):
         raw = await raw
     return coerce_completion(raw)
