@@ -58,6 +58,10 @@ class Runtime:
         self._hooks: list[ShutdownHook] = []
         self._closed = False
         self._dead: BaseException | None = None
+        # Submitted from another thread but not started yet: failed (and closed) if the loop
+        # dies before it gets to them, so no reader waits on work that will never run.
+        self._unstarted: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
+        self._state = threading.Lock()
         self._pid = os.getpid()
         started = threading.Event()
         self._thread = threading.Thread(
@@ -74,18 +78,45 @@ class Runtime:
         except BaseException as err:
             self._died(err)
             log.error("the Treadle runtime loop died (%r); a fresh runtime starts on next use", err)
+            self._bury()
         else:
             if not self._closed:
                 self._died(RuntimeError("the runtime loop stopped"))
+                self._bury()
+
+    def _bury(self) -> None:
+        """After the loop died: cancel what was left (files close without a trailer), close."""
+        loop = self.loop
+        try:
+            # One step first: a task cancelled before its first step never runs its body, so
+            # its pass could not close its file (and its coroutine would never be awaited).
+            loop.run_until_complete(asyncio.sleep(0))
+            tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.wait(tasks, timeout=5))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        except BaseException:  # dying twice: leave the rest to the collector
+            log.exception("cleaning up after the dead Treadle runtime loop failed")
+        finally:
+            if not loop.is_running():
+                loop.close()
+            with self._state:
+                lost, self._unstarted = list(self._unstarted.values()), {}
+            for coro in lost:
+                coro.close()
 
     def _died(self, err: BaseException) -> None:
-        self._dead = err
+        with self._state:
+            self._dead = err
+            unstarted = list(self._unstarted)
         failure = SessionFailedError(
             f"the Treadle runtime thread died ({type(err).__name__}: {err}) while this work was "
             "pending, so it was lost; the next use starts a fresh runtime."
         )
         failure.__cause__ = err
-        for future in list(self._lazies.values()):
+        for future in [*self._lazies.values(), *unstarted]:
             if not future.done():
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     future.set_exception(failure)
@@ -122,18 +153,32 @@ class Runtime:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> LazyValue[T]:
         """Schedule `coro` on the runtime and return its `LazyValue` at once."""
-        if self._closed or self._dead is not None or self.forked_away():
-            coro.close()
-            raise RuntimeError("the Treadle runtime has shut down; no new work can start.")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         lazy = LazyValue(future, self)
+        with self._state:
+            refused = self._closed or self._dead is not None or self.forked_away()
+            if not refused and not self.in_loop_thread():
+                self._unstarted[future] = coro
+        if refused:
+            coro.close()
+            raise RuntimeError("the Treadle runtime has shut down; no new work can start.")
         if self.in_loop_thread():
             self._start(coro, lazy)
-        else:
+            return lazy
+        try:
             self.loop.call_soon_threadsafe(self._start, coro, lazy)
+        except RuntimeError:  # the loop closed meanwhile (it died): nothing will run this
+            with self._state:
+                self._unstarted.pop(future, None)
+            coro.close()
+            raise
         return lazy
 
     def _start(self, coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> None:
+        with self._state:
+            if self._unstarted.pop(lazy._future, None) is None and lazy._future.done():
+                coro.close()  # failed already by `_died`
+                return
         task = self.loop.create_task(_started(coro, lazy))
         lazy._task = task
         self._tasks.add(task)
