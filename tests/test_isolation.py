@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -506,3 +508,132 @@ def test_a_pass_on_a_closed_sandbox_raises_at_the_call(tmp_path: Path) -> None:
     time.sleep(0.05)  # anything submitted would have run by now
     assert ex.requests == []
     assert list(tmp_path.iterdir()) == []
+
+
+# -- exit and fork: real interpreters ------------------------------------------------------------
+def _python(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=cwd,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+        check=False,
+    )
+
+
+EXIT_SCRIPT = """
+    from treadle import Session
+    from treadle.loop import run_session_loop
+    from treadle.testing.scripted import ScriptedExecutor, tool_call
+
+    user = Session.from_user_message("go").to("local")
+    shell = tool_call("run_shell_command", {{"cmd": "sleep {seconds}; echo finished"}}, id="c1")
+    ex = ScriptedExecutor([shell, "done"])
+    agent = Session.from_agent_prompt("a")
+    out = run_session_loop(user, agent, executor=ex, persist_path="s.jsonl")
+    print(user.require_sandbox().workspace, flush=True)
+    # the interpreter exits here without reading `out`
+"""
+
+
+def _processes_running(marker: str) -> list[int]:
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def test_exit_drains_passes_before_sandboxes_close(tmp_path: Path) -> None:
+    done = _python(EXIT_SCRIPT.format(seconds="0.7"), tmp_path, TREADLE_DRAIN_SECONDS="30")
+    assert done.returncode == 0, done.stderr
+    workspace = Path(done.stdout.strip())
+    loaded = load_session(tmp_path / "s.jsonl")
+    assert loaded.closed and loaded.stop_reason == "final_answer"
+    result = json.loads(loaded.session.rows[-2].payload["content"])
+    assert result["exit_code"] == 0, result  # not -9: the command ran to its end
+    assert result["stdout"].strip() == "finished"
+    assert not workspace.exists()  # and then the sandbox was released
+
+
+def test_exit_past_the_drain_time_cancels_cleanly(tmp_path: Path) -> None:
+    done = _python(EXIT_SCRIPT.format(seconds="31.37"), tmp_path, TREADLE_DRAIN_SECONDS="0.5")
+    assert done.returncode == 0, done.stderr
+    loaded = load_session(tmp_path / "s.jsonl")
+    assert not loaded.closed  # no trailer: the pass did not end gracefully
+    assert loaded.pending_intents == ("c1",)  # the intent was recorded before the tool ran
+    assert _processes_running("sleep 31.37") == []  # the cancelled command did not outlive it
+    assert not Path(done.stdout.strip()).exists()
+
+
+FORK_SCRIPT = """
+    import asyncio, json, os, sys, time
+    from treadle import RuntimeLoopError, SandboxError, Session, get_runtime
+    from treadle.loop import run_session_loop
+    from treadle.testing.scripted import ScriptedExecutor
+
+    box = Session.from_user_message("x").to("local")
+    sandbox = box.require_sandbox()
+    command = get_runtime().submit(sandbox.run_command("sleep 0.8; echo survived > out.txt"))
+
+    async def slow(_request):
+        await asyncio.sleep(0.8)
+        return "parent done"
+
+    pending = run_session_loop(
+        Session.from_user_message("p"), Session.from_agent_prompt("a"),
+        executor=ScriptedExecutor([slow]),
+    )
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        started = time.monotonic()
+        try:
+            pending.final_text
+            code = 10
+        except RuntimeLoopError as err:
+            code = 0 if "fork" in str(err) and time.monotonic() - started < 5 else 11
+        try:
+            box.require_sandbox()
+            code = 12
+        except SandboxError:
+            pass
+        box.close_sandbox()  # the child's share: must not touch the parent's workspace
+        sys.exit(code)  # a normal exit: exit hooks and finalizers run
+    _, status = os.waitpid(pid, 0)
+    result = command.result(30)
+    print(json.dumps({
+        "child": os.waitstatus_to_exitcode(status),
+        "workspace": sandbox.workspace.exists(),
+        "command": result.exit_code,
+        "out": (sandbox.workspace / "out.txt").read_text().strip(),
+        "pass": pending.final_text,
+    }))
+"""
+
+
+def test_a_forked_child_never_touches_the_parents_sandbox_or_pending_passes(
+    tmp_path: Path,
+) -> None:
+    done = _python(FORK_SCRIPT, tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {
+        "child": 0,
+        "workspace": True,
+        "command": 0,
+        "out": "survived",
+        "pass": "parent done",
+    }
