@@ -273,11 +273,15 @@ def test_abandoned_sync_tool_is_counted_for_operators() -> None:
     _release_stuck.clear()
 
 
-def test_a_tool_without_timeout_gets_the_default() -> None:
-    from treadle.tools import DEFAULT_TOOL_TIMEOUT
+def test_a_tool_without_timeout_gets_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    import treadle.tools.dispatch as dispatch
 
-    assert DEFAULT_TOOL_TIMEOUT > 0
-    assert stuck_sync.timeout is None  # the default applies at dispatch
+    assert dispatch.DEFAULT_TOOL_TIMEOUT == 600.0
+    assert stuck_async.timeout is None
+    monkeypatch.setattr(dispatch, "DEFAULT_TOOL_TIMEOUT", 0.1)  # no tool or pass timeout set
+    out = _tool_pass("stuck_async").synchronize(HANG_GUARD)
+    assert _result(out)["error_kind"] == "timeout"
+    assert "0.1 s timeout" in _result(out)["message"]
 
 
 # -- starvation: nested passes started and read from worker threads -----------------------------
