@@ -38,7 +38,7 @@ e2e: $(STAMP)
 	$(BIN)/python -m treadle.testing.local_model install
 	$(BIN)/python -m pytest -q -m e2e tests/e2e --durations=5
 
-# Long reliability runs: 10,000 concurrent passes, the fan-out soak (TREADLE_SOAK_SECONDS,
+# Long reliability runs: 10,000 concurrent passes, the fan-out and hostile soaks (TREADLE_SOAK_SECONDS,
 # default 600) and 50 random SIGKILLs. Skipped by `make test`.
 soak: $(STAMP)
 	TREADLE_SOAK=1 $(BIN)/python -m pytest -q -s -m soak tests/soak

@@ -166,7 +166,7 @@ async def test_provider_is_an_alias_of_agent_provider(server: FakeOpenAIServer) 
     from treadle.loop.events import PassStopped
 
     user = Session.from_user_message("hi")
-    out = run_session_loop(user, AGENT, provider=_provider(server), lazy=False)
+    out = await run_session_loop(user, AGENT, provider=_provider(server))
     assert out.stop_reason == "final_answer"
     out2 = await arun_session_loop(user, AGENT, provider=_provider(server))
     assert out2.stop_reason == "final_answer"

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
 
-import anyio.to_thread
 from pydantic import ValidationError
 
 from treadle.errors import ConfigurationError, MalformedResponse
@@ -36,6 +35,7 @@ from treadle.llm.wire import (
     ChunkChoice,
     FunctionCallDelta,
 )
+from treadle.runtime.threads import run_user_code
 from treadle.session import Usage
 
 __all__ = [
@@ -135,7 +135,7 @@ async def call_complete(executor: ModelExecutor, request: CompletionRequest) -> 
     if _is_async_executor(type(executor)):
         raw = await cast(AsyncExecutor, executor).acomplete(request)
     else:
-        raw = await anyio.to_thread.run_sync(cast(Executor, executor).complete, request)
+        raw = await run_user_code(cast(Executor, executor).complete, request)
     if inspect.isawaitable(raw):
         raw = await raw
     return coerce_completion(raw)

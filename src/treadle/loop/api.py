@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
-from treadle.errors import ConfigurationError
+from treadle.errors import ConfigurationError, SandboxError
 from treadle.llm.provider import Provider
 from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
 from treadle.loop.control import Limits, PassControl, normalise_guardrails
@@ -102,6 +102,12 @@ def _plan(
         raise ConfigurationError(
             f"agent_session must be a Session, got {type(agent_session).__name__}; "
             "build one with Session.from_agent_prompt(...)."
+        )
+    handle = user_session.sandbox_handle
+    if handle is not None and (handle.closed or user_session.sandbox_closed):
+        raise SandboxError(
+            "user_session's sandbox is closed, so the pass could not use it; bind a new one "
+            "with session.to(...). Nothing was started."
         )
     if isinstance(max_tool_rounds, bool) or not isinstance(max_tool_rounds, int):
         raise ConfigurationError("max_tool_rounds must be an int.")
@@ -234,14 +240,23 @@ def run_session_loop(
         on_message=on_message,
         approvals=approvals,
     )
-    out = Session._pending(
-        submit(run_pass(plan, out_id, cancel_as_stop=True)),
-        id=out_id,
-        operator="run_session_loop",
-        kind="output",
-        parents=[user_session, agent_session],
-        sandbox=user_session.sandbox_handle,
-    )
+    handle = user_session.sandbox_handle
+    if handle is not None:
+        # Hold a share across the submit: a sandbox closed by another thread meanwhile raises
+        # here, before the pass exists (no model call, no file), never after.
+        handle.acquire()
+    try:
+        out = Session._pending(
+            submit(run_pass(plan, out_id, cancel_as_stop=True)),
+            id=out_id,
+            operator="run_session_loop",
+            kind="output",
+            parents=[user_session, agent_session],
+            sandbox=handle,
+        )
+    finally:
+        if handle is not None:
+            handle.release()
     if not lazy:
         out.synchronize()
     return out

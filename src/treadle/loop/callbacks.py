@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import anyio.to_thread
+from treadle.runtime.threads import run_user_code
 
 __all__ = ["CallbackPump"]
 
@@ -48,8 +48,10 @@ class CallbackPump:
                     for item in batch:
                         await self._callback(item)
                 else:
-                    await anyio.to_thread.run_sync(_deliver, self._callback, batch)
-            except Exception as err:  # the callback's own failure ends its pass, not others
+                    await run_user_code(_deliver, self._callback, batch)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # SystemExit too: the callback ends its pass, not others
                 self.error = err
                 self._buffer.clear()
 

@@ -22,9 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio.to_thread
-
 from treadle.errors import ConfigurationError
+from treadle.runtime.threads import run_user_code
 
 if TYPE_CHECKING:
     from treadle.llm import ChatCompletion, CompletionRequest
@@ -53,9 +52,13 @@ class Limits:
     """Tokens this pass may use before `stop_reason == "budget"`."""
     deadline_seconds: float | None = None
     """Wall-clock seconds from the pass start before `stop_reason == "deadline"`; a model request
-    still running then is cancelled (tools are left to finish their own timeouts)."""
+    or tool call still running then is cancelled (a sync tool's thread is abandoned) and the
+    call is reported to the model as `timeout`."""
     max_tool_calls: int | None = None
     """Tool calls this pass may run before `stop_reason == "max_steps"`."""
+    tool_timeout_seconds: float | None = None
+    """Seconds a tool call may run when its tool sets no `timeout` (None:
+    `treadle.tools.DEFAULT_TOOL_TIMEOUT`); a call is also never let run past the deadline."""
     final_answer_on_limit: bool = False
     """On `max_steps` or `budget`, ask for one last completion without tools, so the user still
     gets an answer (the stop reason stays the limit's)."""
@@ -67,8 +70,10 @@ class Limits:
                 raise ConfigurationError(f"Limits.{name} must be an int or None.")
             if value is not None and value < 1:
                 raise ConfigurationError(f"Limits.{name} must be at least 1, got {value}.")
-        if self.deadline_seconds is not None and not self.deadline_seconds > 0:
-            raise ConfigurationError("Limits.deadline_seconds must be a positive number.")
+        for name in ("deadline_seconds", "tool_timeout_seconds"):
+            seconds = getattr(self, name)
+            if seconds is not None and (isinstance(seconds, bool) or not seconds > 0):
+                raise ConfigurationError(f"Limits.{name} must be a positive number.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +189,7 @@ async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
     """Call a user callback: async ones are awaited, sync ones run in a worker thread."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         return await fn(*args)
-    result = await anyio.to_thread.run_sync(fn, *args)
+    result = await run_user_code(fn, *args)
     if inspect.isawaitable(result):
         return await result
     return result

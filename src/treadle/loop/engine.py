@@ -318,7 +318,12 @@ class _Pass:
             outcomes = await run_tool_calls(
                 calls,
                 plan.tools,
-                context=ToolContext(session, self.out_id, self.deadline),
+                context=ToolContext(
+                    session,
+                    self.out_id,
+                    self.deadline,
+                    tool_timeout=plan.limits.tool_timeout_seconds,
+                ),
                 executor=plan.executor,
                 denied=denied,
                 unknown_outcome=unknown,

@@ -13,9 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import anyio.to_thread
-
 from treadle.persist.format import encode_header, encode_intent, encode_row, encode_trailer
+from treadle.runtime.threads import run_internal_io
 from treadle.session import ChunkRow, Usage
 
 __all__ = ["SessionWriter", "default_session_path"]
@@ -74,7 +73,7 @@ class SessionWriter:
             self._file.flush()
             os.fsync(self._file.fileno())
 
-        await anyio.to_thread.run_sync(_do)
+        await run_internal_io(_do)
         self._rows = len(rows)
 
     async def _write(self, data: bytes, *, sync: bool = False) -> None:
@@ -88,7 +87,7 @@ class SessionWriter:
             if sync:
                 os.fsync(file.fileno())
 
-        await anyio.to_thread.run_sync(_do)
+        await run_internal_io(_do)
 
     async def rows(self, rows: Sequence[ChunkRow], *, turn_boundary: bool = False) -> None:
         """Append row lines (flushed; fsynced when they end a turn)."""
@@ -115,7 +114,7 @@ class SessionWriter:
         """Close without a trailer (the pass did not end gracefully). Safe to call twice."""
         file, self._file = self._file, None
         if file is not None:
-            await anyio.to_thread.run_sync(file.close)
+            await run_internal_io(file.close)
 
     def close_now(self) -> None:
         """Close synchronously (used where awaiting is impossible, e.g. during cancellation)."""

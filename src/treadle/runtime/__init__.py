@@ -1,4 +1,5 @@
-"""The background event-loop runtime and lazy values (see `loop` and `lazy`)."""
+"""The background event-loop runtime, lazy values and worker-thread limits (see `background`,
+`lazy` and `threads`)."""
 
 from treadle.runtime.background import (
     DEFAULT_DRAIN_SECONDS,
@@ -6,10 +7,12 @@ from treadle.runtime.background import (
     add_shutdown_hook,
     get_runtime,
     shutdown,
+    stats,
     submit,
 )
 from treadle.runtime.lazy import LazyValue
 from treadle.runtime.lazy_session import run_lazy
+from treadle.runtime.threads import thread_stats
 
 __all__ = [
     "DEFAULT_DRAIN_SECONDS",
@@ -19,5 +22,7 @@ __all__ = [
     "get_runtime",
     "run_lazy",
     "shutdown",
+    "stats",
     "submit",
+    "thread_stats",
 ]

@@ -4,6 +4,12 @@ Passes run here as tasks, so thousands overlap while callers hold lazy handles. 
 on first use, drains and shuts down cleanly at interpreter exit, and is fork-safe: a child process
 made with `os.fork()` starts a fresh runtime on first use instead of inheriting a dead thread.
 Nothing here may block the loop; blocking waits happen only on callers' threads.
+
+User code never takes the loop down: a `SystemExit` or `KeyboardInterrupt` escaping a pass fails
+that pass only (as `SessionFailedError`); should the loop thread die anyway, every pending value
+fails with a clear error and the next `get_runtime()` starts a fresh runtime. The exit drain runs
+from `threading`'s exit hooks, which Python runs before any `atexit` callback, so passes finish
+(for up to the drain time) before sandbox finalizers release their workspaces.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from treadle.errors import SessionFailedError
 from treadle.runtime.lazy import LazyValue
+from treadle.runtime.threads import thread_stats
 
 __all__ = [
     "DEFAULT_DRAIN_SECONDS",
@@ -26,6 +34,7 @@ __all__ = [
     "add_shutdown_hook",
     "get_runtime",
     "shutdown",
+    "stats",
     "submit",
 ]
 
@@ -45,8 +54,14 @@ class Runtime:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._lazies: dict[asyncio.Task[Any], concurrent.futures.Future[Any]] = {}
         self._hooks: list[ShutdownHook] = []
         self._closed = False
+        self._dead: BaseException | None = None
+        # Submitted from another thread but not started yet: failed (and closed) if the loop
+        # dies before it gets to them, so no reader waits on work that will never run.
+        self._unstarted: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
+        self._state = threading.Lock()
         self._pid = os.getpid()
         started = threading.Event()
         self._thread = threading.Thread(
@@ -58,12 +73,72 @@ class Runtime:
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(started.set)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        except BaseException as err:
+            self._died(err)
+            log.error("the Treadle runtime loop died (%r); a fresh runtime starts on next use", err)
+            self._bury()
+        else:
+            if not self._closed:
+                self._died(RuntimeError("the runtime loop stopped"))
+                self._bury()
+
+    def _bury(self) -> None:
+        """After the loop died: cancel what was left (files close without a trailer), close."""
+        loop = self.loop
+        try:
+            # One step first: a task cancelled before its first step never runs its body, so
+            # its pass could not close its file (and its coroutine would never be awaited).
+            loop.run_until_complete(asyncio.sleep(0))
+            tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.wait(tasks, timeout=5))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        except BaseException:  # dying twice: leave the rest to the collector
+            log.exception("cleaning up after the dead Treadle runtime loop failed")
+        finally:
+            if not loop.is_running():
+                loop.close()
+            with self._state:
+                lost, self._unstarted = list(self._unstarted.values()), {}
+            for coro in lost:
+                coro.close()
+
+    def _died(self, err: BaseException) -> None:
+        with self._state:
+            self._dead = err
+            unstarted = list(self._unstarted)
+        failure = SessionFailedError(
+            f"the Treadle runtime thread died ({type(err).__name__}: {err}) while this work was "
+            "pending, so it was lost; the next use starts a fresh runtime."
+        )
+        failure.__cause__ = err
+        for future in [*self._lazies.values(), *unstarted]:
+            if not future.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(failure)
 
     @property
     def closed(self) -> bool:
         """True once `shutdown` ran."""
         return self._closed
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop thread runs and `shutdown` has not been called."""
+        return not self._closed and self._dead is None and self._thread.is_alive()
+
+    @property
+    def pid(self) -> int:
+        """The process that started this runtime."""
+        return self._pid
+
+    def forked_away(self) -> bool:
+        """True in a forked child: this runtime's thread lives only in the parent."""
+        return self._pid != os.getpid()
 
     def in_loop_thread(self) -> bool:
         """True when called on the runtime's own loop thread."""
@@ -78,25 +153,43 @@ class Runtime:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> LazyValue[T]:
         """Schedule `coro` on the runtime and return its `LazyValue` at once."""
-        if self._closed:
-            coro.close()
-            raise RuntimeError("the Treadle runtime has shut down; no new work can start.")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         lazy = LazyValue(future, self)
+        with self._state:
+            refused = self._closed or self._dead is not None or self.forked_away()
+            if not refused and not self.in_loop_thread():
+                self._unstarted[future] = coro
+        if refused:
+            coro.close()
+            raise RuntimeError("the Treadle runtime has shut down; no new work can start.")
         if self.in_loop_thread():
             self._start(coro, lazy)
-        else:
+            return lazy
+        try:
             self.loop.call_soon_threadsafe(self._start, coro, lazy)
+        except RuntimeError:  # the loop closed meanwhile (it died): nothing will run this
+            with self._state:
+                self._unstarted.pop(future, None)
+            coro.close()
+            raise
         return lazy
 
     def _start(self, coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> None:
+        with self._state:
+            if self._unstarted.pop(lazy._future, None) is None and lazy._future.done():
+                coro.close()  # failed already by `_died`
+                return
         task = self.loop.create_task(_started(coro, lazy))
         lazy._task = task
         self._tasks.add(task)
+        self._lazies[task] = lazy._future
         task.add_done_callback(lambda t: self._settle(t, lazy._future))
 
     def _settle(self, task: asyncio.Task[T], future: concurrent.futures.Future[T]) -> None:
         self._tasks.discard(task)
+        self._lazies.pop(task, None)
+        if future.done():  # failed already by `_died`
+            return
         if task.cancelled():
             future.cancel()
             return
@@ -154,7 +247,15 @@ class Runtime:
 
 async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> T:
     lazy._started = True
-    return await coro
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as err:
+        # asyncio re-raises these out of `run_forever`, which would kill the loop thread and
+        # every other pass with it; they end this work only, and every read re-raises this.
+        raise SessionFailedError(
+            f"user code raised {type(err).__name__}({err}) inside this pass, which ended it; "
+            "other passes were not affected."
+        ) from err
 
 
 _lock = threading.Lock()
@@ -165,14 +266,23 @@ def get_runtime() -> Runtime:
     """The process's runtime, started on first use (and anew in a forked child)."""
     global _runtime
     rt = _runtime
-    if rt is not None and not rt.closed and rt._pid == os.getpid():
+    if rt is not None and rt.alive and rt._pid == os.getpid():
         return rt
     with _lock:
         rt = _runtime
-        if rt is None or rt.closed or rt._pid != os.getpid():
+        if rt is None or not rt.alive or rt._pid != os.getpid():
+            if rt is not None and rt._dead is not None and rt._pid == os.getpid():
+                log.warning("the Treadle runtime thread had died; starting a fresh runtime")
             rt = Runtime()
             _runtime = rt
         return rt
+
+
+def stats() -> dict[str, int]:
+    """Operator counters: pending passes on the runtime and abandoned sync-call threads."""
+    rt = _runtime
+    pending = rt.pending if rt is not None and rt.alive else 0
+    return {"pending": pending, **thread_stats()}
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> LazyValue[T]:
@@ -204,5 +314,19 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
 
 
+def _register_exit_drain() -> None:
+    # `threading` runs its exit hooks before any `atexit` callback (weakref finalizers and the
+    # sandbox closers included), so passes drain while their sandboxes are still open. The hook
+    # is how `concurrent.futures` drains its pools; fall back to `atexit` where it is missing.
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(shutdown)
+        return
+    try:
+        register(shutdown)
+    except RuntimeError:  # imported while the interpreter is already shutting down
+        atexit.register(shutdown)
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(shutdown)
+_register_exit_drain()

@@ -1,8 +1,11 @@
 """`LazyValue`: a handle on a coroutine running on the Treadle runtime.
 
 A lazy value can be read from sync code (`result`, which blocks the calling thread) or awaited
-from any event loop (which never blocks that loop). A blocking read from the runtime's own loop
-thread raises `RuntimeLoopError` instead of deadlocking.
+from any event loop (which never blocks that loop). A blocking read on a thread running an event
+loop (the runtime's or any other) raises `RuntimeLoopError` instead of stalling or deadlocking that
+loop; a read in a forked child of a value that was pending at fork time raises at once (the
+runtime that would settle it does not exist there). A blocking read on a worker thread lends that
+thread's limiter slot to others while it waits (see `treadle.runtime.threads`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from treadle.errors import RuntimeLoopError
+from treadle.runtime.threads import lending_slot
 
 if TYPE_CHECKING:
     from treadle.runtime.background import Runtime
@@ -21,18 +25,20 @@ if TYPE_CHECKING:
 __all__ = ["LazyValue"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class LazyValue(Generic[T]):
     """The future result of a coroutine submitted to the runtime."""
 
-    __slots__ = ("__weakref__", "_future", "_runtime", "_started", "_task")
+    __slots__ = ("__weakref__", "_future", "_runtime", "_source", "_started", "_task")
 
     def __init__(self, future: concurrent.futures.Future[T], runtime: Runtime) -> None:
         self._future = future
         self._runtime = runtime
         self._task: asyncio.Task[T] | None = None
         self._started = False
+        self._source: LazyValue[Any] | None = None
 
     def done(self) -> bool:
         """True once the coroutine finished (with a value, an error, or cancelled)."""
@@ -41,18 +47,16 @@ class LazyValue(Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         """Block until the value is ready and return it (re-raising the coroutine's error).
 
-        Raises `TimeoutError` after `timeout` seconds, and `RuntimeLoopError` when called on the
-        runtime's own loop thread before the value is ready (use `await` there).
+        Raises `TimeoutError` after `timeout` seconds, and `RuntimeLoopError` when called before
+        the value is ready on a thread running an event loop (use `await` there) or in a forked
+        child for a value that was pending at fork time.
         """
         future = self._future
         if not future.done():
-            if self._runtime.in_loop_thread():
-                raise RuntimeLoopError(
-                    "a lazy value was read synchronously on the Treadle runtime's own event loop, "
-                    "which would deadlock; use `await` on it instead."
-                )
+            self._check_blocking_read()
             try:
-                return future.result(timeout)
+                with lending_slot():
+                    return future.result(timeout)
             except concurrent.futures.TimeoutError:
                 if future.done():  # the coroutine's own TimeoutError (ProviderTimeout...)
                     raise
@@ -60,6 +64,55 @@ class LazyValue(Generic[T]):
                     f"the value was not ready within {timeout} s; wait longer or await it."
                 ) from None
         return future.result()
+
+    def _check_blocking_read(self) -> None:
+        if self._runtime.forked_away():
+            raise RuntimeLoopError(
+                f"this value was still pending when process {self._runtime.pid} forked; the "
+                "runtime that would finish it does not exist in this child process. Read it in "
+                "the parent, or start the work again in the child."
+            )
+        if self._runtime.in_loop_thread():
+            raise RuntimeLoopError(
+                "a lazy value was read synchronously on the Treadle runtime's own event loop, "
+                "which would deadlock; use `await` on it instead."
+            )
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        raise RuntimeLoopError(
+            "a pending lazy value was read synchronously inside a running event loop, which "
+            "would block that loop until the pass ends; use `await session` (or `await value`) "
+            "there instead."
+        )
+
+    def then(self, fn: Callable[[T], U]) -> LazyValue[U]:
+        """A lazy value that settles with `fn(value)` once this one settles (errors pass on).
+
+        Returns at once. `fn` runs on whichever thread settles this value, so it must be quick and
+        must not block (it derives a value; it does no I/O). Cancelling the derived value
+        cancels this one.
+        """
+        future: concurrent.futures.Future[U] = concurrent.futures.Future()
+        derived: LazyValue[U] = LazyValue(future, self._runtime)
+        derived._source = self
+
+        def settle(done: concurrent.futures.Future[T]) -> None:
+            if done.cancelled():
+                future.cancel()
+                return
+            error = done.exception()
+            if error is not None:
+                future.set_exception(error)
+                return
+            try:
+                future.set_result(fn(done.result()))
+            except BaseException as err:  # the derivation's own error is the derived value's
+                future.set_exception(err)
+
+        self._future.add_done_callback(settle)
+        return derived
 
     def exception(self) -> BaseException | None:
         """The coroutine's error once done (None when it succeeded); does not block."""
@@ -72,6 +125,9 @@ class LazyValue(Generic[T]):
     def cancel(self) -> None:
         """Ask the coroutine to stop (thread-safe). The value settles once it has cleaned up."""
         if self._future.done():
+            return
+        if self._source is not None:
+            self._source.cancel()
             return
         self._runtime.call_soon(self._cancel_task)
 
@@ -100,6 +156,8 @@ class LazyValue(Generic[T]):
         future = self._future
         if future.done():
             return future.result()
+        if self._runtime.forked_away():
+            self._check_blocking_read()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
 

@@ -67,6 +67,7 @@ class LocalBackend:
         self._closed = False
         self._lock = threading.Lock()
         self._groups: set[int] = set()
+        self._owner_pid = os.getpid()
 
     @property
     def workspace(self) -> Path:
@@ -105,6 +106,8 @@ class LocalBackend:
                 return
             self._closed = True
             groups, self._groups = set(self._groups), set()
+        if self._owner_pid != os.getpid():
+            return  # a forked child's copy: the workspace and commands are the parent's
         for pgid in groups:
             kill_process_group(pgid)
         if self._owns_root and self._root is not None:

@@ -17,9 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
-import anyio.to_thread
-
 from treadle.errors import ConfigurationError
+from treadle.runtime.threads import run_internal_io
 from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
 from treadle.sandbox.local import LocalBackend
 from treadle.session.ports import install_opener
@@ -124,7 +123,7 @@ class Sandbox:
 
     async def aclose(self) -> None:
         """Close the backend on a worker thread."""
-        await anyio.to_thread.run_sync(self.backend.close)
+        await run_internal_io(self.backend.close)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.backend.name} {self.backend.workspace}>"

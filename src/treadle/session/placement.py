@@ -5,10 +5,15 @@ releases its share when closed or garbage collected. The handle only counts: ope
 (and closing it at zero) is the sandbox layer's job, reached through the opener in
 `treadle.session.ports` (`import treadle` installs it without importing the sandbox). This module
 does no I/O and starts no thread.
+
+A handle belongs to the process that created it: in a forked child it never opens, and releasing
+it there (a finalizer at the child's exit) drops the child's count without closing anything, so a
+child never deletes its parent's workspace or kills its parent's commands.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -47,6 +52,7 @@ class SandboxHandle:
         "_closed",
         "_done",
         "_lock",
+        "_owner_pid",
         "_refcount",
         "_sandbox",
         "placement",
@@ -61,6 +67,15 @@ class SandboxHandle:
         self._closed = False
         self._lock = threading.Lock()
         self._done = threading.Event()
+        self._owner_pid = os.getpid()
+
+    @property
+    def owner_pid(self) -> int:
+        """The process this sandbox belongs to (a forked child never opens or closes it)."""
+        return self._owner_pid
+
+    def _foreign(self) -> bool:
+        return self._owner_pid != os.getpid()
 
     @property
     def refcount(self) -> int:
@@ -99,6 +114,11 @@ class SandboxHandle:
                 raise SandboxError(
                     "this sandbox is already closed; bind a new one with session.to(...)."
                 )
+            if self._foreign():
+                raise SandboxError(
+                    f"this sandbox belongs to process {self._owner_pid}; a forked child cannot "
+                    "use its parent's sandbox. Bind a new one in the child with session.to(...)."
+                )
             if self._sandbox is None:
                 open_placement = ports.opener()
                 if open_placement is None:
@@ -118,6 +138,8 @@ class SandboxHandle:
                 return None
             self._closed = True
             opened = self._sandbox
+        if self._foreign():  # the parent's sandbox: the parent closes it, never a forked child
+            opened = None
         if opened is None:
             self._done.set()
         return opened

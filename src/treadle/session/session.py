@@ -3,7 +3,10 @@
 A session is a value: every operation returns a new session. It may also be a *lazy facade* over a
 pass still running on the runtime: its `id` and `lineage` are known at once, while reading
 `chunk_table`, `usage` or `stop_reason` blocks (sync) or is awaited (async) until the pass ends.
-A failed pass re-raises its error on every read, never a partial transcript.
+A failed pass re-raises its error on every read, never a partial transcript. A sync read of a
+pending session on a thread running an event loop raises `RuntimeLoopError` (await it there).
+Deriving from a pending session (`append`, `add_user_message`, `fork`, `to`) returns a new lazy
+session at once, whose data is derived when the pass ends (the pending value's `then`).
 
 This module does no I/O; opening a sandbox is the sandbox layer's job, on first use.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 import os
 import uuid
 import weakref
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -294,15 +297,36 @@ class Session:
         return None
 
     # -- deriving -------------------------------------------------------------------------------
-    def _with_rows(self, rows: Iterable[ChunkRow], operator: str) -> Session:
-        data = self._materialise()
-        table = data.table.extend(rows)
+    def _derived(
+        self,
+        make: Callable[[SessionData], SessionData],
+        operator: str,
+        sandbox: SandboxHandle | None,
+    ) -> Session:
+        """A child session with data `make(self's data)`: lazy at once while this one is pending
+        (a failed pass fails the child too), otherwise built now."""
+        lazy = self._lazy
+        if self._data is None and lazy is not None and not lazy.done():
+            return Session._derive(
+                None,
+                operator=operator,
+                kind=self.lineage.kind,
+                parents=[self],
+                sandbox=sandbox,
+                lazy=lazy.then(make),
+            )
         return Session._derive(
-            SessionData(table, data.usage),
+            make(self._materialise()),
             operator=operator,
             kind=self.lineage.kind,
             parents=[self],
-            sandbox=self._sandbox,
+            sandbox=sandbox,
+        )
+
+    def _with_rows(self, rows: Iterable[ChunkRow], operator: str) -> Session:
+        added = tuple(rows)
+        return self._derived(
+            lambda data: SessionData(data.table.extend(added), data.usage), operator, self._sandbox
         )
 
     def append(self, *rows: ChunkRow) -> Session:
@@ -316,14 +340,7 @@ class Session:
 
     def fork(self) -> Session:
         """A copy with a new id and this session as parent (shares the rows and the sandbox)."""
-        data = self._materialise()
-        return Session._derive(
-            SessionData(data.table, data.usage),
-            operator="fork",
-            kind=self.lineage.kind,
-            parents=[self],
-            sandbox=self._sandbox,
-        )
+        return self._derived(_rows_and_usage, "fork", self._sandbox)
 
     def merge(self, other: Session) -> Session:
         """A session with this session's rows, then the rows of `other` past their common prefix.
@@ -377,15 +394,10 @@ class Session:
                 "placement must be 'local' or a directory path, e.g. session.to('local')."
             )
         handle = SandboxHandle(placement)
-        data = self._materialise()
-        new = Session._derive(
-            SessionData(data.table, data.usage),
-            operator="to",
-            kind=self.lineage.kind,
-            parents=[self],
-            sandbox=handle,
-        )
-        handle.release()  # _derive took the reference the new session owns; drop the creator's
+        try:
+            new = self._derived(_rows_and_usage, "to", handle)
+        finally:
+            handle.release()  # _derive took the reference the new session owns; drop the creator's
         return new
 
     @property
@@ -457,6 +469,10 @@ class Session:
         assert data is not None
         reason = f" stop={data.stop_reason}" if data.stop_reason else ""
         return f"<Session {self.id[:8]} rows={len(data.table)}{reason}>"
+
+
+def _rows_and_usage(data: SessionData) -> SessionData:
+    return SessionData(data.table, data.usage)
 
 
 def _require_text(name: str, value: object) -> None:

@@ -5,6 +5,7 @@ The session loop calls `ToolSet.build(...)` once per pass and `run_tool_calls(..
 
 from treadle.tools.context import ToolContext
 from treadle.tools.dispatch import (
+    DEFAULT_TOOL_TIMEOUT,
     AsyncToolExecutor,
     ToolExecutor,
     ToolOutcome,
@@ -17,6 +18,7 @@ from treadle.tools.tool import BaseTool, FunctionTool, ResourceKey, Tool, tool
 from treadle.tools.toolset import ToolSet
 
 __all__ = [
+    "DEFAULT_TOOL_TIMEOUT",
     "MAX_CONTENT_CHARS",
     "MAX_DETAIL_CHARS",
     "MAX_TEXT_CHARS",

@@ -34,6 +34,8 @@ class ToolContext:
     """`time.monotonic()` value by which the pass must end (None: no deadline)."""
     call: ToolCall | None = None
     """The call being served (set by the dispatcher for each call)."""
+    tool_timeout: float | None = None
+    """The pass's timeout for tools that set none (None: `DEFAULT_TOOL_TIMEOUT`)."""
 
     @property
     def sandbox(self) -> Sandbox:
@@ -56,4 +58,4 @@ class ToolContext:
 
     def for_call(self, call: ToolCall) -> ToolContext:
         """This context serving `call`."""
-        return ToolContext(self.session, self.pass_id, self.deadline, call)
+        return ToolContext(self.session, self.pass_id, self.deadline, call, self.tool_timeout)

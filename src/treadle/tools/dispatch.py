@@ -6,7 +6,10 @@ sharing a resource key run one at a time in call order. The same path serves the
 implementation (`Tool.invoke`) and a custom executor's `dispatch_tool` / `adispatch_tool`: both
 get the same validation, timeouts, lanes, approvals (denied calls) and unknown-outcome handling.
 Problems with a call (unknown tool, bad arguments, an exception, a timeout, a path outside the
-workspace) become an error body for the model.
+workspace) become an error body for the model; so do `SystemExit` and `KeyboardInterrupt` raised by
+a tool (an argparse-based tool exits on bad input), which would otherwise kill the runtime's loop.
+Every call is bounded: by the tool's `timeout`, else the pass's `Limits.tool_timeout_seconds`, else
+`DEFAULT_TOOL_TIMEOUT`, and never past the pass's deadline.
 
 This module must never raise for a tool's problem, never leave a task running after it returns
 (cancellation cancels async tools and kills sandbox commands), and never block the event loop.
@@ -33,12 +36,17 @@ from treadle.tools.tool import Tool
 from treadle.tools.toolset import ToolSet
 
 __all__ = [
+    "DEFAULT_TOOL_TIMEOUT",
     "AsyncToolExecutor",
     "ToolExecutor",
     "ToolOutcome",
     "has_tool_dispatch",
     "run_tool_calls",
 ]
+
+
+#: Seconds a tool call may run when neither the tool nor the pass sets a timeout.
+DEFAULT_TOOL_TIMEOUT = 600.0
 
 
 @runtime_checkable
@@ -157,6 +165,17 @@ class _Ready:
     arguments: dict[str, Any]
 
 
+def _time_limit(item: Tool, context: ToolContext) -> tuple[float, bool]:
+    """Seconds this call may run, and whether the pass's deadline is what bounds it."""
+    timeout = item.timeout
+    if timeout is None:
+        timeout = context.tool_timeout if context.tool_timeout is not None else DEFAULT_TOOL_TIMEOUT
+    left = context.seconds_left()
+    if left is not None and left < timeout:
+        return left, True
+    return timeout, False
+
+
 async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
     traced = tool_span(ready.tool.name, ready.call.id, ready.call.arguments)
     if traced is None:
@@ -174,27 +193,28 @@ async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
 async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
     item, call = ready.tool, ready.call
     context = context.for_call(call)
+    limit, by_deadline = _time_limit(item, context)
     try:
-        if item.timeout is None:
+        with anyio.move_on_after(limit) as scope:
             result = await run(item, ready.arguments, context)
-        else:
-            with anyio.move_on_after(item.timeout) as scope:
-                result = await run(item, ready.arguments, context)
-            if scope.cancelled_caught:
-                sync_note = (
-                    ""
-                    if getattr(item, "_is_async", True)
-                    else "; its thread cannot be stopped and may still be running"
-                )
-                raise ToolTimeoutError(
-                    f"tool {item.name!r} ran past its {item.timeout:g} s timeout and was "
-                    f"abandoned{sync_note}. Try a smaller task or different arguments."
-                )
+        if scope.cancelled_caught:
+            sync_note = (
+                ""
+                if getattr(item, "_is_async", True)
+                else "; its thread cannot be stopped and may still be running"
+            )
+            why = "the pass's deadline" if by_deadline else f"its {limit:g} s timeout"
+            raise ToolTimeoutError(
+                f"tool {item.name!r} ran past {why} and was abandoned{sync_note}. "
+                "Try a smaller task or different arguments."
+            )
     except ToolError as error:
         return _failure(call, error.error_kind, error.message, error.detail)
     except TreadleError as error:  # our own clear message (e.g. a missing file): no traceback
         return _failure(call, "tool_execution_exception", f"tool {item.name!r} failed: {error}")
-    except Exception as error:
+    except anyio.get_cancelled_exc_class():
+        raise  # the pass itself is being cancelled: not the tool's outcome
+    except BaseException as error:
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
         return _failure(call, "tool_execution_exception", message, exception_detail(error))
     content = success_content(result, max_chars=item.max_result_chars)

@@ -1,25 +1,22 @@
-"""Sized, per-event-loop thread limiters for blocking work (sync tools, sandbox file I/O).
+"""The sync-tool threads: a 64-slot per-loop limiter, separate from every other kind of work.
 
-Each `LoopThreadLimiter` caps how many worker threads one kind of blocking work may occupy on one
-event loop. Sync tools and sandbox I/O use *separate* limiters, so a sync tool that waits on a
-sandbox operation can never starve it of a thread, and neither competes with asyncio's default
-executor. A call whose wait is abandoned (timeout or cancellation) gives its slot back at once:
-Python threads cannot be killed, so a runaway thread keeps running but no longer blocks others.
+Sync tools and sandbox I/O use *separate* limiters, so a sync tool that waits on a sandbox
+operation can never starve it of a thread; callbacks and the runtime's own I/O have theirs too
+(`treadle.runtime.threads`). A sync tool that reads a pending sub-pass gives its slot back while it
+waits, so agent-as-tool nests at any depth. A call whose wait is abandoned (timeout or
+cancellation) gives its slot back at once; the thread runs on and is counted in
+`treadle.runtime.thread_stats()`.
 
 This module must never block the event loop and never use the loop's default executor.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import anyio
-import anyio.to_thread
+from treadle.runtime.threads import LoopThreadLimiter
 
 __all__ = ["SYNC_TOOL_THREADS", "LoopThreadLimiter", "run_sync_tool", "sync_tool_limiter"]
 
@@ -27,35 +24,6 @@ T = TypeVar("T")
 
 #: Most sync tool calls running at once on one event loop (further calls queue for a slot).
 SYNC_TOOL_THREADS = 64
-
-
-class LoopThreadLimiter:
-    """One `anyio.CapacityLimiter` of `total` threads per running event loop."""
-
-    def __init__(self, total: int) -> None:
-        if total < 1:
-            raise ValueError("a thread limiter needs at least one thread")
-        self.total = total
-        self._lock = threading.Lock()
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter]
-        self._by_loop = weakref.WeakKeyDictionary()
-
-    def get(self) -> anyio.CapacityLimiter:
-        """The limiter for the current event loop (created on first use)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            limiter = self._by_loop.get(loop)
-            if limiter is None:
-                limiter = anyio.CapacityLimiter(self.total)
-                self._by_loop[loop] = limiter
-            return limiter
-
-    async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
-        """Run `fn(*args)` on a worker thread under this limiter."""
-        return await anyio.to_thread.run_sync(
-            fn, *args, limiter=self.get(), abandon_on_cancel=abandon_on_cancel
-        )
-
 
 _SYNC_TOOLS = LoopThreadLimiter(SYNC_TOOL_THREADS)
 

@@ -61,7 +61,8 @@ class Tool(abc.ABC):
     parameters: dict[str, Any]
     """The JSON schema of the arguments object."""
     timeout: float | None = None
-    """Seconds before the call is abandoned and reported as `timeout` (None: no limit)."""
+    """Seconds before the call is abandoned and reported as `timeout` (None: the pass's
+    `Limits.tool_timeout_seconds`, else `DEFAULT_TOOL_TIMEOUT`; `math.inf`: no limit)."""
     parallel_safe: bool = True
     """False: calls of this tool run one at a time, in call order."""
     resource_key: ResourceKey = None
