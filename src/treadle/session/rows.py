@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from treadle.errors import ConfigurationError
 from treadle.session.calls import ToolCall, tool_calls_of
 
-__all__ = ["ROLE_OF_KIND", "ChunkRow", "ChunkTable", "RowKind"]
+__all__ = ["ROLE_OF_KIND", "ChunkRow", "ChunkTable", "RowKind", "text_of_content"]
 
 RowKind = Literal["system", "user", "assistant", "tool_result"]
 ROW_KINDS: frozenset[str] = frozenset(get_args(RowKind))
@@ -39,6 +39,22 @@ KIND_OF_ROLE: Mapping[str, RowKind] = {
     "assistant": "assistant",
     "tool": "tool_result",
 }
+
+
+def text_of_content(content: object) -> str | None:
+    """The text of a message `content`: a string as is, the `text` parts of a parts list joined.
+
+    Parts of other types (Mistral's `thinking`, images, refusals) are not text of the answer.
+    """
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text") or "")
+            for part in content
+            if isinstance(part, dict) and part.get("type", "text") == "text"
+        )
+    return None
 
 
 class _Open(BaseModel):

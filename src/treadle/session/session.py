@@ -22,7 +22,7 @@ from treadle.errors import ConfigurationError
 from treadle.session import ports
 from treadle.session.lineage import LineageNode
 from treadle.session.placement import SandboxHandle
-from treadle.session.rows import ChunkRow, ChunkTable
+from treadle.session.rows import ChunkRow, ChunkTable, text_of_content
 from treadle.session.usage import Usage
 
 if TYPE_CHECKING:
@@ -289,8 +289,7 @@ class Session:
         """The text of the last assistant row, if any."""
         for row in reversed(self._materialise().table.rows):
             if row.kind == "assistant":
-                content = row.content
-                return content if isinstance(content, str) else None
+                return text_of_content(row.content)
         return None
 
     # -- deriving -------------------------------------------------------------------------------
