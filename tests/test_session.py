@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import json
+from typing import Any
 
 import pytest
 
@@ -106,3 +108,48 @@ def test_with_data_keeps_identity() -> None:
 def test_require_sandbox_without_placement_is_a_clear_error() -> None:
     with pytest.raises(ConfigurationError, match=r"to\('local'\)"):
         Session.from_user_message("x").require_sandbox()
+
+
+# Every message shape the Chat Completions API accepts (OpenAI API reference, "messages").
+CHAT_COMPLETIONS_MESSAGES: list[dict[str, Any]] = [
+    {"role": "developer", "content": "Answer in French."},
+    {"role": "system", "content": [{"type": "text", "text": "Be brief."}], "name": "ops"},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64,AA", "detail": "low"},
+            },
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+            {"type": "file", "file": {"file_id": "file-1"}},
+        ],
+        "name": "ana",
+    },
+    {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "Looking."}], "audio": {"id": "a1"}},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+            {"id": "c2", "type": "custom", "custom": {"name": "grep", "input": "foo"}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": '{"ok": true}'},
+    {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "found"}]},
+    {"role": "assistant", "content": "Voilà.", "name": "bot"},
+]
+
+
+def test_from_messages_round_trips_every_chat_completions_message() -> None:
+    session = Session.from_messages(CHAT_COMPLETIONS_MESSAGES)
+    assert session.to_messages() == CHAT_COMPLETIONS_MESSAGES
+    assert [r.kind for r in session.rows][:2] == ["system", "system"]
+    assert session.rows[0].role == "developer"
+    # the standard tool message (no `name`) answers its call: nothing is pending on resume
+    assert [r.kind for r in session.rows[7:9]] == ["tool_result", "tool_result"]
+    # and the bytes sent on the wire are the messages as given
+    assert [json.loads(r.message_json()) for r in session.rows] == CHAT_COMPLETIONS_MESSAGES

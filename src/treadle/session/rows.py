@@ -57,6 +57,10 @@ def text_of_content(content: object) -> str | None:
     return None
 
 
+# Roles a row keeps although its kind implies another one.
+_KEPT = frozenset({"developer"})
+
+
 class _Open(BaseModel):
     # Unknown provider fields (reasoning content, annotations) are kept, never rejected.
     model_config = ConfigDict(extra="allow")
@@ -71,10 +75,16 @@ class _FunctionPayload(_Open):
     arguments: str
 
 
+class _CustomPayload(_Open):
+    name: str
+    input: str
+
+
 class _ToolCallPayload(_Open):
     id: str
-    type: Literal["function"] = "function"
-    function: _FunctionPayload
+    type: Literal["function", "custom"] = "function"
+    function: _FunctionPayload | None = None
+    custom: _CustomPayload | None = None
 
 
 class _AssistantPayload(_Open):
@@ -84,8 +94,8 @@ class _AssistantPayload(_Open):
 
 class _ToolResultPayload(_Open):
     tool_call_id: str
-    name: str
-    content: str
+    name: str | None = None  # Treadle records it; the Chat Completions API does not require it
+    content: str | list[dict[str, Any]]
 
 
 _VALIDATORS: Mapping[str, TypeAdapter[Any]] = {
@@ -131,7 +141,10 @@ class ChunkRow:
             raise ConfigurationError(
                 f"{kind} row payload must be a mapping, got {type(payload).__name__}."
             )
-        body = {k: v for k, v in payload.items() if k != "role"}
+        # `developer` is a system row that keeps its role (newer OpenAI models read it so).
+        body = {
+            k: v for k, v in payload.items() if k != "role" or (kind == "system" and v in _KEPT)
+        }
         try:
             _VALIDATORS[kind].validate_python(body)
         except ValidationError as err:
@@ -178,8 +191,9 @@ class ChunkRow:
     # -- reading ----------------------------------------------------------------------------
     @property
     def role(self) -> str:
-        """The OpenAI role this row is sent as."""
-        return ROLE_OF_KIND[self.kind]
+        """The OpenAI role this row is sent as (`developer` stays `developer`)."""
+        kept = self.payload.get("role")
+        return kept if isinstance(kept, str) else ROLE_OF_KIND[self.kind]
 
     @property
     def content(self) -> Any:
