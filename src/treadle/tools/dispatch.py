@@ -25,7 +25,12 @@ import anyio
 from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
 from treadle.session import Session, ToolCall
 from treadle.tools.context import ToolContext
-from treadle.tools.results import error_content, exception_detail, success_content
+from treadle.tools.results import (
+    ResultSerialisationError,
+    error_content,
+    exception_detail,
+    success_content,
+)
 from treadle.tools.threads import run_sync_tool
 from treadle.tools.tool import Tool
 from treadle.tools.toolset import ToolSet
@@ -71,8 +76,8 @@ class ToolOutcome:
     """True when the tool ran and returned."""
     error_kind: str | None
     """`unknown_tool`, `invalid_tool_arguments`, `tool_execution_exception`, `timeout`,
-    `path_violation`, `denied`, `unknown_outcome` (or a custom `ToolError.error_kind`); None when
-    `ok`."""
+    `unserialisable_result`, `path_violation`, `denied`, `unknown_outcome` (or a custom
+    `ToolError.error_kind`); None when `ok`."""
 
 
 def _failure(call: ToolCall, kind: str, message: str, detail: str | None = None) -> ToolOutcome:
@@ -156,14 +161,18 @@ async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
                     f"tool {item.name!r} ran past its {item.timeout:g} s timeout and was "
                     f"abandoned{sync_note}. Try a smaller task or different arguments."
                 )
+        # Inside the try: a result that cannot become JSON is the model's problem to hear about.
+        content = success_content(result, max_chars=item.max_result_chars)
     except ToolError as error:
         return _failure(call, error.error_kind, error.message, error.detail)
     except TreadleError as error:  # our own clear message (e.g. a missing file): no traceback
         return _failure(call, "tool_execution_exception", f"tool {item.name!r} failed: {error}")
+    except ResultSerialisationError as error:
+        message = f"tool {item.name!r} returned a value that cannot be shown as JSON ({error})"
+        return _failure(call, "unserialisable_result", message)
     except Exception as error:
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
         return _failure(call, "tool_execution_exception", message, exception_detail(error))
-    content = success_content(result, max_chars=item.max_result_chars)
     return ToolOutcome(call.id, item.name, content, True, None)
 
 
