@@ -54,7 +54,8 @@ from treadle.loop.events import (
 )
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
-from treadle.tools import ToolContext, ToolSet, run_tool_calls
+from treadle.session.rows import in_call_order
+from treadle.tools import ToolContext, ToolOutcome, ToolSet, run_tool_calls
 
 __all__ = ["PassPlan", "run_pass"]
 
@@ -132,10 +133,14 @@ class _Pass:
             session.close_sandbox()
 
     async def append(self, rows: Sequence[ChunkRow], *, boundary: bool) -> None:
-        self.table = self.table.extend(rows)
-        self.messages_json.extend(r.message_json() for r in rows)
+        self.keep(rows)
         if self.writer is not None:
             await self.writer.rows(rows, turn_boundary=boundary)
+
+    def keep(self, rows: Sequence[ChunkRow]) -> None:
+        """Add rows to the transcript (already persisted, or nothing persists)."""
+        self.table = self.table.extend(rows)
+        self.messages_json.extend(r.message_json() for r in rows)
 
     def request(self, extra: Mapping[str, Any] | None = None) -> CompletionRequest:
         plan = self.plan
@@ -286,22 +291,41 @@ class _Pass:
             unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
         if self.writer is not None:  # before any tool runs: a crash leaves its intent behind
             await self.writer.intents([(c.id, c.name) for c in calls if c.id not in denied])
-        with self.snapshot() as session:
-            outcomes = await run_tool_calls(
-                calls,
-                plan.tools,
-                context=ToolContext(session, self.out_id, self.deadline),
-                executor=plan.executor,
-                denied=denied,
-                unknown_outcome=unknown,
+        finished: dict[int, ChunkRow] = {}
+
+        async def on_outcome(index: int, outcome: ToolOutcome) -> None:
+            c = calls[index]
+            row = ChunkRow._trusted(
+                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": outcome.content}
             )
-        rows = [
-            ChunkRow._trusted(
-                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": o.content}
-            )
-            for c, o in zip(calls, outcomes, strict=True)
-        ]
-        await self.append(rows, boundary=True)
+            finished[index] = row
+            if self.writer is not None:  # as it finishes: a crash later keeps a known result
+                await self.writer.rows([row], turn_boundary=True)
+
+        try:
+            with self.snapshot() as session:
+                await run_tool_calls(
+                    calls,
+                    plan.tools,
+                    context=ToolContext(session, self.out_id, self.deadline),
+                    executor=plan.executor,
+                    denied=denied,
+                    unknown_outcome=unknown,
+                    on_outcome=on_outcome,
+                )
+        except BaseException:
+            # Cancelled mid-round: keep the results that are known and record the rest as of
+            # unknown outcome, as a crash would, so a resume does not run them blindly again.
+            self.keep([finished[i] for i in sorted(finished)])
+            interrupted = [c.id for i, c in enumerate(calls) if i not in finished]
+            if interrupted:
+                self.metadata["unknown_outcome_tool_calls"] = interrupted
+            raise
+        rows = [finished[i] for i in range(len(calls))]
+        self.keep(rows)
+        if resuming:  # results from before the crash come first; list the round in call order
+            self.table = ChunkTable(in_call_order(self.table))
+            self.messages_json = [r.message_json() for r in (*self.agent_rows, *self.table)]
         self.tool_calls_run += len(calls)
         for row in rows:
             if self.events is not None:
@@ -357,6 +381,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
     the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
     """
     run = _Pass(plan, out_id)
+    started = False
     try:
         # Inside the try: a cancellation while waiting for a pending input is a clean stop too.
         user = await plan.user.wait_ready()
@@ -365,6 +390,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
         run.agent_rows = agent.table.rows
         run.table = user.table
         run.usage = user.usage
+        started = True
         run.messages_json = [r.message_json() for r in (*run.agent_rows, *user.table)]
         if run.events is not None:
             run.events.emit(PassStarted, rows=len(user.table))
@@ -398,6 +424,13 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # the runtime owns this task; the stop is the pass's answer
+            if not started:
+                # Cancelled while an input was still pending: no request was made, but the
+                # output still holds the input rows, so wait for them (the input pass is not
+                # ours to cancel) without starting anything.
+                with anyio.CancelScope(shield=True):
+                    user = await plan.user.wait_ready()
+                run.table, run.usage = user.table, user.usage
             run.metadata["cancelled"] = True
             return run.data("cancelled")
         raise

@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from treadle.errors import ConfigurationError
 from treadle.session.calls import ToolCall, tool_calls_of
 
-__all__ = ["ROLE_OF_KIND", "ChunkRow", "ChunkTable", "RowKind", "text_of_content"]
+__all__ = [
+    "ROLE_OF_KIND",
+    "ChunkRow",
+    "ChunkTable",
+    "RowKind",
+    "in_call_order",
+    "text_of_content",
+]
 
 RowKind = Literal["system", "user", "assistant", "tool_result"]
 ROW_KINDS: frozenset[str] = frozenset(get_args(RowKind))
@@ -342,3 +349,30 @@ class ChunkTable(Sequence[ChunkRow]):
         return (
             f"ChunkTable({self._n} rows: {', '.join(self.kinds()[:8])}{'…' if self._n > 8 else ''})"
         )
+
+
+def in_call_order(rows: Iterable[ChunkRow]) -> list[ChunkRow]:
+    """`rows` with each round's tool results in the order of the calls they answer.
+
+    Results are persisted as they finish, and a resumed round answers its calls after the ones
+    answered before the crash; the transcript still lists them in call order.
+    """
+    out: list[ChunkRow] = []
+    order: dict[str, int] = {}
+    run: list[ChunkRow] = []
+
+    def flush() -> None:
+        run.sort(key=lambda r: order.get(str(r.payload.get("tool_call_id")), len(order)))
+        out.extend(run)
+        run.clear()
+
+    for row in rows:
+        if row.kind == "tool_result":
+            run.append(row)
+            continue
+        flush()
+        if row.kind == "assistant":
+            order = {c.id: i for i, c in enumerate(row.calls)}
+        out.append(row)
+    flush()
+    return out

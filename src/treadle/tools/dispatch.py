@@ -214,6 +214,7 @@ async def run_tool_calls(
     executor: object = None,
     denied: Mapping[str, str] | None = None,
     unknown_outcome: Collection[str] = (),
+    on_outcome: Callable[[int, ToolOutcome], Awaitable[None]] | None = None,
 ) -> list[ToolOutcome]:
     """Run one round of tool calls; one `ToolOutcome` per call, in call order.
 
@@ -224,6 +225,8 @@ async def run_tool_calls(
     their tool is `idempotent`. Calls run concurrently; calls sharing a resource key (or of a
     tool with `parallel_safe=False`) run one at a time in call order. Never raises for a tool's
     problem; cancelling the caller cancels every call (sandbox commands are killed).
+    `on_outcome(index, outcome)`, when given, is awaited as each call's outcome is known (in
+    finishing order), so a caller can persist a result before the round ends.
     """
     ctx = context if context is not None else ToolContext(session)
     run = _runner_of(executor)
@@ -258,12 +261,19 @@ async def run_tool_calls(
         else:
             lanes.setdefault(key, []).append(ready)
 
+    if on_outcome is not None:
+        for index, decided in enumerate(outcomes):
+            if decided is not None:
+                await on_outcome(index, decided)
+
     async def run_one(ready: _Ready) -> None:
-        outcomes[ready.index] = await _execute(ready, run, ctx)
+        outcome = outcomes[ready.index] = await _execute(ready, run, ctx)
+        if on_outcome is not None:
+            await on_outcome(ready.index, outcome)
 
     async def run_lane(lane: list[_Ready]) -> None:
         for ready in lane:
-            outcomes[ready.index] = await _execute(ready, run, ctx)
+            await run_one(ready)
 
     if len(free) == 1 and not lanes:
         await run_one(free[0])  # the common single-call round needs no task group
