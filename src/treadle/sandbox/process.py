@@ -10,6 +10,7 @@ This module must never block the event loop and never leave a child process behi
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from treadle.errors import ConfigurationError
 from treadle.sandbox.backend import CommandResult
 from treadle.tools.results import truncation_marker
 
@@ -81,8 +83,13 @@ async def run_command(
     """Run `command` through `/bin/sh -c` in `cwd`; kill its process group when done or late.
 
     `on_start(pgid)` / `on_exit(pgid)` let the backend track live groups (to kill them on close).
-    Cancelling the caller kills the group too, then re-raises the cancellation.
+    Cancelling the caller kills the group too, then re-raises the cancellation. `timeout` is None
+    (no limit) or a finite number of seconds > 0; anything else is a `ConfigurationError`.
     """
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ConfigurationError(
+            f"a command timeout must be a number of seconds > 0 (or None), got {timeout!r}."
+        )
     started = time.monotonic()
     process = await anyio.open_process(
         ["/bin/sh", "-c", command],
