@@ -153,3 +153,24 @@ def test_from_messages_round_trips_every_chat_completions_message() -> None:
     assert [r.kind for r in session.rows[7:9]] == ["tool_result", "tool_result"]
     # and the bytes sent on the wire are the messages as given
     assert [json.loads(r.message_json()) for r in session.rows] == CHAT_COMPLETIONS_MESSAGES
+
+
+def test_merge_counts_a_shared_ancestors_usage_once() -> None:
+    from treadle.loop import run_session_loop
+    from treadle.testing.scripted import ScriptedExecutor, text
+
+    agent = Session.from_agent_prompt("Answer.")
+
+    def spent(prompt: int, completion: int) -> ScriptedExecutor:
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+        return ScriptedExecutor([text("ok", usage=usage)])
+
+    base = run_session_loop(Session.from_user_message("start"), agent, executor=spent(80, 20))
+    left = run_session_loop(base.add_user_message("left"), agent, executor=spent(10, 5))
+    right = run_session_loop(base.add_user_message("right"), agent, executor=spent(10, 5))
+    merged = left.merge(right)
+    # spent: 100 (base) + 15 (left) + 15 (right); both sides carry the base's 100
+    assert merged.usage == Usage(100, 30, 130, 3)
+    assert left.merge(left).usage == left.usage  # a session merged with itself adds nothing
+    unrelated = Session.from_user_message("x").with_data(usage=Usage(1, 1, 2, 1))
+    assert left.merge(unrelated).usage == left.usage + unrelated.usage

@@ -10,6 +10,10 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treadle.session.usage import Usage
 
 __all__ = ["LineageNode"]
 
@@ -17,7 +21,7 @@ __all__ = ["LineageNode"]
 class LineageNode:
     """Where one session came from: its `id`, the `operator` that made it, its `kind`, parents."""
 
-    __slots__ = ("__weakref__", "_children", "id", "kind", "operator", "parents")
+    __slots__ = ("__weakref__", "_children", "id", "kind", "operator", "parents", "usage")
 
     def __init__(
         self, id: str, operator: str, kind: str, parents: Iterable[LineageNode] = ()
@@ -26,6 +30,8 @@ class LineageNode:
         self.operator = operator
         self.kind = kind
         self.parents: tuple[LineageNode, ...] = tuple(parents)
+        self.usage: Usage | None = None
+        """The session's usage once its data is known (what `merge` must not count twice)."""
         self._children: weakref.WeakSet[LineageNode] = weakref.WeakSet()
         for parent in self.parents:
             parent._children.add(self)

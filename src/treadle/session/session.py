@@ -97,6 +97,8 @@ class Session:
         self.id = id
         self.lineage = lineage
         self._data = data
+        if data is not None:
+            lineage.usage = data.usage
         self._lazy = lazy
         self._sandbox = sandbox
         self._finalizer: weakref.finalize[Any, Session] | None = (
@@ -205,12 +207,14 @@ class Session:
             assert self._lazy is not None
             data = self._lazy.result(timeout)
             self._data = data
+            self.lineage.usage = data.usage
         return data
 
     async def _await(self) -> Session:
         if self._data is None:
             assert self._lazy is not None
             self._data = await self._lazy.wait()
+            self.lineage.usage = self._data.usage
         return self
 
     async def wait_ready(self) -> SessionData:
@@ -218,6 +222,7 @@ class Session:
         if self._data is None:
             assert self._lazy is not None
             self._data = await self._lazy.wait(propagate_cancel=False)
+            self.lineage.usage = self._data.usage
         return self._data
 
     def __await__(self) -> Generator[Any, None, Session]:
@@ -327,7 +332,9 @@ class Session:
     def merge(self, other: Session) -> Session:
         """A session with this session's rows, then the rows of `other` past their common prefix.
 
-        Usage adds up; the sandbox is this session's (or `other`'s when this one has none).
+        Usage adds up, counting what a shared ancestor spent once: both sides inherit the usage
+        of the sessions they came from, so the nearest common ancestor's usage is subtracted.
+        The sandbox is this session's (or `other`'s when this one has none).
         """
         if not isinstance(other, Session):
             raise ConfigurationError(f"merge takes a Session, got {type(other).__name__}.")
@@ -338,8 +345,9 @@ class Session:
                 break
             common += 1
         table = mine.table.extend(theirs.table.rows[common:])
+        usage = _merged_usage(mine.usage, theirs.usage, _shared_usage(self.lineage, other.lineage))
         return Session._derive(
-            SessionData(table, mine.usage + theirs.usage),
+            SessionData(table, usage),
             operator="merge",
             kind=self.lineage.kind,
             parents=[self, other],
@@ -456,6 +464,25 @@ class Session:
         assert data is not None
         reason = f" stop={data.stop_reason}" if data.stop_reason else ""
         return f"<Session {self.id[:8]} rows={len(data.table)}{reason}>"
+
+
+def _shared_usage(a: LineageNode, b: LineageNode) -> Usage:
+    """The usage of the common ancestor (or self) that both sides' usage already includes."""
+    mine = {id(n) for n in (a, *a.ancestors())}
+    shared = [n.usage for n in (b, *b.ancestors()) if id(n) in mine and n.usage is not None]
+    return max(shared, key=lambda u: (u.total_tokens, u.requests), default=Usage())
+
+
+def _merged_usage(mine: Usage, theirs: Usage, shared: Usage) -> Usage:
+    def field(x: int, y: int, s: int) -> int:
+        return max(x + y - s, x, y)  # never less than either side spent
+
+    return Usage(
+        field(mine.prompt_tokens, theirs.prompt_tokens, shared.prompt_tokens),
+        field(mine.completion_tokens, theirs.completion_tokens, shared.completion_tokens),
+        field(mine.total_tokens, theirs.total_tokens, shared.total_tokens),
+        field(mine.requests, theirs.requests, shared.requests),
+    )
 
 
 def _require_text(name: str, value: object) -> None:
