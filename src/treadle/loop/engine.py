@@ -17,7 +17,6 @@ blocks the event loop.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -59,7 +58,6 @@ from treadle.tools import ToolContext, ToolOutcome, ToolSet, run_tool_calls
 
 __all__ = ["PassPlan", "run_pass"]
 
-log = logging.getLogger("treadle.loop")
 
 _NO_TOOLS = {"tool_choice": "none"}
 
@@ -346,11 +344,10 @@ class _Pass:
             return
         self.budget_fired = True  # fires once per pass, when the total first crosses the cap
         callback = provider.on_budget_exceeded if provider is not None else None
-        if callback is None:
-            log.warning(
-                "pass used %d tokens, over its budget of %d; set on_budget_exceeded to stop it",
-                total,
-                budget,
+        if callback is None:  # no one to ask: the budget is a limit, the pass stops
+            self.budget_stop = True
+            self.metadata["budget_message"] = (
+                f"the pass used {total} tokens, over its budget of {budget}"
             )
             return
         try:
