@@ -95,15 +95,40 @@ class HttpExecutor:
         from treadle.llm.client import get_client  # httpx loads with the first request
 
         provider = _require_provider(request)
-        return await get_client(provider).complete(provider, request.body())
+        try:
+            return await get_client(provider).complete(provider, request.body())
+        except RuntimeError as err:
+            _raise_if_foreign_loop(provider, err)
+            raise
 
     async def astream(self, request: CompletionRequest) -> AsyncGenerator[ChatCompletionChunk]:
         """Send the request with `stream: true` and yield chunks as they arrive."""
         from treadle.llm.client import get_client
 
         provider = _require_provider(request)
-        async for chunk in get_client(provider).stream(provider, request.body()):
-            yield chunk
+        try:
+            async for chunk in get_client(provider).stream(provider, request.body()):
+                yield chunk
+        except RuntimeError as err:
+            _raise_if_foreign_loop(provider, err)
+            raise
+
+
+def _raise_if_foreign_loop(provider: Provider, err: RuntimeError) -> None:
+    """A user's `httpx.AsyncClient` bound to another event loop, as a `ConfigurationError`.
+
+    httpx pools connections per event loop; a client that already ran on the caller's loop
+    cannot serve a lazy pass, which runs on Treadle's runtime loop. Other errors pass through.
+    """
+    text = str(err).lower()
+    if provider.http_client is None or not ("event loop" in text or "different loop" in text):
+        return
+    raise ConfigurationError(
+        "Provider(http_client=...) was used on another event loop and cannot serve this pass "
+        f"({err}). Lazy passes run on Treadle's runtime loop: leave http_client unset (set "
+        "timeouts on the Provider), or create the httpx.AsyncClient inside your coroutine and "
+        "run the pass there with `await arun_session_loop(...)`."
+    ) from err
 
 
 def _require_provider(request: CompletionRequest) -> Provider:
