@@ -251,3 +251,39 @@ def test_every_recording_is_covered() -> None:
     recorded = {p.name for p in REPLIES.iterdir() if p.suffix in (".json", ".sse")}
     recorded = {n for n in recorded if not n.endswith(".meta.json")}
     assert {c[1].name for c in CASES} == recorded
+
+
+WHOLE_OK = [c for c in CASES if c[3] == "json" and c[2] == 200]
+
+
+@pytest.mark.parametrize("name, path, status, kind", WHOLE_OK, ids=[c[0] for c in WHOLE_OK])
+def test_a_whole_recording_streamed_gives_the_same_row(
+    server: FakeOpenAIServer, name: str, path: Path, status: int, kind: str
+) -> None:
+    """The same reply sent as one SSE chunk makes the same assistant row as the whole body."""
+    body = json.loads(path.read_bytes())
+    if "choices" not in body:
+        pytest.skip("not a completion")
+    choice = body["choices"][0]
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(delta["tool_calls"])]
+    top = {k: v for k, v in body.items() if k not in ("choices", "object")}
+    chunk = {
+        **top,
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": choice.get("finish_reason")}],
+    }
+    sse = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+    server._queue.clear()
+    whole = _run(server, path.read_bytes(), 200, "json")
+    server._queue.clear()  # the follow-up reply is left when the recording calls no tool
+    streamed = _run(server, sse, 200, "sse")
+    server._queue.clear()
+    expected = dict(whole.rows[1].payload)
+    if expected.get("tool_calls"):  # in a stream, `index` only says which call a piece extends
+        expected["tool_calls"] = [
+            {k: v for k, v in c.items() if k != "index"} for c in expected["tool_calls"]
+        ]
+    assert streamed.rows[1].payload == expected
+    assert streamed.usage == whole.usage
