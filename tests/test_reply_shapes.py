@@ -245,3 +245,14 @@ def test_whole_error_body_with_status_200_is_typed_and_retried(server: FakeOpenA
     server.enqueue(Reply.raw(body))
     with pytest.raises(RateLimitError, match="Provider returned error"):
         _run(server, stream=False, retries=0)
+
+
+def test_an_sse_error_event_with_bare_data_is_still_an_error(server: FakeOpenAIServer) -> None:
+    bare = "event: error\ndata: " + json.dumps({"message": "overloaded", "code": 503})
+    server.enqueue(
+        _sse(_chunk({"content": "Par"}), bare, done=False),
+        _sse(_chunk({"role": "assistant"}), "event: error\ndata: upstream went away", done=False),
+    )
+    with pytest.raises(ProviderError, match="upstream went away"):
+        _run(server, stream=True, retries=1)  # the first is retried (503), the second is not
+    assert server.request_count == 2
