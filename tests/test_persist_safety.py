@@ -119,17 +119,22 @@ def test_each_tool_result_is_written_as_it_finishes(tmp_path: Path) -> None:
 def test_in_memory_cancel_records_interrupted_calls_as_unknown_outcome() -> None:
     gate = Gate()
     charges: list[int] = []
+    noted: list[str] = []
 
     @tool
     async def charge_card(cents: int) -> str:
         """Charges a card: not idempotent."""
         charges.append(cents)
+        while not noted:  # the other call of the round has finished before the test cancels
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0)
         await gate.wait()
         return "charged"
 
     @tool
-    def note(text: str) -> str:
+    async def note(text: str) -> str:
         """Writes a note."""
+        noted.append(text)
         return text
 
     calls = tool_calls([("charge_card", {"cents": 500}), ("note", {"text": "hi"})], ids=["c", "n"])
