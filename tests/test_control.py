@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -323,20 +324,26 @@ async def test_leaving_the_event_stream_early_cancels_the_pass() -> None:
 
 
 def test_cancel_before_the_pass_starts_is_a_clean_stop() -> None:
-    gate = asyncio.Event()
+    gate = threading.Event()
 
-    async def never() -> Session:
-        await gate.wait()
+    async def later() -> Session:
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
         return Session.from_user_message("late")
 
     from treadle.runtime import run_lazy
 
-    pending_input = run_lazy(never())
-    out = run_session_loop(pending_input, AGENT, executor=ScriptedExecutor(["x"]))
+    pending_input = run_lazy(later())
+    executor = ScriptedExecutor(["x"])
+    out = run_session_loop(pending_input, AGENT, executor=executor)
     out.cancel()  # the pass is still waiting for its input (or has not even started)
-    assert out.synchronize(timeout=30).stop_reason == "cancelled"
     assert not pending_input.done()  # a consumer's cancel never cancels a shared input
-    pending_input.cancel()
+    gate.set()
+    done = out.synchronize(timeout=30)
+    assert done.stop_reason == "cancelled"
+    # the output still holds the input rows, and no request was made
+    assert [r.payload["content"] for r in done.rows] == ["late"]
+    assert executor.requests == []
 
 
 def test_cancel_immediately_after_submit() -> None:

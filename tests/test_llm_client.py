@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from pydantic_core import to_json
@@ -132,11 +134,15 @@ async def test_retries_exhausted_raise_typed_errors(server: FakeOpenAIServer) ->
         await complete(provider_for(server, max_retries=1))
 
 
-async def test_retry_after_header_is_honoured(server: FakeOpenAIServer) -> None:
+@pytest.mark.parametrize("call", [complete, stream])
+async def test_retry_after_header_is_honoured(server: FakeOpenAIServer, call: Any) -> None:
     server.add_fault(Reply.rate_limited(0.3), times=1)
-    provider = provider_for(server, retry_base_delay=0.0)
-    assert (await complete(provider)).message.content == "hello there"
+    provider = provider_for(server, retry_base_delay=0.0)  # no backoff of our own: only the header
+    started = time.monotonic()
+    await call(provider)
+    waited = time.monotonic() - started
     assert server.request_count == 2
+    assert waited >= 0.3  # a lower bound only: the client waited at least what the server asked
 
 
 @pytest.mark.parametrize("flavor", ["openai", "llamacpp", "vllm"])

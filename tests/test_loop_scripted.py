@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import threading
 from typing import Any
 
@@ -146,15 +145,31 @@ def test_budget_callback_fires_once_and_can_stop() -> None:
     assert out.rows[-1].kind == "tool_result"  # the round's tools ran: no orphaned tool call
 
 
-def test_budget_without_callback_logs_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_budget_without_callback_stops_the_pass() -> None:
     provider = Provider(model="m", base_url="http://127.0.0.1:9/v1", budget_total_tokens=1)
-    ex = ScriptedExecutor([text("a")])
-    with caplog.at_level(logging.WARNING, logger="treadle.loop"):
-        out = run_session_loop(
-            Session.from_user_message("x"), AGENT, executor=ex, agent_provider=provider
-        )
-        assert out.stop_reason == "final_answer"
-    assert any("budget" in r.message for r in caplog.records)
+    ex = ScriptedExecutor(default=tool_call("add", {"a": 1, "b": 2}))
+    out = run_session_loop(
+        Session.from_user_message("x"), AGENT, executor=ex, agent_provider=provider, tools=[add]
+    )
+    assert out.stop_reason == "budget"
+    assert len(ex.requests) == 1  # stopped before the next request
+    assert out.rows[-1].kind == "tool_result"  # the round's tools ran: no orphaned tool call
+    assert out.metadata["budget_message"] == "the pass used 15 tokens, over its budget of 1"
+
+
+def test_budget_callback_that_returns_lets_the_pass_run_on() -> None:
+    seen: list[int] = []
+    provider = Provider(
+        model="m",
+        base_url="http://127.0.0.1:9/v1",
+        budget_total_tokens=1,
+        on_budget_exceeded=lambda session, usage: seen.append(usage.total_tokens),
+    )
+    ex = ScriptedExecutor([tool_call("add", {"a": 1, "b": 2}), text("3")])
+    out = run_session_loop(
+        Session.from_user_message("x"), AGENT, executor=ex, agent_provider=provider, tools=[add]
+    )
+    assert out.stop_reason == "final_answer" and seen == [15]
 
 
 def test_configuration_errors_raise_at_the_call(monkeypatch: pytest.MonkeyPatch) -> None:

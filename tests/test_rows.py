@@ -26,7 +26,8 @@ def test_bad_kind_is_a_clear_value_error() -> None:
     [
         ("user", {}, "content"),
         ("user", {"content": 3}, "content"),
-        ("tool_result", {"tool_call_id": "c", "content": "{}"}, "name"),
+        # a tool message needs the id of the call it answers (its `name` is optional)
+        ("tool_result", {"name": "t", "content": "{}"}, "tool_call_id"),
         (
             "assistant",
             {"content": None, "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]},

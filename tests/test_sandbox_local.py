@@ -214,7 +214,7 @@ async def test_builtin_tools_through_dispatch() -> None:
                 call("read_workspace_file", {"path": "notes/a.txt"}, id="1"),
                 call("list_workspace_files", {"path": "notes"}, id="2"),
                 call("run_shell_command", {"cmd": "cat notes/a.txt"}, id="3"),
-                call("run_shell_command", {"cmd": "sleep 5", "timeout": 0.1}, id="4"),
+                call("run_shell_command", {"cmd": "echo so-far; sleep 5", "timeout": 0.1}, id="4"),
                 call("read_workspace_file", {"path": "../../etc/passwd"}, id="5"),
                 call("read_workspace_file", {"path": "missing"}, id="6"),
             ],
@@ -230,7 +230,9 @@ async def test_builtin_tools_through_dispatch() -> None:
         }
         assert bodies[2]["stdout"] == "abc" and bodies[2]["exit_code"] == 0
         assert set(bodies[2]) == {"ok", "exit_code", "stdout", "stderr", "elapsed_ms"}
-        assert bodies[3]["timed_out"] is True
+        # 0.1 s is clamped up to the 1 s minimum; a timeout is an error with the partial output
+        assert outs[3].error_kind == "timeout" and bodies[3]["ok"] is False
+        assert "1 s timeout" in bodies[3]["message"] and "so-far" in bodies[3]["detail"]
         assert outs[4].error_kind == "path_violation"
         assert (
             outs[5].error_kind == "tool_execution_exception" and "no file" in bodies[5]["message"]
@@ -286,3 +288,32 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize(
+    ("requested", "applied"), [(1e9, 60.0), (0, 1.0), (-5, 1.0), (2.5, 2.5), (None, None)]
+)
+async def test_shell_timeout_from_the_model_is_clamped(
+    requested: float | None, applied: float | None
+) -> None:
+    tools = ToolSet.build(None, builtins=global_system_tools())
+    async with Session.from_user_message("x").to("local") as session:  # a 60 s limit
+        arguments: dict[str, Any] = {"cmd": "echo ok"}
+        if requested is not None:
+            arguments["timeout"] = requested
+        outs = await run_tool_calls([call("run_shell_command", arguments)], tools, session=session)
+        body = json.loads(outs[0].content)
+        assert body["ok"] is True and body["exit_code"] == 0 and body["stdout"] == "ok\n"
+        if applied is not None and requested != applied:
+            assert body["timeout_note"] == f"timeout {requested:g} s was clamped to {applied:g} s"
+        else:
+            assert "timeout_note" not in body
+
+
+async def test_direct_run_command_rejects_a_nonsense_timeout() -> None:
+    from treadle.errors import ConfigurationError
+    from treadle.sandbox.process import run_command
+
+    for bad in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ConfigurationError, match="timeout must be a number"):
+            await run_command("echo x", cwd=Path("."), env={}, timeout=bad)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import json
+from typing import Any
 
 import pytest
 
@@ -106,3 +108,69 @@ def test_with_data_keeps_identity() -> None:
 def test_require_sandbox_without_placement_is_a_clear_error() -> None:
     with pytest.raises(ConfigurationError, match=r"to\('local'\)"):
         Session.from_user_message("x").require_sandbox()
+
+
+# Every message shape the Chat Completions API accepts (OpenAI API reference, "messages").
+CHAT_COMPLETIONS_MESSAGES: list[dict[str, Any]] = [
+    {"role": "developer", "content": "Answer in French."},
+    {"role": "system", "content": [{"type": "text", "text": "Be brief."}], "name": "ops"},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64,AA", "detail": "low"},
+            },
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+            {"type": "file", "file": {"file_id": "file-1"}},
+        ],
+        "name": "ana",
+    },
+    {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "Looking."}], "audio": {"id": "a1"}},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+            {"id": "c2", "type": "custom", "custom": {"name": "grep", "input": "foo"}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": '{"ok": true}'},
+    {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "found"}]},
+    {"role": "assistant", "content": "Voilà.", "name": "bot"},
+]
+
+
+def test_from_messages_round_trips_every_chat_completions_message() -> None:
+    session = Session.from_messages(CHAT_COMPLETIONS_MESSAGES)
+    assert session.to_messages() == CHAT_COMPLETIONS_MESSAGES
+    assert [r.kind for r in session.rows][:2] == ["system", "system"]
+    assert session.rows[0].role == "developer"
+    # the standard tool message (no `name`) answers its call: nothing is pending on resume
+    assert [r.kind for r in session.rows[7:9]] == ["tool_result", "tool_result"]
+    # and the bytes sent on the wire are the messages as given
+    assert [json.loads(r.message_json()) for r in session.rows] == CHAT_COMPLETIONS_MESSAGES
+
+
+def test_merge_counts_a_shared_ancestors_usage_once() -> None:
+    from treadle.loop import run_session_loop
+    from treadle.testing.scripted import ScriptedExecutor, text
+
+    agent = Session.from_agent_prompt("Answer.")
+
+    def spent(prompt: int, completion: int) -> ScriptedExecutor:
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+        return ScriptedExecutor([text("ok", usage=usage)])
+
+    base = run_session_loop(Session.from_user_message("start"), agent, executor=spent(80, 20))
+    left = run_session_loop(base.add_user_message("left"), agent, executor=spent(10, 5))
+    right = run_session_loop(base.add_user_message("right"), agent, executor=spent(10, 5))
+    merged = left.merge(right)
+    # spent: 100 (base) + 15 (left) + 15 (right); both sides carry the base's 100
+    assert merged.usage == Usage(100, 30, 130, 3)
+    assert left.merge(left).usage == left.usage  # a session merged with itself adds nothing
+    unrelated = Session.from_user_message("x").with_data(usage=Usage(1, 1, 2, 1))
+    assert left.merge(unrelated).usage == left.usage + unrelated.usage

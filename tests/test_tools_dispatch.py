@@ -366,3 +366,75 @@ async def test_base_tool_dispatch() -> None:
     )
     assert body(outs[0]) == {"ok": True, "n": 2, "has_session": True}
     assert outs[1].error_kind == "invalid_tool_arguments"
+
+
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr for you")
+
+
+@dataclasses.dataclass
+class _Node:
+    name: str
+    child: Any = None
+
+
+@tool
+def raw_output() -> bytes:
+    """Bytes from a real subprocess that are not UTF-8 (a Latin-1 file name in the listing)."""
+    import subprocess
+    import sys
+
+    return subprocess.check_output(
+        [sys.executable, "-c", "import sys; sys.stdout.buffer.write(b'caf\\xe9 ok\\n')"]
+    )
+
+
+@tool
+def binary_blob() -> dict[str, Any]:
+    """Mostly undecodable bytes (an image), nested."""
+    return {"png": bytes(range(128, 256)), "name": b"\xff\xfe"}
+
+
+@tool
+def cyclic() -> dict[str, Any]:
+    """A structure that contains itself, a NaN, and infinities."""
+    data: dict[str, Any] = {"nan": float("nan"), "values": [float("inf"), -float("inf"), 1.5]}
+    loop: list[Any] = [1]
+    loop.append(loop)
+    data["loop"] = loop
+    data["self"] = data
+    node = _Node("a")
+    node.child = node
+    data["node"] = node
+    return data
+
+
+@tool
+def unprintable() -> Any:
+    """A value that has neither a JSON form nor a repr."""
+    return _Unprintable()
+
+
+async def test_results_always_serialise_to_valid_json() -> None:
+    tools = ToolSet.build([raw_output, binary_blob, cyclic, unprintable])
+    outs = await run_tool_calls(
+        [call("raw_output"), call("binary_blob"), call("cyclic"), call("unprintable")],
+        tools,
+        session=None,
+    )
+    decoded = [json.loads(o.content) for o in outs]  # strict JSON: no NaN, no Infinity
+    for o in outs:
+        json.loads(o.content, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert decoded[0] == {"ok": True, "result": "caf\ufffd ok\n"}  # replaced, still text
+    assert decoded[1]["ok"] is True
+    assert decoded[1]["png"]["bytes"] == 128
+    assert bytes(range(128, 256)) == __import__("base64").b64decode(decoded[1]["png"]["base64"])
+    cyc = decoded[2]
+    assert cyc["ok"] is True and cyc["nan"] == "NaN"
+    assert cyc["values"] == ["Infinity", "-Infinity", 1.5]
+    assert cyc["loop"] == [1, "<circular reference>"]
+    assert "<circular reference>" in json.dumps(cyc["self"])
+    assert "_Node(name='a'" in json.dumps(cyc["node"])  # a dataclass cycle falls back to repr
+    assert decoded[3]["ok"] is False and outs[3].error_kind == "unserialisable_result"
+    assert "no repr for you" in decoded[3]["message"]

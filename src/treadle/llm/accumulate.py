@@ -1,9 +1,17 @@
 """`StreamAccumulator`: folds stream chunks into the completion a non-streamed call returns.
 
-Deltas are merged the way OpenAI's own client merges them: strings are concatenated (content,
-tool-call arguments, and unknown fields such as `reasoning_content`), tool calls are merged by
-`index`, identity fields (`role`, `id`, `type`, `index`) are replaced, not concatenated. Pure: no
-I/O, never raises on unknown fields (they are kept).
+Only fields that are text deltas are concatenated: the message's `content`, `reasoning_content`,
+`reasoning`, `refusal` and `thinking`, a tool call's `function.arguments`, and the `text` /
+`summary` of indexed list items such as `reasoning_details`. Every other field is an identity or
+an enum (`id`, `type`, `format`, `channel`, a tool name, ...) and is replaced by the latest
+non-empty value, so nothing is repeated once per chunk and sent back to the provider corrupted.
+
+Lists are merged item by item when items carry an `index` (tool calls, `reasoning_details`,
+`executed_tools`) and appended otherwise (`annotations`). Tool-call deltas without an `index`
+(some compatible servers omit it) are told apart by `id`: a new id starts a new call, a delta
+without id continues the last one; a repeated index with a different id is a new call too.
+`content` given as a list of parts (Mistral's thinking and text parts) is merged part by part.
+Pure: no I/O, never raises on unknown fields (they are kept).
 """
 
 from __future__ import annotations
@@ -11,37 +19,46 @@ from __future__ import annotations
 from typing import Any
 
 from treadle.errors import MalformedResponse
-from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
+from treadle.llm.wire import ChatCompletion, ChatCompletionChunk, ChoiceDeltaToolCall
 
-__all__ = ["StreamAccumulator"]
+__all__ = ["MESSAGE_TEXT_FIELDS", "StreamAccumulator"]
 
-_REPLACED = frozenset({"role", "id", "type", "index"})
+#: Message fields whose stream deltas are pieces of one text.
+MESSAGE_TEXT_FIELDS = frozenset(
+    {"content", "reasoning_content", "reasoning", "refusal", "thinking"}
+)
+# Fields of an indexed list item (`reasoning_details[]`, content parts) that are text pieces.
+_ITEM_TEXT_FIELDS = frozenset({"text", "summary", "thinking"})
 
 
-def _merge(acc: dict[str, Any], delta: dict[str, Any]) -> None:
+def _replace(acc: dict[str, Any], key: str, value: Any) -> None:
+    """Set an identity/enum field; an empty string never wipes a value already known."""
+    if value == "" and acc.get(key):
+        return
+    acc[key] = value
+
+
+def _merge_item(acc: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Merge one indexed list item: its text fields concatenate, the rest is replaced."""
     for key, value in delta.items():
         if value is None:
             acc.setdefault(key, None)
-            continue
-        old = acc.get(key)
-        if old is None or key in _REPLACED:
-            acc[key] = value
-        elif isinstance(old, str) and isinstance(value, str):
-            acc[key] = old + value
-        elif isinstance(old, dict) and isinstance(value, dict):
-            _merge(old, value)
-        elif isinstance(old, list) and isinstance(value, list):
-            _merge_list(old, value)
+        elif key in _ITEM_TEXT_FIELDS and isinstance(value, str):
+            old = acc.get(key)
+            acc[key] = old + value if isinstance(old, str) else value
+        elif key in _ITEM_TEXT_FIELDS and isinstance(value, list):
+            _merge_parts(acc.setdefault(key, []), value)
         else:
-            acc[key] = value
+            _replace(acc, key, value)
 
 
-def _merge_list(acc: list[Any], items: list[Any]) -> None:
+def _merge_indexed(acc: list[Any], items: list[Any]) -> None:
+    """Merge list items by their `index`; items without one are appended."""
     for item in items:
         if isinstance(item, dict) and isinstance(item.get("index"), int):
             for existing in acc:
                 if isinstance(existing, dict) and existing.get("index") == item["index"]:
-                    _merge(existing, item)
+                    _merge_item(existing, item)
                     break
             else:
                 acc.append(dict(item))
@@ -49,14 +66,109 @@ def _merge_list(acc: list[Any], items: list[Any]) -> None:
             acc.append(item)
 
 
+def _merge_parts(acc: list[Any], parts: list[Any]) -> None:
+    """Merge content parts: a part of the same type as the last one continues it."""
+    for part in parts:
+        last = acc[-1] if acc else None
+        if (
+            isinstance(part, dict)
+            and isinstance(last, dict)
+            and part.get("type") == last.get("type")
+            and "index" not in part
+        ):
+            _merge_item(last, part)
+        elif isinstance(part, dict):
+            acc.append({k: (list(v) if isinstance(v, list) else v) for k, v in part.items()})
+        else:
+            acc.append(part)
+
+
+def _merge_content(message: dict[str, Any], value: str | list[Any]) -> None:
+    old = message.get("content")
+    if isinstance(value, str):
+        if isinstance(old, list):
+            _merge_parts(old, [{"type": "text", "text": value}] if value else [])
+        else:
+            message["content"] = (old or "") + value
+        return
+    if not isinstance(old, list):
+        # Text streamed before the first parts list becomes a leading text part.
+        old = [{"type": "text", "text": old}] if old else []
+        message["content"] = old
+    _merge_parts(old, value)
+
+
+def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
+    for key, value in delta.items():
+        if value is None:
+            message.setdefault(key, None)
+        elif key == "content" and isinstance(value, (str, list)):
+            _merge_content(message, value)
+        elif key in MESSAGE_TEXT_FIELDS and isinstance(value, str):
+            old = message.get(key)
+            message[key] = old + value if isinstance(old, str) else value
+        elif key == "tool_calls":
+            continue  # merged by `_merge_calls`, which needs the typed deltas
+        elif isinstance(value, list):
+            old = message.get(key)
+            if isinstance(old, list):
+                _merge_indexed(old, value)
+            else:
+                message[key] = []
+                _merge_indexed(message[key], value)
+        elif isinstance(value, dict) and isinstance(message.get(key), dict):
+            _merge_item(message[key], value)
+        else:
+            _replace(message, key, value)
+
+
+def _merge_calls(calls: list[dict[str, Any]], deltas: list[ChoiceDeltaToolCall]) -> None:
+    """Fold tool-call deltas in; a delta without `index` gets the one it belongs to (in place)."""
+    for delta in deltas:
+        index = delta.index
+        if index is None:
+            last = calls[-1] if calls else None
+            if last is None or (delta.id and last.get("id") and delta.id != last["id"]):
+                index = len(calls)
+            else:
+                index = last["index"]
+        current = next((c for c in calls if c["index"] == index), None)
+        if current is not None and delta.id and current.get("id") and delta.id != current["id"]:
+            # The same index with another id: a server numbering every call 0. A new call.
+            index = max(c["index"] for c in calls) + 1
+            current = None
+        delta.index = index  # callbacks see the call each piece belongs to
+        if current is None:
+            current = {"index": index, "function": {"name": "", "arguments": ""}}
+            calls.append(current)
+        if delta.id:
+            current["id"] = delta.id
+        if delta.type:
+            current["type"] = delta.type
+        fn = delta.function
+        if fn is not None:
+            function = current["function"]
+            if fn.name:
+                function["name"] = fn.name
+            if fn.arguments:
+                function["arguments"] += fn.arguments
+            for key, value in (fn.model_extra or {}).items():
+                if value is not None:
+                    function[key] = value
+        for key, value in (delta.model_extra or {}).items():
+            if value is not None:
+                _replace(current, key, value)
+
+
 class StreamAccumulator:
     """Collects `ChatCompletionChunk`s; `result()` gives the equivalent `ChatCompletion`."""
 
-    __slots__ = ("_choices", "_finish", "_top", "chunks")
+    __slots__ = ("_calls", "_choices", "_finish", "_top", "chunks")
 
     def __init__(self) -> None:
         self._top: dict[str, Any] = {}
         self._choices: dict[int, dict[str, Any]] = {}
+        self._calls: dict[int, list[dict[str, Any]]] = {}
         self._finish: dict[int, str | None] = {}
         self.chunks = 0
         """Number of chunks added."""
@@ -67,7 +179,10 @@ class StreamAccumulator:
         return any(reason is not None for reason in self._finish.values())
 
     def add(self, chunk: ChatCompletionChunk) -> None:
-        """Fold one chunk in (order matters; the usage chunk may come last with no choices)."""
+        """Fold one chunk in (order matters; the usage chunk may come last with no choices).
+
+        Tool-call deltas without an `index` get the index of the call they belong to.
+        """
         self.chunks += 1
         top = self._top
         for key in ("id", "created", "model"):
@@ -84,8 +199,12 @@ class StreamAccumulator:
             message = self._choices.get(choice.index)
             if message is None:
                 message = self._choices[choice.index] = {"role": "assistant", "content": None}
+                self._calls[choice.index] = []
                 self._finish[choice.index] = None
-            _merge(message, choice.delta.model_dump(exclude_none=True))
+            delta = choice.delta
+            _merge_message(message, delta.model_dump(exclude_none=True, exclude={"tool_calls"}))
+            if delta.tool_calls:
+                _merge_calls(self._calls[choice.index], delta.tool_calls)
             if choice.finish_reason is not None:
                 self._finish[choice.index] = choice.finish_reason
 
@@ -96,17 +215,15 @@ class StreamAccumulator:
         choices = []
         for index in sorted(self._choices):
             message = dict(self._choices[index])
-            calls = message.get("tool_calls")
+            calls = self._calls[index]
             if calls:
-                ordered = sorted(calls, key=lambda c: c.get("index", 0))
+                ordered = sorted(calls, key=lambda c: c["index"])
                 message["tool_calls"] = [
-                    {k: v for k, v in call.items() if k != "index"} for call in ordered
+                    {"type": "function", **{k: v for k, v in call.items() if k != "index"}}
+                    for call in ordered
                 ]
                 for call in message["tool_calls"]:
-                    call.setdefault("type", "function")
-                    function = call.setdefault("function", {})
-                    function.setdefault("arguments", "")
-                    function.setdefault("name", "")
+                    call.setdefault("id", "")
             choices.append(
                 {"index": index, "message": message, "finish_reason": self._finish[index]}
             )

@@ -2,10 +2,14 @@
 
 Feed it bytes as they arrive, in any chunking; it returns the `data` payload of each complete
 event. It keeps only the unfinished tail between calls and must never wait for the whole body.
-Comment lines (`: keep-alive`), `event:`, `id:` and `retry:` fields are skipped.
+Comment lines (`: keep-alive`), `id:` and `retry:` fields are skipped. An `event: error` is
+handed on as an `{"error": ...}` payload even when its data is a bare object or plain text, so a
+provider's mid-stream failure always reaches the client as an error.
 """
 
 from __future__ import annotations
+
+from pydantic_core import from_json, to_json
 
 __all__ = ["DONE", "SSEDecoder"]
 
@@ -16,11 +20,12 @@ DONE = b"[DONE]"
 class SSEDecoder:
     """Turns a byte stream into event payloads: `decoder.feed(chunk) -> [data, ...]`."""
 
-    __slots__ = ("_data", "_tail")
+    __slots__ = ("_data", "_error", "_tail")
 
     def __init__(self) -> None:
         self._tail = b""
         self._data: list[bytes] = []
+        self._error = False  # the current event is named `error`
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Decode `chunk`; return the payloads of the events it completes (possibly none)."""
@@ -36,13 +41,17 @@ class SSEDecoder:
                 line = line[:-1]
             if not line:
                 if data:
-                    out.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    payload = data[0] if len(data) == 1 else b"\n".join(data)
+                    out.append(_as_error(payload) if self._error else payload)
                     data = self._data = []
+                self._error = False
                 continue
             if line.startswith(b"data:"):
                 value = line[5:]
                 data.append(value[1:] if value.startswith(b" ") else value)
-            # Comments (":...") and other fields (event, id, retry) carry nothing we use.
+            elif line.startswith(b"event:"):
+                self._error = line[6:].strip() == b"error"
+            # Comments (":...") and other fields (id, retry) carry nothing we use.
         return out
 
     def flush(self) -> list[bytes]:
@@ -50,3 +59,14 @@ class SSEDecoder:
         out = self.feed(b"\n\n") if (self._tail or self._data) else []
         self._tail = b""
         return out
+
+
+def _as_error(data: bytes) -> bytes:
+    """The data of an `event: error` as an `{"error": ...}` payload."""
+    try:
+        value = from_json(data)
+    except ValueError:
+        return to_json({"error": {"message": data.decode("utf-8", "replace")}})
+    if isinstance(value, dict) and "error" in value:
+        return data
+    return to_json({"error": value if isinstance(value, dict) else {"message": str(value)}})

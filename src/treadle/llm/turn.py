@@ -15,18 +15,23 @@ of the protocol belongs to the tools layer. Nothing here blocks the loop.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
 
+import anyio
 from pydantic import ValidationError
 
-from treadle.errors import ConfigurationError, MalformedResponse
+from treadle.errors import ConfigurationError, MalformedResponse, ProviderError
 from treadle.llm.accumulate import StreamAccumulator
+from treadle.llm.inband import error_in, provider_usage, with_status_from_body
 from treadle.llm.provider import Provider
 from treadle.llm.request import CompletionRequest
+from treadle.llm.retry import backoff_delay, is_retryable_status
 from treadle.llm.wire import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -37,6 +42,7 @@ from treadle.llm.wire import (
 )
 from treadle.runtime.threads import run_user_code
 from treadle.session import Usage
+from treadle.session.rows import text_of_content
 
 __all__ = [
     "AssistantTurn",
@@ -77,6 +83,8 @@ class AsyncExecutor(Protocol):
         ...
 
 
+log = logging.getLogger("treadle.llm")
+
 ModelExecutor: TypeAlias = Executor | AsyncExecutor
 """Anything a pass can ask for completions."""
 
@@ -89,15 +97,40 @@ class HttpExecutor:
         from treadle.llm.client import get_client  # httpx loads with the first request
 
         provider = _require_provider(request)
-        return await get_client(provider).complete(provider, request.body())
+        try:
+            return await get_client(provider).complete(provider, request.body())
+        except RuntimeError as err:
+            _raise_if_foreign_loop(provider, err)
+            raise
 
-    async def astream(self, request: CompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+    async def astream(self, request: CompletionRequest) -> AsyncGenerator[ChatCompletionChunk]:
         """Send the request with `stream: true` and yield chunks as they arrive."""
         from treadle.llm.client import get_client
 
         provider = _require_provider(request)
-        async for chunk in get_client(provider).stream(provider, request.body()):
-            yield chunk
+        try:
+            async for chunk in get_client(provider).stream(provider, request.body()):
+                yield chunk
+        except RuntimeError as err:
+            _raise_if_foreign_loop(provider, err)
+            raise
+
+
+def _raise_if_foreign_loop(provider: Provider, err: RuntimeError) -> None:
+    """A user's `httpx.AsyncClient` bound to another event loop, as a `ConfigurationError`.
+
+    httpx pools connections per event loop; a client that already ran on the caller's loop
+    cannot serve a lazy pass, which runs on Treadle's runtime loop. Other errors pass through.
+    """
+    text = str(err).lower()
+    if provider.http_client is None or not ("event loop" in text or "different loop" in text):
+        return
+    raise ConfigurationError(
+        "Provider(http_client=...) was used on another event loop and cannot serve this pass "
+        f"({err}). Lazy passes run on Treadle's runtime loop: leave http_client unset (set "
+        "timeouts on the Provider), or create the httpx.AsyncClient inside your coroutine and "
+        "run the pass there with `await arun_session_loop(...)`."
+    ) from err
 
 
 def _require_provider(request: CompletionRequest) -> Provider:
@@ -199,19 +232,72 @@ class AssistantTurn:
 DeltaSink = Callable[[TurnDelta], None]
 
 
+class _InBand(Exception):
+    """Internal: the provider reported an error inside a 200 reply."""
+
+    def __init__(self, error: ProviderError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 async def request_turn(
     executor: ModelExecutor, request: CompletionRequest, on_delta: DeltaSink | None = None
 ) -> AssistantTurn:
-    """Ask `executor` for one turn; hand each delta to `on_delta` as it arrives."""
+    """Ask `executor` for one turn; hand each delta to `on_delta` as it arrives.
+
+    An error the provider reports inside a 200 reply (an `event: error`, a chunk carrying
+    `error`, a whole `{"error": ...}` body) raises the typed `ProviderError` its status would
+    have given. When that status is retryable (429, 5xx) the turn is asked for again, up to
+    `Provider.max_retries` times; a retried stream starts over, so `on_delta` may see the
+    beginning of a turn twice.
+    """
+    provider = request.provider
+    attempt = 0
+    while True:
+        try:
+            return await _turn(executor, request, on_delta)
+        except _InBand as inband:
+            error = inband.error
+            status = error.status_code
+            if (
+                provider is None
+                or status is None
+                or not is_retryable_status(status)
+                or attempt >= provider.max_retries
+            ):
+                raise error from None
+            delay = backoff_delay(attempt, provider.retry_base_delay)
+            log.info("retrying the turn (%s) in %.2fs", error.message, delay)
+        await anyio.sleep(delay)
+        attempt += 1
+
+
+async def _turn(
+    executor: ModelExecutor, request: CompletionRequest, on_delta: DeltaSink | None
+) -> AssistantTurn:
+    api_key = request.provider.api_key if request.provider is not None else None
     if request.stream and isinstance(executor, HttpExecutor):
         acc = StreamAccumulator()
-        async for chunk in executor.astream(request):
-            acc.add(chunk)
-            if on_delta is not None:
-                on_delta(_delta_of(chunk))
+        async with contextlib.aclosing(executor.astream(request)) as chunks:
+            async for chunk in chunks:
+                error = error_in(chunk.model_extra, request_id=chunk.id or None, api_key=api_key)
+                if error is not None:
+                    raise _InBand(error)  # closing the stream releases its connection
+                acc.add(chunk)
+                if on_delta is not None:
+                    on_delta(_delta_of(chunk))
         completion = acc.result()
     else:
-        completion = await call_complete(executor, request)
+        try:
+            completion = await call_complete(executor, request)
+        except ProviderError as err:
+            retyped = with_status_from_body(err, api_key)
+            if retyped is err:
+                raise
+            raise _InBand(retyped) from None
+        error = error_in(completion.model_extra, request_id=completion.id or None, api_key=api_key)
+        if error is not None:
+            raise _InBand(error)
         if on_delta is not None:
             on_delta(_delta_of(_as_chunk(completion)))
     return turn_of(completion)
@@ -224,11 +310,17 @@ def turn_of(completion: ChatCompletion) -> AssistantTurn:
     if message.tool_calls:
         payload["tool_calls"] = [
             {
-                "id": call.id,
+                **call.model_dump(exclude_none=True),
+                # An empty id (Gemini's endpoint) gets the one its tool_result row will answer.
+                "id": call.id or f"call_{i}",
                 "type": call.type or "function",
-                "function": {"name": call.function.name, "arguments": call.function.arguments},
+                "function": {
+                    **call.function.model_dump(exclude_none=True),
+                    "name": call.function.name,
+                    "arguments": call.function.arguments,
+                },
             }
-            for call in message.tool_calls
+            for i, call in enumerate(message.tool_calls)
         ]
     extra = message.model_extra
     if extra:
@@ -237,12 +329,10 @@ def turn_of(completion: ChatCompletion) -> AssistantTurn:
             if key != "role" and value is not None:
                 payload[key] = value
     usage = completion.usage
-    return AssistantTurn(
-        payload,
-        Usage.from_wire(usage.model_dump() if usage is not None else None),
-        completion.finish_reason,
-        completion,
-    )
+    wire_usage = usage.model_dump() if usage is not None else None
+    if not wire_usage or not any(wire_usage.get(k) for k in ("prompt_tokens", "total_tokens")):
+        wire_usage = provider_usage(completion.model_extra) or wire_usage
+    return AssistantTurn(payload, Usage.from_wire(wire_usage), completion.finish_reason, completion)
 
 
 def _delta_of(chunk: ChatCompletionChunk) -> TurnDelta:
@@ -250,13 +340,14 @@ def _delta_of(chunk: ChatCompletionChunk) -> TurnDelta:
     pieces: list[ToolCallPiece] = []
     for choice in chunk.choices:
         delta = choice.delta
-        if delta.content:
-            text = delta.content if text is None else text + delta.content
+        piece = text_of_content(delta.content)
+        if piece:
+            text = piece if text is None else text + piece
         for call in delta.tool_calls or ():
             fn = call.function
             pieces.append(
                 ToolCallPiece(
-                    call.index,
+                    call.index if call.index is not None else 0,
                     call.id,
                     fn.name if fn is not None else None,
                     (fn.arguments or "") if fn is not None else "",

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_json
 
 from treadle.llm.provider import RESERVED_BODY_KEYS, Provider
+from treadle.session.rows import text_of_content
 
 __all__ = [
     "ChatCompletion",
@@ -53,11 +54,20 @@ class MessageToolCall(_Wire):
 
 
 class ChatMessage(_Wire):
-    """The assistant message of a choice (content and/or tool calls; extra fields kept)."""
+    """The assistant message of a choice (content and/or tool calls; extra fields kept).
+
+    `content` is text, or a list of typed parts (Mistral's Magistral sends thinking and text
+    parts); `content_text` is the text either way.
+    """
 
     role: str = "assistant"
-    content: str | None = None
+    content: str | list[dict[str, Any]] | None = None
     tool_calls: list[MessageToolCall] | None = None
+
+    @property
+    def content_text(self) -> str | None:
+        """The message text: `content`, or the joined text parts of a parts list."""
+        return text_of_content(self.content)
 
 
 class Choice(_Wire):
@@ -105,9 +115,12 @@ class FunctionCallDelta(_Wire):
 
 
 class ChoiceDeltaToolCall(_Wire):
-    """A piece of a streamed tool call; pieces with the same `index` belong together."""
+    """A piece of a streamed tool call; pieces with the same `index` belong together.
 
-    index: int = 0
+    Some compatible servers omit `index`; the accumulator then tells calls apart by `id`.
+    """
+
+    index: int | None = None
     id: str | None = None
     type: str | None = None
     function: FunctionCallDelta | None = None
@@ -117,7 +130,7 @@ class ChoiceDelta(_Wire):
     """The change a stream chunk brings to one choice's message."""
 
     role: str | None = None
-    content: str | None = None
+    content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ChoiceDeltaToolCall] | None = None
 
 

@@ -17,25 +17,19 @@ blocks the event loop.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
 
 from treadle.errors import BudgetExceededError
-from treadle.llm.provider import Provider
 from treadle.llm.request import CompletionRequest
-from treadle.llm.turn import AssistantTurn, HttpExecutor, ModelExecutor, TurnDelta, request_turn
+from treadle.llm.turn import AssistantTurn, HttpExecutor, TurnDelta, request_turn
 from treadle.loop.callbacks import CallbackPump
 from treadle.loop.control import (
-    Guardrail,
     GuardrailInput,
-    Limits,
     PassControl,
     Tripwire,
     approval_decision,
@@ -44,7 +38,6 @@ from treadle.loop.control import (
 from treadle.loop.events import (
     AssistantRowEvent,
     Emitter,
-    Event,
     GuardrailTripped,
     Interrupted,
     PassStarted,
@@ -52,41 +45,18 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
+from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
-from treadle.telemetry import TraceParent, capturing_content, finish_pass, start_pass
+from treadle.session.rows import in_call_order
+from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
-from treadle.tools import ToolContext, ToolSet, run_tool_calls
+from treadle.tools import ToolContext, ToolOutcome, run_tool_calls
 
-__all__ = ["PassPlan", "run_pass"]
+__all__ = ["PassPlan", "pending_tool_calls", "run_pass"]
 
-log = logging.getLogger("treadle.loop")
 
 _NO_TOOLS = {"tool_choice": "none"}
-
-
-@dataclass(slots=True)
-class PassPlan:
-    """Everything a pass needs, validated at the call (before anything runs)."""
-
-    user: Session
-    agent: Session
-    provider: Provider | None
-    tools: ToolSet
-    executor: ModelExecutor
-    max_tool_rounds: int
-    on_event: Callable[[Any], Any] | None
-    persist_path: Path | None
-    stream: bool
-    limits: Limits = field(default_factory=Limits)
-    guardrails: Sequence[Guardrail] = ()
-    on_message: Callable[[ChunkRow, PassControl], Any] | None = None
-    approvals: Mapping[str, bool | str] | None = None
-    emit: Callable[[Event], None] | None = None
-    trace_parent: TraceParent | None = None
-    """The caller's tracing context (None when tracing is off)."""
-    agent_name: str | None = None
-    """The agent's name, for traces."""
 
 
 class _Pass:
@@ -139,10 +109,14 @@ class _Pass:
             session.close_sandbox()
 
     async def append(self, rows: Sequence[ChunkRow], *, boundary: bool) -> None:
-        self.table = self.table.extend(rows)
-        self.messages_json.extend(r.message_json() for r in rows)
+        self.keep(rows)
         if self.writer is not None:
             await self.writer.rows(rows, turn_boundary=boundary)
+
+    def keep(self, rows: Sequence[ChunkRow]) -> None:
+        """Add rows to the transcript (already persisted, or nothing persists)."""
+        self.table = self.table.extend(rows)
+        self.messages_json.extend(r.message_json() for r in rows)
 
     def request(self, extra: Mapping[str, Any] | None = None) -> CompletionRequest:
         plan = self.plan
@@ -314,27 +288,46 @@ class _Pass:
             unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
         if self.writer is not None:  # before any tool runs: a crash leaves its intent behind
             await self.writer.intents([(c.id, c.name) for c in calls if c.id not in denied])
-        with self.snapshot() as session:
-            outcomes = await run_tool_calls(
-                calls,
-                plan.tools,
-                context=ToolContext(
-                    session,
-                    self.out_id,
-                    self.deadline,
-                    tool_timeout=plan.limits.tool_timeout_seconds,
-                ),
-                executor=plan.executor,
-                denied=denied,
-                unknown_outcome=unknown,
+        finished: dict[int, ChunkRow] = {}
+
+        async def on_outcome(index: int, outcome: ToolOutcome) -> None:
+            c = calls[index]
+            row = ChunkRow._trusted(
+                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": outcome.content}
             )
-        rows = [
-            ChunkRow._trusted(
-                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": o.content}
-            )
-            for c, o in zip(calls, outcomes, strict=True)
-        ]
-        await self.append(rows, boundary=True)
+            finished[index] = row
+            if self.writer is not None:  # as it finishes: a crash later keeps a known result
+                await self.writer.rows([row], turn_boundary=True)
+
+        try:
+            with self.snapshot() as session:
+                await run_tool_calls(
+                    calls,
+                    plan.tools,
+                    context=ToolContext(
+                        session,
+                        self.out_id,
+                        self.deadline,
+                        tool_timeout=plan.limits.tool_timeout_seconds,
+                    ),
+                    executor=plan.executor,
+                    denied=denied,
+                    unknown_outcome=unknown,
+                    on_outcome=on_outcome,
+                )
+        except BaseException:
+            # Cancelled mid-round: keep the results that are known and record the rest as of
+            # unknown outcome, as a crash would, so a resume does not run them blindly again.
+            self.keep([finished[i] for i in sorted(finished)])
+            interrupted = [c.id for i, c in enumerate(calls) if i not in finished]
+            if interrupted:
+                self.metadata["unknown_outcome_tool_calls"] = interrupted
+            raise
+        rows = [finished[i] for i in range(len(calls))]
+        self.keep(rows)
+        if resuming:  # results from before the crash come first; list the round in call order
+            self.table = ChunkTable(in_call_order(self.table))
+            self.messages_json = [r.message_json() for r in (*self.agent_rows, *self.table)]
         self.tool_calls_run += len(calls)
         for row in rows:
             if self.events is not None:
@@ -355,11 +348,10 @@ class _Pass:
             return
         self.budget_fired = True  # fires once per pass, when the total first crosses the cap
         callback = provider.on_budget_exceeded if provider is not None else None
-        if callback is None:
-            log.warning(
-                "pass used %d tokens, over its budget of %d; set on_budget_exceeded to stop it",
-                total,
-                budget,
+        if callback is None:  # no one to ask: the budget is a limit, the pass stops
+            self.budget_stop = True
+            self.metadata["budget_message"] = (
+                f"the pass used {total} tokens, over its budget of {budget}"
             )
             return
         try:
@@ -390,6 +382,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
     the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
     """
     run = _Pass(plan, out_id)
+    started = False
     traced = None
     if plan.trace_parent is not None:
         provider = plan.provider
@@ -409,6 +402,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
         run.agent_rows = agent.table.rows
         run.table = user.table
         run.usage = user.usage
+        started = True
         run.messages_json = [r.message_json() for r in (*run.agent_rows, *user.table)]
         if run.events is not None:
             run.events.emit(PassStarted, rows=len(user.table))
@@ -430,7 +424,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
             await run.pump.drain()
         if run.writer is not None:
             await run.writer.finish(
-                usage=run.usage, stop_reason=stop_reason, metadata=_plain(run.metadata)
+                usage=run.usage, stop_reason=stop_reason, metadata=plain_metadata(run.metadata)
             )
     except BaseException as err:
         if traced is not None:
@@ -452,6 +446,13 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # the runtime owns this task; the stop is the pass's answer
+            if not started:
+                # Cancelled while an input was still pending: no request was made, but the
+                # output still holds the input rows, so wait for them (the input pass is not
+                # ours to cancel) without starting anything.
+                with anyio.CancelScope(shield=True):
+                    user = await plan.user.wait_ready()
+                run.table, run.usage = user.table, user.usage
             run.metadata["cancelled"] = True
             return run.data("cancelled")
         raise
@@ -459,28 +460,3 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
         usage = run.pass_usage
         finish_pass(traced, stop_reason, usage.prompt_tokens, usage.completion_tokens)
     return run.data(stop_reason)
-
-
-def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:
-    """Tool calls of the last assistant row that have no `tool_result` row yet (for resume)."""
-    answered: set[str] = set()
-    for i in range(len(table) - 1, -1, -1):
-        row = table[i]
-        if row.kind == "tool_result":
-            answered.add(str(row.payload.get("tool_call_id")))
-        elif row.kind == "assistant":
-            return [c for c in row.calls if c.id not in answered]
-        else:
-            return []
-    return []
-
-
-def _plain(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """Metadata as JSON-friendly values for the trailer."""
-    out: dict[str, Any] = {}
-    for key, value in metadata.items():
-        if isinstance(value, Tripwire):
-            out[key] = {"reason": value.reason, "guardrail": value.guardrail, "when": value.when}
-        elif isinstance(value, (str, int, float, bool, list, dict)) or value is None:
-            out[key] = value
-    return out

@@ -1,8 +1,12 @@
 """`load_session`: read a JSONL session file back into a resumable `Session`.
 
-A file without a trailer (the pass crashed or was cancelled) loads with `closed=False`; a torn last
-line is ignored. Tool calls recorded as intents without a result are reported, so a resume can
-treat them as of unknown outcome. This module reads files synchronously: call it off the loop.
+A file without a trailer (the pass crashed or was cancelled) loads with `closed=False`. Only a
+final segment without a newline is torn (the writer died mid-line) and ignored; a complete,
+newline-terminated line that is not JSON is damage and raises `PersistenceError`, wherever it is.
+Tool calls recorded as intents without a result are reported, so a resume can treat them as of
+unknown outcome. Tool results are written as they finish, so the results of one round are put
+back in call order. The trailer's `pending_approvals` and `interrupt_reason` come back on the
+session's metadata. This module reads files synchronously: call it off the loop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from treadle.errors import ConfigurationError, PersistenceError
 from treadle.persist.format import SCHEMA_VERSION
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 from treadle.session.placement import SandboxHandle
+from treadle.session.rows import in_call_order
 
 __all__ = ["LoadedSession", "load_session"]
 
@@ -42,6 +47,10 @@ class LoadedSession:
     """Ids of tool calls that were about to run but have no result row (unknown outcome)."""
 
 
+#: Trailer metadata a loaded session gets back (what a resume or a human decision needs).
+_RESTORED = ("pending_approvals", "interrupt_reason", "budget_message", "cancelled")
+
+
 def load_session(path: str | os.PathLike[str]) -> LoadedSession:
     """Load a session file written with `persist=True`."""
     p = Path(path)
@@ -57,7 +66,7 @@ def load_session(path: str | os.PathLike[str]) -> LoadedSession:
         try:
             obj = pydantic_core.from_json(line)
         except ValueError:
-            if i >= len(lines) - 2:  # torn last line: the writer died mid-write
+            if i == len(lines) - 1:  # no newline after it: the writer died mid-line (torn)
                 break
             raise PersistenceError(
                 f"{p}: line {i + 1} is not valid JSON; the file is damaged."
@@ -103,8 +112,14 @@ def load_session(path: str | os.PathLike[str]) -> LoadedSession:
     stop_reason = trailer.get("stop_reason") if trailer else None
     pending = tuple(cid for cid in intents if cid not in answered)
     metadata: dict[str, Any] = {"closed": trailer is not None, "path": str(p)}
+    written = trailer.get("metadata") if trailer is not None else None
+    if isinstance(written, dict):
+        for key in _RESTORED:
+            if key in written:
+                metadata[key] = written[key]
     if pending:
         metadata["unknown_outcome_tool_calls"] = list(pending)
+    rows = in_call_order(rows)
     # A resumed pass gets a sandbox of the same placement: the same directory when the user gave
     # one, a fresh temporary workspace for "local" (the old one was removed or orphaned).
 

@@ -1,18 +1,27 @@
 """`SessionWriter`: appends a pass's rows to its JSONL file without blocking the event loop.
 
 Every write runs in a worker thread. Each line is flushed as it is written (a crash loses at most
-the line being written, which readers ignore as torn); `turn_boundary()` also fsyncs. The file is
-created with mode 0600 because transcripts can hold private data. A pass that ends by an error or
-cancellation closes the file without a trailer, which is how readers know it did not end cleanly.
+the line being written, which readers ignore as torn); a turn boundary, the tool intents and each
+tool result are also fsynced. The file is created with mode 0600 because transcripts can hold
+private data. A pass that ends by an error or cancellation closes the file without a trailer,
+which is how readers know it did not end cleanly.
+
+One writer per path: the file is opened without truncation and locked (`flock`, exclusive,
+non-blocking) before anything is written, so a second pass given the same path fails at once with
+`PersistenceError` and the first pass's file stays intact. The lock lasts until the file closes.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import anyio
+
+from treadle.errors import PersistenceError
 from treadle.persist.format import encode_header, encode_intent, encode_row, encode_trailer
 from treadle.runtime.threads import run_internal_io
 from treadle.session import ChunkRow, Usage
@@ -29,9 +38,27 @@ def default_session_path(session_id: str, directory: str | os.PathLike[str] | No
     return base / f"{session_id}.jsonl"
 
 
+def _lock(fd: int, path: Path) -> None:
+    """Take the exclusive lock on `fd`, or fail at once if another writer holds it."""
+    if sys.platform == "win32":  # no flock there; one writer per path is up to the caller
+        return
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise PersistenceError(
+            f"{path} is being written by another pass; give each pass its own persist_path."
+        ) from None
+
+
 def _open_private(path: Path) -> IO[bytes]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # No O_TRUNC: a second writer must not clobber the file before it learns it is locked.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    _lock(fd, path)
+    os.ftruncate(fd, 0)  # ours now: a new pass replaces what an earlier one left here
     return os.fdopen(fd, "wb")
 
 
@@ -42,6 +69,7 @@ class SessionWriter:
         self.path = path
         self._file: IO[bytes] | None = None
         self._rows = 0
+        self._lock = anyio.Lock()  # tool results finish concurrently; lines never interleave
 
     @property
     def rows_written(self) -> int:
@@ -87,7 +115,8 @@ class SessionWriter:
             if sync:
                 os.fsync(file.fileno())
 
-        await run_internal_io(_do)
+        async with self._lock:
+            await run_internal_io(_do)
 
     async def rows(self, rows: Sequence[ChunkRow], *, turn_boundary: bool = False) -> None:
         """Append row lines (flushed; fsynced when they end a turn)."""

@@ -8,13 +8,19 @@ operation goes to the opened sandbox's backend (straight to it, one hop less on 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
+from treadle.errors import ToolTimeoutError
 from treadle.sandbox.opening import Sandbox
+from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT
 from treadle.tools.tool import FunctionTool, Tool, tool
 
 __all__ = [
+    "MAX_MODEL_TIMEOUT",
+    "MIN_MODEL_TIMEOUT",
+    "clamp_model_timeout",
     "global_system_tools",
     "list_workspace_files",
     "read_workspace_file",
@@ -27,6 +33,28 @@ def _path_key(arguments: Mapping[str, Any]) -> str:
     return f"workspace-path:{arguments.get('path')}"
 
 
+#: The shortest timeout a model may ask `run_shell_command` for, in seconds.
+MIN_MODEL_TIMEOUT = 1.0
+#: The longest, when the sandbox sets no limit of its own (otherwise the sandbox's limit).
+MAX_MODEL_TIMEOUT = 600.0
+
+
+def clamp_model_timeout(requested: float | None, sandbox_limit: float | None) -> float | None:
+    """The timeout a model's request gets: within [`MIN_MODEL_TIMEOUT`, the sandbox's limit].
+
+    None (or NaN) means the sandbox's own limit. The model can shorten a command's time but
+    never lengthen it past what the user configured (`MAX_MODEL_TIMEOUT` when nothing is).
+    """
+    ceiling = sandbox_limit if sandbox_limit is not None else MAX_MODEL_TIMEOUT
+    if requested is None or math.isnan(requested):
+        return sandbox_limit
+    return min(max(requested, MIN_MODEL_TIMEOUT), max(ceiling, MIN_MODEL_TIMEOUT))
+
+
+def _partial_output(stdout: str, stderr: str) -> str:
+    return f"stdout so far:\n{stdout}\nstderr so far:\n{stderr}"
+
+
 @tool
 async def run_shell_command(
     sandbox: Sandbox,
@@ -37,18 +65,26 @@ async def run_shell_command(
 
     Args:
         cmd: The command line, e.g. `ls -la` or `python script.py`.
-        timeout: Seconds before the command and everything it started are killed
-            (default: the sandbox's limit).
+        timeout: Seconds before the command and everything it started are killed, at least 1
+            and at most the sandbox's limit (default: the sandbox's limit).
     """
-    result = await sandbox.backend.run_command(cmd, timeout=timeout)
+    limit = getattr(sandbox.backend, "command_timeout", DEFAULT_COMMAND_TIMEOUT)
+    applied = clamp_model_timeout(timeout, limit)
+    result = await sandbox.backend.run_command(cmd, timeout=applied)
+    if result.timed_out:
+        raise ToolTimeoutError(
+            f"the command ran past its {applied:g} s timeout; it and everything it started "
+            "were killed. Run something shorter, or in the background writing to a file.",
+            detail=_partial_output(result.stdout, result.stderr),
+        )
     body: dict[str, Any] = {
         "exit_code": result.exit_code,
         "stdout": result.stdout,
         "stderr": result.stderr,
         "elapsed_ms": result.elapsed_ms,
     }
-    if result.timed_out:
-        body["timed_out"] = True
+    if timeout is not None and applied != timeout:
+        body["timeout_note"] = f"timeout {timeout:g} s was clamped to {applied:g} s"
     return body
 
 

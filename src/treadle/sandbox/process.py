@@ -9,7 +9,9 @@ This module must never block the event loop and never leave a child process behi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -20,6 +22,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from treadle.errors import ConfigurationError
 from treadle.sandbox.backend import CommandResult
 from treadle.tools.results import truncation_marker
 
@@ -68,6 +71,38 @@ async def _pump(stream: anyio.abc.ByteReceiveStream | None, buffer: _CappedBuffe
         pass
 
 
+async def _spawn(command: str, cwd: Path, env: Mapping[str, str]) -> anyio.abc.Process:
+    """Start `/bin/sh -c command` in a new session; a cancellation waits for the start, then kills.
+
+    asyncio, cancelled while it still sets a child up, waits for the child's pipes to close, and
+    a grandchild (`sleep 60` under the shell) holds them open for as long as it lives. So the
+    start runs in its own task; if the caller is cancelled meanwhile, the group it started is
+    killed as soon as its id is known, and the cancellation goes on.
+    """
+    start = asyncio.ensure_future(
+        anyio.open_process(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=dict(env),
+            start_new_session=True,
+        )
+    )
+    try:
+        return await asyncio.shield(start)
+    except asyncio.CancelledError:
+        with anyio.CancelScope(shield=True):
+            try:
+                process = await start
+            except Exception:  # the start itself failed: nothing is left running
+                raise asyncio.CancelledError from None
+            kill_process_group(process.pid)
+            await process.aclose()
+        raise
+
+
 async def run_command(
     command: str,
     *,
@@ -81,18 +116,15 @@ async def run_command(
     """Run `command` through `/bin/sh -c` in `cwd`; kill its process group when done or late.
 
     `on_start(pgid)` / `on_exit(pgid)` let the backend track live groups (to kill them on close).
-    Cancelling the caller kills the group too, then re-raises the cancellation.
+    Cancelling the caller kills the group too, then re-raises the cancellation. `timeout` is None
+    (no limit) or a finite number of seconds > 0; anything else is a `ConfigurationError`.
     """
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ConfigurationError(
+            f"a command timeout must be a number of seconds > 0 (or None), got {timeout!r}."
+        )
     started = time.monotonic()
-    process = await anyio.open_process(
-        ["/bin/sh", "-c", command],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=cwd,
-        env=dict(env),
-        start_new_session=True,
-    )
+    process = await _spawn(command, cwd, env)
     pgid = process.pid  # a new session's leader: its pid is the group id
     if on_start is not None:
         on_start(pgid)

@@ -10,14 +10,18 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["LineageNode"]
+if TYPE_CHECKING:
+    from treadle.session.usage import Usage
+
+__all__ = ["LineageNode", "record_usage", "shared_usage"]
 
 
 class LineageNode:
     """Where one session came from: its `id`, the `operator` that made it, its `kind`, parents."""
 
-    __slots__ = ("__weakref__", "_children", "id", "kind", "operator", "parents")
+    __slots__ = ("__weakref__", "_children", "id", "kind", "operator", "parents", "usage")
 
     def __init__(
         self, id: str, operator: str, kind: str, parents: Iterable[LineageNode] = ()
@@ -26,6 +30,8 @@ class LineageNode:
         self.operator = operator
         self.kind = kind
         self.parents: tuple[LineageNode, ...] = tuple(parents)
+        self.usage: Usage | None = None
+        """The session's usage once its data is known (what `merge` must not count twice)."""
         self._children: weakref.WeakSet[LineageNode] = weakref.WeakSet()
         for parent in self.parents:
             parent._children.add(self)
@@ -87,3 +93,21 @@ def _walk(
                 out.append(nxt)
                 queue.append(nxt)
     return out
+
+
+def shared_usage(a: LineageNode, b: LineageNode) -> Usage:
+    """The usage of the nearest common ancestor (or self) that both sides' usage includes."""
+    from treadle.session.usage import Usage
+
+    mine = {id(n) for n in (a, *a.ancestors())}
+    shared = [n.usage for n in (b, *b.ancestors()) if id(n) in mine and n.usage is not None]
+    return max(shared, key=lambda u: (u.total_tokens, u.requests), default=Usage())
+
+
+def record_usage(node: LineageNode, value: Any) -> None:
+    """Done-callback of a lazy session's value: remember its usage on its lineage node."""
+    try:
+        if value.exception() is None:
+            node.usage = value.result(0).usage
+    except BaseException:  # cancelled or failed: nothing was spent that merge could double
+        return

@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from treadle.errors import ConfigurationError
 from treadle.session.calls import ToolCall, tool_calls_of
 
-__all__ = ["ROLE_OF_KIND", "ChunkRow", "ChunkTable", "RowKind"]
+__all__ = [
+    "ROLE_OF_KIND",
+    "ChunkRow",
+    "ChunkTable",
+    "RowKind",
+    "in_call_order",
+    "text_of_content",
+]
 
 RowKind = Literal["system", "user", "assistant", "tool_result"]
 ROW_KINDS: frozenset[str] = frozenset(get_args(RowKind))
@@ -41,6 +48,26 @@ KIND_OF_ROLE: Mapping[str, RowKind] = {
 }
 
 
+def text_of_content(content: object) -> str | None:
+    """The text of a message `content`: a string as is, the `text` parts of a parts list joined.
+
+    Parts of other types (Mistral's `thinking`, images, refusals) are not text of the answer.
+    """
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text") or "")
+            for part in content
+            if isinstance(part, dict) and part.get("type", "text") == "text"
+        )
+    return None
+
+
+# Roles a row keeps although its kind implies another one.
+_KEPT = frozenset({"developer"})
+
+
 class _Open(BaseModel):
     # Unknown provider fields (reasoning content, annotations) are kept, never rejected.
     model_config = ConfigDict(extra="allow")
@@ -55,10 +82,16 @@ class _FunctionPayload(_Open):
     arguments: str
 
 
+class _CustomPayload(_Open):
+    name: str
+    input: str
+
+
 class _ToolCallPayload(_Open):
     id: str
-    type: Literal["function"] = "function"
-    function: _FunctionPayload
+    type: Literal["function", "custom"] = "function"
+    function: _FunctionPayload | None = None
+    custom: _CustomPayload | None = None
 
 
 class _AssistantPayload(_Open):
@@ -68,8 +101,8 @@ class _AssistantPayload(_Open):
 
 class _ToolResultPayload(_Open):
     tool_call_id: str
-    name: str
-    content: str
+    name: str | None = None  # Treadle records it; the Chat Completions API does not require it
+    content: str | list[dict[str, Any]]
 
 
 _VALIDATORS: Mapping[str, TypeAdapter[Any]] = {
@@ -115,7 +148,10 @@ class ChunkRow:
             raise ConfigurationError(
                 f"{kind} row payload must be a mapping, got {type(payload).__name__}."
             )
-        body = {k: v for k, v in payload.items() if k != "role"}
+        # `developer` is a system row that keeps its role (newer OpenAI models read it so).
+        body = {
+            k: v for k, v in payload.items() if k != "role" or (kind == "system" and v in _KEPT)
+        }
         try:
             _VALIDATORS[kind].validate_python(body)
         except ValidationError as err:
@@ -162,8 +198,9 @@ class ChunkRow:
     # -- reading ----------------------------------------------------------------------------
     @property
     def role(self) -> str:
-        """The OpenAI role this row is sent as."""
-        return ROLE_OF_KIND[self.kind]
+        """The OpenAI role this row is sent as (`developer` stays `developer`)."""
+        kept = self.payload.get("role")
+        return kept if isinstance(kept, str) else ROLE_OF_KIND[self.kind]
 
     @property
     def content(self) -> Any:
@@ -312,3 +349,30 @@ class ChunkTable(Sequence[ChunkRow]):
         return (
             f"ChunkTable({self._n} rows: {', '.join(self.kinds()[:8])}{'…' if self._n > 8 else ''})"
         )
+
+
+def in_call_order(rows: Iterable[ChunkRow]) -> list[ChunkRow]:
+    """`rows` with each round's tool results in the order of the calls they answer.
+
+    Results are persisted as they finish, and a resumed round answers its calls after the ones
+    answered before the crash; the transcript still lists them in call order.
+    """
+    out: list[ChunkRow] = []
+    order: dict[str, int] = {}
+    run: list[ChunkRow] = []
+
+    def flush() -> None:
+        run.sort(key=lambda r: order.get(str(r.payload.get("tool_call_id")), len(order)))
+        out.extend(run)
+        run.clear()
+
+    for row in rows:
+        if row.kind == "tool_result":
+            run.append(row)
+            continue
+        flush()
+        if row.kind == "assistant":
+            order = {c.id: i for i, c in enumerate(row.calls)}
+        out.append(row)
+    flush()
+    return out

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from treadle.errors import ConfigurationError
 from treadle.session import ports
-from treadle.session.lineage import LineageNode
+from treadle.session.lineage import LineageNode, record_usage, shared_usage
 from treadle.session.placement import SandboxHandle
-from treadle.session.rows import ChunkRow, ChunkTable
-from treadle.session.usage import Usage
+from treadle.session.rows import ChunkRow, ChunkTable, text_of_content
+from treadle.session.usage import Usage, merged_usage
 
 if TYPE_CHECKING:
     from treadle.runtime.lazy import LazyValue
@@ -100,6 +100,8 @@ class Session:
         self.id = id
         self.lineage = lineage
         self._data = data
+        if data is not None:
+            lineage.usage = data.usage
         self._lazy = lazy
         self._sandbox = sandbox
         self._finalizer: weakref.finalize[Any, Session] | None = (
@@ -123,9 +125,10 @@ class Session:
         sid = id or new_session_id()
         if sandbox is not None:
             sandbox.acquire()
-        new._init(
-            sid, LineageNode(sid, operator, kind, (p.lineage for p in parents)), data, lazy, sandbox
-        )
+        lineage = LineageNode(sid, operator, kind, (p.lineage for p in parents))
+        if lazy is not None:  # `merge` needs the usage even if no one reads this facade
+            lazy.add_done_callback(lambda value: record_usage(lineage, value))
+        new._init(sid, lineage, data, lazy, sandbox)
         return new
 
     # -- constructors --------------------------------------------------------------------------
@@ -208,12 +211,14 @@ class Session:
             assert self._lazy is not None
             data = self._lazy.result(timeout)
             self._data = data
+            self.lineage.usage = data.usage
         return data
 
     async def _await(self) -> Session:
         if self._data is None:
             assert self._lazy is not None
             self._data = await self._lazy.wait()
+            self.lineage.usage = self._data.usage
         return self
 
     async def wait_ready(self) -> SessionData:
@@ -221,6 +226,7 @@ class Session:
         if self._data is None:
             assert self._lazy is not None
             self._data = await self._lazy.wait(propagate_cancel=False)
+            self.lineage.usage = self._data.usage
         return self._data
 
     def __await__(self) -> Generator[Any, None, Session]:
@@ -292,8 +298,7 @@ class Session:
         """The text of the last assistant row, if any."""
         for row in reversed(self._materialise().table.rows):
             if row.kind == "assistant":
-                content = row.content
-                return content if isinstance(content, str) else None
+                return text_of_content(row.content)
         return None
 
     # -- deriving -------------------------------------------------------------------------------
@@ -345,7 +350,9 @@ class Session:
     def merge(self, other: Session) -> Session:
         """A session with this session's rows, then the rows of `other` past their common prefix.
 
-        Usage adds up; the sandbox is this session's (or `other`'s when this one has none).
+        Usage adds up, counting what a shared ancestor spent once: both sides inherit the usage
+        of the sessions they came from, so the nearest common ancestor's usage is subtracted.
+        The sandbox is this session's (or `other`'s when this one has none).
         """
         if not isinstance(other, Session):
             raise ConfigurationError(f"merge takes a Session, got {type(other).__name__}.")
@@ -356,8 +363,9 @@ class Session:
                 break
             common += 1
         table = mine.table.extend(theirs.table.rows[common:])
+        usage = merged_usage(mine.usage, theirs.usage, shared_usage(self.lineage, other.lineage))
         return Session._derive(
-            SessionData(table, mine.usage + theirs.usage),
+            SessionData(table, usage),
             operator="merge",
             kind=self.lineage.kind,
             parents=[self, other],

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Usage"]
+__all__ = ["Usage", "merged_usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +50,17 @@ class Usage:
             "total_tokens": self.total_tokens,
             "requests": self.requests,
         }
+
+
+def merged_usage(mine: Usage, theirs: Usage, shared: Usage) -> Usage:
+    """Both sides' usage with what they share (a common ancestor's) counted once."""
+
+    def field(x: int, y: int, s: int) -> int:
+        return max(x + y - s, x, y)  # never less than either side spent
+
+    return Usage(
+        field(mine.prompt_tokens, theirs.prompt_tokens, shared.prompt_tokens),
+        field(mine.completion_tokens, theirs.completion_tokens, shared.completion_tokens),
+        field(mine.total_tokens, theirs.total_tokens, shared.total_tokens),
+        field(mine.requests, theirs.requests, shared.requests),
+    )

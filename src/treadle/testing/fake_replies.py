@@ -71,7 +71,9 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = ()
     """Extra response headers (e.g. `Retry-After`)."""
     body: bytes | None = None
-    """Raw response body sent as is (error bodies, invalid JSON)."""
+    """Raw response body sent as is (error bodies, invalid JSON, a recorded SSE stream)."""
+    content_type: str = "application/json"
+    """The `content-type` of a raw `body` (e.g. `text/event-stream` for a recorded stream)."""
     empty_choices: bool = False
     """Answer 200 with `"choices": []`."""
     tear_after: int | None = None
@@ -106,6 +108,19 @@ class Reply:
         return cls(tool_calls=specs, **fields)
 
     # -- faults ----------------------------------------------------------------------------------
+
+    @classmethod
+    def raw(
+        cls,
+        body: bytes,
+        *,
+        status: int = 200,
+        content_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        """`body` sent byte for byte (a recorded reply: whole JSON, or an SSE stream)."""
+        return cls(status=status, body=body, content_type=content_type,
+                   headers=tuple((headers or {}).items()))  # fmt: skip
 
     @classmethod
     def error(

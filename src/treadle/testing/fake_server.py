@@ -334,7 +334,7 @@ class FakeOpenAIServer:
         common = [("x-request-id", request_id), *reply.headers]
         if reply.body is not None or reply.status != 200:
             payload = reply.body if reply.body is not None else b"{}"
-            conn.send(reply.status, payload, [("content-type", "application/json"), *common])
+            conn.send(reply.status, payload, [("content-type", reply.content_type), *common])
             return
         model = str(request.get("model") or self.model)
         created = int(time.time())

@@ -30,7 +30,12 @@ from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, Trea
 from treadle.session import Session, ToolCall
 from treadle.telemetry import tool_span
 from treadle.tools.context import ToolContext
-from treadle.tools.results import error_content, exception_detail, success_content
+from treadle.tools.results import (
+    ResultSerialisationError,
+    error_content,
+    exception_detail,
+    success_content,
+)
 from treadle.tools.threads import run_sync_tool
 from treadle.tools.tool import Tool
 from treadle.tools.toolset import ToolSet
@@ -81,8 +86,8 @@ class ToolOutcome:
     """True when the tool ran and returned."""
     error_kind: str | None
     """`unknown_tool`, `invalid_tool_arguments`, `tool_execution_exception`, `timeout`,
-    `path_violation`, `denied`, `unknown_outcome` (or a custom `ToolError.error_kind`); None when
-    `ok`."""
+    `unserialisable_result`, `path_violation`, `denied`, `unknown_outcome` (or a custom
+    `ToolError.error_kind`); None when `ok`."""
 
 
 def _failure(call: ToolCall, kind: str, message: str, detail: str | None = None) -> ToolOutcome:
@@ -208,16 +213,20 @@ async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
                 f"tool {item.name!r} ran past {why} and was abandoned{sync_note}. "
                 "Try a smaller task or different arguments."
             )
+        # Inside the try: a result that cannot become JSON is the model's problem to hear about.
+        content = success_content(result, max_chars=item.max_result_chars)
     except ToolError as error:
         return _failure(call, error.error_kind, error.message, error.detail)
     except TreadleError as error:  # our own clear message (e.g. a missing file): no traceback
         return _failure(call, "tool_execution_exception", f"tool {item.name!r} failed: {error}")
+    except ResultSerialisationError as error:
+        message = f"tool {item.name!r} returned a value that cannot be shown as JSON ({error})"
+        return _failure(call, "unserialisable_result", message)
     except anyio.get_cancelled_exc_class():
         raise  # the pass itself is being cancelled: not the tool's outcome
     except BaseException as error:
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
         return _failure(call, "tool_execution_exception", message, exception_detail(error))
-    content = success_content(result, max_chars=item.max_result_chars)
     return ToolOutcome(call.id, item.name, content, True, None)
 
 
@@ -258,6 +267,7 @@ async def run_tool_calls(
     executor: object = None,
     denied: Mapping[str, str] | None = None,
     unknown_outcome: Collection[str] = (),
+    on_outcome: Callable[[int, ToolOutcome], Awaitable[None]] | None = None,
 ) -> list[ToolOutcome]:
     """Run one round of tool calls; one `ToolOutcome` per call, in call order.
 
@@ -268,6 +278,8 @@ async def run_tool_calls(
     their tool is `idempotent`. Calls run concurrently; calls sharing a resource key (or of a
     tool with `parallel_safe=False`) run one at a time in call order. Never raises for a tool's
     problem; cancelling the caller cancels every call (sandbox commands are killed).
+    `on_outcome(index, outcome)`, when given, is awaited as each call's outcome is known (in
+    finishing order), so a caller can persist a result before the round ends.
     """
     ctx = context if context is not None else ToolContext(session)
     run = _runner_of(executor)
@@ -304,12 +316,19 @@ async def run_tool_calls(
         else:
             lanes.setdefault(key, []).append(ready)
 
+    if on_outcome is not None:
+        for index, decided in enumerate(outcomes):
+            if decided is not None:
+                await on_outcome(index, decided)
+
     async def run_one(ready: _Ready) -> None:
-        outcomes[ready.index] = await _execute(ready, run, ctx)
+        outcome = outcomes[ready.index] = await _execute(ready, run, ctx)
+        if on_outcome is not None:
+            await on_outcome(ready.index, outcome)
 
     async def run_lane(lane: list[_Ready]) -> None:
         for ready in lane:
-            outcomes[ready.index] = await _execute(ready, run, ctx)
+            await run_one(ready)
 
     if len(free) == 1 and not lanes:
         await run_one(free[0])  # the common single-call round needs no task group

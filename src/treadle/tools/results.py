@@ -4,12 +4,20 @@ Success: a mapping becomes `{"ok": true, **mapping}`, any other value `{"ok": tr
 value}`; pydantic models, dataclasses, enums, paths and dates serialise through pydantic-core.
 Failure: `{"ok": false, "error_kind", "message", "detail"?}`. Every string inside is capped with
 an explicit truncation marker, and the whole body is capped too, so one chatty tool can never
-flood the context window. This module must never raise for an unserialisable value (it falls back
-to `repr`) and never call a tool.
+flood the context window.
+
+The body is always valid JSON: `bytes` become text when they are UTF-8 (or nearly: a few bad bytes
+are replaced with U+FFFD), otherwise `{"base64": ..., "bytes": n}`; a circular reference becomes
+the string `"<circular reference>"`; NaN and infinities become the strings `"NaN"`, `"Infinity"`,
+`"-Infinity"`; any other value falls back to its `repr`. If a value still cannot be serialised
+(its `repr` raises), `success_content` raises `ResultSerialisationError`, which the dispatcher
+turns into an error body for the model. This module never calls a tool.
 """
 
 from __future__ import annotations
 
+import base64
+import math
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +28,7 @@ __all__ = [
     "MAX_CONTENT_CHARS",
     "MAX_DETAIL_CHARS",
     "MAX_TEXT_CHARS",
+    "ResultSerialisationError",
     "cap_text",
     "error_content",
     "exception_detail",
@@ -55,6 +64,89 @@ def _cap_tail(text: str, limit: int) -> str:
     return truncation_marker(len(text) - keep) + text[len(text) - keep :]
 
 
+class ResultSerialisationError(Exception):
+    """A tool's return value could not be turned into JSON at all."""
+
+
+CIRCULAR = "<circular reference>"
+#: Share of undecodable bytes up to which `bytes` are shown as text (with U+FFFD) not base64.
+_REPLACEMENT_SHARE = 0.05
+
+
+def _bytes_value(data: bytes | bytearray | memoryview) -> Any:
+    raw = bytes(data)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "replace")
+        if text.count("\ufffd") <= max(1, int(len(raw) * _REPLACEMENT_SHARE)):
+            return text  # command output with a stray Latin-1 byte: still text for the model
+        return {"base64": base64.b64encode(raw).decode("ascii"), "bytes": len(raw)}
+
+
+def _prepare(value: Any, stack: set[int]) -> Any:
+    """Containers made JSON-safe before pydantic-core sees them: bytes, cycles, non-finite."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _bytes_value(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _non_finite(value)
+    if not isinstance(value, (dict, list, tuple, set, frozenset)):
+        return value
+    if id(value) in stack:
+        return CIRCULAR
+    stack.add(id(value))
+    try:
+        if isinstance(value, dict):
+            return {_key(k): _prepare(v, stack) for k, v in value.items()}
+        return [_prepare(v, stack) for v in value]
+    finally:
+        stack.discard(id(value))
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, (bytes, bytearray)):
+        return bytes(key).decode("utf-8", "replace")
+    return str(key)
+
+
+def _non_finite(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+def _jsonable(body: Mapping[str, Any]) -> Any:
+    prepared = _prepare(dict(body), set())
+    try:
+        return _jsonable_value(prepared)
+    except Exception:  # a cycle inside a model, a raising repr: go field by field
+        pass
+    return {k: _jsonable_field(v) for k, v in prepared.items()}
+
+
+def _jsonable_value(value: Any) -> Any:
+    try:
+        return pydantic_core.to_jsonable_python(value, fallback=repr, serialize_unknown=True)
+    except (ValueError, TypeError):
+        # Non-UTF-8 bytes inside a model or dataclass: base64 there.
+        return pydantic_core.to_jsonable_python(
+            value, fallback=repr, serialize_unknown=True, bytes_mode="base64"
+        )
+
+
+def _jsonable_field(value: Any) -> Any:
+    try:
+        return _jsonable_value(value)
+    except Exception:  # whatever broke, the repr below is the fallback
+        pass
+    try:
+        return repr(value)
+    except Exception as err:  # a repr that raises: nothing sensible can be shown
+        raise ResultSerialisationError(f"{type(err).__name__}: {err}") from None
+
+
 def _cap_strings(value: Any, limit: int) -> Any:
     if isinstance(value, str):
         return cap_text(value, limit)
@@ -62,11 +154,13 @@ def _cap_strings(value: Any, limit: int) -> Any:
         return {k: _cap_strings(v, limit) for k, v in value.items()}
     if isinstance(value, list):
         return [_cap_strings(v, limit) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return _non_finite(value)  # from inside a model or dataclass
     return value
 
 
 def _encode(body: Mapping[str, Any], limit: int) -> str:
-    jsonable = pydantic_core.to_jsonable_python(body, fallback=repr, serialize_unknown=True)
+    jsonable = _jsonable(body)
     text = pydantic_core.to_json(_cap_strings(jsonable, limit)).decode()
     if len(text) <= MAX_CONTENT_CHARS:
         return text

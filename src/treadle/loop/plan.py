@@ -1,0 +1,68 @@
+"""`PassPlan`: everything one pass needs, validated at the call; and the small pure helpers the
+pass uses on its rows and metadata. No I/O here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treadle.llm.provider import Provider
+from treadle.llm.turn import ModelExecutor
+from treadle.loop.control import Guardrail, Limits, PassControl, Tripwire
+from treadle.loop.events import Event
+from treadle.session import ChunkRow, ChunkTable, Session, ToolCall
+from treadle.telemetry import TraceParent
+from treadle.tools import ToolSet
+
+__all__ = ["PassPlan", "pending_tool_calls", "plain_metadata"]
+
+
+@dataclass(slots=True)
+class PassPlan:
+    """Everything a pass needs, validated at the call (before anything runs)."""
+
+    user: Session
+    agent: Session
+    provider: Provider | None
+    tools: ToolSet
+    executor: ModelExecutor
+    max_tool_rounds: int
+    on_event: Callable[[Any], Any] | None
+    persist_path: Path | None
+    stream: bool
+    limits: Limits = field(default_factory=Limits)
+    guardrails: Sequence[Guardrail] = ()
+    on_message: Callable[[ChunkRow, PassControl], Any] | None = None
+    approvals: Mapping[str, bool | str] | None = None
+    emit: Callable[[Event], None] | None = None
+    trace_parent: TraceParent | None = None
+    """The caller's tracing context (None when tracing is off)."""
+    agent_name: str | None = None
+    """The agent's name, for traces."""
+
+
+def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:
+    """Tool calls of the last assistant row that have no `tool_result` row yet (for resume)."""
+    answered: set[str] = set()
+    for i in range(len(table) - 1, -1, -1):
+        row = table[i]
+        if row.kind == "tool_result":
+            answered.add(str(row.payload.get("tool_call_id")))
+        elif row.kind == "assistant":
+            return [c for c in row.calls if c.id not in answered]
+        else:
+            return []
+    return []
+
+
+def plain_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Metadata as JSON-friendly values for the trailer."""
+    out: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if isinstance(value, Tripwire):
+            out[key] = {"reason": value.reason, "guardrail": value.guardrail, "when": value.when}
+        elif isinstance(value, (str, int, float, bool, list, dict)) or value is None:
+            out[key] = value
+    return out
