@@ -188,6 +188,7 @@ class ProcessPool:
         size: int | None = None,
         sandbox_base: str | None = None,
         pass_timeout: float | None = None,
+        worker_init: str | None = None,
     ) -> None:
         self.size = size or os.cpu_count() or 1
         self._spec = spec
@@ -195,6 +196,7 @@ class ProcessPool:
             "share": 1.0 / self.size,
             "sandbox_base": sandbox_base,
             "pass_timeout": pass_timeout,
+            "worker_init": worker_init,
         }
         self._workers: list[_Worker | None] = [None] * self.size
         self._calls = itertools.count()

@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import contextvars
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from treadle.telemetry.context import TraceParent, trace_api
+
 __all__ = [
     "PassTrace",
-    "TraceParent",
-    "capture_parent",
     "capturing_content",
     "configure",
     "current_pass",
     "finish_pass",
-    "inject_parent",
     "note_limiter_wait",
     "note_retry",
-    "parent_from_carrier",
     "start_pass",
     "tool_span",
 ]
@@ -68,57 +65,6 @@ def configure(*, capture_content: bool | None = None) -> None:
 def capturing_content() -> bool:
     """Whether spans record prompts, completions and tool payloads."""
     return _settings.capture_content
-
-
-def _trace_api() -> Any | None:
-    """`opentelemetry.trace` when the application configured a tracer provider, else None."""
-    api = sys.modules.get("opentelemetry.trace")
-    if api is None:
-        return None
-    provider = api.get_tracer_provider()
-    if isinstance(provider, (api.ProxyTracerProvider, api.NoOpTracerProvider)):
-        return None
-    return api
-
-
-@dataclass(frozen=True, slots=True)
-class TraceParent:
-    """The caller's OpenTelemetry context, captured where a pass was asked for."""
-
-    context: Any
-
-
-def capture_parent() -> TraceParent | None:
-    """The calling thread's OpenTelemetry context when tracing is on (else None, at no cost).
-
-    Called at `run_session_loop` (in the caller's thread), so the span that is current there
-    becomes the parent of the pass even though the pass runs on the runtime's thread.
-    """
-    if _trace_api() is None:
-        return None
-    from opentelemetry.context import get_current
-
-    return TraceParent(get_current())
-
-
-def inject_parent(parent: TraceParent | None) -> dict[str, str]:
-    """W3C trace-context headers of `parent`, for a pass run in another process."""
-    if parent is None:
-        return {}
-    from opentelemetry.propagate import inject
-
-    carrier: dict[str, str] = {}
-    inject(carrier, context=parent.context)
-    return carrier
-
-
-def parent_from_carrier(carrier: Mapping[str, str] | None) -> TraceParent | None:
-    """The parent a worker process continues from (None when tracing is off there)."""
-    if not carrier or _trace_api() is None:
-        return None
-    from opentelemetry.propagate import extract
-
-    return TraceParent(extract(dict(carrier)))
 
 
 def current_pass() -> PassTrace | None:
@@ -361,7 +307,7 @@ def start_pass(
     """Open the pass span under `parent` and make it current in this task (None: not traced)."""
     if parent is None:
         return None
-    api = _trace_api()
+    api = trace_api()
     if api is None:
         return None
     trace = PassTrace(
