@@ -86,6 +86,8 @@ class Runtime:
         if self.in_loop_thread():
             self._start(coro, lazy)
         else:
+            # `_start` (so the task it creates) runs in a copy of the caller's contextvars: the
+            # caller's tracing context is what a pass started here sees (tests/otel_scenarios.py).
             self.loop.call_soon_threadsafe(self._start, coro, lazy)
         return lazy
 
