@@ -210,6 +210,29 @@ def cancelled_pass() -> None:
     assert chat.end_time is not None
 
 
+def calls_not_run() -> None:
+    """A call the dispatcher answers without running a tool (here: no tool of that name) still
+    gets its `execute_tool` span, with the error type."""
+    from opentelemetry.trace import StatusCode
+
+    from treadle import Provider, Session, run_session_loop
+    from treadle.testing import FakeOpenAIServer
+
+    exporter, _ = _sdk()
+    with FakeOpenAIServer(script="tool_loop", rounds=1) as server:  # it calls `noop`
+        provider = Provider(model="fake-model", base_url=server.base_url, api_key=KEY)
+        out = run_session_loop(
+            Session.from_user_message("go"), Session.from_agent_prompt("a"), agent_provider=provider
+        )
+        assert out.stop_reason == "final_answer"
+    spans, _ = _tree(exporter)
+    [agent] = [s for s in spans if s.name == "invoke_agent"]
+    [tool_span] = [s for s in spans if s.name == "execute_tool noop"]
+    assert tool_span.parent.span_id == agent.context.span_id
+    assert tool_span.attributes["error.type"] == "unknown_tool"
+    assert tool_span.status.status_code == StatusCode.ERROR
+
+
 def hundred_passes_one_caller() -> None:
     from opentelemetry import trace
 
@@ -459,6 +482,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "cancelled_pass": cancelled_pass,
     "retried_request": retried_request,
     "hundred_passes_one_caller": hundred_passes_one_caller,
+    "calls_not_run": calls_not_run,
     "content_on": content_on,
     "off_imports_nothing": off_imports_nothing,
     "otlp_http": otlp_http,

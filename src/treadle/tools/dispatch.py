@@ -201,6 +201,16 @@ async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     return ToolOutcome(call.id, item.name, content, True, None)
 
 
+def _answered(call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
+    """`outcome` of a call answered without running a tool; traced like one that ran, so a
+    model calling a missing tool or sending bad arguments shows in the trace."""
+    traced = tool_span(call.name, call.id, call.arguments)
+    if traced is not None:
+        trace, span = traced
+        trace.end_tool(span, outcome.error_kind, outcome.content)
+    return outcome
+
+
 def _as_call(call: ToolCall | Mapping[str, Any], index: int) -> ToolCall:
     return call if isinstance(call, ToolCall) else ToolCall.from_wire(call, index)
 
@@ -262,20 +272,24 @@ async def run_tool_calls(
             _settled(call, found, denied, unknown_outcome) if denied or unknown_outcome else None
         )
         if settled is not None:
-            outcomes[index] = settled
+            outcomes[index] = _answered(call, settled)
             continue
         if found is None:
             known = ", ".join(tools.names) or "none"
-            outcomes[index] = _failure(
+            outcomes[index] = _answered(
                 call,
-                "unknown_tool",
-                f"there is no tool named {call.name!r}; available tools: {known}.",
+                _failure(
+                    call,
+                    "unknown_tool",
+                    f"there is no tool named {call.name!r}; available tools: {known}.",
+                ),
             )
             continue
         try:
             arguments = found.validate(_parse_arguments(call.arguments))
         except ToolError as error:
-            outcomes[index] = _failure(call, error.error_kind, error.message, error.detail)
+            failure = _failure(call, error.error_kind, error.message, error.detail)
+            outcomes[index] = _answered(call, failure)
             continue
         ready = _Ready(index, call, found, arguments)
         key = found.key_for(arguments)
