@@ -475,6 +475,47 @@ def process_backend() -> None:
     assert os.getpid() not in pids and 1 <= len(pids) <= 2, pids
 
 
+def ray_backend() -> None:
+    """Like `process_backend`, on the Ray instance `make test-ray` started (RAY_TMPDIR is
+    inherited); the actors get the exporter's endpoint from the job's `runtime_env`. Run by
+    tests/test_distributed_ray.py, not by test_telemetry.py (it needs Ray)."""
+    import os
+
+    import ray
+    from opentelemetry import trace
+
+    import treadle
+    from treadle.testing import FakeOpenAIServer
+    from treadle.testing.sample_tools import shout_script, shouter
+
+    _sdk()
+    endpoint, received, stop = _otlp_receiver()
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OPENAI_API_KEY": KEY}
+    ray.init(address="auto", runtime_env={"env_vars": env}, log_to_driver=False)
+    tracer = trace.get_tracer("app")
+    try:
+        with FakeOpenAIServer(script=shout_script) as server:
+            with tracer.start_as_current_span("batch") as batch:
+                outs = treadle.map(
+                    shouter(server.base_url),
+                    [f"q{i}" for i in range(6)],
+                    backend="ray",
+                    workers=2,
+                    worker_init="otel_scenarios:worker_tracing",
+                )
+            assert all(o.stop_reason == "final_answer" for o in outs)
+    finally:
+        ray.shutdown()
+    stop()
+    spans = _decode(received)
+    caller = batch.get_span_context()
+    passes = [s for s, _ in spans if s.name == "invoke_agent shouter"]
+    assert len(passes) == 6, [s.name for s, _ in spans]
+    assert {s.trace_id for s in passes} == {caller.trace_id.to_bytes(16, "big")}
+    assert {s.parent_span_id for s in passes} == {caller.span_id.to_bytes(8, "big")}
+    assert os.getpid() not in {resource["process.pid"] for _, resource in spans}
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     "not_streamed": not_streamed,
     "streamed": streamed,
@@ -491,5 +532,5 @@ SCENARIOS: dict[str, Callable[[], None]] = {
 }
 
 if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]]()
+    {**SCENARIOS, "ray_backend": ray_backend}[sys.argv[1]]()
     print("ok")
