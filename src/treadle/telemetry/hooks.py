@@ -115,10 +115,25 @@ def _server(url: str | None) -> dict[str, Any]:
     return attrs
 
 
+_tracers: dict[int, tuple[Any, Any]] = {}
+
+
+def _tracer(api: Any) -> Any:
+    """Treadle's tracer from the current provider (made once per provider: the SDK's
+    `get_tracer` costs a sixth of a traced round)."""
+    provider = api.get_tracer_provider()
+    known = _tracers.get(id(provider))
+    if known is None or known[0] is not provider:
+        known = (provider, provider.get_tracer(_SCOPE))
+        _tracers.clear()  # one provider is current at a time
+        _tracers[id(provider)] = known
+    return known[1]
+
+
 class PassTrace:
     """The spans of one pass: the `invoke_agent` span and its children."""
 
-    __slots__ = ("_api", "_base", "_chat", "_chat_start", "_ctx", "_start", "span")
+    __slots__ = ("_api", "_base", "_chat", "_chat_start", "_ctx", "_start", "_tracer", "span")
 
     def __init__(
         self,
@@ -146,7 +161,7 @@ class PassTrace:
         if agent_name:
             attrs["gen_ai.agent.name"] = agent_name
         name = f"invoke_agent {agent_name}" if agent_name else "invoke_agent"
-        tracer = api.get_tracer(_SCOPE)
+        self._tracer = tracer = _tracer(api)
         self.span = tracer.start_span(name, context=parent.context, attributes=attrs)
         self._ctx = api.set_span_in_context(self.span, parent.context)
         self._chat: Any = None
@@ -160,10 +175,9 @@ class PassTrace:
         attrs = {**self._base, "gen_ai.operation.name": "chat"}
         if _settings.capture_content and messages is not None:
             attrs["gen_ai.input.messages"] = _json(messages)
-        tracer = self._api.get_tracer(_SCOPE)
         kind = self._api.SpanKind.CLIENT
         name = f"chat {model}" if model else "chat"
-        self._chat = tracer.start_span(name, context=self._ctx, kind=kind, attributes=attrs)
+        self._chat = self._tracer.start_span(name, context=self._ctx, kind=kind, attributes=attrs)
         self._chat_start = time.monotonic()
 
     def end_chat(
@@ -248,8 +262,7 @@ class PassTrace:
         }
         if _settings.capture_content:
             attrs["gen_ai.tool.call.arguments"] = arguments
-        tracer = self._api.get_tracer(_SCOPE)
-        return tracer.start_span(f"execute_tool {name}", context=self._ctx, attributes=attrs)
+        return self._tracer.start_span(f"execute_tool {name}", context=self._ctx, attributes=attrs)
 
     def end_tool(self, span: Any, error_kind: str | None, content: str) -> None:
         """Close a tool span; `error_kind` is the tool result's error kind, if it failed."""
