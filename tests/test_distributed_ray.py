@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from treadle import Session
-from treadle.agents import amap
+from treadle import Session, amap
 from treadle.distributed import PassOutcome, map_outcomes
 from treadle.testing import FakeOpenAIServer, Reply
 from treadle.testing.sample_tools import shout_inputs, shout_script, shouter
