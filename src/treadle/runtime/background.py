@@ -87,7 +87,7 @@ class Runtime:
             self._start(coro, lazy)
         else:
             # `_start` (so the task it creates) runs in a copy of the caller's contextvars: the
-            # caller's tracing context is what a pass started here sees (tests/otel_scenarios.py).
+            # caller's tracing context is what a pass started here sees (otel scenarios in tests).
             self.loop.call_soon_threadsafe(self._start, coro, lazy)
         return lazy
 
