@@ -234,6 +234,41 @@ def calls_not_run() -> None:
     assert tool_span.status.status_code == StatusCode.ERROR
 
 
+def nested_pass_unnamed() -> None:
+    """An `Agent`'s name is on its own pass only: a pass its tool starts is not named by it,
+    and hangs under the tool's span."""
+    import asyncio
+
+    from treadle import Agent, Provider, Session, arun_session_loop, tool
+    from treadle.testing import FakeOpenAIServer
+
+    exporter, _ = _sdk()
+    with FakeOpenAIServer(script="tool_loop", rounds=1) as server:
+        provider = Provider(model="fake-model", base_url=server.base_url, api_key=KEY)
+
+        @tool
+        async def noop(round: int) -> str:
+            """Ask another pass."""
+            inner = await arun_session_loop(
+                Session.from_user_message("inner"),
+                Session.from_agent_prompt("i"),
+                agent_provider=provider,
+            )
+            return inner.stop_reason or ""
+
+        agent = Agent("outer", "Use the tool.", tools=[noop], provider=provider)
+        lazy = agent("lazy")
+        awaited = asyncio.run(agent.run("awaited"))
+        assert lazy.stop_reason == awaited.stop_reason == "final_answer"
+    spans, by_id = _tree(exporter)
+    outer = [s for s in spans if s.name == "invoke_agent outer"]
+    inner = [s for s in spans if s.name == "invoke_agent"]
+    assert len(outer) == 2 and len(inner) == 2, [s.name for s in spans]
+    for span in inner:
+        assert "gen_ai.agent.name" not in span.attributes
+        assert by_id[span.parent.span_id].name == "execute_tool noop"
+
+
 def hundred_passes_one_caller() -> None:
     from opentelemetry import trace
 
@@ -306,6 +341,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "retried_request": retried_request,
     "hundred_passes_one_caller": hundred_passes_one_caller,
     "calls_not_run": calls_not_run,
+    "nested_pass_unnamed": nested_pass_unnamed,
     "content_on": content_on,
     "off_imports_nothing": off_imports_nothing,
 }

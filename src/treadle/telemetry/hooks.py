@@ -264,6 +264,19 @@ class PassTrace:
             attrs["gen_ai.tool.call.arguments"] = arguments
         return self._tracer.start_span(f"execute_tool {name}", context=self._ctx, attributes=attrs)
 
+    def enter_tool(self, span: Any) -> Any:
+        """Make the tool span current while the tool runs (what it traces, a pass it starts,
+        hangs under it); returns the token for `leave_tool`, in the same task."""
+        from opentelemetry import context
+
+        return context.attach(self._api.set_span_in_context(span, self._ctx))
+
+    def leave_tool(self, token: Any) -> None:
+        """Restore the context `enter_tool` replaced."""
+        from opentelemetry import context
+
+        context.detach(token)
+
     def end_tool(self, span: Any, error_kind: str | None, content: str) -> None:
         """Close a tool span; `error_kind` is the tool result's error kind, if it failed."""
         if _settings.capture_content:

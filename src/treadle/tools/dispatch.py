@@ -162,11 +162,14 @@ async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     if traced is None:
         return await _outcome(ready, run, context)
     trace, span = traced
+    token = trace.enter_tool(span)
     try:
         outcome = await _outcome(ready, run, context)
     except BaseException:
         trace.end_tool(span, "cancelled", "")
         raise
+    finally:
+        trace.leave_tool(token)
     trace.end_tool(span, outcome.error_kind, outcome.content)
     return outcome
 
