@@ -63,8 +63,10 @@ def run_worker(job: Job, url: str, timeout: float = WORKER_TIMEOUT_SECONDS) -> d
     if python is None:
         return {"skipped": f"{job.contestant} is not installed (run benchmarks/peers/setup.sh)"}
     spec = json.dumps({"contestant": job.contestant, "kind": job.kind, "url": url, **job.params})
-    # Measure the Treadle of this checkout (its src/), whatever else is installed.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    # Measure the Treadle of this checkout (its src/, or the tree a job names), whatever else
+    # is installed.
+    src = job.params.get("src") or str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(ROOT)])}
     proc = subprocess.Popen(
         [python, "-m", "benchmarks.worker", spec],
         cwd=ROOT,

@@ -68,6 +68,7 @@ def per_round(h: Harness, size: dict[str, Any], *, stream: bool) -> Result:
         Job("treadle (await arun)", "treadle", "serial", {**params, "variant": "await"}),
         Job("httpx hand loop", "httpx", "serial", params),
         Job("aiohttp+orjson floor", "aiohttp", "serial", params),
+        Job("treadle (tracing on, SDK)", "treadle", "serial", {**params, "otel": "sdk"}),
     ]
     if not size["variants"]:
         jobs = [jobs[0], jobs[3]]

@@ -3,7 +3,8 @@
 OpenTelemetry's global tracer and meter providers can be set once per process, and tracing must
 stay off for the rest of the suite, so every scenario configures the SDK's in-memory exporters in
 its own process, runs real passes over the fake server, and asserts on what was exported.
-Run one with `python tests/otel_scenarios.py NAME`.
+Run one with `python tests/otel_scenarios.py NAME` (which also runs those of
+`otel_export_scenarios.py`).
 """
 
 from __future__ import annotations
@@ -210,6 +211,64 @@ def cancelled_pass() -> None:
     assert chat.end_time is not None
 
 
+def calls_not_run() -> None:
+    """A call the dispatcher answers without running a tool (here: no tool of that name) still
+    gets its `execute_tool` span, with the error type."""
+    from opentelemetry.trace import StatusCode
+
+    from treadle import Provider, Session, run_session_loop
+    from treadle.testing import FakeOpenAIServer
+
+    exporter, _ = _sdk()
+    with FakeOpenAIServer(script="tool_loop", rounds=1) as server:  # it calls `noop`
+        provider = Provider(model="fake-model", base_url=server.base_url, api_key=KEY)
+        out = run_session_loop(
+            Session.from_user_message("go"), Session.from_agent_prompt("a"), agent_provider=provider
+        )
+        assert out.stop_reason == "final_answer"
+    spans, _ = _tree(exporter)
+    [agent] = [s for s in spans if s.name == "invoke_agent"]
+    [tool_span] = [s for s in spans if s.name == "execute_tool noop"]
+    assert tool_span.parent.span_id == agent.context.span_id
+    assert tool_span.attributes["error.type"] == "unknown_tool"
+    assert tool_span.status.status_code == StatusCode.ERROR
+
+
+def nested_pass_unnamed() -> None:
+    """An `Agent`'s name is on its own pass only: a pass its tool starts is not named by it,
+    and hangs under the tool's span."""
+    import asyncio
+
+    from treadle import Agent, Provider, Session, arun_session_loop, tool
+    from treadle.testing import FakeOpenAIServer
+
+    exporter, _ = _sdk()
+    with FakeOpenAIServer(script="tool_loop", rounds=1) as server:
+        provider = Provider(model="fake-model", base_url=server.base_url, api_key=KEY)
+
+        @tool
+        async def noop(round: int) -> str:
+            """Ask another pass."""
+            inner = await arun_session_loop(
+                Session.from_user_message("inner"),
+                Session.from_agent_prompt("i"),
+                agent_provider=provider,
+            )
+            return inner.stop_reason or ""
+
+        agent = Agent("outer", "Use the tool.", tools=[noop], provider=provider)
+        lazy = agent("lazy")
+        awaited = asyncio.run(agent.run("awaited"))
+        assert lazy.stop_reason == awaited.stop_reason == "final_answer"
+    spans, by_id = _tree(exporter)
+    outer = [s for s in spans if s.name == "invoke_agent outer"]
+    inner = [s for s in spans if s.name == "invoke_agent"]
+    assert len(outer) == 2 and len(inner) == 2, [s.name for s in spans]
+    for span in inner:
+        assert "gen_ai.agent.name" not in span.attributes
+        assert by_id[span.parent.span_id].name == "execute_tool noop"
+
+
 def hundred_passes_one_caller() -> None:
     from opentelemetry import trace
 
@@ -274,69 +333,6 @@ def off_imports_nothing() -> None:
     assert not leaked, leaked
 
 
-def otlp_http() -> None:
-    """Export over OTLP/HTTP to a receiver on 127.0.0.1 and decode what arrived."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    from treadle import Provider, Session, run_session_loop
-    from treadle.testing import FakeOpenAIServer
-
-    received: list[bytes] = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            assert self.path == "/v1/traces", self.path
-            received.append(body)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    receiver = HTTPServer(("127.0.0.1", 0), Receiver)
-    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
-    thread.start()
-    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}/v1/traces"
-    provider = TracerProvider(resource=Resource.create({"service.name": "treadle-test"}))
-    processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint))
-    provider.add_span_processor(processor)
-    trace.set_tracer_provider(provider)
-    with FakeOpenAIServer(script="tool_loop", rounds=1) as server:
-        model = Provider(model="fake-model", base_url=server.base_url, api_key=KEY)
-        out = run_session_loop(
-            Session.from_user_message("q"),
-            Session.from_agent_prompt("a"),
-            agent_provider=model,
-            tools=[_tool()],
-        )
-        assert out.stop_reason == "final_answer"
-    provider.force_flush()
-    receiver.shutdown()
-    names: list[str] = []
-    for body in received:
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(body)
-        for resource_spans in request.resource_spans:
-            for scope_spans in resource_spans.scope_spans:
-                names.extend(span.name for span in scope_spans.spans)
-                for span in scope_spans.spans:
-                    assert KEY.encode() not in span.SerializeToString()
-    assert sorted(names) == sorted(
-        ["invoke_agent", "chat fake-model", "execute_tool noop", "chat fake-model"]
-    ), names
-
-
 SCENARIOS: dict[str, Callable[[], None]] = {
     "not_streamed": not_streamed,
     "streamed": streamed,
@@ -344,11 +340,14 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "cancelled_pass": cancelled_pass,
     "retried_request": retried_request,
     "hundred_passes_one_caller": hundred_passes_one_caller,
+    "calls_not_run": calls_not_run,
+    "nested_pass_unnamed": nested_pass_unnamed,
     "content_on": content_on,
     "off_imports_nothing": off_imports_nothing,
-    "otlp_http": otlp_http,
 }
 
 if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]]()
+    from otel_export_scenarios import EXPORT_SCENARIOS, ray_backend
+
+    {**SCENARIOS, **EXPORT_SCENARIOS, "ray_backend": ray_backend}[sys.argv[1]]()
     print("ok")

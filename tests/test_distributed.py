@@ -22,6 +22,7 @@ from treadle.distributed import (
     OUTCOME_METADATA_KEY,
     AgentSpec,
     PassFailed,
+    PassItem,
     PassOutcome,
     amap,
     clean_orphans,
@@ -190,6 +191,41 @@ async def test_a_killed_worker_has_its_passes_retried(tmp_path: Path) -> None:
         assert outcome.history[-1]["status"] == "ok"
         assert outcome.worker != killed[0]
     assert _left(tmp_path) == []  # the janitor removed the dead worker's sandboxes
+
+
+def record_worker_init() -> None:
+    """A `worker_init`: leaves a file named by this worker's pid in `TREADLE_TEST_INIT_DIR`."""
+    Path(os.environ["TREADLE_TEST_INIT_DIR"], str(os.getpid())).write_text("init")
+
+
+def failing_worker_init() -> None:
+    """A `worker_init` that fails, as a misconfigured exporter would."""
+    raise RuntimeError("no collector configured")
+
+
+def test_worker_init_runs_once_in_each_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TREADLE_TEST_INIT_DIR", str(tmp_path))
+    with FakeOpenAIServer(script=shout_script) as server:
+        agent = _agent(server.base_url)
+        outs = map(agent, _inputs(6), backend="process", workers=2, worker_init=record_worker_init)
+        assert all(o.stop_reason == "final_answer" for o in outs)
+        pids = sorted(int(p.name) for p in tmp_path.iterdir())
+        assert len(pids) == 2 and os.getpid() not in pids
+        with pytest.raises(ConfigurationError, match=r"could not start.*no collector configured"):
+            map(agent, ["x"], backend="process", workers=1, worker_init=failing_worker_init)
+        with pytest.raises(ConfigurationError, match=r"worker_init .* cannot cross"):
+            map(agent, ["x"], backend="process", worker_init=lambda: None)
+        with pytest.raises(ConfigurationError, match="worker_init path"):
+            map(agent, ["x"], backend="process", worker_init="no_colon_here")
+
+
+def test_items_carry_the_trace_context_as_data() -> None:
+    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    item = PassItem.from_input(3, "hello", carrier)
+    assert PassItem.from_json(json.loads(json.dumps(item.to_json()))) == item
+    assert PassItem.from_input(3, "hello").trace_context is None  # tracing off: nothing sent
 
 
 def test_sync_map_and_argument_errors(tmp_path: Path) -> None:

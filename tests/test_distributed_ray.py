@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from treadle import Session
-from treadle.agents import amap
+from treadle import Session, amap
 from treadle.distributed import PassOutcome, map_outcomes
 from treadle.testing import FakeOpenAIServer, Reply
 from treadle.testing.sample_tools import shout_inputs, shout_script, shouter
@@ -148,3 +149,18 @@ async def test_shared_limiter_holds_its_rate_across_two_workers(tmp_path: Path) 
     # arriving). Unlimited, the 60 requests would arrive within a fraction of a second.
     rate = per_minute / 60
     assert max(arrivals) - min(arrivals) >= (n - 5) / rate
+
+
+def test_passes_on_actors_are_children_of_the_callers_span() -> None:
+    pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk (dev)")
+    here = Path(__file__).resolve().parent
+    result = subprocess.run(
+        [sys.executable, str(here / "otel_scenarios.py"), "ray_backend"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=here,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        result.stdout[-3000:] + result.stderr[-5000:]
+    )

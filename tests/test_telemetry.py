@@ -11,12 +11,13 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel test needs opentelemetry-sdk (dev)")
 
+from otel_export_scenarios import EXPORT_SCENARIOS
 from otel_scenarios import SCENARIOS
 
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", sorted({**SCENARIOS, **EXPORT_SCENARIOS}))
 def test_scenario(name: str) -> None:
     result = subprocess.run(
         [sys.executable, str(HERE / "otel_scenarios.py"), name],

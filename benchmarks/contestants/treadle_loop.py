@@ -1,7 +1,9 @@
 """Treadle through its public API: `run_session_loop` with a `Provider` and `@tool` tools.
 
 Variants: `lazy` (the default facade: submit passes, then read them from this thread) and
-`await` (`arun_session_loop` awaited on the caller's own event loop).
+`await` (`arun_session_loop` awaited on the caller's own event loop). `otel` turns tracing on:
+`"api"` imports OpenTelemetry's API without configuring it (tracing stays off), `"sdk"` installs
+an SDK tracer provider (batch processor, exporter that drops spans) and meter provider.
 """
 
 from __future__ import annotations
@@ -56,8 +58,43 @@ def _ok(out: Session) -> bool:
         return False
 
 
+class _DropSpans:
+    """A span exporter that drops what it is given: the cost measured is Treadle's and the
+    SDK's, not a backend's."""
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def _telemetry(mode: str | None) -> None:
+    if mode is None:
+        return
+    from opentelemetry import metrics, trace
+
+    if mode == "api":
+        return
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(_DropSpans()))  # type: ignore[arg-type]
+    trace.set_tracer_provider(provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+
+
 def serial(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     """`n` passes one at a time."""
+    _telemetry(job.get("otel"))
     provider, agent = _provider(job), Session.from_agent_prompt(SYSTEM_PROMPT)
     tools = [noop]
     if job.get("variant") == "await":

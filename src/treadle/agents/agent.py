@@ -44,6 +44,7 @@ from treadle.loop import (
     arun_session_loop,
     run_session_loop,
 )
+from treadle.loop.api import naming_next_pass
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools import FunctionTool, Tool, ToolSet
@@ -302,10 +303,12 @@ class Agent:
         if self.spec is not None and self.spec.mode == "tool":
             options["on_message"] = self.spec.on_message(run.output)
         if not lazy:
-            return await arun_session_loop(user, self.agent_session, **options)
+            with naming_next_pass(self.name):
+                return await arun_session_loop(user, self.agent_session, **options)
         # The lazy form owns its pass like run_session_loop does: a cancellation becomes the
         # pass's `cancelled` stop instead of an error on every read.
-        out = run_session_loop(user, self.agent_session, **options)
+        with naming_next_pass(self.name):
+            out = run_session_loop(user, self.agent_session, **options)
         try:
             await out.wait_ready()
         except asyncio.CancelledError:

@@ -52,8 +52,12 @@ async def drive(
     concurrency: int,
     max_attempts: int,
     call_timeout: float | None,
+    trace_context: dict[str, str] | None = None,
 ) -> AsyncGenerator[PassOutcome, None]:
-    """Run every session on `pool`; yield each `PassOutcome` as it finishes (any order)."""
+    """Run every session on `pool`; yield each `PassOutcome` as it finishes (any order).
+
+    `trace_context` (W3C headers) goes out with every item: the parent of the passes' spans.
+    """
     if isinstance(sessions, AsyncIterable):
         async_source: AsyncIterator[Any] | None = aiter(sessions)
         sync_source = None
@@ -103,7 +107,7 @@ async def drive(
                     if isinstance(value, Session):
                         await value.wait_ready()
                     try:
-                        item = PassItem.from_input(index, value)
+                        item = PassItem.from_input(index, value, trace_context)
                     except Exception as err:  # reported like a failed pass
                         return _bad_input(index, err)
                     state["in_flight"] += 1

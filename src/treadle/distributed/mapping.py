@@ -10,7 +10,7 @@ pull more inputs than the workers have room for, and never ship an API key.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable
 from typing import Any, Literal
 
 from treadle.agents.progress import Progress, known_length, settle_results
@@ -22,9 +22,11 @@ from treadle.distributed.spec import (
     AgentSpec,
     check_key_reaches_workers,
     explicit_key,
+    import_path,
 )
 from treadle.errors import ConfigurationError
 from treadle.session import Session
+from treadle.telemetry import capture_parent, inject_parent
 
 __all__ = [
     "DEFAULT_CALL_GRACE",
@@ -83,6 +85,7 @@ async def map_outcomes(
     sandbox_base: str | None = None,
     ray_address: str | None = None,
     api_key_env: str = DEFAULT_API_KEY_ENV,
+    worker_init: str | Callable[[], object] | None = None,
 ) -> AsyncGenerator[PassOutcome, None]:
     """Run `agent` over `sessions` on worker processes; yield a `PassOutcome` as each ends.
 
@@ -104,11 +107,17 @@ async def map_outcomes(
         ray_address: Ray cluster to connect to when Ray is not initialised (`"auto"`, an
             address, or None for a local instance).
         api_key_env: Environment variable each worker reads the API key from.
+        worker_init: A top-level function (or its `package.module:function` path) each worker
+            process calls once before it builds the agent, e.g. to configure OpenTelemetry
+            there (docs/observability.md).
 
-    Outcomes arrive in completion order; `outcome.index` is the input position.
+    Outcomes arrive in completion order; `outcome.index` is the input position. When tracing
+    is on, the span current here is the parent of every pass's span on the workers.
     """
     _check(backend, concurrency, max_attempts, rate_limit, workers)
     spec = AgentSpec.from_agent(agent, api_key_env=api_key_env)
+    init = import_path(worker_init, "worker_init") if worker_init is not None else None
+    trace_context = inject_parent(capture_parent()) or None
     if call_timeout is None and pass_timeout is not None:
         call_timeout = pass_timeout + DEFAULT_CALL_GRACE
     pool: Any
@@ -121,6 +130,7 @@ async def map_outcomes(
             sandbox_base=sandbox_base,
             pass_timeout=pass_timeout,
             api_key=explicit_key(agent),
+            worker_init=init,
         )
     else:
         check_key_reaches_workers(spec.name, explicit_key(agent), api_key_env)
@@ -135,6 +145,7 @@ async def map_outcomes(
             rate_limit=rate_limit,
             requests_per_minute=spec.requests_per_minute,
             address=ray_address,
+            worker_init=init,
         )
     writer = ResultsWriter(results_path) if results_path is not None else None
     try:
@@ -146,6 +157,7 @@ async def map_outcomes(
                 concurrency=concurrency,
                 max_attempts=max_attempts,
                 call_timeout=call_timeout,
+                trace_context=trace_context,
             )
             try:
                 async for outcome in stream:

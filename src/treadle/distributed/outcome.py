@@ -35,9 +35,13 @@ class PassItem:
     messages: list[dict[str, Any]]
     placement: str | None = None
     attempt: int = 1
+    trace_context: dict[str, str] | None = None
+    """W3C trace-context headers of the map's caller (None when tracing is off there)."""
 
     @classmethod
-    def from_input(cls, index: int, value: Any) -> PassItem:
+    def from_input(
+        cls, index: int, value: Any, trace_context: dict[str, str] | None = None
+    ) -> PassItem:
         """An item from a map input: a finished `Session` or a user message string."""
         if isinstance(value, str):
             value = Session.from_user_message(value)
@@ -45,7 +49,9 @@ class PassItem:
             raise ConfigurationError(
                 f"a distributed map takes Sessions or strs, got {type(value).__name__}."
             )
-        return cls(index, value.id, value.to_messages(), value.placement)
+        return cls(
+            index, value.id, value.to_messages(), value.placement, trace_context=trace_context
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The item as a JSON-able dict."""

@@ -189,6 +189,7 @@ class ProcessPool:
         sandbox_base: str | None = None,
         pass_timeout: float | None = None,
         api_key: str | None = None,
+        worker_init: str | None = None,
     ) -> None:
         self.size = size or os.cpu_count() or 1
         self._spec = spec
@@ -199,6 +200,7 @@ class ProcessPool:
             "sandbox_base": sandbox_base,
             "pass_timeout": pass_timeout,
             "api_key": api_key,
+            "worker_init": worker_init,
         }
         self._workers: list[_Worker | None] = [None] * self.size
         self._calls = itertools.count()

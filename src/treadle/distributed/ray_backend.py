@@ -132,6 +132,7 @@ class RayPool:
         requests_per_minute: int | None = None,
         address: str | None = None,
         num_cpus: float = 1,
+        worker_init: str | None = None,
     ) -> None:
         self._ray = ensure_ray(address)
         resources = self._ray.cluster_resources()
@@ -142,6 +143,7 @@ class RayPool:
             "share": 1.0 / self.size,
             "sandbox_base": sandbox_base,
             "pass_timeout": pass_timeout,
+            "worker_init": worker_init,
         }
         self._actor_class = self._ray.remote(PassActor).options(
             max_concurrency=concurrency + _CONTROL_CALLS, num_cpus=num_cpus, max_restarts=0

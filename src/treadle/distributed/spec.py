@@ -21,7 +21,7 @@ from treadle.errors import ConfigurationError
 from treadle.llm.provider import Provider
 from treadle.loop import DEFAULT_MAX_TOOL_ROUNDS, Limits
 
-__all__ = ["DEFAULT_API_KEY_ENV", "AgentSpec", "resolve_tool", "tool_path"]
+__all__ = ["DEFAULT_API_KEY_ENV", "AgentSpec", "import_path", "resolve_tool", "tool_path"]
 
 #: The environment variable a worker reads the API key from when the spec names none.
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
@@ -33,26 +33,32 @@ def tool_path(tool: Any) -> str:
     Raises `ConfigurationError` when the function cannot be imported back by that path (lambdas,
     closures, functions defined in `__main__` or a test body).
     """
-    if isinstance(tool, str):
-        head, sep, tail = tool.partition(":")
+    return import_path(tool, "tool")
+
+
+def import_path(obj: Any, what: str = "function") -> str:
+    """The import path `package.module:qualname` of a top-level function (`what` names it in
+    errors); a string is checked for the shape and returned as it is."""
+    if isinstance(obj, str):
+        head, sep, tail = obj.partition(":")
         if not (head and sep and tail):
             raise ConfigurationError(
-                f"tool path {tool!r} must look like 'package.module:function'."
+                f"{what} path {obj!r} must look like 'package.module:function'."
             )
-        return tool
-    fn = getattr(tool, "fn", tool)
+        return obj
+    fn = getattr(obj, "fn", obj)
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
     if not module or not qualname or "<" in qualname or module == "__main__":
         raise ConfigurationError(
-            f"tool {getattr(tool, 'name', qualname)!r} cannot cross to a worker: define it at the "
+            f"{what} {getattr(obj, 'name', qualname)!r} cannot cross to a worker: define it at the "
             "top level of an importable module and pass it (or 'package.module:function')."
         )
     path = f"{module}:{qualname}"
     resolved = resolve_tool(path)
-    if resolved is not tool and getattr(resolved, "fn", resolved) is not fn:
+    if resolved is not obj and getattr(resolved, "fn", resolved) is not fn:
         raise ConfigurationError(
-            f"tool path {path!r} does not lead back to the same tool; define the tool at the "
+            f"{what} path {path!r} does not lead back to the same {what}; define it at the "
             "top level of its module."
         )
     return path

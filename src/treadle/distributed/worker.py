@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import socket
@@ -22,11 +23,17 @@ from typing import Any
 
 from treadle.distributed.janitor import clean_orphans, make_sandbox_root
 from treadle.distributed.outcome import PassItem, PassOutcome
-from treadle.distributed.spec import AgentSpec
+from treadle.distributed.spec import AgentSpec, resolve_tool
 from treadle.loop import Guardrail
 from treadle.session import Session
+from treadle.telemetry import flush, parent_from_carrier, use_parent
 
 __all__ = ["PassWorker", "worker_name"]
+
+log = logging.getLogger("treadle.distributed")
+
+# Seconds a closing worker gives its telemetry exporters (the driver kills it after 10 s).
+_FLUSH_SECONDS = 5.0
 
 RateGate = Callable[[], Awaitable[None]]
 """Awaited before every model request when the rate limit is one shared bucket."""
@@ -54,7 +61,10 @@ class PassWorker:
         pass_timeout: float | None = None,
         rate_gate: RateGate | None = None,
         api_key: str | None = None,
+        worker_init: str | None = None,
     ) -> None:
+        if worker_init is not None:  # first: it may configure what the agent's build uses
+            resolve_tool(worker_init)()
         self.spec = spec if isinstance(spec, AgentSpec) else AgentSpec.from_json(spec)
         self.name = worker_name()
         self.pass_timeout = pass_timeout
@@ -87,8 +97,10 @@ class PassWorker:
                 session = session.to(str(workspace))
             elif item.placement is not None:
                 session = session.to(item.placement)
-            async with deadline:
-                out = await self.agent.run(session)
+            # The map caller's span (another process) is the parent of this pass's span.
+            with use_parent(parent_from_carrier(item.trace_context)):
+                async with deadline:
+                    out = await self.agent.run(session)
             usage = out.usage
             return self._outcome(
                 item,
@@ -130,6 +142,11 @@ class PassWorker:
         )
 
     def close(self) -> None:
-        """Remove this worker's sandbox root (blocks; call when no pass is running)."""
+        """Remove this worker's sandbox root and export buffered telemetry (blocks; call when no
+        pass is running)."""
         with contextlib.suppress(OSError):
             shutil.rmtree(self.root)
+        try:
+            flush(_FLUSH_SECONDS)
+        except Exception as err:  # an exporter's failure must not keep the worker from exiting
+            log.warning("flushing telemetry failed: %s", err)

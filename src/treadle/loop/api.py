@@ -8,7 +8,9 @@ submits the pass to the runtime and returns a `Session` facade at once.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
@@ -30,12 +32,29 @@ __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
     "PassOptions",
     "arun_session_loop",
+    "naming_next_pass",
     "run_session_loop",
     "stream_session_loop",
 ]
 
 #: Tool rounds a pass may run before it stops with `stop_reason == "max_steps"`.
 DEFAULT_MAX_TOOL_ROUNDS = 64
+
+
+# The name the next pass planned in this context carries in traces (set by `Agent`).
+_next_pass_name: ContextVar[str | None] = ContextVar("treadle_next_pass_name", default=None)
+
+
+@contextmanager
+def naming_next_pass(name: str) -> Iterator[None]:
+    """Inside the block, the next pass planned in this context is traced as agent `name`
+    (`invoke_agent {name}`, `gen_ai.agent.name`). This is how `Agent` names its passes without
+    a public argument; passes its tools start are not named by it."""
+    token = _next_pass_name.set(name)
+    try:
+        yield
+    finally:
+        _next_pass_name.reset(token)
 
 
 class PassOptions(TypedDict, total=False):
@@ -148,6 +167,9 @@ def _plan(
             path = target
         else:
             path = default_session_path(out_id, target)
+    agent_name = _next_pass_name.get()
+    if agent_name is not None:  # this pass only: the tasks it starts copy the context from here
+        _next_pass_name.set(None)
     return PassPlan(
         user=user_session,
         agent=agent_session,
@@ -164,6 +186,7 @@ def _plan(
         approvals=dict(approvals) if approvals else None,
         emit=emit,
         trace_parent=capture_parent(),
+        agent_name=agent_name,
     )
 
 

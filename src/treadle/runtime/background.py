@@ -165,6 +165,8 @@ class Runtime:
         if self.in_loop_thread():
             self._start(coro, lazy)
             return lazy
+        # `_start` (so the task it creates) runs in a copy of the caller's contextvars: the
+        # caller's tracing context is what a pass started here sees (otel scenarios in tests).
         try:
             self.loop.call_soon_threadsafe(self._start, coro, lazy)
         except RuntimeError:  # the loop closed meanwhile (it died): nothing will run this

@@ -10,18 +10,22 @@ Prompt and completion content is recorded only after `configure(capture_content=
 `TREADLE_OTEL_CAPTURE_CONTENT=true`); API keys are never recorded.
 """
 
-from treadle.telemetry.hooks import (
-    PassTrace,
+from treadle.telemetry.context import (
     TraceParent,
     capture_parent,
+    flush,
+    inject_parent,
+    parent_from_carrier,
+    use_parent,
+)
+from treadle.telemetry.hooks import (
+    PassTrace,
     capturing_content,
     configure,
     current_pass,
     finish_pass,
-    inject_parent,
     note_limiter_wait,
     note_retry,
-    parent_from_carrier,
     start_pass,
     tool_span,
 )
@@ -34,10 +38,12 @@ __all__ = [
     "configure",
     "current_pass",
     "finish_pass",
+    "flush",
     "inject_parent",
     "note_limiter_wait",
     "note_retry",
     "parent_from_carrier",
     "start_pass",
     "tool_span",
+    "use_parent",
 ]

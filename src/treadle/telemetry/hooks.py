@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import contextvars
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from treadle.telemetry.context import TraceParent, trace_api
+
 __all__ = [
     "PassTrace",
-    "TraceParent",
-    "capture_parent",
     "capturing_content",
     "configure",
     "current_pass",
     "finish_pass",
-    "inject_parent",
     "note_limiter_wait",
     "note_retry",
-    "parent_from_carrier",
     "start_pass",
     "tool_span",
 ]
@@ -68,57 +65,6 @@ def configure(*, capture_content: bool | None = None) -> None:
 def capturing_content() -> bool:
     """Whether spans record prompts, completions and tool payloads."""
     return _settings.capture_content
-
-
-def _trace_api() -> Any | None:
-    """`opentelemetry.trace` when the application configured a tracer provider, else None."""
-    api = sys.modules.get("opentelemetry.trace")
-    if api is None:
-        return None
-    provider = api.get_tracer_provider()
-    if isinstance(provider, (api.ProxyTracerProvider, api.NoOpTracerProvider)):
-        return None
-    return api
-
-
-@dataclass(frozen=True, slots=True)
-class TraceParent:
-    """The caller's OpenTelemetry context, captured where a pass was asked for."""
-
-    context: Any
-
-
-def capture_parent() -> TraceParent | None:
-    """The calling thread's OpenTelemetry context when tracing is on (else None, at no cost).
-
-    Called at `run_session_loop` (in the caller's thread), so the span that is current there
-    becomes the parent of the pass even though the pass runs on the runtime's thread.
-    """
-    if _trace_api() is None:
-        return None
-    from opentelemetry.context import get_current
-
-    return TraceParent(get_current())
-
-
-def inject_parent(parent: TraceParent | None) -> dict[str, str]:
-    """W3C trace-context headers of `parent`, for a pass run in another process."""
-    if parent is None:
-        return {}
-    from opentelemetry.propagate import inject
-
-    carrier: dict[str, str] = {}
-    inject(carrier, context=parent.context)
-    return carrier
-
-
-def parent_from_carrier(carrier: Mapping[str, str] | None) -> TraceParent | None:
-    """The parent a worker process continues from (None when tracing is off there)."""
-    if not carrier or _trace_api() is None:
-        return None
-    from opentelemetry.propagate import extract
-
-    return TraceParent(extract(dict(carrier)))
 
 
 def current_pass() -> PassTrace | None:
@@ -169,10 +115,25 @@ def _server(url: str | None) -> dict[str, Any]:
     return attrs
 
 
+_tracers: dict[int, tuple[Any, Any]] = {}
+
+
+def _tracer(api: Any) -> Any:
+    """Treadle's tracer from the current provider (made once per provider: the SDK's
+    `get_tracer` costs a sixth of a traced round)."""
+    provider = api.get_tracer_provider()
+    known = _tracers.get(id(provider))
+    if known is None or known[0] is not provider:
+        known = (provider, provider.get_tracer(_SCOPE))
+        _tracers.clear()  # one provider is current at a time
+        _tracers[id(provider)] = known
+    return known[1]
+
+
 class PassTrace:
     """The spans of one pass: the `invoke_agent` span and its children."""
 
-    __slots__ = ("_api", "_base", "_chat", "_chat_start", "_ctx", "_start", "span")
+    __slots__ = ("_api", "_base", "_chat", "_chat_start", "_ctx", "_start", "_tracer", "span")
 
     def __init__(
         self,
@@ -200,7 +161,7 @@ class PassTrace:
         if agent_name:
             attrs["gen_ai.agent.name"] = agent_name
         name = f"invoke_agent {agent_name}" if agent_name else "invoke_agent"
-        tracer = api.get_tracer(_SCOPE)
+        self._tracer = tracer = _tracer(api)
         self.span = tracer.start_span(name, context=parent.context, attributes=attrs)
         self._ctx = api.set_span_in_context(self.span, parent.context)
         self._chat: Any = None
@@ -214,10 +175,9 @@ class PassTrace:
         attrs = {**self._base, "gen_ai.operation.name": "chat"}
         if _settings.capture_content and messages is not None:
             attrs["gen_ai.input.messages"] = _json(messages)
-        tracer = self._api.get_tracer(_SCOPE)
         kind = self._api.SpanKind.CLIENT
         name = f"chat {model}" if model else "chat"
-        self._chat = tracer.start_span(name, context=self._ctx, kind=kind, attributes=attrs)
+        self._chat = self._tracer.start_span(name, context=self._ctx, kind=kind, attributes=attrs)
         self._chat_start = time.monotonic()
 
     def end_chat(
@@ -302,8 +262,20 @@ class PassTrace:
         }
         if _settings.capture_content:
             attrs["gen_ai.tool.call.arguments"] = arguments
-        tracer = self._api.get_tracer(_SCOPE)
-        return tracer.start_span(f"execute_tool {name}", context=self._ctx, attributes=attrs)
+        return self._tracer.start_span(f"execute_tool {name}", context=self._ctx, attributes=attrs)
+
+    def enter_tool(self, span: Any) -> Any:
+        """Make the tool span current while the tool runs (what it traces, a pass it starts,
+        hangs under it); returns the token for `leave_tool`, in the same task."""
+        from opentelemetry import context
+
+        return context.attach(self._api.set_span_in_context(span, self._ctx))
+
+    def leave_tool(self, token: Any) -> None:
+        """Restore the context `enter_tool` replaced."""
+        from opentelemetry import context
+
+        context.detach(token)
 
     def end_tool(self, span: Any, error_kind: str | None, content: str) -> None:
         """Close a tool span; `error_kind` is the tool result's error kind, if it failed."""
@@ -361,7 +333,7 @@ def start_pass(
     """Open the pass span under `parent` and make it current in this task (None: not traced)."""
     if parent is None:
         return None
-    api = _trace_api()
+    api = trace_api()
     if api is None:
         return None
     trace = PassTrace(

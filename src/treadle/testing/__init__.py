@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     )
     from treadle.testing.fake_server import FakeOpenAIServer, FaultRule, RecordedRequest
     from treadle.testing.scripted import ScriptedExecutor
+    from treadle.testing.telemetry import in_memory_telemetry
 
 __all__ = [
     "SCRIPTS",
@@ -36,6 +37,7 @@ __all__ = [
     "echo",
     "file_worker",
     "get_script",
+    "in_memory_telemetry",
     "tool_loop",
 ]
 
@@ -52,6 +54,7 @@ _HOMES = {
     "get_script": "fake_replies",
     "tool_loop": "fake_replies",
     "ScriptedExecutor": "scripted",
+    "in_memory_telemetry": "telemetry",
 }
 
 

@@ -186,11 +186,14 @@ async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     if traced is None:
         return await _outcome(ready, run, context)
     trace, span = traced
+    token = trace.enter_tool(span)
     try:
         outcome = await _outcome(ready, run, context)
     except BaseException:
         trace.end_tool(span, "cancelled", "")
         raise
+    finally:
+        trace.leave_tool(token)
     trace.end_tool(span, outcome.error_kind, outcome.content)
     return outcome
 
@@ -228,6 +231,16 @@ async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
         return _failure(call, "tool_execution_exception", message, exception_detail(error))
     return ToolOutcome(call.id, item.name, content, True, None)
+
+
+def _answered(call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
+    """`outcome` of a call answered without running a tool; traced like one that ran, so a
+    model calling a missing tool or sending bad arguments shows in the trace."""
+    traced = tool_span(call.name, call.id, call.arguments)
+    if traced is not None:
+        trace, span = traced
+        trace.end_tool(span, outcome.error_kind, outcome.content)
+    return outcome
 
 
 def _as_call(call: ToolCall | Mapping[str, Any], index: int) -> ToolCall:
@@ -294,20 +307,24 @@ async def run_tool_calls(
             _settled(call, found, denied, unknown_outcome) if denied or unknown_outcome else None
         )
         if settled is not None:
-            outcomes[index] = settled
+            outcomes[index] = _answered(call, settled)
             continue
         if found is None:
             known = ", ".join(tools.names) or "none"
-            outcomes[index] = _failure(
+            outcomes[index] = _answered(
                 call,
-                "unknown_tool",
-                f"there is no tool named {call.name!r}; available tools: {known}.",
+                _failure(
+                    call,
+                    "unknown_tool",
+                    f"there is no tool named {call.name!r}; available tools: {known}.",
+                ),
             )
             continue
         try:
             arguments = found.validate(_parse_arguments(call.arguments))
         except ToolError as error:
-            outcomes[index] = _failure(call, error.error_kind, error.message, error.detail)
+            failure = _failure(call, error.error_kind, error.message, error.detail)
+            outcomes[index] = _answered(call, failure)
             continue
         ready = _Ready(index, call, found, arguments)
         key = found.key_for(arguments)
