@@ -56,6 +56,8 @@ _EXPORTS: dict[str, str] = {
     "BaseTool": "treadle.tools",
     "SandboxHandle": "treadle.sandbox",
     "LocalBackend": "treadle.sandbox",
+    "Isolated": "treadle.sandbox",
+    "ResourceLimits": "treadle.sandbox",
     "global_system_tools": "treadle.sandbox",
     # persistence
     "load_session": "treadle.persist",
@@ -132,7 +134,13 @@ if TYPE_CHECKING:
     )
     from treadle.persist import LoadedSession, load_session
     from treadle.runtime import LazyValue, get_runtime, run_lazy
-    from treadle.sandbox import LocalBackend, SandboxHandle, global_system_tools
+    from treadle.sandbox import (
+        Isolated,
+        LocalBackend,
+        ResourceLimits,
+        SandboxHandle,
+        global_system_tools,
+    )
     from treadle.session import ChunkRow, ChunkTable, LineageNode, Session, SessionData, Usage
     from treadle.tools import BaseTool, Tool, tool
 

@@ -20,7 +20,7 @@ import anyio.to_thread
 
 from treadle.errors import SandboxError
 from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
-from treadle.sandbox.local import LocalBackend
+from treadle.sandbox.placements import PlacementLike, backend_for, placement_name
 
 __all__ = ["Sandbox", "SandboxHandle"]
 
@@ -113,15 +113,16 @@ class SandboxHandle:
     """A reference-counted share of one sandbox; the backend opens on first use.
 
     Starts with one reference (the creator's). `placement` is `"local"` (a fresh temporary
-    directory, deleted on close) or a directory path (used as is, never deleted).
+    directory, deleted on close), a directory path (used as is, never deleted), or `"isolated"`
+    / an `Isolated(...)` value (a temporary workspace whose commands run in a bubblewrap box).
     """
 
     __slots__ = ("_backend", "_closed", "_done", "_lock", "_refcount", "_sandbox", "placement")
 
-    def __init__(self, placement: str, *, backend: Backend | None = None) -> None:
-        self.placement = placement
-        """Where the sandbox lives: `"local"` or a directory path."""
-        self._backend: Backend = backend if backend is not None else LocalBackend(placement)
+    def __init__(self, placement: PlacementLike, *, backend: Backend | None = None) -> None:
+        self.placement = placement_name(placement)
+        """Where the sandbox lives: `"local"`, `"isolated"` or a directory path."""
+        self._backend: Backend = backend if backend is not None else backend_for(placement)
         self._sandbox: Sandbox | None = None
         self._refcount = 1
         self._closed = False

@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -77,15 +77,22 @@ async def run_command(
     max_bytes: int = MAX_STREAM_BYTES,
     on_start: Callable[[int], None] | None = None,
     on_exit: Callable[[int], None] | None = None,
+    launcher: Sequence[str] = (),
+    as_uid: int | None = None,
 ) -> CommandResult:
     """Run `command` through `/bin/sh -c` in `cwd`; kill its process group when done or late.
 
     `on_start(pgid)` / `on_exit(pgid)` let the backend track live groups (to kill them on close).
+    `launcher` is an argv prefix the shell runs under (the isolated backend's box); `as_uid`
+    runs it all as that uid and gid, without supplementary groups (only root can ask).
     Cancelling the caller kills the group too, then re-raises the cancellation.
     """
     started = time.monotonic()
     process = await anyio.open_process(
-        ["/bin/sh", "-c", command],
+        [*launcher, "/bin/sh", "-c", command],
+        user=as_uid,
+        group=as_uid,
+        extra_groups=None if as_uid is None else (),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -26,6 +26,7 @@ from treadle.session.usage import Usage
 if TYPE_CHECKING:
     from treadle.runtime.lazy import LazyValue
     from treadle.sandbox.handle import Sandbox, SandboxHandle
+    from treadle.sandbox.placements import PlacementLike
 
 __all__ = ["Session", "SessionData", "new_session_id"]
 
@@ -364,15 +365,12 @@ class Session:
         return self.lineage.to_mermaid()
 
     # -- sandbox ----------------------------------------------------------------------------------
-    def to(self, placement: str) -> Session:
-        """A copy bound to a sandbox `placement` (`"local"` or a directory); opens nothing yet."""
+    def to(self, placement: PlacementLike) -> Session:
+        """A copy bound to a sandbox `placement` (`"local"`, a directory, `"isolated"` or an
+        `Isolated(...)` value); opens nothing yet."""
         from treadle.sandbox.handle import SandboxHandle
 
-        if not isinstance(placement, str) or not placement:
-            raise ConfigurationError(
-                "placement must be 'local' or a directory path, e.g. session.to('local')."
-            )
-        handle = SandboxHandle(placement)
+        handle = SandboxHandle(placement)  # ConfigurationError for a placement that is none
         data = self._materialise()
         new = Session._derive(
             SessionData(data.table, data.usage),

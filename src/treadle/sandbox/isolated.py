@@ -1,0 +1,159 @@
+"""`IsolatedBackend`: the `local` backend's workspace and tools, with every command in a box.
+
+The workspace is a fresh temporary directory, as for `local`, and the file tools run on the host
+with the same path confinement; only commands differ: each runs in a bubblewrap box (see
+`treadle.sandbox.bwrap`) that sees the read-only system, the workspace and a private `/tmp`, none
+of the host's environment, processes or (by default) network. As root, each sandbox gets a host
+uid of its own (from `BOX_UID_BASE`), so its process limit counts only its own processes and a
+box escape lands as an unprivileged user; the workspace is handed to that uid. This module must
+never block the event loop and never run a command outside a box.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import signal
+from pathlib import Path
+
+from treadle.errors import SandboxUnavailable
+from treadle.sandbox.backend import CommandResult
+from treadle.sandbox.bwrap import BOX_ENV, Isolated, box_command, find_executable
+from treadle.sandbox.local import _IO, LocalBackend
+from treadle.sandbox.paths import resolve_in_workspace
+from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
+
+__all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
+
+#: First host uid handed to boxes when Treadle runs as root (no passwd entry needed).
+BOX_UID_BASE = 2_100_000_000
+#: How many uids boxes cycle through (sandboxes open at once in one process never share one).
+BOX_UID_COUNT = 1_000_000
+
+_next_uid = itertools.count()
+
+
+def _allocate_uid() -> int:
+    # Spread by pid so two Treadle processes on one machine rarely share a uid.
+    return BOX_UID_BASE + (os.getpid() * 7919 + next(_next_uid)) % BOX_UID_COUNT
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += 1
+            except FileNotFoundError:
+                pass
+    return count
+
+
+class IsolatedBackend(LocalBackend):
+    """A sandbox whose commands run in a bubblewrap box; `SandboxUnavailable` without `bwrap`."""
+
+    name = "isolated"
+
+    def __init__(
+        self,
+        options: Isolated | None = None,
+        *,
+        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+        max_output_bytes: int = MAX_STREAM_BYTES,
+    ) -> None:
+        # Checked here, at `session.to("isolated")`, not at the first command of a pass.
+        self._bwrap = find_executable("bwrap")
+        self._prlimit = find_executable("prlimit")
+        super().__init__(
+            "local", command_timeout=command_timeout, max_output_bytes=max_output_bytes
+        )
+        self.placement = "isolated"
+        self.options = options if options is not None else Isolated()
+        self._own_uid = os.geteuid() == 0
+        self.host_uid = _allocate_uid() if self._own_uid else os.geteuid()
+        """The host uid every process of this box runs as."""
+        self._env = {**BOX_ENV, **self.options.env}
+
+    def open(self) -> Path:
+        """Create the temporary workspace and hand it to the box's uid; return its root."""
+        root = super().open()
+        if self._own_uid:
+            os.chown(root, self.host_uid, self.host_uid)
+        return root
+
+    async def run_command(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (reported)
+    ) -> CommandResult:
+        """Run `command` with `/bin/sh -c` in a fresh box over the workspace (at `/workspace`)."""
+        root = self._live_root()
+        launcher = box_command(
+            self.options,
+            workspace=root,
+            bwrap=self._bwrap,
+            prlimit=self._prlimit,
+            processes_already=0 if self._own_uid else _processes_of(self.host_uid),
+        )
+        result = await run_command(
+            command,
+            cwd=root,
+            env=self._env,
+            timeout=self.command_timeout if timeout is None else timeout,
+            max_bytes=self.max_output_bytes,
+            on_start=self._started,
+            on_exit=self._exited,
+            launcher=launcher,
+            as_uid=self.host_uid if self._own_uid else None,
+        )
+        return self._explained(result)
+
+    def _explained(self, result: CommandResult) -> CommandResult:
+        """`result`, with a line on stderr saying which limit stopped it (if one did)."""
+        code = result.exit_code
+        if code == 1 and not result.stdout and result.stderr.startswith("bwrap: "):
+            raise SandboxUnavailable(
+                f"bubblewrap could not build the box ({result.stderr.strip()}); it needs "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, and on "
+                "Ubuntu 24.04+ kernel.apparmor_restrict_unprivileged_userns=0)."
+            )
+        limits = self.options.limits
+        # bubblewrap reports a command killed by signal N as exit status 128 + N.
+        notes = {
+            128 + signal.SIGXCPU: f"the CPU-time limit ({limits.cpu_seconds} s)",
+            128 + signal.SIGXFSZ: f"the file-size limit ({limits.file_size_bytes} bytes)",
+        }
+        if code not in notes:
+            return result
+        note = f"\n[treadle: the command was stopped by the box's {notes[code]}]"
+        return dataclasses.replace(result, stderr=result.stderr + note)
+
+    async def write_file(self, path: str, data: bytes) -> int:
+        """Create or replace a workspace file, owned by the box so its commands can change it."""
+        written = await super().write_file(path, data)
+        if self._own_uid:
+            await _IO.run(_give_to_box, self.workspace, path, self.host_uid)
+        return written
+
+    async def claim(self) -> None:
+        """Hand everything in the workspace to the box's uid (after files were put in by hand)."""
+        if self._own_uid:
+            await _IO.run(_give_tree_to_box, self._live_root(), self.host_uid)
+
+
+def _give_to_box(root: Path, path: str, uid: int) -> None:
+    real = resolve_in_workspace(root, path)
+    # The file and every directory `write_file` may have created above it.
+    while real != root:
+        os.lchown(real, uid, uid)
+        real = real.parent
+
+
+def _give_tree_to_box(root: Path, uid: int) -> None:
+    os.lchown(root, uid, uid)
+    for parent, dirs, files in os.walk(root):
+        for name in dirs + files:
+            os.lchown(os.path.join(parent, name), uid, uid)
