@@ -138,8 +138,10 @@ def _system_mounts() -> tuple[str, ...]:
 
 def _prlimit_args(limits: ResourceLimits, processes_already: int) -> list[str]:
     args: list[str] = []
+    if limits.cpu_seconds is not None:
+        # The hard limit a second later: SIGXCPU (which says why) comes before SIGKILL.
+        args.append(f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}")
     pairs = (
-        ("cpu", limits.cpu_seconds),
         ("as", limits.memory_bytes),
         ("fsize", limits.file_size_bytes),
         ("nofile", limits.open_files),
@@ -168,6 +170,8 @@ def box_command(
     has a uid of its own), so the process limit counts only the box's.
     """
     args = [prlimit, *_prlimit_args(options.limits, processes_already), "--", bwrap]
+    # bwrap's own init is the box's PID 1 (not the shell: as PID 1 it would ignore SIGXCPU and
+    # every other signal it has no handler for). When the shell exits, the kernel kills the rest.
     args += ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
     if options.network:
         args.append("--share-net")
