@@ -253,3 +253,14 @@ def test_a_handle_closes_its_box_on_release() -> None:
     workspace = handle.open().workspace
     handle.release()
     assert handle.wait_closed(10) and not workspace.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only as root does the box run as another uid")
+async def test_a_workspace_the_box_cannot_reach_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    os.chmod(tmp_path, 0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # workspaces under a root-only dir
+    for sandbox in open_sandbox("isolated"):
+        with pytest.raises(SandboxUnavailable, match="reach the workspace"):
+            await sandbox.run_command("true")

@@ -114,11 +114,13 @@ class IsolatedBackend(LocalBackend):
     def _explained(self, result: CommandResult) -> CommandResult:
         """`result`, with a line on stderr saying which limit stopped it (if one did)."""
         code = result.exit_code
+        # bwrap's own failures (before the command starts) are exit 1 with "bwrap: ..." alone.
         if code == 1 and not result.stdout and result.stderr.startswith("bwrap: "):
             raise SandboxUnavailable(
                 f"bubblewrap could not build the box ({result.stderr.strip()}); it needs "
-                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, and on "
-                "Ubuntu 24.04+ kernel.apparmor_restrict_unprivileged_userns=0)."
+                "unprivileged user namespaces (on Ubuntu 24.04+ an AppArmor profile for bwrap), "
+                "and the box's uid must be able to reach the workspace (TMPDIR) and every extra "
+                "mount."
             )
         limits = self.options.limits
         # bubblewrap reports a command killed by signal N as exit status 128 + N.
