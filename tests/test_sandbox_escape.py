@@ -22,10 +22,11 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from conftest import BACKENDS, connect_from, open_sandbox
+from sandbox_support import BACKENDS, connect_from, open_sandbox
 from treadle import Session, run_session_loop
 from treadle.errors import PathViolation, SandboxError
 from treadle.sandbox import Sandbox
+from treadle.sandbox.isolated import _processes_of
 from treadle.sandbox.local import MAX_LIST_ENTRIES, MAX_READ_BYTES
 from treadle.sandbox.process import MAX_STREAM_BYTES
 from treadle.testing import ScriptedExecutor
@@ -157,18 +158,6 @@ async def test_a_process_limit_stops_a_fork_storm_by_hand_on_local(
     assert "fork" in result.stderr.lower()
     assert len(pids) <= limit
     await _none_left(survivors, marker)
-
-
-def _processes_of(uid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    count += 1
-            except FileNotFoundError:
-                pass
-    return count
 
 
 async def test_setsid_escapes_the_process_group(

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import treadle
-from conftest import connect_from, needs_bwrap, open_sandbox, processes_with
+from sandbox_support import connect_from, is_zombie, needs_bwrap, open_sandbox, processes_with
 from treadle import Session
 from treadle.agents import Agent
 from treadle.errors import ConfigurationError, PathViolation, SandboxError, SandboxUnavailable
@@ -238,8 +238,7 @@ def _box_processes() -> list[int]:
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             uid = os.stat(f"/proc/{entry}").st_uid
-            with open(f"/proc/{entry}/stat") as f:
-                zombie = f.read().split(") ", 1)[1][0] == "Z"
+            zombie = is_zombie(entry)
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
         if BOX_UID_BASE <= uid < BOX_UID_BASE + BOX_UID_COUNT and not zombie:
