@@ -111,7 +111,7 @@ async def run_pass(
 def run_command(opts: RunOptions, console: Console) -> int:
     """Run `treadle run`; returns the exit code."""
     provider = provider_for(opts)
-    if opts.sandbox and opts.sandbox != "local":
+    if opts.sandbox and opts.sandbox not in ("local", "isolated"):
         # a command-line user expects `--sandbox ./work` to be created
         Path(opts.sandbox).mkdir(parents=True, exist_ok=True)
     return asyncio.run(_run(opts, provider, console))
