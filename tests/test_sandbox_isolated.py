@@ -5,6 +5,8 @@ real files; the escapes it stops are in `tests/test_sandbox_escape.py` (run on b
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import os
 import shutil
@@ -14,6 +16,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 import treadle
@@ -263,3 +266,38 @@ async def test_a_workspace_the_box_cannot_reach_is_a_clear_error(
     for sandbox in open_sandbox("isolated"):
         with pytest.raises(SandboxUnavailable, match="reach the workspace"):
             await sandbox.run_command("true")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only as root do file tools change uid")
+async def test_file_tools_act_with_the_box_rights_while_a_command_swaps_links(box: Sandbox) -> None:
+    """A command swaps `d` for a link to /etc while the host writes `d/...` and reads `d/shadow`:
+    whichever side of the check the swap lands, the tool acts as the box's uid (not root)."""
+    await box.write_file("d/keep", "x")
+    swap = (  # as fast as the box can, going on whatever the host does meanwhile
+        'python3 -c "import os, time\n'
+        "end = time.monotonic() + 20\n"
+        "while time.monotonic() < end:\n"
+        "    try:\n"
+        "        os.rename('d', 'd.real'); os.symlink('/etc', 'd'); os.unlink('d');"
+        " os.rename('d.real', 'd')\n"
+        "    except OSError:\n"
+        "        os.system('rm -rf d d.real; mkdir d')\""
+    )
+    leaked: list[bytes] = []
+    written = 0
+
+    async def tools() -> None:
+        nonlocal written
+        for i in range(2000):
+            with contextlib.suppress(SandboxError, OSError):
+                await box.write_file(f"d/pwned-{i}", "x")
+                written += 1
+            with contextlib.suppress(SandboxError, OSError):
+                leaked.append((await box.read_file("d/shadow")).data)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(functools.partial(box.run_command, swap, timeout=60))
+        await tools()
+        group.cancel_scope.cancel()
+    assert not any(name.startswith("pwned-") for name in os.listdir("/etc"))
+    assert leaked == [] and written > 0

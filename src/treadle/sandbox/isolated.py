@@ -5,23 +5,28 @@ with the same path confinement; only commands differ: each runs in a bubblewrap 
 `treadle.sandbox.bwrap`) that sees the read-only system, the workspace and a private `/tmp`, none
 of the host's environment, processes or (by default) network. As root, each sandbox gets a host
 uid of its own (from `BOX_UID_BASE`), so its process limit counts only its own processes and a
-box escape lands as an unprivileged user; the workspace is handed to that uid. This module must
-never block the event loop and never run a command outside a box.
+box escape lands as an unprivileged user; the workspace belongs to that uid, and the file tools
+act as it too (the thread's file-system uid), so a command that swaps a directory for a link
+while a tool runs gains nothing the box could not do itself. This module must never block the
+event loop, never run a command outside a box, and never touch a box's files with root's powers
+(except `claim`, which never follows a link).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-from treadle.errors import SandboxUnavailable
-from treadle.sandbox.backend import CommandResult
+from treadle.errors import SandboxError, SandboxUnavailable
+from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
 from treadle.sandbox.bwrap import BOX_ENV, Isolated, box_command, find_executable
-from treadle.sandbox.local import _IO, LocalBackend
-from treadle.sandbox.paths import resolve_in_workspace
+from treadle.sandbox.local import _IO, LocalBackend, _list, _read, _write
 from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
 
 __all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
@@ -32,6 +37,26 @@ BOX_UID_BASE = 2_100_000_000
 BOX_UID_COUNT = 1_000_000
 
 _next_uid = itertools.count()
+_libc = ctypes.CDLL(None, use_errno=True)
+_ASK = 0xFFFFFFFF  # setfsuid((uid_t)-1) changes nothing and returns the current value
+T = TypeVar("T")
+
+
+def _as_uid(uid: int, operation: Callable[..., T], *args: object) -> T:
+    """`operation(*args)` on this thread with file-system uid and gid `uid`.
+
+    Linux keeps the file-system ids per thread, and changing them from 0 drops the thread's file
+    capabilities (CAP_DAC_OVERRIDE, CAP_CHOWN, ...) until they are set back.
+    """
+    old_gid = _libc.setfsgid(uid)
+    old_uid = _libc.setfsuid(uid)
+    try:
+        if _libc.setfsuid(_ASK) != uid or _libc.setfsgid(_ASK) != uid:
+            raise SandboxError("could not switch to the box's uid for a file operation.")
+        return operation(*args)
+    finally:
+        _libc.setfsuid(old_uid)
+        _libc.setfsgid(old_gid)
 
 
 def _allocate_uid() -> int:
@@ -133,12 +158,23 @@ class IsolatedBackend(LocalBackend):
         note = f"\n[treadle: the command was stopped by the box's {notes[code]}]"
         return dataclasses.replace(result, stderr=result.stderr + note)
 
+    async def _as_box(self, operation: Callable[..., T], *args: object) -> T:
+        root = self._live_root()
+        if not self._own_uid:  # the box runs as this user already
+            return await _IO.run(operation, root, *args)
+        return await _IO.run(_as_uid, self.host_uid, operation, root, *args)
+
+    async def read_file(self, path: str) -> FileContent:
+        """The first `MAX_READ_BYTES` of a workspace file, read with the box's rights."""
+        return await self._as_box(_read, path)
+
     async def write_file(self, path: str, data: bytes) -> int:
-        """Create or replace a workspace file, owned by the box so its commands can change it."""
-        written = await super().write_file(path, data)
-        if self._own_uid:
-            await _IO.run(_give_to_box, self.workspace, path, self.host_uid)
-        return written
+        """Create or replace a workspace file as the box's uid (so its commands can change it)."""
+        return await self._as_box(_write, path, data)
+
+    async def list_files(self, path: str = ".") -> list[DirEntry]:
+        """The entries of a workspace directory, listed with the box's rights."""
+        return await self._as_box(_list, path)
 
     async def claim(self) -> None:
         """Hand everything in the workspace to the box's uid (after files were put in by hand)."""
@@ -146,16 +182,13 @@ class IsolatedBackend(LocalBackend):
             await _IO.run(_give_tree_to_box, self._live_root(), self.host_uid)
 
 
-def _give_to_box(root: Path, path: str, uid: int) -> None:
-    real = resolve_in_workspace(root, path)
-    # The file and every directory `write_file` may have created above it.
-    while real != root:
-        os.lchown(real, uid, uid)
-        real = real.parent
-
-
 def _give_tree_to_box(root: Path, uid: int) -> None:
-    os.lchown(root, uid, uid)
-    for parent, dirs, files in os.walk(root):
+    # fwalk holds each directory open and never follows a link, so a box that swaps a directory
+    # for a link to /etc meanwhile cannot turn this root-powered chown onto host files.
+    # A file with other hard links may be a host file linked in by hand: it is left alone.
+    os.chown(root, uid, uid, follow_symlinks=False)
+    for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
         for name in dirs + files:
-            os.lchown(os.path.join(parent, name), uid, uid)
+            if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_nlink > 1 and name in files:
+                continue
+            os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
