@@ -14,14 +14,14 @@ event loop, never run a command outside a box, and never touch a box's files wit
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
+import functools
 import itertools
 import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
@@ -37,9 +37,15 @@ BOX_UID_BASE = 2_100_000_000
 BOX_UID_COUNT = 1_000_000
 
 _next_uid = itertools.count()
-_libc = ctypes.CDLL(None, use_errno=True)
 _ASK = 0xFFFFFFFF  # setfsuid((uid_t)-1) changes nothing and returns the current value
 T = TypeVar("T")
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes  # only as root, on the first file operation
+
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _as_uid(uid: int, operation: Callable[..., T], *args: object) -> T:
@@ -48,15 +54,16 @@ def _as_uid(uid: int, operation: Callable[..., T], *args: object) -> T:
     Linux keeps the file-system ids per thread, and changing them from 0 drops the thread's file
     capabilities (CAP_DAC_OVERRIDE, CAP_CHOWN, ...) until they are set back.
     """
-    old_gid = _libc.setfsgid(uid)
-    old_uid = _libc.setfsuid(uid)
+    libc = _libc()
+    old_gid = libc.setfsgid(uid)
+    old_uid = libc.setfsuid(uid)
     try:
-        if _libc.setfsuid(_ASK) != uid or _libc.setfsgid(_ASK) != uid:
+        if libc.setfsuid(_ASK) != uid or libc.setfsgid(_ASK) != uid:
             raise SandboxError("could not switch to the box's uid for a file operation.")
         return operation(*args)
     finally:
-        _libc.setfsuid(old_uid)
-        _libc.setfsgid(old_gid)
+        libc.setfsuid(old_uid)
+        libc.setfsgid(old_gid)
 
 
 def _allocate_uid() -> int:

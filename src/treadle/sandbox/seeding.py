@@ -14,7 +14,6 @@ import os
 import shutil
 import stat
 import tarfile
-import zipfile
 from pathlib import Path
 
 from treadle.errors import PathViolation, SandboxError
@@ -88,6 +87,8 @@ def _seed(source: Path, target: Path) -> int:
 
 
 def _unzip(source: Path, target: Path) -> None:
+    import zipfile  # only a zip seed needs it
+
     try:
         with zipfile.ZipFile(source) as archive:
             for member in archive.infolist():
