@@ -8,8 +8,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
 import zipfile
@@ -301,3 +304,44 @@ async def test_file_tools_act_with_the_box_rights_while_a_command_swaps_links(bo
         group.cancel_scope.cancel()
     assert not any(name.startswith("pwned-") for name in os.listdir("/etc"))
     assert leaked == [] and written > 0
+
+
+_AS_A_USER = """
+import asyncio, json
+from treadle import Isolated, ResourceLimits, Session
+
+async def main():
+    limits = ResourceLimits(max_processes=8)
+    async with Session.from_user_message("x").to(Isolated(limits=limits)) as session:
+        box = session.require_sandbox()
+        await box.write_file("a.txt", "from the host")
+        done = await box.run_command("id -u; cat a.txt; echo; echo more >> a.txt")
+        storm = await box.run_command("for i in $(seq 40); do sleep 1 & done; echo finished")
+        data = (await box.read_file("a.txt")).data.decode()
+        print(json.dumps([done.stdout, storm.stdout, storm.stderr, data]))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="runs the backend as an ordinary user (uid nobody) from root, with setpriv",
+)
+def test_an_ordinary_user_gets_the_same_box(tmp_path: Path) -> None:
+    src = Path(__file__).resolve().parent.parent / "src"
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", _AS_A_USER],
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(src), "TMPDIR": "/tmp", "HOME": "/tmp"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
+        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    assert proc.returncode == 0, proc.stderr
+    done, storm_out, storm_err, data = json.loads(proc.stdout)
+    assert done == "1000\nfrom the host\n"
+    assert "finished" not in storm_out and "fork" in storm_err.lower()
+    assert data == "from the hostmore\n"
