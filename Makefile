@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-ray e2e demo bench bench-quick docs docs-serve clean lint typecheck soak
+.PHONY: install bwrap test test-ray e2e demo bench bench-quick docs docs-serve clean lint typecheck soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,7 +12,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,cli]"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) bwrap
+
+# bubblewrap for the isolated sandbox (docs/sandbox.md), with apt where apt is available, as root
+# or through passwordless sudo; nothing to do when `bwrap` is on PATH. Elsewhere the isolated
+# backend's tests skip, naming the package (on CI, where CI is set, they fail instead).
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    sudo=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	    $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null || \
+	    echo "could not install bubblewrap with apt; the isolated sandbox's tests will skip"; \
+	  else \
+	    echo "no apt: install bubblewrap with your package manager for the isolated sandbox"; \
+	  fi; }
 
 # Only the code folders that exist (a fresh tree may not have every one yet).
 CODE_DIRS := $(wildcard src tests benchmarks examples)

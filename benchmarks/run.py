@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, scenarios
+from benchmarks import report, sandbox_bench, scenarios
 from benchmarks.harness import Harness
 from benchmarks.server import can_pin
 
@@ -36,6 +36,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "parallel_rounds": 3,
         "parallel_reps": 3,
         "import_runs": 9,
+        "sandbox_commands": 200,
+        "sandbox_reps": 5,
         "variants": True,
         "peers": True,
     },
@@ -53,6 +55,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "parallel_rounds": 2,
         "parallel_reps": 1,
         "import_runs": 3,
+        "sandbox_commands": 50,
+        "sandbox_reps": 2,
         "variants": False,
         "peers": False,
     },
@@ -71,6 +75,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "parallel_reps": 1,
         "parallel_kinds": ("async",),
         "import_runs": 1,
+        "sandbox_commands": 5,
+        "sandbox_reps": 1,
         "variants": False,
         "peers": False,
     },
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer-fanout", action="store_true", help="also run installed peers in the fan-out"
     )
-    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,s3,s4,s5,s6)")
+    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,s3,s4,s5,s6,s7)")
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")
     size = {**SIZES[size_name], "peer_fanout": args.peer_fanout}
@@ -109,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),
         ("s6", lambda: scenarios.fanout(h, size, stream=True)),
+        ("s7", lambda: sandbox_bench.sandbox_overhead(h, size)),
     ]
     results = []
     for key, run in plan:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
 # CPython 3.11 keeps one AST-construction depth counter per interpreter, not per thread
 # (python/cpython#106905), so two threads building ASTs at once can raise a spurious
 # "AST constructor recursion depth mismatch". Hypothesis's pytest plugin imports (and pytest
@@ -9,3 +13,25 @@ from __future__ import annotations
 # worker threads may still be running; importing it here, before any thread starts, removes that
 # window.
 import hypothesis  # noqa: F401
+import pytest
+
+from sandbox_support import BACKENDS, open_sandbox, processes_with
+
+
+@pytest.fixture(params=BACKENDS)
+def any_sandbox(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A fresh sandbox of each backend in turn (`local`, `isolated`)."""
+    yield from open_sandbox(request.param)
+
+
+@pytest.fixture
+def marker() -> str:
+    """A `sleep` argument no other process on the machine uses: `sleep {marker}` sleeps 30 s and
+    lets the test find every such process on the host, whichever PID namespace it is in."""
+    return f"30.{uuid.uuid4().int % 10**12:012d}"
+
+
+@pytest.fixture
+def survivors() -> Callable[[str], list[int]]:
+    """`survivors(marker)`: host pids still running a command that contains `marker`."""
+    return processes_with

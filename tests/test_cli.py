@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_support import needs_bwrap
 from treadle.testing import FakeOpenAIServer, Reply
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +112,27 @@ def test_run_json_with_max_steps(server: FakeOpenAIServer, tmp_path: Path) -> No
     assert data["usage"]["requests"] == 1 and data["id"] and data["transcript"] is None
     # a directory sandbox outlives the pass
     assert (tmp_path / "ws" / "notes.txt").read_text() == "hello from treadle\n"
+
+
+@needs_bwrap
+def test_run_in_an_isolated_sandbox(server: FakeOpenAIServer, tmp_path: Path) -> None:
+    proc = treadle(
+        "run",
+        "Create a file, then read it back.",
+        "--model",
+        "fake-model",
+        "--base-url",
+        server.base_url,
+        "--sandbox",
+        "isolated",
+        "--no-stream",
+        "--json",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["messages"][-1]["content"] == "notes.txt contains: hello from treadle"
+    assert not (tmp_path / "isolated").exists()  # a placement, not a directory name
 
 
 def test_no_api_key_names_the_variable(tmp_path: Path) -> None:

@@ -1,24 +1,32 @@
-"""Sandbox escape attempts beyond `tests/test_sandbox_local.py` (which covers `..`, absolute and
-symlinked paths, NUL bytes, over-long paths, background jobs, timeouts, stdout floods and secret
-environment variables): hard links, dangling links, FIFOs, process storms, setsid, stderr and
-binary floods, and escapes attempted by a model through a whole pass.
+"""Sandbox escape attempts, against both backends, beyond `tests/test_sandbox_local.py` (which
+covers `..`, absolute and symlinked paths, NUL bytes, over-long paths, background jobs, timeouts,
+stdout floods and secret environment variables): hard links, dangling links, FIFOs, process
+storms, setsid, timeout/cancel/close, host environments and processes, writes outside the
+workspace, loopback servers, stderr and binary floods, and escapes attempted by a model through
+a whole pass. What only `isolated` stops is a strict xfail on `local` (it is not a boundary);
+docs/sandbox.md's table of what each backend stops points at these tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
+from sandbox_support import BACKENDS, connect_from, open_sandbox
 from treadle import Session, run_session_loop
 from treadle.errors import PathViolation, SandboxError
-from treadle.sandbox import Sandbox, SandboxHandle
+from treadle.sandbox import Sandbox
+from treadle.sandbox.isolated import _processes_of
 from treadle.sandbox.local import MAX_LIST_ENTRIES, MAX_READ_BYTES
 from treadle.sandbox.process import MAX_STREAM_BYTES
 from treadle.testing import ScriptedExecutor
@@ -26,13 +34,9 @@ from treadle.testing.scripted import tool_calls
 
 
 @pytest.fixture
-def sandbox() -> Iterator[Sandbox]:
-    handle = SandboxHandle("local")
-    try:
-        yield handle.open()
-    finally:
-        handle.release()
-        handle.wait_closed(10)
+def sandbox(any_sandbox: Sandbox) -> Sandbox:
+    """Each test runs against `local` and `isolated` (the file tools are the same code)."""
+    return any_sandbox
 
 
 @pytest.fixture
@@ -42,18 +46,24 @@ def outside(tmp_path: Path) -> Path:
     return secret
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-async def _all_dead(pids: list[int]) -> None:
+async def _none_left(survivors: Callable[[str], list[int]], marker: str) -> None:
     with anyio.fail_after(5):  # a bound on waiting for the kernel, not a timing assertion
-        while any(_alive(p) for p in pids):
+        while survivors(marker):
             await anyio.sleep(0.01)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+
+
+def _local_only_xfail(request: pytest.FixtureRequest, sandbox: Sandbox, why: str) -> None:
+    """The local backend is not a boundary: what only `isolated` stops is a strict xfail there."""
+    if sandbox.backend.name == "local":
+        request.applymarker(
+            pytest.mark.xfail(reason=f"local is not a boundary: {why}", strict=True)
+        )
 
 
 async def test_hard_link_to_an_outside_file_is_neither_read_nor_written(
@@ -65,14 +75,15 @@ async def test_hard_link_to_an_outside_file_is_neither_read_nor_written(
         pytest.skip(f"cannot create a hard link here: {e}")
     with pytest.raises(PathViolation, match="hard links"):
         await sandbox.read_file("hl")
-    with pytest.raises(PathViolation, match="hard links"):
+    # isolated writes with the box's rights, so the root-owned file is refused even earlier
+    with pytest.raises(SandboxError, match=r"hard links|no permission"):
         await sandbox.write_file("hl", "pwned")
     assert await anyio.Path(outside).read_text() == "SECRET-OUTSIDE"
 
 
 async def test_dangling_and_nested_links_out_are_refused(sandbox: Sandbox, tmp_path: Path) -> None:
     (sandbox.workspace / "dangling").symlink_to(tmp_path / "not-yet")
-    (sandbox.workspace / "d").mkdir()
+    await sandbox.write_file("d/.keep", "")  # made by the tool: the box may write in d/
     (sandbox.workspace / "d" / "up").symlink_to("../..")
     for path in ("dangling", "d/up/x", "d/up"):
         with pytest.raises(PathViolation):
@@ -87,7 +98,7 @@ async def test_dangling_and_nested_links_out_are_refused(sandbox: Sandbox, tmp_p
 
 
 async def test_fifos_do_not_hang_file_tools(sandbox: Sandbox) -> None:
-    os.mkfifo(sandbox.workspace / "fifo")
+    assert (await sandbox.run_command("mkfifo fifo")).exit_code == 0  # as a hostile command would
     with anyio.fail_after(10):  # before the fix, writing blocked a worker thread forever
         with pytest.raises(SandboxError, match="not a regular file"):
             await sandbox.write_file("fifo", "x")
@@ -106,21 +117,31 @@ async def test_reads_and_listings_are_capped(sandbox: Sandbox) -> None:
     assert len(await sandbox.list_files("many")) == MAX_LIST_ENTRIES
 
 
-async def test_a_storm_of_background_processes_dies_with_its_command(sandbox: Sandbox) -> None:
+async def test_a_storm_of_background_processes_dies_with_its_command(
+    sandbox: Sandbox, marker: str, survivors: Callable[[str], list[int]]
+) -> None:
     # Bounded (50 children, each starting a grandchild): a storm, never a real fork bomb.
-    cmd = "for i in $(seq 50); do (sleep 30 & echo $!; sleep 30) & echo $!; done"
+    cmd = f"for i in $(seq 50); do (sleep {marker} & sleep {marker}) & done; echo started"
     result = await sandbox.run_command(cmd, timeout=10)
-    assert result.exit_code == 0
-    pids = [int(p) for p in result.stdout.split()]
-    assert len(pids) >= 50
-    await _all_dead(pids)
+    assert result.exit_code == 0 and "started" in result.stdout
+    await _none_left(survivors, marker)
+
+
+@pytest.fixture
+def local_sandbox() -> Iterator[Sandbox]:
+    yield from open_sandbox("local")
 
 
 @pytest.mark.skipif(not shutil.which("prlimit"), reason="needs util-linux prlimit")
-async def test_a_process_limit_stops_a_fork_storm(sandbox: Sandbox) -> None:
+async def test_a_process_limit_stops_a_fork_storm_by_hand_on_local(
+    local_sandbox: Sandbox, marker: str, survivors: Callable[[str], list[int]]
+) -> None:
+    """On `local` the limit is the user's to set (prlimit); `isolated` sets one itself (see
+    test_sandbox_isolated.py)."""
+    sandbox = local_sandbox
     # RLIMIT_NPROC is not enforced for root, so as root the storm runs under a throwaway uid
     # (nobody) whose process count is known to be near zero. The loop is bounded either way.
-    storm = "cd /; echo $$; for i in $(seq 40); do sleep 30 & echo $!; done; echo finished"
+    storm = f"cd /; echo $$; for i in $(seq 40); do sleep {marker} & echo $!; done; echo finished"
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
             pytest.skip("running as root, where RLIMIT_NPROC is not enforced, and no setpriv")
@@ -137,39 +158,110 @@ async def test_a_process_limit_stops_a_fork_storm(sandbox: Sandbox) -> None:
     assert "finished" not in result.stdout, "the process limit did not stop the storm"
     assert "fork" in result.stderr.lower()
     assert len(pids) <= limit
-    await _all_dead(pids)
+    await _none_left(survivors, marker)
 
 
-def _processes_of(uid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    count += 1
-            except FileNotFoundError:
-                pass
-    return count
-
-
-@pytest.mark.xfail(
-    reason="known limitation: a process that calls setsid() leaves the command's process group "
-    "and is not killed with it (LocalBackend is confinement, not a security boundary)",
-    strict=True,
-)
-async def test_setsid_escapes_the_process_group(sandbox: Sandbox) -> None:
+async def test_setsid_escapes_the_process_group(
+    request: pytest.FixtureRequest,
+    sandbox: Sandbox,
+    marker: str,
+    survivors: Callable[[str], list[int]],
+) -> None:
+    _local_only_xfail(request, sandbox, "a process that calls setsid() leaves the command's group")
     # Wait until the child has really called setsid() (it writes its pid from the new session);
     # otherwise the group kill can land first and the escape never happens (a flaky XPASS).
     result = await sandbox.run_command(
-        "setsid sh -c 'echo $$ > escaped.pid; exec sleep 30' > /dev/null 2>&1 & "
+        f"setsid sh -c 'echo $$ > escaped.pid; exec sleep {marker}' > /dev/null 2>&1 & "
         "while [ ! -s escaped.pid ]; do sleep 0.01; done; cat escaped.pid"
     )
-    pid = int(result.stdout)
+    assert result.stdout.strip().isdigit()
     try:
-        await _all_dead([pid])
+        await _none_left(survivors, marker)
     finally:
-        if _alive(pid):
-            os.kill(pid, 9)
+        _kill(survivors(marker))
+
+
+async def test_timeout_cancel_and_close_kill_everything_in_the_box(
+    sandbox: Sandbox, marker: str, survivors: Callable[[str], list[int]]
+) -> None:
+    slow = f"sleep {marker} & sleep {marker} & wait"
+    result = await sandbox.run_command(slow, timeout=0.5)
+    assert result.timed_out and result.exit_code == -9
+    await _none_left(survivors, marker)
+    with anyio.move_on_after(0.5):  # cancelling the caller
+        await sandbox.run_command(slow)
+    await _none_left(survivors, marker)
+    async with anyio.create_task_group() as group:  # closing the sandbox under a running command
+        group.start_soon(sandbox.run_command, slow)
+        with anyio.fail_after(10):
+            while len(survivors(marker)) < 3:  # the shell (whose line holds it) and both sleeps
+                await anyio.sleep(0.01)
+        await anyio.to_thread.run_sync(sandbox.backend.close)
+    await _none_left(survivors, marker)
+
+
+async def test_no_host_secret_in_any_environment_in_view(
+    request: pytest.FixtureRequest, sandbox: Sandbox, marker: str
+) -> None:
+    _local_only_xfail(request, sandbox, "the shell reads host processes' /proc/<pid>/environ")
+    # /proc/<pid>/environ shows the environment a process started with, so the canary goes to a
+    # host process started for the purpose (as the API key of the app running Treadle would).
+    canary = {"TREADLE_CANARY_API_KEY": "sk-canary-8d1f"}
+    async with await anyio.open_process(["sleep", marker], env=canary) as host:
+        try:
+            result = await sandbox.run_command(
+                "env; cat /proc/1/environ /proc/$PPID/environ; "
+                "grep -a -h -o 'sk-canary-[0-9a-f]*' /proc/[0-9]*/environ"
+            )
+        finally:
+            host.kill()
+    assert "sk-canary" not in result.stdout + result.stderr
+
+
+async def test_host_processes_are_out_of_view(
+    request: pytest.FixtureRequest, sandbox: Sandbox
+) -> None:
+    _local_only_xfail(request, sandbox, "the shell sees every process on the machine")
+    result = await sandbox.run_command(f"test -e /proc/{os.getpid()} && echo visible; ls /proc")
+    assert "visible" not in result.stdout
+    assert sum(name.isdigit() for name in result.stdout.split()) < 10  # the box's own few
+
+
+async def test_writes_outside_the_workspace_fail(
+    request: pytest.FixtureRequest, sandbox: Sandbox
+) -> None:
+    _local_only_xfail(request, sandbox, "the shell writes wherever the user can")
+    with _outside_targets() as targets:
+        await sandbox.run_command("; ".join(f"echo pwned > {p}" for p in targets))
+        leaked = [p for p in targets if p.exists()]
+    assert leaked == []
+
+
+@contextlib.contextmanager
+def _outside_targets() -> Iterator[list[Path]]:
+    """Paths outside the workspace where a write would land on the host: a world-writable
+    directory, the system directories and the host's /tmp."""
+    directory = Path(tempfile.mkdtemp(prefix="treadle-escape-"))
+    directory.chmod(0o777)  # writable for anyone: only the box's mounts may stop the write
+    targets = [
+        directory / "pwned",
+        Path("/usr/pwned"),
+        Path("/etc/pwned"),
+        Path(f"/tmp/{directory.name}-pwned"),
+    ]
+    try:
+        yield targets
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        for path in targets[1:]:
+            path.unlink(missing_ok=True)
+
+
+async def test_loopback_servers_are_out_of_reach(
+    request: pytest.FixtureRequest, sandbox: Sandbox
+) -> None:
+    _local_only_xfail(request, sandbox, "the shell connects to any port on the machine")
+    assert "connected" not in await connect_from(sandbox)
 
 
 async def test_stderr_and_binary_floods_are_capped(sandbox: Sandbox) -> None:
@@ -182,7 +274,10 @@ async def test_stderr_and_binary_floods_are_capped(sandbox: Sandbox) -> None:
         assert len(text) < 2 * MAX_STREAM_BYTES  # invalid UTF-8 became replacement characters
 
 
-def test_escapes_attempted_by_a_model_come_back_as_tool_errors(outside: Path) -> None:
+@pytest.mark.parametrize("placement", BACKENDS)
+def test_escapes_attempted_by_a_model_come_back_as_tool_errors(
+    outside: Path, placement: str
+) -> None:
     attempts: list[tuple[str, dict[str, Any]]] = [
         ("read_workspace_file", {"path": str(outside)}),
         ("read_workspace_file", {"path": "../" * 20 + str(outside).lstrip("/")}),
@@ -194,7 +289,7 @@ def test_escapes_attempted_by_a_model_come_back_as_tool_errors(outside: Path) ->
     ex = ScriptedExecutor([tool_calls(attempts), "done"])
     os.environ["TREADLE_TEST_API_KEY"] = "sk-env-canary-42"
     try:
-        user = Session.from_user_message("escape").to("local")
+        user = Session.from_user_message("escape").to(placement)
         out = run_session_loop(user, Session.from_agent_prompt("x"), executor=ex)
         bodies = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
     finally:

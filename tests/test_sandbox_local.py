@@ -191,7 +191,11 @@ async def test_closed_backend_refuses_work_and_kills_commands(sandbox: Sandbox) 
                 await anyio.sleep(0.01)
         child = int(marker.read_text())
         await anyio.to_thread.run_sync(sandbox.backend.close)
-    assert not _alive(child)
+    # SIGKILL is sent by close(); the kernel finishes the exit a moment later (on a loaded
+    # machine, after the first look): a bound on waiting, not a timing assertion.
+    with anyio.fail_after(5):
+        while _alive(child):
+            await anyio.sleep(0.01)
     with pytest.raises(SandboxError, match="closed"):
         await sandbox.read_file("pid")
 

@@ -59,6 +59,8 @@ _EXPORTS: dict[str, str] = {
     "BaseTool": "treadle.tools",
     "SandboxHandle": "treadle.sandbox",
     "LocalBackend": "treadle.sandbox",
+    "Isolated": "treadle.sandbox",
+    "ResourceLimits": "treadle.sandbox",
     "global_system_tools": "treadle.sandbox",
     # persistence
     "load_session": "treadle.persist",
@@ -133,7 +135,9 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.runtime import LazyValue as LazyValue
     from treadle.runtime import get_runtime as get_runtime
     from treadle.runtime import run_lazy as run_lazy
+    from treadle.sandbox import Isolated as Isolated
     from treadle.sandbox import LocalBackend as LocalBackend
+    from treadle.sandbox import ResourceLimits as ResourceLimits
     from treadle.sandbox import SandboxHandle as SandboxHandle
     from treadle.sandbox import global_system_tools as global_system_tools
     from treadle.session import ChunkRow as ChunkRow
@@ -160,11 +164,18 @@ def __dir__() -> list[str]:
     return __all__
 
 
-def _open_placement(placement: str, backend: object | None) -> Any:
+def _open_placement(placement: Any, backend: object | None) -> Any:
     """Open a sandbox placement; the sandbox layer loads on the first open, not at import."""
     from treadle.sandbox.opening import open_placement
 
     return open_placement(placement, backend)
+
+
+def _prepare_placement(placement: Any, backend: object | None) -> Any:
+    """Check a placement and build its (unopened) backend when a session binds it."""
+    from treadle.sandbox.opening import prepare_placement
+
+    return prepare_placement(placement, backend)
 
 
 def _load_session(path: str) -> Any:
@@ -178,4 +189,5 @@ def _load_session(path: str) -> Any:
 # are the sandbox and persist layers' jobs. Wiring them here keeps `session` free of upward
 # imports and `import treadle` free of both layers.
 _ports.install_opener(_open_placement)
+_ports.install_preparer(_prepare_placement)
 _ports.install_loader(_load_session)

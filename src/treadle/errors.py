@@ -21,7 +21,8 @@ TreadleError
 │   ├── ToolArgumentsError                    arguments do not match the tool's schema
 │   └── ToolTimeoutError
 ├── SandboxError
-│   └── PathViolation                         a path leaves the workspace
+│   ├── PathViolation                         a path leaves the workspace
+│   └── SandboxUnavailable                    the machine lacks what a backend needs (bwrap)
 ├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
 ├── PersistenceError                          a session file cannot be read
 ├── StructuredOutputError                     no valid structured output within `output_retries`
@@ -58,6 +59,7 @@ __all__ = [
     "RateLimitError",
     "RuntimeLoopError",
     "SandboxError",
+    "SandboxUnavailable",
     "SessionFailedError",
     "StructuredOutputError",
     "ToolArgumentsError",
@@ -206,6 +208,10 @@ class PathViolation(SandboxError, ToolError):
     """A path given to a workspace operation leaves the workspace."""
 
     error_kind = "path_violation"
+
+
+class SandboxUnavailable(SandboxError):
+    """The machine lacks what a sandbox backend needs (the isolated backend's `bwrap`)."""
 
 
 class BudgetExceededError(TreadleError):

@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--base-url", help="OpenAI-compatible endpoint (default: $OPENAI_BASE_URL)")
     run.add_argument(
         "--sandbox",
-        metavar="local|DIR",
-        help="give the model a workspace: a temporary one (local) or a directory",
+        metavar="local|isolated|DIR",
+        help="give the model a workspace: a temporary one (local), one whose commands run in a "
+        "bubblewrap box (isolated), or a directory",
     )
     run.add_argument(
         "--stream",

@@ -126,7 +126,7 @@ def run_command(opts: RunOptions, console: Console, *, status: StatusLine | None
     treadle is starting (the pass's phases continue on it)."""
     try:
         provider = provider_for(opts)
-        if opts.sandbox and opts.sandbox != "local":
+        if opts.sandbox and opts.sandbox not in ("local", "isolated"):
             # a command-line user expects `--sandbox ./work` to be created
             Path(opts.sandbox).mkdir(parents=True, exist_ok=True)
     except BaseException:

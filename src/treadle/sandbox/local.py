@@ -214,6 +214,8 @@ def _write(root: Path, path: str, data: bytes) -> int:
         fd = os.open(real, flags, 0o644)
     except IsADirectoryError:
         raise SandboxError(f"{path!r} is a directory; choose a file name.") from None
+    except PermissionError:  # the isolated backend writes with the box's rights
+        raise SandboxError(f"no permission to write {path!r}; choose another file.") from None
     except OSError as e:  # ENXIO: a FIFO nobody reads
         raise SandboxError(f"{path!r} is not a regular file ({e.strerror}).") from None
     with os.fdopen(fd, "wb") as handle:

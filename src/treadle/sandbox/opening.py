@@ -20,10 +20,10 @@ from typing import ClassVar
 from treadle.errors import ConfigurationError
 from treadle.runtime.threads import run_internal_io
 from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
-from treadle.sandbox.local import LocalBackend
-from treadle.session.ports import install_opener
+from treadle.sandbox.placements import PlacementLike, backend_for
+from treadle.session.ports import install_opener, install_preparer
 
-__all__ = ["Sandbox", "open_placement"]
+__all__ = ["Sandbox", "open_placement", "prepare_placement"]
 
 _closers: set[threading.Thread] = set()
 _closers_lock = threading.Lock()
@@ -129,18 +129,25 @@ class Sandbox:
         return f"<Sandbox {self.backend.name} {self.backend.workspace}>"
 
 
-def open_placement(placement: str, backend: object | None = None) -> Sandbox:
-    """Open `placement` (or the ready `backend`): the session layer's opener."""
+def prepare_placement(placement: PlacementLike, backend: object | None = None) -> Backend:
+    """The unopened backend of `placement` (or the given one, checked): the session layer's
+    preparer, run when a session binds a placement."""
     if backend is None:
-        backend = LocalBackend(placement)
+        return backend_for(placement)
     # Checked on the class: a protocol isinstance would read properties that need an open backend.
-    elif not all(callable(getattr(type(backend), m, None)) for m in ("open", "close")):
+    if not all(callable(getattr(type(backend), m, None)) for m in ("open", "close")):
         raise ConfigurationError(
             f"backend must implement treadle.sandbox.Backend, got {type(backend).__name__}."
         )
-    opened: Backend = backend  # type: ignore[assignment]
+    return backend  # type: ignore[return-value]
+
+
+def open_placement(placement: PlacementLike, backend: object | None = None) -> Sandbox:
+    """Open `placement` (or its prepared `backend`): the session layer's opener."""
+    opened = prepare_placement(placement, backend)
     opened.open()
     return Sandbox(opened)
 
 
 install_opener(open_placement)
+install_preparer(prepare_placement)

@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -71,7 +71,13 @@ async def _pump(stream: anyio.abc.ByteReceiveStream | None, buffer: _CappedBuffe
         pass
 
 
-async def _spawn(command: str, cwd: Path, env: Mapping[str, str]) -> anyio.abc.Process:
+async def _spawn(
+    command: str,
+    cwd: Path,
+    env: Mapping[str, str],
+    launcher: Sequence[str] = (),
+    as_uid: int | None = None,
+) -> anyio.abc.Process:
     """Start `/bin/sh -c command` in a new session; a cancellation waits for the start, then kills.
 
     asyncio, cancelled while it still sets a child up, waits for the child's pipes to close, and
@@ -81,7 +87,10 @@ async def _spawn(command: str, cwd: Path, env: Mapping[str, str]) -> anyio.abc.P
     """
     start = asyncio.ensure_future(
         anyio.open_process(
-            ["/bin/sh", "-c", command],
+            [*launcher, "/bin/sh", "-c", command],
+            user=as_uid,
+            group=as_uid,
+            extra_groups=None if as_uid is None else (),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -112,10 +121,14 @@ async def run_command(
     max_bytes: int = MAX_STREAM_BYTES,
     on_start: Callable[[int], None] | None = None,
     on_exit: Callable[[int], None] | None = None,
+    launcher: Sequence[str] = (),
+    as_uid: int | None = None,
 ) -> CommandResult:
     """Run `command` through `/bin/sh -c` in `cwd`; kill its process group when done or late.
 
     `on_start(pgid)` / `on_exit(pgid)` let the backend track live groups (to kill them on close).
+    `launcher` is an argv prefix the shell runs under (the isolated backend's box); `as_uid`
+    runs it all as that uid and gid, without supplementary groups (only root can ask).
     Cancelling the caller kills the group too, then re-raises the cancellation. `timeout` is None
     (no limit) or a finite number of seconds > 0; anything else is a `ConfigurationError`.
     """
@@ -124,7 +137,7 @@ async def run_command(
             f"a command timeout must be a number of seconds > 0 (or None), got {timeout!r}."
         )
     started = time.monotonic()
-    process = await _spawn(command, cwd, env)
+    process = await _spawn(command, cwd, env, launcher, as_uid)
     pgid = process.pid  # a new session's leader: its pid is the group id
     if on_start is not None:
         on_start(pgid)

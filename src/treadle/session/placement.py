@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from treadle.errors import ConfigurationError, SandboxError
 from treadle.session import ports
@@ -24,7 +24,13 @@ from treadle.session import ports
 if TYPE_CHECKING:
     from treadle.sandbox import Sandbox
 
-__all__ = ["OpenedSandbox", "SandboxHandle"]
+__all__ = ["OpenedSandbox", "PlacementOptions", "SandboxHandle"]
+
+
+class PlacementOptions(Protocol):
+    """A placement given as options (the sandbox layer's `Isolated(...)`): its name is recorded."""
+
+    placement: ClassVar[str]
 
 
 class OpenedSandbox(Protocol):
@@ -54,14 +60,24 @@ class SandboxHandle:
         "_lock",
         "_owner_pid",
         "_refcount",
+        "_requested",
         "_sandbox",
         "placement",
     )
 
-    def __init__(self, placement: str, *, backend: object | None = None) -> None:
-        self.placement = placement
-        """Where the sandbox lives: `"local"`, a backend name, or a directory path."""
-        self._backend = backend
+    def __init__(self, placement: str | PlacementOptions, *, backend: object | None = None) -> None:
+        name = placement if isinstance(placement, str) else getattr(placement, "placement", None)
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(
+                "placement must be 'local', 'isolated', an Isolated(...) value or a directory "
+                "path, e.g. session.to('local')."
+            )
+        self.placement = name
+        """Where the sandbox lives: `"local"`, `"isolated"`, or a directory path."""
+        self._requested = placement  # the options value, when one was given, for the opener
+        prepare = ports.preparer()
+        # Built now (cheap, unopened), so a placement that cannot work fails at `.to(...)`.
+        self._backend = prepare(placement, backend) if prepare is not None else backend
         self._sandbox: OpenedSandbox | None = None
         self._refcount = 1
         self._closed = False
@@ -125,7 +141,7 @@ class SandboxHandle:
                     raise ConfigurationError(
                         "no sandbox layer is loaded to open this placement; import treadle."
                     )
-                self._sandbox = open_placement(self.placement, self._backend)
+                self._sandbox = open_placement(self._requested, self._backend)
             return self._sandbox  # type: ignore[return-value]
 
     def _drop(self) -> OpenedSandbox | None:

@@ -10,15 +10,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["install_loader", "install_opener", "loader", "opener"]
+__all__ = [
+    "install_loader",
+    "install_opener",
+    "install_preparer",
+    "loader",
+    "opener",
+    "preparer",
+]
 
-_opener: list[Callable[[str, Any], Any]] = []
+_opener: list[Callable[[Any, Any], Any]] = []
+_preparer: list[Callable[[Any, Any], Any]] = []
 _loader: list[Callable[[str], Any]] = []
 
 
-def install_opener(open_placement: Callable[[str, Any], Any]) -> None:
-    """Set how a placement opens: `open_placement(placement, backend_or_None) -> Sandbox`."""
+def install_opener(open_placement: Callable[[Any, Any], Any]) -> None:
+    """Set how a placement opens: `open(placement_or_options, backend_or_None) -> Sandbox`."""
     _opener[:] = [open_placement]
+
+
+def install_preparer(prepare: Callable[[Any, Any], Any]) -> None:
+    """Set how a placement is checked and its backend built (unopened) when a session binds it:
+    `prepare(placement_or_options, backend_or_None) -> backend`. Errors surface at `.to(...)`."""
+    _preparer[:] = [prepare]
+
+
+def preparer() -> Callable[[Any, Any], Any] | None:
+    """The installed preparer, if any."""
+    return _preparer[0] if _preparer else None
 
 
 def install_loader(load: Callable[[str], Any]) -> None:
@@ -26,7 +45,7 @@ def install_loader(load: Callable[[str], Any]) -> None:
     _loader[:] = [load]
 
 
-def opener() -> Callable[[str, Any], Any] | None:
+def opener() -> Callable[[Any, Any], Any] | None:
     """The installed opener, if any."""
     return _opener[0] if _opener else None
 

@@ -31,6 +31,7 @@ from treadle.session.usage import Usage, merged_usage
 if TYPE_CHECKING:
     from treadle.runtime.lazy import LazyValue
     from treadle.sandbox import Sandbox
+    from treadle.sandbox.placements import PlacementLike
 
 __all__ = ["Session", "SessionData", "new_session_id"]
 
@@ -395,13 +396,10 @@ class Session:
         return self.lineage.to_mermaid()
 
     # -- sandbox ----------------------------------------------------------------------------------
-    def to(self, placement: str) -> Session:
-        """A copy bound to a sandbox `placement` (`"local"` or a directory); opens nothing yet."""
-        if not isinstance(placement, str) or not placement:
-            raise ConfigurationError(
-                "placement must be 'local' or a directory path, e.g. session.to('local')."
-            )
-        handle = SandboxHandle(placement)
+    def to(self, placement: PlacementLike) -> Session:
+        """A copy bound to a sandbox `placement` (`"local"`, a directory, `"isolated"` or an
+        `Isolated(...)` value); opens nothing yet."""
+        handle = SandboxHandle(placement)  # ConfigurationError for a placement that is none
         try:
             new = self._derived(_rows_and_usage, "to", handle)
         finally:

@@ -1,0 +1,193 @@
+"""The `isolated` placement's options and the bubblewrap command line that builds the box.
+
+`Isolated` is a plain value (what `session.to(...)` records); `box_command` turns it into the
+argv that runs one shell command in a fresh box: `prlimit` sets the resource limits, `bwrap`
+unshares every namespace (user, PID, IPC, UTS, cgroup and, unless asked, network), mounts the
+system directories read-only, the workspace read-write at `/workspace` and a private `/tmp`, and
+kills everything in the box when it exits (`--die-with-parent` on the box's PID 1). This module
+only computes values and looks executables up on `PATH`: it must never start a process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import ClassVar
+
+from treadle.errors import ConfigurationError, SandboxUnavailable
+
+__all__ = [
+    "BOX_ENV",
+    "BOX_WORKSPACE",
+    "BWRAP_INSTALL_HINT",
+    "SYSTEM_DIRS",
+    "Isolated",
+    "ResourceLimits",
+    "box_command",
+    "find_executable",
+]
+
+#: Where the workspace appears inside the box (the commands' working directory).
+BOX_WORKSPACE = "/workspace"
+#: Host directories mounted read-only in every box (those that exist; links stay links).
+SYSTEM_DIRS: tuple[str, ...] = (
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
+)  # fmt: skip
+#: The whole environment a boxed command starts with: nothing of the host's passes in.
+BOX_ENV: Mapping[str, str] = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+}
+#: What to tell a user whose machine has no `bwrap`.
+BWRAP_INSTALL_HINT = (
+    "install the 'bubblewrap' package (Debian/Ubuntu: `sudo apt-get install -y bubblewrap`; "
+    "Fedora: `sudo dnf install bubblewrap`; Arch: `sudo pacman -S bubblewrap`). The isolated "
+    "backend needs Linux; it does not run on macOS or Windows"
+)
+#: Processes bubblewrap itself keeps in the box's count (its monitor and the box's PID 1).
+_BWRAP_OWN_PROCESSES = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceLimits:
+    """Per-command limits (rlimits, inherited by every process in the box); None means no limit."""
+
+    cpu_seconds: int | None = 60
+    """CPU time per process (SIGXCPU, then SIGKILL)."""
+    memory_bytes: int | None = 2 * 1024**3
+    """Address space per process (`RLIMIT_AS`): allocations beyond it fail."""
+    max_processes: int | None = 256
+    """Processes (and threads) the box may run at once; forks beyond it fail."""
+    file_size_bytes: int | None = 1024**3
+    """Largest file a process may write (SIGXFSZ beyond it)."""
+    open_files: int | None = 1024
+    """Open file descriptors per process."""
+    tmp_bytes: int | None = 256 * 1024**2
+    """Size of the box's private `/tmp` (a tmpfs, held in memory)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_seconds", "memory_bytes", "max_processes", "file_size_bytes",
+                     "open_files", "tmp_bytes"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigurationError(
+                    f"ResourceLimits.{name} must be a positive integer or None, got {value!r}."
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class Isolated:
+    """The `isolated` placement: `session.to(Isolated(network=True))`; `.to("isolated")` is
+    `Isolated()`. Each sandbox is a fresh temporary workspace, deleted on close."""
+
+    placement: ClassVar[str] = "isolated"
+    """The placement name recorded on sessions and in saved files (options are not saved)."""
+
+    network: bool = False
+    """Share the host's network (loopback included); off by default."""
+    read_only: tuple[str, ...] = ()
+    """Extra host paths mounted read-only at the same path inside the box."""
+    writable: tuple[str, ...] = ()
+    """Extra host paths mounted read-write at the same path inside the box."""
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+    """Resource limits for every command."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Variables added to `BOX_ENV` (the only way to hand a boxed command a value)."""
+
+    def __post_init__(self) -> None:
+        for kind, paths in (("read_only", self.read_only), ("writable", self.writable)):
+            if isinstance(paths, str):
+                raise ConfigurationError(f"Isolated.{kind} takes a tuple of paths, not one string.")
+            for path in paths:
+                if not isinstance(path, str) or not os.path.isabs(path):
+                    raise ConfigurationError(
+                        f"Isolated.{kind} paths must be absolute host paths, got {path!r}."
+                    )
+                if path in ("/", BOX_WORKSPACE) or path.startswith(("/proc", "/dev")):
+                    raise ConfigurationError(
+                        f"Isolated.{kind} cannot mount {path!r}: it would replace part of the box."
+                    )
+
+
+def find_executable(name: str) -> str:
+    """The absolute path of `name` on `PATH`; `SandboxUnavailable` with the install hint if none."""
+    found = shutil.which(name)
+    if found is None:
+        package = "bubblewrap" if name == "bwrap" else "util-linux"
+        hint = BWRAP_INSTALL_HINT if name == "bwrap" else f"install the '{package}' package"
+        raise SandboxUnavailable(
+            f"the isolated sandbox needs `{name}`, which is not on PATH; {hint}."
+        )
+    return found
+
+
+@cache
+def _system_mounts() -> tuple[str, ...]:
+    """bwrap arguments mounting `SYSTEM_DIRS`: merged-/usr links are recreated as links."""
+    args: list[str] = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return tuple(args)
+
+
+def _prlimit_args(limits: ResourceLimits, processes_already: int) -> list[str]:
+    args: list[str] = []
+    if limits.cpu_seconds is not None:
+        # The hard limit a second later: SIGXCPU (which says why) comes before SIGKILL.
+        args.append(f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}")
+    pairs = (
+        ("as", limits.memory_bytes),
+        ("fsize", limits.file_size_bytes),
+        ("nofile", limits.open_files),
+    )
+    for name, value in pairs:
+        if value is not None:
+            args.append(f"--{name}={value}:{value}")
+    if limits.max_processes is not None:
+        # RLIMIT_NPROC counts every process of the box's host uid, bubblewrap's own included.
+        n = limits.max_processes + _BWRAP_OWN_PROCESSES + processes_already
+        args.append(f"--nproc={n}:{n}")
+    return args
+
+
+def box_command(
+    options: Isolated,
+    *,
+    workspace: Path,
+    bwrap: str,
+    prlimit: str,
+    processes_already: int = 0,
+) -> list[str]:
+    """The argv prefix that runs a command (appended after it) in a box over `workspace`.
+
+    `processes_already` is how many processes the box's host uid runs already (0 when the box
+    has a uid of its own), so the process limit counts only the box's.
+    """
+    args = [prlimit, *_prlimit_args(options.limits, processes_already), "--", bwrap]
+    # bwrap's own init is the box's PID 1 (not the shell: as PID 1 it would ignore SIGXCPU and
+    # every other signal it has no handler for). When the shell exits, the kernel kills the rest.
+    args += ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+    if options.network:
+        args.append("--share-net")
+    args += ["--cap-drop", "ALL", "--uid", "1000", "--gid", "1000", "--hostname", "box"]
+    args += _system_mounts()
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    if options.limits.tmp_bytes is not None:
+        args += ["--size", str(options.limits.tmp_bytes)]
+    args += ["--tmpfs", "/tmp"]  # before the extra mounts, so a path under /tmp can be one
+    for path in options.read_only:
+        args += ["--ro-bind", path, path]
+    for path in options.writable:
+        args += ["--bind", path, path]
+    args += ["--bind", str(workspace), BOX_WORKSPACE, "--chdir", BOX_WORKSPACE]
+    return args

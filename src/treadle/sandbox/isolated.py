@@ -1,0 +1,201 @@
+"""`IsolatedBackend`: the `local` backend's workspace and tools, with every command in a box.
+
+The workspace is a fresh temporary directory, as for `local`, and the file tools run on the host
+with the same path confinement; only commands differ: each runs in a bubblewrap box (see
+`treadle.sandbox.bwrap`) that sees the read-only system, the workspace and a private `/tmp`, none
+of the host's environment, processes or (by default) network. As root, each sandbox gets a host
+uid of its own (from `BOX_UID_BASE`), so its process limit counts only its own processes and a
+box escape lands as an unprivileged user; the workspace belongs to that uid, and the file tools
+act as it too (the thread's file-system uid), so a command that swaps a directory for a link
+while a tool runs gains nothing the box could not do itself. This module must never block the
+event loop, never run a command outside a box, and never touch a box's files with root's powers
+(except `claim`, which never follows a link).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from treadle.errors import SandboxError, SandboxUnavailable
+from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
+from treadle.sandbox.bwrap import BOX_ENV, Isolated, box_command, find_executable
+from treadle.sandbox.local import _IO, LocalBackend, _list, _read, _write
+from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
+
+__all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
+
+#: First host uid handed to boxes when Treadle runs as root (no passwd entry needed).
+BOX_UID_BASE = 2_100_000_000
+#: How many uids boxes cycle through (sandboxes open at once in one process never share one).
+BOX_UID_COUNT = 1_000_000
+
+_next_uid = itertools.count()
+_ASK = 0xFFFFFFFF  # setfsuid((uid_t)-1) changes nothing and returns the current value
+T = TypeVar("T")
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes  # only as root, on the first file operation
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _as_uid(uid: int, operation: Callable[..., T], *args: object) -> T:
+    """`operation(*args)` on this thread with file-system uid and gid `uid`.
+
+    Linux keeps the file-system ids per thread, and changing them from 0 drops the thread's file
+    capabilities (CAP_DAC_OVERRIDE, CAP_CHOWN, ...) until they are set back.
+    """
+    libc = _libc()
+    old_gid = libc.setfsgid(uid)
+    old_uid = libc.setfsuid(uid)
+    try:
+        if libc.setfsuid(_ASK) != uid or libc.setfsgid(_ASK) != uid:
+            raise SandboxError("could not switch to the box's uid for a file operation.")
+        return operation(*args)
+    finally:
+        libc.setfsuid(old_uid)
+        libc.setfsgid(old_gid)
+
+
+def _allocate_uid() -> int:
+    # Spread by pid so two Treadle processes on one machine rarely share a uid.
+    return BOX_UID_BASE + (os.getpid() * 7919 + next(_next_uid)) % BOX_UID_COUNT
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += 1
+            except FileNotFoundError:
+                pass
+    return count
+
+
+class IsolatedBackend(LocalBackend):
+    """A sandbox whose commands run in a bubblewrap box; `SandboxUnavailable` without `bwrap`."""
+
+    name = "isolated"
+
+    def __init__(
+        self,
+        options: Isolated | None = None,
+        *,
+        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+        max_output_bytes: int = MAX_STREAM_BYTES,
+    ) -> None:
+        # Checked here, at `session.to("isolated")`, not at the first command of a pass.
+        self._bwrap = find_executable("bwrap")
+        self._prlimit = find_executable("prlimit")
+        super().__init__(
+            "local", command_timeout=command_timeout, max_output_bytes=max_output_bytes
+        )
+        self.placement = "isolated"
+        self.options = options if options is not None else Isolated()
+        self._own_uid = os.geteuid() == 0
+        self.host_uid = _allocate_uid() if self._own_uid else os.geteuid()
+        """The host uid every process of this box runs as."""
+        self._env = {**BOX_ENV, **self.options.env}
+
+    def open(self) -> Path:
+        """Create the temporary workspace and hand it to the box's uid; return its root."""
+        root = super().open()
+        if self._own_uid:
+            os.chown(root, self.host_uid, self.host_uid)
+        return root
+
+    async def run_command(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (reported)
+    ) -> CommandResult:
+        """Run `command` with `/bin/sh -c` in a fresh box over the workspace (at `/workspace`)."""
+        root = self._live_root()
+        launcher = box_command(
+            self.options,
+            workspace=root,
+            bwrap=self._bwrap,
+            prlimit=self._prlimit,
+            processes_already=0 if self._own_uid else _processes_of(self.host_uid),
+        )
+        result = await run_command(
+            command,
+            cwd=root,
+            env=self._env,
+            timeout=self.command_timeout if timeout is None else timeout,
+            max_bytes=self.max_output_bytes,
+            on_start=self._started,
+            on_exit=self._exited,
+            launcher=launcher,
+            as_uid=self.host_uid if self._own_uid else None,
+        )
+        return self._explained(result)
+
+    def _explained(self, result: CommandResult) -> CommandResult:
+        """`result`, with a line on stderr saying which limit stopped it (if one did)."""
+        code = result.exit_code
+        # bwrap's own failures (before the command starts) are exit 1 with "bwrap: ..." alone.
+        if code == 1 and not result.stdout and result.stderr.startswith("bwrap: "):
+            raise SandboxUnavailable(
+                f"bubblewrap could not build the box ({result.stderr.strip()}); it needs "
+                "unprivileged user namespaces (on Ubuntu 24.04+ an AppArmor profile for bwrap), "
+                "and the box's uid must be able to reach the workspace (TMPDIR) and every extra "
+                "mount."
+            )
+        limits = self.options.limits
+        # bubblewrap reports a command killed by signal N as exit status 128 + N.
+        notes = {
+            128 + signal.SIGXCPU: f"the CPU-time limit ({limits.cpu_seconds} s)",
+            128 + signal.SIGXFSZ: f"the file-size limit ({limits.file_size_bytes} bytes)",
+        }
+        if code not in notes:
+            return result
+        note = f"\n[treadle: the command was stopped by the box's {notes[code]}]"
+        return dataclasses.replace(result, stderr=result.stderr + note)
+
+    async def _as_box(self, operation: Callable[..., T], *args: object) -> T:
+        root = self._live_root()
+        if not self._own_uid:  # the box runs as this user already
+            return await _IO.run(operation, root, *args)
+        return await _IO.run(_as_uid, self.host_uid, operation, root, *args)
+
+    async def read_file(self, path: str) -> FileContent:
+        """The first `MAX_READ_BYTES` of a workspace file, read with the box's rights."""
+        return await self._as_box(_read, path)
+
+    async def write_file(self, path: str, data: bytes) -> int:
+        """Create or replace a workspace file as the box's uid (so its commands can change it)."""
+        return await self._as_box(_write, path, data)
+
+    async def list_files(self, path: str = ".") -> list[DirEntry]:
+        """The entries of a workspace directory, listed with the box's rights."""
+        return await self._as_box(_list, path)
+
+    async def claim(self) -> None:
+        """Hand everything in the workspace to the box's uid (after files were put in by hand)."""
+        if self._own_uid:
+            await _IO.run(_give_tree_to_box, self._live_root(), self.host_uid)
+
+
+def _give_tree_to_box(root: Path, uid: int) -> None:
+    # fwalk holds each directory open and never follows a link, so a box that swaps a directory
+    # for a link to /etc meanwhile cannot turn this root-powered chown onto host files.
+    # A file with other hard links may be a host file linked in by hand: it is left alone.
+    os.chown(root, uid, uid, follow_symlinks=False)
+    for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
+        for name in dirs + files:
+            if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_nlink > 1 and name in files:
+                continue
+            os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
