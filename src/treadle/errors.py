@@ -14,7 +14,8 @@ TreadleError
 │   └── MalformedResponse                     non-JSON body, no choices, torn stream
 ├── ToolError                                 raised by the tool layer, reported to the model
 │   ├── ToolArgumentsError                    arguments do not match the tool's schema
-│   └── ToolTimeoutError
+│   ├── ToolTimeoutError
+│   └── MCPServerError                        an MCP server cannot start, crashed or hung up
 ├── SandboxError
 │   └── PathViolation                         a path leaves the workspace
 ├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
@@ -32,6 +33,7 @@ __all__ = [
     "BudgetExceededError",
     "ConfigurationError",
     "ContextLengthError",
+    "MCPServerError",
     "MalformedResponse",
     "PathViolation",
     "PersistenceError",
@@ -140,6 +142,13 @@ class ToolTimeoutError(ToolError):
     """A tool ran past its timeout and was cancelled or killed."""
 
     error_kind = "timeout"
+
+
+class MCPServerError(ToolError):
+    """An MCP server could not be started or reached, or it closed the connection mid-call.
+
+    Reported to the model as a tool error; the server is started again on the next call.
+    """
 
 
 class SandboxError(TreadleError):
