@@ -67,6 +67,12 @@ def peak() -> int:
 
 
 @app.tool()
+def in_flight() -> int:
+    """How many `slow` calls are running now."""
+    return _in_flight
+
+
+@app.tool()
 async def hang() -> str:
     """Never returns (until cancelled)."""
     await asyncio.sleep(3600)
@@ -74,9 +80,9 @@ async def hang() -> str:
 
 
 @app.tool()
-def freeze() -> str:
-    """Blocks the whole server (its event loop too) for an hour."""
-    time.sleep(3600)
+async def freeze() -> str:
+    """Blocks the whole server, its event loop included, for an hour."""
+    time.sleep(3600)  # noqa: ASYNC251 - freezing the server's loop is the point
     return "thawed"
 
 

@@ -35,7 +35,7 @@ from mcp.client.session import MessageHandlerFnT
 from treadle.errors import MCPServerError, ToolArgumentsError, ToolError, ToolTimeoutError
 from treadle.runtime import Runtime
 
-__all__ = ["CLOSE_SECONDS", "MAX_LIST_PAGES", "Link", "LinkLimits", "Opener"]
+__all__ = ["CLOSE_SECONDS", "MAX_LIST_PAGES", "Link", "LinkLimits", "Opener", "close_soon"]
 
 T = TypeVar("T")
 log = logging.getLogger("treadle.mcp")
@@ -369,6 +369,25 @@ async def _list_all(session: ClientSession) -> tuple[types.Tool, ...]:
 
 _open: weakref.WeakSet[Link] = weakref.WeakSet()
 _hooked: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+_closing: set[asyncio.Task[None]] = set()
+
+
+def close_soon(link: Link) -> None:
+    """Close `link` from any thread without waiting (a connection whose server object was
+    garbage collected); the task is held here until it ends."""
+    runtime = link.runtime
+    if link.closed or runtime.closed or runtime.loop.is_closed():
+        return
+
+    def start() -> None:
+        task = runtime.loop.create_task(link._close())
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+    with contextlib.suppress(RuntimeError):  # a loop closed meanwhile: its shutdown hook closed it
+        runtime.call_soon(start)
 
 
 def _register(link: Link) -> None:

@@ -16,6 +16,7 @@ import os
 import shlex
 import subprocess
 import sys
+import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -23,7 +24,7 @@ from typing import IO, Any
 import mcp_types as types
 
 from treadle.errors import ConfigurationError, RuntimeLoopError
-from treadle.mcp.link import Link, LinkLimits, Opener, Streams
+from treadle.mcp.link import Link, LinkLimits, Opener, Streams, close_soon
 from treadle.mcp.tool import MCPTool
 from treadle.runtime import get_runtime
 
@@ -188,6 +189,8 @@ class MCPServer:
         link = self._link
         if link is None or link.closed or link.runtime is not runtime:
             link = self._link = Link(self._opener, self.label, self.limits, runtime)
+            # A server object nobody holds any more (nor any of its tools) closes its connection.
+            weakref.finalize(self, close_soon, link)
         return link
 
     async def call(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
