@@ -15,7 +15,6 @@ pytest.importorskip("mcp")
 
 from mcp_helpers import SERVER_SCRIPT, calls_then_answer, http_server, server_children
 from test_cli import _env, treadle
-
 from treadle.testing import FakeOpenAIServer
 
 _STDIO = shlex.join([sys.executable, SERVER_SCRIPT])
