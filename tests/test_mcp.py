@@ -5,6 +5,8 @@ transports, and the import hygiene of the extra."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -183,6 +185,40 @@ def test_streamable_http_transport() -> None:
             assert "[image: image/png" in tool_results(out.rows)["web_picture"]["content"]
         finally:
             remote.close()
+
+
+def test_a_streamable_http_server_killed_mid_call() -> None:
+    with http_server() as url:
+        remote = MCPServer.http(url)
+        try:
+            pid = _structured(remote, "pid")["result"]
+
+            async def kill_during_call() -> BaseException | None:
+                call = asyncio.ensure_future(remote.call("slow", {"delay": 3600}))
+                for _ in range(int(GUARD_SECONDS / 0.02)):  # until the server runs the call
+                    if (await remote.call("in_flight", {})).structured_content == {"result": 1}:
+                        break
+                    await asyncio.sleep(0.02)
+                os.kill(pid, signal.SIGKILL)
+                try:
+                    await call
+                except MCPServerError as error:
+                    return error
+                return None
+
+            error = get_runtime().run(kill_during_call(), timeout=GUARD_SECONDS)
+            assert error is not None and "closed the connection during the call" in str(error)
+            # gone for good: the next call says so at once instead of hanging
+            with pytest.raises(MCPServerError, match="could not start MCP server http"):
+                _structured(remote, "pid")
+        finally:
+            remote.close()
+
+
+def _structured(server: MCPServer, name: str) -> dict[str, object]:
+    result = get_runtime().run(server.call(name, {}), timeout=GUARD_SECONDS)
+    assert result.structured_content is not None
+    return result.structured_content
 
 
 def test_a_server_that_cannot_start_is_a_tool_error_and_a_clear_error() -> None:
