@@ -6,6 +6,7 @@ server from PyPI (`mcp-server-time`) driven by a real pass."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -245,3 +246,13 @@ def test_no_server_process_outlives_the_program(ending: str) -> None:
     assert len(pids) == 3
     # the program closed its servers before exiting (atexit runs the runtime's shutdown)
     assert [pid for pid in pids if alive(pid)] == []
+
+
+def test_a_server_object_nobody_holds_closes_its_connection() -> None:
+    server = _stdio()
+    pid = _pid(server)
+    assert alive(pid)
+    del server
+    gc.collect()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+    assert not alive(pid)

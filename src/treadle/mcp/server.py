@@ -16,6 +16,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -109,6 +110,7 @@ class MCPServer:
         """The time and concurrency limits of this connection."""
         self._opener = opener
         self._link: Link | None = None
+        self._link_lock = threading.Lock()
         self._tools: tuple[tuple[types.Tool, ...], list[MCPTool]] | None = None
 
     @classmethod
@@ -186,12 +188,13 @@ class MCPServer:
     def _current(self) -> Link:
         """This object's connection on the current runtime (a new one after a runtime restart)."""
         runtime = get_runtime()
-        link = self._link
-        if link is None or link.closed or link.runtime is not runtime:
-            link = self._link = Link(self._opener, self.label, self.limits, runtime)
-            # A server object nobody holds any more (nor any of its tools) closes its connection.
-            weakref.finalize(self, close_soon, link)
-        return link
+        with self._link_lock:  # the caller's thread and the runtime's may both get here first
+            link = self._link
+            if link is None or link.closed or link.runtime is not runtime:
+                link = self._link = Link(self._opener, self.label, self.limits, runtime)
+                # A server object nobody holds any more (nor any of its tools) closes its link.
+                weakref.finalize(self, close_soon, link)
+            return link
 
     async def call(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         """Call the server's tool `name` (its own name, without prefix) with `arguments`.
