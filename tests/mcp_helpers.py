@@ -95,6 +95,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def gone(pid: int, settle_seconds: float = GUARD_SECONDS) -> bool:
+    """True once `pid` is no longer running, waiting up to `settle_seconds` (an exiting process
+    lingers a moment after its command line is already gone)."""
+    deadline = time.monotonic() + settle_seconds
+    while alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @contextmanager
 def http_server(*extra: str) -> Iterator[str]:
     """The SDK test server over streamable HTTP on 127.0.0.1; yields its MCP URL."""
