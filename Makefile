@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,cli]"
+	$(BIN)/python -m pip install -q -e ".[dev,cli,mcp]"
 	touch $(STAMP)
 
 install: $(STAMP) bwrap

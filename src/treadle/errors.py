@@ -19,7 +19,8 @@ TreadleError
 │   └── MalformedResponse                     non-JSON body, no choices, torn stream
 ├── ToolError                                 raised by the tool layer, reported to the model
 │   ├── ToolArgumentsError                    arguments do not match the tool's schema
-│   └── ToolTimeoutError
+│   ├── ToolTimeoutError
+│   └── MCPServerError                        an MCP server cannot start, crashed or hung up
 ├── SandboxError
 │   ├── PathViolation                         a path leaves the workspace
 │   └── SandboxUnavailable                    the machine lacks what a backend needs (bwrap)
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigurationError",
     "ContextLengthError",
     "InvalidRequestError",
+    "MCPServerError",
     "MalformedResponse",
     "ModelNotFoundError",
     "NotOpenAIEndpointError",
@@ -198,6 +200,13 @@ class ToolTimeoutError(ToolError):
     """A tool ran past its timeout and was cancelled or killed."""
 
     error_kind = "timeout"
+
+
+class MCPServerError(ToolError):
+    """An MCP server could not be started or reached, or it closed the connection mid-call.
+
+    Reported to the model as a tool error; the server is started again on the next call.
+    """
 
 
 class SandboxError(TreadleError):

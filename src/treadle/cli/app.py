@@ -102,6 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--json", action="store_true", help="print the output session as JSON, nothing else"
     )
+    run.add_argument(
+        "--mcp",
+        action="append",
+        default=[],
+        metavar="COMMAND",
+        help="give the model the tools of an MCP server run as COMMAND (stdio; repeatable), "
+        'e.g. --mcp "mcp-server-time"',
+    )
+    run.add_argument(
+        "--mcp-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="give the model the tools of an MCP server at URL (streamable HTTP; repeatable)",
+    )
 
     demo = sub.add_parser("demo", help="run the offline demo (fake server, real sandbox)")
     demo.add_argument(
@@ -189,6 +204,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             retries=args.retries,
             timeout=args.timeout,
             extra_body=args.extra_body,
+            mcp=tuple(args.mcp),
+            mcp_urls=tuple(args.mcp_url),
         )
         return run_command(opts, console, status=status)
     if args.command == "demo":

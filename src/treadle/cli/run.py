@@ -49,6 +49,8 @@ class RunOptions:
     retries: int | None = None
     timeout: float | None = None
     extra_body: dict[str, Any] | None = None
+    mcp: tuple[str, ...] = ()
+    mcp_urls: tuple[str, ...] = ()
 
 
 def provider_for(opts: RunOptions) -> Provider:
@@ -154,14 +156,26 @@ async def _run(
             base_url=provider.base_url,
         )
     )
+    servers: list[Any] = []
+    tools: list[Any] | None = None
+    if opts.mcp or opts.mcp_urls:
+        from treadle.cli.mcp_tools import open_servers
+
+        servers, tools = await open_servers(opts.mcp, opts.mcp_urls)
     started = time.perf_counter()
     out: Session | None = None
     try:
-        out = await run_pass(user, agent, provider, view, persist=opts.persist, limits=limits)
+        out = await run_pass(
+            user, agent, provider, view, persist=opts.persist, limits=limits, tools=tools
+        )
     finally:
         if out is not None:
             out.close_sandbox()
         user.close_sandbox()
+        if servers:
+            from treadle.cli.mcp_tools import close_servers
+
+            await close_servers(servers)
     seconds = time.perf_counter() - started
     if opts.json:
         console.line(json.dumps(session_json(out, seconds=seconds), ensure_ascii=False, indent=2))

@@ -1,0 +1,67 @@
+"""`treadle run --mcp "command args"` and `--mcp-url URL`: MCP servers whose tools the pass gets.
+
+Imported only when one of those flags is given, so `treadle run` without them never imports the
+MCP SDK. A server that cannot start is reported before the pass, with the flag to check.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.errors import MCPServerError
+
+if TYPE_CHECKING:
+    from treadle.mcp import MCPServer
+
+__all__ = ["close_servers", "open_servers"]
+
+
+async def open_servers(
+    commands: Sequence[str], urls: Sequence[str]
+) -> tuple[list[MCPServer], list[Any]]:
+    """Start the servers and list their tools; `CliFailure` naming the flag when one fails."""
+    try:
+        from treadle.mcp import MCPServer, atools_from
+    except ImportError:
+        raise CliFailure(
+            "--mcp and --mcp-url need the MCP SDK, which is not installed.",
+            "install it with: pip install 'treadle[mcp]'",
+            EXIT_CODES["usage"],
+        ) from None
+    servers: list[MCPServer] = []
+    for command in commands:
+        try:
+            parts = shlex.split(command)
+        except ValueError as error:
+            raise CliFailure(
+                f"--mcp {command!r} is not a valid command line ({error}).",
+                'quote it as one argument, e.g. --mcp "python -m my_server --flag".',
+                EXIT_CODES["usage"],
+            ) from None
+        if not parts:
+            raise CliFailure(
+                "--mcp needs a command.", 'e.g. --mcp "mcp-server-time"', EXIT_CODES["usage"]
+            )
+        servers.append(MCPServer.stdio(parts[0], parts[1:]))
+    servers.extend(MCPServer.http(url) for url in urls)
+    try:
+        return servers, await atools_from(*servers)
+    except MCPServerError as error:
+        await close_servers(servers)
+        raise CliFailure(
+            str(error),
+            "check the --mcp command or --mcp-url, and that the server speaks MCP.",
+            EXIT_CODES["usage"],
+        ) from None
+    except BaseException:
+        await close_servers(servers)
+        raise
+
+
+async def close_servers(servers: Sequence[MCPServer]) -> None:
+    """Close every server (stopping stdio server processes)."""
+    for server in servers:
+        await server.aclose()

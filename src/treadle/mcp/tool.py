@@ -1,0 +1,167 @@
+"""`MCPTool`: one tool of an MCP server as a Treadle `Tool`, and its results as tool results.
+
+The server's input schema is passed to the model as it is, and the model's arguments are checked
+against it (JSON Schema, through the `jsonschema` package the SDK depends on) before the call, so
+a bad call is answered with the field paths at fault without a round trip. Results become the
+JSON body the model reads: structured content under `structured` when the server sent any (its
+text twin is then left out, as the MCP spec makes that text a copy), otherwise the text blocks
+under `content`; images, audio and binary resources become a marker naming their type and size,
+never their bytes. A result flagged `isError` is reported to the model as a tool error.
+
+This module must never block the event loop and never talk to the server except through the
+`Link` of the server the tool came from.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import mcp_types as types
+
+from treadle.errors import ToolArgumentsError, ToolError
+from treadle.tools import Tool, ToolContext
+
+__all__ = ["MAX_REPORTED_ERRORS", "MCPTool", "result_body", "tool_name"]
+
+#: Schema violations listed in one `invalid_tool_arguments` message (the rest are counted).
+MAX_REPORTED_ERRORS = 5
+
+_INVALID = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class _Caller(Protocol):
+    label: str
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult: ...
+
+
+def tool_name(remote: str, prefix: str | None) -> str:
+    """The name the model sees: `prefix_remote`, other characters than letters, digits, `_` and
+    `-` replaced by `_`, cut to 64 characters."""
+    name = f"{prefix}_{remote}" if prefix else remote
+    return (_INVALID.sub("_", name) or "_")[:64]
+
+
+def _object_schema(schema: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The input schema as sent, made an object schema when a server leaves that implicit."""
+    result = dict(schema or {})
+    result.setdefault("type", "object")
+    if result["type"] == "object":
+        result.setdefault("properties", {})
+    return result
+
+
+class MCPTool(Tool):
+    """A tool listed by an MCP server; calling it calls the server (see `treadle.mcp.MCPServer`).
+
+    Its `parameters` are the server's input schema; `remote_name` is the name on the server (the
+    model sees `name`, which carries the server's prefix). `timeout` is None here because the
+    server connection enforces its own call timeout (and health check) inside the call.
+    """
+
+    def __init__(self, server: _Caller, remote: types.Tool, *, prefix: str | None = None) -> None:
+        self.server = server
+        """The server connection calls go to."""
+        self.remote_name = remote.name
+        """The tool's name on the server."""
+        self.name = tool_name(remote.name, prefix)
+        self.description = (
+            remote.description or remote.title or f"{remote.name} (a tool of {server.label})"
+        )
+        self.parameters = _object_schema(remote.input_schema)
+        self.output_schema = remote.output_schema
+        """The server's output schema (the SDK checks structured results against it)."""
+        self._validator = _validator_for(self.parameters)
+
+    def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """Check `arguments` against the input schema; `ToolArgumentsError` naming the paths."""
+        values = dict(arguments)
+        if self._validator is None:
+            return values
+        errors = sorted(self._validator.iter_errors(values), key=lambda e: list(e.absolute_path))
+        if not errors:
+            return values
+        parts = []
+        for error in errors[:MAX_REPORTED_ERRORS]:
+            path = ".".join(str(p) for p in error.absolute_path) or "(arguments)"
+            parts.append(f"{path}: {error.message}")
+        if len(errors) > MAX_REPORTED_ERRORS:
+            parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
+        raise ToolArgumentsError(
+            f"invalid arguments for tool {self.name!r}: " + "; ".join(parts),
+            detail="fix these fields and call the tool again",
+        )
+
+    async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
+        """Call the server's tool and turn its result into the body the model reads."""
+        result = await self.server.call(self.remote_name, dict(arguments))
+        return result_body(result, self.name)
+
+
+def _validator_for(schema: dict[str, Any]) -> Any:
+    """A compiled JSON Schema validator, or None when the server's schema is itself invalid (the
+    server then validates alone)."""
+    from jsonschema import exceptions, validators  # type: ignore[import-untyped]
+
+    try:
+        cls = validators.validator_for(schema)
+        cls.check_schema(schema)
+        return cls(schema)
+    except exceptions.SchemaError:
+        return None
+
+
+def _size(data: str) -> str:
+    try:
+        n = len(base64.b64decode(data, validate=False))
+    except (binascii.Error, ValueError):
+        n = len(data)
+    return f"{n:,} bytes"
+
+
+def _block_text(block: Any) -> str:
+    """A content block as text: text as it is, anything binary as a marker."""
+    if isinstance(block, types.TextContent):
+        return block.text
+    if isinstance(block, types.ImageContent):
+        return f"[image: {block.mime_type}, {_size(block.data)}, not shown]"
+    if isinstance(block, types.AudioContent):
+        return f"[audio: {block.mime_type}, {_size(block.data)}, not shown]"
+    if isinstance(block, types.ResourceLink):
+        return f"[resource link: {block.uri} ({block.name})]"
+    if isinstance(block, types.EmbeddedResource):
+        resource = block.resource
+        if isinstance(resource, types.TextResourceContents):
+            return f"[resource {resource.uri}]\n{resource.text}"
+        mime = getattr(resource, "mime_type", None) or "binary"
+        return (
+            f"[resource {resource.uri}: {mime}, {_size(getattr(resource, 'blob', ''))}, not shown]"
+        )
+    kind = getattr(block, "type", type(block).__name__)
+    return f"[{kind} content, not shown]"
+
+
+def result_body(result: types.CallToolResult, name: str) -> dict[str, Any]:
+    """The body of a tool result (`{"content": ...}` and/or `{"structured": ...}`); raises
+    `ToolError` when the server flagged the result as an error."""
+    texts = [_block_text(block) for block in result.content]
+    if result.is_error:
+        message = "\n".join(t for t in texts if t) or "no message"
+        raise ToolError(f"MCP tool {name!r} reported an error: {message}")
+    body: dict[str, Any] = {}
+    if result.structured_content is not None:
+        body["structured"] = result.structured_content
+        markers = [
+            t
+            for block, t in zip(result.content, texts, strict=True)
+            if not isinstance(block, types.TextContent)
+        ]
+        if markers:
+            body["content"] = "\n".join(markers)
+    else:
+        body["content"] = "\n".join(texts)
+    return body

@@ -1,0 +1,154 @@
+"""An MCP server written with the SDK's own server API, for tests/test_mcp*.py.
+
+Run it as `python mcp_sdk_server.py` (stdio) or `python mcp_sdk_server.py --http` (streamable HTTP
+on 127.0.0.1, an ephemeral port, printed as `PORT <n>` on stdout once listening). `--collide`
+adds two tools whose names clash once made model-safe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import time
+
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context, Image
+from mcp.server.mcpserver.exceptions import ToolError
+
+app = MCPServer("treadle-test", log_level="WARNING")
+_in_flight = 0
+_peak = 0
+
+# A 1x1 PNG: the bytes of an image result.
+_PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c63000100000500010d0a2db40000000049454e44ae426082"
+)
+
+
+@app.tool()
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@app.tool()
+def echo(text: str) -> str:
+    """Return the text unchanged."""
+    return text
+
+
+@app.tool()
+def pid() -> int:
+    """The server's process id."""
+    return os.getpid()
+
+
+@app.tool()
+async def slow(delay: float, tag: str = "") -> str:
+    """Sleep `delay` seconds, counting calls in flight."""
+    global _in_flight, _peak
+    _in_flight += 1
+    _peak = max(_peak, _in_flight)
+    try:
+        await asyncio.sleep(delay)
+    finally:
+        _in_flight -= 1
+    return f"slept {tag}"
+
+
+@app.tool()
+def peak() -> int:
+    """The most `slow` calls that were in flight at once."""
+    return _peak
+
+
+@app.tool()
+def in_flight() -> int:
+    """How many `slow` calls are running now."""
+    return _in_flight
+
+
+@app.tool()
+async def hang() -> str:
+    """Never returns (until cancelled)."""
+    await asyncio.sleep(3600)
+    return "woke"
+
+
+@app.tool()
+async def freeze() -> str:
+    """Blocks the whole server, its event loop included, for an hour."""
+    time.sleep(3600)  # noqa: ASYNC251 - freezing the server's loop is the point
+    return "thawed"
+
+
+@app.tool()
+def die() -> str:
+    """Exits the server process at once, mid-call."""
+    os._exit(3)
+
+
+@app.tool()
+def fail(reason: str) -> str:
+    """Fails on purpose."""
+    raise ToolError(f"refused: {reason}")
+
+
+@app.tool(structured_output=False)
+def picture() -> list[object]:
+    """Some text and a small image."""
+    return ["a red dot", Image(data=_PNG, format="png")]
+
+
+@app.tool()
+async def grow(ctx: Context) -> str:
+    """Adds a tool named `triple` and announces the changed list."""
+
+    def triple(x: int) -> int:
+        """Multiply by three."""
+        return 3 * x
+
+    app.add_tool(triple, name="triple")
+    await ctx.session.send_tool_list_changed()
+    return "grown"
+
+
+def _collide() -> None:
+    app.add_tool(lambda: "dot", name="read.file", description="clashes with read_file")
+    app.add_tool(lambda: "underscore", name="read_file", description="clashes with read.file")
+
+
+async def _serve_http() -> None:
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)  # connections queue from now on, before uvicorn takes the socket
+    starlette_app = app.streamable_http_app(host="127.0.0.1")
+    config = uvicorn.Config(starlette_app, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    print(f"PORT {sock.getsockname()[1]}", flush=True)
+    await server.serve(sockets=[sock])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--http", action="store_true")
+    parser.add_argument("--collide", action="store_true")
+    args = parser.parse_args()
+    if args.collide:
+        _collide()
+    if args.http:
+        asyncio.run(_serve_http())
+    else:
+        app.run()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

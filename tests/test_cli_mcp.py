@@ -1,0 +1,119 @@
+"""`treadle run --mcp "command args"` and `--mcp-url URL`, run as subprocesses against the fake
+model server and the SDK test server (stdio and streamable HTTP)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from mcp_helpers import SERVER_SCRIPT, calls_then_answer, http_server, server_children
+from test_cli import _env, treadle
+from treadle.testing import FakeOpenAIServer
+
+_STDIO = shlex.join([sys.executable, SERVER_SCRIPT])
+
+
+def _messages_of(proc: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
+    assert proc.returncode == 0, proc.stderr
+    messages: list[dict[str, object]] = json.loads(proc.stdout)["messages"]
+    return messages
+
+
+def test_run_with_stdio_and_http_servers(tmp_path: Path) -> None:
+    script = calls_then_answer(("add", {"a": 40, "b": 2}), ("echo", {"text": "echoed"}))
+    with FakeOpenAIServer(script=script) as fake, http_server() as url:
+        proc = treadle(
+            "run",
+            "add and echo",
+            "--model",
+            "fake-model",
+            "--base-url",
+            fake.base_url,
+            "--mcp",
+            f"{sys.executable} {SERVER_SCRIPT} --collide",  # lists read.file and read_file
+            "--json",
+            cwd=tmp_path,
+            env=_env(),
+        )
+        assert proc.returncode == 2
+        assert "'read.file' and 'read_file'" in proc.stderr
+        proc = treadle(
+            "run",
+            "add and echo",
+            "--model",
+            "fake-model",
+            "--base-url",
+            fake.base_url,
+            "--mcp",
+            _STDIO,
+            "--mcp-url",
+            url,
+            "--json",
+            cwd=tmp_path,
+            env=_env(),
+        )
+        # both servers list `add`: a clear error before any model request
+        assert proc.returncode == 2, proc.stderr
+        assert "two tools are named 'add'" in proc.stderr and "prefix" in proc.stderr
+        assert fake.request_count == 0
+        proc = treadle(
+            "run",
+            "add",
+            "--model",
+            "fake-model",
+            "--base-url",
+            fake.base_url,
+            "--mcp",
+            _STDIO,
+            "--json",
+            cwd=tmp_path,
+            env=_env(),
+        )
+        tools = [m for m in _messages_of(proc) if m["role"] == "tool"]
+        assert json.loads(str(tools[0]["content"]))["structured"] == {"result": 42}
+        assert json.loads(str(tools[1]["content"]))["structured"] == {"result": "echoed"}
+        sent = {t["function"]["name"] for t in fake.requests[0].body["tools"]}
+        assert {"add", "echo", "hang"} <= sent
+        proc = treadle(
+            "run",
+            "add",
+            "--model",
+            "fake-model",
+            "--base-url",
+            fake.base_url,
+            "--mcp-url",
+            url,
+            "--json",
+            cwd=tmp_path,
+            env=_env(),
+        )
+        tools = [m for m in _messages_of(proc) if m["role"] == "tool"]
+        assert json.loads(str(tools[0]["content"]))["structured"] == {"result": 42}
+    assert server_children() == {}
+
+
+def test_a_server_that_cannot_start_is_a_usage_error(tmp_path: Path) -> None:
+    with FakeOpenAIServer(script="echo") as fake:
+        proc = treadle(
+            "run",
+            "hi",
+            "--model",
+            "fake-model",
+            "--base-url",
+            fake.base_url,
+            "--mcp",
+            "/nonexistent/server --flag",
+            cwd=tmp_path,
+            env=_env(),
+        )
+        assert proc.returncode == 2
+        assert "could not start MCP server /nonexistent/server --flag" in proc.stderr
+        assert "check the --mcp command or --mcp-url" in proc.stderr
+        assert fake.request_count == 0
