@@ -67,7 +67,7 @@ class ModelClient:
         # then skip httpx's Request/Response layer (same headers, errors and timeouts).
         self._fast = fast_transport
         self._fast_headers: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
-        self._limiters: dict[tuple[int, int | None, int | None], EndpointLimiter] = {}
+        self._limiters: dict[tuple[int, int | None, int | None, bool, float], EndpointLimiter] = {}
         self.closed = False
         """True once `aclose` ran."""
 
@@ -77,10 +77,12 @@ class ModelClient:
             provider.max_concurrent_requests,
             provider.requests_per_minute,
             provider.tokens_per_minute,
+            provider.learn_rate_limits,
+            provider.rate_limit_share,
         )
         limiter = self._limiters.get(key)
         if limiter is None:
-            limiter = self._limiters[key] = EndpointLimiter(*key)
+            limiter = self._limiters[key] = EndpointLimiter(*key[:3], learn=key[3], share=key[4])
         return limiter
 
     async def complete(self, provider: Provider, body: bytes) -> ChatCompletion:
@@ -94,6 +96,7 @@ class ModelClient:
         )
         used: int | None = None
         try:
+            limiter.observe(permit, reply_headers)
             try:
                 result = _parse_completion(content, reply_headers.get("x-request-id"))
             except MalformedResponse as exc:
@@ -127,6 +130,7 @@ class ModelClient:
         )
         used: int | None = None
         try:
+            limiter.observe(permit, opened.headers)
             request_id = opened.request_id
             chunks, decoder = opened.chunks, opened.decoder
             done = finished = False
@@ -198,6 +202,8 @@ class ModelClient:
             try:
                 return await attempt(*args), limiter, permit
             except (httpx.TransportError, StatusError) as exc:
+                if isinstance(exc, StatusError):  # a 429 pauses every pass on the endpoint
+                    limiter.observe(permit, exc.headers, refused=exc.status == 429)
                 limiter.release(permit)
                 if isinstance(exc, StaleConnectionError) and not stale_resent:
                     stale_resent = True
