@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, scenarios
+from benchmarks import goodput, report, scenarios
 from benchmarks.harness import Harness
 from benchmarks.server import can_pin
 
@@ -38,6 +38,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "import_runs": 9,
         "variants": True,
         "peers": True,
+        "goodput_n": 3000,
+        "goodput_rpm": 1200,
+        "goodput_tpm": 200_000,
+        "goodput_window": 6.0,
     },
     "quick": {
         "serial_n": 60,
@@ -55,6 +59,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "import_runs": 3,
         "variants": False,
         "peers": False,
+        "goodput_n": 1000,
+        "goodput_rpm": 400,
+        "goodput_tpm": 66_000,
+        "goodput_window": 2.0,
     },
     "tiny": {
         "serial_n": 5,
@@ -73,6 +81,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "import_runs": 1,
         "variants": False,
         "peers": False,
+        "goodput_n": 30,
+        "goodput_rpm": 10,
+        "goodput_tpm": 2000,
+        "goodput_window": 1.0,
     },
 }
 """Workload sizes: `full` for `make bench`, `quick` for `make bench-quick`, `tiny` for tests."""
@@ -89,10 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer-fanout", action="store_true", help="also run installed peers in the fan-out"
     )
-    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,s3,s4,s5,s6)")
+    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,...,s7)")
+    parser.add_argument("--goodput-n", type=int, help="passes of the rate-limited scenario (s7)")
+    parser.add_argument(
+        "--goodput-window", type=float, help="seconds the s7 limits hold for (60: real minutes)"
+    )
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")
     size = {**SIZES[size_name], "peer_fanout": args.peer_fanout}
+    if args.goodput_n is not None:
+        size["goodput_n"] = args.goodput_n
+    if args.goodput_window is not None:
+        size["goodput_window"] = args.goodput_window
     only = set(args.only.split(",")) if args.only else None
     h = Harness(log=lambda msg: print(msg, flush=True))
     started = time.perf_counter()
@@ -109,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),
         ("s6", lambda: scenarios.fanout(h, size, stream=True)),
+        ("s7", lambda: goodput.goodput(h, size)),
     ]
     results = []
     for key, run in plan:

@@ -133,6 +133,20 @@ def test_the_level_follows_the_server_down_counting_requests_in_flight() -> None
     assert learned.requests.level == pytest.approx(41)
 
 
+def test_refill_is_not_counted_for_requests_still_on_their_way() -> None:
+    # A server bucket that is full while a burst is still in transit does not fill further.
+    learned = LearnedLimits()
+    learned.observe(_headers(10, 9, "100ms"), 0.0)  # 10 per second
+    for _ in range(9):
+        learned.take(1)
+    learned.hold(9)
+    assert learned.wait(1, 5.0) == 0.0  # five seconds on, only one slot is surely there
+    learned.take(1)
+    assert learned.wait(1, 5.0) > 0.0
+    learned.hold(0)  # the replies came back: the server has seen them all
+    assert learned.wait(1, 6.0) == 0.0
+
+
 def test_tokens_bucket_paces_large_requests() -> None:
     learned = LearnedLimits()
     learned.observe(_headers(1000, 1000, "0s", kind="tokens"), 0.0)

@@ -67,7 +67,8 @@ def _int(text: str | None) -> int | None:
 class LearnedBucket:
     """The mirror of one of the server's buckets (requests or tokens), scaled by `share`."""
 
-    __slots__ = ("deficit_seen", "learned_rate", "level", "limit", "rate", "share", "stamp")
+    __slots__ = ("deficit_seen", "held", "learned_rate", "level", "limit", "rate", "share",
+                 "stamp")  # fmt: skip
 
     def __init__(self, share: float, now: float) -> None:
         self.share = share
@@ -81,11 +82,17 @@ class LearnedBucket:
         self.stamp = now
         self.deficit_seen = 0
         """The largest `limit - remaining` a rate was computed from (the most precise one)."""
+        self.held = 0.0
+        """What this process has in flight: maybe not at the server yet."""
 
     def refill(self, now: float) -> None:
-        """Add what the refill rate gave since the last look."""
+        """Add what the refill rate gave since the last look.
+
+        Never above the bucket's size less what is in flight: a server bucket that is full
+        while requests are still on their way does not fill further, so that refill is lost.
+        """
         if now > self.stamp:
-            self.level = min(self.limit, self.level + (now - self.stamp) * self.rate)
+            self.level = min(self.limit - self.held, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
 
     def observe(
@@ -100,8 +107,8 @@ class LearnedBucket:
     ) -> None:
         """Take in one reply's `limit`, `remaining` and `reset` (seconds; None when absent).
 
-        The server counted `remaining` when the request arrived, `age` seconds ago; `since` is
-        what this process has taken from the mirror after that request (still unseen there).
+        The server counted `remaining` when the request arrived, at most `age` seconds ago;
+        `since` is what this process has taken from the mirror after that request.
         """
         self.refill(now)
         share = self.share
@@ -116,9 +123,11 @@ class LearnedBucket:
             self.learned_rate = deficit / reset * share
             self.rate = self.learned_rate * scale
             self.deficit_seen = deficit
-        # Never above what the server has left: that counts traffic this mirror did not see.
-        server_now = remaining * share + age * self.learned_rate - since
-        self.level = min(self.level, server_now)
+        # Never above what the server can have left now: what it had when this request
+        # arrived (at the earliest when it was admitted, `age` ago), plus the refill since,
+        # less what was sent after it. That catches traffic the mirror did not see (other
+        # processes on the same key); the mirror's own bookkeeping keeps it below the server.
+        self.level = min(self.level, remaining * share + age * self.learned_rate - since)
 
     def wait(self, need: float, now: float) -> float:
         """Seconds until `need` units are available (0.0: now)."""
@@ -137,7 +146,7 @@ class LearnedLimits:
     """
 
     __slots__ = ("paused_until", "penalty", "requests", "share", "taken_requests",
-                 "taken_tokens", "tokens")  # fmt: skip
+                 "taken_tokens", "tokens", "unseen_tokens")  # fmt: skip
 
     def __init__(self, share: float = 1.0) -> None:
         if not (0.0 < share <= 1.0):
@@ -150,6 +159,8 @@ class LearnedLimits:
         """The part of the learned rates paced at (lowered by unforeseen 429s)."""
         self.taken_requests = 0
         self.taken_tokens = 0
+        self.unseen_tokens = 0.0
+        """Average tokens a request is charged beyond its estimate (its reply): added up front."""
 
     @property
     def known(self) -> bool:
@@ -181,6 +192,7 @@ class LearnedLimits:
             reset = parse_duration(raw_reset) if raw_reset is not None else None
             if kind == "requests":
                 bucket = self.requests = self.requests or LearnedBucket(self.share, now)
+                since: float
                 since = self.taken_requests - mark[0] if sent is not None else 0
             else:
                 bucket = self.tokens = self.tokens or LearnedBucket(self.share, now)
@@ -215,11 +227,19 @@ class LearnedLimits:
         if self.requests is not None:
             wait = max(wait, self.requests.wait(1.0, now))
         if self.tokens is not None:
-            wait = max(wait, self.tokens.wait(float(tokens), now))
+            wait = max(wait, self.tokens.wait(tokens + self.unseen_tokens, now))
         return wait
+
+    def hold(self, in_flight: int) -> None:
+        """This process now has `in_flight` requests sent and not answered."""
+        if self.requests is not None:
+            self.requests.held = in_flight
+        if self.tokens is not None:
+            self.tokens.held = in_flight * self.taken_tokens / max(self.taken_requests, 1)
 
     def take(self, tokens: int) -> tuple[int, int]:
         """Count one admitted request of about `tokens` tokens; the counts with it."""
+        tokens += round(self.unseen_tokens)
         self.taken_requests += 1
         self.taken_tokens += tokens
         mark = (self.taken_requests, self.taken_tokens)
@@ -231,6 +251,8 @@ class LearnedLimits:
 
     def correct(self, estimated: int, actual: int) -> None:
         """The server reported `actual` tokens for a request admitted as `estimated`."""
-        self.taken_tokens += actual - estimated
+        charged = estimated + round(self.unseen_tokens)
+        self.unseen_tokens += (actual - estimated - self.unseen_tokens) * 0.1
+        self.taken_tokens += actual - charged
         if self.tokens is not None:
-            self.tokens.level -= actual - estimated
+            self.tokens.level -= actual - charged

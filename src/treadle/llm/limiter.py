@@ -15,6 +15,7 @@ cancelled waiter leaves no trace.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -90,6 +91,8 @@ class EndpointLimiter:
         self._probing = learn  # until the first reply arrived, one request at a time
         self._probe_out = False
         self._fast = not self._rated and not learn  # admission needs no clock and no lock
+        self._unanswered: list[int] = []  # admission numbers of learned-mode requests in flight
+        self._answered = 0  # the latest admission number a reply came back for
         self.peak_active = 0
         """Highest number of requests in flight seen (for tests and metrics)."""
 
@@ -126,7 +129,10 @@ class EndpointLimiter:
             while (wait := learned.wait(tokens, self._clock())) > 0.0:
                 await self._sleep(wait)
             permit = self._admit(self._clock(), tokens)
-            permit.mark = learned.take(tokens) if learned.known else None
+            permit.mark = mark = learned.take(tokens) if learned.known else None
+            if mark is not None:
+                self._unanswered.append(mark[0])
+                learned.hold(self._unseen())
             if not learned.known:  # only a pause, now over: back to the fast path
                 learned.paused_until = 0.0
                 self._fast = not self._rated and not self._probing
@@ -148,11 +154,19 @@ class EndpointLimiter:
         now = self._clock()
         mark = permit.mark
         sent = permit.started if mark is not None else None
+        if mark is not None:
+            self._answered = max(self._answered, mark[0])
         if learned.observe(headers, now, sent=sent, mark=mark or (0, 0)):
             self._fast = False
         if refused:
             learned.refused(parse_retry_after(headers), now)
             self._fast = False
+
+    def _unseen(self) -> int:
+        """Requests in flight that may not have reached the server: those sent after the latest
+        one answered (the earlier ones were, give or take reordering on new connections)."""
+        unanswered = self._unanswered
+        return len(unanswered) - bisect.bisect_right(unanswered, self._answered)
 
     async def _wait_for_rate(self, tokens: int) -> None:
         recent = self._recent
@@ -185,6 +199,13 @@ class EndpointLimiter:
     def release(self, permit: Permit, actual_tokens: int | None = None) -> None:
         """Count the request out; `actual_tokens` (reported usage) replaces the estimate."""
         self._active -= 1
+        if permit.mark is not None:
+            unanswered = self._unanswered
+            at = bisect.bisect_left(unanswered, permit.mark[0])
+            if at < len(unanswered) and unanswered[at] == permit.mark[0]:
+                del unanswered[at]
+            if self.learned is not None:
+                self.learned.hold(self._unseen())
         if permit.probe and self._probing:  # it got no reply: the next request probes
             self._probe_out = False
         if actual_tokens is not None:

@@ -74,6 +74,10 @@ class RateLimits:
                                                             float(tokens), now)  # fmt: skip
         self.rejected = 0
         """Requests answered 429 so far."""
+        self.admitted = 0
+        """Requests let through so far."""
+        self.admitted_tokens = 0
+        """Tokens charged for the requests let through."""
 
     def take(self, tokens: int, now: float) -> tuple[bool, list[tuple[str, str]], float]:
         """Admit one request costing `tokens` at time `now`?
@@ -91,6 +95,8 @@ class RateLimits:
         if wait == 0.0:
             for bucket, cost in buckets:
                 bucket.level -= cost
+            self.admitted += 1
+            self.admitted_tokens += tokens
         else:
             self.rejected += 1
         headers: list[tuple[str, str]] = []
@@ -99,6 +105,17 @@ class RateLimits:
         if self._tokens is not None:
             headers += self._tokens.headers("tokens")
         return wait == 0.0, headers, wait
+
+    def stats(self) -> dict[str, float]:
+        """Counts and limits, for `GET /stats` (benchmarks compare runs against the ideal)."""
+        out: dict[str, float] = {"window": self.window, "admitted": self.admitted,
+                                 "admitted_tokens": self.admitted_tokens,
+                                 "rate_limited": self.rejected}  # fmt: skip
+        if self._requests is not None:
+            out["requests_limit"] = self._requests.limit
+        if self._tokens is not None:
+            out["tokens_limit"] = self._tokens.limit
+        return out
 
     @staticmethod
     def refusal_headers(wait: float) -> list[tuple[str, str]]:

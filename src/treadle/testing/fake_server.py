@@ -193,6 +193,10 @@ class FakeOpenAIServer:
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "treadle"}
             ]}  # fmt: skip
             conn.send(200, to_json(models), [("content-type", "application/json")])
+        elif method == "GET" and path == "/stats":  # what benchmarks read between runs
+            stats = {"requests": self.request_count,
+                     **(self.limits.stats() if self.limits is not None else {})}  # fmt: skip
+            conn.send(200, to_json(stats), [("content-type", "application/json")])
         elif method == "GET" and path == "/health":
             conn.send(200, b'{"status":"ok"}', [("content-type", "application/json")])
         else:
