@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -48,6 +49,11 @@ class Runtime:
         self._hooks: list[ShutdownHook] = []
         self._closed = False
         self._pid = os.getpid()
+        # Passes submitted from other threads wait here; one wake-up of the loop starts every
+        # one queued by then (a fan-out of thousands is not thousands of self-pipe writes and
+        # thread switches).
+        self._inbox: deque[tuple[Coroutine[Any, Any, Any], LazyValue[Any]]] = deque()
+        self._inbox_armed = False
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
@@ -85,9 +91,19 @@ class Runtime:
         lazy = LazyValue(future, self)
         if self.in_loop_thread():
             self._start(coro, lazy)
-        else:
-            self.loop.call_soon_threadsafe(self._start, coro, lazy)
+            return lazy
+        self._inbox.append((coro, lazy))
+        if not self._inbox_armed:  # else a wake-up is on its way and will see this one too
+            self._inbox_armed = True
+            self.loop.call_soon_threadsafe(self._start_inbox)
         return lazy
+
+    def _start_inbox(self) -> None:
+        self._inbox_armed = False  # before draining: a later submit arms a new wake-up
+        inbox = self._inbox
+        while inbox:
+            coro, lazy = inbox.popleft()
+            self._start(coro, lazy)
 
     def _start(self, coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> None:
         task = self.loop.create_task(_started(coro, lazy))
