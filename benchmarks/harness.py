@@ -43,6 +43,8 @@ class Job:
     params: dict[str, Any] = field(default_factory=dict)
     reps: int | None = None
     """Repetitions for this job (None: the scenario's)."""
+    src: str | None = None
+    """Another checkout's `src/` to measure instead of this one (`--baseline-src`)."""
 
 
 @dataclass
@@ -64,7 +66,8 @@ def run_worker(job: Job, url: str, timeout: float = WORKER_TIMEOUT_SECONDS) -> d
         return {"skipped": f"{job.contestant} is not installed (run benchmarks/peers/setup.sh)"}
     spec = json.dumps({"contestant": job.contestant, "kind": job.kind, "url": url, **job.params})
     # Measure the Treadle of this checkout (its src/), whatever else is installed.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    src = job.src or str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(ROOT)])}
     proc = subprocess.Popen(
         [python, "-m", "benchmarks.worker", spec],
         cwd=ROOT,

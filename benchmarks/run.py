@@ -106,9 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--goodput-window", type=float, help="seconds the s7 limits hold for (60: real minutes)"
     )
+    parser.add_argument(
+        "--baseline-src", help="another checkout's src/ to run as 'treadle before' in s1 and s2"
+    )
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")
     size = {**SIZES[size_name], "peer_fanout": args.peer_fanout}
+    if args.baseline_src:
+        size["baseline_src"] = str(Path(args.baseline_src).resolve())
     if args.goodput_n is not None:
         size["goodput_n"] = args.goodput_n
     if args.goodput_window is not None:
