@@ -301,3 +301,13 @@ async def test_without_learning_the_same_fan_out_meets_429s() -> None:
 def test_rate_limit_share_is_checked() -> None:
     with pytest.raises(ConfigurationError, match="rate_limit_share"):
         Provider(model="m", rate_limit_share=1.5)
+
+
+def test_backend_workers_pace_at_their_part_of_learned_limits() -> None:
+    from treadle.distributed.spec import AgentSpec
+
+    spec = AgentSpec(model="m", base_url="http://127.0.0.1:9/v1")
+    agent = spec.build_agent(share=0.25)
+    assert agent.provider.rate_limit_share == 0.25
+    assert agent.provider.learn_rate_limits
+    assert spec.build_agent().provider.rate_limit_share == 1.0
