@@ -311,3 +311,31 @@ def test_backend_workers_pace_at_their_part_of_learned_limits() -> None:
     assert agent.provider.rate_limit_share == 0.25
     assert agent.provider.learn_rate_limits
     assert spec.build_agent().provider.rate_limit_share == 1.0
+
+
+async def test_token_limits_are_learned_too() -> None:
+    # Only tokens are limited: 400 per 0.5 s, about 20 tokens a request, 60 requests at once.
+    with FakeOpenAIServer("echo", tokens_per_minute=400, rate_window=0.5) as server:
+        provider = Provider(model="m", base_url=server.base_url, max_retries=20)
+        assert await _fan_out(server, provider, 60) == 0
+        assert server.limits is not None
+        assert server.limits.rejected <= 1
+
+
+async def test_streamed_requests_learn_from_their_headers() -> None:
+    with FakeOpenAIServer("echo", requests_per_minute=20, rate_window=0.5) as server:
+        provider = Provider(model="m", base_url=server.base_url, max_retries=20, stream=True)
+        client = get_client(provider)
+        body = build_request_body(
+            provider, [to_json({"role": "user", "content": "x"})], stream=True
+        )
+
+        async def one() -> int:
+            return len([chunk async for chunk in client.stream(provider, body)])
+
+        chunks = await asyncio.gather(*(one() for _ in range(60)))
+        assert all(chunks)
+        assert server.limits is not None
+        assert server.limits.rejected <= 1
+        learned = client.limiter(provider).learned
+        assert learned is not None and learned.known
