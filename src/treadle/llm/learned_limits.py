@@ -7,8 +7,10 @@ reset as "the time until the rate limit resets to its initial state": a bucket r
 continuously, so its refill rate is `(limit - remaining) / reset`. This module keeps, per resource,
 a mirror of that bucket (size, rate, current level) that `EndpointLimiter` draws from before each
 request: the level is pulled down to what the server reports, so traffic the mirror did not see
-(other processes on the same key) is accounted for. A 429 empties the mirror and slows the learned
-rate a little (recovering as replies show room again). Pure arithmetic on the caller's clock.
+(other processes on the same key) is accounted for, and it never refills above the bucket's size
+less the requests that may still be on their way (a full server bucket does not fill further while
+a burst is in transit). A 429 empties the mirror and slows the learned rate a little (recovering
+as replies show room again). Pure arithmetic on the caller's clock.
 
 `share` (0-1] is this process's part of the endpoint: the process and Ray backends give each of
 their N workers 1/N, so the workers together pace at the endpoint's limit.
@@ -231,7 +233,7 @@ class LearnedLimits:
         return wait
 
     def hold(self, in_flight: int) -> None:
-        """This process now has `in_flight` requests sent and not answered."""
+        """This process has `in_flight` requests out that may not have reached the server yet."""
         if self.requests is not None:
             self.requests.held = in_flight
         if self.tokens is not None:
