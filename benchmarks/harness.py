@@ -43,6 +43,8 @@ class Job:
     params: dict[str, Any] = field(default_factory=dict)
     reps: int | None = None
     """Repetitions for this job (None: the scenario's)."""
+    src: str | None = None
+    """Another checkout's `src/` to measure instead of this one (`--baseline-src`)."""
 
 
 @dataclass
@@ -65,7 +67,7 @@ def run_worker(job: Job, url: str, timeout: float = WORKER_TIMEOUT_SECONDS) -> d
     spec = json.dumps({"contestant": job.contestant, "kind": job.kind, "url": url, **job.params})
     # Measure the Treadle of this checkout (its src/, or the tree a job names), whatever else
     # is installed.
-    src = job.params.get("src") or str(ROOT / "src")
+    src = job.src or job.params.get("src") or str(ROOT / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(ROOT)])}
     proc = subprocess.Popen(
         [python, "-m", "benchmarks.worker", spec],

@@ -74,13 +74,15 @@ def plot(path: Path, results: list[Result]) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]'); no PNG written"
     by_key = {r.key: r for r in results}
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12))
     panels = [
         ("s1", axes[0][0], "CPU µs per round (S1, lower is better)", False),
         ("s2", axes[0][1], "fan-out wall s (S2, lower is better)", False),
         ("s3", axes[1][0], "CPU µs per round along a long pass (S3)", True),
         ("s4", axes[1][1], "ms per round, 8 x 100 ms tools (S4)", False),
+        ("s7", axes[2][0], "rate-limited goodput: x the limit-bound ideal (S7)", False),
     ]
+    axes[2][1].axis("off")
     for key, ax, title, is_curve in panels:
         ax.set_title(title, fontsize=10)
         r = by_key.get(key)

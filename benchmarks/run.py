@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, sandbox_bench, scenarios
+from benchmarks import goodput, report, sandbox_bench, scenarios
 from benchmarks.harness import Harness
 from benchmarks.server import can_pin
 
@@ -40,6 +40,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "sandbox_reps": 5,
         "variants": True,
         "peers": True,
+        "goodput_n": 3000,
+        "goodput_rpm": 1200,
+        "goodput_tpm": 200_000,
+        "goodput_window": 6.0,
     },
     "quick": {
         "serial_n": 60,
@@ -59,6 +63,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "sandbox_reps": 2,
         "variants": False,
         "peers": False,
+        "goodput_n": 1000,
+        "goodput_rpm": 400,
+        "goodput_tpm": 66_000,
+        "goodput_window": 2.0,
     },
     "tiny": {
         "serial_n": 5,
@@ -79,6 +87,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "sandbox_reps": 1,
         "variants": False,
         "peers": False,
+        "goodput_n": 30,
+        "goodput_rpm": 10,
+        "goodput_tpm": 2000,
+        "goodput_window": 1.0,
     },
 }
 """Workload sizes: `full` for `make bench`, `quick` for `make bench-quick`, `tiny` for tests."""
@@ -95,10 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer-fanout", action="store_true", help="also run installed peers in the fan-out"
     )
-    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,s3,s4,s5,s6,s7)")
+    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,...,s8)")
+    parser.add_argument("--goodput-n", type=int, help="passes of the rate-limited scenario (s7)")
+    parser.add_argument(
+        "--goodput-window", type=float, help="seconds the s7 limits hold for (60: real minutes)"
+    )
+    parser.add_argument(
+        "--baseline-src", help="another checkout's src/ to run as 'treadle before' in s1 and s2"
+    )
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")
     size = {**SIZES[size_name], "peer_fanout": args.peer_fanout}
+    if args.baseline_src:
+        size["baseline_src"] = str(Path(args.baseline_src).resolve())
+    if args.goodput_n is not None:
+        size["goodput_n"] = args.goodput_n
+    if args.goodput_window is not None:
+        size["goodput_window"] = args.goodput_window
     only = set(args.only.split(",")) if args.only else None
     h = Harness(log=lambda msg: print(msg, flush=True))
     started = time.perf_counter()
@@ -115,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),
         ("s6", lambda: scenarios.fanout(h, size, stream=True)),
-        ("s7", lambda: sandbox_bench.sandbox_overhead(h, size)),
+        ("s7", lambda: goodput.goodput(h, size)),
+        ("s8", lambda: sandbox_bench.sandbox_overhead(h, size)),
     ]
     results = []
     for key, run in plan:

@@ -59,11 +59,11 @@ async def _measure(labels: list[str], n: int, reps: int) -> dict[str, list[tuple
 
 
 def sandbox_overhead(h: Harness, size: dict[str, Any]) -> Result:
-    """Scenario 7: ms per command in `local` and `isolated` sandboxes, and the ratio."""
+    """Scenario 8: ms per command in `local` and `isolated` sandboxes, and the ratio."""
     n, reps = size["sandbox_commands"], size["sandbox_reps"]
     result = Result(
-        "s7",
-        f"7. Sandbox per-command overhead ({n} x `true`, one at a time)",
+        "s8",
+        f"8. Sandbox per-command overhead ({n} x `true`, one at a time)",
         ["ms per command", "x local", "added ms", "ms per file write"],
     )
     labels = list(_PLACEMENTS)
@@ -89,7 +89,7 @@ def sandbox_overhead(h: Harness, size: dict[str, Any]) -> Result:
         added = result.rows[1]["added ms"]
         goal = f"< {ISOLATED_ADDED_MS_GOAL:.0f}"
         passed = added < ISOLATED_ADDED_MS_GOAL
-        result.targets.append(Target("S7 isolated added ms per command", added, goal, passed))
+        result.targets.append(Target("S8 isolated added ms per command", added, goal, passed))
     h.log(
         "    sandbox: "
         + ", ".join(f"{r['label']} {r['ms per command']:.2f} ms" for r in result.rows)

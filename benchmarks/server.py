@@ -47,8 +47,15 @@ class ServerProcess:
     """A fake server subprocess: `with ServerProcess(script="tool_loop", rounds=3) as s: s.url`."""
 
     def __init__(
-        self, script: str = "tool_loop", *, rounds: int = 3, latency_ms: float = 0, calls: int = 8
+        self,
+        script: str = "tool_loop",
+        *,
+        rounds: int = 3,
+        latency_ms: float = 0,
+        calls: int = 8,
+        rate_limits: tuple[int, int, float] | None = None,
     ) -> None:
+        """`rate_limits`: (requests, tokens, window seconds) the server enforces (None: none)."""
         self.args = [
             "--script",
             script,
@@ -59,6 +66,9 @@ class ServerProcess:
             "--calls",
             str(calls),
         ]
+        if rate_limits is not None:
+            rpm, tpm, window = rate_limits
+            self.args += ["--rpm", str(rpm), "--tpm", str(tpm), "--rate-window", str(window)]
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
 
@@ -80,6 +90,15 @@ class ServerProcess:
     def cpu(self) -> float:
         """CPU seconds the server has used so far."""
         return proc_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters (`GET /stats`): requests, and with limits the 429s it sent."""
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/stats", timeout=10) as reply:
+            data: dict[str, Any] = json.loads(reply.read())
+        return data
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
@@ -114,7 +133,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=8, help="calls per reply (parallel)")
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--rpm", default=None, help="requests per rate window")
+    parser.add_argument("--tpm", default=None, help="tokens per rate window")
+    parser.add_argument("--rate-window", default="60", help="seconds standing for a minute")
     args = parser.parse_args()
+    limits = []
+    if args.rpm is not None:
+        limits += ["--rpm", args.rpm, "--tpm", args.tpm, "--rate-window", args.rate_window]
     if args.script != "parallel":
         from treadle.testing.fake_server import main as serve
 
@@ -126,6 +151,7 @@ def main() -> None:
                 str(args.rounds),
                 "--latency-ms",
                 str(args.latency_ms),
+                *limits,
             ]
         )
         return

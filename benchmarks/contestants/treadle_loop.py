@@ -46,8 +46,16 @@ nap_sync = tool(name="nap")(sync_nap)
 
 
 def _provider(job: dict[str, Any]) -> Provider:
+    options: dict[str, Any] = {}
+    for key in ("requests_per_minute", "tokens_per_minute", "learn_rate_limits", "max_retries"):
+        if key in job:  # the rate-limited goodput scenario's variants
+            options[key] = job[key]
     return Provider(
-        model=MODEL, base_url=job["url"], api_key=API_KEY, stream=bool(job.get("stream"))
+        model=MODEL,
+        base_url=job["url"],
+        api_key=API_KEY,
+        stream=bool(job.get("stream")),
+        **options,
     )
 
 

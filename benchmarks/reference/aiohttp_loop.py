@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 
 from benchmarks.reference import hand_loop
-from benchmarks.reference.hand_loop import HandLoop
+from benchmarks.reference.hand_loop import HandLoop, RateLimited
 from benchmarks.worker import Meter
 from benchmarks.workload import MODEL
 
@@ -35,6 +35,8 @@ class AiohttpLoop(HandLoop):
             body["stream"] = True
         headers = {**self.headers, "content-type": "application/json"}
         async with self.client.post(self.url, data=orjson.dumps(body), headers=headers) as r:
+            if r.status == 429:
+                raise RateLimited(r.headers)
             r.raise_for_status()
             if not self.stream:
                 message: dict[str, Any] = orjson.loads(await r.read())["choices"][0]["message"]

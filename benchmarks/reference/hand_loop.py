@@ -28,6 +28,18 @@ from benchmarks.workload import (
     sync_nap,
 )
 
+RETRIES = 10
+"""A patient hand loop: this many retries of a 429 before the pass fails."""
+
+
+class RateLimited(Exception):
+    """The server answered 429; `wait` is what its headers asked for (None: not said)."""
+
+    def __init__(self, headers: Any) -> None:
+        super().__init__("429")
+        ms, seconds = headers.get("retry-after-ms"), headers.get("retry-after")
+        self.wait = float(ms) / 1000 if ms else float(seconds) if seconds else None
+
 
 class HandLoop:
     """One client, one endpoint, the tools of one workload."""
@@ -60,6 +72,18 @@ class HandLoop:
         """Send one chat completion and return the assistant message."""
         raise NotImplementedError
 
+    async def complete_retrying(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """`complete`, retrying a 429 after the server's `retry-after-ms` / `Retry-After` (as
+        the OpenAI SDK does), else after an exponential backoff."""
+        for attempt in range(RETRIES + 1):
+            try:
+                return await self.complete(messages)
+            except RateLimited as exc:
+                if attempt == RETRIES:
+                    raise
+                await asyncio.sleep(exc.wait if exc.wait is not None else 0.5 * 2**attempt)
+        raise AssertionError("unreachable")
+
     @staticmethod
     def accumulate(events: list[dict[str, Any]]) -> dict[str, Any]:
         """Build the assistant message from parsed stream events."""
@@ -90,7 +114,7 @@ class HandLoop:
             {"role": "user", "content": USER_PROMPT},
         ]
         for _ in range(MAX_ROUNDS):
-            message = await self.complete(messages)
+            message = await self.complete_retrying(messages)
             messages.append(message)
             calls = message.get("tool_calls")
             if not calls:

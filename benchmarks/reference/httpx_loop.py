@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from benchmarks.reference import hand_loop
-from benchmarks.reference.hand_loop import HandLoop
+from benchmarks.reference.hand_loop import HandLoop, RateLimited
 from benchmarks.worker import Meter
 from benchmarks.workload import MODEL
 
@@ -23,6 +23,8 @@ class HttpxLoop(HandLoop):
         body: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": self.schemas}
         if not self.stream:
             response = await self.client.post(self.url, json=body, headers=self.headers)
+            if response.status_code == 429:
+                raise RateLimited(response.headers)
             response.raise_for_status()
             message: dict[str, Any] = response.json()["choices"][0]["message"]
             return message

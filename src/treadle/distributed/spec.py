@@ -213,6 +213,8 @@ class AgentSpec:
             api_key=api_key or os.environ.get(self.api_key_env),
             requests_per_minute=None if shared_rate else part(self.requests_per_minute),
             tokens_per_minute=part(self.tokens_per_minute),
+            # Each worker learns the endpoint's limits from its own replies and paces at its part.
+            rate_limit_share=min(1.0, max(share, 1e-6)),
             **options,
         )
         return Agent(
@@ -274,5 +276,6 @@ _PLAIN_PROVIDER_FIELDS = frozenset(
         "max_retries",
         "retry_base_delay",
         "budget_total_tokens",
+        "learn_rate_limits",
     }
 )

@@ -48,6 +48,9 @@ _CLOSE_TIMEOUT_SECONDS = 10.0
 
 
 _T = TypeVar("_T")
+_Prepared = tuple[Provider, Provider, str, dict[str, str], httpx.Timeout, EndpointLimiter]
+"""(provider, resolved, URL, headers, timeouts, limiter): `ModelClient._prepare`."""
+_MAX_PREPARED = 256
 
 
 class ModelClient:
@@ -67,7 +70,9 @@ class ModelClient:
         # then skip httpx's Request/Response layer (same headers, errors and timeouts).
         self._fast = fast_transport
         self._fast_headers: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
-        self._limiters: dict[tuple[int, int | None, int | None], EndpointLimiter] = {}
+        self._limiters: dict[tuple[int, int | None, int | None, bool, float], EndpointLimiter] = {}
+        # Per provider object: what every request to it needs, worked out once (not per request).
+        self._prepared: dict[int, _Prepared] = {}
         self.closed = False
         """True once `aclose` ran."""
 
@@ -77,23 +82,44 @@ class ModelClient:
             provider.max_concurrent_requests,
             provider.requests_per_minute,
             provider.tokens_per_minute,
+            provider.learn_rate_limits,
+            provider.rate_limit_share,
         )
         limiter = self._limiters.get(key)
         if limiter is None:
-            limiter = self._limiters[key] = EndpointLimiter(*key)
+            limiter = self._limiters[key] = EndpointLimiter(*key[:3], learn=key[3], share=key[4])
         return limiter
+
+    def _prepare(self, provider: Provider) -> _Prepared:
+        prepared = self._prepared.get(id(provider))
+        if prepared is None or prepared[0] is not provider:
+            resolved = provider.resolve()
+            if len(self._prepared) >= _MAX_PREPARED:  # many short-lived provider values
+                self._prepared.clear()
+            prepared = self._prepared[id(provider)] = (
+                provider,
+                resolved,
+                resolved.chat_completions_url,
+                resolved.request_headers(),
+                resolved.httpx_timeout,
+                self.limiter(resolved),
+            )
+        return prepared
 
     async def complete(self, provider: Provider, body: bytes) -> ChatCompletion:
         """POST `body` (non-streaming) and return the parsed completion, retrying per policy."""
-        provider = provider.resolve()
-        url = provider.chat_completions_url
-        headers = provider.request_headers()
-        timeouts = provider.httpx_timeout
-        (content, reply_headers), limiter, permit = await self._send(
-            provider, body, self._post_whole, (url, body, headers, timeouts), "chat completion"
+        _, provider, url, headers, timeouts, limiter = self._prepare(provider)
+        (content, reply_headers), permit = await self._send(
+            provider,
+            limiter,
+            body,
+            self._post_whole,
+            (url, body, headers, timeouts),
+            "chat completion",
         )
         used: int | None = None
         try:
+            limiter.observe(permit, reply_headers)
             try:
                 result = _parse_completion(content, reply_headers.get("x-request-id"))
             except MalformedResponse as exc:
@@ -114,12 +140,10 @@ class ModelClient:
         that raises `MalformedResponse`. Use it inside `contextlib.aclosing(...)` when you may
         stop early.
         """
-        provider = provider.resolve()
-        url = provider.chat_completions_url
-        headers = provider.request_headers()
-        timeouts = provider.httpx_timeout
-        opened, limiter, permit = await self._send(
+        _, provider, url, headers, timeouts, limiter = self._prepare(provider)
+        opened, permit = await self._send(
             provider,
+            limiter,
             body,
             self._open_stream,
             (url, body, headers, timeouts),
@@ -127,6 +151,7 @@ class ModelClient:
         )
         used: int | None = None
         try:
+            limiter.observe(permit, opened.headers)
             request_id = opened.request_id
             chunks, decoder = opened.chunks, opened.decoder
             done = finished = False
@@ -170,11 +195,12 @@ class ModelClient:
     async def _send(
         self,
         provider: Provider,
+        limiter: EndpointLimiter,
         body: bytes,
         attempt: Callable[[str, bytes, dict[str, str], httpx.Timeout], Awaitable[_T]],
         args: tuple[str, bytes, dict[str, str], httpx.Timeout],
         what: str,
-    ) -> tuple[_T, EndpointLimiter, Permit]:
+    ) -> tuple[_T, Permit]:
         """The one retry loop of whole and streamed completions: `attempt(*args)` until it succeeds.
 
         Each try holds a limiter permit; the successful one is returned with the attempt's result
@@ -183,7 +209,6 @@ class ModelClient:
         reused keep-alive connection the server had closed (`StaleConnectionError`: the request
         never reached it) is re-sent once at once, not counted as a retry.
         """
-        limiter = self.limiter(provider)
         estimate = estimate_tokens(body)
         trace = current_pass()  # None unless the application traces passes
         tries = 0
@@ -196,8 +221,10 @@ class ModelClient:
                 permit = await limiter.acquire(estimate)
                 trace.note_limiter_wait(time.monotonic() - waited)
             try:
-                return await attempt(*args), limiter, permit
+                return await attempt(*args), permit
             except (httpx.TransportError, StatusError) as exc:
+                if isinstance(exc, StatusError):  # a 429 pauses every pass on the endpoint
+                    limiter.observe(permit, exc.headers, refused=exc.status == 429)
                 limiter.release(permit)
                 if isinstance(exc, StaleConnectionError) and not stale_resent:
                     stale_resent = True
@@ -376,6 +403,17 @@ def get_client(provider: Provider) -> ModelClient:
     carries the requests (Treadle never closes it).
     """
     loop = asyncio.get_running_loop()
+    cached = provider._cache.get("client")  # (loop, client) weakly: the last one used
+    if cached is not None and cached[0]() is loop:
+        client: ModelClient | None = cached[1]()
+        if client is not None and not client.closed:
+            return client
+    client = _registered_client(loop, provider)
+    provider._cache["client"] = (weakref.ref(loop), weakref.ref(client))
+    return client
+
+
+def _registered_client(loop: asyncio.AbstractEventLoop, provider: Provider) -> ModelClient:
     loop_clients = _registry.get(loop)
     if loop_clients is None:
         loop_clients = _registry[loop] = _LoopClients()

@@ -3,15 +3,25 @@
 One limiter is shared by every pass that calls the same endpoint with the same limits (per event
 loop: passes share the runtime loop). Waiting callers are admitted first-in first-out. Tokens are
 estimated from the request size (`len(body) / 4`) and corrected once the server reports usage.
-Never blocks the event loop; a cancelled waiter leaves no trace.
+
+Without configuration it also learns the endpoint's own limits (`learn=True`, see
+`learned_limits`): the first request to an endpoint goes alone (a probe) and its reply says
+whether the endpoint reports rate limits; if it does, every later request waits for room in the
+learned buckets, and a 429 pauses every caller for its `Retry-After`. An endpoint that reports
+nothing costs one header lookup per reply after the probe. Never blocks the event loop; a
+cancelled waiter leaves no trace.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+
+from treadle.llm.learned_limits import LearnedLimits
+from treadle.llm.retry import parse_retry_after
 
 __all__ = ["BYTES_PER_TOKEN", "EndpointLimiter", "Permit", "estimate_tokens"]
 
@@ -27,18 +37,30 @@ def estimate_tokens(body: bytes) -> int:
 class Permit:
     """One admitted request; give it back with `EndpointLimiter.release`."""
 
-    __slots__ = ("started", "tokens")
+    __slots__ = ("mark", "probe", "started", "tokens")
 
-    def __init__(self, started: float, tokens: int) -> None:
+    def __init__(
+        self,
+        started: float,
+        tokens: int,
+        mark: tuple[int, int] | None = None,
+        probe: bool = False,
+    ) -> None:
         self.started = started
         self.tokens = tokens
+        self.mark = mark
+        """The learned limits' admission counts with this request (None: none learned yet)."""
+        self.probe = probe
+        """True for the first request to an endpoint, sent alone to learn its limits."""
 
 
 class EndpointLimiter:
     """FIFO admission under up to three caps; `None` disables a cap.
 
-    `window` is the rate window in seconds (60 for "per minute"; tests shrink it). `clock` and
-    `sleep` are injectable so the logic can be tested without wall-clock assertions.
+    `window` is the rate window in seconds (60 for "per minute"; tests shrink it). `learn`
+    turns on learning the endpoint's limits from its replies (report each reply with `observe`),
+    paced at `share` of them. `clock` and `sleep` are injectable so the logic can be tested
+    without wall-clock assertions.
     """
 
     def __init__(
@@ -48,6 +70,8 @@ class EndpointLimiter:
         tokens_per_window: int | None = None,
         *,
         window: float = 60.0,
+        learn: bool = False,
+        share: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
@@ -62,6 +86,13 @@ class EndpointLimiter:
         self._active = 0
         self._recent: deque[Permit] = deque()
         self._rated = requests_per_window is not None or tokens_per_window is not None
+        self.learned = LearnedLimits(share) if learn else None
+        """What the endpoint's replies taught (None when not learning)."""
+        self._probing = learn  # until the first reply arrived, one request at a time
+        self._probe_out = False
+        self._fast = not self._rated and not learn  # admission needs no clock and no lock
+        self._unanswered: list[int] = []  # admission numbers of learned-mode requests in flight
+        self._answered = 0  # the latest admission number a reply came back for
         self.peak_active = 0
         """Highest number of requests in flight seen (for tests and metrics)."""
 
@@ -81,15 +112,61 @@ class EndpointLimiter:
 
     async def acquire(self, tokens: int = 0) -> Permit:
         """Wait for a turn (FIFO) under every cap, then count the request in."""
-        if not self._rated and self._active < self.max_concurrent and not self._gate.locked():
+        if self._fast and self._active < self.max_concurrent and not self._gate.locked():
             return self._admit(0.0, tokens)
         async with self._gate:
-            while self._active >= self.max_concurrent:
+            while self._active >= self.max_concurrent or self._probe_out:
                 self._freed.clear()
                 await self._freed.wait()
             if self._rated:
                 await self._wait_for_rate(tokens)
-            return self._admit(self._clock() if self._rated else 0.0, tokens)
+            learned = self.learned
+            if learned is None or not (learned.known or learned.paused_until > 0.0):
+                permit = self._admit(self._clock() if self._rated else 0.0, tokens)
+                if self._probing:
+                    permit.probe = self._probe_out = True
+                return permit
+            while (wait := learned.wait(tokens, self._clock())) > 0.0:
+                await self._sleep(wait)
+            permit = self._admit(self._clock(), tokens)
+            permit.mark = mark = learned.take(tokens) if learned.known else None
+            if mark is not None:
+                self._unanswered.append(mark[0])
+                learned.hold(self._unseen())
+            if not learned.known:  # only a pause, now over: back to the fast path
+                learned.paused_until = 0.0
+                self._fast = not self._rated and not self._probing
+            permit.probe = self._probe_out = self._probing
+            return permit
+
+    def observe(self, permit: Permit, headers: Mapping[str, str], *, refused: bool = False) -> None:
+        """Learn from the reply to `permit`'s request (`refused`: it was a 429)."""
+        learned = self.learned
+        if learned is None:
+            return
+        if self._probing:  # the probe's reply: learning is settled, the others may go
+            self._probing = self._probe_out = False
+            self._freed.set()
+        if not (learned.known or refused or "x-ratelimit-remaining-requests" in headers
+                or "x-ratelimit-remaining-tokens" in headers):  # fmt: skip
+            self._fast = not self._rated  # the usual case: the endpoint reports no limits
+            return
+        now = self._clock()
+        mark = permit.mark
+        sent = permit.started if mark is not None else None
+        if mark is not None:
+            self._answered = max(self._answered, mark[0])
+        if learned.observe(headers, now, sent=sent, mark=mark or (0, 0)):
+            self._fast = False
+        if refused:
+            learned.refused(parse_retry_after(headers), now)
+            self._fast = False
+
+    def _unseen(self) -> int:
+        """Requests in flight that may not have reached the server: those sent after the latest
+        one answered (the earlier ones were, give or take reordering on new connections)."""
+        unanswered = self._unanswered
+        return len(unanswered) - bisect.bisect_right(unanswered, self._answered)
 
     async def _wait_for_rate(self, tokens: int) -> None:
         recent = self._recent
@@ -122,6 +199,17 @@ class EndpointLimiter:
     def release(self, permit: Permit, actual_tokens: int | None = None) -> None:
         """Count the request out; `actual_tokens` (reported usage) replaces the estimate."""
         self._active -= 1
+        if permit.mark is not None:
+            unanswered = self._unanswered
+            at = bisect.bisect_left(unanswered, permit.mark[0])
+            if at < len(unanswered) and unanswered[at] == permit.mark[0]:
+                del unanswered[at]
+            if self.learned is not None:
+                self.learned.hold(self._unseen())
+        if permit.probe and self._probing:  # it got no reply: the next request probes
+            self._probe_out = False
         if actual_tokens is not None:
+            if permit.mark is not None and self.learned is not None:
+                self.learned.correct(permit.tokens, actual_tokens)
             permit.tokens = actual_tokens
         self._freed.set()

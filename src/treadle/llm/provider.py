@@ -159,6 +159,10 @@ class Provider:
     """Cap on requests started per minute to this endpoint (None: no cap)."""
     tokens_per_minute: int | None = None
     """Cap on tokens per minute (estimated from request size, corrected by reported usage)."""
+    learn_rate_limits: bool = True
+    """Pace requests below the limits the endpoint reports (`x-ratelimit-*` headers, 429s)."""
+    rate_limit_share: float = 1.0
+    """Part (0-1] of the endpoint's reported limits this process paces at (backends: 1/workers)."""
     http_client: httpx.AsyncClient | None = field(default=None, compare=False)
     """A client of your own (proxies, TLS, hooks); used instead of Treadle's pooled client."""
 
@@ -192,6 +196,10 @@ class Provider:
             )
         if not isinstance(self.max_concurrent_requests, int) or self.max_concurrent_requests < 1:
             raise ConfigurationError("Provider.max_concurrent_requests must be an integer >= 1.")
+        if not (isinstance(self.rate_limit_share, int | float) and 0 < self.rate_limit_share <= 1):
+            raise ConfigurationError(
+                f"Provider.rate_limit_share must be in (0, 1], got {self.rate_limit_share!r}."
+            )
         if not (self.retry_base_delay >= 0 and math.isfinite(self.retry_base_delay)):
             raise ConfigurationError("Provider.retry_base_delay must be a number >= 0.")
         _check_timeout(self.timeout)  # the shape is checked now, not at the first request

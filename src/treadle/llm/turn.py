@@ -169,7 +169,7 @@ async def call_complete(executor: ModelExecutor, request: CompletionRequest) -> 
         raw = await cast(AsyncExecutor, executor).acomplete(request)
     else:
         raw = await run_user_code(cast(Executor, executor).complete, request)
-    if inspect.isawaitable(raw):
+    if not isinstance(raw, ChatCompletion) and inspect.isawaitable(raw):  # an ABC check: slow
         raw = await raw
     return coerce_completion(raw)
 

@@ -18,9 +18,11 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import contextvars
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -63,6 +65,13 @@ class Runtime:
         self._unstarted: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._state = threading.Lock()
         self._pid = os.getpid()
+        # Passes submitted from other threads wait here; one wake-up of the loop starts every
+        # one queued by then (a fan-out of thousands is not thousands of self-pipe writes and
+        # thread switches).
+        self._inbox: deque[tuple[Coroutine[Any, Any, Any], LazyValue[Any], contextvars.Context]] = (
+            deque()
+        )
+        self._inbox_armed = False
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
@@ -165,16 +174,31 @@ class Runtime:
         if self.in_loop_thread():
             self._start(coro, lazy)
             return lazy
-        # `_start` (so the task it creates) runs in a copy of the caller's contextvars: the
-        # caller's tracing context is what a pass started here sees (otel scenarios in tests).
-        try:
-            self.loop.call_soon_threadsafe(self._start, coro, lazy)
-        except RuntimeError:  # the loop closed meanwhile (it died): nothing will run this
-            with self._state:
-                self._unstarted.pop(future, None)
-            coro.close()
-            raise
+        # Passes submitted from other threads start in batches (one wake-up of the loop for many
+        # submits); each starts in a copy of its own caller's contextvars, so the caller's
+        # tracing context is what its pass sees (otel scenarios in tests).
+        item = (coro, lazy, contextvars.copy_context())
+        self._inbox.append(item)
+        if not self._inbox_armed:  # else a wake-up is on its way and will see this one too
+            self._inbox_armed = True
+            try:
+                self.loop.call_soon_threadsafe(self._start_inbox)
+            except RuntimeError:  # the loop closed meanwhile (it died): nothing will run this
+                self._inbox_armed = False
+                with self._state:
+                    self._unstarted.pop(future, None)
+                with contextlib.suppress(ValueError):
+                    self._inbox.remove(item)
+                coro.close()
+                raise
         return lazy
+
+    def _start_inbox(self) -> None:
+        self._inbox_armed = False  # before draining: a later submit arms a new wake-up
+        inbox = self._inbox
+        while inbox:
+            coro, lazy, context = inbox.popleft()
+            context.run(self._start, coro, lazy)
 
     def _start(self, coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> None:
         with self._state:

@@ -28,6 +28,7 @@ __all__ = [
     "render_completion",
     "render_stream",
     "tool_loop",
+    "usage_of",
 ]
 
 _ids = itertools.count(1)
@@ -232,7 +233,8 @@ Script = Callable[[dict[str, Any]], Reply]
 # -- rendering -----------------------------------------------------------------------------------
 
 
-def _usage(reply: Reply, request_bytes: int) -> dict[str, int]:
+def usage_of(reply: Reply, request_bytes: int) -> dict[str, int]:
+    """The usage a reply reports for a request of `request_bytes` (its own counts when set)."""
     prompt = reply.prompt_tokens if reply.prompt_tokens is not None else request_bytes // 4 + 1
     if reply.completion_tokens is not None:
         completion = reply.completion_tokens
@@ -260,7 +262,7 @@ def render_completion(
     reply: Reply, *, model: str, completion_id: str, created: int, request_bytes: int
 ) -> bytes:
     """The non-streamed JSON body for `reply` (OpenAI's `chat.completion` object)."""
-    usage = _usage(reply, request_bytes)
+    usage = usage_of(reply, request_bytes)
     if reply.empty_choices:
         choices: list[dict[str, Any]] = []
     else:
@@ -363,7 +365,7 @@ def render_stream(
             }
         )
     if include_usage:
-        events.append({**base, "choices": [], "usage": _usage(reply, request_bytes)})
+        events.append({**base, "choices": [], "usage": usage_of(reply, request_bytes)})
     out = [b"data: " + to_json(e) + b"\n\n" for e in events]
     out.append(b"data: [DONE]\n\n")
     return out

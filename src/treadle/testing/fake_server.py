@@ -1,10 +1,11 @@
 """`FakeOpenAIServer`: a fast OpenAI-compatible HTTP server on 127.0.0.1 for tests and benchmarks.
 
-A minimal HTTP/1.1 keep-alive server on `asyncio.Protocol` (no framework: it must sustain
-thousands of concurrent passes on a small machine). It serves `POST /v1/chat/completions`
-(whole and SSE), `GET /v1/models` and `GET /health`, answers from a queue of `Reply`s or a script,
-and injects faults on request. It runs in its own thread and event loop (context manager), or
-from a shell: `python -m treadle.testing.fake_server --port 8000 --latency-ms 50 --script echo`.
+A minimal HTTP/1.1 keep-alive server on `asyncio.Protocol` (see `fake_http`; no framework: it
+must sustain thousands of concurrent passes on a small machine). It serves
+`POST /v1/chat/completions` (whole and SSE), `GET /v1/models` and `GET /health`, answers from a
+queue of `Reply`s or a script, injects faults on request and can enforce rate limits. It runs in
+its own thread and event loop (context manager), or from a shell:
+`python -m treadle.testing.fake_server --port 8000 --latency-ms 50 --script echo`.
 It must never block its loop: latency is a timer, not a sleep, and scripts must be quick.
 """
 
@@ -23,20 +24,19 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from treadle.testing.fake_replies import Reply, Script, get_script, render_completion, render_stream
+from treadle.testing.fake_http import Connection
+from treadle.testing.fake_http import head as http_head
+from treadle.testing.fake_limits import RateLimits
+from treadle.testing.fake_replies import (
+    Reply,
+    Script,
+    get_script,
+    render_completion,
+    render_stream,
+    usage_of,
+)
 
 __all__ = ["FakeOpenAIServer", "FaultRule", "RecordedRequest", "main"]
-
-MAX_HEADER_BYTES = 64 * 1024
-"""Requests whose head is larger than this are answered 431 and the connection closed."""
-
-_REASONS = {
-    200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-    408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large",
-    429: "Too Many Requests", 431: "Request Header Fields Too Large",
-    500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
-    504: "Gateway Timeout",
-}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,99 +63,6 @@ class FaultRule:
     used: int = field(default=0)
 
 
-def _head(status: int, headers: list[tuple[str, str]]) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
-    lines.extend(f"{k}: {v}" for k, v in headers)
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-class _Connection(asyncio.Protocol):
-    """One client connection: parses requests in order, answers each after its latency."""
-
-    def __init__(self, server: FakeOpenAIServer) -> None:
-        self.server = server
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.busy = False
-        self.close_after = False
-        self.timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        self.server._connections.add(self)
-        self.server.connections_opened += 1
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.server._connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-            self.server._done_one()
-        self.transport = None
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if not self.busy:
-            self._next_request()
-
-    def _write(self, data: bytes) -> bool:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return False
-        transport.write(data)
-        return True
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def _next_request(self) -> None:
-        buf = self.buffer
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > MAX_HEADER_BYTES:
-                self._write(_head(431, [("content-length", "0"), ("connection", "close")]))
-                self._close()
-            return
-        lines = buf[:end].decode("latin-1").split("\r\n")
-        try:
-            method, target, version = lines[0].split(" ", 2)
-        except ValueError:
-            self._close()
-            return
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "chunked" in headers.get("transfer-encoding", ""):
-            self._write(_head(411, [("content-length", "0"), ("connection", "close")]))
-            self._close()
-            return
-        length = int(headers.get("content-length") or 0)
-        if len(buf) < end + 4 + length:
-            return
-        body = bytes(buf[end + 4 : end + 4 + length])
-        del buf[: end + 4 + length]
-        self.close_after = version == "HTTP/1.0" or headers.get("connection") == "close"
-        self.busy = True
-        self.server._handle(self, method, target.split("?", 1)[0], headers, body)
-
-    def finish(self) -> None:
-        """The current response is fully written: serve the next pipelined request, if any."""
-        self.busy = False
-        if self.close_after:
-            self._close()
-        elif self.buffer and self.transport is not None:
-            self._next_request()
-
-    def send(self, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
-        """Write a whole response with a Content-Length."""
-        headers.append(("content-length", str(len(body))))
-        self._write(_head(status, headers) + body)
-        self.finish()
-
-
 class FakeOpenAIServer:
     """An OpenAI-compatible server on 127.0.0.1, scripted and fault-injectable.
 
@@ -168,6 +75,8 @@ class FakeOpenAIServer:
     `script` (a built-in name or a function of the request dict returning a `Reply`). With
     `api_key`, a chat request that does not carry it as a bearer token gets a 401, as a real
     endpoint would.
+    With `requests_per_minute` / `tokens_per_minute` it enforces those limits as providers do (see
+    `RateLimits`; `rate_window` seconds stand for the minute) and counts refusals in `rate_limited`.
     """
 
     def __init__(
@@ -183,6 +92,9 @@ class FakeOpenAIServer:
         seed: int | None = 0,
         max_recorded: int = 1000,
         api_key: str | None = None,
+        requests_per_minute: int | None = None,
+        tokens_per_minute: int | None = None,
+        rate_window: float = 60.0,
     ) -> None:
         self.script: Script = (
             get_script(script, rounds=rounds) if isinstance(script, str) else script
@@ -207,11 +119,16 @@ class FakeOpenAIServer:
         self._queue: deque[Reply] = deque(replies or ())
         self._faults: list[FaultRule] = []
         self._rng = random.Random(seed)
-        self._connections: set[_Connection] = set()
+        self._connections: set[Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
         self._ids = 0
+        self.limits: RateLimits | None = None
+        """The enforced rate limits (None: unlimited); `limits.rejected` counts the 429s."""
+        if requests_per_minute is not None or tokens_per_minute is not None:
+            self.limits = RateLimits(requests_per_minute, tokens_per_minute, window=rate_window,
+                                     now=time.monotonic())  # fmt: skip
 
     # -- scripting -------------------------------------------------------------------------------
 
@@ -270,7 +187,7 @@ class FakeOpenAIServer:
         self.in_flight -= 1
 
     def _handle(
-        self, conn: _Connection, method: str, path: str, headers: dict[str, str], body: bytes
+        self, conn: Connection, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> None:
         if path.startswith("/v1/"):
             path = path[3:]
@@ -281,13 +198,17 @@ class FakeOpenAIServer:
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "treadle"}
             ]}  # fmt: skip
             conn.send(200, to_json(models), [("content-type", "application/json")])
+        elif method == "GET" and path == "/stats":  # what benchmarks read between runs
+            stats = {"requests": self.request_count,
+                     **(self.limits.stats() if self.limits is not None else {})}  # fmt: skip
+            conn.send(200, to_json(stats), [("content-type", "application/json")])
         elif method == "GET" and path == "/health":
             conn.send(200, b'{"status":"ok"}', [("content-type", "application/json")])
         else:
             error = {"error": {"message": f"No route for {method} {path}", "type": "not_found"}}
             conn.send(404, to_json(error), [("content-type", "application/json")])
 
-    def _chat(self, conn: _Connection, headers: dict[str, str], body: bytes) -> None:
+    def _chat(self, conn: Connection, headers: dict[str, str], body: bytes) -> None:
         try:
             request = from_json(body)
         except ValueError:
@@ -310,18 +231,34 @@ class FakeOpenAIServer:
             reply = Reply.unauthorized()
         else:
             reply = self._pick(request)
+        extra: list[tuple[str, str]] = []
+        if self.limits is not None:  # charged as the reply will report it, at admission
+            cost = usage_of(reply, len(body))["total_tokens"]
+            admitted, extra, wait = self.limits.take(cost, time.monotonic())
+            if not admitted:
+                refused = Reply.rate_limited()
+                extra += RateLimits.refusal_headers(wait)
+                conn.send(429, refused.body or b"", [("content-type", "application/json"), *extra])
+                return
         self.in_flight += 1
         if self.in_flight > self.max_in_flight:
             self.max_in_flight = self.in_flight
         latency = (reply.latency_ms if reply.latency_ms is not None else self.latency_ms) / 1000.0
-        args = (conn, reply, request, len(body))
+        args = (conn, reply, request, len(body), extra)
         if latency > 0:
             assert self._loop is not None
             conn.timer = self._loop.call_later(latency, self._respond, *args)
         else:
             self._respond(*args)
 
-    def _respond(self, conn: _Connection, reply: Reply, request: dict[str, Any], size: int) -> None:
+    def _respond(
+        self,
+        conn: Connection,
+        reply: Reply,
+        request: dict[str, Any],
+        size: int,
+        extra: list[tuple[str, str]],
+    ) -> None:
         conn.timer = None
         self.in_flight -= 1
         if conn.transport is None:
@@ -331,7 +268,7 @@ class FakeOpenAIServer:
             return
         self._ids += 1
         request_id = f"req_{self._ids:08d}"
-        common = [("x-request-id", request_id), *reply.headers]
+        common = [("x-request-id", request_id), *reply.headers, *extra]
         if reply.body is not None or reply.status != 200:
             payload = reply.body if reply.body is not None else b"{}"
             conn.send(reply.status, payload, [("content-type", reply.content_type), *common])
@@ -345,8 +282,9 @@ class FakeOpenAIServer:
             events = render_stream(reply, model=model, completion_id=completion_id,
                                    created=created, request_bytes=size,
                                    include_usage=include_usage)  # fmt: skip
-            head = _head(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache"),
-                               ("transfer-encoding", "chunked"), *common])  # fmt: skip
+            head = http_head(200, [("content-type", "text/event-stream"),
+                                   ("cache-control", "no-cache"),
+                                   ("transfer-encoding", "chunked"), *common])  # fmt: skip
             self._write_stream(conn, head, events, reply)
             return
         payload = render_completion(reply, model=model, completion_id=completion_id,
@@ -355,7 +293,7 @@ class FakeOpenAIServer:
             conn.send(200, payload, [("content-type", "application/json"), *common])
             return
         half = len(payload) // 2
-        head = _head(200, [("content-type", "application/json"),
+        head = http_head(200, [("content-type", "application/json"),
                            ("content-length", str(len(payload))), *common])  # fmt: skip
         conn._write(head + payload[:half])
         if reply.tear_after is not None:
@@ -363,7 +301,7 @@ class FakeOpenAIServer:
             return
         self._later(conn, reply.stall_ms or 0.0, payload[half:])
 
-    def _later(self, conn: _Connection, ms: float, data: bytes) -> None:
+    def _later(self, conn: Connection, ms: float, data: bytes) -> None:
         def write() -> None:
             conn.timer = None
             self.in_flight -= 1
@@ -375,7 +313,7 @@ class FakeOpenAIServer:
         conn.timer = self._loop.call_later(ms / 1000.0, write)
 
     def _write_stream(
-        self, conn: _Connection, head: bytes, events: list[bytes], reply: Reply
+        self, conn: Connection, head: bytes, events: list[bytes], reply: Reply
     ) -> None:
         def chunk(parts: list[bytes]) -> bytes:
             data = b"".join(parts)
@@ -398,7 +336,7 @@ class FakeOpenAIServer:
         """Start listening on the current loop (the port is known afterwards)."""
         self._loop = asyncio.get_running_loop()
         self._server = await self._loop.create_server(
-            lambda: _Connection(self), self.host, self.port, backlog=4096, reuse_address=True
+            lambda: Connection(self), self.host, self.port, backlog=4096, reuse_address=True
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -481,9 +419,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--script", default="echo", help="echo, file_worker or tool_loop")
     parser.add_argument("--rounds", type=int, default=3, help="tool rounds of tool_loop")
     parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--rpm", type=int, default=None, help="requests per rate window")
+    parser.add_argument("--tpm", type=int, default=None, help="tokens per rate window")
+    parser.add_argument("--rate-window", type=float, default=60.0, help="seconds (60: a minute)")
     args = parser.parse_args(argv)
     server = FakeOpenAIServer(args.script, latency_ms=args.latency_ms, host=args.host,
-                              port=args.port, rounds=args.rounds, model=args.model)  # fmt: skip
+                              port=args.port, rounds=args.rounds, model=args.model,
+                              requests_per_minute=args.rpm, tokens_per_minute=args.tpm,
+                              rate_window=args.rate_window)  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.serve_forever())
 

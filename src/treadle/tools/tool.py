@@ -182,9 +182,13 @@ async def _call_implementation(
     fn: Callable[..., Any], kwargs: dict[str, Any], is_async: bool
 ) -> Any:
     result = await fn(**kwargs) if is_async else await run_sync_tool(fn, **kwargs)
-    if inspect.isawaitable(result):
+    # Plain results first: `isawaitable` is an ABC check, slow on the hot path.
+    if not isinstance(result, _PLAIN_RESULTS) and inspect.isawaitable(result):
         result = await result
     return result
+
+
+_PLAIN_RESULTS = (dict, str, list, int, float, bool, type(None), bytes, tuple)
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

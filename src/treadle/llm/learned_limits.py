@@ -1,0 +1,260 @@
+"""Rate limits learned from an endpoint's replies: the `x-ratelimit-*` headers and its 429s.
+
+Providers report, on every reply, `x-ratelimit-limit-requests` (the bucket's size),
+`x-ratelimit-remaining-requests` (what is left) and `x-ratelimit-reset-requests` (the time until it
+is full again, e.g. `"20ms"`, `"1.5s"`, `"6m0s"`), and the same for `-tokens`. OpenAI documents the
+reset as "the time until the rate limit resets to its initial state": a bucket refilling
+continuously, so its refill rate is `(limit - remaining) / reset`. This module keeps, per resource,
+a mirror of that bucket (size, rate, current level) that `EndpointLimiter` draws from before each
+request: the level is pulled down to what the server reports, so traffic the mirror did not see
+(other processes on the same key) is accounted for, and it never refills above the bucket's size
+less the requests that may still be on their way (a full server bucket does not fill further while
+a burst is in transit). A 429 empties the mirror and slows the learned rate a little (recovering
+as replies show room again). Pure arithmetic on the caller's clock.
+
+`share` (0-1] is this process's part of the endpoint: the process and Ray backends give each of
+their N workers 1/N, so the workers together pace at the endpoint's limit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+__all__ = ["LearnedBucket", "LearnedLimits", "parse_duration"]
+
+FALLBACK_WINDOW_SECONDS = 60.0
+"""Refill period assumed until a reset time showed the rate ("per minute", as providers mean)."""
+PENALTY_STEP = 0.9
+"""A 429 the mirror did not foresee multiplies the paced rate by this."""
+PENALTY_FLOOR = 0.25
+"""The paced rate never drops below this part of the learned one."""
+PENALTY_RECOVERY = 0.002
+"""Each reply that shows room left gives back this much of the rate."""
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds of a reset time: `"20ms"`, `"1s"`, `"6m0s"`, `"1h2m3.5s"` or a bare number of
+    seconds; None when it is not one of those."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        pos, total = 0, 0.0
+        for match in _DURATION.finditer(text):
+            if match.start() != pos:
+                return None
+            total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+            pos = match.end()
+        return total if pos == len(text) and pos > 0 else None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(float(text.strip()))
+    except (ValueError, OverflowError):
+        return None
+    return value if value >= 0 else None
+
+
+class LearnedBucket:
+    """The mirror of one of the server's buckets (requests or tokens), scaled by `share`."""
+
+    __slots__ = ("deficit_seen", "held", "learned_rate", "level", "limit", "rate", "share",
+                 "stamp")  # fmt: skip
+
+    def __init__(self, share: float, now: float) -> None:
+        self.share = share
+        self.limit = 0.0
+        """This process's part of the bucket's size."""
+        self.learned_rate = 0.0
+        """This process's part of the refill rate the headers showed, per second."""
+        self.rate = 0.0
+        """The refill rate paced at: `learned_rate` times the limiter's penalty."""
+        self.level = 0.0
+        self.stamp = now
+        self.deficit_seen = 0
+        """The largest `limit - remaining` a rate was computed from (the most precise one)."""
+        self.held = 0.0
+        """What this process has in flight: maybe not at the server yet."""
+
+    def refill(self, now: float) -> None:
+        """Add what the refill rate gave since the last look.
+
+        Never above the bucket's size less what is in flight: a server bucket that is full
+        while requests are still on their way does not fill further, so that refill is lost.
+        """
+        if now > self.stamp:
+            self.level = min(self.limit - self.held, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def observe(
+        self,
+        limit: int,
+        remaining: int,
+        reset: float | None,
+        now: float,
+        *,
+        age: float = 0.0,
+        since: float = 0.0,
+    ) -> None:
+        """Take in one reply's `limit`, `remaining` and `reset` (seconds; None when absent).
+
+        The server counted `remaining` when the request arrived, at most `age` seconds ago;
+        `since` is what this process has taken from the mirror after that request.
+        """
+        self.refill(now)
+        share = self.share
+        if limit * share != self.limit:  # a new or changed limit: learn the rate afresh
+            self.limit, self.deficit_seen = limit * share, 0
+            if self.learned_rate == 0.0:
+                self.level = remaining * share
+                self.learned_rate = self.rate = limit * share / FALLBACK_WINDOW_SECONDS
+        deficit = limit - remaining
+        if reset is not None and reset > 0 and deficit > 0 and deficit >= self.deficit_seen:
+            scale = self.rate / self.learned_rate
+            self.learned_rate = deficit / reset * share
+            self.rate = self.learned_rate * scale
+            self.deficit_seen = deficit
+        # Never above what the server can have left now: what it had when this request
+        # arrived (at the earliest when it was admitted, `age` ago), plus the refill since,
+        # less what was sent after it. That catches traffic the mirror did not see (other
+        # processes on the same key); the mirror's own bookkeeping keeps it below the server.
+        self.level = min(self.level, remaining * share + age * self.learned_rate - since)
+
+    def wait(self, need: float, now: float) -> float:
+        """Seconds until `need` units are available (0.0: now)."""
+        self.refill(now)
+        need = min(need, self.limit)  # a request larger than the bucket waits for a full one
+        if self.level >= need:
+            return 0.0
+        return (need - self.level) / self.rate if self.rate > 0 else FALLBACK_WINDOW_SECONDS
+
+
+class LearnedLimits:
+    """What one endpoint's replies taught: request and token buckets, and pauses after 429s.
+
+    `taken_requests` / `taken_tokens` count what was admitted so far: a reply's headers are as old
+    as its request, so the limiter passes the counts at admission to `observe`.
+    """
+
+    __slots__ = ("paused_until", "penalty", "requests", "share", "taken_requests",
+                 "taken_tokens", "tokens", "unseen_tokens")  # fmt: skip
+
+    def __init__(self, share: float = 1.0) -> None:
+        if not (0.0 < share <= 1.0):
+            raise ValueError(f"share must be in (0, 1], got {share!r}")
+        self.share = share
+        self.requests: LearnedBucket | None = None
+        self.tokens: LearnedBucket | None = None
+        self.paused_until = 0.0
+        self.penalty = 1.0
+        """The part of the learned rates paced at (lowered by unforeseen 429s)."""
+        self.taken_requests = 0
+        self.taken_tokens = 0
+        self.unseen_tokens = 0.0
+        """Average tokens a request is charged beyond its estimate (its reply): added up front."""
+
+    @property
+    def known(self) -> bool:
+        """True once a reply carried rate-limit headers."""
+        return self.requests is not None or self.tokens is not None
+
+    def observe(
+        self,
+        headers: Mapping[str, str],
+        now: float,
+        *,
+        sent: float | None = None,
+        mark: tuple[int, int] = (0, 0),
+    ) -> bool:
+        """Learn from one reply's headers; False when it carried none (the usual, cheap case).
+
+        `sent` is when its request was admitted and `mark` the `(taken_requests, taken_tokens)`
+        counts just after it (None: treat the reply as current).
+        """
+        got = False
+        age = 0.0 if sent is None else max(0.0, now - sent)
+        for kind in ("requests", "tokens"):
+            remaining = _int(headers.get(f"x-ratelimit-remaining-{kind}"))
+            limit = _int(headers.get(f"x-ratelimit-limit-{kind}"))
+            if remaining is None or limit is None or limit == 0:
+                continue
+            got = True
+            raw_reset = headers.get(f"x-ratelimit-reset-{kind}")
+            reset = parse_duration(raw_reset) if raw_reset is not None else None
+            if kind == "requests":
+                bucket = self.requests = self.requests or LearnedBucket(self.share, now)
+                since: float
+                since = self.taken_requests - mark[0] if sent is not None else 0
+            else:
+                bucket = self.tokens = self.tokens or LearnedBucket(self.share, now)
+                since = self.taken_tokens - mark[1] if sent is not None else 0
+            bucket.observe(limit, min(remaining, limit), reset, now, age=age, since=max(since, 0))
+            if remaining > 0 and self.penalty < 1.0:
+                self._scale(min(1.0, self.penalty + PENALTY_RECOVERY))
+        return got
+
+    def _scale(self, penalty: float) -> None:
+        self.penalty = penalty
+        for bucket in (self.requests, self.tokens):
+            if bucket is not None:
+                bucket.rate = bucket.learned_rate * penalty
+
+    def refused(self, retry_after: float | None, now: float) -> None:
+        """A 429: nobody sends until `retry_after` passed, and the mirror starts from empty."""
+        if retry_after is not None:
+            self.paused_until = max(self.paused_until, now + retry_after)
+        foreseen = False
+        for bucket in (self.requests, self.tokens):
+            if bucket is not None:
+                bucket.refill(now)
+                foreseen = foreseen or bucket.level < 1.0
+                bucket.level = min(bucket.level, 0.0)
+        if not foreseen and self.known:
+            self._scale(max(PENALTY_FLOOR, self.penalty * PENALTY_STEP))
+
+    def wait(self, tokens: int, now: float) -> float:
+        """Seconds to wait before a request of about `tokens` tokens may go (0.0: now)."""
+        wait = self.paused_until - now
+        if self.requests is not None:
+            wait = max(wait, self.requests.wait(1.0, now))
+        if self.tokens is not None:
+            wait = max(wait, self.tokens.wait(tokens + self.unseen_tokens, now))
+        return wait
+
+    def hold(self, in_flight: int) -> None:
+        """This process has `in_flight` requests out that may not have reached the server yet."""
+        if self.requests is not None:
+            self.requests.held = in_flight
+        if self.tokens is not None:
+            self.tokens.held = in_flight * self.taken_tokens / max(self.taken_requests, 1)
+
+    def take(self, tokens: int) -> tuple[int, int]:
+        """Count one admitted request of about `tokens` tokens; the counts with it."""
+        tokens += round(self.unseen_tokens)
+        self.taken_requests += 1
+        self.taken_tokens += tokens
+        mark = (self.taken_requests, self.taken_tokens)
+        if self.requests is not None:
+            self.requests.level -= 1.0
+        if self.tokens is not None:
+            self.tokens.level -= tokens
+        return mark
+
+    def correct(self, estimated: int, actual: int) -> None:
+        """The server reported `actual` tokens for a request admitted as `estimated`."""
+        charged = estimated + round(self.unseen_tokens)
+        self.unseen_tokens += (actual - estimated - self.unseen_tokens) * 0.1
+        self.taken_tokens += actual - charged
+        if self.tokens is not None:
+            self.tokens.level -= actual - charged
