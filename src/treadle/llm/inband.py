@@ -18,7 +18,6 @@ from typing import Any
 from pydantic_core import from_json, to_json
 
 from treadle.errors import ProviderError
-from treadle.llm.http_errors import error_from_payload
 
 __all__ = ["error_in", "provider_usage", "status_in", "with_status_from_body"]
 
@@ -49,6 +48,8 @@ def error_in(
     error = extra.get("error")
     if error is None or error == {} or error == "":
         return None
+    from treadle.llm.http_errors import error_from_payload  # httpx loads with an error only
+
     payload = {"error": error}
     return error_from_payload(
         status_in(error), payload, to_json(payload), request_id=request_id, api_key=api_key
@@ -71,6 +72,8 @@ def with_status_from_body(error: ProviderError, api_key: str | None) -> Provider
     status = status_in(payload.get("error"))
     if status is None:
         return error
+    from treadle.llm.http_errors import error_from_payload
+
     return error_from_payload(
         status, payload, error.body, request_id=error.request_id, api_key=api_key
     )

@@ -23,7 +23,6 @@ from treadle.loop.events import Event, PassStopped
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
-from treadle.sandbox.builtin_tools import global_system_tools
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.telemetry import capture_parent
 from treadle.tools import ToolSet
@@ -158,7 +157,11 @@ def _plan(
                 "drop on_event or the executor."
             )
         resolved = agent_provider
-    builtins = global_system_tools() if user_session.placement is not None else ()
+    builtins: tuple[Any, ...] = ()
+    if user_session.placement is not None:
+        from treadle.sandbox.builtin_tools import global_system_tools  # loads with the first one
+
+        builtins = global_system_tools()
     toolset = ToolSet.build(tools, builtins=builtins)
     path: Path | None = None
     if persist or persist_path is not None:
