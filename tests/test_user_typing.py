@@ -71,3 +71,26 @@ def test_docs_blocks_and_examples_pass_mypy_strict_as_user_code(tmp_path: Path) 
         "user code does not type-check (file names: doc_<page>_<block number>.py, "
         f"example_<file>.py):\n{proc.stdout}\n{proc.stderr}"
     )
+
+
+def test_map_keeps_the_session_type(tmp_path: Path) -> None:
+    # `treadle.map` used to return `list[Any]`: a typo on a result went unnoticed by mypy.
+    (tmp_path / "mypy.ini").write_text(MYPY_INI)
+    (tmp_path / "user_map.py").write_text(
+        "import treadle\n"
+        "from treadle import Agent, Provider\n\n"
+        'agent = Agent("a", "Answer.", provider=Provider(model="m"))\n'
+        'outs = treadle.map(agent, ["x"])\n'
+        "reveal_type(outs)\n"
+        'mixed = treadle.map(agent, ["x"], return_exceptions=True)\n'
+        "reveal_type(mixed)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "user_map.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert 'Revealed type is "list[treadle.session.session.Session]"' in proc.stdout, proc.stdout
+    assert "list[treadle.session.session.Session | BaseException]" in proc.stdout

@@ -20,9 +20,8 @@ from typing import Any
 
 import anyio
 
-from treadle.agents.progress import Progress, known_length, settle_results
+from treadle.agents.progress import Progress, known_length, run_blocking, settle_results
 from treadle.errors import ConfigurationError
-from treadle.runtime import submit
 from treadle.runtime.streams import produce
 from treadle.session import Session
 
@@ -205,22 +204,13 @@ def map(
     also takes `backend="process"` or `"ray"` (docs/distributed.md).
     """
     _check(concurrency, backend, backend_options)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        raise ConfigurationError(
-            "treadle.map blocks; inside async code use `await treadle.agents.amap(...)`."
-        )
-    return submit(
-        amap(
-            agent,
-            sessions,
-            concurrency=concurrency,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            backend=backend,
-            **backend_options,
-        )
-    ).result()
+    call = amap(
+        agent,
+        sessions,
+        concurrency=concurrency,
+        progress=progress,
+        return_exceptions=return_exceptions,
+        backend=backend,
+        **backend_options,
+    )
+    return run_blocking(call, "treadle.agents.map")

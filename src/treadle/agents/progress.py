@@ -1,4 +1,5 @@
-"""What every backend of `map` shares: the progress display, the input count and the result list.
+"""What every backend of `map` shares: the progress display, the input count, the result list
+and the blocking call.
 
 The local fan-out (`treadle.agents.fanout`) and the distributed one (`treadle.distributed`) both
 use these, so a map reports progress and failures the same way whichever backend ran it.
@@ -6,11 +7,18 @@ use these, so a map reports progress and failures the same way whichever backend
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
-from typing import Any, TextIO
+from collections.abc import Coroutine
+from typing import Any, TextIO, TypeVar
 
-__all__ = ["Progress", "known_length", "settle_results"]
+from treadle.errors import ConfigurationError
+from treadle.runtime import submit
+
+__all__ = ["Progress", "known_length", "run_blocking", "settle_results"]
+
+T = TypeVar("T")
 
 # The plain progress line is redrawn at most this often (seconds).
 _PLAIN_REFRESH = 0.2
@@ -95,3 +103,16 @@ class Progress:
         else:
             self.stream.write("\r" + self._label() + "\n")
             self.stream.flush()
+
+
+def run_blocking(call: Coroutine[Any, Any, T], name: str) -> T:
+    """Run a map's coroutine on the runtime and wait for it; a clear error inside async code,
+    where waiting would block the caller's event loop (`name` is the blocking call's name)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return submit(call).result()
+    call.close()
+    raise ConfigurationError(
+        f"{name} blocks; inside async code use `await {name.replace('map', 'amap')}(...)`."
+    )

@@ -8,15 +8,14 @@ same output sessions, in input order, whichever backend ran them.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 from treadle.agents import fanout
 from treadle.agents.fanout import DEFAULT_CONCURRENCY, check_concurrency
+from treadle.agents.progress import run_blocking
 from treadle.distributed.mapping import REMOTE_BACKENDS, remote_amap, remote_map_iter
 from treadle.errors import ConfigurationError
-from treadle.runtime import submit
 from treadle.session import Session
 
 __all__ = ["BACKENDS", "amap", "map", "map_iter"]
@@ -64,6 +63,32 @@ async def map_iter(
         await stream.aclose()  # type: ignore[attr-defined]
 
 
+@overload
+async def amap(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: Literal[False] = ...,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session]: ...
+
+
+@overload
+async def amap(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: bool,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session | BaseException]: ...
+
+
 async def amap(
     agent: Any,
     sessions: Iterable[Any] | AsyncIterable[Any],
@@ -73,7 +98,7 @@ async def amap(
     return_exceptions: bool = False,
     backend: str = "local",
     **backend_options: Any,
-) -> list[Any]:
+) -> list[Session] | list[Session | BaseException]:
     """Async `map`: the output sessions in input order (see `map`)."""
     _check(concurrency, backend, backend_options)
     if backend == "local":
@@ -95,6 +120,32 @@ async def amap(
     )
 
 
+@overload
+def map(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: Literal[False] = ...,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session]: ...
+
+
+@overload
+def map(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: bool,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session | BaseException]: ...
+
+
 def map(
     agent: Any,
     sessions: Iterable[Any] | AsyncIterable[Any],
@@ -104,7 +155,7 @@ def map(
     return_exceptions: bool = False,
     backend: str = "local",
     **backend_options: Any,
-) -> list[Any]:
+) -> list[Session] | list[Session | BaseException]:
     """Run `agent` over every session with at most `concurrency` runs in flight; block until done.
 
     `agent` is an `Agent`, a pipeline or handoff, or any callable `session -> Session`
@@ -119,22 +170,13 @@ def map(
     `backend_options` are those of `treadle.distributed.map_outcomes` (docs/distributed.md).
     """
     _check(concurrency, backend, backend_options)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        raise ConfigurationError(
-            "treadle.map blocks; inside async code use `await treadle.amap(...)`."
-        )
-    return submit(
-        amap(
-            agent,
-            sessions,
-            concurrency=concurrency,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            backend=backend,
-            **backend_options,
-        )
-    ).result()
+    call = amap(
+        agent,
+        sessions,
+        concurrency=concurrency,
+        progress=progress,
+        return_exceptions=return_exceptions,
+        backend=backend,
+        **backend_options,
+    )
+    return run_blocking(call, "treadle.map")
