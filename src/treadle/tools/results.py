@@ -160,6 +160,16 @@ def _cap_strings(value: Any, limit: int) -> Any:
 
 
 def _encode(body: Mapping[str, Any], limit: int) -> str:
+    # Fast path, the usual case: plain JSON values serialise as they are. When the whole text is
+    # within `limit`, no string in it can be over the limit either, so nothing needs capping.
+    # Anything unusual (a cycle, non-UTF-8 bytes, an unknown type, a long string) raises or is
+    # too long, and takes the careful path below, which gives the same text for plain values.
+    try:
+        text = pydantic_core.to_json(body, inf_nan_mode="strings").decode()
+    except Exception:  # whatever the value is, the careful path handles it
+        text = ""
+    if text and len(text) <= limit:
+        return text
     jsonable = _jsonable(body)
     text = pydantic_core.to_json(_cap_strings(jsonable, limit)).decode()
     if len(text) <= MAX_CONTENT_CHARS:

@@ -1,0 +1,394 @@
+"""The HTTP/1.1 lane (`treadle.llm.lane`): every reply shape HTTP/1.1 allows, every way a server
+can break one, the pool's limit and cancellation. Real sockets on loopback throughout: the
+project's fake server for replies it can script, a raw asyncio server for byte-level abuse."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import gzip
+import socket
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import httpx
+import pytest
+
+from treadle.llm.http_errors import StaleConnectionError, TLSMismatchError
+from treadle.llm.lane import Lane
+from treadle.llm.lane_wire import MAX_HEAD_BYTES
+from treadle.testing import FakeOpenAIServer, Reply
+
+BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+STREAM_BODY = BODY[:-1] + b',"stream":true}'
+HEADERS = {"content-type": "application/json", "authorization": "Bearer k"}
+T = httpx.Timeout(5.0)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer("echo") as srv:
+        yield srv
+
+
+@pytest.fixture
+async def lane() -> AsyncIterator[Lane]:
+    pool = Lane(limit=1000, keepalive_timeout=30.0)
+    yield pool
+    pool.close()
+    await asyncio.sleep(0)  # let the transports finish closing
+
+
+def chat(server: FakeOpenAIServer) -> str:
+    return f"{server.base_url}/chat/completions"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request (head and Content-Length body) off a raw connection; b"" at EOF."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return head + await reader.readexactly(length)
+
+
+@contextlib.asynccontextmanager
+async def raw_server(replies: list[bytes], *, close_after: bool = False) -> AsyncIterator[str]:
+    """A server answering each request with the next of `replies`, byte for byte."""
+    queue = list(replies)
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(1)
+        try:
+            while queue:
+                await read_request(reader)
+                writer.write(queue.pop(0))
+                await writer.drain()
+                if close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/chat/completions"
+    finally:
+        srv.close()
+
+
+def reply(body: bytes, *extra: str, status: str = "200 OK") -> bytes:
+    head = "".join(f"{line}\r\n" for line in extra)
+    return f"HTTP/1.1 {status}\r\ncontent-length: {len(body)}\r\n{head}\r\n".encode() + body
+
+
+def chunked(*pieces: bytes, trailer: bytes = b"") -> bytes:
+    out = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    for piece in pieces:
+        out += b"%x;ext=1\r\n%b\r\n" % (len(piece), piece)
+    return out + b"0\r\n" + trailer + b"\r\n"
+
+
+# -- replies HTTP/1.1 allows -------------------------------------------------------------------
+
+
+async def test_sequential_requests_reuse_one_connection(
+    server: FakeOpenAIServer, lane: Lane
+) -> None:
+    for _ in range(5):
+        status, headers, content = await lane.post_buffered(chat(server), BODY, HEADERS, T)
+        assert status == 200 and b"choices" in content
+        assert headers["Content-Type"].startswith("application/json")  # case-insensitive
+    assert len(server._connections) == 1
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        reply(b'{"ok":1}'),
+        chunked(b'{"ok"', b":1}", trailer=b"x-trailer: yes\r\n"),
+        reply(gzip.compress(b'{"ok":1}'), "content-encoding: gzip"),
+        reply(zlib.compress(b'{"ok":1}'), "content-encoding: deflate"),
+        b"HTTP/1.1 100 Continue\r\n\r\n" + reply(b'{"ok":1}'),
+        b'HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n{"ok":1}',
+    ],
+    ids=["length", "chunked+trailer", "gzip", "deflate", "100-continue", "until-close"],
+)
+async def test_reply_framings(lane: Lane, wire: bytes) -> None:
+    async with raw_server([wire], close_after=True) as url:
+        status, _, content = await lane.post_buffered(url, BODY, HEADERS, T)
+    assert (status, content) == (200, b'{"ok":1}')
+
+
+async def test_gzip_chunked_stream_arrives_decoded(lane: Lane) -> None:
+    packed = gzip.compress(b"data: 1\n\ndata: [DONE]\n\n")
+    wire = chunked(packed[:10], packed[10:]).replace(
+        b"transfer-encoding", b"content-encoding: gzip\r\ntransfer-encoding"
+    )
+    async with raw_server([wire]) as url:
+        status, _, body = await lane.post_stream(url, STREAM_BODY, HEADERS, T)
+        data = b"".join([piece async for piece in body])
+        await body.aclose()
+    assert status == 200 and data == b"data: 1\n\ndata: [DONE]\n\n"
+
+
+async def test_connection_close_is_honoured(lane: Lane) -> None:
+    async with raw_server([reply(b"{}", "connection: close"), reply(b"{}")]) as url:
+        await lane.post_buffered(url, BODY, HEADERS, T)
+        assert not any(lane._idle.values())  # not pooled
+    assert lane._open == 0 or all(p.closed for p in lane._all)
+
+
+async def test_error_statuses_are_returned_with_their_body(
+    server: FakeOpenAIServer, lane: Lane
+) -> None:
+    server.enqueue(Reply.error(429, "slow down", headers={"retry-after": "1"}))
+    status, headers, content = await lane.post_buffered(chat(server), BODY, HEADERS, T)
+    assert status == 429 and headers["retry-after"] == "1" and b"slow down" in content
+
+
+# -- replies that break HTTP/1.1 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"SMTP ready\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nbroken header line\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"x-pad: " + b"a" * (MAX_HEAD_BYTES + 10),
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}extra",
+        reply(b"not gzip", "content-encoding: gzip"),
+        reply(b"{}", "content-encoding: br"),
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}",
+    ],
+    ids=[
+        "not-http",
+        "bad-header",
+        "endless-head",
+        "bad-chunk-size",
+        "two-lengths",
+        "bytes-past-end",
+        "corrupt-gzip",
+        "unoffered-encoding",
+        "unknown-transfer-coding",
+        "short-body",
+    ],
+)
+async def test_broken_replies_are_remote_protocol_errors(lane: Lane, wire: bytes) -> None:
+    async with raw_server([wire], close_after=True) as url:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await lane.post_buffered(url, BODY, HEADERS, T)
+    assert not any(p for idle in lane._idle.values() for p in idle)  # nothing broken pooled
+
+
+@pytest.mark.parametrize("fault", [Reply.dropped_connection(), Reply.text("a" * 200).torn(1)])
+async def test_fresh_drop_and_truncation_are_remote_protocol_errors(
+    server: FakeOpenAIServer, lane: Lane, fault: Reply
+) -> None:
+    server.enqueue(fault)
+    with pytest.raises(httpx.RemoteProtocolError) as info:
+        await lane.post_buffered(chat(server), BODY, HEADERS, T)
+    assert not isinstance(info.value, StaleConnectionError)  # a fresh connection is not stale
+
+
+async def test_a_reused_connection_dropped_unanswered_is_stale(
+    server: FakeOpenAIServer, lane: Lane
+) -> None:
+    await lane.post_buffered(chat(server), BODY, HEADERS, T)
+    server.enqueue(Reply.dropped_connection())
+    with pytest.raises(StaleConnectionError):
+        await lane.post_buffered(chat(server), BODY, HEADERS, T)
+    status, _, _ = await lane.post_buffered(chat(server), BODY, HEADERS, T)
+    assert status == 200
+
+
+async def test_torn_stream_is_remote_protocol_error(server: FakeOpenAIServer, lane: Lane) -> None:
+    server.enqueue(Reply.text("y" * 80, chunk_chars=4).torn(3))
+    status, _, body = await lane.post_stream(chat(server), STREAM_BODY, HEADERS, T)
+    assert status == 200
+    with pytest.raises(httpx.RemoteProtocolError):
+        async for _ in body:
+            pass
+    await body.aclose()
+
+
+async def test_refused_and_unresolvable_are_connect_errors(lane: Lane) -> None:
+    with pytest.raises(httpx.ConnectError):
+        await lane.post_buffered("http://127.0.0.1:9/v1/chat/completions", BODY, HEADERS, T)
+    with pytest.raises(httpx.ConnectError):
+        await lane.post_buffered("http://no-such-host.invalid/v1", BODY, HEADERS, T)
+    assert lane._open == 0
+
+
+async def test_https_to_a_plain_http_port_is_a_tls_mismatch(
+    server: FakeOpenAIServer, lane: Lane
+) -> None:
+    url = chat(server).replace("http://", "https://")
+    with pytest.raises(TLSMismatchError):
+        await lane.post_buffered(url, BODY, HEADERS, httpx.Timeout(5.0))
+
+
+async def test_connect_timeout(lane: Lane) -> None:
+    # A listener with a full accept backlog: the kernel drops further SYNs, so connect hangs.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        await asyncio.sleep(0.05)
+        with pytest.raises(httpx.ConnectTimeout):
+            await lane.post_buffered(
+                f"http://127.0.0.1:{port}/", BODY, HEADERS, httpx.Timeout(5, connect=0.2)
+            )
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+    assert lane._open == 0
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Reply.text("late").with_latency(3000), Reply.text("b" * 300).stalled(3000)],
+    ids=["before-head", "mid-body"],
+)
+async def test_read_timeouts(server: FakeOpenAIServer, lane: Lane, fault: Reply) -> None:
+    server.enqueue(fault)
+    with pytest.raises(httpx.ReadTimeout):
+        await lane.post_buffered(chat(server), BODY, HEADERS, httpx.Timeout(5, read=0.1))
+    # the connection of the timed-out reply is dropped; the next request gets a fresh one
+    status, _, _ = await lane.post_buffered(chat(server), BODY, HEADERS, T)
+    assert status == 200
+
+
+async def test_read_timeout_mid_stream(server: FakeOpenAIServer, lane: Lane) -> None:
+    server.enqueue(Reply.text("z" * 50, chunk_chars=5).stalled(3000))
+    _, _, body = await lane.post_stream(
+        chat(server), STREAM_BODY, HEADERS, httpx.Timeout(5, read=0.1)
+    )
+    with pytest.raises(httpx.ReadTimeout):
+        async for _ in body:
+            pass
+    await body.aclose()
+
+
+async def test_a_slow_reader_is_not_a_read_timeout(lane: Lane) -> None:
+    big = b"x" * (3 * 1024 * 1024)  # past the pause mark: reading pauses for the reader
+    async with raw_server([reply(big)]) as url:
+        _, _, body = await lane.post_stream(url, STREAM_BODY, HEADERS, httpx.Timeout(5, read=0.1))
+        await asyncio.sleep(0.4)  # the reader dawdles for four read timeouts
+        got = b"".join([piece async for piece in body])
+        await body.aclose()
+    assert got == big
+
+
+async def test_header_injection_is_refused_before_sending(lane: Lane) -> None:
+    async with raw_server([reply(b"{}")]) as url:
+        for bad in ({"x-key": "k\r\nx-evil: 1"}, {"x-key": "ключ"}, {"bad:name": "v"}):
+            with pytest.raises(httpx.LocalProtocolError):
+                await lane.post_buffered(url, BODY, bad, T)
+    assert lane._open == 0
+
+
+async def test_not_http_urls_are_refused(lane: Lane) -> None:
+    with pytest.raises(httpx.UnsupportedProtocol):
+        await lane.post_buffered("ftp://example.com/v1", BODY, HEADERS, T)
+
+
+# -- the pool ----------------------------------------------------------------------------------
+
+
+async def test_the_limit_caps_open_connections(server: FakeOpenAIServer) -> None:
+    pool = Lane(limit=3, keepalive_timeout=30.0)
+    server.latency_ms = 20
+    try:
+        results = await asyncio.gather(
+            *(pool.post_buffered(chat(server), BODY, HEADERS, T) for _ in range(30))
+        )
+        assert all(status == 200 for status, _, _ in results)
+        assert len(server._connections) <= 3 and pool._open <= 3
+    finally:
+        pool.close()
+
+
+async def test_cancellation_closes_connections_and_the_pool_stays_usable(
+    server: FakeOpenAIServer, lane: Lane
+) -> None:
+    server.latency_ms = 10_000
+    tasks = [
+        asyncio.create_task(lane.post_buffered(chat(server), BODY, HEADERS, T)) for _ in range(50)
+    ]
+    for _ in range(500):
+        if server.in_flight == 50:
+            break
+        await asyncio.sleep(0.01)
+    assert server.in_flight == 50
+    for task in tasks:
+        task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    server.latency_ms = 0
+    for _ in range(5):
+        status, _, _ = await lane.post_buffered(chat(server), BODY, HEADERS, T)
+        assert status == 200
+    for _ in range(500):  # the server sees the cancelled requests' connections closed
+        if len(server._connections) <= 1 and server.in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert len(server._connections) <= 1 and server.in_flight == 0 and lane._open == 1
+    gc.collect()  # an unclosed transport would raise ResourceWarning here (warnings are errors)
+
+
+async def test_an_abandoned_stream_closes_its_connection(
+    server: FakeOpenAIServer, lane: Lane
+) -> None:
+    server.enqueue(Reply.text("q" * 64, chunk_chars=8).stalled(5000))
+    _, _, body = await lane.post_stream(chat(server), STREAM_BODY, HEADERS, T)
+    assert (await anext(body)).startswith(b"data: ")
+    await body.aclose()  # stopped early: the connection cannot carry another request
+    assert not any(lane._idle.values())
+
+
+async def test_a_closed_pool_refuses_requests(server: FakeOpenAIServer) -> None:
+    pool = Lane(limit=10, keepalive_timeout=30.0)
+    await pool.post_buffered(chat(server), BODY, HEADERS, T)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.post_buffered(chat(server), BODY, HEADERS, T)
+
+
+async def test_closing_a_stream_twice_pools_its_connection_once(
+    server: FakeOpenAIServer, lane: Lane
+) -> None:
+    # Found by the streamed fan-out benchmark: a second `aclose` pooled the connection again, two
+    # requests then shared it and both hung.
+    _, _, body = await lane.post_stream(chat(server), STREAM_BODY, HEADERS, T)
+    _ = [piece async for piece in body]
+    await body.aclose()
+    await body.aclose()
+    lane.release(body._proto)  # a stray release of an idle connection is ignored too
+    assert sum(len(idle) for idle in lane._idle.values()) == 1
+    server.latency_ms = 30
+    results = await asyncio.wait_for(
+        asyncio.gather(*(lane.post_buffered(chat(server), BODY, HEADERS, T) for _ in range(2))),
+        10,
+    )
+    assert [status for status, _, _ in results] == [200, 200]
