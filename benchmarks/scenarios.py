@@ -76,6 +76,8 @@ def per_round(h: Harness, size: dict[str, Any], *, stream: bool) -> Result:
         Job("aiohttp+orjson floor", "aiohttp", "serial", params),
         Job("treadle (tracing on, SDK)", "treadle", "serial", {**params, "otel": "sdk"}),
     ]
+    if not stream:  # what one raw socket costs: below the floor, for scale (see raw_loop.py)
+        jobs.append(Job("raw-socket hand loop", "raw", "serial", params))
     if not size["variants"]:
         jobs = [jobs[0], jobs[3]]
     jobs += _baseline(size, "serial", params) if not stream else []

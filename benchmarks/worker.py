@@ -21,6 +21,7 @@ CONTESTANTS = {
     "treadle": "benchmarks.contestants.treadle_loop",
     "httpx": "benchmarks.reference.httpx_loop",
     "aiohttp": "benchmarks.reference.aiohttp_loop",
+    "raw": "benchmarks.reference.raw_loop",
     "openai-agents": "benchmarks.peers.openai_agents_loop",
     "pydantic-ai": "benchmarks.peers.pydantic_ai_loop",
     "openrath": "benchmarks.peers.openrath_loop",
