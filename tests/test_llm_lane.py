@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from treadle.llm.http_errors import StaleConnectionError, TLSMismatchError
 from treadle.llm.lane import Lane
-from treadle.llm.lane_wire import MAX_HEAD_BYTES
+from treadle.llm.lane_wire import MAX_HEAD_BYTES, LaneProtocol
 from treadle.testing import FakeOpenAIServer, Reply
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
@@ -392,3 +394,100 @@ async def test_closing_a_stream_twice_pools_its_connection_once(
         10,
     )
     assert [status for status, _, _ in results] == [200, 200]
+
+
+# -- HTTPS -------------------------------------------------------------------------------------
+
+
+async def test_https_round_trip_and_an_untrusted_certificate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(reply(b'{"tls":true}'))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_context)
+    url = f"https://localhost:{srv.sockets[0].getsockname()[1]}/v1/chat/completions"
+    try:
+        untrusting = Lane(limit=10, keepalive_timeout=30.0)  # the system's CAs only
+        with pytest.raises(httpx.ConnectError, match=r"(?i)certificate"):
+            await untrusting.post_buffered(url, BODY, HEADERS, T)
+        untrusting.close()
+        with ca.cert_pem.tempfile() as bundle:
+            monkeypatch.setenv("SSL_CERT_FILE", bundle)  # read when the lane builds its context
+            pool = Lane(limit=10, keepalive_timeout=30.0)
+            for _ in range(3):
+                status, _, content = await pool.post_buffered(url, BODY, HEADERS, T)
+                assert (status, content) == (200, b'{"tls":true}')
+            assert pool._open == 1  # kept alive over TLS
+            pool.close()
+    finally:
+        srv.close()
+        await asyncio.sleep(0)
+
+
+# -- any split of the bytes ------------------------------------------------------------------
+
+WIRES = [
+    (reply(b'{"a":"' + b"x" * 300 + b'"}'), b'{"a":"' + b"x" * 300 + b'"}'),
+    (chunked(b"ab", b"c" * 40, b"d", trailer=b"x-t: 1\r\n"), b"ab" + b"c" * 40 + b"d"),
+    (
+        reply(gzip.compress(b"z" * 500), "content-encoding: gzip"),
+        b"z" * 500,
+    ),
+    (b"HTTP/1.1 100 Continue\r\n\r\n" + chunked(b"hello"), b"hello"),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.integers(0, len(WIRES) - 1),
+    cuts=st.lists(st.integers(1, 700), max_size=12),
+    stream=st.booleans(),
+)
+def test_any_split_of_the_bytes_reads_the_same(which: int, cuts: list[int], stream: bool) -> None:
+    wire, expected = WIRES[which]
+    pieces, start = [], 0
+    for cut in sorted(set(cuts)):
+        if start < cut < len(wire):
+            pieces.append(wire[start:cut])
+            start = cut
+    pieces.append(wire[start:])
+
+    async def read() -> bytes:
+        left, right = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        _, proto = await loop.create_connection(lambda: LaneProtocol(lambda _: None), sock=left)
+        try:
+            proto.begin(stream=stream)
+            for piece in pieces:  # as the kernel might have cut them
+                proto.data_received(piece)
+            if not stream:
+                assert proto.whole is not None
+                _, body = await proto.whole
+                return body
+            out = b""
+            while chunk := await proto.next_chunk():
+                out += chunk
+            return out
+        finally:
+            proto.close()
+            right.close()
+            await asyncio.sleep(0)
+
+    assert asyncio.run(read()) == expected
