@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -26,12 +27,13 @@ __all__ = ["LazyValue"]
 
 T = TypeVar("T")
 U = TypeVar("U")
+V = TypeVar("V")
 
 
 class LazyValue(Generic[T]):
     """The future result of a coroutine submitted to the runtime."""
 
-    __slots__ = ("__weakref__", "_future", "_runtime", "_source", "_started", "_task")
+    __slots__ = ("__weakref__", "_also", "_future", "_runtime", "_source", "_started", "_task")
 
     def __init__(self, future: concurrent.futures.Future[T], runtime: Runtime) -> None:
         self._future = future
@@ -39,6 +41,7 @@ class LazyValue(Generic[T]):
         self._task: asyncio.Task[T] | None = None
         self._started = False
         self._source: LazyValue[Any] | None = None
+        self._also: LazyValue[Any] | None = None  # a join's second source
 
     def done(self) -> bool:
         """True once the coroutine finished (with a value, an error, or cancelled)."""
@@ -114,6 +117,41 @@ class LazyValue(Generic[T]):
         self._future.add_done_callback(settle)
         return derived
 
+    def join(self, other: LazyValue[V], fn: Callable[[T, V], U]) -> LazyValue[U]:
+        """A lazy value that settles with `fn(mine, theirs)` once both values settled.
+
+        Returns at once. The first error (or cancellation) of either side settles it at once,
+        without waiting for the other. `fn` runs on whichever thread settles last, so like
+        `then`'s it must be quick. Cancelling the joined value cancels both sides.
+        """
+        future: concurrent.futures.Future[U] = concurrent.futures.Future()
+        joined: LazyValue[U] = LazyValue(future, self._runtime)
+        joined._source, joined._also = self, other
+        lock = threading.Lock()
+        mine, theirs = self._future, other._future
+
+        def settle(_done: concurrent.futures.Future[Any]) -> None:
+            with lock:  # both sides may settle at once, on two threads
+                if future.done():
+                    return
+                for side in (mine, theirs):
+                    if side.done() and side.cancelled():
+                        future.cancel()
+                        return
+                    if side.done() and side.exception() is not None:
+                        future.set_exception(side.exception())
+                        return
+                if not (mine.done() and theirs.done()):
+                    return
+                try:
+                    future.set_result(fn(mine.result(), theirs.result()))
+                except BaseException as err:  # the derivation's own error is the joined value's
+                    future.set_exception(err)
+
+        mine.add_done_callback(settle)
+        theirs.add_done_callback(settle)
+        return joined
+
     def exception(self) -> BaseException | None:
         """The coroutine's error once done (None when it succeeded); does not block."""
         if not self._future.done():
@@ -128,6 +166,8 @@ class LazyValue(Generic[T]):
             return
         if self._source is not None:
             self._source.cancel()
+            if self._also is not None:
+                self._also.cancel()
             return
         self._runtime.call_soon(self._cancel_task)
 

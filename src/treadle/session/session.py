@@ -17,16 +17,17 @@ import os
 import uuid
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from types import MappingProxyType, TracebackType
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from treadle.errors import ConfigurationError
 from treadle.session import ports
-from treadle.session.lineage import LineageNode, record_usage, shared_usage
+from treadle.session.combine import check_data_fields, merged_rows_and_usage, require_text
+from treadle.session.lineage import LineageNode, record_usage
 from treadle.session.placement import SandboxHandle
 from treadle.session.rows import ChunkRow, ChunkTable, text_of_content
-from treadle.session.usage import Usage, merged_usage
+from treadle.session.usage import Usage
 
 if TYPE_CHECKING:
     from treadle.runtime.lazy import LazyValue
@@ -57,8 +58,7 @@ class SessionData:
     """Extra facts set by the loop (interrupt reason, tripwire, structured output, ...)."""
 
 
-def _release_handle(handle: SandboxHandle) -> None:
-    handle.release()
+_DATA_FIELDS = frozenset(f.name for f in fields(SessionData))
 
 
 class Session:
@@ -106,7 +106,7 @@ class Session:
         self._lazy = lazy
         self._sandbox = sandbox
         self._finalizer: weakref.finalize[Any, Session] | None = (
-            weakref.finalize(self, _release_handle, sandbox) if sandbox is not None else None
+            weakref.finalize(self, SandboxHandle.release, sandbox) if sandbox is not None else None
         )
 
     @classmethod
@@ -136,13 +136,13 @@ class Session:
     @classmethod
     def from_agent_prompt(cls, text: str) -> Session:
         """An agent session holding one system row with `text`."""
-        _require_text("text", text)
+        require_text("text", text)
         return cls([ChunkRow.system(text)], operator="from_agent_prompt", kind="agent")
 
     @classmethod
     def from_user_message(cls, text: str) -> Session:
         """A user session holding one user row with `text`."""
-        _require_text("text", text)
+        require_text("text", text)
         return cls([ChunkRow.user(text)], operator="from_user_message", kind="user")
 
     @classmethod
@@ -311,8 +311,8 @@ class Session:
     ) -> Session:
         """A child session with data `make(self's data)`: lazy at once while this one is pending
         (a failed pass fails the child too), otherwise built now."""
-        lazy = self._lazy
-        if self._data is None and lazy is not None and not lazy.done():
+        lazy = self._pending_value()
+        if lazy is not None:
             return Session._derive(
                 None,
                 operator=operator,
@@ -341,7 +341,7 @@ class Session:
 
     def add_user_message(self, text: str) -> Session:
         """A new session with one more user row: the next turn of a conversation."""
-        _require_text("text", text)
+        require_text("text", text)
         return self._with_rows([ChunkRow.user(text)], "add_user_message")
 
     def fork(self) -> Session:
@@ -357,30 +357,55 @@ class Session:
         """
         if not isinstance(other, Session):
             raise ConfigurationError(f"merge takes a Session, got {type(other).__name__}.")
-        mine, theirs = self._materialise(), other._materialise()
-        common = 0
-        for a, b in zip(mine.table, theirs.table, strict=False):
-            if a is not b and a != b:
-                break
-            common += 1
-        table = mine.table.extend(theirs.table.rows[common:])
-        usage = merged_usage(mine.usage, theirs.usage, shared_usage(self.lineage, other.lineage))
+        lineages = (self.lineage, other.lineage)
+
+        def make(mine: SessionData, theirs: SessionData) -> SessionData:
+            return SessionData(
+                *merged_rows_and_usage(
+                    (mine.table, mine.usage), (theirs.table, theirs.usage), lineages
+                )
+            )
+
+        mine, theirs = self._pending_value(), other._pending_value()
+        lazy: LazyValue[SessionData] | None = None
+        if mine is not None and theirs is not None:  # both still running: settle when both do
+            lazy = mine.join(theirs, make)
+        elif mine is not None:
+            theirs_data = other._materialise()
+            lazy = mine.then(lambda data: make(data, theirs_data))
+        elif theirs is not None:
+            mine_data = self._materialise()
+            lazy = theirs.then(lambda data: make(mine_data, data))
         return Session._derive(
-            SessionData(table, usage),
+            make(self._materialise(), other._materialise()) if lazy is None else None,
             operator="merge",
             kind=self.lineage.kind,
             parents=[self, other],
             sandbox=self._sandbox or other._sandbox,
+            lazy=lazy,
         )
 
     def with_data(self, **changes: Any) -> Session:
-        """A copy whose `SessionData` fields are replaced (same id, lineage and sandbox share)."""
-        data = replace(self._materialise(), **changes)
+        """A copy whose `SessionData` fields are replaced (same id, lineage and sandbox share).
+
+        On a pending session it returns at once a pending copy, as `append` and `fork` do.
+        """
+        check_data_fields(changes, _DATA_FIELDS)
+        pending = self._pending_value()
         new = Session.__new__(Session)
         if self._sandbox is not None:
             self._sandbox.acquire()
-        new._init(self.id, self.lineage, data, None, self._sandbox)
+        data = None if pending is not None else replace(self._materialise(), **changes)
+        lazy = None if pending is None else pending.then(lambda d: replace(d, **changes))
+        new._init(self.id, self.lineage, data, lazy, self._sandbox)
         return new
+
+    def _pending_value(self) -> LazyValue[SessionData] | None:
+        """This facade's lazy value while its pass still runs (None once data is here)."""
+        lazy = self._lazy
+        if self._data is None and lazy is not None and not lazy.done():
+            return lazy
+        return None
 
     # -- lineage ----------------------------------------------------------------------------------
     def ancestors(self) -> list[LineageNode]:
@@ -441,30 +466,20 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close_sandbox()
 
     async def __aenter__(self) -> Session:
         return await self._await()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         handle = self._sandbox
         if self._finalizer is not None and self._finalizer.alive and handle is not None:
             self._finalizer.detach()
             await handle.arelease()
 
     def __repr__(self) -> str:
-        if self._data is None and not (self._lazy is not None and self._lazy.done()):
+        if self._pending_value() is not None:
             return f"<Session {self.id[:8]} pending>"
         if self._data is None:
             try:
@@ -479,8 +494,3 @@ class Session:
 
 def _rows_and_usage(data: SessionData) -> SessionData:
     return SessionData(data.table, data.usage)
-
-
-def _require_text(name: str, value: object) -> None:
-    if not isinstance(value, str):
-        raise ConfigurationError(f"{name} must be a str, got {type(value).__name__}.")
