@@ -398,6 +398,8 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
         # Inside the try: a cancellation while waiting for a pending input is a clean stop too.
         user = await plan.user.wait_ready()
         agent = await plan.agent.wait_ready()
+        if plan.tools.sources:  # MCP servers given as tools: list theirs now, on this loop
+            plan.tools = await plan.tools.expanded()
         run.user_metadata = user.metadata
         run.agent_rows = agent.table.rows
         run.table = user.table

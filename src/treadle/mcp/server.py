@@ -20,7 +20,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 import mcp_types as types
 
@@ -68,9 +68,14 @@ class MCPServer:
     """An MCP server whose tools a pass can call; build one with `MCPServer.stdio(...)` or
     `MCPServer.http(...)`.
 
-    Give its tools to a pass with `tools=server.tools()` (or `await server.list_tools()` in async
-    code): each is a `Tool` like any other, so they mix with `@tool` functions and go on `Agent`.
+    Give its tools to a pass with `tools=[server]`: the pass lists them when it starts, on its
+    own loop, so nothing connects or blocks at the call. `server.tools()` (or `await
+    server.list_tools()`) lists them now: each is a `Tool` like any other, so they mix with `@tool`
+    functions and go on `Agent`.
     """
+
+    __treadle_tool_source__: ClassVar[bool] = True
+    """Marks a tool source: `tools=[server]` stands for the server's tools (see `ToolSet`)."""
 
     def __init__(
         self,

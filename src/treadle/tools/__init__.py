@@ -15,7 +15,7 @@ from treadle.tools.dispatch import (
 from treadle.tools.results import MAX_CONTENT_CHARS, MAX_DETAIL_CHARS, MAX_TEXT_CHARS
 from treadle.tools.threads import SYNC_TOOL_THREADS
 from treadle.tools.tool import BaseTool, FunctionTool, ResourceKey, Tool, tool
-from treadle.tools.toolset import ToolSet
+from treadle.tools.toolset import ToolSet, ToolSource
 
 __all__ = [
     "DEFAULT_TOOL_TIMEOUT",
@@ -32,6 +32,7 @@ __all__ = [
     "ToolExecutor",
     "ToolOutcome",
     "ToolSet",
+    "ToolSource",
     "has_tool_dispatch",
     "run_tool_calls",
     "tool",
