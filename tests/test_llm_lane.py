@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from net_helpers import unanswered_port
 from treadle.llm.http_errors import StaleConnectionError, TLSMismatchError
 from treadle.llm.lane import Lane
 from treadle.llm.lane_wire import MAX_HEAD_BYTES, LaneProtocol
@@ -242,28 +243,10 @@ async def test_https_to_a_plain_http_port_is_a_tls_mismatch(
 
 
 async def test_connect_timeout(lane: Lane) -> None:
-    # A listener with a full accept backlog: the kernel drops further SYNs, so connect hangs.
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    try:
-        for _ in range(4):
-            filler = socket.socket()
-            filler.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                filler.connect(("127.0.0.1", port))
-            fillers.append(filler)
-        await asyncio.sleep(0.05)
-        with pytest.raises(httpx.ConnectTimeout):
-            await lane.post_buffered(
-                f"http://127.0.0.1:{port}/", BODY, HEADERS, httpx.Timeout(5, connect=0.2)
-            )
-    finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
+    with unanswered_port() as port, pytest.raises(httpx.ConnectTimeout):
+        await lane.post_buffered(
+            f"http://127.0.0.1:{port}/", BODY, HEADERS, httpx.Timeout(5, connect=0.2)
+        )
     assert lane._open == 0
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-import socket
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 
+from net_helpers import unanswered_port
 from treadle.llm import AiohttpTransport
 from treadle.testing import FakeOpenAIServer, Reply
 
@@ -105,26 +104,8 @@ async def test_read_timeout_mid_stream(server: FakeOpenAIServer, client: httpx.A
 
 
 async def test_connect_timeout(client: httpx.AsyncClient) -> None:
-    # A listener with a full accept backlog: the kernel drops further SYNs, so connect hangs.
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    try:
-        for _ in range(4):
-            filler = socket.socket()
-            filler.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                filler.connect(("127.0.0.1", port))
-            fillers.append(filler)
-        await asyncio.sleep(0.05)
-        with pytest.raises(httpx.ConnectTimeout):
-            await client.get(f"http://127.0.0.1:{port}/", timeout=httpx.Timeout(5, connect=0.2))
-    finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
+    with unanswered_port() as port, pytest.raises(httpx.ConnectTimeout):
+        await client.get(f"http://127.0.0.1:{port}/", timeout=httpx.Timeout(5, connect=0.2))
 
 
 async def test_cancellation_closes_connections_and_client_stays_usable(

@@ -19,20 +19,21 @@ import contextlib
 import socket
 import ssl
 from collections import deque
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 from multidict import CIMultiDict
 
 from treadle.llm.http_errors import StaleConnectionError, TLSMismatchError, is_tls_mismatch
-from treadle.llm.lane_wire import LaneProtocol, ReplyError, ReplyHead
+from treadle.llm.lane_wire import LaneProtocol, ReplyError
 
 __all__ = ["Lane", "LaneBody"]
 
 DNS_TTL_SECONDS = 300.0
 """How long a host's resolved addresses are reused for new connections."""
 
+_R = TypeVar("_R")
 _Key = tuple[str, str, int]
 """(scheme, host, port) of a pool."""
 
@@ -153,13 +154,8 @@ class Lane:
     ) -> tuple[int, CIMultiDict[str], bytes]:
         """POST `body` and read the whole reply: `(status, headers, content)`, decompressed."""
         proto = await self._request(url, body, headers, timeouts, False)
-        whole = proto.whole
-        assert whole is not None
-        try:
-            head, content = await whole
-        except BaseException as exc:
-            proto.close()
-            raise _mapped(exc, url, proto) from exc
+        assert proto.whole is not None
+        head, content = await _reply(proto, proto.whole, url)
         self.release(proto)
         return head.status, head.headers, content
 
@@ -168,13 +164,8 @@ class Lane:
     ) -> tuple[int, CIMultiDict[str], LaneBody]:
         """POST `body`; `(status, headers, body stream)` once the reply's head arrived."""
         proto = await self._request(url, body, headers, timeouts, True)
-        future = proto.head
-        assert future is not None
-        try:
-            head: ReplyHead = await future
-        except BaseException as exc:
-            proto.close()
-            raise _mapped(exc, url, proto) from exc
+        assert proto.head is not None
+        head = await _reply(proto, proto.head, url)
         return head.status, head.headers, LaneBody(self, proto, url)
 
     # -- the pool -------------------------------------------------------------------------------
@@ -332,6 +323,15 @@ class Lane:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.cancel()
+
+
+async def _reply(proto: LaneProtocol, future: asyncio.Future[_R], url: str) -> _R:
+    """`await future`; on any failure the connection is dropped and the error mapped."""
+    try:
+        return await future
+    except BaseException as exc:
+        proto.close()
+        raise _mapped(exc, url, proto) from exc
 
 
 def _mapped(
