@@ -8,8 +8,11 @@ is a clear `PersistenceError`, never a crash and never a silently default (weake
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,6 +191,25 @@ async def test_env_values_are_never_saved_and_must_be_given_back(
         assert result.stdout == "tok-new prod\n"
     finally:
         loaded.session.close_sandbox()
+
+
+@needs_bwrap
+async def test_a_transcript_reads_without_env_values(tmp_path: Path, shared: Path) -> None:
+    file = await _saved(tmp_path, _options(shared, API_TOKEN="tok-very-secret"))
+    loaded = load_session(file, sandbox=False)  # reading only: no box, no values needed
+    assert loaded.session.placement is None and loaded.session.final_text == "done"
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "treadle.cli", "show", str(file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert (
+        '"env_names": ["API_TOKEN"]' in shown.stdout and '"file_size_bytes": 65536' in shown.stdout
+    )
 
 
 @needs_bwrap

@@ -107,12 +107,17 @@ def _placement(p: Path, header: Mapping[str, Any], env: Mapping[str, str]) -> Sa
 
 
 def load_session(
-    path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    sandbox: bool = True,
 ) -> LoadedSession:
     """Load a session file written with `persist=True`.
 
     `env` gives back the values of the `Isolated(env=...)` variables the session's box had (the
     file holds only their names): every saved name, and no other, or `PersistenceError`.
+    `sandbox=False` reads the transcript only: the session comes back with no placement (no box
+    is prepared, no env values are needed).
     """
     p = Path(path)
     try:
@@ -184,7 +189,7 @@ def load_session(
     # A resumed pass gets a sandbox of the same placement: the same directory when the user gave
     # one, a fresh temporary workspace for "local" (the old one was removed or orphaned), and for
     # "isolated" a fresh box with the saved options.
-    handle = _placement(p, header, env or {})
+    handle = _placement(p, header, env or {}) if sandbox else None
     session = Session._derive(
         SessionData(ChunkTable(rows), usage, stop_reason, metadata),
         operator="load_session",
