@@ -22,7 +22,8 @@ import pytest
 
 from sandbox_support import needs_bwrap
 from treadle import ConfigurationError, Isolated, PersistenceError, ResourceLimits, Session
-from treadle.distributed import PassItem, amap
+from treadle.distributed import AgentSpec, PassItem, amap
+from treadle.distributed.worker import PassWorker
 from treadle.loop import run_session_loop
 from treadle.persist import load_session
 from treadle.testing import FakeOpenAIServer, Reply
@@ -311,3 +312,18 @@ async def test_a_process_worker_box_keeps_the_callers_limits_mounts_and_env(
     assert lines[1] == str(64 * 1024)  # the caller's 64 KiB, not the default 1 GiB
     assert lines[2] == "mark=from-caller"
     assert (shared / "seen").read_text() == "from-worker\n"  # the extra mount is there
+
+
+async def test_a_garbage_spec_on_a_worker_item_fails_that_pass_not_into_a_default_box(
+    tmp_path: Path,
+) -> None:
+    with FakeOpenAIServer(script="echo") as server:
+        worker = PassWorker(AgentSpec.from_agent(shouter(server.base_url)), sandbox_base=tmp_path)
+        try:
+            item = PassItem(0, "s1", [{"role": "user", "content": "x"}], placement="isolated")
+            bad = {**item.to_json(), "placement_options": {"network": False, "netwrok": True}}
+            outcome = await worker.run(bad)
+        finally:
+            worker.close()
+    assert outcome.status == "error" and len(server.requests) == 0, outcome
+    assert outcome.error is not None and "unknown key(s) netwrok" in outcome.error
