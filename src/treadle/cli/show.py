@@ -56,7 +56,9 @@ class TranscriptView:
         self.console.line(f"session {header.get('session_id')}  (created {when})", "heading")
         placement = header.get("placement")
         if placement:
-            self.console.line(f"sandbox: {placement}", "dim")
+            options = header.get("placement_options")
+            detail = f"  {json.dumps(options)}" if isinstance(options, Mapping) else ""
+            self.console.line(f"sandbox: {placement}{detail}", "dim")
         parents = header.get("parent_ids") or []
         if parents:
             self.console.line(f"parents: {', '.join(map(str, parents))}", "dim")
@@ -116,7 +118,7 @@ def show_command(path: Path, console: Console, *, follow: bool = False) -> int:
     view = TranscriptView(console)
     if follow:
         return _follow(path, view)
-    loaded = load_session(path)
+    loaded = load_session(path, sandbox=False)  # a transcript to read: no box, no env values
     view.header(loaded.header)
     for row in loaded.session.rows:
         view.row(row)

@@ -28,7 +28,8 @@ OUTCOME_METADATA_KEY = "treadle.distributed"
 
 @dataclass(frozen=True, slots=True)
 class PassItem:
-    """One session sent to a worker: its position, id, messages and sandbox placement."""
+    """One session sent to a worker: its position, id, messages and sandbox placement (with its
+    options' spec, env values included: workers are the caller's own)."""
 
     index: int
     session_id: str
@@ -37,6 +38,8 @@ class PassItem:
     attempt: int = 1
     trace_context: dict[str, str] | None = None
     """W3C trace-context headers of the map's caller (None when tracing is off there)."""
+    placement_options: dict[str, Any] | None = None
+    """`Isolated(...).to_spec()` of the session's placement (None for a name or a directory)."""
 
     @classmethod
     def from_input(
@@ -50,7 +53,12 @@ class PassItem:
                 f"a distributed map takes Sessions or strs, got {type(value).__name__}."
             )
         return cls(
-            index, value.id, value.to_messages(), value.placement, trace_context=trace_context
+            index,
+            value.id,
+            value.to_messages(),
+            value.placement,
+            trace_context=trace_context,
+            placement_options=value.placement_spec,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -95,6 +95,10 @@ class PassWorker:
                 workspace = self.root / f"{item.index}-{item.attempt}-{item.session_id[:8]}"
                 await asyncio.to_thread(workspace.mkdir)
                 session = session.to(str(workspace))
+            elif item.placement_options is not None:  # the caller's limits, mounts and env
+                from treadle.sandbox import Isolated
+
+                session = session.to(Isolated.from_spec(item.placement_options))
             elif item.placement is not None:
                 session = session.to(item.placement)
             # The map caller's span (another process) is the parent of this pass's span.

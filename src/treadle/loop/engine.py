@@ -415,6 +415,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
                 parent_ids=(plan.user.id, plan.agent.id),
                 operator="run_session_loop",
                 placement=plan.user.placement,
+                placement_options=plan.user.placement_spec,
                 agent_rows=run.agent_rows,
                 rows=user.table.rows,
             )

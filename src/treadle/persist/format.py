@@ -2,12 +2,14 @@
 
 ```
 {"type": "header", "schema": 1, "session_id", "parent_ids", "operator", "created_at",
- "placement", "agent_rows": [messages]}
+ "placement", "placement_options"?, "agent_rows": [messages]}
 {"type": "row", "kind", "payload"}                       one per row, in order
 {"type": "intent", "tool_call_id", "name"}               a tool is about to run (crash safety)
 {"type": "trailer", "rows", "usage", "stop_reason", "metadata"}   only on a graceful end
 ```
 
+`placement_options` (only for `Isolated(...)` placements) is the options' spec with the env
+*names* (`env_names`) in place of `env`: env values may be secrets and never reach the disk.
 Pure encoding and decoding; no file I/O here.
 """
 
@@ -27,6 +29,7 @@ __all__ = [
     "encode_intent",
     "encode_row",
     "encode_trailer",
+    "saved_options",
 ]
 
 #: Version of the file format written in every header; readers refuse newer major versions.
@@ -37,6 +40,13 @@ def _line(obj: Mapping[str, Any]) -> bytes:
     return pydantic_core.to_json(obj) + b"\n"
 
 
+def saved_options(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A placement options spec as written to disk: `env` becomes the sorted `env_names`."""
+    saved = {key: value for key, value in spec.items() if key != "env"}
+    saved["env_names"] = sorted(spec.get("env") or ())
+    return saved
+
+
 def encode_header(
     *,
     session_id: str,
@@ -44,20 +54,22 @@ def encode_header(
     operator: str,
     placement: str | None,
     agent_rows: Sequence[ChunkRow],
+    placement_options: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """The first line of a session file."""
-    return _line(
-        {
-            "type": "header",
-            "schema": SCHEMA_VERSION,
-            "session_id": session_id,
-            "parent_ids": list(parent_ids),
-            "operator": operator,
-            "created_at": time.time(),
-            "placement": placement,
-            "agent_rows": [row.to_message() for row in agent_rows],
-        }
-    )
+    """The first line of a session file (`placement_options` is written without env values)."""
+    header: dict[str, Any] = {
+        "type": "header",
+        "schema": SCHEMA_VERSION,
+        "session_id": session_id,
+        "parent_ids": list(parent_ids),
+        "operator": operator,
+        "created_at": time.time(),
+        "placement": placement,
+    }
+    if placement_options is not None:
+        header["placement_options"] = saved_options(placement_options)
+    header["agent_rows"] = [row.to_message() for row in agent_rows]
+    return _line(header)
 
 
 def encode_row(row: ChunkRow) -> bytes:

@@ -6,12 +6,15 @@ newline-terminated line that is not JSON is damage and raises `PersistenceError`
 Tool calls recorded as intents without a result are reported, so a resume can treat them as of
 unknown outcome. Tool results are written as they finish, so the results of one round are put
 back in call order. The trailer's `pending_approvals` and `interrupt_reason` come back on the
-session's metadata. This module reads files synchronously: call it off the loop.
+session's metadata. An `Isolated(...)` placement comes back with its saved options; its env
+values were never saved, so a box that had any needs them again (`load_session(path, env=...)`).
+This module reads files synchronously: call it off the loop.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,8 +54,71 @@ class LoadedSession:
 _RESTORED = ("pending_approvals", "interrupt_reason", "budget_message", "cancelled")
 
 
-def load_session(path: str | os.PathLike[str]) -> LoadedSession:
-    """Load a session file written with `persist=True`."""
+def _damaged(p: Path, what: str) -> PersistenceError:
+    return PersistenceError(f"{p}: {what}; the file is damaged or from a newer Treadle.")
+
+
+def _placement(p: Path, header: Mapping[str, Any], env: Mapping[str, str]) -> SandboxHandle | None:
+    """The sandbox handle the header's placement (and options) describe, env values from `env`."""
+    placement = header.get("placement")
+    saved = header.get("placement_options")
+    if saved is None:
+        if env:
+            raise PersistenceError(
+                f"{p}: env= names {', '.join(sorted(env))}, but the saved session has no "
+                "Isolated(env=...) variables."
+            )
+        return SandboxHandle(placement) if isinstance(placement, str) and placement else None
+    if placement != "isolated":
+        raise _damaged(
+            p, f"the header has placement_options but its placement is {placement!r} (options "
+            "apply to only the isolated placement)"
+        )  # fmt: skip
+    if not isinstance(saved, dict):
+        raise _damaged(p, "the header's placement_options is not a JSON object")
+    spec = dict(saved)
+    if "env" in spec:
+        raise _damaged(p, "the header's placement_options hold env values (env values are never "
+                       "saved, only env_names)")  # fmt: skip
+    names = spec.pop("env_names", None)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise _damaged(p, "the header's placement_options env_names must be a list of names")
+    missing = [n for n in names if n not in env]
+    if missing:
+        raise PersistenceError(
+            f"{p}: the session's Isolated box had env variables {', '.join(missing)}, whose "
+            "values are not saved (they may be secrets); give them back: "
+            f"treadle.load_session(path, env={{{', '.join(repr(n) + ': ...' for n in missing)}}})."
+        )
+    extra = sorted(set(env) - set(names))
+    if extra:
+        raise PersistenceError(
+            f"{p}: env= names {', '.join(extra)}, which the saved Isolated box did not have "
+            f"(it had: {', '.join(names) or 'none'})."
+        )
+    spec["env"] = {name: env[name] for name in names}
+    from treadle.sandbox.bwrap import Isolated  # the sandbox layer loads only when one is needed
+
+    try:
+        options = Isolated.from_spec(spec)
+    except ConfigurationError as err:
+        raise _damaged(p, f"the header's placement_options are invalid ({err})") from None
+    return SandboxHandle(options)
+
+
+def load_session(
+    path: str | os.PathLike[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    sandbox: bool = True,
+) -> LoadedSession:
+    """Load a session file written with `persist=True`.
+
+    `env` gives back the values of the `Isolated(env=...)` variables the session's box had (the
+    file holds only their names): every saved name, and no other, or `PersistenceError`.
+    `sandbox=False` reads the transcript only: the session comes back with no placement (no box
+    is prepared, no env values are needed).
+    """
     p = Path(path)
     try:
         raw = p.read_bytes()
@@ -121,10 +187,9 @@ def load_session(path: str | os.PathLike[str]) -> LoadedSession:
         metadata["unknown_outcome_tool_calls"] = list(pending)
     rows = in_call_order(rows)
     # A resumed pass gets a sandbox of the same placement: the same directory when the user gave
-    # one, a fresh temporary workspace for "local" (the old one was removed or orphaned).
-
-    placement = header.get("placement")
-    handle = SandboxHandle(placement) if isinstance(placement, str) and placement else None
+    # one, a fresh temporary workspace for "local" (the old one was removed or orphaned), and for
+    # "isolated" a fresh box with the saved options.
+    handle = _placement(p, header, env or {}) if sandbox else None
     session = Session._derive(
         SessionData(ChunkTable(rows), usage, stop_reason, metadata),
         operator="load_session",

@@ -85,14 +85,19 @@ class SessionWriter:
         placement: str | None,
         agent_rows: Sequence[ChunkRow],
         rows: Sequence[ChunkRow],
+        placement_options: Mapping[str, Any] | None = None,
     ) -> None:
-        """Create the file and write the header and the input rows."""
+        """Create the file and write the header and the input rows.
+
+        `placement_options` is the session's `placement_spec`; only its env names are written.
+        """
         data = encode_header(
             session_id=session_id,
             parent_ids=parent_ids,
             operator=operator,
             placement=placement,
             agent_rows=agent_rows,
+            placement_options=placement_options,
         ) + b"".join(encode_row(r) for r in rows)
 
         def _do() -> None:

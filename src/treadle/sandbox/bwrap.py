@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from treadle.errors import ConfigurationError, SandboxUnavailable
 
@@ -53,6 +53,33 @@ BWRAP_INSTALL_HINT = (
 )
 #: Processes bubblewrap itself keeps in the box's count (its monitor and the box's PID 1).
 _BWRAP_OWN_PROCESSES = 2
+_LIMIT_NAMES = (
+    "cpu_seconds", "memory_bytes", "max_processes", "file_size_bytes", "open_files", "tmp_bytes",
+)  # fmt: skip
+_SPEC_KEYS = ("network", "read_only", "writable", "limits", "env")
+
+
+def _spec_object(value: object, what: str) -> Mapping[str, Any]:
+    """`value` as a JSON object (string keys); else ConfigurationError naming `what`."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigurationError(f"{what} must be a JSON object, got {type(value).__name__}.")
+    return value
+
+
+def _exact_keys(value: Mapping[str, Any], keys: tuple[str, ...], what: str) -> None:
+    # Strict both ways: a key this version does not know could be a limit it would drop.
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ConfigurationError(f"{what} has unknown key(s) {', '.join(unknown)}.")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise ConfigurationError(f"{what} is missing key(s) {', '.join(missing)}.")
+
+
+def _spec_paths(value: object, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigurationError(f"{what} must be a list of absolute paths.")
+    return tuple(value)  # each path is checked by Isolated.__post_init__
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +100,10 @@ class ResourceLimits:
     """Size of the box's private `/tmp` (a tmpfs, held in memory)."""
 
     def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "memory_bytes", "max_processes", "file_size_bytes",
-                     "open_files", "tmp_bytes"):  # fmt: skip
+        for name in _LIMIT_NAMES:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            if value is not None and bad:
                 raise ConfigurationError(
                     f"ResourceLimits.{name} must be a positive integer or None, got {value!r}."
                 )
@@ -88,7 +115,7 @@ class Isolated:
     `Isolated()`. Each sandbox is a fresh temporary workspace, deleted on close."""
 
     placement: ClassVar[str] = "isolated"
-    """The placement name recorded on sessions and in saved files (options are not saved)."""
+    """The placement name recorded on sessions and in saved files (`to_spec` holds the options)."""
 
     network: bool = False
     """Share the host's network (loopback included); off by default."""
@@ -114,6 +141,58 @@ class Isolated:
                     raise ConfigurationError(
                         f"Isolated.{kind} cannot mount {path!r}: it would replace part of the box."
                     )
+        if not isinstance(self.network, bool):
+            raise ConfigurationError(
+                f"Isolated.network must be true or false, got {self.network!r}."
+            )
+        if not isinstance(self.limits, ResourceLimits):
+            raise ConfigurationError("Isolated.limits must be a ResourceLimits(...) value.")
+        if not isinstance(self.env, Mapping):
+            raise ConfigurationError("Isolated.env must be a mapping of names to strings.")
+        for name, value in self.env.items():
+            if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+                raise ConfigurationError(
+                    "Isolated.env names must be non-empty strings without '=' or NUL, "
+                    f"got {name!r}."
+                )
+            if not isinstance(value, str) or "\0" in value:
+                raise ConfigurationError(
+                    f"Isolated.env values must be strings without NUL, got {value!r} for {name}."
+                )
+
+    def to_spec(self) -> dict[str, Any]:
+        """The options as plain JSON data (env values included): `Isolated.from_spec` reverses it.
+
+        Saved session files keep only the env names (see `treadle.persist`); distributed workers
+        get the whole spec.
+        """
+        return {
+            "network": self.network,
+            "read_only": list(self.read_only),
+            "writable": list(self.writable),
+            "limits": {name: getattr(self.limits, name) for name in _LIMIT_NAMES},
+            "env": dict(self.env),
+        }
+
+    @classmethod
+    def from_spec(cls, spec: object) -> Isolated:
+        """The options from `to_spec` output; `ConfigurationError` for anything else.
+
+        Every key must be present and known (a spec from a newer Treadle with a limit this version
+        does not know is refused, never half-applied); values pass the constructors' checks.
+        """
+        data = _spec_object(spec, "an Isolated spec")
+        _exact_keys(data, _SPEC_KEYS, "the Isolated spec")
+        limits = _spec_object(data["limits"], "Isolated spec limits")
+        _exact_keys(limits, _LIMIT_NAMES, "the Isolated spec limits")
+        env = _spec_object(data["env"], "Isolated spec env")
+        return cls(
+            network=data["network"],
+            read_only=_spec_paths(data["read_only"], "Isolated spec read_only"),
+            writable=_spec_paths(data["writable"], "Isolated spec writable"),
+            limits=ResourceLimits(**limits),
+            env=dict(env),
+        )
 
 
 def find_executable(name: str) -> str:

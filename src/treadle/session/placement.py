@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from treadle.errors import ConfigurationError, SandboxError
 from treadle.session import ports
@@ -28,9 +28,14 @@ __all__ = ["OpenedSandbox", "PlacementOptions", "SandboxHandle"]
 
 
 class PlacementOptions(Protocol):
-    """A placement given as options (the sandbox layer's `Isolated(...)`): its name is recorded."""
+    """A placement given as options (the sandbox layer's `Isolated(...)`): its name is recorded,
+    and its options travel as plain data (`to_spec`) to saved files and distributed workers."""
 
     placement: ClassVar[str]
+
+    def to_spec(self) -> dict[str, Any]:
+        """The options as plain JSON data (the sandbox layer's `from_spec` reverses it)."""
+        ...
 
 
 class OpenedSandbox(Protocol):
@@ -178,6 +183,12 @@ class SandboxHandle:
             await opened.aclose()
         finally:
             self._done.set()
+
+    def options_spec(self) -> dict[str, Any] | None:
+        """The placement's options as plain data (`Isolated(...).to_spec()`, env values
+        included), or None when the placement was given as a name or a directory."""
+        requested = self._requested
+        return None if isinstance(requested, str) else requested.to_spec()
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Block until a close started by `release` finished; False on timeout."""

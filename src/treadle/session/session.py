@@ -437,6 +437,12 @@ class Session:
         return self._sandbox.placement if self._sandbox is not None else None
 
     @property
+    def placement_spec(self) -> dict[str, Any] | None:
+        """The placement's options as plain data (`Isolated(...).to_spec()`), or None when the
+        placement is a name (`"local"`, `"isolated"`: defaults), a directory, or there is none."""
+        return self._sandbox.options_spec() if self._sandbox is not None else None
+
+    @property
     def sandbox_handle(self) -> SandboxHandle | None:
         """The shared, refcounted sandbox handle (None without a placement)."""
         return self._sandbox
