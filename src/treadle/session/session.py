@@ -5,10 +5,8 @@ pass still running on the runtime: its `id` and `lineage` are known at once, whi
 `chunk_table`, `usage` or `stop_reason` blocks (sync) or is awaited (async) until the pass ends.
 A failed pass re-raises its error on every read, never a partial transcript. A sync read of a
 pending session on a thread running an event loop raises `RuntimeLoopError` (await it there).
-Deriving from a pending session (`append`, `add_user_message`, `fork`, `to`) returns a new lazy
-session at once, whose data is derived when the pass ends (the pending value's `then`).
-
-This module does no I/O; opening a sandbox is the sandbox layer's job, on first use.
+Deriving from a pending session (`append`, `add_user_message`, `fork`, `to`, `with_data`,
+`merge`) returns a new lazy session at once (the pending value's `then` / `join`). No I/O here.
 """
 
 from __future__ import annotations
@@ -309,8 +307,7 @@ class Session:
         operator: str,
         sandbox: SandboxHandle | None,
     ) -> Session:
-        """A child session with data `make(self's data)`: lazy at once while this one is pending
-        (a failed pass fails the child too), otherwise built now."""
+        """A child with data `make(self's data)`: lazy while this one is pending, else built now."""
         lazy = self._pending_value()
         if lazy is not None:
             return Session._derive(
@@ -438,8 +435,8 @@ class Session:
 
     @property
     def placement_spec(self) -> dict[str, Any] | None:
-        """The placement's options as plain data (`Isolated(...).to_spec()`), or None when the
-        placement is a name (`"local"`, `"isolated"`: defaults), a directory, or there is none."""
+        """The placement's options as plain data (`Isolated(...).to_spec()`); None for a name
+        (`"local"`, `"isolated"`: defaults), a directory or no placement."""
         return self._sandbox.options_spec() if self._sandbox is not None else None
 
     @property
