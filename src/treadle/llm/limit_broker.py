@@ -95,8 +95,9 @@ class LimitBroker:
         headers, refused]` per reply: seconds since its request went, the `[requests, tokens]`
         mark its permit carried or None, its rate headers, True for a 429) and `corrections`
         (`[estimated, actual]` tokens per answered request). The reply: `granted` permits of
-        `tokens` each, numbered from `mark`, to use within `ttl` seconds, or `wait` seconds to
-        wait before asking again; `pause` is the seconds left of a 429's pause (0.0: none).
+        `tokens` each, numbered after `mark` (None: not counted), permit i to go `due[i]` seconds
+        from now and within `ttl` seconds after that; `pause` is the seconds left of a 429's
+        pause (0.0: none) and `known` whether the broker learned limits for the endpoint.
         """
         now = self._clock()
         self.leases += 1
@@ -131,30 +132,33 @@ class LimitBroker:
                 del state.workers[other]
         self._hold(state)
         pause = max(0.0, learned.paused_until - now)
-        reply: dict[str, Any] = {"granted": 0, "tokens": 0, "mark": None, "wait": 0.0,
+        reply: dict[str, Any] = {"granted": 0, "tokens": 0, "mark": None, "due": [],
                                  "ttl": LEASE_TTL, "pause": pause, "known": learned.known}  # fmt: skip
         want = int(request.get("want", 0))
         if want <= 0:
             return reply
         tokens = max(0, int(request.get("tokens", 0)))
-        wait = learned.wait(tokens, now)
-        if wait > 0.0:
-            reply["wait"] = wait
-            return reply
-        if not learned.known:  # nothing learned (a pause only, now over): no need to count
-            reply["granted"] = want
+        if not learned.known:  # nothing learned (a pause at most): nothing to count
+            wait = learned.wait(tokens, now)
+            reply.update(granted=want, due=[wait] * want)
             return reply
         most = MAX_LEASE
         if learned.requests is not None and learned.requests.rate > 0:
             most = min(most, max(1, math.ceil(learned.requests.rate * LEASE_SECONDS)))
+        # Permits are reserved ahead: each is due when the buckets (their level already less the
+        # ones before it) have room, up to `LEASE_SECONDS` ahead; a paced worker pays one round
+        # trip per batch, not one per request.
         mark = [learned.taken_requests, learned.taken_tokens]
-        granted = 0
-        while granted < min(want, most) and (granted == 0 or learned.wait(tokens, now) <= 0.0):
+        due: list[float] = []
+        while len(due) < min(want, most):
+            wait = learned.wait(tokens, now)
+            if due and wait > LEASE_SECONDS:
+                break
             learned.take(tokens)
-            granted += 1
-        worker.out += granted
+            due.append(wait)
+        worker.out += len(due)
         self._hold(state)
-        reply.update(granted=granted, tokens=tokens, mark=mark)
+        reply.update(granted=len(due), tokens=tokens, mark=mark, due=due)
         return reply
 
     def _take_back(self, state: _Endpoint, worker: _Worker, returned: Any) -> None:

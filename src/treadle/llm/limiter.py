@@ -180,10 +180,12 @@ class EndpointLimiter:
             return
         now = self._clock()
         mark = permit.mark
-        if permit.leased:  # the broker paces; this mirror only stands by (its share)
+        shared = self._shared
+        if shared is not None and not shared.broken:  # the broker learns from every reply
             retry_after = parse_retry_after(headers) if refused else None
-            if self._shared is not None:
-                self._shared.report(now - permit.started, mark, headers, refused, now, retry_after)
+            age = now - permit.started if permit.leased else 0.0
+            shared.report(age, mark if permit.leased else None, headers, refused, now, retry_after)
+        if permit.leased:  # the broker paces; this mirror only stands by (its share)
             mark = None
         sent = permit.started if mark is not None else None
         if mark is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -47,10 +48,10 @@ class SharedEndpoint:
         self.paused_until = 0.0
         self.leases = 0
         """Lease round trips made (for tests and benchmarks)."""
-        self._left = 0  # permits in hand
+        self._due: deque[float] = deque()  # when each permit in hand may go
         self._each = 0  # tokens each of them was charged
-        self._next = (0, 0)  # the mark of the next permit in hand
-        self._expires = 0.0
+        self._ttl = 0.0  # seconds after its time a permit in hand is void
+        self._next: tuple[int, int] | None = None  # the mark of the last permit used
         self._returned = [0, 0]
         self._reports: list[list[Any]] = []
         self._corrections: list[list[int]] = []
@@ -73,32 +74,34 @@ class SharedEndpoint:
             if now < self.paused_until:
                 await sleep(self.paused_until - now)
                 continue
-            if self._left > 0 and now < self._expires and tokens <= self._each * 1.5 + 16:
-                self._left -= 1
-                mark = self._next
-                self._next = (mark[0] + 1, mark[1] + self._each)
-                return self._each, mark
-            self._give_back()
-            reply = await self._lease(want, tokens)
-            if reply["pause"] > 0.0:
-                self.paused_until = max(self.paused_until, clock() + reply["pause"])
-            granted = int(reply["granted"])
-            if granted > 0 and reply["mark"] is None:  # nothing learned there yet: uncounted
-                return tokens, None
-            if granted > 0:
-                each = int(reply["tokens"])
-                first = (int(reply["mark"][0]) + 1, int(reply["mark"][1]) + each)
-                self._left, self._each, self._expires = granted - 1, each, clock() + reply["ttl"]
-                self._next = (first[0] + 1, first[1] + each)
-                return each, first
-            if reply["wait"] > 0.0:
-                await sleep(reply["wait"])
+            due = self._due
+            if due and (now > due[0] + self._ttl or tokens > self._each * 1.5 + 16):
+                self._give_back()  # stale, or charged for much smaller requests: ask afresh
+            if not self._due:
+                reply = await self._lease(want, tokens)
+                now = clock()
+                if reply["pause"] > 0.0:
+                    self.paused_until = max(self.paused_until, now + reply["pause"])
+                self._due = deque(now + wait for wait in reply["due"])
+                self._each, self._ttl = int(reply["tokens"]), float(reply["ttl"])
+                mark = reply["mark"]
+                self._next = None if mark is None else (int(mark[0]), int(mark[1]))
+                continue
+            at = self._due.popleft()
+            mark = None
+            if self._next is not None:
+                mark = self._next = (self._next[0] + 1, self._next[1] + self._each)
+            if at > now:
+                await sleep(at - now)
+                if clock() < self.paused_until:  # a 429 meanwhile: this permit is void
+                    continue
+            return (self._each if mark is not None else tokens), mark
 
     def _give_back(self) -> None:
-        if self._left > 0:
-            self._returned[0] += self._left
-            self._returned[1] += self._left * self._each
-            self._left = 0
+        if self._due and self._next is not None:
+            self._returned[0] += len(self._due)
+            self._returned[1] += len(self._due) * self._each
+        self._due.clear()
 
     async def _lease(self, want: int, tokens: int) -> dict[str, Any]:
         message = {
@@ -137,7 +140,7 @@ class SharedEndpoint:
         """Keep what one reply taught for the next lease; a 429 goes at once and pauses here."""
         self._reports.append([age, mark, rate_headers(headers), refused])
         if refused:
-            self._left = 0  # the buckets are empty now: permits in hand would meet 429s
+            self._due.clear()  # the buckets are empty now: permits in hand would meet 429s
             if retry_after is not None:
                 self.paused_until = max(self.paused_until, now + retry_after)
         if refused or len(self._reports) >= _FLUSH_REPORTS:
@@ -165,7 +168,7 @@ class SharedEndpoint:
 
     def pause(self, seconds: float) -> None:
         """Another worker met a 429: send nothing for `seconds`, drop the permits in hand."""
-        self._left = 0
+        self._due.clear()
         self.paused_until = max(self.paused_until, self._clock() + seconds)
 
 
