@@ -257,7 +257,7 @@ class ProcessPool:
         }
         self._workers: list[_Worker | None] = [None] * self.size
         self._calls = itertools.count()
-        self.broker = LimitBroker()
+        self.broker = LimitBroker(self.size)
         """The learned rate limits the workers lease from (one per pool, on the driver's loop)."""
 
     def lease(self, worker: _Worker, lease_id: int, request: dict[str, Any]) -> None:

@@ -68,7 +68,9 @@ class LimitBroker:
     driver's event loop, or a Ray actor).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, workers: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.workers = workers
+        """Workers of the map: each one not heard from yet may have its probe on the way."""
         self._clock = clock
         self._endpoints: dict[str, _Endpoint] = {}
         self.leases = 0
@@ -91,7 +93,7 @@ class LimitBroker:
         """Take in a worker's reports, then grant up to `want` permits.
 
         The request: `worker`, `endpoint`, `want` (permits), `tokens` (estimated tokens of each),
-        `returned` (`[permits, tokens]` unused from earlier leases), `reports` (`[age, mark,
+        `returned` (`[permits, tokens, refilled]` unused from earlier leases), `reports` (`[age, mark,
         headers, refused]` per reply: seconds since its request went, the `[requests, tokens]`
         mark its permit carried or None, its rate headers, True for a 429) and `corrections`
         (`[estimated, actual]` tokens per answered request). The reply: `granted` permits of
@@ -165,13 +167,15 @@ class LimitBroker:
         """Unused permits come back to the buckets (never above what they hold when full)."""
         if not returned:
             return
-        requests, tokens = int(returned[0]), float(returned[1])
-        worker.out = max(0, worker.out - requests)
+        # [permits no longer out, tokens back, permits back]: void permits (dropped after a 429)
+        # are out no more but do not refill the emptied buckets.
+        requests, tokens = int(returned[2]), float(returned[1])
+        worker.out = max(0, worker.out - int(returned[0]))
         learned = state.learned
         for bucket, amount in ((learned.requests, requests), (learned.tokens, tokens)):
             if bucket is not None and amount > 0:
                 bucket.level = min(bucket.limit, bucket.level + amount)
 
-    @staticmethod
-    def _hold(state: _Endpoint) -> None:
-        state.learned.hold(sum(w.out for w in state.workers.values()))
+    def _hold(self, state: _Endpoint) -> None:
+        unheard = max(0, self.workers - len(state.workers))  # their probes count as in flight
+        state.learned.hold(sum(w.out for w in state.workers.values()) + unheard)

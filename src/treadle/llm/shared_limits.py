@@ -34,6 +34,8 @@ LeaseCall = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 _FLUSH_REPORTS = 64
 """Reports kept before they are sent without waiting for the next lease."""
+FLUSH_SECONDS = 0.1
+"""Reports wait at most this long for a lease to carry them (then they go on their own)."""
 
 
 class SharedEndpoint:
@@ -52,11 +54,12 @@ class SharedEndpoint:
         self._each = 0  # tokens each of them was charged
         self._ttl = 0.0  # seconds after its time a permit in hand is void
         self._next: tuple[int, int] | None = None  # the mark of the last permit used
-        self._returned = [0, 0]
+        self._returned = [0, 0, 0]
         self._reports: list[list[Any]] = []
         self._corrections: list[list[int]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._clock: Callable[[], float] = time.monotonic
+        self._timer: asyncio.TimerHandle | None = None
 
     async def take(
         self,
@@ -94,13 +97,18 @@ class SharedEndpoint:
             if at > now:
                 await sleep(at - now)
                 if clock() < self.paused_until:  # a 429 meanwhile: this permit is void
+                    self._returned[0] += mark is not None
                     continue
             return (self._each if mark is not None else tokens), mark
 
-    def _give_back(self) -> None:
+    def _give_back(self, void: bool = False) -> None:
+        """Hand the permits in hand back (`void`: a 429 emptied the buckets, they count as
+        neither used nor refilled)."""
         if self._due and self._next is not None:
             self._returned[0] += len(self._due)
-            self._returned[1] += len(self._due) * self._each
+            if not void:
+                self._returned[1] += len(self._due) * self._each
+                self._returned[2] += len(self._due)
         self._due.clear()
 
     async def _lease(self, want: int, tokens: int) -> dict[str, Any]:
@@ -113,7 +121,10 @@ class SharedEndpoint:
             "reports": self._reports,
             "corrections": self._corrections,
         }
-        self._returned, self._reports, self._corrections = [0, 0], [], []
+        self._returned, self._reports, self._corrections = [0, 0, 0], [], []
+        if self._timer is not None:  # this message carries them
+            self._timer.cancel()
+            self._timer = None
         self.leases += 1
         try:
             return await self._call(message)
@@ -140,11 +151,14 @@ class SharedEndpoint:
         """Keep what one reply taught for the next lease; a 429 goes at once and pauses here."""
         self._reports.append([age, mark, rate_headers(headers), refused])
         if refused:
-            self._due.clear()  # the buckets are empty now: permits in hand would meet 429s
+            self._give_back(void=True)  # the buckets are empty: permits in hand would meet 429s
             if retry_after is not None:
                 self.paused_until = max(self.paused_until, now + retry_after)
         if refused or len(self._reports) >= _FLUSH_REPORTS:
             self._flush()
+        elif self._timer is None:  # a worker that went quiet still tells what came back
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(FLUSH_SECONDS, self._flush)
 
     def correct(self, estimated: int, actual: int) -> None:
         """The server reported `actual` tokens for a request charged as `estimated`."""
@@ -152,7 +166,10 @@ class SharedEndpoint:
             self._corrections.append([estimated, actual])
 
     def _flush(self) -> None:
-        if self.broken:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.broken or not (self._reports or self._corrections or any(self._returned)):
             return
         task = asyncio.get_running_loop().create_task(self._send_reports())
         self._tasks.add(task)
@@ -168,7 +185,7 @@ class SharedEndpoint:
 
     def pause(self, seconds: float) -> None:
         """Another worker met a 429: send nothing for `seconds`, drop the permits in hand."""
-        self._due.clear()
+        self._give_back(void=True)
         self.paused_until = max(self.paused_until, self._clock() + seconds)
 
 
