@@ -164,10 +164,14 @@ class LearnedBucket:
             return
         gained = remaining - anchor[1] + (mark - anchor[2])
         self.anchor = (arrived, remaining, mark)
-        if gained > 0 and remaining < self.limit / self.share - 1:  # a full bucket hides its rate
-            scale = self.rate / self.learned_rate if self.learned_rate > 0 else 1.0
-            self.learned_rate = gained / (arrived - anchor[0]) * self.share
-            self.rate = self.learned_rate * scale
+        if gained <= 0:
+            return
+        measured = gained / (arrived - anchor[0]) * self.share
+        if remaining >= self.limit / self.share - 1:  # it may have been full: at least that much
+            measured = max(measured, self.learned_rate)
+        scale = self.rate / self.learned_rate if self.learned_rate > 0 else 1.0
+        self.learned_rate = measured
+        self.rate = measured * scale
 
     def wait(self, need: float, now: float) -> float:
         """Seconds until `need` units are available (0.0: now)."""
@@ -183,12 +187,13 @@ class _Probing:
     """Pacing an endpoint that sends no rate headers, since its latest 429."""
 
     since: float
-    taken: int
-    """`taken_requests` at that 429."""
+    """When the pause of that 429 ended."""
     bucket: LearnedBucket
     rate: float
     """The rate paced at right after that 429."""
     slow_start: bool
+    ok: int = 0
+    """Requests answered (not refused) since."""
 
 
 class LearnedLimits:
@@ -303,17 +308,18 @@ class LearnedLimits:
             rate = 1.0 / min(max(retry_after or 1.0, 1e-3), 1.0)
             self.requests = bucket = LearnedBucket(1.0, now)
             bucket.limit = 1.0  # evenly paced: no burst
-        else:
+        elif now < probing.since:  # sent before the last pause ended: the same overload
+            return
+        else:  # paced too fast: at a little less than what the endpoint let through since
             bucket = probing.bucket
             span = now - probing.since
-            done = self.taken_requests - probing.taken
-            measured = done / span if span > 0 and done > 0 else bucket.learned_rate / 2
+            measured = probing.ok / span if span > 0 and probing.ok else bucket.learned_rate / 2
             rate = max(PROBE_BACKOFF * min(measured, bucket.learned_rate), 1e-3)
         bucket.learned_rate = bucket.rate = rate
         bucket.level = min(bucket.level, 0.0)
         # Measured from the end of the pause: nothing could be sent before.
         since = max(now, self.paused_until)
-        self.probing = _Probing(since, self.taken_requests, bucket, rate, probing is None)
+        self.probing = _Probing(since, bucket, rate, probing is None)
 
     def answered(self, now: float) -> None:
         """A request was answered (not refused): without headers, pace a little faster.
@@ -325,6 +331,7 @@ class LearnedLimits:
         if probing is None:
             return
         bucket = probing.bucket
+        probing.ok += 1
         if now < probing.since:
             return
         if now - probing.since > PROBE_FORGET:

@@ -28,6 +28,8 @@ __all__ = ["BYTES_PER_TOKEN", "EndpointLimiter", "Permit", "estimate_tokens"]
 
 BYTES_PER_TOKEN = 4
 """Rough bytes of request JSON per prompt token, for the tokens-per-minute estimate."""
+MAX_NAP = 0.25
+"""Longest sleep between looks at the learned limits while waiting for room."""
 
 
 def estimate_tokens(body: bytes) -> int:
@@ -154,7 +156,9 @@ class EndpointLimiter:
                     permit.probe = self._probe_out = self._probing
                     return permit
             while (wait := learned.wait(tokens, self._clock())) > 0.0:
-                await self._sleep(wait)
+                # In naps: a reply may show room sooner (a measured rate, a level that followed
+                # the server up) than the wait worked out now.
+                await self._sleep(min(wait, MAX_NAP))
             permit = self._admit(self._clock(), tokens)
             permit.mark = mark = learned.take(tokens) if learned.known else None
             if mark is not None:
