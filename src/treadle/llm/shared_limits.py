@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from treadle.llm.limit_broker import rate_headers
+from treadle.llm.limit_broker import MAX_LEASE, rate_headers
 
 __all__ = ["LeaseCall", "SharedEndpoint", "install_shared_limits", "pause_shared",
            "shared_endpoint", "uninstall_shared_limits"]  # fmt: skip
@@ -60,6 +60,7 @@ class SharedEndpoint:
         self._tasks: set[asyncio.Task[None]] = set()
         self._clock: Callable[[], float] = time.monotonic
         self._timer: asyncio.TimerHandle | None = None
+        self._batch = 1  # permits a lease asks for at least: grows while all get used
 
     async def take(
         self,
@@ -81,7 +82,7 @@ class SharedEndpoint:
             if due and (now > due[0] + self._ttl or tokens > self._each * 1.5 + 16):
                 self._give_back()  # stale, or charged for much smaller requests: ask afresh
             if not self._due:
-                reply = await self._lease(want, tokens)
+                reply = await self._lease(max(want, self._batch), tokens)
                 now = clock()
                 if reply["pause"] > 0.0:
                     self.paused_until = max(self.paused_until, now + reply["pause"])
@@ -91,6 +92,8 @@ class SharedEndpoint:
                 self._next = None if mark is None else (int(mark[0]), int(mark[1]))
                 continue
             at = self._due.popleft()
+            if not self._due:  # all used: a busy worker asks for more at a time
+                self._batch = min(MAX_LEASE, self._batch * 2)
             mark = None
             if self._next is not None:
                 mark = self._next = (self._next[0] + 1, self._next[1] + self._each)
@@ -109,6 +112,7 @@ class SharedEndpoint:
             if not void:
                 self._returned[1] += len(self._due) * self._each
                 self._returned[2] += len(self._due)
+                self._batch = max(1, self._batch // 2)  # more than it needed
         self._due.clear()
 
     async def _lease(self, want: int, tokens: int) -> dict[str, Any]:
@@ -169,6 +173,8 @@ class SharedEndpoint:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._due and self._due[0] < self._clock() - FLUSH_SECONDS:
+            self._give_back()  # nobody took them when due: this worker went quiet
         if self.broken or not (self._reports or self._corrections or any(self._returned)):
             return
         task = asyncio.get_running_loop().create_task(self._send_reports())
