@@ -83,6 +83,11 @@ class LimitBroker:
         state = self._endpoints.get(endpoint)
         return state.learned if state is not None else None
 
+    def out(self, endpoint: str) -> dict[str, int]:
+        """Permits each worker has leased for `endpoint` and not yet answered or given back."""
+        state = self._endpoints.get(endpoint)
+        return {} if state is None else {name: w.out for name, w in state.workers.items()}
+
     def forget(self, worker: str) -> None:
         """`worker` is gone: what it held no longer counts as in flight."""
         for state in self._endpoints.values():
