@@ -152,7 +152,9 @@ class LearnedBucket:
         server = remaining * share + age * self.learned_rate - since
         # With a measured rate the mirror follows the server up too: a rate measured too low
         # would otherwise keep the level (and the next measurement) low for good.
-        self.level = min(server, self.limit - self.held) if self.measured else min(self.level, server)
+        self.level = (
+            min(server, self.limit - self.held) if self.measured else min(self.level, server)
+        )
 
     def measure(self, remaining: int, arrived: float, mark: float) -> None:
         """Refill rate from two replies without a reset: what the server's level gained plus what
@@ -289,7 +291,7 @@ class LearnedLimits:
         """
         if retry_after is not None:
             self.paused_until = max(self.paused_until, now + retry_after)
-        if self.requests is None and self.tokens is None or self.probing is not None:
+        if (self.requests is None and self.tokens is None) or self.probing is not None:
             self._probe_refused(retry_after, now if sent is None else sent)
             return
         foreseen = False

@@ -98,8 +98,8 @@ class LimitBroker:
         """Take in a worker's reports, then grant up to `want` permits.
 
         The request: `worker`, `endpoint`, `want` (permits), `tokens` (estimated tokens of each),
-        `returned` (`[permits, tokens, refilled]` unused from earlier leases), `reports` (`[age, mark,
-        headers, refused]` per reply: seconds since its request went, the `[requests, tokens]`
+        `returned` (`[permits, tokens, refilled]` unused from earlier leases), `reports` (`[age,
+        mark, headers, refused]` per reply: seconds since its request went, the `[requests, tokens]`
         mark its permit carried or None, its rate headers, True for a 429) and `corrections`
         (`[estimated, actual]` tokens per answered request). The reply: `granted` permits of
         `tokens` each, numbered after `mark` (None: not counted), permit i to go `due[i]` seconds
@@ -140,7 +140,8 @@ class LimitBroker:
         self._hold(state)
         pause = max(0.0, learned.paused_until - now)
         reply: dict[str, Any] = {"granted": 0, "tokens": 0, "mark": None, "due": [],
-                                 "ttl": LEASE_TTL, "pause": pause, "known": learned.known}  # fmt: skip
+                                 "ttl": LEASE_TTL, "pause": pause,
+                                 "known": learned.known}  # fmt: skip
         want = int(request.get("want", 0))
         if want <= 0:
             return reply
