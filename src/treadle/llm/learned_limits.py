@@ -40,8 +40,10 @@ PENALTY_FLOOR = 0.25
 """The paced rate never drops below this part of the learned one."""
 PENALTY_RECOVERY = 0.002
 """Each reply that shows room left gives back this much of the rate."""
-MEASURE_SPAN = 0.05
+MEASURE_SPAN = 0.1
 """Seconds between two `remaining`-only replies before a refill rate is measured from them."""
+MEASURE_MARGIN = 0.9
+"""A measured refill rate is paced at this part of what was measured."""
 PROBE_STEP = 1.001
 """Without headers, each answered request raises the paced rate by this factor."""
 PROBE_FORGET = 60.0
@@ -168,7 +170,9 @@ class LearnedBucket:
         self.anchor = (arrived, remaining, mark)
         if gained <= 0:
             return
-        measured = gained / (arrived - anchor[0]) * self.share
+        # Paced a little below the measurement: a request's arrival is taken as its admission,
+        # and one held up on its way makes the refill look faster than it is.
+        measured = gained / (arrived - anchor[0]) * self.share * MEASURE_MARGIN
         if remaining >= self.limit / self.share - 1:  # it may have been full: at least that much
             measured = max(measured, self.learned_rate)
         scale = self.rate / self.learned_rate if self.learned_rate > 0 else 1.0
