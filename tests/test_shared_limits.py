@@ -249,3 +249,33 @@ async def test_retry_after_only_endpoints_are_paced_after_the_first_storm() -> N
         assert server.limits is not None
         unpaced = server.limits.rejected
     assert paced * 10 < unpaced
+
+
+async def test_a_pushed_pause_drops_the_permits_in_hand(no_shared_limits: None) -> None:
+    from treadle.llm.shared_limits import pause_shared
+
+    clock = VirtualClock()
+    broker = LimitBroker(clock=clock)
+    returned: list[list[int]] = []
+
+    async def call(request: dict[str, Any]) -> dict[str, Any]:
+        returned.append(request["returned"])
+        return broker.lease(json.loads(json.dumps(request)))
+
+    install_shared_limits(call, "w")
+    limiter = EndpointLimiter(100, learn=True, endpoint="e", clock=clock, sleep=clock.sleep)
+    probe = await limiter.acquire()
+    limiter.observe(probe, _headers(6000, 5999, "10ms"))
+    limiter.release(probe)
+    for _ in range(4):  # the batch grows: permits are left in hand
+        limiter.release(await limiter.acquire())
+    in_hand = broker.out("e")["w"] - 4
+    assert in_hand > 0
+    pause_shared("e", 2.0)  # another worker met a 429 (the process pool pushes it)
+    started = clock.now
+    permit = await limiter.acquire()
+    assert clock.now - started >= 2.0
+    limiter.release(permit)
+    # The dropped permits went back as void: out no more, but no refill of the emptied bucket.
+    assert returned[-1] == [in_hand, 0, 0]
+    pause_shared("elsewhere", 1.0)  # an endpoint this worker never used: nothing to do
