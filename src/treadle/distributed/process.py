@@ -262,6 +262,8 @@ class ProcessPool:
 
     def lease(self, worker: _Worker, lease_id: int, request: dict[str, Any]) -> None:
         """Answer one worker's lease; a 429 it reports pauses the other workers at once."""
+        if worker.lost:  # a late message from a replaced worker: it holds nothing now
+            return
         try:
             reply = self.broker.lease(request)
         except (KeyError, TypeError, ValueError, IndexError) as err:  # a malformed request
