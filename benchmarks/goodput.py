@@ -10,6 +10,12 @@ Each contestant gets a fresh server (a full bucket, like a fresh key), and is me
 limit-bound ideal: the least time the server's buckets allow for the work, burst included
 (`max((requests - RPM) / rate, (tokens - TPM) / token rate)` plus one latency). The 429s the
 server sent are read from its `/stats`.
+
+The process rows run one map on 2 worker processes with the load spread unevenly (the first
+worker's slots get the passes of many rounds, the other's one-completion passes, which end
+early), against a requests limit: split (each worker paces at half of what it learned, the
+behaviour before the shared broker) and shared (the workers lease the learned limits from the
+driver), in the same run. Worker start-up is not timed.
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ def goodput(h: Harness, size: dict[str, Any]) -> Result:
             }
         )
         result.series[job.label] = sample.wall / ideal
+    _worker_rows(h, size, result)
     mine = next((r for r in result.rows if r["label"] == "treadle (no configuration)"), None)
     if mine is not None:
         share = mine["429 % of requests"] / 100
@@ -112,3 +119,55 @@ def goodput(h: Harness, size: dict[str, Any]) -> Result:
         "ideal = least time the buckets allow (starting full) plus one 50 ms latency",
     ]
     return result
+
+
+PROCESS_WORKERS = 2
+WORKER_ROWS = (
+    ("treadle process, 2 workers uneven: split (before)", False),
+    ("treadle process, 2 workers uneven: shared", True),
+)
+
+
+def _worker_rows(h: Harness, size: dict[str, Any], result: Result) -> None:
+    """The process backend rows: split vs shared learned limits, the same uneven map."""
+    long, rounds, short, rpm = size["goodput_workers"]
+    window = size["goodput_window"]
+    latency = FANOUT_LATENCY_MS / 1000
+    requests = long * (rounds + 1) + short
+    # The limit-bound time, or the long passes' own rounds one after another if longer.
+    ideal = max(max(requests - rpm, 0) / (rpm / window) + latency, (rounds + 1) * latency)
+    leases: dict[str, float] = {}
+    for label, shared in WORKER_ROWS:
+        params = {"n": short, "long": long, "workers": PROCESS_WORKERS, "concurrency": long,
+                  "shared": shared}  # fmt: skip
+        job = Job(label, "treadle", "fanout_process", params)
+        with ServerProcess("uneven", rounds=rounds, latency_ms=FANOUT_LATENCY_MS,
+                           rate_limits=(rpm, 10**9, window)) as server:  # fmt: skip
+            data = h.measure(server, [job], 1)
+            stats = server.stats()
+        samples = data.get(label)
+        if not samples:
+            continue
+        sample = samples[0]
+        sent, refused = stats["requests"], stats["rate_limited"]
+        leases[label] = sample.extra.get("leases", 0) / max(sent, 1)
+        result.rows.append(
+            {
+                "label": label,
+                "wall s": sample.wall,
+                "ideal s": ideal,
+                "x ideal": sample.wall / ideal,
+                "429s": refused,
+                "429 % of requests": refused / max(sent, 1) * 100,
+                "errors": sample.errors,
+                "client CPU s": sample.cpu,
+            }
+        )
+        result.series[label] = sample.wall / ideal
+    if leases:
+        result.notes.append(
+            f"process rows: {long} passes of {rounds + 1} requests and {short} of one, "
+            f"{rpm:,} requests per {window:g} s; client CPU is the driver's only; round trips "
+            "to the driver per request (leases): "
+            + ", ".join(f"{label.rsplit(': ', 1)[1]} {v:.3f}" for label, v in leases.items())
+        )

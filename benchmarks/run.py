@@ -44,6 +44,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "goodput_rpm": 1200,
         "goodput_tpm": 200_000,
         "goodput_window": 6.0,
+        # The process row: (long passes, their tool rounds, short passes, requests per window).
+        "goodput_workers": (16, 60, 600, 600),
     },
     "quick": {
         "serial_n": 60,
@@ -67,6 +69,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "goodput_rpm": 400,
         "goodput_tpm": 66_000,
         "goodput_window": 2.0,
+        "goodput_workers": (8, 40, 200, 200),
     },
     "tiny": {
         "serial_n": 5,
@@ -91,6 +94,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "goodput_rpm": 10,
         "goodput_tpm": 2000,
         "goodput_window": 1.0,
+        "goodput_workers": (2, 3, 6, 10),
     },
 }
 """Workload sizes: `full` for `make bench`, `quick` for `make bench-quick`, `tiny` for tests."""

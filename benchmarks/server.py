@@ -126,10 +126,26 @@ def parallel_script(rounds: int, calls: int, tool_name: str = "nap") -> Any:
     return script
 
 
+def uneven_script(rounds: int) -> Any:
+    """Passes whose user message starts with `long` call `noop` `rounds` times, the others
+    answer at once: the load of a map spreads unevenly over its workers."""
+    from treadle.testing import Reply
+
+    def script(request: dict[str, Any]) -> Reply:
+        messages = request.get("messages", ())
+        done = sum(1 for m in messages if m.get("role") == "tool")
+        user = next((m.get("content") for m in messages if m.get("role") == "user"), "")
+        if str(user).startswith("long") and done < rounds:
+            return Reply.tool_call("noop", {"round": done + 1})
+        return Reply.text(f"finished after {done} tool rounds")
+
+    return script
+
+
 def main() -> None:
     """Serve until terminated, printing the base URL first."""
     parser = argparse.ArgumentParser(description="Fake OpenAI server for the benchmarks.")
-    parser.add_argument("--script", default="tool_loop", help="tool_loop or parallel")
+    parser.add_argument("--script", default="tool_loop", help="tool_loop, parallel or uneven")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=8, help="calls per reply (parallel)")
     parser.add_argument("--latency-ms", type=float, default=0.0)
@@ -140,6 +156,20 @@ def main() -> None:
     limits = []
     if args.rpm is not None:
         limits += ["--rpm", args.rpm, "--tpm", args.tpm, "--rate-window", args.rate_window]
+    if args.script == "uneven":
+        from treadle.testing import FakeOpenAIServer
+
+        rpm, tpm = (None, None) if args.rpm is None else (int(args.rpm), int(args.tpm))
+        uneven = FakeOpenAIServer(
+            uneven_script(args.rounds),
+            latency_ms=args.latency_ms,
+            requests_per_minute=rpm,
+            tokens_per_minute=tpm,
+            rate_window=float(args.rate_window),
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(uneven.serve_forever())
+        return
     if args.script != "parallel":
         from treadle.testing.fake_server import main as serve
 

@@ -164,3 +164,39 @@ def test_passes_on_actors_are_children_of_the_callers_span() -> None:
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
         result.stdout[-3000:] + result.stderr[-5000:]
     )
+
+
+async def test_ray_workers_share_the_learned_limit_under_uneven_load(tmp_path: Path) -> None:
+    from test_shared_limits_process import CONCURRENCY, LONG_ROUNDS, _inputs, _uneven
+    from treadle.distributed import AgentSpec
+    from treadle.distributed.driver import drive
+    from treadle.distributed.ray_backend import RayPool
+
+    # 20 requests per 0.5 s, nothing configured; one worker has the ten-request passes.
+    with FakeOpenAIServer(
+        script=_uneven, latency_ms=20, requests_per_minute=20, rate_window=0.5
+    ) as server:
+        spec = AgentSpec.from_agent(_agent(server.base_url, max_retries=30))
+        pool = RayPool(spec.to_json(), size=2, concurrency=CONCURRENCY, sandbox_base=str(tmp_path))
+        await pool.start()
+        try:
+            outcomes = [
+                o
+                async for o in drive(
+                    pool,
+                    _inputs(CONCURRENCY, 24),
+                    concurrency=CONCURRENCY,
+                    max_attempts=3,
+                    call_timeout=120,
+                )
+            ]
+            stats = await pool.shared_stats()
+        finally:
+            await pool.close()
+        limits = server.limits
+        assert limits is not None
+    assert {o.status for o in outcomes} == {"ok"} and len(outcomes) == CONCURRENCY + 24
+    sent = limits.admitted + limits.rejected
+    assert sent >= CONCURRENCY * LONG_ROUNDS + 24
+    assert limits.rejected <= sent // 100  # under 1% answered 429
+    assert 0 < stats["leases"] < sent / 2  # leased from the named actor, in batches

@@ -86,7 +86,7 @@ def test_replies_without_headers_teach_nothing() -> None:
         {"x-ratelimit-limit-requests": "abc", "x-ratelimit-remaining-requests": "1"},
         {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "-3"},
         {"x-ratelimit-limit-requests": "0", "x-ratelimit-remaining-requests": "0"},
-        {"x-ratelimit-remaining-requests": "5"},  # no size: nothing to pace against
+        {"x-ratelimit-remaining-requests": "0"},  # `remaining` only, and no size to infer
     ],
 )
 def test_malformed_headers_are_ignored(headers: dict[str, str]) -> None:
@@ -218,7 +218,7 @@ async def test_a_probe_without_reply_hands_probing_on() -> None:
     limiter.release(free)
 
 
-async def test_a_429_without_headers_pauses_then_returns_to_the_fast_path() -> None:
+async def test_a_429_without_headers_pauses_paces_then_returns_to_the_fast_path() -> None:
     clock = VirtualClock()
     limiter = EndpointLimiter(100, learn=True, clock=clock, sleep=clock.sleep)
     probe = await limiter.acquire()
@@ -227,6 +227,21 @@ async def test_a_429_without_headers_pauses_then_returns_to_the_fast_path() -> N
     started = clock.now
     permit = await limiter.acquire()
     assert clock.now - started == pytest.approx(3.0)
+    # From then on evenly paced (no burst to storm the endpoint again), a little faster with
+    # every answer.
+    waits = []
+    for _ in range(5):
+        limiter.observe(permit, {})
+        limiter.release(permit)
+        started = clock.now
+        permit = await limiter.acquire()
+        waits.append(clock.now - started)
+    assert all(w > 0 for w in waits)
+    assert waits == sorted(waits, reverse=True)
+    clock.now += 61.0  # a minute without a 429: the endpoint was only busy for a while
+    limiter.observe(permit, {})
+    limiter.release(permit)
+    permit = await limiter.acquire()
     limiter.observe(permit, {})
     limiter.release(permit)
     assert limiter._fast

@@ -209,3 +209,38 @@ def parallel(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     )
     meter.stop()
     return {"errors": errors}
+
+
+def fanout_process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
+    """An uneven map on the process backend: `long` passes (many rounds) fill the first
+    worker's slots, `short` ones (one completion) the others'. `shared`: the workers lease the
+    learned limits from the driver; otherwise each paces at 1/N of them (the old split)."""
+    import treadle.distributed.process as process
+    from treadle.agents import Agent
+    from treadle.distributed import AgentSpec
+    from treadle.distributed.driver import drive
+
+    process.SHARE_LEARNED_LIMITS = bool(job["shared"])
+    workers, concurrency = job["workers"], job["concurrency"]
+    agent = Agent("uneven", SYSTEM_PROMPT, tools=[noop], provider=_provider(job))
+    spec = AgentSpec.from_agent(agent, api_key_env="TREADLE_BENCH_KEY")
+    inputs = [f"long {i}" for i in range(job["long"])] + [f"short {i}" for i in range(job["n"])]
+
+    async def main() -> tuple[int, int]:
+        pool = process.ProcessPool(spec.to_json(), size=workers, api_key=API_KEY)
+        await pool.start()  # worker start-up is not timed
+        try:
+            meter.start()
+            outcomes = [
+                o
+                async for o in drive(
+                    pool, inputs, concurrency=concurrency, max_attempts=1, call_timeout=None
+                )
+            ]
+            meter.stop()
+        finally:
+            await pool.close()
+        return sum(o.status != "ok" for o in outcomes), pool.broker.leases
+
+    errors, leases = asyncio.run(main())
+    return {"errors": errors, "leases": leases}

@@ -101,8 +101,9 @@ async def map_outcomes(
         call_timeout: Seconds the driver waits for a worker's answer before treating the worker
             as lost (default: `pass_timeout` + 60, or no limit without `pass_timeout`).
         results_path: Also append each outcome as one JSON line to this file.
-        rate_limit: `"split"` divides the endpoint's limits between workers; `"shared"` (Ray
-            only) makes requests-per-minute one token bucket for all workers.
+        rate_limit: `"split"` divides the configured limits between workers; `"shared"` (Ray
+            only) makes requests-per-minute one token bucket for all workers. The limits the
+            endpoint reports are shared by the workers either way (no configuration).
         sandbox_base: Directory under which workers make their sandbox roots.
         ray_address: Ray cluster to connect to when Ray is not initialised (`"auto"`, an
             address, or None for a local instance).

@@ -6,9 +6,12 @@ the driver talks to it over a socket pair wrapped in a `multiprocessing` `Connec
 outcomes back, as JSON-able dicts). Reads
 and writes of the pipe happen on threads, so the driver's event loop never waits on a pipe. When
 a worker process dies, every pass it had in flight fails with `WorkerLost` and the slot is
-restarted by the scheduler (`treadle.distributed.driver`). This module must never share Python
-objects with a worker other than by pipe messages, and never leave a worker process running
-after `close`.
+restarted by the scheduler (`treadle.distributed.driver`). The same pipe carries the learned
+rate limits the workers share: the driver holds a `LimitBroker`, workers lease permits from it in
+small batches (`("lease", id, request)` / `("grant", id, reply)`), and a 429 one worker reports
+is pushed to the others at once (`("pause", endpoint, seconds)`). This module must never share
+Python objects with a worker other than by pipe messages, and never leave a worker process
+running after `close`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import socket
@@ -29,11 +33,19 @@ from typing import Any
 from treadle.distributed.driver import WorkerLost
 from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.errors import ConfigurationError
+from treadle.llm.limit_broker import LimitBroker
 
-__all__ = ["WORKER_START_TIMEOUT", "ProcessPool"]
+__all__ = ["LEASE_TIMEOUT", "SHARE_LEARNED_LIMITS", "WORKER_START_TIMEOUT", "ProcessPool"]
 
 #: Seconds a worker process may take to start and build its agent.
 WORKER_START_TIMEOUT = 60.0
+#: Seconds a worker waits for the driver to answer a lease before pacing on its own share.
+LEASE_TIMEOUT = 10.0
+#: Workers lease the learned rate limits from the driver (False: each paces at 1/N on its own,
+#: the behaviour before the shared broker; benchmarks compare the two).
+SHARE_LEARNED_LIMITS = True
+log = logging.getLogger("treadle.distributed")
+
 # Seconds to wait for a worker to exit after being asked to stop, before it is killed.
 _STOP_GRACE = 10.0
 
@@ -53,10 +65,25 @@ def _worker_main(fd: int) -> None:
 
 
 async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]) -> None:
-    from treadle.distributed.worker import PassWorker
+    from treadle.distributed.worker import PassWorker, worker_name
+    from treadle.llm.shared_limits import install_shared_limits, pause_shared
 
     loop = asyncio.get_running_loop()
     outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    grants: dict[int, asyncio.Future[dict[str, Any]]] = {}
+    lease_ids = itertools.count()
+
+    async def lease(request: dict[str, Any]) -> dict[str, Any]:
+        lease_id = next(lease_ids)
+        future = grants[lease_id] = loop.create_future()
+        outbox.put(("lease", lease_id, request))
+        try:
+            return await asyncio.wait_for(future, LEASE_TIMEOUT)
+        finally:
+            grants.pop(lease_id, None)
+
+    if options.pop("shared_limits", False):  # before the agent's limiters exist
+        install_shared_limits(lease, worker_name())
 
     def write() -> None:
         while (message := outbox.get()) is not None:
@@ -85,6 +112,14 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
     def on_message(message: Any) -> None:
         if message is None:
             stop.set()
+            return
+        if message[0] == "grant":
+            future = grants.get(message[1])
+            if future is not None and not future.done():
+                future.set_result(message[2])
+            return
+        if message[0] == "pause":
+            pause_shared(message[1], message[2])
             return
         task = loop.create_task(run_one(*message))
         tasks.add(task)
@@ -116,9 +151,12 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
 class _Worker:
     """The driver's end of one worker process."""
 
-    def __init__(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], conn: Connection, pool: ProcessPool
+    ) -> None:
         self.process = process
         self.conn = conn
+        self.pool = pool
         self.name = f"process:{process.pid}"
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -148,6 +186,8 @@ class _Worker:
             future = self.pending.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(message[2])
+        elif message[0] == "lease":
+            self.pool.lease(self, message[1], message[2])
         elif message[0] == "ready" and not self.ready.done():
             self.name = message[1]
             self.ready.set_result(message[1])
@@ -156,7 +196,19 @@ class _Worker:
                 ConfigurationError(f"a process worker could not start: {message[1]}")
             )
 
+    def post(self, message: Any) -> None:
+        """Send `message` on the sender thread, never waiting here (lost if the worker is)."""
+
+        def send() -> None:
+            with contextlib.suppress(OSError, ValueError):
+                self.conn.send(message)
+
+        with contextlib.suppress(RuntimeError):  # the sender is shut down: the worker is gone
+            self.sender.submit(send)
+
     def fail(self, err: Exception) -> None:
+        if not self.lost:  # what it leased is no longer in flight anywhere
+            self.pool.broker.forget(self.name)
         self.lost = True
         if not self.ready.done():
             self.ready.set_exception(err)
@@ -201,9 +253,27 @@ class ProcessPool:
             "pass_timeout": pass_timeout,
             "api_key": api_key,
             "worker_init": worker_init,
+            "shared_limits": SHARE_LEARNED_LIMITS,
         }
         self._workers: list[_Worker | None] = [None] * self.size
         self._calls = itertools.count()
+        self.broker = LimitBroker(self.size)
+        """The learned rate limits the workers lease from (one per pool, on the driver's loop)."""
+
+    def lease(self, worker: _Worker, lease_id: int, request: dict[str, Any]) -> None:
+        """Answer one worker's lease; a 429 it reports pauses the other workers at once."""
+        if worker.lost:  # a late message from a replaced worker: it holds nothing now
+            return
+        try:
+            reply = self.broker.lease(request)
+        except (KeyError, TypeError, ValueError, IndexError) as err:  # a malformed request
+            log.warning("a malformed rate-limit lease from %s: %r", worker.name, err)
+            return  # the worker's lease times out and it paces on its own share
+        worker.post(("grant", lease_id, reply))
+        if any(report[3] for report in request.get("reports", ())):
+            for other in self._workers:
+                if other is not None and other is not worker and not other.lost:
+                    other.post(("pause", request["endpoint"], reply["pause"]))
 
     def worker_name(self, slot: int) -> str:
         """The current worker of `slot`, `host:pid`."""
@@ -221,7 +291,7 @@ class ProcessPool:
             )
         conn = Connection(parent.detach())
         conn.send(("init", self._spec, self._options, list(sys.path)))
-        worker = _Worker(process, conn)
+        worker = _Worker(process, conn, self)
         worker.start_reader(asyncio.get_running_loop())
         try:
             await asyncio.wait_for(asyncio.shield(worker.ready), WORKER_START_TIMEOUT)

@@ -3,10 +3,12 @@
 Each actor holds a `PassWorker` (its own HTTP pool, limiter and sandbox root) and runs many passes
 concurrently on the actor's event loop. Actors are created without Ray's own restarts: when one
 dies, the scheduler (`treadle.distributed.driver`) gets `WorkerLost` for its in-flight passes,
-replaces the actor, and retries the passes on any worker. With `rate_limit="shared"` the
-requests-per-minute cap is one `TokenBucket`, a named actor every worker takes tokens from (in
-small batches). Ray is imported only when this backend is used; this module must never make it a
-dependency of the rest of Treadle, and never call an actor without a bound on how long it waits.
+replaces the actor, and retries the passes on any worker. One named actor, `SharedLimits`,
+holds what the workers share: the learned rate limits (a `LimitBroker` every worker leases
+permits from in small batches, without configuration) and, with `rate_limit="shared"`, the
+configured requests-per-minute cap as one `TokenBucket` (tokens taken in small batches too). Ray
+is imported only when this backend is used; this module must never make it a dependency of the
+rest of Treadle, and never call an actor without a bound on how long it waits.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from typing import Any
 
 from treadle.distributed.driver import WorkerLost
 from treadle.distributed.outcome import PassItem, PassOutcome
-from treadle.distributed.worker import PassWorker
+from treadle.distributed.worker import PassWorker, worker_name
 from treadle.errors import ConfigurationError
+from treadle.llm.limit_broker import LimitBroker
+from treadle.llm.shared_limits import install_shared_limits
 
-__all__ = ["WORKER_START_TIMEOUT", "PassActor", "RayPool", "TokenBucket", "ensure_ray", "load_ray"]
+__all__ = ["LEASE_TIMEOUT", "WORKER_START_TIMEOUT", "PassActor", "RayPool", "SharedLimits",
+           "TokenBucket", "ensure_ray", "load_ray"]  # fmt: skip
 
 #: Seconds an actor may take to start and build its agent.
 WORKER_START_TIMEOUT = 120.0
@@ -31,6 +36,8 @@ WORKER_START_TIMEOUT = 120.0
 _CLOSE_TIMEOUT = 10.0
 # Extra concurrent calls an actor accepts beyond the passes in flight (ready, close).
 _CONTROL_CALLS = 4
+#: Seconds a worker waits for a lease before pacing on its own share of the learned limits.
+LEASE_TIMEOUT = 10.0
 
 
 def load_ray() -> Any:
@@ -70,6 +77,33 @@ class TokenBucket:
         return max(0.0, -self.tokens / self.rate)
 
 
+class SharedLimits:
+    """What a map's workers share (runs as a named Ray actor): the learned limits they lease, and
+    the configured requests-per-second bucket of `rate_limit="shared"` (None: not configured)."""
+
+    def __init__(self, rate_per_second: float | None, burst: float, workers: int) -> None:
+        self.bucket = TokenBucket(rate_per_second, burst) if rate_per_second else None
+        self.broker = LimitBroker(workers)
+
+    def reserve(self, n: int) -> float:
+        """`TokenBucket.reserve` of the configured bucket."""
+        if self.bucket is None:
+            raise ConfigurationError("this map has no shared requests-per-minute bucket")
+        return self.bucket.reserve(n)
+
+    def lease(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`LimitBroker.lease`: a worker's reports in, permits out."""
+        return self.broker.lease(request)
+
+    def forget(self, worker: str) -> None:
+        """A worker died: what it had leased is no longer in flight."""
+        self.broker.forget(worker)
+
+    def stats(self) -> dict[str, int]:
+        """Lease round trips and 429s reported so far."""
+        return {"leases": self.broker.leases, "refusals": self.broker.refusals}
+
+
 class _SharedRateGate:
     """A worker's side of the shared bucket: takes `batch` tokens at a time, hands them out."""
 
@@ -96,12 +130,21 @@ class PassActor:
     """The body of a worker actor (made remote by `RayPool`)."""
 
     def __init__(
-        self, spec: dict[str, Any], options: dict[str, Any], bucket: tuple[str, int] | None
+        self, spec: dict[str, Any], options: dict[str, Any], limits: tuple[str, int] | None
     ) -> None:
         gate = None
-        if bucket is not None:
-            ray = load_ray()
-            gate = _SharedRateGate(ray.get_actor(bucket[0]), bucket[1])
+        if limits is not None:  # (the SharedLimits actor's name, the configured bucket's batch)
+            shared = load_ray().get_actor(limits[0])
+
+            async def lease(request: dict[str, Any]) -> dict[str, Any]:
+                reply: dict[str, Any] = await asyncio.wait_for(
+                    shared.lease.remote(request), LEASE_TIMEOUT
+                )
+                return reply
+
+            install_shared_limits(lease, worker_name())  # before the agent's limiters exist
+            if limits[1]:
+                gate = _SharedRateGate(shared, limits[1])
         self.worker = PassWorker(spec, rate_gate=gate, **options)
 
     async def ready(self) -> str:
@@ -148,18 +191,19 @@ class RayPool:
         self._actor_class = self._ray.remote(PassActor).options(
             max_concurrency=concurrency + _CONTROL_CALLS, num_cpus=num_cpus, max_restarts=0
         )
-        self._bucket: Any = None
-        self._bucket_ref: tuple[str, int] | None = None
+        rate, batch = None, 0
         if shared:
             assert requests_per_minute is not None
             rate = requests_per_minute / 60.0
             # Small batches keep the bucket actor's cost low without letting one worker hoard.
             batch = max(1, min(10, int(rate // 20)))
-            name = f"treadle-rate-{uuid.uuid4().hex[:12]}"
-            self._bucket = (
-                self._ray.remote(TokenBucket).options(name=name, num_cpus=0).remote(rate, batch)
-            )
-            self._bucket_ref = (name, batch)
+        name = f"treadle-limits-{uuid.uuid4().hex[:12]}"
+        self._limits: Any = (
+            self._ray.remote(SharedLimits)
+            .options(name=name, num_cpus=0)
+            .remote(rate, batch, self.size)
+        )
+        self._limits_ref: tuple[str, int] | None = (name, batch)
         self._actors: list[Any] = [None] * self.size
         self._names = ["none"] * self.size
 
@@ -168,7 +212,7 @@ class RayPool:
         return self._names[slot]
 
     async def _spawn(self, slot: int) -> None:
-        actor = self._actor_class.remote(self._spec, self._options, self._bucket_ref)
+        actor = self._actor_class.remote(self._spec, self._options, self._limits_ref)
         self._actors[slot] = actor
         try:
             self._names[slot] = await asyncio.wait_for(actor.ready.remote(), WORKER_START_TIMEOUT)
@@ -202,7 +246,15 @@ class RayPool:
         if old is not None:
             with contextlib.suppress(Exception):
                 self._ray.kill(old, no_restart=True)
+        if self._limits is not None:  # what the dead worker leased is not in flight any more
+            with contextlib.suppress(Exception):
+                self._limits.forget.remote(self._names[slot])
         await self._spawn(slot)
+
+    async def shared_stats(self) -> dict[str, int]:
+        """The shared limits actor's counts (lease round trips, 429s reported)."""
+        stats: dict[str, int] = await asyncio.wait_for(self._limits.stats.remote(), _CLOSE_TIMEOUT)
+        return stats
 
     async def close(self) -> None:
         """Let each live actor remove its sandbox root, then end the actors and the bucket."""
@@ -216,7 +268,7 @@ class RayPool:
                 self._ray.kill(actor, no_restart=True)
 
         await asyncio.gather(*(stop(a) for a in actors))
-        if self._bucket is not None:
+        if self._limits is not None:
             with contextlib.suppress(Exception):
-                self._ray.kill(self._bucket, no_restart=True)
-            self._bucket = None
+                self._ray.kill(self._limits, no_restart=True)
+            self._limits = None

@@ -87,7 +87,9 @@ class ModelClient:
         )
         limiter = self._limiters.get(key)
         if limiter is None:
-            limiter = self._limiters[key] = EndpointLimiter(*key[:3], learn=key[3], share=key[4])
+            limiter = self._limiters[key] = EndpointLimiter(
+                *key[:3], learn=key[3], share=key[4], endpoint=" ".join(provider.endpoint_key)
+            )
         return limiter
 
     def _prepare(self, provider: Provider) -> _Prepared:

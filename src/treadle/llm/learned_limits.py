@@ -12,8 +12,15 @@ less the requests that may still be on their way (a full server bucket does not 
 a burst is in transit). A 429 empties the mirror and slows the learned rate a little (recovering
 as replies show room again). Pure arithmetic on the caller's clock.
 
-`share` (0-1] is this process's part of the endpoint: the process and Ray backends give each of
-their N workers 1/N, so the workers together pace at the endpoint's limit.
+Endpoints that report less are paced too. With only `x-ratelimit-remaining-*` (no limit, no reset)
+the bucket's size is taken as the most ever seen remaining, the mirror follows the reported level,
+and the refill rate is measured between replies (what the level gained plus what was sent in
+between, over the time between). With only 429s and `Retry-After` (no headers at all), requests are
+paced evenly at a rate that starts from the pause, creeps up by `PROBE_STEP` a reply, and falls to
+`PROBE_BACKOFF` of the throughput measured since the previous 429 at each new one.
+
+`share` (0-1] is this process's part of the endpoint: workers of the process and Ray backends pace
+at 1/N when the map's shared broker (`limit_broker`) cannot be reached.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 __all__ = ["LearnedBucket", "LearnedLimits", "parse_duration"]
 
@@ -32,6 +40,16 @@ PENALTY_FLOOR = 0.25
 """The paced rate never drops below this part of the learned one."""
 PENALTY_RECOVERY = 0.002
 """Each reply that shows room left gives back this much of the rate."""
+MEASURE_SPAN = 0.1
+"""Seconds between two `remaining`-only replies before a refill rate is measured from them."""
+MEASURE_MARGIN = 0.9
+"""A measured refill rate is paced at this part of what was measured."""
+PROBE_STEP = 1.001
+"""Without headers, each answered request raises the paced rate by this factor."""
+PROBE_FORGET = 60.0
+"""Without headers, seconds without a 429 after which requests are no longer paced."""
+PROBE_BACKOFF = 0.9
+"""Without headers, a 429 sets the paced rate to this part of the throughput since the last one."""
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
 _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -69,8 +87,8 @@ def _int(text: str | None) -> int | None:
 class LearnedBucket:
     """The mirror of one of the server's buckets (requests or tokens), scaled by `share`."""
 
-    __slots__ = ("deficit_seen", "held", "learned_rate", "level", "limit", "rate", "share",
-                 "stamp")  # fmt: skip
+    __slots__ = ("anchor", "deficit_seen", "held", "learned_rate", "level", "limit", "measured",
+                 "rate", "share", "stamp")  # fmt: skip
 
     def __init__(self, share: float, now: float) -> None:
         self.share = share
@@ -86,6 +104,10 @@ class LearnedBucket:
         """The largest `limit - remaining` a rate was computed from (the most precise one)."""
         self.held = 0.0
         """What this process has in flight: maybe not at the server yet."""
+        self.measured = False
+        """True when the server sends no reset: the rate is measured, the level followed."""
+        self.anchor: tuple[float, float, float] | None = None
+        """(arrival, remaining, mark) of the reply the next rate is measured from."""
 
     def refill(self, now: float) -> None:
         """Add what the refill rate gave since the last look.
@@ -129,15 +151,55 @@ class LearnedBucket:
         # arrived (at the earliest when it was admitted, `age` ago), plus the refill since,
         # less what was sent after it. That catches traffic the mirror did not see (other
         # processes on the same key); the mirror's own bookkeeping keeps it below the server.
-        self.level = min(self.level, remaining * share + age * self.learned_rate - since)
+        server = remaining * share + age * self.learned_rate - since
+        # With a measured rate the mirror follows the server up too: a rate measured too low
+        # would otherwise keep the level (and the next measurement) low for good.
+        self.level = (
+            min(server, self.limit - self.held) if self.measured else min(self.level, server)
+        )
+
+    def measure(self, remaining: int, arrived: float, mark: float) -> None:
+        """Refill rate from two replies without a reset: what the server's level gained plus what
+        was sent in between (`mark` counts what was sent), over the time between arrivals."""
+        anchor = self.anchor
+        if anchor is None or arrived - anchor[0] < MEASURE_SPAN or mark <= anchor[2]:
+            if anchor is None or mark < anchor[2]:
+                self.anchor = (arrived, remaining, mark)
+            return
+        gained = remaining - anchor[1] + (mark - anchor[2])
+        self.anchor = (arrived, remaining, mark)
+        if gained <= 0:
+            return
+        # Paced a little below the measurement: a request's arrival is taken as its admission,
+        # and one held up on its way makes the refill look faster than it is.
+        measured = gained / (arrived - anchor[0]) * self.share * MEASURE_MARGIN
+        if remaining >= self.limit / self.share - 1:  # it may have been full: at least that much
+            measured = max(measured, self.learned_rate)
+        scale = self.rate / self.learned_rate if self.learned_rate > 0 else 1.0
+        self.learned_rate = measured
+        self.rate = measured * scale
 
     def wait(self, need: float, now: float) -> float:
         """Seconds until `need` units are available (0.0: now)."""
         self.refill(now)
         need = min(need, self.limit)  # a request larger than the bucket waits for a full one
-        if self.level >= need:
+        if self.level >= need - 1e-9:  # (rounding must not leave a wait too small to pass)
             return 0.0
         return (need - self.level) / self.rate if self.rate > 0 else FALLBACK_WINDOW_SECONDS
+
+
+@dataclass(slots=True)
+class _Probing:
+    """Pacing an endpoint that sends no rate headers, since its latest 429."""
+
+    since: float
+    """When the pause of that 429 ended."""
+    bucket: LearnedBucket
+    rate: float
+    """The rate paced at right after that 429."""
+    slow_start: bool
+    ok: int = 0
+    """Requests answered (not refused) since."""
 
 
 class LearnedLimits:
@@ -147,7 +209,7 @@ class LearnedLimits:
     as its request, so the limiter passes the counts at admission to `observe`.
     """
 
-    __slots__ = ("paused_until", "penalty", "requests", "share", "taken_requests",
+    __slots__ = ("paused_until", "penalty", "probing", "requests", "share", "taken_requests",
                  "taken_tokens", "tokens", "unseen_tokens")  # fmt: skip
 
     def __init__(self, share: float = 1.0) -> None:
@@ -163,6 +225,8 @@ class LearnedLimits:
         self.taken_tokens = 0
         self.unseen_tokens = 0.0
         """Average tokens a request is charged beyond its estimate (its reply): added up front."""
+        self.probing: _Probing | None = None
+        """Without rate headers, after a 429: (when, taken_requests, the paced bucket)."""
 
     @property
     def known(self) -> bool:
@@ -186,19 +250,32 @@ class LearnedLimits:
         age = 0.0 if sent is None else max(0.0, now - sent)
         for kind in ("requests", "tokens"):
             remaining = _int(headers.get(f"x-ratelimit-remaining-{kind}"))
-            limit = _int(headers.get(f"x-ratelimit-limit-{kind}"))
-            if remaining is None or limit is None or limit == 0:
+            if remaining is None:
                 continue
-            got = True
+            raw_limit = headers.get(f"x-ratelimit-limit-{kind}")
+            limit = _int(raw_limit)
             raw_reset = headers.get(f"x-ratelimit-reset-{kind}")
             reset = parse_duration(raw_reset) if raw_reset is not None else None
-            if kind == "requests":
-                bucket = self.requests = self.requests or LearnedBucket(self.share, now)
-                since: float
-                since = self.taken_requests - mark[0] if sent is not None else 0
-            else:
-                bucket = self.tokens = self.tokens or LearnedBucket(self.share, now)
-                since = self.taken_tokens - mark[1] if sent is not None else 0
+            bucket = self.requests if kind == "requests" else self.tokens
+            if raw_limit is None and raw_reset is None:  # `remaining` only: size it, measure
+                if bucket is not None and bucket.measured:
+                    limit = max(round(bucket.limit / self.share), remaining + 1)
+                elif bucket is None and remaining > 0:
+                    limit = remaining + 1
+            if limit is None or limit == 0:
+                continue
+            got = True
+            if bucket is None:
+                bucket = LearnedBucket(self.share, now)
+                bucket.measured = raw_limit is None and raw_reset is None
+                if kind == "requests":
+                    self.requests = bucket
+                else:
+                    self.tokens = bucket
+            taken = self.taken_requests if kind == "requests" else self.taken_tokens
+            since = taken - mark[0 if kind == "requests" else 1] if sent is not None else 0
+            if bucket.measured and sent is not None:
+                bucket.measure(remaining, sent, mark[0 if kind == "requests" else 1])
             bucket.observe(limit, min(remaining, limit), reset, now, age=age, since=max(since, 0))
             if remaining > 0 and self.penalty < 1.0:
                 self._scale(min(1.0, self.penalty + PENALTY_RECOVERY))
@@ -210,10 +287,17 @@ class LearnedLimits:
             if bucket is not None:
                 bucket.rate = bucket.learned_rate * penalty
 
-    def refused(self, retry_after: float | None, now: float) -> None:
-        """A 429: nobody sends until `retry_after` passed, and the mirror starts from empty."""
+    def refused(self, retry_after: float | None, now: float, *, sent: float | None = None) -> None:
+        """A 429: nobody sends until `retry_after` passed, and the mirror starts from empty.
+
+        An endpoint that never sent rate headers is paced from then on (`probe`); `sent` is when
+        the refused request was admitted (None: now).
+        """
         if retry_after is not None:
             self.paused_until = max(self.paused_until, now + retry_after)
+        if (self.requests is None and self.tokens is None) or self.probing is not None:
+            self._probe_refused(retry_after, now if sent is None else sent)
+            return
         foreseen = False
         for bucket in (self.requests, self.tokens):
             if bucket is not None:
@@ -222,6 +306,48 @@ class LearnedLimits:
                 bucket.level = min(bucket.level, 0.0)
         if not foreseen and self.known:
             self._scale(max(PENALTY_FLOOR, self.penalty * PENALTY_STEP))
+
+    def _probe_refused(self, retry_after: float | None, now: float) -> None:
+        """A 429 from an endpoint without rate headers: pace at what it let through."""
+        probing = self.probing
+        if probing is None:  # the first: one request per pause (at most 1 s), then slow start
+            rate = 1.0 / min(max(retry_after or 1.0, 1e-3), 1.0)
+            self.requests = bucket = LearnedBucket(1.0, now)
+            bucket.limit = 1.0  # evenly paced: no burst
+        elif now < probing.since:  # sent before the last pause ended: the same overload
+            return
+        else:  # paced too fast: at a little less than what the endpoint let through since
+            bucket = probing.bucket
+            span = now - probing.since
+            measured = probing.ok / span if span > 0 and probing.ok else bucket.learned_rate / 2
+            rate = max(PROBE_BACKOFF * min(measured, bucket.learned_rate), 1e-3)
+        bucket.learned_rate = bucket.rate = rate
+        bucket.level = min(bucket.level, 0.0)
+        # Measured from the end of the pause: nothing could be sent before.
+        since = max(now, self.paused_until)
+        self.probing = _Probing(since, bucket, rate, probing is None)
+
+    def answered(self, now: float) -> None:
+        """A request was answered (not refused): without headers, pace a little faster.
+
+        Until the second 429 the rate doubles every second (slow start); then it creeps up by
+        `PROBE_STEP` a reply. `PROBE_FORGET` seconds without a 429: back to unpaced.
+        """
+        probing = self.probing
+        if probing is None:
+            return
+        bucket = probing.bucket
+        probing.ok += 1
+        if now < probing.since:
+            return
+        if now - probing.since > PROBE_FORGET:
+            self.probing = self.requests = None
+            return
+        if probing.slow_start:
+            rate = probing.rate * 2.0 ** min(now - probing.since, 40.0)
+        else:
+            rate = bucket.learned_rate * PROBE_STEP
+        bucket.learned_rate = bucket.rate = rate
 
     def wait(self, tokens: int, now: float) -> float:
         """Seconds to wait before a request of about `tokens` tokens may go (0.0: now)."""
@@ -234,7 +360,7 @@ class LearnedLimits:
 
     def hold(self, in_flight: int) -> None:
         """This process has `in_flight` requests out that may not have reached the server yet."""
-        if self.requests is not None:
+        if self.requests is not None and self.probing is None:  # paced evenly: nothing held
             self.requests.held = in_flight
         if self.tokens is not None:
             self.tokens.held = in_flight * self.taken_tokens / max(self.taken_requests, 1)

@@ -22,11 +22,14 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from treadle.llm.learned_limits import LearnedLimits
 from treadle.llm.retry import parse_retry_after
+from treadle.llm.shared_limits import shared_endpoint
 
 __all__ = ["BYTES_PER_TOKEN", "EndpointLimiter", "Permit", "estimate_tokens"]
 
 BYTES_PER_TOKEN = 4
 """Rough bytes of request JSON per prompt token, for the tokens-per-minute estimate."""
+MAX_NAP = 0.25
+"""Longest sleep between looks at the learned limits while waiting for room."""
 
 
 def estimate_tokens(body: bytes) -> int:
@@ -37,7 +40,7 @@ def estimate_tokens(body: bytes) -> int:
 class Permit:
     """One admitted request; give it back with `EndpointLimiter.release`."""
 
-    __slots__ = ("mark", "probe", "started", "tokens")
+    __slots__ = ("leased", "mark", "probe", "started", "tokens")
 
     def __init__(
         self,
@@ -52,6 +55,8 @@ class Permit:
         """The learned limits' admission counts with this request (None: none learned yet)."""
         self.probe = probe
         """True for the first request to an endpoint, sent alone to learn its limits."""
+        self.leased = False
+        """True when the permit came from the map's shared limits (`mark` is the broker's)."""
 
 
 class EndpointLimiter:
@@ -59,8 +64,9 @@ class EndpointLimiter:
 
     `window` is the rate window in seconds (60 for "per minute"; tests shrink it). `learn`
     turns on learning the endpoint's limits from its replies (report each reply with `observe`),
-    paced at `share` of them. `clock` and `sleep` are injectable so the logic can be tested
-    without wall-clock assertions.
+    paced at `share` of them, or, in a backend worker, leased from the map's shared limits for
+    `endpoint` (see `shared_limits`). `clock` and `sleep` are injectable so the logic can be
+    tested without wall-clock assertions.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class EndpointLimiter:
         window: float = 60.0,
         learn: bool = False,
         share: float = 1.0,
+        endpoint: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
@@ -93,6 +100,8 @@ class EndpointLimiter:
         self._fast = not self._rated and not learn  # admission needs no clock and no lock
         self._unanswered: list[int] = []  # admission numbers of learned-mode requests in flight
         self._answered = 0  # the latest admission number a reply came back for
+        self._shared = shared_endpoint(endpoint) if learn and endpoint is not None else None
+        self._waiting = 0  # callers in the slow path (a shared lease asks for that many)
         self.peak_active = 0
         """Highest number of requests in flight seen (for tests and metrics)."""
 
@@ -114,6 +123,13 @@ class EndpointLimiter:
         """Wait for a turn (FIFO) under every cap, then count the request in."""
         if self._fast and self._active < self.max_concurrent and not self._gate.locked():
             return self._admit(0.0, tokens)
+        self._waiting += 1
+        try:
+            return await self._acquire_slow(tokens)
+        finally:
+            self._waiting -= 1
+
+    async def _acquire_slow(self, tokens: int) -> Permit:
         async with self._gate:
             while self._active >= self.max_concurrent or self._probe_out:
                 self._freed.clear()
@@ -126,8 +142,23 @@ class EndpointLimiter:
                 if self._probing:
                     permit.probe = self._probe_out = True
                 return permit
+            shared = self._shared
+            if shared is not None and not shared.broken:
+                try:
+                    charged, mark = await shared.take(
+                        tokens, self._waiting, self._clock, self._sleep
+                    )
+                except ConnectionError:  # out of reach: on this worker's share from now on
+                    pass
+                else:
+                    permit = self._admit(self._clock(), charged)
+                    permit.mark, permit.leased = mark, True
+                    permit.probe = self._probe_out = self._probing
+                    return permit
             while (wait := learned.wait(tokens, self._clock())) > 0.0:
-                await self._sleep(wait)
+                # In naps: a reply may show room sooner (a measured rate, a level that followed
+                # the server up) than the wait worked out now.
+                await self._sleep(min(wait, MAX_NAP))
             permit = self._admit(self._clock(), tokens)
             permit.mark = mark = learned.take(tokens) if learned.known else None
             if mark is not None:
@@ -153,14 +184,23 @@ class EndpointLimiter:
             return
         now = self._clock()
         mark = permit.mark
+        shared = self._shared
+        if shared is not None and not shared.broken:  # the broker learns from every reply
+            retry_after = parse_retry_after(headers) if refused else None
+            age = now - permit.started if permit.leased else 0.0
+            shared.report(age, mark if permit.leased else None, headers, refused, now, retry_after)
+        if permit.leased:  # the broker paces; this mirror only stands by (its share)
+            mark = None
         sent = permit.started if mark is not None else None
         if mark is not None:
             self._answered = max(self._answered, mark[0])
         if learned.observe(headers, now, sent=sent, mark=mark or (0, 0)):
             self._fast = False
         if refused:
-            learned.refused(parse_retry_after(headers), now)
+            learned.refused(parse_retry_after(headers), now, sent=permit.started or None)
             self._fast = False
+        elif learned.probing is not None:
+            learned.answered(now)
 
     def _unseen(self) -> int:
         """Requests in flight that may not have reached the server: those sent after the latest
@@ -199,7 +239,10 @@ class EndpointLimiter:
     def release(self, permit: Permit, actual_tokens: int | None = None) -> None:
         """Count the request out; `actual_tokens` (reported usage) replaces the estimate."""
         self._active -= 1
-        if permit.mark is not None:
+        if permit.leased:
+            if actual_tokens is not None and self._shared is not None:
+                self._shared.correct(permit.tokens, actual_tokens)
+        elif permit.mark is not None:
             unanswered = self._unanswered
             at = bisect.bisect_left(unanswered, permit.mark[0])
             if at < len(unanswered) and unanswered[at] == permit.mark[0]:
@@ -209,7 +252,7 @@ class EndpointLimiter:
         if permit.probe and self._probing:  # it got no reply: the next request probes
             self._probe_out = False
         if actual_tokens is not None:
-            if permit.mark is not None and self.learned is not None:
+            if permit.mark is not None and self.learned is not None and not permit.leased:
                 self.learned.correct(permit.tokens, actual_tokens)
             permit.tokens = actual_tokens
         self._freed.set()

@@ -5,15 +5,23 @@ Two token buckets (requests and tokens) that start full and refill continuously 
 to its initial state"). Every chat reply carries the `x-ratelimit-*` headers providers send; a
 request over either limit is answered 429 with `Retry-After` and `retry-after-ms`. `window` is 60
 for per-minute limits; benchmarks and tests shrink it (a time-scaled minute) and the reported reset
-times shrink with it. Pure arithmetic on a clock the caller passes in: nothing here sleeps.
+times shrink with it. `headers` picks what the replies tell, as some providers tell less: `"full"`
+(limit, remaining and reset), `"remaining"` (only `x-ratelimit-remaining-*`) or `"none"` (no rate
+headers at all: only the 429s' `Retry-After`). Pure arithmetic on a clock the caller passes in:
+nothing here sleeps.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["RateLimits", "format_duration"]
+__all__ = ["RATE_HEADER_MODES", "RateHeaders", "RateLimits", "format_duration"]
+
+RateHeaders = Literal["full", "remaining", "none"]
+"""What the replies tell about the limits (see the module docstring)."""
+RATE_HEADER_MODES = ("full", "remaining", "none")
 
 
 def format_duration(seconds: float) -> str:
@@ -61,7 +69,11 @@ class RateLimits:
         *,
         window: float = 60.0,
         now: float = 0.0,
+        headers: RateHeaders = "full",
     ) -> None:
+        if headers not in RATE_HEADER_MODES:
+            raise ValueError(f"rate headers must be one of {RATE_HEADER_MODES}, got {headers!r}")
+        self.header_mode = headers
         for name, value in (("requests", requests), ("tokens", tokens)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} per window must be a positive integer or None.")
@@ -104,6 +116,10 @@ class RateLimits:
             headers += self._requests.headers("requests")
         if self._tokens is not None:
             headers += self._tokens.headers("tokens")
+        if self.header_mode == "remaining":
+            headers = [h for h in headers if h[0].startswith("x-ratelimit-remaining-")]
+        elif self.header_mode == "none":
+            headers = []
         return wait == 0.0, headers, wait
 
     def stats(self) -> dict[str, float]:

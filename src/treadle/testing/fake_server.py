@@ -26,7 +26,7 @@ from pydantic_core import from_json, to_json
 
 from treadle.testing.fake_http import Connection
 from treadle.testing.fake_http import head as http_head
-from treadle.testing.fake_limits import RateLimits
+from treadle.testing.fake_limits import RateHeaders, RateLimits
 from treadle.testing.fake_replies import (
     Reply,
     Script,
@@ -76,7 +76,8 @@ class FakeOpenAIServer:
     `api_key`, a chat request that does not carry it as a bearer token gets a 401, as a real
     endpoint would.
     With `requests_per_minute` / `tokens_per_minute` it enforces those limits as providers do (see
-    `RateLimits`; `rate_window` seconds stand for the minute) and counts refusals in `rate_limited`.
+    `RateLimits`; `rate_window` seconds stand for the minute; `rate_headers` `"remaining"` or
+    `"none"` tells less, as some providers do) and counts refusals in `rate_limited`.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class FakeOpenAIServer:
         requests_per_minute: int | None = None,
         tokens_per_minute: int | None = None,
         rate_window: float = 60.0,
+        rate_headers: RateHeaders = "full",
     ) -> None:
         self.script: Script = (
             get_script(script, rounds=rounds) if isinstance(script, str) else script
@@ -128,7 +130,7 @@ class FakeOpenAIServer:
         """The enforced rate limits (None: unlimited); `limits.rejected` counts the 429s."""
         if requests_per_minute is not None or tokens_per_minute is not None:
             self.limits = RateLimits(requests_per_minute, tokens_per_minute, window=rate_window,
-                                     now=time.monotonic())  # fmt: skip
+                                     now=time.monotonic(), headers=rate_headers)  # fmt: skip
 
     # -- scripting -------------------------------------------------------------------------------
 
