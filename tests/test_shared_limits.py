@@ -223,7 +223,7 @@ async def test_remaining_only_endpoints_are_paced_by_a_measured_rate() -> None:
     ) as server:
         assert await _fan_out(server, 100) == 0
         assert server.limits is not None
-        assert server.limits.rejected <= 10  # without learning: thousands
+        assert server.limits.rejected <= 20  # measured 0-7; without learning: thousands
 
 
 async def test_retry_after_only_endpoints_are_paced_after_the_first_storm() -> None:

@@ -129,6 +129,8 @@ async def test_a_429_storm_pauses_every_worker_and_the_map_completes() -> None:
     assert len(outcomes) == 64
     refused = rule.used + (server.limits.rejected if server.limits else 0)
     assert pool.broker.refusals >= 1
-    # The first 429 pauses both workers. Measured here: 3-15 (28 under heavy CPU load); workers
-    # that pause only on their own 429s met 20-30, without learning 38-51.
-    assert refused < 30
+    assert pool.pauses_pushed >= 1  # the first 429 one worker met paused the other at once
+    # Measured here: 3-15 429s (28 under heavy CPU load); workers that pause only on their own
+    # 429s met 20-30, without learning 38-51. The bound is loose on purpose (no timing in unit
+    # tests): it catches a storm of retries, the pushed pause above is what is under test.
+    assert refused < 60

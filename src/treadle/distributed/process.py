@@ -259,6 +259,8 @@ class ProcessPool:
         self._calls = itertools.count()
         self.broker = LimitBroker(self.size)
         """The learned rate limits the workers lease from (one per pool, on the driver's loop)."""
+        self.pauses_pushed = 0
+        """How many times a worker's 429 was pushed to the other workers as a pause."""
 
     def lease(self, worker: _Worker, lease_id: int, request: dict[str, Any]) -> None:
         """Answer one worker's lease; a 429 it reports pauses the other workers at once."""
@@ -271,6 +273,7 @@ class ProcessPool:
             return  # the worker's lease times out and it paces on its own share
         worker.post(("grant", lease_id, reply))
         if any(report[3] for report in request.get("reports", ())):
+            self.pauses_pushed += 1
             for other in self._workers:
                 if other is not None and other is not worker and not other.lost:
                     other.post(("pause", request["endpoint"], reply["pause"]))
