@@ -456,3 +456,33 @@ def test_any_split_of_the_bytes_reads_the_same(which: int, cuts: list[int], stre
             await asyncio.sleep(0)
 
     assert asyncio.run(read()) == expected
+
+
+async def test_the_servers_keep_alive_timeout_is_respected(lane: Lane) -> None:
+    # Node's servers close idle connections after 5 s and say so in `Keep-Alive: timeout=5`;
+    # reusing one as it closes loses the request. The lane stops reusing at 80% of the hint.
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(reply(b"{}", "keep-alive: timeout=0.5, max=100"))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/chat/completions"
+    try:
+        await lane.post_buffered(url, BODY, HEADERS, T)
+        await lane.post_buffered(url, BODY, HEADERS, T)
+        assert len(connections) == 1  # reused while fresh
+        await asyncio.sleep(0.45)  # past 80% of the server's 0.5 s
+        await lane.post_buffered(url, BODY, HEADERS, T)
+        assert len(connections) == 2  # a new connection, not one the server is closing
+    finally:
+        srv.close()

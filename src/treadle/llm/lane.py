@@ -178,7 +178,7 @@ class Lane:
         while idle:
             proto = idle.pop()
             proto.pooled = False
-            if proto.closed or loop.time() - proto.idle_since > self._keepalive:
+            if proto.closed or loop.time() > proto.idle_until:
                 proto.close()
                 continue
             return proto
@@ -237,7 +237,11 @@ class Lane:
             proto.close()
             return
         proto.used = proto.pooled = True
-        proto.idle_since = asyncio.get_running_loop().time()
+        keep = self._keepalive
+        hint = reply.headers.get("keep-alive")
+        if hint is not None:  # the server's own idle timeout: reuse well before it closes
+            keep = min(keep, _server_idle_seconds(hint, keep))
+        proto.idle_until = asyncio.get_running_loop().time() + keep
         self._idle.setdefault(proto.key, []).append(proto)
         self._wake_one()
 
@@ -323,6 +327,19 @@ class Lane:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.cancel()
+
+
+def _server_idle_seconds(hint: str, default: float) -> float:
+    """80% of the `timeout=N` a `Keep-Alive` header gives (`default` when it gives none): a
+    connection reused just as the server closes it is a request lost on the way."""
+    for part in hint.split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                return max(0.0, float(value.strip()) * 0.8)
+            except ValueError:
+                return default
+    return default
 
 
 async def _reply(proto: LaneProtocol, future: asyncio.Future[_R], url: str) -> _R:

@@ -108,7 +108,8 @@ class LaneProtocol(asyncio.Protocol):
         """True once the connection is gone (or is going)."""
         self.used = False
         """True once a reply was read on this connection (a later request reuses it)."""
-        self.idle_since = 0.0
+        self.idle_until = 0.0
+        """Loop time after which the idle connection is not reused."""
         self.pooled = False
         """True while the connection waits in the pool (never pooled twice)."""
         self.got_bytes = False
