@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from net_helpers import cancel_held_requests, unanswered_port
+from treadle import ConfigurationError, Provider, Session, run_session_loop
 from treadle.llm.http_errors import StaleConnectionError, TLSMismatchError
 from treadle.llm.lane import Lane
 from treadle.llm.lane_wire import MAX_HEAD_BYTES, LaneProtocol
@@ -286,10 +287,45 @@ async def test_a_slow_reader_is_not_a_read_timeout(lane: Lane) -> None:
 
 async def test_header_injection_is_refused_before_sending(lane: Lane) -> None:
     async with raw_server([reply(b"{}")]) as url:
-        for bad in ({"x-key": "k\r\nx-evil: 1"}, {"x-key": "ключ"}, {"bad:name": "v"}):
-            with pytest.raises(httpx.LocalProtocolError):
+        for bad in ({"x-key": "k\r\nx-evil: 1"}, {"x-key": "k\n"}, {"bad:name": "v"}, {"": "v"}):
+            with pytest.raises(ConfigurationError):  # a mistake to fix, not a failure to retry
                 await lane.post_buffered(url, BODY, bad, T)
     assert lane._open == 0
+
+
+async def test_non_ascii_header_values_go_as_utf8_and_paths_are_percent_encoded(
+    lane: Lane,
+) -> None:
+    seen: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.write(reply(b"{}"))
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        url = f"http://127.0.0.1:{port}/v1/café/chat?q=a b"
+        status, _, _ = await lane.post_buffered(url, BODY, {"x-title": "Café ✓"}, T)
+    finally:
+        srv.close()
+    assert status == 200
+    assert seen[0].startswith(b"POST /v1/caf%C3%A9/chat?q=a%20b HTTP/1.1\r\n")
+    assert "x-title: Café ✓\r\n".encode() in seen[0]  # as aiohttp sent it before
+
+
+def test_a_key_with_a_newline_fails_the_pass_at_once_without_retries() -> None:
+    # `api_key=open("key.txt").read()` keeps the file's last newline.
+    with FakeOpenAIServer("echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="sk-abc\n", max_retries=3)
+        out = run_session_loop(
+            Session.from_user_message("hi"), Session.from_agent_prompt("s"), agent_provider=provider
+        )
+        with pytest.raises(ConfigurationError, match="line break"):
+            out.synchronize(timeout=30)
+        assert server.request_count == 0
 
 
 async def test_not_http_urls_are_refused(lane: Lane) -> None:

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import ssl
 from collections import deque
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 from multidict import CIMultiDict
 
+from treadle.errors import ConfigurationError
 from treadle.llm.http_errors import StaleConnectionError, TLSMismatchError, is_tls_mismatch
 from treadle.llm.lane_wire import LaneProtocol, ReplyError
 
@@ -33,6 +35,10 @@ __all__ = ["Lane", "LaneBody"]
 DNS_TTL_SECONDS = 300.0
 """How long a host's resolved addresses are reused for new connections."""
 
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP header name (RFC 9110 token)."""
+_PATH_SAFE = "/%:@!$&'()*+,;=-._~"
+"""Characters left as they are in a request path (anything else is percent-encoded)."""
 _R = TypeVar("_R")
 _Key = tuple[str, str, int]
 """(scheme, host, port) of a pool."""
@@ -53,29 +59,32 @@ class _Target:
             )
         port = parts.port or (443 if scheme == "https" else 80)
         host = parts.hostname
+        if not host.isascii():  # an internationalised name: its ASCII (punycode) form
+            host = host.encode("idna").decode("ascii")
         self.url = url
         self.headers = headers
         self.key: _Key = (scheme, host, port)
         authority = f"[{host}]" if ":" in host else host
         if parts.port is not None:
             authority = f"{authority}:{parts.port}"
-        path = parts.path or "/"
+        path = quote(parts.path or "/", safe=_PATH_SAFE)
         if parts.query:
-            path = f"{path}?{parts.query}"
+            path = f"{path}?{quote(parts.query, safe=_PATH_SAFE + '?')}"
         lines = [f"POST {path} HTTP/1.1", f"host: {authority}"]
         for name, value in headers.items():
             if name.lower() in ("host", "content-length", "transfer-encoding", "connection"):
                 continue
-            if any(c in name or c in value for c in "\r\n\0") or not name or ":" in name:
-                raise httpx.LocalProtocolError(f"Illegal header {name!r}: CR, LF or NUL in it.")
+            # Configuration mistakes, not network failures: raised as such, never retried.
+            if not _TOKEN.fullmatch(name):
+                raise ConfigurationError(f"The request header name {name!r} is not valid HTTP.")
+            if any(c in value for c in "\r\n\0"):
+                raise ConfigurationError(
+                    f"The request header {name!r} holds a line break or NUL; check the API key "
+                    "and the provider's extra headers."
+                )
             lines.append(f"{name}: {value}")
-        try:
-            self.prefix = ("\r\n".join(lines) + "\r\ncontent-length: ").encode("ascii")
-        except UnicodeEncodeError:
-            raise httpx.LocalProtocolError(
-                "A request header holds a non-ASCII character (check the API key and the "
-                "provider's extra headers)."
-            ) from None
+        # Names are ASCII (checked above); values go as UTF-8, as aiohttp sent them.
+        self.prefix = ("\r\n".join(lines) + "\r\ncontent-length: ").encode("utf-8")
 
 
 class LaneBody:
