@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.harness import PEERS, Harness, Job
+from benchmarks.harness import PEERS, Harness, Job, Sample
 from benchmarks.scenarios import FANOUT_LATENCY_MS, Result, Target
 from benchmarks.server import ServerProcess
 
@@ -80,21 +80,7 @@ def goodput(h: Harness, size: dict[str, Any]) -> Result:
         spare_requests = n - rpm
         spare_tokens = n * tokens_per_request - tpm
         ideal = max(spare_requests / (rpm / window), spare_tokens / (tpm / window), 0.0) + latency
-        sent = stats["requests"]
-        refused = stats["rate_limited"]
-        result.rows.append(
-            {
-                "label": job.label,
-                "wall s": sample.wall,
-                "ideal s": ideal,
-                "x ideal": sample.wall / ideal,
-                "429s": refused,
-                "429 % of requests": refused / max(sent, 1) * 100,
-                "errors": sample.errors,
-                "client CPU s": sample.cpu,
-            }
-        )
-        result.series[job.label] = sample.wall / ideal
+        _add_row(result, job.label, sample, stats, ideal)
     _worker_rows(h, size, result)
     mine = next((r for r in result.rows if r["label"] == "treadle (no configuration)"), None)
     if mine is not None:
@@ -149,21 +135,8 @@ def _worker_rows(h: Harness, size: dict[str, Any], result: Result) -> None:
         if not samples:
             continue
         sample = samples[0]
-        sent, refused = stats["requests"], stats["rate_limited"]
-        leases[label] = sample.extra.get("leases", 0) / max(sent, 1)
-        result.rows.append(
-            {
-                "label": label,
-                "wall s": sample.wall,
-                "ideal s": ideal,
-                "x ideal": sample.wall / ideal,
-                "429s": refused,
-                "429 % of requests": refused / max(sent, 1) * 100,
-                "errors": sample.errors,
-                "client CPU s": sample.cpu,
-            }
-        )
-        result.series[label] = sample.wall / ideal
+        leases[label] = sample.extra.get("leases", 0) / max(stats["requests"], 1)
+        _add_row(result, label, sample, stats, ideal)
     if leases:
         result.notes.append(
             f"process rows: {long} passes of {rounds + 1} requests and {short} of one, "
@@ -171,3 +144,23 @@ def _worker_rows(h: Harness, size: dict[str, Any], result: Result) -> None:
             "to the driver per request (leases): "
             + ", ".join(f"{label.rsplit(': ', 1)[1]} {v:.3f}" for label, v in leases.items())
         )
+
+
+def _add_row(
+    result: Result, label: str, sample: Sample, stats: dict[str, Any], ideal: float
+) -> None:
+    """One contestant's row: time against the ideal and the 429s the server sent it."""
+    sent, refused = stats["requests"], stats["rate_limited"]
+    result.rows.append(
+        {
+            "label": label,
+            "wall s": sample.wall,
+            "ideal s": ideal,
+            "x ideal": sample.wall / ideal,
+            "429s": refused,
+            "429 % of requests": refused / max(sent, 1) * 100,
+            "errors": sample.errors,
+            "client CPU s": sample.cpu,
+        }
+    )
+    result.series[label] = sample.wall / ideal

@@ -6,22 +6,9 @@ import asyncio
 
 from pydantic_core import to_json
 
+from clock_helpers import VirtualClock
 from treadle.llm import EndpointLimiter, Provider, build_request_body, get_client
 from treadle.testing import FakeOpenAIServer
-
-
-class VirtualClock:
-    """Time that only moves when the limiter sleeps: no wall-clock assertions."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
 
 
 async def test_concurrency_cap_holds_for_500_callers_over_http() -> None:

@@ -12,25 +12,12 @@ import httpx
 import pytest
 from pydantic_core import to_json
 
+from clock_helpers import VirtualClock
 from treadle.errors import ConfigurationError
 from treadle.llm import EndpointLimiter, Provider, build_request_body, get_client
 from treadle.llm.learned_limits import LearnedLimits, parse_duration
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_limits import RateLimits, format_duration
-
-
-class VirtualClock:
-    """Time that only moves when the code under test sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
 
 
 def _headers(limit: int, remaining: int, reset: str, kind: str = "requests") -> dict[str, str]:

@@ -16,24 +16,11 @@ from typing import Any
 import pytest
 from pydantic_core import to_json
 
+from clock_helpers import VirtualClock
 from treadle.llm import EndpointLimiter, Provider, build_request_body, get_client
 from treadle.llm.limit_broker import LEASE_SECONDS, STALE_SECONDS, LimitBroker
 from treadle.llm.shared_limits import install_shared_limits, uninstall_shared_limits
 from treadle.testing import FakeOpenAIServer
-
-
-class VirtualClock:
-    """Time that only moves when the code under test sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
 
 
 def _headers(limit: int, remaining: int, reset: str) -> dict[str, str]:
