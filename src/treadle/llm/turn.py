@@ -277,6 +277,8 @@ async def _turn(
 ) -> AssistantTurn:
     api_key = request.provider.api_key if request.provider is not None else None
     if request.stream and isinstance(executor, HttpExecutor):
+        if on_delta is None and type(executor).astream is HttpExecutor.astream:
+            return turn_of(await _fold_stream(request, api_key))
         acc = StreamAccumulator()
         async with contextlib.aclosing(executor.astream(request)) as chunks:
             async for chunk in chunks:
@@ -301,6 +303,34 @@ async def _turn(
         if on_delta is not None:
             on_delta(_delta_of(_as_chunk(completion)))
     return turn_of(completion)
+
+
+async def _fold_stream(request: CompletionRequest, api_key: str | None) -> ChatCompletion:
+    """A streamed reply folded into its completion, no callback to feed: events stay dicts.
+
+    The fast form of the streamed branch of `_turn` (same errors): each event is checked against
+    the chunk schema but no `ChatCompletionChunk` is built; the whole is validated at the end.
+    """
+    from treadle.llm.chunk_parse import parse_event
+    from treadle.llm.client import get_client
+
+    provider = _require_provider(request)
+    acc = StreamAccumulator()
+    try:
+        batches = get_client(provider).stream_batches(provider, request.body(), parse_event)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                for event in batch:
+                    if "error" in event:
+                        request_id = event.get("id") or None
+                        error = error_in(event, request_id=request_id, api_key=api_key)
+                        if error is not None:
+                            raise _InBand(error)  # closing the stream releases its connection
+                    acc.add_event(event)
+    except RuntimeError as err:
+        _raise_if_foreign_loop(provider, err)
+        raise
+    return acc.result()
 
 
 def turn_of(completion: ChatCompletion) -> AssistantTurn:
