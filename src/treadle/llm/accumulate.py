@@ -190,15 +190,25 @@ class StreamAccumulator:
 
         Tool-call deltas without an `index` get the index of the call they belong to.
         """
-        event = chunk.model_dump(exclude_none=True)
+        self.chunks += 1
+        top = self._top
+        for key in ("id", "created", "model"):
+            value = getattr(chunk, key)
+            if value and key not in top:
+                top[key] = value
         if chunk.usage is not None:
-            event["usage"] = chunk.usage.model_dump()  # as sent, its null fields too
-        self.add_event(event)
-        for choice, dumped in zip(chunk.choices, event.get("choices", ()), strict=True):
-            for call, folded in zip(
-                choice.delta.tool_calls or (), dumped["delta"].get("tool_calls", ()), strict=True
-            ):
-                call.index = folded["index"]
+            top["usage"] = chunk.usage.model_dump()
+        if chunk.model_extra:
+            for key, value in chunk.model_extra.items():
+                if value is not None:
+                    top[key] = value
+        for choice in chunk.choices:
+            delta = choice.delta
+            dumped = delta.model_dump(exclude_none=True)
+            self._add_choice(choice.index, dumped, choice.finish_reason)
+            if delta.tool_calls:  # callbacks see the call each piece belongs to
+                for call, folded in zip(delta.tool_calls, dumped["tool_calls"], strict=True):
+                    call.index = folded["index"]
 
     def add_event(self, event: Mapping[str, Any]) -> None:
         """`add` for a chunk given as a dict (`chunk_parse.parse_event`; a null is an absent field).
@@ -216,21 +226,23 @@ class StreamAccumulator:
             else:  # `usage`, and provider fields such as `x_groq` or `system_fingerprint`
                 top[key] = value
         for choice in event.get("choices", ()):
-            index = choice.get("index", 0)
-            message = self._choices.get(index)
-            if message is None:
-                message = self._choices[index] = {"role": "assistant", "content": None}
-                self._calls[index] = []
-                self._finish[index] = None
-            delta = choice.get("delta")
-            if delta:
-                _merge_message(message, delta)
-                calls = delta.get("tool_calls")
-                if calls:
-                    _merge_calls(self._calls[index], calls)
-            reason = choice.get("finish_reason")
-            if reason is not None:
-                self._finish[index] = reason
+            self._add_choice(
+                choice.get("index", 0), choice.get("delta"), choice.get("finish_reason")
+            )
+
+    def _add_choice(self, index: int, delta: dict[str, Any] | None, reason: str | None) -> None:
+        message = self._choices.get(index)
+        if message is None:
+            message = self._choices[index] = {"role": "assistant", "content": None}
+            self._calls[index] = []
+            self._finish[index] = None
+        if delta:
+            _merge_message(message, delta)
+            calls = delta.get("tool_calls")
+            if calls:
+                _merge_calls(self._calls[index], calls)
+        if reason is not None:
+            self._finish[index] = reason
 
     def result(self) -> ChatCompletion:
         """The accumulated completion; `MalformedResponse` if no choice was ever streamed."""
