@@ -11,18 +11,26 @@ body), retried when the status they name is retryable. Each test runs twice: wit
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import pytest
 
 from treadle import Session
 from treadle.errors import MalformedResponse, ProviderError, RateLimitError
-from treadle.llm import Provider
+from treadle.llm import (
+    ChatCompletionChunk,
+    CompletionRequest,
+    HttpExecutor,
+    Provider,
+    request_turn,
+)
 from treadle.loop import run_session_loop
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
+from treadle.tools import ToolSet
 
 AGENT = Session.from_agent_prompt("Answer briefly.")
 
@@ -313,3 +321,25 @@ def test_callbacks_see_the_index_a_call_without_one_belongs_to(server: FakeOpenA
         for call in choice.delta.tool_calls or ()
     ]
     assert indices == [0, 0, 1]
+
+
+def test_an_http_executor_subclass_keeps_its_own_astream(server: FakeOpenAIServer) -> None:
+    if _EVENTS is not None:
+        pytest.skip("a custom executor takes no on_event")
+    seen: list[ChatCompletionChunk] = []
+
+    class Watching(HttpExecutor):
+        async def astream(self, request: CompletionRequest) -> AsyncGenerator[ChatCompletionChunk]:
+            async for chunk in super().astream(request):
+                seen.append(chunk)
+                yield chunk
+
+    server.enqueue(_sse(_chunk({"role": "assistant", "content": "Hi"}), _chunk({}, "stop")))
+    provider = Provider(model="m", base_url=server.base_url, api_key="sk-test", stream=True)
+    user = Session.from_user_message("Hello")
+    request = CompletionRequest(
+        "s1", provider, AGENT.rows, user.rows, ToolSet.build([]), stream=True
+    )
+    turn = asyncio.run(request_turn(Watching(), request))
+    assert turn.payload["content"] == "Hi"
+    assert len(seen) == 2
