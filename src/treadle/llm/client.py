@@ -138,7 +138,7 @@ class ModelClient:
         finally:
             limiter.release(permit, used)
 
-    async def stream(self, provider: Provider, body: bytes) -> AsyncIterator[ChatCompletionChunk]:
+    async def stream(self, provider: Provider, body: bytes) -> AsyncGenerator[ChatCompletionChunk]:
         """POST `body` with `"stream": true` and yield chunks as they arrive.
 
         Retries only until the first event has arrived (nothing yielded yet); a stream torn after
