@@ -266,3 +266,19 @@ async def test_official_openai_client_parses_the_fake_server(server: FakeOpenAIS
         assert names == ["f", "g"] and usage is not None
         models = await client.models.list()
         assert [m.id for m in models.data] == ["fake-model"]
+
+
+async def test_stream_yields_the_chunks_before_a_malformed_one(server: FakeOpenAIServer) -> None:
+    good = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    bad = {"id": "c1", "choices": [{"index": "first", "delta": {}}]}
+    body = f"data: {to_json(good).decode()}\n\ndata: {to_json(bad).decode()}\n\n".encode()
+    server.enqueue(Reply.raw(body, content_type="text/event-stream"))
+    provider = provider_for(server)
+    seen: list[str | None] = []
+    with pytest.raises(MalformedResponse, match="does not match the schema"):
+        async for chunk in get_client(provider).stream(
+            provider, build_request_body(provider, USER, stream=True)
+        ):
+            seen.append(chunk.choices[0].delta.content if chunk.choices else None)
+    assert seen == ["Hi"]
+    await aclose_clients()

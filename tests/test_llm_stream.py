@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treadle.llm import ChatCompletion, ChatCompletionChunk, SSEDecoder, StreamAccumulator
+from treadle.llm.chunk_parse import parse_event
 from treadle.llm.sse import DONE
 from treadle.testing.fake_replies import Reply, ToolCallSpec, render_completion, render_stream
 
@@ -52,15 +53,17 @@ def test_any_chunking_accumulates_to_the_whole_reply(
     stream = b": keep-alive\n\n" + stream
     if crlf:
         stream = stream.replace(b"\n", b"\r\n")
-    decoder, acc, done = SSEDecoder(), StreamAccumulator(), False
+    decoder, acc, folded, done = SSEDecoder(), StreamAccumulator(), StreamAccumulator(), False
     for piece in _split(stream, cuts):
         for data in decoder.feed(piece):
             if data == DONE:
                 done = True
                 continue
             acc.add(ChatCompletionChunk.model_validate_json(data))
+            folded.add_event(parse_event(data, None, None)[0])  # the turn's form: dicts
     assert done and not decoder.flush()
     result = acc.result()
+    assert folded.result() == result
     assert result.message.model_dump(exclude_none=True) == whole.message.model_dump(
         exclude_none=True
     )

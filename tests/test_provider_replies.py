@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ from typing import Any
 import pytest
 
 from treadle import Session
-from treadle.errors import ProviderError
-from treadle.llm import Provider
+from treadle.errors import MalformedResponse, ProviderError
+from treadle.llm import Provider, SSEDecoder, StreamAccumulator
+from treadle.llm.chunk_parse import parse_chunk, parse_event
+from treadle.llm.sse import DONE
 from treadle.loop import run_session_loop
 from treadle.session.rows import text_of_content
 from treadle.testing import FakeOpenAIServer
@@ -251,6 +254,42 @@ def test_every_recording_is_covered() -> None:
     recorded = {p.name for p in REPLIES.iterdir() if p.suffix in (".json", ".sse")}
     recorded = {n for n in recorded if not n.endswith(".meta.json")}
     assert {c[1].name for c in CASES} == recorded
+
+
+STREAMED = [c for c in CASES if c[3] == "sse" and c[2] == 200]
+
+
+@pytest.mark.parametrize("name, path, status, kind", STREAMED, ids=[c[0] for c in STREAMED])
+def test_a_recording_folds_the_same_as_dicts_and_as_chunks(
+    name: str, path: Path, status: int, kind: str
+) -> None:
+    """The turn's dict fold (no callbacks) and the typed chunks' fold give the same completion."""
+    decoder = SSEDecoder()
+    events = [d for d in decoder.feed(path.read_bytes()) + decoder.flush() if d != DONE]
+    typed, folded = StreamAccumulator(), StreamAccumulator()
+    indices: tuple[list[object], list[object]] = ([], [])
+    for data in events:
+        try:
+            chunk, _, _ = parse_chunk(data, None, None)
+        except ProviderError as err:  # an error event: both forms must report the same
+            with pytest.raises(type(err), match=re.escape(err.message[:80])):
+                parse_event(data, None, None)
+            continue
+        event, _, _ = parse_event(data, None, None)
+        typed.add(chunk)
+        folded.add_event(event)
+        for choice in chunk.choices:
+            indices[0].extend(c.index for c in choice.delta.tool_calls or ())
+        for got in event.get("choices", ()):
+            indices[1].extend(c["index"] for c in got.get("delta", {}).get("tool_calls") or ())
+    assert indices[0] == indices[1]
+    try:
+        expected = typed.result()
+    except MalformedResponse:  # no choice streamed (an error reply)
+        with pytest.raises(MalformedResponse):
+            folded.result()
+        return
+    assert folded.result() == expected
 
 
 WHOLE_OK = [c for c in CASES if c[3] == "json" and c[2] == 200]

@@ -5,31 +5,48 @@ tool calls without `index`, content given as a list of parts (Mistral's Magistra
 fields that must be joined while their `format`/`channel` stay single values (OpenRouter's
 `reasoning_details`, Groq's `channel`), usage only under `x_groq.usage`, and errors reported
 inside a 200 reply (an SSE `event: error`, a chunk carrying `error`, a whole `{"error": ...}`
-body), retried when the status they name is retryable.
+body), retried when the status they name is retryable. Each test runs twice: without callbacks
+(the turn folds validated event dicts) and with `on_event` (typed chunks, handed to the callback).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import pytest
 
 from treadle import Session
-from treadle.errors import ProviderError, RateLimitError
-from treadle.llm import Provider
+from treadle.errors import MalformedResponse, ProviderError, RateLimitError
+from treadle.llm import (
+    ChatCompletionChunk,
+    CompletionRequest,
+    HttpExecutor,
+    Provider,
+    request_turn,
+)
 from treadle.loop import run_session_loop
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
+from treadle.tools import ToolSet
 
 AGENT = Session.from_agent_prompt("Answer briefly.")
 
 
-@pytest.fixture()
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer() as srv:
-        yield srv
+_EVENTS: list[Any] | None = None  # set by the `server` fixture: None runs without callbacks
+
+
+@pytest.fixture(params=["folded", "on_event"])
+def server(request: pytest.FixtureRequest) -> Iterator[FakeOpenAIServer]:
+    global _EVENTS
+    _EVENTS = [] if request.param == "on_event" else None
+    try:
+        with FakeOpenAIServer() as srv:
+            yield srv
+    finally:
+        _EVENTS = None
 
 
 def _sse(*events: dict[str, Any] | str, done: bool = True) -> Reply:
@@ -78,7 +95,15 @@ def _run(server: FakeOpenAIServer, *, stream: bool, retries: int = 0) -> Session
         retry_base_delay=0.0,
     )
     user = Session.from_user_message("Hello")
-    return run_session_loop(user, AGENT, agent_provider=provider, max_tool_rounds=3, lazy=False)
+    events = _EVENTS
+    return run_session_loop(
+        user,
+        AGENT,
+        agent_provider=provider,
+        max_tool_rounds=3,
+        lazy=False,
+        on_event=None if events is None else events.append,
+    )
 
 
 def test_streamed_tool_calls_without_index_stay_separate_calls(server: FakeOpenAIServer) -> None:
@@ -256,3 +281,65 @@ def test_an_sse_error_event_with_bare_data_is_still_an_error(server: FakeOpenAIS
     with pytest.raises(ProviderError, match="upstream went away"):
         _run(server, stream=True, retries=1)  # the first is retried (503), the second is not
     assert server.request_count == 2
+
+
+@pytest.mark.parametrize(
+    "bad, said",
+    [
+        ({"choices": [{"index": "first", "delta": {}}]}, "does not match the schema"),
+        ({"choices": [{"delta": {"tool_calls": [{"function": "f"}]}}]}, "does not match"),
+        ({"choices": "none"}, "does not match the schema"),
+        ("data: {not json", "is not JSON"),
+    ],
+)
+def test_a_malformed_event_mid_stream_is_a_clear_error(
+    server: FakeOpenAIServer, bad: dict[str, Any] | str, said: str
+) -> None:
+    server.enqueue(_sse(_chunk({"role": "assistant", "content": "Hi"}), bad, _chunk({}, "stop")))
+    with pytest.raises(MalformedResponse, match=said):
+        _run(server, stream=True)
+
+
+def test_callbacks_see_the_index_a_call_without_one_belongs_to(server: FakeOpenAIServer) -> None:
+    if _EVENTS is None:
+        pytest.skip("checks what on_event receives")
+    first = {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{"}}
+    server.enqueue(
+        _sse(
+            _chunk({"tool_calls": [first]}),
+            _chunk({"tool_calls": [{"function": {"arguments": "}"}}]}),
+            _chunk({"tool_calls": [{"id": "call_b", "function": {"name": "g", "arguments": ""}}]}),
+            _chunk({}, "tool_calls"),
+        ),
+        Reply.text("done"),
+    )
+    _run(server, stream=True)
+    indices = [
+        call.index
+        for event in _EVENTS
+        for choice in getattr(event, "choices", ())
+        for call in choice.delta.tool_calls or ()
+    ]
+    assert indices == [0, 0, 1]
+
+
+def test_an_http_executor_subclass_keeps_its_own_astream(server: FakeOpenAIServer) -> None:
+    if _EVENTS is not None:
+        pytest.skip("a custom executor takes no on_event")
+    seen: list[ChatCompletionChunk] = []
+
+    class Watching(HttpExecutor):
+        async def astream(self, request: CompletionRequest) -> AsyncGenerator[ChatCompletionChunk]:
+            async for chunk in super().astream(request):
+                seen.append(chunk)
+                yield chunk
+
+    server.enqueue(_sse(_chunk({"role": "assistant", "content": "Hi"}), _chunk({}, "stop")))
+    provider = Provider(model="m", base_url=server.base_url, api_key="sk-test", stream=True)
+    user = Session.from_user_message("Hello")
+    request = CompletionRequest(
+        "s1", provider, AGENT.rows, user.rows, ToolSet.build([]), stream=True
+    )
+    turn = asyncio.run(request_turn(Watching(), request))
+    assert turn.payload["content"] == "Hi"
+    assert len(seen) == 2

@@ -16,10 +16,11 @@ Pure: no I/O, never raises on unknown fields (they are kept).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from treadle.errors import MalformedResponse
-from treadle.llm.wire import ChatCompletion, ChatCompletionChunk, ChoiceDeltaToolCall
+from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
 
 __all__ = ["MESSAGE_TEXT_FIELDS", "StreamAccumulator"]
 
@@ -100,15 +101,13 @@ def _merge_content(message: dict[str, Any], value: str | list[Any]) -> None:
 
 def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
     for key, value in delta.items():
-        if value is None:
-            message.setdefault(key, None)
-        elif key == "content" and isinstance(value, (str, list)):
+        if value is None or key == "tool_calls":
+            continue  # an absent field; tool calls are merged by `_merge_calls`
+        if key == "content" and isinstance(value, (str, list)):
             _merge_content(message, value)
         elif key in MESSAGE_TEXT_FIELDS and isinstance(value, str):
             old = message.get(key)
             message[key] = old + value if isinstance(old, str) else value
-        elif key == "tool_calls":
-            continue  # merged by `_merge_calls`, which needs the typed deltas
         elif isinstance(value, list):
             old = message.get(key)
             if isinstance(old, list):
@@ -122,41 +121,49 @@ def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
             _replace(message, key, value)
 
 
-def _merge_calls(calls: list[dict[str, Any]], deltas: list[ChoiceDeltaToolCall]) -> None:
+_CALL_FIELDS = frozenset({"index", "id", "type", "function"})
+_FUNCTION_FIELDS = frozenset({"name", "arguments"})
+
+
+def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
     """Fold tool-call deltas in; a delta without `index` gets the one it belongs to (in place)."""
     for delta in deltas:
-        index = delta.index
+        index = delta.get("index")
+        call_id = delta.get("id")
         if index is None:
             last = calls[-1] if calls else None
-            if last is None or (delta.id and last.get("id") and delta.id != last["id"]):
+            if last is None or (call_id and last.get("id") and call_id != last["id"]):
                 index = len(calls)
             else:
                 index = last["index"]
         current = next((c for c in calls if c["index"] == index), None)
-        if current is not None and delta.id and current.get("id") and delta.id != current["id"]:
+        if current is not None and call_id and current.get("id") and call_id != current["id"]:
             # The same index with another id: a server numbering every call 0. A new call.
             index = max(c["index"] for c in calls) + 1
             current = None
-        delta.index = index  # callbacks see the call each piece belongs to
+        delta["index"] = index  # callbacks see the call each piece belongs to
         if current is None:
             current = {"index": index, "function": {"name": "", "arguments": ""}}
             calls.append(current)
-        if delta.id:
-            current["id"] = delta.id
-        if delta.type:
-            current["type"] = delta.type
-        fn = delta.function
+        if call_id:
+            current["id"] = call_id
+        kind = delta.get("type")
+        if kind:
+            current["type"] = kind
+        fn = delta.get("function")
         if fn is not None:
             function = current["function"]
-            if fn.name:
-                function["name"] = fn.name
-            if fn.arguments:
-                function["arguments"] += fn.arguments
-            for key, value in (fn.model_extra or {}).items():
-                if value is not None:
+            for key, value in fn.items():
+                if key == "arguments":
+                    if value:
+                        function["arguments"] += value
+                elif key == "name":
+                    if value:
+                        function["name"] = value
+                elif value is not None:
                     function[key] = value
-        for key, value in (delta.model_extra or {}).items():
-            if value is not None:
+        for key, value in delta.items():
+            if value is not None and key not in _CALL_FIELDS:
                 _replace(current, key, value)
 
 
@@ -196,17 +203,46 @@ class StreamAccumulator:
                 if value is not None:
                     top[key] = value
         for choice in chunk.choices:
-            message = self._choices.get(choice.index)
-            if message is None:
-                message = self._choices[choice.index] = {"role": "assistant", "content": None}
-                self._calls[choice.index] = []
-                self._finish[choice.index] = None
             delta = choice.delta
-            _merge_message(message, delta.model_dump(exclude_none=True, exclude={"tool_calls"}))
-            if delta.tool_calls:
-                _merge_calls(self._calls[choice.index], delta.tool_calls)
-            if choice.finish_reason is not None:
-                self._finish[choice.index] = choice.finish_reason
+            dumped = delta.model_dump(exclude_none=True)
+            self._add_choice(choice.index, dumped, choice.finish_reason)
+            if delta.tool_calls:  # callbacks see the call each piece belongs to
+                for call, folded in zip(delta.tool_calls, dumped["tool_calls"], strict=True):
+                    call.index = folded["index"]
+
+    def add_event(self, event: Mapping[str, Any]) -> None:
+        """`add` for a chunk given as a dict (`chunk_parse.parse_event`; a null is an absent field).
+
+        Tool-call dicts without an `index` get the index of the call they belong to (in place).
+        """
+        self.chunks += 1
+        top = self._top
+        for key, value in event.items():
+            if value is None or key == "choices" or key == "object":
+                continue
+            if key == "id" or key == "created" or key == "model":
+                if value and key not in top:
+                    top[key] = value
+            else:  # `usage`, and provider fields such as `x_groq` or `system_fingerprint`
+                top[key] = value
+        for choice in event.get("choices", ()):
+            self._add_choice(
+                choice.get("index", 0), choice.get("delta"), choice.get("finish_reason")
+            )
+
+    def _add_choice(self, index: int, delta: dict[str, Any] | None, reason: str | None) -> None:
+        message = self._choices.get(index)
+        if message is None:
+            message = self._choices[index] = {"role": "assistant", "content": None}
+            self._calls[index] = []
+            self._finish[index] = None
+        if delta:
+            _merge_message(message, delta)
+            calls = delta.get("tool_calls")
+            if calls:
+                _merge_calls(self._calls[index], calls)
+        if reason is not None:
+            self._finish[index] = reason
 
     def result(self) -> ChatCompletion:
         """The accumulated completion; `MalformedResponse` if no choice was ever streamed."""

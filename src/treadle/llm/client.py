@@ -15,15 +15,16 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
 from pydantic_core import from_json
 
-from treadle.errors import MalformedResponse
+from treadle.errors import MalformedResponse, ProviderError
 from treadle.llm.attempt import OpenStream, StatusError, classify
+from treadle.llm.chunk_parse import parse_chunk
 from treadle.llm.http_errors import (
     StaleConnectionError,
     error_from_payload,
@@ -48,6 +49,8 @@ _CLOSE_TIMEOUT_SECONDS = 10.0
 
 
 _T = TypeVar("_T")
+_Parse = Callable[[bytes, str | None, str | None], tuple[_T, int | None, bool]]
+"""A stream payload parser: `(data, api_key, request_id) -> (item, usage total, finished)`."""
 _Prepared = tuple[Provider, Provider, str, dict[str, str], httpx.Timeout, EndpointLimiter]
 """(provider, resolved, URL, headers, timeouts, limiter): `ModelClient._prepare`."""
 _MAX_PREPARED = 256
@@ -135,12 +138,27 @@ class ModelClient:
         finally:
             limiter.release(permit, used)
 
-    async def stream(self, provider: Provider, body: bytes) -> AsyncIterator[ChatCompletionChunk]:
+    async def stream(self, provider: Provider, body: bytes) -> AsyncGenerator[ChatCompletionChunk]:
         """POST `body` with `"stream": true` and yield chunks as they arrive.
 
         Retries only until the first event has arrived (nothing yielded yet); a stream torn after
         that raises `MalformedResponse`. Use it inside `contextlib.aclosing(...)` when you may
         stop early.
+        """
+        batches = self.stream_batches(provider, body, parse_chunk)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                for chunk in batch:
+                    yield chunk
+
+    async def stream_batches(
+        self, provider: Provider, body: bytes, parse: _Parse[_T]
+    ) -> AsyncGenerator[list[_T]]:
+        """`stream`, yielding the events of each network read at once, parsed by `parse`.
+
+        `parse` is `chunk_parse.parse_chunk` (typed chunks) or `parse_event` (validated dicts,
+        what the turn folds in); one yield per read, not per event, saves a generator step per
+        event. Same retries, errors and limiter accounting as `stream`.
         """
         _, provider, url, headers, timeouts, limiter = self._prepare(provider)
         opened, permit = await self._send(
@@ -154,22 +172,28 @@ class ModelClient:
         used: int | None = None
         try:
             limiter.observe(permit, opened.headers)
-            request_id = opened.request_id
+            request_id, api_key = opened.request_id, provider.api_key
             chunks, decoder = opened.chunks, opened.decoder
             done = finished = False
             events = opened.first
             while True:
+                batch: list[_T] = []
                 for data in events:
                     if data == DONE:
                         done = True
                         break
-                    chunk = _parse_chunk(data, provider, request_id)
-                    if chunk.usage is not None:
-                        used = chunk.usage.total_tokens
-                    for choice in chunk.choices:
-                        if choice.finish_reason is not None:
-                            finished = True
-                    yield chunk
+                    try:
+                        item, total, ends = parse(data, api_key, request_id)
+                    except ProviderError:
+                        if batch:  # the events before a bad one still reach the caller first
+                            yield batch
+                        raise
+                    if total is not None:
+                        used = total
+                    finished = finished or ends
+                    batch.append(item)
+                if batch:
+                    yield batch
                 if done or opened.ended:
                     break
                 try:  # inline, not a helper: this runs once per network read
@@ -340,22 +364,6 @@ def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
     if not result.choices:
         raise malformed("the choices list is empty", content, request_id=request_id)
     return result
-
-
-def _parse_chunk(data: bytes, provider: Provider, request_id: str | None) -> ChatCompletionChunk:
-    try:
-        return ChatCompletionChunk.model_validate_json(data)
-    except ValidationError as exc:
-        try:
-            payload: Any = from_json(data)
-        except ValueError:
-            raise malformed("a stream event is not JSON", data, request_id=request_id) from exc
-        if isinstance(payload, dict) and "error" in payload:
-            # vLLM and OpenAI report mid-stream failures as an `{"error": ...}` event.
-            raise error_from_payload(
-                None, payload, data, request_id=request_id, api_key=provider.api_key
-            ) from exc
-        raise malformed("a stream event does not match the schema", data) from exc
 
 
 # --- the per-loop registry -------------------------------------------------------------------

@@ -277,6 +277,8 @@ async def _turn(
 ) -> AssistantTurn:
     api_key = request.provider.api_key if request.provider is not None else None
     if request.stream and isinstance(executor, HttpExecutor):
+        if type(executor).astream is HttpExecutor.astream:  # not a subclass's own astream
+            return turn_of(await _fold_stream(request, api_key, on_delta))
         acc = StreamAccumulator()
         async with contextlib.aclosing(executor.astream(request)) as chunks:
             async for chunk in chunks:
@@ -301,6 +303,51 @@ async def _turn(
         if on_delta is not None:
             on_delta(_delta_of(_as_chunk(completion)))
     return turn_of(completion)
+
+
+async def _fold_stream(
+    request: CompletionRequest, api_key: str | None, on_delta: DeltaSink | None
+) -> ChatCompletion:
+    """A streamed reply from the pooled client folded into its completion.
+
+    The fast form of the streamed branch of `_turn` (same errors and deltas), reading the events
+    of each network read at once. Without a callback to feed the events stay dicts checked
+    against the chunk schema (no `ChatCompletionChunk` per event); the whole is validated at the
+    end either way.
+    """
+    from treadle.llm.chunk_parse import parse_chunk, parse_event
+    from treadle.llm.client import get_client
+
+    provider = _require_provider(request)
+    acc = StreamAccumulator()
+    try:
+        client = get_client(provider)
+        if on_delta is None:
+            events = client.stream_batches(provider, request.body(), parse_event)
+            async with contextlib.aclosing(events):
+                async for batch in events:
+                    for event in batch:
+                        if "error" in event:
+                            request_id = event.get("id") or None
+                            error = error_in(event, request_id=request_id, api_key=api_key)
+                            if error is not None:
+                                raise _InBand(error)  # closing the stream releases its connection
+                        acc.add_event(event)
+        else:
+            chunks = client.stream_batches(provider, request.body(), parse_chunk)
+            async with contextlib.aclosing(chunks):
+                async for typed in chunks:
+                    for chunk in typed:
+                        extra, request_id = chunk.model_extra, chunk.id or None
+                        error = error_in(extra, request_id=request_id, api_key=api_key)
+                        if error is not None:
+                            raise _InBand(error)
+                        acc.add(chunk)
+                        on_delta(_delta_of(chunk))
+    except RuntimeError as err:
+        _raise_if_foreign_loop(provider, err)
+        raise
+    return acc.result()
 
 
 def turn_of(completion: ChatCompletion) -> AssistantTurn:
