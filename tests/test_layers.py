@@ -18,12 +18,14 @@ LAYERS = [
     "errors",
     "session",
     "runtime",
+    "_http",  # private HTTP/1.1 pool: knows nothing of LLMs
     "telemetry",  # extra: below llm, after runtime
     "llm",
     "tools",
     "sandbox",
     "mcp",  # extra: beside sandbox (after it, before persist)
     "persist",
+    "stores",  # conversation stores: beside persist
     "loop",
     "agents",
     "distributed",
