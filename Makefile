@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install bwrap test test-ray e2e demo bench bench-quick docs docs-serve clean lint typecheck soak
+.PHONY: install bwrap test test-slow test-all test-ray e2e demo bench bench-quick docs docs-serve clean lint typecheck soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,8 +38,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict
 
+# The suite runs in 4 pytest-xdist workers: most tests wait on subprocesses, sockets and sandboxes,
+# so 4 workers beat one per core on a 2-core machine. Soak-like and benchmark-like tests (marked
+# `slow`) form their own tier: `make test` + `make test-slow` = every test (`make test-all`).
+PYTEST_WORKERS ?= 4
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m slow
+
+test-all: test test-slow
 
 # The Ray backend's tests on a local Ray instance (installs the `ray` extra into the venv).
 test-ray: $(STAMP)

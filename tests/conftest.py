@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +17,15 @@ import hypothesis  # noqa: F401
 import pytest
 
 from sandbox_support import BACKENDS, open_sandbox, processes_with
+
+# A shell without job control starts background commands with SIGINT ignored (POSIX), and an
+# ignored signal stays ignored across exec: Python then installs no KeyboardInterrupt handler, so
+# every CLI child of a suite started that way (`make test &` from a script, some CI runners)
+# ignores Ctrl-C, and tests that press it hang (`treadle show --follow` did, in about half the
+# fresh-clone runs). The suite stands in for a terminal user, whose Ctrl-C is live: restore the
+# default handler here, which the children then inherit as the default disposition.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(params=BACKENDS)

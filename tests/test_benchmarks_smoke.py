@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a whole benchmark run, 30-45 s: `make test-slow`
 def test_tiny_benchmark_run_writes_results(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--size", "tiny", "--out", str(tmp_path)],

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from treadle import run_session_loop, tool
 from treadle.persist import load_session
 from treadle.testing import ScriptedExecutor
@@ -164,6 +166,7 @@ def summary(trials: list[Trial]) -> str:
     )
 
 
+@pytest.mark.slow  # a soak in miniature: `make test-slow`
 def test_random_sigkills_leave_resumable_files(tmp_path: Path) -> None:
     trials = run_trials(tmp_path, QUICK_TRIALS)
     print(summary(trials))

@@ -21,6 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from treadle.evals import read_log, summarize
 from treadle.persist import load_session
 from treadle.testing import FakeOpenAIServer, Reply
@@ -77,6 +79,7 @@ def _eval(cwd: Path, log: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     )
 
 
+@pytest.mark.slow  # three killed eval runs, 15 s: `make test-slow`
 def test_kill_three_times_and_resume(tmp_path: Path) -> None:
     _dataset(tmp_path / "data.jsonl")
     (tmp_path / "evalagent.py").write_text(AGENT_MODULE)

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
+
 from treadle import Provider, Session, run_session_loop, tool
 from treadle.llm.client import close_all_clients_for_loop
 from treadle.runtime import get_runtime
@@ -143,6 +145,7 @@ def fan_out(base_url: str, passes: int, *, prefix: str = "task", close: bool = T
     )
 
 
+@pytest.mark.slow  # a load test, 2,000 passes: `make test-slow`
 def test_two_thousand_concurrent_passes_with_tool_rounds() -> None:
     with fake_server_process() as url:
         fan_out(url, 50, prefix="warm")  # runtime, pools and threads exist before measuring

@@ -203,6 +203,7 @@ def test_the_fake_server_can_tell_less() -> None:
         FakeOpenAIServer(requests_per_minute=1, rate_headers="some")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # paces real requests, 17 s: `make test-slow`
 async def test_remaining_only_endpoints_are_paced_by_a_measured_rate() -> None:
     # 20 per 0.5 s, only `x-ratelimit-remaining-requests` told; 100 requests at once.
     with FakeOpenAIServer(
