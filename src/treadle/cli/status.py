@@ -11,7 +11,6 @@ state only, and never leaves a half-drawn line under real output.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import sys
@@ -81,6 +80,8 @@ class StatusLine:
     @contextlib.asynccontextmanager
     async def ticking(self) -> AsyncIterator[StatusLine]:
         """Keep the line current on the running loop while the block runs; erase it after."""
+        import asyncio  # here, not at the top: an error printed before any pass never needs it
+
         task = asyncio.create_task(self._tick_forever())
         try:
             yield self
@@ -91,6 +92,8 @@ class StatusLine:
             self.set(None)
 
     async def _tick_forever(self) -> None:
+        import asyncio
+
         while True:
             await asyncio.sleep(TICK)
             self.tick()

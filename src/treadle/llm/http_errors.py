@@ -116,6 +116,13 @@ def excerpt(body: bytes | str, api_key: str | None = None, limit: int = BODY_EXC
     return text
 
 
+def _after_retries(retries: int) -> str:
+    """` after 1 retry` / ` after 3 retries`, or nothing before the first retry."""
+    if not retries:
+        return ""
+    return f" after {retries} {'retry' if retries == 1 else 'retries'}"
+
+
 def _error_fields(payload: Any) -> tuple[str, str, str]:
     """(message, type, code) of an OpenAI-style `{"error": {...}}` body, empty when absent."""
     error = payload.get("error") if isinstance(payload, Mapping) else None
@@ -194,14 +201,15 @@ def error_from_payload(
     `url` is the request's URL, named in messages about a wrong base URL.
     """
     message, type_, code = _error_fields(payload)
-    said = excerpt(message, api_key, _MESSAGE_CHARS) if message else ""
+    # The server's own full stop is dropped: "...provided; check" reads, "provided.; check" not.
+    said = excerpt(message, api_key, _MESSAGE_CHARS).rstrip().removesuffix(".") if message else ""
     said_part = f": {said}" if said else ""
     kw: dict[str, Any] = {
         "status_code": status,
         "body": excerpt(body, api_key),
         "request_id": request_id,
     }
-    after = f" after {retries} retries" if retries else ""
+    after = _after_retries(retries)
     lowered = f"{code} {type_} {message}".lower()
     if status in (401, 403):
         return AuthenticationError(
@@ -288,7 +296,7 @@ def error_from_status(
 
 def error_from_transport(exc: httpx.TransportError, *, url: str, retries: int) -> ProviderError:
     """The typed error for a request that got no usable response (connect, read, disconnect)."""
-    after = f" after {retries} retries" if retries else ""
+    after = _after_retries(retries)
     if isinstance(exc, TLSMismatchError) or (
         url.startswith("https:") and isinstance(exc, httpx.ConnectError) and is_tls_mismatch(exc)
     ):
