@@ -257,12 +257,14 @@ def _add_eval_parsers(sub: Any) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    console = make_console(args.color)
     if args.command == "run":
         from treadle.cli.preflight import check_endpoint
 
-        # Configuration errors print before the pass's imports (see the module docstring).
+        # Configuration errors print before the pass's imports and before rich loads (on a
+        # terminal): see the comment at the top of this module.
         check_endpoint(model=args.model, base_url=args.base_url, api_key=args.api_key)
+    console = make_console(args.color)
+    if args.command == "run":
         # Say so before the runtime's imports (most of a second on a busy machine): the screen
         # is never blank while treadle works. asyncio, httpx and pydantic load after this line.
         status = None if args.json else StatusLine(console.out)

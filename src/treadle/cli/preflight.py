@@ -13,7 +13,6 @@ error prints in a few tens of milliseconds. It must never print or put the API k
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -94,6 +93,8 @@ def check_host_resolves(base_url: str, *, timeout: float = RESOLVE_TIMEOUT) -> N
     Skipped for loopback and IP-literal hosts and behind a proxy. A lookup slower than
     `timeout`, or a temporary failure (`EAI_AGAIN`), is left to the pass and its retries.
     """
+    import socket  # only a pass that is about to run needs it
+
     parts = urlsplit(base_url)
     host = parts.hostname
     if not host or is_loopback_url(base_url) or _uses_proxy() or _is_ip(host):
@@ -125,6 +126,8 @@ def check_host_resolves(base_url: str, *, timeout: float = RESOLVE_TIMEOUT) -> N
 
 
 def _is_ip(host: str) -> bool:
+    import socket
+
     try:
         socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
     except OSError:
