@@ -18,6 +18,7 @@ __all__ = [
     "describe_result",
     "describe_row",
     "human_size",
+    "producer_line",
     "short",
     "summary_line",
 ]
@@ -111,6 +112,25 @@ def human_size(size: int) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{size} B"  # pragma: no cover
+
+
+def producer_line(producer: Any) -> str | None:
+    """`model M at ORIGIN | treadle V | temperature=0.2 ...` from a header's `producer` (None
+    for files written before transcripts recorded it)."""
+    if not isinstance(producer, Mapping):
+        return None
+    parts = []
+    model, endpoint = producer.get("model"), producer.get("endpoint")
+    if model or endpoint:
+        where = f" at {short(str(endpoint), 80)}" if endpoint else ""
+        parts.append(f"model {short(str(model or '?'), 80)}{where}")
+    if producer.get("treadle"):
+        parts.append(f"treadle {short(str(producer['treadle']), 20)}")
+    options = producer.get("options")
+    if isinstance(options, Mapping) and options:
+        shown = " ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in options.items())
+        parts.append(short(shown, 160))
+    return " | ".join(parts) or None
 
 
 def _s(n: int) -> str:

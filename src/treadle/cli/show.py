@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.cli.console import Console
-from treadle.cli.describe import describe_row, human_size, short
+from treadle.cli.describe import describe_row, human_size, producer_line, short
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.errors import ConfigurationError
 from treadle.persist import load_session
@@ -54,6 +54,9 @@ class TranscriptView:
             else "?"
         )
         self.console.line(f"session {header.get('session_id')}  (created {when})", "heading")
+        produced = producer_line(header.get("producer"))
+        if produced:
+            self.console.line(produced, "dim")
         placement = header.get("placement")
         if placement:
             options = header.get("placement_options")
