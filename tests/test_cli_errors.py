@@ -153,3 +153,11 @@ def test_clashing_mcp_tools_name_the_flag_that_fixes_them(tmp_path: Path) -> Non
     assert result["name"] == "b_add"
     assert json.loads(result["content"])["structured"] == {"result": 42}
     assert server_children() == {}
+
+
+def test_counts_read_as_english() -> None:
+    from treadle.cli.describe import counted
+
+    assert counted(1, "request") == "1 request" and counted(2, "request") == "2 requests"
+    assert counted(1, "retry") == "1 retry" and counted(0, "retry") == "0 retries"
+    assert counted(1024, "request", grouped=True) == "1,024 requests"

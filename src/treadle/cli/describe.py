@@ -14,6 +14,7 @@ from treadle.session import ChunkRow, Usage
 
 __all__ = [
     "PREVIEW_CHARS",
+    "counted",
     "describe_call",
     "describe_result",
     "describe_row",
@@ -137,6 +138,14 @@ def _s(n: int) -> str:
     return "" if n == 1 else "s"
 
 
+def counted(n: int, noun: str, *, grouped: bool = False) -> str:
+    """`1 request`, `2 requests`, `1 retry`, `3 retries` (`grouped`: `1,024 requests`)."""
+    shown = f"{n:,}" if grouped else str(n)
+    if n == 1:
+        return f"{shown} {noun}"
+    return f"{shown} {noun[:-1]}ies" if noun.endswith("y") else f"{shown} {noun}s"
+
+
 def summary_line(
     *,
     rows: int,
@@ -150,7 +159,7 @@ def summary_line(
     parts = [
         f"{rows} rows",
         f"{tool_calls} tool call{_s(tool_calls)}",
-        f"{usage.total_tokens} tokens ({usage.requests} request{_s(usage.requests)})",
+        f"{usage.total_tokens} tokens ({counted(usage.requests, 'request')})",
         f"{seconds:.2f} s",
         f"stop: {stop_reason or 'unknown'}",
     ]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.cli.console import Console
-from treadle.cli.describe import producer_line
+from treadle.cli.describe import counted, producer_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.errors import EvalConfigMismatch
 from treadle.evals import (
@@ -122,11 +122,12 @@ def summary_rows(summary: Summary) -> list[list[str]]:
         [
             "tokens",
             f"{tokens['total_tokens']:,} ({tokens['prompt_tokens']:,} prompt, "
-            f"{tokens['completion_tokens']:,} completion, {tokens['requests']:,} requests)",
+            f"{tokens['completion_tokens']:,} completion, "
+            f"{counted(tokens['requests'], 'request', grouped=True)})",
         ]
     )
     errors = ", ".join(f"{k} {v}" for k, v in summary.errors.items()) or "none"
-    rows.append(["errors", f"{errors}; {summary.retries} retries"])
+    rows.append(["errors", f"{errors}; {counted(summary.retries, 'retry')}"])
     return rows
 
 

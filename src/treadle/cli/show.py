@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.cli.console import Console
-from treadle.cli.describe import describe_row, human_size, producer_line, short
+from treadle.cli.describe import counted, describe_row, human_size, producer_line, short
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.errors import ConfigurationError
 from treadle.persist import load_session
@@ -94,7 +94,7 @@ class TranscriptView:
             self.console.line(
                 f"closed cleanly | {self.rows} rows | stop: {stop_reason} | "
                 f"{u.total_tokens} tokens ({u.prompt_tokens} prompt, "
-                f"{u.completion_tokens} completion, {u.requests} requests)",
+                f"{u.completion_tokens} completion, {counted(u.requests, 'request')})",
                 "summary",
             )
         else:
