@@ -8,6 +8,7 @@ MCP servers whose tools clash.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import socket
 import sys
@@ -161,3 +162,41 @@ def test_counts_read_as_english() -> None:
     assert counted(1, "request") == "1 request" and counted(2, "request") == "2 requests"
     assert counted(1, "retry") == "1 retry" and counted(0, "retry") == "0 retries"
     assert counted(1024, "request", grouped=True) == "1,024 requests"
+
+
+def _provider_errors() -> list[Exception]:
+    from treadle import errors as e
+
+    return [
+        e.AuthenticationError("The endpoint rejected the API key; check Provider(api_key=...).",
+                              status_code=401),
+        e.RateLimitError("kept rate-limiting; raise max_retries.", status_code=429),
+        e.ContextLengthError("does not fit", status_code=400),
+        e.ProviderTimeout("Timed out waiting for http://h/v1; raise Provider.timeout."),
+        e.ProviderConnectionError("Could not connect; check base_url and that the server runs."),
+        e.ProtocolMismatchError("The server at https://h:1/v1 speaks plain HTTP; use "
+                                "base_url=http://h:1/v1."),
+        e.NotOpenAIEndpointError("no chat-completions endpoint; check base_url.", status_code=404),
+        e.ModelNotFoundError("no such model; check Provider.model.", status_code=404),
+        e.InvalidRequestError("cannot parse", status_code=500),
+        e.ProviderError("refused", status_code=400),
+        e.ProviderError("The endpoint failed with a server error; retry later.", status_code=503),
+        e.MalformedResponse("The endpoint's reply is not a valid chat completion: no choices."),
+        e.ConfigurationError("two tools are named 'add'; give one of the servers a prefix, e.g. "
+                             "MCPServer.stdio(..., prefix='git')."),
+        e.ConfigurationError("tool 'read_file' shadows a built-in sandbox tool; rename it with "
+                             "@tool(name=...)."),
+        e.SandboxUnavailable("the isolated sandbox needs `bwrap`, which is not on PATH."),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("error", _provider_errors(), ids=lambda e: type(e).__name__)
+def test_every_endpoint_and_configuration_error_names_what_to_type(error: Exception) -> None:
+    from treadle.cli.failures import explain
+
+    failure = explain(error, "run")
+    assert re.search(r"--[a-z]|treadle [a-z]|OPENAI_|TREADLE_", failure.fix), failure
+    for python_only in ("Provider.", "Provider(", "MCPServer", "base_url=", "max_retries",
+                        "@tool("):  # fmt: skip
+        assert python_only not in failure.cause + failure.fix, failure
+    assert ".;" not in failure.cause and not failure.cause.endswith(".."), failure

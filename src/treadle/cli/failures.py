@@ -23,6 +23,7 @@ from treadle.errors import (
     ProviderTimeout,
     RateLimitError,
     SandboxError,
+    SandboxUnavailable,
     TreadleError,
 )
 
@@ -68,6 +69,12 @@ def explain(err: BaseException, command: str | None = None) -> CliFailure:
             message, "check the path; `treadle sessions DIR` lists readable sessions.",
             EXIT_CODES["usage"],
         )  # fmt: skip
+    if isinstance(err, SandboxUnavailable):
+        return CliFailure(
+            message,
+            "install bubblewrap for --sandbox isolated, or pass --sandbox local (no isolation).",
+            EXIT_CODES["usage"],
+        )
     if isinstance(err, SandboxError):
         return CliFailure(message, "check the --sandbox directory.", EXIT_CODES["error"])
     if isinstance(err, TreadleError):
@@ -156,18 +163,21 @@ def _explain_provider(err: ProviderError, message: str) -> CliFailure:
     if isinstance(err, InvalidRequestError):
         return CliFailure(
             message,
-            "the model or server cannot handle this request: try another model or a simpler "
+            "the model or server cannot handle this request: try another --model or a simpler "
             "prompt; retrying the same request will not help.",
             endpoint,
         )
     if isinstance(err, RateLimitError):
         fix = "wait and retry, or pass a higher --retries N."
     elif isinstance(err, ContextLengthError):
-        fix = "shorten the prompt or use a model with a larger context window."
+        fix = "shorten the prompt, or pass --model with a larger context window."
     elif err.status_code is not None and 400 <= err.status_code < 500:
         fix = "the endpoint refused the request: check --model and the server's documentation."
     else:
-        fix = "the endpoint is failing: retry later, or check the endpoint's logs."
+        fix = (
+            "the endpoint is failing: retry later (or pass a higher --retries N), or check the "
+            "endpoint's logs."
+        )
     return CliFailure(message, fix, endpoint)
 
 
