@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--api-key",
         metavar="KEY",
-        help="API key (default: $OPENAI_API_KEY, which other users cannot see in `ps`)",
+        help="API key (default: $OPENAI_API_KEY; prefer the variable: a flag shows in `ps`)",
     )
     run.add_argument(
         "--sandbox",
