@@ -210,3 +210,14 @@ def test_the_cli_fix_names_the_eval_command_lines(
     out = capsys.readouterr()
     assert "before: model m at http://127.0.0.1:" in out.out
     assert "after: model m at http://127.0.0.1:" in out.out
+
+
+def test_the_producer_line_shows_no_terminal_escapes_from_a_file() -> None:
+    from treadle.cli.describe import producer_line
+
+    line = producer_line(
+        {"model": "m\x1b[2J", "endpoint": "http://h", "options": {"stop": "\x1b]0;x\x07"}}
+    )
+    assert line is not None and "\x1b" not in line and "\x07" not in line
+    assert line.startswith("model m?[2J at http://h")
+    assert producer_line(None) is None and producer_line({}) is None

@@ -117,21 +117,27 @@ def human_size(size: int) -> str:
 
 def producer_line(producer: Any) -> str | None:
     """`model M at ORIGIN | treadle V | temperature=0.2 ...` from a header's `producer` (None
-    for files written before transcripts recorded it)."""
+    for files written before transcripts recorded it).
+
+    The values come from a file: control characters (terminal escapes) are shown as `?`."""
     if not isinstance(producer, Mapping):
         return None
     parts = []
     model, endpoint = producer.get("model"), producer.get("endpoint")
     if model or endpoint:
-        where = f" at {short(str(endpoint), 80)}" if endpoint else ""
-        parts.append(f"model {short(str(model or '?'), 80)}{where}")
+        where = f" at {_printable(endpoint, 80)}" if endpoint else ""
+        parts.append(f"model {_printable(model or '?', 80)}{where}")
     if producer.get("treadle"):
-        parts.append(f"treadle {short(str(producer['treadle']), 20)}")
+        parts.append(f"treadle {_printable(producer['treadle'], 20)}")
     options = producer.get("options")
     if isinstance(options, Mapping) and options:
         shown = " ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in options.items())
-        parts.append(short(shown, 160))
+        parts.append(_printable(shown, 160))
     return " | ".join(parts) or None
+
+
+def _printable(value: object, limit: int) -> str:
+    return short("".join(c if c.isprintable() else "?" for c in str(value)), limit)
 
 
 def _s(n: int) -> str:
