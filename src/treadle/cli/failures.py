@@ -87,19 +87,20 @@ def explain(err: BaseException, command: str | None = None) -> CliFailure:
 
 
 # The library's messages end with advice in Python terms ("; check OPENAI_API_KEY or
-# Provider(api_key=...)."). The CLI prints its own fix line in flags, so that tail is dropped
-# from the cause when it names something a command-line user cannot type.
-_LIBRARY_ADVICE = re.compile(
-    r"; [^;]*(?:Provider[.(]|MCPServer|base_url|max_retries|requests_per_minute|@tool\(|"
-    r"prefix=)[^;]*$"
+# Provider(api_key=...)." or, after a server's own sentence, ". Check ..."). The CLI prints its own
+# fix line in flags, so that last part is dropped from the cause when it names something a
+# command-line user cannot type.
+_SEPARATOR = re.compile(r"; |(?<=[.!?]) ")
+_PYTHON_ADVICE = re.compile(
+    r"Provider[.(]|MCPServer|base_url|max_retries|requests_per_minute|@tool\(|prefix="
 )
 
 
 def _without_library_advice(message: str) -> str:
-    match = _LIBRARY_ADVICE.search(message)
-    if match is None:
+    separators = list(_SEPARATOR.finditer(message))
+    if not separators or not _PYTHON_ADVICE.search(message[separators[-1].end() :]):
         return message
-    return message[: match.start()].rstrip(" .:") + "."
+    return message[: separators[-1].start()].rstrip(" .:") + "."
 
 
 def _provider_cause(err: ProviderError) -> str:

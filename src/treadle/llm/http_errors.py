@@ -186,7 +186,19 @@ def html_reply_error(
     )
 
 
-def error_from_payload(
+def _joined(error: ProviderError, said: str) -> ProviderError:
+    """`error` with "provided.; check" read as "provided. Check": the server's sentence keeps its
+    own stop (its text stays verbatim) and the advice after it starts a sentence."""
+    joint = f"{said}; "
+    at = error.message.find(joint) if said.endswith((".", "!", "?")) else -1
+    if at >= 0:
+        rest = error.message[at + len(joint) :]
+        error.message = f"{error.message[:at]}{said} {rest[:1].upper()}{rest[1:]}"
+        error.args = (error.message,)
+    return error
+
+
+def _classify_payload(
     status: int | None,
     payload: Any,
     body: bytes | str,
@@ -196,13 +208,9 @@ def error_from_payload(
     retries: int = 0,
     url: str | None = None,
 ) -> ProviderError:
-    """The typed error for an error `payload` (parsed body, None if not JSON) with HTTP `status`.
-
-    `url` is the request's URL, named in messages about a wrong base URL.
-    """
+    """`error_from_payload` before `_joined` tidies the seam of its message."""
     message, type_, code = _error_fields(payload)
-    # The server's own full stop is dropped: "...provided; check" reads, "provided.; check" not.
-    said = excerpt(message, api_key, _MESSAGE_CHARS).rstrip().removesuffix(".") if message else ""
+    said = excerpt(message, api_key, _MESSAGE_CHARS).rstrip() if message else ""
     said_part = f": {said}" if said else ""
     kw: dict[str, Any] = {
         "status_code": status,
@@ -264,6 +272,28 @@ def error_from_payload(
         f"The endpoint refused the request{said_part}; fix the request or provider options.",
         **kw,
     )
+
+
+def error_from_payload(
+    status: int | None,
+    payload: Any,
+    body: bytes | str,
+    *,
+    request_id: str | None,
+    api_key: str | None,
+    retries: int = 0,
+    url: str | None = None,
+) -> ProviderError:
+    """The typed error for an error `payload` (parsed body, None if not JSON) with HTTP `status`.
+
+    `url` is the request's URL, named in messages about a wrong base URL.
+    """
+    error = _classify_payload(
+        status, payload, body, request_id=request_id, api_key=api_key, retries=retries, url=url
+    )
+    message = _error_fields(payload)[0]
+    said = excerpt(message, api_key, _MESSAGE_CHARS).rstrip() if message else ""
+    return _joined(error, said)
 
 
 def error_from_status(
