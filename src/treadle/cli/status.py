@@ -12,7 +12,6 @@ state only, and never leaves a half-drawn line under real output.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -102,6 +101,8 @@ class StatusLine:
         elapsed = time.monotonic() - self.since
         frame = _FRAMES[int(elapsed / TICK) % len(_FRAMES)]
         text = f"{frame} {self.phase} {elapsed:.1f} s"
+        import shutil  # only a terminal line needs its width
+
         width = shutil.get_terminal_size((80, 24)).columns - 1
         self.out.write(_CLEAR + text[:width])
         self.out.flush()
