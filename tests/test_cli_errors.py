@@ -187,6 +187,7 @@ def _provider_errors() -> list[Exception]:
         e.ConfigurationError("tool 'read_file' shadows a built-in sandbox tool; rename it with "
                              "@tool(name=...)."),
         e.SandboxUnavailable("the isolated sandbox needs `bwrap`, which is not on PATH."),
+        e.BudgetExceededError("the pass went over its token budget."),
     ]  # fmt: skip
 
 

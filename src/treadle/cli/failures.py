@@ -78,7 +78,9 @@ def explain(err: BaseException, command: str | None = None) -> CliFailure:
     if isinstance(err, SandboxError):
         return CliFailure(message, "check the --sandbox directory.", EXIT_CODES["error"])
     if isinstance(err, TreadleError):
-        return CliFailure(message, "", EXIT_CODES["error"])
+        return CliFailure(
+            message, "rerun with TREADLE_DEBUG=1 to see where it was raised.", EXIT_CODES["error"]
+        )
     return CliFailure(
         f"{type(err).__name__}: {message}",
         "this looks like a bug in Treadle; rerun with TREADLE_DEBUG=1 and report the traceback.",

@@ -159,7 +159,7 @@ def _follow(path: Path, view: TranscriptView) -> int:
                     if kind != "header":
                         raise CliFailure(
                             f"{path} is not a Treadle session file (no header line).",
-                            "",
+                            "`treadle sessions` lists the session files.",
                             EXIT_CODES["usage"],
                         )
                     seen_header = True
@@ -169,7 +169,9 @@ def _follow(path: Path, view: TranscriptView) -> int:
                         view.row(ChunkRow(obj["kind"], obj["payload"]))
                     except (KeyError, ConfigurationError) as err:
                         raise CliFailure(
-                            f"{path}: a row is malformed ({err}).", "", EXIT_CODES["usage"]
+                            f"{path}: a row is malformed ({err}).",
+                            "`treadle show` without --follow reads what can be read.",
+                            EXIT_CODES["usage"],
                         ) from None
                 elif kind == "intent":
                     view.intent(str(obj.get("tool_call_id")), str(obj.get("name", "")))
@@ -255,7 +257,11 @@ def sessions_command(directory: Path | None, console: Console, *, as_json: bool 
     """Run `treadle sessions`; returns the exit code."""
     base = directory if directory is not None else DEFAULT_SESSION_DIR
     if directory is not None and not directory.is_dir():
-        raise CliFailure(f"No directory {directory}.", "", EXIT_CODES["usage"])
+        raise CliFailure(
+            f"No directory {directory}.",
+            "pass an existing directory, or none for .treadle/sessions.",
+            EXIT_CODES["usage"],
+        )
     files = sorted(base.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if base.is_dir() else []
     summaries = [scan_session(p) for p in files]
     if as_json:
