@@ -60,7 +60,23 @@ async def test_agent_run_async_and_concurrent_sharing() -> None:
     assert {r.agent_rows[0].content for r in ex.requests} == {"Echo."}
 
 
-def test_agent_configuration_errors_at_construction() -> None:
+def test_agent_without_provider_reads_treadle_model_as_the_cli_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TREADLE_MODEL", raising=False)
+    with pytest.raises(ConfigurationError, match="set TREADLE_MODEL"):
+        Agent("x", "y")
+    with FakeOpenAIServer("echo") as server:
+        monkeypatch.setenv("TREADLE_MODEL", "env-model")
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        agent = Agent("echo", "Echo.")
+        assert agent.provider is not None and agent.provider.model == "env-model"
+        assert agent("hi").final_text == "hi"
+        assert server.requests[0].body["model"] == "env-model"
+
+
+def test_agent_configuration_errors_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TREADLE_MODEL", raising=False)
     with pytest.raises(ConfigurationError, match="provider"):
         Agent("x", "y")
     with pytest.raises(ConfigurationError, match="name"):

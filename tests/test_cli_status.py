@@ -91,7 +91,8 @@ def test_without_a_tty_each_phase_is_a_line_on_stderr_before_the_model_answers(
         reader.join(HANG_GUARD)
     host = slow_server.base_url.split("/")[2]
     # Before the first reply, the user already reads where treadle connects and what it awaits.
-    assert f"treadle: connecting to {host}, waiting for fake-model...\n" in seen_before_reply
+    assert f"treadle: waiting for fake-model at {host}...\n" in seen_before_reply
+    assert not any("connecting" in line for line in lines)  # a slow model is not a slow connect
     assert lines.count("treadle: waiting for fake-model...\n") == 2  # after each tool round
     # stdout keeps the transcript only: no status text, no terminal control codes
     assert "waiting for" not in out and "\x1b" not in out

@@ -224,6 +224,7 @@ def test_error_from_status_takes_plain_values() -> None:
     assert isinstance(err, AuthenticationError)
     assert err.request_id == "req_1"
     assert err.status_code == 401
+    assert "Incorrect API key provided. Check OPENAI_API_KEY" in str(err)  # not "provided.; check"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -97,7 +97,7 @@ async def test_a_fresh_connection_dropped_counts_as_a_retry(stream: bool) -> Non
                             retry_base_delay=0.001, stream=stream)  # fmt: skip
         server.enqueue(Reply.dropped_connection(), Reply.dropped_connection())
         body = build_request_body(provider, [b'{"role":"user","content":"x"}'], stream=stream)
-        with pytest.raises(ProviderConnectionError, match="after 1 retries"):
+        with pytest.raises(ProviderConnectionError, match="after 1 retry"):
             await _send(get_client(provider), provider, body, stream)
         assert server.request_count == 2  # the first send and its one counted retry
 

@@ -3,6 +3,7 @@
 ```
 TreadleError
 ├── ConfigurationError (also ValueError)      bad arguments at a public entry point
+│   └── EvalConfigMismatch                    resuming an eval log with another configuration
 ├── RuntimeLoopError (also RuntimeError)      a blocking read on the runtime's own loop thread
 ├── SessionFailedError                        reserved: a pass failed (the original error is raised)
 │   └── PassFailed                            a distributed pass raised, timed out or was lost
@@ -36,6 +37,7 @@ import anything heavier than the standard library: every layer imports it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the outcome is a plain dataclass of the distributed layer; never imported here
@@ -46,6 +48,7 @@ __all__ = [
     "BudgetExceededError",
     "ConfigurationError",
     "ContextLengthError",
+    "EvalConfigMismatch",
     "InvalidRequestError",
     "MCPServerError",
     "MalformedResponse",
@@ -78,6 +81,21 @@ class TreadleError(Exception):
 
 class ConfigurationError(TreadleError, ValueError):
     """A public entry point was called with arguments that cannot work."""
+
+
+class EvalConfigMismatch(ConfigurationError):
+    """An eval log was written by another configuration (agent, model, dataset or scorer).
+
+    `changes` lists what differs as `(what, in the log, in this run)`, `what` a dotted path in
+    the configuration (`"scorer"`, `"agent.instructions"`, `"dataset.items"`).
+    """
+
+    def __init__(
+        self, message: str, *, log: str, changes: Sequence[tuple[str, object, object]] = ()
+    ) -> None:
+        super().__init__(message)
+        self.log = log
+        self.changes = list(changes)
 
 
 class RuntimeLoopError(TreadleError, RuntimeError):

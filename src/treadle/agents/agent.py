@@ -13,6 +13,7 @@ This module must never copy agent rows into an output session and never block th
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
@@ -115,7 +116,8 @@ class Agent:
         name: Shown in lineage, tool names (`as_tool`) and handoffs.
         instructions: The system prompt.
         tools: Tools offered on every pass (`@tool` functions, `Tool`s, plain callables).
-        provider: The model endpoint.
+        provider: The model endpoint. Default: `Provider(model=$TREADLE_MODEL)` (endpoint and key
+            from `OPENAI_BASE_URL` / `OPENAI_API_KEY`), as the `treadle` command reads them.
         executor: A custom executor (tests: `ScriptedExecutor`) instead of HTTP.
         limits: Per-pass limits (see `Limits`).
         guardrails: Checks before each request or after each reply.
@@ -159,9 +161,16 @@ class Agent:
         if not isinstance(instructions, str):
             raise ConfigurationError("instructions must be a str (the agent's system prompt).")
         if provider is None and executor is None:
-            raise ConfigurationError(
-                f"Agent {name!r} needs provider=Provider(model=...) (or executor=... in tests)."
-            )
+            # As the `treadle` command does: the model from TREADLE_MODEL, fixed now (an eval's
+            # configuration hash names it); the endpoint and key from the environment at the
+            # first request, as for any `Provider` whose fields are left as None.
+            env_model = os.environ.get("TREADLE_MODEL")
+            if not env_model:
+                raise ConfigurationError(
+                    f"Agent {name!r} needs a model: pass provider=Provider(model=...) or set "
+                    "TREADLE_MODEL (or pass executor=... in tests)."
+                )
+            provider = Provider(model=env_model)
         if provider is not None and not isinstance(provider, Provider):
             raise ConfigurationError(
                 f"provider must be a treadle Provider, got {type(provider).__name__}."

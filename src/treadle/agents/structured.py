@@ -253,7 +253,8 @@ class OutputSpec:
 
     def _error(self, state: OutputState) -> StructuredOutputError:
         return StructuredOutputError(
-            f"the model gave no valid {self.model.__name__} after {self.retries} retries "
+            f"the model gave no valid {self.model.__name__} after {self.retries} "
+            f"{'retry' if self.retries == 1 else 'retries'} "
             f"(last problem: {state.last_error or 'no answer'}); raise output_retries or "
             "simplify the output type."
         )

@@ -8,13 +8,11 @@ exit code (see `treadle.cli.failures.EXIT_CODES`); it never lets a traceback rea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from treadle import __version__
 from treadle.cli.console import make_console
@@ -22,6 +20,59 @@ from treadle.cli.failures import EXIT_CODES, explain
 from treadle.cli.status import StatusLine
 
 __all__ = ["build_parser", "main"]
+
+# The error paths (a bad flag, a missing key, a URL without a scheme) print before the pass's
+# imports: asyncio, httpx and pydantic load only once a pass is about to run
+# (tests/test_cli_startup.py keeps them out).
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors name the command, suggest a flag and say where the
+    flags are listed (`treadle run --help`), in the CLI's `error:` / `fix:` form."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        fix = f"`{self.prog} --help` lists every flag."
+        if message.startswith("unrecognized arguments:"):
+            import difflib
+
+            known = [s for a in self._actions for s in a.option_strings]
+            for word in message.split(":", 1)[1].split():
+                flag = word.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("-") else []
+                if close:
+                    fix = f"did you mean {close[0]}? {fix}"
+                    break
+        self.exit(EXIT_CODES["usage"], f"{self.prog}: error: {message}\n{self.prog}: fix: {fix}\n")
+
+
+class _McpServerAction(argparse.Action):
+    """`--mcp` / `--mcp-url`: appended to its list, and remembered as the server that a
+    following `--mcp-prefix` names."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        items = [*(getattr(namespace, self.dest, None) or []), values]
+        setattr(namespace, self.dest, items)
+        namespace.mcp_last = (self.dest, len(items) - 1)
+
+
+class _McpPrefixAction(argparse.Action):
+    """`--mcp-prefix NAME`: the prefix of the tools of the `--mcp` / `--mcp-url` just before."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        last = getattr(namespace, "mcp_last", None)
+        if last is None:
+            parser.error(
+                "--mcp-prefix names the tools of the --mcp or --mcp-url before it; put it after "
+                'one, e.g. --mcp "mcp-server-git" --mcp-prefix git'
+            )
+        if not values or not isinstance(values, str):
+            parser.error("--mcp-prefix needs a non-empty name, e.g. --mcp-prefix git")
+        prefixes = dict(getattr(namespace, self.dest, None) or {})
+        prefixes[last] = values
+        setattr(namespace, self.dest, prefixes)
 
 
 def _positive_int(text: str) -> int:
@@ -45,6 +96,8 @@ def _count(text: str) -> int:
 
 
 def _json_object(text: str) -> dict[str, Any]:
+    import json
+
     try:
         value = json.loads(text)
     except ValueError as err:
@@ -56,7 +109,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `treadle` and its subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="treadle",
         description="Run LLM agent passes from the shell, and read their transcripts.",
         epilog="Configuration: OPENAI_API_KEY, OPENAI_BASE_URL, TREADLE_MODEL (or the flags).",
@@ -75,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", help="the agent's system prompt")
     run.add_argument("--model", help="model name (default: $TREADLE_MODEL)")
     run.add_argument("--base-url", help="OpenAI-compatible endpoint (default: $OPENAI_BASE_URL)")
+    run.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="API key (default: $OPENAI_API_KEY; prefer the variable: a flag shows in `ps`)",
+    )
     run.add_argument(
         "--sandbox",
         metavar="local|isolated|DIR",
@@ -104,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--mcp",
-        action="append",
+        action=_McpServerAction,
         default=[],
         metavar="COMMAND",
         help="give the model the tools of an MCP server run as COMMAND (stdio; repeatable), "
@@ -112,10 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--mcp-url",
-        action="append",
+        action=_McpServerAction,
         default=[],
         metavar="URL",
         help="give the model the tools of an MCP server at URL (streamable HTTP; repeatable)",
+    )
+    run.add_argument(
+        "--mcp-prefix",
+        action=_McpPrefixAction,
+        default={},
+        metavar="NAME",
+        help="name the tools of the --mcp or --mcp-url just before as NAME_tool (keeps two "
+        "servers' tools apart)",
     )
 
     demo = sub.add_parser("demo", help="run the offline demo (fake server, real sandbox)")
@@ -173,15 +239,30 @@ def _add_eval_parsers(sub: Any) -> None:
         "--retries", type=_count, default=3, help="reruns after infrastructure failures"
     )
     ev.add_argument("--timeout", type=float, help="seconds one sample may run")
-    report = sub.add_parser("eval-report", help="write the HTML report of an eval log")
+    # No `help=`: `treadle --help` lists these under `eval` (as `eval report`, `eval compare`).
+    report = sub.add_parser(
+        "eval-report",
+        prog="treadle eval report",
+        description="Write the HTML report of an eval log.",
+    )
     report.add_argument("log", type=Path)
     report.add_argument("--out", type=Path, help="default: the log's path with .html")
-    comp = sub.add_parser("eval-compare", help="compare two eval logs item by item")
+    comp = sub.add_parser(
+        "eval-compare",
+        prog="treadle eval compare",
+        description="Compare two eval logs item by item.",
+    )
     comp.add_argument("before", type=Path)
     comp.add_argument("after", type=Path)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from treadle.cli.preflight import check_endpoint
+
+        # Configuration errors print before the pass's imports and before rich loads (on a
+        # terminal): see the comment at the top of this module.
+        check_endpoint(model=args.model, base_url=args.base_url, api_key=args.api_key)
     console = make_console(args.color)
     if args.command == "run":
         # Say so before the runtime's imports (most of a second on a busy machine): the screen
@@ -191,11 +272,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             status.set("starting")
         from treadle.cli.run import RunOptions, run_command
 
+        prefixes = args.mcp_prefix
         opts = RunOptions(
             prompt=args.prompt,
             system=args.system,
             model=args.model,
             base_url=args.base_url,
+            api_key=args.api_key,
             sandbox=args.sandbox,
             stream=args.stream,
             persist=args.persist,
@@ -206,6 +289,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             extra_body=args.extra_body,
             mcp=tuple(args.mcp),
             mcp_urls=tuple(args.mcp_url),
+            mcp_prefixes=(
+                *(prefixes.get(("mcp", i)) for i in range(len(args.mcp))),
+                *(prefixes.get(("mcp_url", i)) for i in range(len(args.mcp_url))),
+            ),
         )
         return run_command(opts, console, status=status)
     if args.command == "demo":
@@ -272,10 +359,23 @@ def _rewrite_eval(argv: list[str]) -> list[str]:
     return argv
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of `command` (the top-level one when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            found: argparse.ArgumentParser = action.choices[command]
+            return found
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `treadle` command with `argv` (default: `sys.argv[1:]`); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(_rewrite_eval(list(sys.argv[1:] if argv is None else argv)))
+    args, extra = parser.parse_known_args(
+        _rewrite_eval(list(sys.argv[1:] if argv is None else argv))
+    )
+    if extra:  # reported by the subcommand's parser, with its usage, not treadle's
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return EXIT_CODES["usage"]
@@ -286,8 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CODES["interrupted"]
     except Exception as err:
         if os.environ.get("TREADLE_DEBUG"):
+            import traceback
+
             traceback.print_exc()
-        failure = explain(err)
+        failure = explain(err, args.command)
         print(f"treadle: error: {failure.cause}", file=sys.stderr)
         if failure.fix:
             print(f"treadle: fix: {failure.fix}", file=sys.stderr)

@@ -198,7 +198,9 @@ async def demo_command(
 ) -> int:
     """Run `treadle demo`; returns the exit code."""
     if fanout < 0:
-        raise CliFailure("--fanout must be 0 or more.", "", EXIT_CODES["usage"])
+        raise CliFailure(
+            "--fanout must be 0 or more.", "pass e.g. --fanout 100.", EXIT_CODES["usage"]
+        )
     with FakeOpenAIServer(script="file_worker", latency_ms=latency_ms) as server:
         console.line(
             f"Treadle demo, offline: a fake OpenAI-compatible server at {server.base_url} "

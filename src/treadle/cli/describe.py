@@ -14,10 +14,12 @@ from treadle.session import ChunkRow, Usage
 
 __all__ = [
     "PREVIEW_CHARS",
+    "counted",
     "describe_call",
     "describe_result",
     "describe_row",
     "human_size",
+    "producer_line",
     "short",
     "summary_line",
 ]
@@ -113,8 +115,41 @@ def human_size(size: int) -> str:
     return f"{size} B"  # pragma: no cover
 
 
+def producer_line(producer: Any) -> str | None:
+    """`model M at ORIGIN | treadle V | temperature=0.2 ...` from a header's `producer` (None
+    for files written before transcripts recorded it).
+
+    The values come from a file: control characters (terminal escapes) are shown as `?`."""
+    if not isinstance(producer, Mapping):
+        return None
+    parts = []
+    model, endpoint = producer.get("model"), producer.get("endpoint")
+    if model or endpoint:
+        where = f" at {_printable(endpoint, 80)}" if endpoint else ""
+        parts.append(f"model {_printable(model or '?', 80)}{where}")
+    if producer.get("treadle"):
+        parts.append(f"treadle {_printable(producer['treadle'], 20)}")
+    options = producer.get("options")
+    if isinstance(options, Mapping) and options:
+        shown = " ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in options.items())
+        parts.append(_printable(shown, 160))
+    return " | ".join(parts) or None
+
+
+def _printable(value: object, limit: int) -> str:
+    return short("".join(c if c.isprintable() else "?" for c in str(value)), limit)
+
+
 def _s(n: int) -> str:
     return "" if n == 1 else "s"
+
+
+def counted(n: int, noun: str, *, grouped: bool = False) -> str:
+    """`1 request`, `2 requests`, `1 retry`, `3 retries` (`grouped`: `1,024 requests`)."""
+    shown = f"{n:,}" if grouped else str(n)
+    if n == 1:
+        return f"{shown} {noun}"
+    return f"{shown} {noun[:-1]}ies" if noun.endswith("y") else f"{shown} {noun}s"
 
 
 def summary_line(
@@ -130,7 +165,7 @@ def summary_line(
     parts = [
         f"{rows} rows",
         f"{tool_calls} tool call{_s(tool_calls)}",
-        f"{usage.total_tokens} tokens ({usage.requests} request{_s(usage.requests)})",
+        f"{usage.total_tokens} tokens ({counted(usage.requests, 'request')})",
         f"{seconds:.2f} s",
         f"stop: {stop_reason or 'unknown'}",
     ]

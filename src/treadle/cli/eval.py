@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from treadle.cli.console import Console
+from treadle.cli.describe import counted, producer_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.errors import EvalConfigMismatch
 from treadle.evals import (
     EvalProgress,
     Summary,
@@ -119,11 +122,12 @@ def summary_rows(summary: Summary) -> list[list[str]]:
         [
             "tokens",
             f"{tokens['total_tokens']:,} ({tokens['prompt_tokens']:,} prompt, "
-            f"{tokens['completion_tokens']:,} completion, {tokens['requests']:,} requests)",
+            f"{tokens['completion_tokens']:,} completion, "
+            f"{counted(tokens['requests'], 'request', grouped=True)})",
         ]
     )
     errors = ", ".join(f"{k} {v}" for k, v in summary.errors.items()) or "none"
-    rows.append(["errors", f"{errors}; {summary.retries} retries"])
+    rows.append(["errors", f"{errors}; {counted(summary.retries, 'retry')}"])
     return rows
 
 
@@ -160,7 +164,8 @@ def eval_command(opts: EvalOptions, console: Console) -> int:
         shown = state.done
 
     try:
-        result = run_eval(
+        result = _run_eval(
+            opts,
             agent,
             opts.dataset,
             scorer,
@@ -182,6 +187,39 @@ def eval_command(opts: EvalOptions, console: Console) -> int:
     return EXIT_CODES["ok"]
 
 
+def _run_eval(opts: EvalOptions, *args: Any, log: Path, **kwargs: Any) -> Any:
+    """`run_eval`, with a refused resume explained as the command lines that fix it."""
+    try:
+        return run_eval(*args, log=log, **kwargs)
+    except EvalConfigMismatch as err:
+        raise CliFailure(str(err), _mismatch_fix(opts, log, err), EXIT_CODES["usage"]) from None
+
+
+def _mismatch_fix(opts: EvalOptions, log: Path, err: EvalConfigMismatch) -> str:
+    """Two ways out: this configuration into a new log, or the log's own configuration back."""
+    fresh = log.with_name(f"{log.stem}-2{log.suffix}")
+    n = 2
+    while fresh.exists():
+        n += 1
+        fresh = log.with_name(f"{log.stem}-{n}{log.suffix}")
+    words = ["treadle", "eval", str(opts.dataset), "--agent", opts.agent]
+    if opts.scorer != "exact":
+        words += ["--scorer", opts.scorer]
+    if opts.samples != 1:
+        words += ["--samples", str(opts.samples)]
+    fix = f"write a new log: {shlex.join([*words, '--log', str(fresh)])}"
+    for what, before, _ in err.changes:
+        if what in ("scorer", "scorer.callable") and isinstance(before, str):
+            old = before if what == "scorer.callable" or before in ("exact", "contains") else None
+            if old is not None:
+                fix += f"; or resume {log} with the scorer it was written with: --scorer {old}"
+                break
+    else:
+        what = ", ".join(w for w, _, _ in err.changes[:3]) or "the configuration"
+        fix += f"; or resume {log} with the {what} it was written with"
+    return fix + "."
+
+
 def report_command(log: Path, out: Path | None, console: Console) -> int:
     """Write the HTML report of a log."""
     path = write_report(log, out)
@@ -195,6 +233,9 @@ def compare_command(before: Path, after: Path, console: Console) -> int:
     diff = compare(a, b)
     if not diff.same_dataset:
         console.line("warning: the two logs ran different datasets", "warn")
+    for label, log in (("before", a), ("after", b)):
+        produced = producer_line(log.header.producer)
+        console.line(f"{label}: {produced or 'no model recorded (an older log)'}", "dim")
     console.line(
         f"score {diff.before_score:.4f} -> {diff.after_score:.4f}; {len(diff.improved)} items "
         f"improved, {len(diff.regressed)} regressed, {diff.unchanged} unchanged",

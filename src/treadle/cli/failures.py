@@ -6,6 +6,7 @@ Every failure becomes one line of cause and one line of fix on stderr, never a t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from treadle.errors import (
@@ -22,6 +23,7 @@ from treadle.errors import (
     ProviderTimeout,
     RateLimitError,
     SandboxError,
+    SandboxUnavailable,
     TreadleError,
 )
 
@@ -51,29 +53,66 @@ class CliFailure(Exception):
         return self.cause
 
 
-def explain(err: BaseException) -> CliFailure:
-    """The cause, fix and exit code for an error raised while running a command."""
+def explain(err: BaseException, command: str | None = None) -> CliFailure:
+    """The cause, fix and exit code for an error raised while running `command` (`run`,
+    `eval`, ...: named in a fix that can only point at the command's `--help`)."""
     if isinstance(err, CliFailure):
         return err
     message = str(err) or type(err).__name__
     if isinstance(err, ProviderError):
-        return _explain_provider(err, message)
+        return _explain_provider(err, _provider_cause(err))
     if isinstance(err, ConfigurationError):
-        return CliFailure(message, _configuration_fix(message), EXIT_CODES["usage"])
+        fix = _configuration_fix(message, command)
+        return CliFailure(_without_library_advice(message), fix, EXIT_CODES["usage"])
     if isinstance(err, PersistenceError):
         return CliFailure(
             message, "check the path; `treadle sessions DIR` lists readable sessions.",
             EXIT_CODES["usage"],
         )  # fmt: skip
+    if isinstance(err, SandboxUnavailable):
+        return CliFailure(
+            message,
+            "install bubblewrap for --sandbox isolated, or pass --sandbox local (no isolation).",
+            EXIT_CODES["usage"],
+        )
     if isinstance(err, SandboxError):
         return CliFailure(message, "check the --sandbox directory.", EXIT_CODES["error"])
     if isinstance(err, TreadleError):
-        return CliFailure(message, "", EXIT_CODES["error"])
+        return CliFailure(
+            message, "rerun with TREADLE_DEBUG=1 to see where it was raised.", EXIT_CODES["error"]
+        )
     return CliFailure(
         f"{type(err).__name__}: {message}",
         "this looks like a bug in Treadle; rerun with TREADLE_DEBUG=1 and report the traceback.",
         EXIT_CODES["error"],
     )
+
+
+# The library's messages end with advice in Python terms ("; check OPENAI_API_KEY or
+# Provider(api_key=...)." or, after a server's own sentence, ". Check ..."). The CLI prints its own
+# fix line in flags, so that last part is dropped from the cause when it names something a
+# command-line user cannot type.
+_SEPARATOR = re.compile(r"; |(?<=[.!?]) ")
+_PYTHON_ADVICE = re.compile(
+    r"Provider[.(]|MCPServer|base_url|max_retries|requests_per_minute|@tool\(|prefix="
+)
+
+
+def _without_library_advice(message: str) -> str:
+    separators = list(_SEPARATOR.finditer(message))
+    if not separators or not _PYTHON_ADVICE.search(message[separators[-1].end() :]):
+        return message
+    return message[: separators[-1].start()].rstrip(" .:") + "."
+
+
+def _provider_cause(err: ProviderError) -> str:
+    """`str(err)` with the library's advice cut, the HTTP status and request id kept."""
+    parts = [_without_library_advice(err.message)]
+    if err.status_code is not None:
+        parts.append(f"(HTTP {err.status_code})")
+    if err.request_id:
+        parts.append(f"[request id {err.request_id}]")
+    return " ".join(parts)
 
 
 _URL_FIX = (
@@ -88,18 +127,28 @@ def _explain_provider(err: ProviderError, message: str) -> CliFailure:
     if isinstance(err, AuthenticationError):
         return CliFailure(
             message,
-            "set OPENAI_API_KEY to a key this endpoint accepts (or pass --base-url for another "
-            "endpoint).",
+            "set OPENAI_API_KEY (or pass --api-key KEY) to a key this endpoint accepts, or "
+            "pass --base-url for another endpoint.",
             EXIT_CODES["auth"],
         )
     if isinstance(err, ProtocolMismatchError):
+        suggested = re.search(r"base_url=(https?://\S+?)\.?(?:\s|$)", err.message)
+        if suggested:
+            fix = f"pass --base-url {suggested.group(1)} (the scheme the server speaks)."
+        else:
+            fix = (
+                "give --base-url / OPENAI_BASE_URL the scheme the server speaks (http:// for a "
+                "plain-HTTP server such as a local llama.cpp, https:// for a TLS one)."
+            )
+        return CliFailure(message, fix, EXIT_CODES["connection"])
+    if isinstance(err, ProviderTimeout):
         return CliFailure(
             message,
-            "give --base-url / OPENAI_BASE_URL the scheme the server speaks (http:// for a "
-            "plain-HTTP server such as a local llama.cpp, https:// for a TLS one).",
+            "pass --timeout SECONDS to wait longer (default: 10 s to connect, 600 s between "
+            "reads), and check that the server at --base-url / OPENAI_BASE_URL is running.",
             EXIT_CODES["connection"],
         )
-    if isinstance(err, ProviderConnectionError | ProviderTimeout):
+    if isinstance(err, ProviderConnectionError):
         return CliFailure(
             message,
             "check --base-url / OPENAI_BASE_URL (it ends in /v1) and that the server is running; "
@@ -117,24 +166,37 @@ def _explain_provider(err: ProviderError, message: str) -> CliFailure:
     if isinstance(err, InvalidRequestError):
         return CliFailure(
             message,
-            "the model or server cannot handle this request: try another model or a simpler "
+            "the model or server cannot handle this request: try another --model or a simpler "
             "prompt; retrying the same request will not help.",
             endpoint,
         )
     if isinstance(err, RateLimitError):
-        fix = "wait and retry, or raise --retries."
+        fix = "wait and retry, or pass a higher --retries N."
     elif isinstance(err, ContextLengthError):
-        fix = "shorten the prompt or use a model with a larger context window."
+        fix = "shorten the prompt, or pass --model with a larger context window."
     elif err.status_code is not None and 400 <= err.status_code < 500:
         fix = "the endpoint refused the request: check --model and the server's documentation."
     else:
-        fix = "the endpoint is failing: retry later, or check the endpoint's logs."
+        fix = (
+            "the endpoint is failing: retry later (or pass a higher --retries N), or check the "
+            "endpoint's logs."
+        )
     return CliFailure(message, fix, endpoint)
 
 
-def _configuration_fix(message: str) -> str:
+def _configuration_fix(message: str, command: str | None) -> str:
+    if "tool" in message and ("prefix" in message or "@tool(name=" in message):
+        # In the CLI every tool beyond the built-in ones comes from an MCP server.
+        return (
+            "add --mcp-prefix NAME right after the --mcp or --mcp-url whose tools clash, e.g. "
+            '--mcp "mcp-server-git" --mcp-prefix git.'
+        )
     if "base_url" in message:
         return _URL_FIX
     if "api_key" in message or "API key" in message:
-        return "set OPENAI_API_KEY, or point --base-url at a local OpenAI-compatible server."
-    return "check the flags and environment variables (`treadle run --help`)."
+        return (
+            "set OPENAI_API_KEY (or pass --api-key KEY), or point --base-url at a local "
+            "OpenAI-compatible server."
+        )
+    words = (command or "COMMAND").replace("-", " ")  # `eval-report` is typed `eval report`
+    return f"check the flags and environment variables (`treadle {words} --help` lists them)."

@@ -47,9 +47,13 @@ class LiveView:
         self._running: dict[str, str] = {}
 
     def start(self) -> None:
-        """Show that the pass is under way, before its first request is answered."""
-        where = f"connecting to {self.host}, " if self.host else ""
-        self._phase(f"{where}waiting for {self.model}")
+        """Show that the pass is under way, before its first request is answered.
+
+        The phase names the host but not "connecting": most of a long first wait is the model
+        reading the prompt, long after the connection was made, and the reminder of a long
+        phase ("still ...") repeats these words."""
+        where = f" at {self.host}" if self.host else ""
+        self._phase(f"waiting for {self.model}{where}")
 
     def _phase(self, phase: str | None, *, announce: bool = True) -> None:
         if self.status is not None:

@@ -20,9 +20,14 @@ __all__ = ["close_servers", "open_servers"]
 
 
 async def open_servers(
-    commands: Sequence[str], urls: Sequence[str]
+    commands: Sequence[str], urls: Sequence[str], prefixes: Sequence[str | None] = ()
 ) -> tuple[list[MCPServer], list[Any]]:
-    """Start the servers and list their tools; `CliFailure` naming the flag when one fails."""
+    """Start the servers and list their tools; `CliFailure` naming the flag when one fails.
+
+    `prefixes[i]` (`--mcp-prefix`) names the tools of server i, counted over `commands` then
+    `urls`; a missing or None entry leaves that server's tool names as they are.
+    """
+    named = list(prefixes) + [None] * (len(commands) + len(urls) - len(prefixes))
     try:
         from treadle.mcp import MCPServer, atools_from
     except ImportError:
@@ -32,7 +37,7 @@ async def open_servers(
             EXIT_CODES["usage"],
         ) from None
     servers: list[MCPServer] = []
-    for command in commands:
+    for command, prefix in zip(commands, named, strict=False):
         try:
             parts = shlex.split(command)
         except ValueError as error:
@@ -45,8 +50,11 @@ async def open_servers(
             raise CliFailure(
                 "--mcp needs a command.", 'e.g. --mcp "mcp-server-time"', EXIT_CODES["usage"]
             )
-        servers.append(MCPServer.stdio(parts[0], parts[1:]))
-    servers.extend(MCPServer.http(url) for url in urls)
+        servers.append(MCPServer.stdio(parts[0], parts[1:], prefix=prefix))
+    servers.extend(
+        MCPServer.http(url, prefix=prefix)
+        for url, prefix in zip(urls, named[len(commands) :], strict=False)
+    )
     try:
         return servers, await atools_from(*servers)
     except MCPServerError as error:

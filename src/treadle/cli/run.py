@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,9 @@ from treadle.cli.console import Console
 from treadle.cli.describe import summary_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.cli.live import LiveView
+from treadle.cli.preflight import check_endpoint, check_host_resolves
 from treadle.cli.status import StatusLine
-from treadle.llm.provider import DEFAULT_BASE_URL, Provider, is_loopback_url
+from treadle.llm.provider import Provider
 from treadle.loop import Limits, PassStopped, stream_session_loop
 from treadle.session import Session
 
@@ -41,6 +41,7 @@ class RunOptions:
     system: str | None = None
     model: str | None = None
     base_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     sandbox: str | None = None
     stream: bool = True
     persist: bool = False
@@ -51,25 +52,21 @@ class RunOptions:
     extra_body: dict[str, Any] | None = None
     mcp: tuple[str, ...] = ()
     mcp_urls: tuple[str, ...] = ()
+    mcp_prefixes: tuple[str | None, ...] = ()
+    """Tool-name prefix of each MCP server, in the order of `(*mcp, *mcp_urls)` (None: none)."""
 
 
 def provider_for(opts: RunOptions) -> Provider:
-    """The provider the flags and environment describe; `CliFailure` naming what is missing."""
-    model = opts.model or os.environ.get("TREADLE_MODEL")
-    if not model:
-        raise CliFailure(
-            "No model configured.",
-            "pass --model NAME or set TREADLE_MODEL (for example TREADLE_MODEL=gpt-4o-mini).",
-            EXIT_CODES["usage"],
-        )
-    base_url = opts.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
-    if not os.environ.get("OPENAI_API_KEY") and not is_loopback_url(base_url):
-        raise CliFailure(
-            f"No API key for {base_url}.",
-            "set OPENAI_API_KEY, or point --base-url at a local OpenAI-compatible server.",
-            EXIT_CODES["usage"],
-        )
-    options: dict[str, Any] = {"model": model, "base_url": base_url, "stream": opts.stream}
+    """The provider the flags and environment describe; `CliFailure` naming what is missing
+    (checked in `treadle.cli.preflight`'s order: the URL's scheme first, then model, then key)."""
+    endpoint = check_endpoint(model=opts.model, base_url=opts.base_url, api_key=opts.api_key)
+    options: dict[str, Any] = {
+        "model": endpoint.model,
+        "base_url": endpoint.base_url,
+        "stream": opts.stream,
+    }
+    if opts.api_key:
+        options["api_key"] = opts.api_key
     if opts.retries is not None:
         options["max_retries"] = opts.retries
     if opts.timeout is not None:
@@ -128,6 +125,7 @@ def run_command(opts: RunOptions, console: Console, *, status: StatusLine | None
     treadle is starting (the pass's phases continue on it)."""
     try:
         provider = provider_for(opts)
+        check_host_resolves(str(provider.base_url))
         if opts.sandbox and opts.sandbox not in ("local", "isolated"):
             # a command-line user expects `--sandbox ./work` to be created
             Path(opts.sandbox).mkdir(parents=True, exist_ok=True)
@@ -161,7 +159,7 @@ async def _run(
     if opts.mcp or opts.mcp_urls:
         from treadle.cli.mcp_tools import open_servers
 
-        servers, tools = await open_servers(opts.mcp, opts.mcp_urls)
+        servers, tools = await open_servers(opts.mcp, opts.mcp_urls, opts.mcp_prefixes)
     started = time.perf_counter()
     out: Session | None = None
     try:

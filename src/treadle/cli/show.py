@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.cli.console import Console
-from treadle.cli.describe import describe_row, human_size, short
+from treadle.cli.describe import counted, describe_row, human_size, producer_line, short
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.errors import ConfigurationError
 from treadle.persist import load_session
@@ -54,6 +54,9 @@ class TranscriptView:
             else "?"
         )
         self.console.line(f"session {header.get('session_id')}  (created {when})", "heading")
+        produced = producer_line(header.get("producer"))
+        if produced:
+            self.console.line(produced, "dim")
         placement = header.get("placement")
         if placement:
             options = header.get("placement_options")
@@ -91,7 +94,7 @@ class TranscriptView:
             self.console.line(
                 f"closed cleanly | {self.rows} rows | stop: {stop_reason} | "
                 f"{u.total_tokens} tokens ({u.prompt_tokens} prompt, "
-                f"{u.completion_tokens} completion, {u.requests} requests)",
+                f"{u.completion_tokens} completion, {counted(u.requests, 'request')})",
                 "summary",
             )
         else:
@@ -156,7 +159,7 @@ def _follow(path: Path, view: TranscriptView) -> int:
                     if kind != "header":
                         raise CliFailure(
                             f"{path} is not a Treadle session file (no header line).",
-                            "",
+                            "`treadle sessions` lists the session files.",
                             EXIT_CODES["usage"],
                         )
                     seen_header = True
@@ -166,7 +169,9 @@ def _follow(path: Path, view: TranscriptView) -> int:
                         view.row(ChunkRow(obj["kind"], obj["payload"]))
                     except (KeyError, ConfigurationError) as err:
                         raise CliFailure(
-                            f"{path}: a row is malformed ({err}).", "", EXIT_CODES["usage"]
+                            f"{path}: a row is malformed ({err}).",
+                            "`treadle show` without --follow reads what can be read.",
+                            EXIT_CODES["usage"],
                         ) from None
                 elif kind == "intent":
                     view.intent(str(obj.get("tool_call_id")), str(obj.get("name", "")))
@@ -252,7 +257,11 @@ def sessions_command(directory: Path | None, console: Console, *, as_json: bool 
     """Run `treadle sessions`; returns the exit code."""
     base = directory if directory is not None else DEFAULT_SESSION_DIR
     if directory is not None and not directory.is_dir():
-        raise CliFailure(f"No directory {directory}.", "", EXIT_CODES["usage"])
+        raise CliFailure(
+            f"No directory {directory}.",
+            "pass an existing directory, or none for .treadle/sessions.",
+            EXIT_CODES["usage"],
+        )
     files = sorted(base.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if base.is_dir() else []
     summaries = [scan_session(p) for p in files]
     if as_json:

@@ -11,9 +11,7 @@ state only, and never leaves a half-drawn line under real output.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import shutil
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -81,6 +79,8 @@ class StatusLine:
     @contextlib.asynccontextmanager
     async def ticking(self) -> AsyncIterator[StatusLine]:
         """Keep the line current on the running loop while the block runs; erase it after."""
+        import asyncio  # here, not at the top: an error printed before any pass never needs it
+
         task = asyncio.create_task(self._tick_forever())
         try:
             yield self
@@ -91,6 +91,8 @@ class StatusLine:
             self.set(None)
 
     async def _tick_forever(self) -> None:
+        import asyncio
+
         while True:
             await asyncio.sleep(TICK)
             self.tick()
@@ -99,6 +101,8 @@ class StatusLine:
         elapsed = time.monotonic() - self.since
         frame = _FRAMES[int(elapsed / TICK) % len(_FRAMES)]
         text = f"{frame} {self.phase} {elapsed:.1f} s"
+        import shutil  # only a terminal line needs its width
+
         width = shutil.get_terminal_size((80, 24)).columns - 1
         self.out.write(_CLEAR + text[:width])
         self.out.flush()

@@ -2,7 +2,7 @@
 
 ```
 {"type": "header", "schema": 1, "config_hash", "config", "dataset", "items", "samples",
- "created_at", "treadle"}
+ "created_at", "treadle", "producer"?}
 {"type": "sample", "item_id", "sample", "score", "passed", ...}      one per finished sample
 ```
 
@@ -27,9 +27,17 @@ from typing import Any
 from pydantic_core import from_json, to_json
 
 from treadle import __version__
-from treadle.errors import ConfigurationError, PersistenceError
+from treadle.errors import EvalConfigMismatch, PersistenceError
 
-__all__ = ["LOG_SCHEMA", "EvalLog", "LogHeader", "LogWriter", "SampleRecord", "read_log"]
+__all__ = [
+    "LOG_SCHEMA",
+    "EvalLog",
+    "LogHeader",
+    "LogWriter",
+    "SampleRecord",
+    "config_changes",
+    "read_log",
+]
 
 #: Version of the log format in every header.
 LOG_SCHEMA = 1
@@ -48,6 +56,9 @@ class LogHeader:
     """Samples per item the run was started with."""
     created_at: float = field(default_factory=time.time)
     treadle: str = __version__
+    producer: Mapping[str, Any] = field(default_factory=dict)
+    """What ran the samples: model, endpoint origin, Treadle version and output options (see
+    `treadle.persist.producer`); empty in logs written before it was recorded."""
 
     def to_json(self) -> dict[str, Any]:
         """The header line as a dict."""
@@ -113,6 +124,35 @@ class EvalLog:
     records: list[SampleRecord]
 
 
+#: Differences named in the message of a refused resume (all are on the error's `changes`).
+_CHANGES_SHOWN = 4
+
+
+def config_changes(
+    before: Mapping[str, Any], after: Mapping[str, Any], path: str = ""
+) -> list[tuple[str, Any, Any]]:
+    """What differs between two configurations: `(dotted path, before, after)` per leaf.
+
+    A key repeated as its own child (a scorer fingerprint's `scorer` name) is named once.
+    """
+    changes: list[tuple[str, Any, Any]] = []
+    for key in dict.fromkeys([*before, *after]):
+        old, new = before.get(key), after.get(key)
+        if old == new:
+            continue
+        where = key if not path or path.rsplit(".", 1)[-1] == key else f"{path}.{key}"
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changes.extend(config_changes(old, new, where))
+        else:
+            changes.append((where, old, new))
+    return changes
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """Complete lines with the byte offset just past each (a torn last line is not yielded)."""
     offset = 0
@@ -168,6 +208,8 @@ class LogWriter:
     def __init__(self, path: str | os.PathLike[str], header: LogHeader) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.header = header
+        """This run's header (a resumed log keeps the header it was first written with)."""
         self.done: set[tuple[str, int]] = set()
         """Keys of the samples already in the log when it was opened."""
         fresh = not self.path.exists() or self.path.stat().st_size == 0
@@ -198,10 +240,17 @@ class LogWriter:
         if found is None:
             raise PersistenceError(f"{self.path} is not an evaluation log; pick another --log.")
         if found.config_hash != header.config_hash:
-            raise ConfigurationError(
-                f"{self.path} was written by a different configuration (hash "
-                f"{found.config_hash[:12]}, this run {header.config_hash[:12]}: the agent, model, "
-                "dataset or scorer changed); use a new log file."
+            changes = config_changes(found.config, header.config)
+            said = "; ".join(f"{what}: {_shown(old)} -> {_shown(new)}" for what, old, new in
+                             changes[:_CHANGES_SHOWN])  # fmt: skip
+            if len(changes) > _CHANGES_SHOWN:
+                said += f"; and {len(changes) - _CHANGES_SHOWN} more"
+            raise EvalConfigMismatch(
+                f"{self.path} was written by a different configuration ("
+                f"{said or 'the configuration hash differs'}); resume it with the configuration "
+                "it was written with, or write to a new log.",
+                log=str(self.path),
+                changes=changes,
             )
         if end < self.path.stat().st_size:  # a torn last line from a crash: cut it off
             with self.path.open("r+b") as file:

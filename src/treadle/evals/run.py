@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 
+from treadle.agents import Agent
 from treadle.distributed import map_iter
 from treadle.errors import ConfigurationError
 from treadle.evals.config import config_hash, fingerprint_agent
@@ -36,6 +37,7 @@ from treadle.evals.log import ANSWER_CAP, LogHeader, LogWriter, SampleRecord, re
 from treadle.evals.scorers import Score, ScoreInput, Scorer, as_scorer
 from treadle.evals.summary import Summary, summarize
 from treadle.persist.format import encode_header, encode_row, encode_trailer
+from treadle.persist.producer import producer_record
 from treadle.runtime import get_runtime
 from treadle.session import Session
 
@@ -150,7 +152,10 @@ async def arun_eval(
         "dataset": {"hash": data.hash, "items": len(data)},
         "scorer": scoring.fingerprint,
     }
-    header = LogHeader(config_hash(config), config, data.name, len(data), samples)
+    producer = producer_record(agent.provider if isinstance(agent, Agent) else None)
+    header = LogHeader(
+        config_hash(config), config, data.name, len(data), samples, producer=producer
+    )
     log_path = Path(log)
     writer = await asyncio.to_thread(LogWriter, log_path, header)
     run = _Run(agent, scoring, writer, log_path, samples * len(data), progress)
@@ -399,6 +404,7 @@ class _Run:
                 operator="eval",
                 placement=None,
                 agent_rows=self.agent_rows,
+                producer=self.writer.header.producer,
             ),
             *(encode_row(row) for row in rows),
             encode_trailer(

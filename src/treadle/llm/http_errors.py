@@ -116,6 +116,13 @@ def excerpt(body: bytes | str, api_key: str | None = None, limit: int = BODY_EXC
     return text
 
 
+def _after_retries(retries: int) -> str:
+    """` after 1 retry` / ` after 3 retries`, or nothing before the first retry."""
+    if not retries:
+        return ""
+    return f" after {retries} {'retry' if retries == 1 else 'retries'}"
+
+
 def _error_fields(payload: Any) -> tuple[str, str, str]:
     """(message, type, code) of an OpenAI-style `{"error": {...}}` body, empty when absent."""
     error = payload.get("error") if isinstance(payload, Mapping) else None
@@ -179,7 +186,19 @@ def html_reply_error(
     )
 
 
-def error_from_payload(
+def _joined(error: ProviderError, said: str) -> ProviderError:
+    """`error` with "provided.; check" read as "provided. Check": the server's sentence keeps its
+    own stop (its text stays verbatim) and the advice after it starts a sentence."""
+    joint = f"{said}; "
+    at = error.message.find(joint) if said.endswith((".", "!", "?")) else -1
+    if at >= 0:
+        rest = error.message[at + len(joint) :]
+        error.message = f"{error.message[:at]}{said} {rest[:1].upper()}{rest[1:]}"
+        error.args = (error.message,)
+    return error
+
+
+def _classify_payload(
     status: int | None,
     payload: Any,
     body: bytes | str,
@@ -189,19 +208,16 @@ def error_from_payload(
     retries: int = 0,
     url: str | None = None,
 ) -> ProviderError:
-    """The typed error for an error `payload` (parsed body, None if not JSON) with HTTP `status`.
-
-    `url` is the request's URL, named in messages about a wrong base URL.
-    """
+    """`error_from_payload` before `_joined` tidies the seam of its message."""
     message, type_, code = _error_fields(payload)
-    said = excerpt(message, api_key, _MESSAGE_CHARS) if message else ""
+    said = excerpt(message, api_key, _MESSAGE_CHARS).rstrip() if message else ""
     said_part = f": {said}" if said else ""
     kw: dict[str, Any] = {
         "status_code": status,
         "body": excerpt(body, api_key),
         "request_id": request_id,
     }
-    after = f" after {retries} retries" if retries else ""
+    after = _after_retries(retries)
     lowered = f"{code} {type_} {message}".lower()
     if status in (401, 403):
         return AuthenticationError(
@@ -258,6 +274,28 @@ def error_from_payload(
     )
 
 
+def error_from_payload(
+    status: int | None,
+    payload: Any,
+    body: bytes | str,
+    *,
+    request_id: str | None,
+    api_key: str | None,
+    retries: int = 0,
+    url: str | None = None,
+) -> ProviderError:
+    """The typed error for an error `payload` (parsed body, None if not JSON) with HTTP `status`.
+
+    `url` is the request's URL, named in messages about a wrong base URL.
+    """
+    error = _classify_payload(
+        status, payload, body, request_id=request_id, api_key=api_key, retries=retries, url=url
+    )
+    message = _error_fields(payload)[0]
+    said = excerpt(message, api_key, _MESSAGE_CHARS).rstrip() if message else ""
+    return _joined(error, said)
+
+
 def error_from_status(
     status: int,
     headers: Mapping[str, str],
@@ -288,7 +326,7 @@ def error_from_status(
 
 def error_from_transport(exc: httpx.TransportError, *, url: str, retries: int) -> ProviderError:
     """The typed error for a request that got no usable response (connect, read, disconnect)."""
-    after = f" after {retries} retries" if retries else ""
+    after = _after_retries(retries)
     if isinstance(exc, TLSMismatchError) or (
         url.startswith("https:") and isinstance(exc, httpx.ConnectError) and is_tls_mismatch(exc)
     ):

@@ -46,6 +46,7 @@ from treadle.loop.events import (
     UsageEvent,
 )
 from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
+from treadle.persist.producer import producer_record
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
@@ -418,6 +419,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
                 placement_options=plan.user.placement_spec,
                 agent_rows=run.agent_rows,
                 rows=user.table.rows,
+                producer=producer_record(plan.provider),
             )
             run.metadata["path"] = str(plan.persist_path)
         stop_reason = await run.rounds()

@@ -2,7 +2,7 @@
 
 ```
 {"type": "header", "schema": 1, "session_id", "parent_ids", "operator", "created_at",
- "placement", "placement_options"?, "agent_rows": [messages]}
+ "placement", "placement_options"?, "producer"?, "agent_rows": [messages]}
 {"type": "row", "kind", "payload"}                       one per row, in order
 {"type": "intent", "tool_call_id", "name"}               a tool is about to run (crash safety)
 {"type": "trailer", "rows", "usage", "stop_reason", "metadata"}   only on a graceful end
@@ -10,7 +10,9 @@
 
 `placement_options` (only for `Isolated(...)` placements) is the options' spec with the env
 *names* (`env_names`) in place of `env`: env values may be secrets and never reach the disk.
-Pure encoding and decoding; no file I/O here.
+`producer` (older files have none, and still load) says what wrote the file: Treadle's
+version, model, endpoint origin and output options, never a secret (see
+`treadle.persist.producer`). Pure encoding and decoding; no file I/O here.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def encode_header(
     placement: str | None,
     agent_rows: Sequence[ChunkRow],
     placement_options: Mapping[str, Any] | None = None,
+    producer: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """The first line of a session file (`placement_options` is written without env values)."""
+    """The first line of a session file (`placement_options` is written without env values;
+    `producer` is a `treadle.persist.producer.producer_record`)."""
     header: dict[str, Any] = {
         "type": "header",
         "schema": SCHEMA_VERSION,
@@ -68,6 +72,8 @@ def encode_header(
     }
     if placement_options is not None:
         header["placement_options"] = saved_options(placement_options)
+    if producer is not None:
+        header["producer"] = dict(producer)
     header["agent_rows"] = [row.to_message() for row in agent_rows]
     return _line(header)
 

@@ -49,6 +49,13 @@ class LoadedSession:
     pending_intents: tuple[str, ...] = ()
     """Ids of tool calls that were about to run but have no result row (unknown outcome)."""
 
+    @property
+    def producer(self) -> dict[str, Any]:
+        """What wrote the file: `treadle` version, `model`, `endpoint` (origin only) and output
+        `options` (see `treadle.persist.producer`); empty for files written before it existed."""
+        value = self.header.get("producer")
+        return dict(value) if isinstance(value, Mapping) else {}
+
 
 #: Trailer metadata a loaded session gets back (what a resume or a human decision needs).
 _RESTORED = ("pending_approvals", "interrupt_reason", "budget_message", "cancelled")

@@ -86,10 +86,12 @@ class SessionWriter:
         agent_rows: Sequence[ChunkRow],
         rows: Sequence[ChunkRow],
         placement_options: Mapping[str, Any] | None = None,
+        producer: Mapping[str, Any] | None = None,
     ) -> None:
         """Create the file and write the header and the input rows.
 
         `placement_options` is the session's `placement_spec`; only its env names are written.
+        `producer` says what ran the pass (`treadle.persist.producer.producer_record`).
         """
         data = encode_header(
             session_id=session_id,
@@ -98,6 +100,7 @@ class SessionWriter:
             placement=placement,
             agent_rows=agent_rows,
             placement_options=placement_options,
+            producer=producer,
         ) + b"".join(encode_row(r) for r in rows)
 
         def _do() -> None:

@@ -139,7 +139,7 @@ class _Call:
         name = getattr(self._fn, "__name__", None) or repr(self._fn)
         log.warning(
             "a sync call (%s) ignored cancellation and was abandoned on its thread, which keeps "
-            "running; see treadle.runtime.thread_stats()",
+            "running; see treadle.runtime.stats()",
             name,
         )
 

@@ -407,7 +407,8 @@ def run_demo(*, out: Any = None) -> int:
             else:
                 say(f"  {row.kind:<11} {' '.join(str(row.payload.get('content') or '').split())}")
         usage = result.usage
-        say(f"stop: {result.stop_reason} | {usage.total_tokens} tokens, {usage.requests} requests")
+        requests = f"{usage.requests} request{'' if usage.requests == 1 else 's'}"
+        say(f"stop: {result.stop_reason} | {usage.total_tokens} tokens, {requests}")
         return 0 if result.stop_reason == "final_answer" else 1
     finally:
         server.stop()

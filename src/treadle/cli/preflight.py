@@ -1,0 +1,135 @@
+"""Checks `treadle run` makes before any request, each failing with the flag to type.
+
+The order is the order a user fixes things in: a `--base-url` without a scheme is reported
+before a missing key (the key check depends on whether the URL is local), then the model, then
+the key; last, the endpoint's host name must resolve. A DNS answer of "no such host" will not
+change on a retry, so it is reported at once instead of after the pass's retries and backoff.
+
+This module runs before the pass's imports (asyncio, httpx, pydantic): it imports only the
+standard library, `treadle.errors` and the light `treadle.llm.provider`, so a configuration
+error prints in a few tens of milliseconds. It must never print or put the API key in a message.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.llm.provider import DEFAULT_BASE_URL, is_loopback_url
+
+__all__ = ["RESOLVE_TIMEOUT", "Endpoint", "check_endpoint", "check_host_resolves"]
+
+#: Seconds the pre-flight DNS lookup may take; a slower resolver is left to the pass itself.
+RESOLVE_TIMEOUT = 5.0
+
+# A proxy resolves the endpoint's host itself: the local resolver may rightly not know it.
+_PROXY_VARIABLES = ("https_proxy", "http_proxy", "all_proxy")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What `treadle run` calls: model, base URL and key, from flags or the environment."""
+
+    model: str
+    base_url: str
+    api_key: str | None
+
+    def __repr__(self) -> str:  # the key is never shown
+        return f"Endpoint(model={self.model!r}, base_url={self.base_url!r})"
+
+
+def _with_scheme(url: str) -> str:
+    """`url` with the scheme a server at that address most likely speaks."""
+    bare = url.split("//", 1)[1] if url.startswith("//") else url
+    guess = f"http://{bare}"
+    return guess if is_loopback_url(guess) else f"https://{bare}"
+
+
+def check_endpoint(*, model: str | None, base_url: str | None, api_key: str | None) -> Endpoint:
+    """The endpoint the flags (else the environment) describe; `CliFailure` naming the flag."""
+    flag_url = base_url
+    url = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+    if urlsplit(url).scheme not in ("http", "https"):
+        fixed = _with_scheme(url)
+        if flag_url:
+            raise CliFailure(
+                f"--base-url {url!r} has no http:// or https:// scheme.",
+                f"pass --base-url {fixed} (http:// for a local server, https:// for a TLS one).",
+                EXIT_CODES["usage"],
+            )
+        raise CliFailure(
+            f"OPENAI_BASE_URL={url!r} has no http:// or https:// scheme.",
+            f"export OPENAI_BASE_URL={fixed} (or pass --base-url {fixed}).",
+            EXIT_CODES["usage"],
+        )
+    model = model or os.environ.get("TREADLE_MODEL")
+    if not model:
+        raise CliFailure(
+            "No model configured.",
+            "pass --model NAME or set TREADLE_MODEL (for example TREADLE_MODEL=gpt-4o-mini).",
+            EXIT_CODES["usage"],
+        )
+    key = api_key or os.environ.get("OPENAI_API_KEY") or None
+    if key is None and not is_loopback_url(url):
+        raise CliFailure(
+            f"No API key for {url}.",
+            "set OPENAI_API_KEY (or pass --api-key KEY), or point --base-url at a local "
+            "OpenAI-compatible server such as http://127.0.0.1:8080/v1.",
+            EXIT_CODES["usage"],
+        )
+    return Endpoint(model=model, base_url=url, api_key=key)
+
+
+def _uses_proxy() -> bool:
+    return any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_VARIABLES)
+
+
+def check_host_resolves(base_url: str, *, timeout: float = RESOLVE_TIMEOUT) -> None:
+    """Raise `CliFailure` when DNS says the host of `base_url` does not exist.
+
+    Skipped for loopback and IP-literal hosts and behind a proxy. A lookup slower than
+    `timeout`, or a temporary failure (`EAI_AGAIN`), is left to the pass and its retries.
+    """
+    import socket  # only a pass that is about to run needs it
+
+    parts = urlsplit(base_url)
+    host = parts.hostname
+    if not host or is_loopback_url(base_url) or _uses_proxy() or _is_ip(host):
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    outcome: list[BaseException | None] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as err:
+            outcome.append(err)
+        else:
+            outcome.append(None)
+
+    # A daemon thread, so a resolver that hangs past `timeout` cannot keep the command alive.
+    thread = threading.Thread(target=lookup, name="treadle-preflight-dns", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    error = outcome[0] if outcome else None
+    if not isinstance(error, socket.gaierror) or error.errno == socket.EAI_AGAIN:
+        return
+    raise CliFailure(
+        f"Cannot resolve the host {host!r} of {base_url} ({error.strerror}); a retry would "
+        "fail the same way.",
+        "check the host name in --base-url / OPENAI_BASE_URL (and your DNS or proxy settings).",
+        EXIT_CODES["connection"],
+    )
+
+
+def _is_ip(host: str) -> bool:
+    import socket
+
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        return False
+    return True
