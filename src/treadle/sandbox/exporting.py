@@ -91,7 +91,7 @@ def _export(root: Path, path: str, dest: Path, limit: int) -> None:
                 _copy_tree(src, dst, dest, budget)
         elif stat.S_ISREG(info.st_mode):
             dest.parent.mkdir(parents=True, exist_ok=True)
-            with opened(os.open(dest.parent, _DIR)) as parent:
+            with opened(os.open(dest.parent, _DIR & ~os.O_NOFOLLOW)) as parent:
                 _copy_file(src, info, parent, dest.name, dest, budget)
         else:
             raise SandboxError(f"cannot export {path!r}: it is not a file or a directory.")
