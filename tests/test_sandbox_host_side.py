@@ -239,15 +239,14 @@ async def test_sparse_files_keep_their_holes_and_the_cap_stops_an_export(
     sandbox: Sandbox, tmp_path: Path
 ) -> None:
     sparse = sandbox.workspace / "sparse.img"
-    with open(sparse, "wb") as f:  # as a box's `truncate -s 3G` would leave it
-        f.write(b"head")
-        f.truncate(3 * 1024**3)
+    sparse.write_bytes(b"head")
+    os.truncate(sparse, 3 * 1024**3)  # as a box's `truncate -s 3G` would leave it
     out = await export_workspace(sandbox, tmp_path / "out")
     copied = os.stat(out / "sparse.img")
     assert copied.st_size == 3 * 1024**3
     assert copied.st_blocks * 512 < 1024**2  # holes kept: not 3 GiB of host disk
-    with open(out / "sparse.img", "rb") as f:
-        assert f.read(4) == b"head"
+    async with await anyio.open_file(out / "sparse.img", "rb") as f:
+        assert await f.read(4) == b"head"
     (sandbox.workspace / "big.bin").write_bytes(b"x" * 200_000)
     with pytest.raises(SandboxError, match="larger than its cap"):
         await export_workspace(sandbox, tmp_path / "capped", max_bytes=100_000)
