@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="styled output with rich: auto (when a terminal), always or never",
     )
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="print model and tool text byte for byte (by default control characters are "
+        "shown as ^[ and the like, so a reply cannot drive your terminal)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run one pass against the configured endpoint")
@@ -182,7 +188,7 @@ def _add_eval_parsers(sub: Any) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    console = make_console(args.color)
+    console = make_console(args.color, raw=args.raw)
     if args.command == "run":
         # Say so before the runtime's imports (most of a second on a busy machine): the screen
         # is never blank while treadle works. asyncio, httpx and pydantic load after this line.
