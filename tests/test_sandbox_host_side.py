@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +24,14 @@ import anyio
 import pytest
 
 from sandbox_support import BACKENDS, needs_bwrap, open_sandbox
-from treadle.errors import PathViolation, SandboxError
-from treadle.sandbox import Sandbox, export_workspace, seed_workspace
+from treadle.errors import PathViolation, SandboxError, SandboxUnavailable
+from treadle.sandbox import (
+    Isolated,
+    ResourceLimits,
+    Sandbox,
+    export_workspace,
+    seed_workspace,
+)
 from treadle.sandbox.beneath import has_openat2, make_dirs_beneath, open_beneath
 
 RACE_ROUNDS = 300
@@ -402,3 +409,86 @@ def test_both_resolvers_refuse_every_link(tmp_path: Path, use_openat2: bool) -> 
         assert not (tmp_path / "d" / "new").exists()
     finally:
         os.close(root)
+
+
+# -- RAM-backed mounts, a missing bwrap, workspaces left unwritable --------------------------
+
+
+@needs_bwrap
+async def test_every_ram_backed_mount_in_the_box_is_bounded() -> None:
+    limits = ResourceLimits(tmp_bytes=8 * 1024**2)
+    for box in open_sandbox(Isolated(limits=limits)):
+        result = await box.run_command(
+            "echo hi > /dev/null && echo null-ok; "
+            "for d in / /dev /dev/shm /tmp; do head -c 50000000 /dev/zero > $d/fill; "
+            "echo $d $(stat -c %s $d/fill 2>/dev/null || echo none); done"
+        )
+        lines = result.stdout.splitlines()
+        assert lines[0] == "null-ok"  # devices still work on the read-only /dev
+        sizes = dict(line.split() for line in lines[1:])
+        assert sizes["/"] == "none" and sizes["/dev"] == "none", result.stderr  # read-only
+        assert int(sizes["/dev/shm"]) <= 8 * 1024**2 and int(sizes["/tmp"]) <= 8 * 1024**2
+        assert result.stderr.count("Read-only file system") == 2
+        assert result.stderr.count("No space left on device") == 2
+
+
+@needs_bwrap
+async def test_bwrap_gone_after_the_box_was_made_is_sandbox_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bwrap = shutil.which("bwrap")
+    assert bwrap is not None
+    bin_dir = Path(tempfile.mkdtemp(prefix="treadle-bin-"))  # a place the box's uid can reach
+    try:
+        os.chmod(bin_dir, 0o755)
+        shutil.copy2(bwrap, bin_dir / "bwrap")  # a bwrap this test may uninstall
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        for box in open_sandbox("isolated"):
+            assert (await box.run_command("echo in the box")).stdout == "in the box\n"
+            (bin_dir / "bwrap").unlink()  # uninstalled while the box is open
+            with pytest.raises(SandboxUnavailable, match="gone since this sandbox was made"):
+                await box.run_command("echo again")
+    finally:
+        shutil.rmtree(bin_dir)
+
+
+_UNWRITABLE_AS_A_USER = """
+import asyncio, json
+from treadle import Session
+
+async def main():
+    left = {}
+    for placement in ("local", "isolated"):
+        async with Session.from_user_message("x").to(placement) as session:
+            box = session.require_sandbox()
+            result = await box.run_command(
+                "mkdir -p a/b/c && touch a/b/c/f a/b/g && chmod 000 a/b/c a/b && chmod 500 a"
+            )
+            assert result.exit_code == 0, result.stderr
+            workspace = box.workspace
+        left[placement] = workspace.exists()
+    print(json.dumps(left))
+
+asyncio.run(main())
+"""
+
+
+@needs_bwrap
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="runs the backends as an ordinary user (uid nobody) from root, with setpriv",
+)
+def test_workspaces_are_removed_whatever_modes_a_command_left() -> None:
+    src = Path(__file__).resolve().parent.parent / "src"
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", _UNWRITABLE_AS_A_USER],
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(src), "TMPDIR": "/tmp", "HOME": "/tmp"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
+        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"local": False, "isolated": False}

@@ -25,7 +25,13 @@ from typing import Any, TypeVar
 
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
-from treadle.sandbox.bwrap import BOX_ENV, Isolated, box_command, find_executable
+from treadle.sandbox.bwrap import (
+    BOX_ENV,
+    BWRAP_INSTALL_HINT,
+    Isolated,
+    box_command,
+    find_executable,
+)
 from treadle.sandbox.local import _IO, LocalBackend, _list, _read, _write
 from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
 
@@ -123,6 +129,12 @@ class IsolatedBackend(LocalBackend):
     ) -> CommandResult:
         """Run `command` with `/bin/sh -c` in a fresh box over the workspace (at `/workspace`)."""
         root = self._live_root()
+        for tool in (self._bwrap, self._prlimit):
+            if not os.access(tool, os.X_OK):  # removed (or upgraded away) since the box was made
+                raise SandboxUnavailable(
+                    f"{tool} is gone since this sandbox was made; reinstall it "
+                    f"({BWRAP_INSTALL_HINT if tool == self._bwrap else 'package util-linux'})."
+                )
         launcher = box_command(
             self.options,
             workspace=root,
@@ -146,6 +158,11 @@ class IsolatedBackend(LocalBackend):
     def _explained(self, result: CommandResult) -> CommandResult:
         """`result`, with a line on stderr saying which limit stopped it (if one did)."""
         code = result.exit_code
+        if code in (126, 127) and not result.stdout and "failed to execute" in result.stderr:
+            # prlimit could not start bwrap (removed between the check above and the start)
+            raise SandboxUnavailable(
+                f"bubblewrap could not be started ({result.stderr.strip()}); {BWRAP_INSTALL_HINT}."
+            )
         # bwrap's own failures (before the command starts) are exit 1 with "bwrap: ..." alone.
         if code == 1 and not result.stdout and result.stderr.startswith("bwrap: "):
             raise SandboxUnavailable(

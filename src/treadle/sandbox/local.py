@@ -10,6 +10,7 @@ the event loop and never delete a directory it did not create.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -113,7 +114,7 @@ class LocalBackend:
         for pgid in groups:
             kill_process_group(pgid)
         if self._owns_root and self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+            remove_workspace(self._root)
 
     def _live_root(self) -> Path:
         if self._closed:
@@ -166,6 +167,24 @@ class LocalBackend:
         """The entries of a workspace directory, sorted by name (at most `MAX_LIST_ENTRIES`)."""
         root = self._live_root()
         return await _IO.run(_list, root, path)
+
+
+def remove_workspace(root: Path) -> None:
+    """Delete a workspace whatever modes its commands left (a `chmod 000` directory included).
+
+    Root ignores modes; an ordinary user needs `u+rwx` on a directory to empty it, so each
+    directory (never a link: the commands are dead by now, and links are skipped) is given them
+    on the way down before the tree is removed.
+    """
+    with contextlib.suppress(OSError):
+        os.chmod(root, 0o700)
+    for here, dirs, _ in os.walk(root):
+        for name in dirs:
+            path = os.path.join(here, name)
+            with contextlib.suppress(OSError):
+                if not os.path.islink(path):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _link_refused(path: str) -> PathViolation:
