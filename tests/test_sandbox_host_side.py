@@ -27,6 +27,7 @@ from sandbox_support import BACKENDS, needs_bwrap, open_sandbox
 from treadle.errors import PathViolation, SandboxError, SandboxUnavailable
 from treadle.sandbox import (
     Isolated,
+    IsolatedBackend,
     ResourceLimits,
     Sandbox,
     export_workspace,
@@ -492,3 +493,34 @@ def test_workspaces_are_removed_whatever_modes_a_command_left() -> None:
         pytest.skip("uid nobody cannot read this checkout's virtualenv")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"local": False, "isolated": False}
+
+
+_MEMFD_HOG = """python3 -c "
+import os
+fds = []
+for i in range(60):
+    fd = os.memfd_create('x'); os.write(fd, b'x' * (10 * 1024 * 1024)); fds.append(fd)
+print('held', len(fds) * 10, 'MiB')
+" """
+
+
+@needs_bwrap
+async def test_memfd_and_tmpfs_pages_count_against_the_box_memory_limit() -> None:
+    limits = ResourceLimits(memory_bytes=128 * 1024**2)
+    for box in open_sandbox(Isolated(limits=limits)):
+        backend = box.backend
+        assert isinstance(backend, IsolatedBackend)
+        group = backend.memory_group
+        if group is None:
+            pytest.skip("no writable cgroup v1 memory controller here (see docs/sandbox.md)")
+        where = group.path
+        hog = await box.run_command(_MEMFD_HOG)  # 600 MiB of memfds under a 128 MiB limit
+        assert "held" not in hog.stdout and "memory limit" in hog.stderr, hog
+        tmpfs = await box.run_command(
+            "head -c 100000000 /dev/zero > /tmp/a; head -c 100000000 /dev/zero > /dev/shm/b; "
+            "echo both held"
+        )
+        assert "both held" not in tmpfs.stdout and "memory limit" in tmpfs.stderr, tmpfs
+        small = await box.run_command("head -c 10000000 /dev/zero > /tmp/a && echo fine")
+        assert small.stdout == "fine\n"  # a box under its limit is unaffected
+    assert not where.exists()  # the group went with the box

@@ -33,6 +33,7 @@ from treadle.sandbox.bwrap import (
     find_executable,
 )
 from treadle.sandbox.local import _IO, LocalBackend, _list, _read, _write
+from treadle.sandbox.memory_group import MemoryGroup
 from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
 
 __all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
@@ -113,13 +114,32 @@ class IsolatedBackend(LocalBackend):
         self.host_uid = _allocate_uid() if self._own_uid else os.geteuid()
         """The host uid every process of this box runs as."""
         self._env = {**BOX_ENV, **self.options.env}
+        self._memory: MemoryGroup | None = None
 
     def open(self) -> Path:
-        """Create the temporary workspace and hand it to the box's uid; return its root."""
+        """Create the temporary workspace and hand it to the box's uid; return its root.
+
+        As root, with a cgroup v1 memory controller, the box also gets a memory cgroup of
+        `limits.memory_bytes` for all its processes together (see `treadle.sandbox.memory_group`).
+        """
         root = super().open()
         if self._own_uid:
             os.chown(root, self.host_uid, self.host_uid)
+            limit = self.options.limits.memory_bytes
+            if limit is not None and self._memory is None:
+                self._memory = MemoryGroup.create(root.name, limit, self.host_uid)
         return root
+
+    def close(self) -> None:
+        """Kill running commands, delete the workspace and remove the memory cgroup."""
+        super().close()
+        if self._memory is not None and self._owner_pid == os.getpid():
+            self._memory.close()
+
+    @property
+    def memory_group(self) -> MemoryGroup | None:
+        """The box's memory cgroup, or None where the machine gives none (see docs/sandbox.md)."""
+        return self._memory
 
     async def run_command(
         self,
@@ -142,6 +162,11 @@ class IsolatedBackend(LocalBackend):
             prlimit=self._prlimit,
             processes_already=0 if self._own_uid else _processes_of(self.host_uid),
         )
+        memory = self._memory
+        oom_before = 0
+        if memory is not None:
+            launcher = [*memory.join_argv(), *launcher]
+            oom_before = memory.oom_kills()
         result = await run_command(
             command,
             cwd=root,
@@ -153,6 +178,14 @@ class IsolatedBackend(LocalBackend):
             launcher=launcher,
             as_uid=self.host_uid if self._own_uid else None,
         )
+        # The kernel's OOM killer may kill the shell (137) or bwrap itself (-9).
+        killed = result.exit_code in (128 + signal.SIGKILL, -signal.SIGKILL)
+        if memory is not None and killed and memory.oom_kills() > oom_before:
+            note = (
+                "\n[treadle: the command was stopped by the box's memory limit "
+                f"({memory.limit} bytes for all its processes, memfd and tmpfs included)]"
+            )
+            return dataclasses.replace(result, stderr=result.stderr + note)
         return self._explained(result)
 
     def _explained(self, result: CommandResult) -> CommandResult:
