@@ -42,6 +42,7 @@ RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "riscv64": 437, "ppc64le": 437, "s390x": 437}
+_SYSCALL_NUMBER = _SYS_OPENAT2.get(os.uname().machine, -1)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -75,7 +76,7 @@ def _openat2(dir_fd: int, name: str, flags: int, mode: int, *, close_dir: bool =
     # openat2 refuses a mode without O_CREAT/O_TMPFILE (O_TMPFILE's bits include O_DIRECTORY).
     creates = flags & os.O_CREAT or flags & os.O_TMPFILE == os.O_TMPFILE
     how = _OpenHow(flags | os.O_CLOEXEC, mode if creates else 0, _RESOLVE)
-    number = _SYS_OPENAT2.get(os.uname().machine, -1)
+    number = _SYSCALL_NUMBER
     try:
         fd = int(
             _syscall()(
