@@ -326,6 +326,7 @@ async def main():
         box = session.require_sandbox()
         await box.write_file("swap.py", SWAPPER.replace("TARGET", private))
         outcomes = {"read": 0, "refused": 0, "written": 0, "leaked": 0}
+        errors = set()
         swaps = []
 
         async def swapper():
@@ -337,19 +338,25 @@ async def main():
             with anyio.fail_after(60):
                 while not os.path.exists(os.path.join(box.workspace, "ready")):
                     await anyio.sleep(0.01)
-            for i in range(ROUNDS):
+            # At least ROUNDS rounds, and on until one got through (on a loaded machine the
+            # swapper can sit descheduled in its "link" state for a whole batch of rounds).
+            for i in range(20 * ROUNDS):
+                if i >= ROUNDS and outcomes["read"] + outcomes["written"] > 0:
+                    break
                 try:
                     data = (await box.read_file("d/secret.txt")).data
                     outcomes["leaked" if b"PRIVATE" in data else "read"] += 1
-                except Exception:
+                except Exception as e:
                     outcomes["refused"] += 1
+                    errors.add(type(e).__name__ + ": " + str(e)[:80])
                 try:
                     await box.write_file(f"d/new-{i}.txt", "from the tool")
                     outcomes["written"] += 1
-                except Exception:
+                except Exception as e:
                     outcomes["refused"] += 1
+                    errors.add(type(e).__name__ + ": " + str(e)[:80])
             open(os.path.join(box.workspace, "stop"), "w").close()
-    print(json.dumps({"outcomes": outcomes, "swaps": swaps,
+    print(json.dumps({"outcomes": outcomes, "swaps": swaps, "errors": sorted(errors)[:10],
                       "private": sorted(os.listdir(private)),
                       "secret": open(os.path.join(private, "secret.txt")).read()}))
 
@@ -381,7 +388,7 @@ def test_file_tools_race_as_an_ordinary_user_reaches_no_private_file() -> None:
     assert int(report["swaps"][0]) > 0, report  # the race really ran
     assert outcomes["leaked"] == 0, report
     assert report["private"] == ["secret.txt"] and report["secret"] == "USER-PRIVATE"
-    assert sum(outcomes.values()) == 2 * RACE_ROUNDS and outcomes["read"] + outcomes["written"] > 0
+    assert sum(outcomes.values()) >= 2 * RACE_ROUNDS and outcomes["read"] + outcomes["written"] > 0
 
 
 # -- the resolver itself, both ways -------------------------------------------------------------
