@@ -14,7 +14,6 @@ on a FIFO (callers open with `O_NONBLOCK` where a FIFO could sit).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import os
@@ -46,16 +45,21 @@ _SYSCALL_NUMBER = _SYS_OPENAT2.get(os.uname().machine, -1)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
 @functools.cache
-def _syscall() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.syscall
+def _syscall() -> tuple[Any, Any]:
+    """libc's `syscall` and the `struct open_how` type (ctypes loads on the first use only)."""
+    import ctypes
+
+    class OpenHow(ctypes.Structure):
+        _fields_ = [
+            ("flags", ctypes.c_uint64),
+            ("mode", ctypes.c_uint64),
+            ("resolve", ctypes.c_uint64),
+        ]
+
+    fn = ctypes.CDLL(None, use_errno=True).syscall
     fn.restype = ctypes.c_long
-    return fn
+    return fn, OpenHow
 
 
 @functools.cache
@@ -73,14 +77,16 @@ def has_openat2() -> bool:
 
 
 def _openat2(dir_fd: int, name: str, flags: int, mode: int, *, close_dir: bool = False) -> int:
+    import ctypes
+
+    syscall, open_how = _syscall()
     # openat2 refuses a mode without O_CREAT/O_TMPFILE (O_TMPFILE's bits include O_DIRECTORY).
     creates = flags & os.O_CREAT or flags & os.O_TMPFILE == os.O_TMPFILE
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if creates else 0, _RESOLVE)
-    number = _SYSCALL_NUMBER
+    how = open_how(flags | os.O_CLOEXEC, mode if creates else 0, _RESOLVE)
     try:
         fd = int(
-            _syscall()(
-                ctypes.c_long(number),
+            syscall(
+                ctypes.c_long(_SYSCALL_NUMBER),
                 ctypes.c_int(dir_fd),
                 ctypes.c_char_p(os.fsencode(name)),
                 ctypes.byref(how),
