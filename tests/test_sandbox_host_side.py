@@ -531,3 +531,33 @@ async def test_memfd_and_tmpfs_pages_count_against_the_box_memory_limit() -> Non
         small = await box.run_command("head -c 10000000 /dev/zero > /tmp/a && echo fine")
         assert small.stdout == "fine\n"  # a box under its limit is unaffected
     assert not where.exists()  # the group went with the box
+
+
+_OLD_BWRAP = """#!/bin/sh
+# Stands in for a bubblewrap before 0.8 (none of those can be installed here): its --help has
+# no --size.
+echo "usage: bwrap [OPTIONS...] [--] COMMAND [ARGS...]"
+echo "    --tmpfs DEST                 Mount new tmpfs on DEST"
+"""
+
+
+@needs_bwrap
+async def test_a_bwrap_without_size_fails_clearly_unless_tmp_is_unbounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bin_dir = Path(tempfile.mkdtemp(prefix="treadle-bin-"))
+    try:
+        os.chmod(bin_dir, 0o755)  # the box's uid runs it
+        (bin_dir / "bwrap").write_text(_OLD_BWRAP)
+        os.chmod(bin_dir / "bwrap", 0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        for box in open_sandbox("isolated"):
+            with pytest.raises(SandboxUnavailable, match=r"no --size.*tmp_bytes=None"):
+                await box.run_command("true")
+        unbounded = Isolated(limits=ResourceLimits(tmp_bytes=None))
+        for box in open_sandbox(unbounded):
+            # Past the check, the stand-in itself runs (and, not being bwrap, only prints).
+            result = await box.run_command("true")
+            assert result.stdout.startswith("usage: bwrap"), result
+    finally:
+        shutil.rmtree(bin_dir)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
+
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
 from treadle.sandbox.bwrap import (
@@ -71,6 +73,23 @@ def _as_uid(uid: int, operation: Callable[..., T], *args: object) -> T:
     finally:
         libc.setfsuid(old_uid)
         libc.setfsgid(old_gid)
+
+
+#: bwrap executables already asked whether they take `--size` (a sized tmpfs): path -> answer.
+_SIZES_TMPFS: dict[str, bool] = {}
+
+
+async def _takes_size(bwrap: str) -> bool:
+    """True when `bwrap --help` lists `--size` (bubblewrap 0.8 and later); asked once per path."""
+    known = _SIZES_TMPFS.get(bwrap)
+    if known is None:
+        try:
+            helped = await anyio.run_process([bwrap, "--help"], check=False)
+            known = b"--size" in helped.stdout + helped.stderr
+        except OSError:
+            known = False
+        _SIZES_TMPFS[bwrap] = known
+    return known
 
 
 def _allocate_uid() -> int:
@@ -155,6 +174,12 @@ class IsolatedBackend(LocalBackend):
                     f"{tool} is gone since this sandbox was made; reinstall it "
                     f"({BWRAP_INSTALL_HINT if tool == self._bwrap else 'package util-linux'})."
                 )
+        if self.options.limits.tmp_bytes is not None and not await _takes_size(self._bwrap):
+            raise SandboxUnavailable(
+                f"{self._bwrap} has no --size option (bubblewrap before 0.8), so the box's /tmp "
+                "and /dev/shm cannot be bounded; upgrade bubblewrap, or pass "
+                "ResourceLimits(tmp_bytes=None) to accept unbounded RAM-backed mounts."
+            )
         launcher = box_command(
             self.options,
             workspace=root,
