@@ -260,6 +260,14 @@ async def test_sparse_files_keep_their_holes_and_the_cap_stops_an_export(
         await export_workspace(sandbox, tmp_path / "capped", max_bytes=100_000)
     with pytest.raises(SandboxError, match="larger than its cap"):  # a tarball counts sizes
         await export_workspace(sandbox, tmp_path / "capped.tar.gz")
+    os.unlink(sparse)
+    deep = await sandbox.run_command(  # nesting is cheap for a box: a bounded walk, no crash
+        "python3 -c \"import os; os.makedirs('/'.join(['n'] * 300))\""
+    )
+    assert deep.exit_code == 0, deep.stderr
+    for dest in ("deep", "deep.tar.gz"):
+        with pytest.raises(SandboxError, match="nested deeper than 256"):
+            await export_workspace(sandbox, tmp_path / dest, max_bytes=10**9)
 
 
 _SWAPPER = """

@@ -27,11 +27,14 @@ from treadle.sandbox.local import _IO
 from treadle.sandbox.opening import Sandbox
 from treadle.sandbox.paths import workspace_parts
 
-__all__ = ["MAX_EXPORT_BYTES", "export_workspace"]
+__all__ = ["MAX_EXPORT_BYTES", "MAX_EXPORT_DEPTH", "export_workspace"]
 
 #: Default cap on what one export copies: data bytes for a directory (holes are free), file
 #: sizes for a tarball (a tarball stores holes as zeros).
 MAX_EXPORT_BYTES = 2 * 1024**3
+#: Deepest directory nesting an export follows (a box can nest directories cheaply; each level
+#: holds two fds and a stack frame here).
+MAX_EXPORT_DEPTH = 256
 _CHUNK = 1024 * 1024
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -60,6 +63,13 @@ class _Budget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+
+    def descend(self, depth: int) -> None:
+        if depth > MAX_EXPORT_DEPTH:
+            raise SandboxError(
+                f"the export is nested deeper than {MAX_EXPORT_DEPTH} directories; export a "
+                "part of it with path=..."
+            )
 
     def charge(self, n: int) -> None:
         self.used += n
@@ -135,7 +145,8 @@ def _open_entry(dir_fd: int, name: str) -> tuple[int, os.stat_result] | None:
     return None
 
 
-def _copy_tree(src: int, dst: int, where: Path, budget: _Budget) -> None:
+def _copy_tree(src: int, dst: int, where: Path, budget: _Budget, depth: int = 0) -> None:
+    budget.descend(depth)
     with os.scandir(src) as entries:
         names = sorted(entry.name for entry in entries)
     for name in names:
@@ -146,7 +157,7 @@ def _copy_tree(src: int, dst: int, where: Path, budget: _Budget) -> None:
         with opened(fd):
             if stat.S_ISDIR(info.st_mode):
                 with opened(_host_subdirectory(dst, name, where / name)) as child:
-                    _copy_tree(fd, child, where / name, budget)
+                    _copy_tree(fd, child, where / name, budget, depth + 1)
             else:
                 _copy_file(fd, info, dst, name, where / name, budget)
 
@@ -246,8 +257,14 @@ def _to_tarball(
 
 
 def _add_tree(
-    archive: tarfile.TarFile, src: int, info: os.stat_result, name: str, budget: _Budget
+    archive: tarfile.TarFile,
+    src: int,
+    info: os.stat_result,
+    name: str,
+    budget: _Budget,
+    depth: int = 0,
 ) -> None:
+    budget.descend(depth)
     entry = tarfile.TarInfo(name)
     entry.type, entry.mode, entry.mtime = tarfile.DIRTYPE, stat.S_IMODE(info.st_mode), info.st_mtime
     archive.addfile(entry)
@@ -272,7 +289,7 @@ def _add_tree(
         fd, child_info = found
         with opened(fd):
             if stat.S_ISDIR(child_info.st_mode):
-                _add_tree(archive, fd, child_info, member, budget)
+                _add_tree(archive, fd, child_info, member, budget, depth + 1)
             else:
                 _add_file(archive, fd, child_info, member, budget)
 
