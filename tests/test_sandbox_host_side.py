@@ -315,7 +315,7 @@ async def test_export_under_a_rename_exchange_race_copies_only_the_box_files(
 # -- the file tools' check-then-open race, as an ordinary user -------------------------------
 
 _RACE_AS_A_USER = """
-import asyncio, json, os, sys, tempfile
+import asyncio, json, os, shutil, sys, tempfile
 import anyio
 from treadle import Session
 
@@ -364,6 +364,7 @@ async def main():
     print(json.dumps({"outcomes": outcomes, "swaps": swaps, "errors": sorted(errors)[:10],
                       "private": sorted(os.listdir(private)),
                       "secret": open(os.path.join(private, "secret.txt")).read()}))
+    shutil.rmtree(private)
 
 asyncio.run(main())
 """
