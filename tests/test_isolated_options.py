@@ -155,7 +155,10 @@ async def test_a_saved_session_reopens_with_its_limits_and_mounts(
     options = _options(shared)
     file = await _saved(tmp_path, options)
     assert _header(file)["placement"] == "isolated"  # older readers still see the name
-    loaded = load_session(file)
+    # The file asks for host mounts and the network: only the caller may grant those.
+    with pytest.raises(PersistenceError, match=rf"network access.*{shared}.*placement="):
+        load_session(file)
+    loaded = load_session(file, placement=options)
     assert loaded.session.placement_spec == options.to_spec()
     box = loaded.session.require_sandbox()
     try:
@@ -184,9 +187,13 @@ async def test_env_values_are_never_saved_and_must_be_given_back(
         load_session(file, env={"MODE": "test"})
     with pytest.raises(PersistenceError, match="TYPO"):
         load_session(file, env={"API_TOKEN": "t", "MODE": "m", "TYPO": "x"})
-    loaded = load_session(file, env={"API_TOKEN": "tok-new", "MODE": "prod"})
+    # Every value given back: the box's mounts and network still need the caller's word.
+    with pytest.raises(PersistenceError, match="may not choose"):
+        load_session(file, env={"API_TOKEN": "tok-new", "MODE": "prod"})
+    again = _options(shared, API_TOKEN="tok-new", MODE="prod")
+    loaded = load_session(file, placement=again)
     try:
-        expected = _options(shared, API_TOKEN="tok-new", MODE="prod").to_spec()
+        expected = again.to_spec()
         assert loaded.session.placement_spec == expected
         result = await loaded.session.require_sandbox().run_command("echo $API_TOKEN $MODE")
         assert result.stdout == "tok-new prod\n"

@@ -195,7 +195,7 @@ def test_exit_drains_passes_before_sandboxes_close(tmp_path: Path) -> None:
     done = _python(EXIT_SCRIPT.format(seconds="0.7"), tmp_path, TREADLE_DRAIN_SECONDS="30")
     assert done.returncode == 0, done.stderr
     workspace = Path(done.stdout.strip())
-    loaded = load_session(tmp_path / "s.jsonl")
+    loaded = load_session(tmp_path / "s.jsonl", sandbox=False)
     assert loaded.closed and loaded.stop_reason == "final_answer"
     result = json.loads(loaded.session.rows[-2].payload["content"])
     assert result["exit_code"] == 0, result  # not -9: the command ran to its end
@@ -206,7 +206,7 @@ def test_exit_drains_passes_before_sandboxes_close(tmp_path: Path) -> None:
 def test_exit_past_the_drain_time_cancels_cleanly(tmp_path: Path) -> None:
     done = _python(EXIT_SCRIPT.format(seconds="31.37"), tmp_path, TREADLE_DRAIN_SECONDS="0.5")
     assert done.returncode == 0, done.stderr
-    loaded = load_session(tmp_path / "s.jsonl")
+    loaded = load_session(tmp_path / "s.jsonl", sandbox=False)
     assert not loaded.closed  # no trailer: the pass did not end gracefully
     assert loaded.pending_intents == ("c1",)  # the intent was recorded before the tool ran
     assert _processes_running("sleep 31.37") == []  # the cancelled command did not outlive it

@@ -62,7 +62,7 @@ def test_key_never_leaks_from_a_library_pass(
             persist_path=file,
         )
         assert out.stop_reason == "final_answer"
-        loaded = load_session(file)
+        loaded = load_session(file, sandbox=False)
         texts += [file.read_text(), repr(provider), str(provider), repr(out), repr(out.usage)]
         texts += [repr(r) for r in out.rows] + [r.message_json().decode() for r in out.rows]
         texts += [repr(loaded), repr(out.metadata), repr(out.lineage), out.lineage_mermaid()]

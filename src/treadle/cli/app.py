@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="styled output with rich: auto (when a terminal), always or never",
     )
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="print model and tool text byte for byte (by default control characters are "
+        "shown as ^[ and the like, so a reply cannot drive your terminal)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run one pass against the configured endpoint")
@@ -263,7 +269,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         # Configuration errors print before the pass's imports and before rich loads (on a
         # terminal): see the comment at the top of this module.
         check_endpoint(model=args.model, base_url=args.base_url, api_key=args.api_key)
-    console = make_console(args.color)
+    console = make_console(args.color, raw=args.raw)
     if args.command == "run":
         # Say so before the runtime's imports (most of a second on a busy machine): the screen
         # is never blank while treadle works. asyncio, httpx and pydantic load after this line.

@@ -1,8 +1,11 @@
 """Terminal output of the command line: rich when it is installed and stdout is a terminal.
 
 Everything the CLI prints goes through a `Console`, which writes styled text with `rich` (the
-optional `treadle[cli]` dependency) or plain text otherwise. This module must never import rich
-at module level: the CLI has to work, in plain text, where rich is not installed.
+optional `treadle[cli]` dependency) or plain text otherwise. Model, tool and transcript text is
+printed here too, so every string is passed through `treadle.cli.terminal_text.visible` (control
+characters shown, never obeyed) unless the console is `raw` (`treadle --raw`). This module must
+never import rich at module level: the CLI has to work, in plain text, where rich is not
+installed.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import importlib.util
 import os
 import sys
 from typing import IO, Any, Literal
+
+from treadle.cli.terminal_text import visible
 
 __all__ = ["ColorMode", "Console", "ConsoleProgress", "make_console"]
 
@@ -43,6 +48,7 @@ class ConsoleProgress:
     def __init__(self, console: Console, total: int, label: str) -> None:
         self._console = console
         self._total = max(total, 1)
+        label = visible(label).replace("[", "\\[")  # rich reads the label as markup
         self._label = label
         self._done = 0
         self._last_tenth = -1
@@ -73,6 +79,7 @@ class ConsoleProgress:
 
     def describe(self, label: str) -> None:
         """Change the label shown before the bar (e.g. a running pass rate)."""
+        label = visible(label).replace("[", "\\[")  # rich reads the label as markup
         self._label = label
         if self._rich is not None:
             self._rich.update(self._task, description=label)
@@ -93,9 +100,14 @@ class ConsoleProgress:
 class Console:
     """Writes the CLI's output; `rich` is a rich console, or None for plain text."""
 
-    def __init__(self, out: IO[str], rich_console: Any = None) -> None:
+    def __init__(self, out: IO[str], rich_console: Any = None, *, raw: bool = False) -> None:
         self.out = out
         self.rich: Any = rich_console
+        self.raw = raw
+        """True to print text byte for byte (control characters reach the terminal)."""
+
+    def _safe(self, text: str) -> str:
+        return text if self.raw else visible(text)
 
     @property
     def styled(self) -> bool:
@@ -106,6 +118,7 @@ class Console:
         """Write `text` without a newline (streamed model text)."""
         if not text:
             return
+        text = self._safe(text)
         if self.rich is not None:
             self.rich.print(text, style=STYLES.get(style, style), end="", markup=False,
                             highlight=False, soft_wrap=True)  # fmt: skip
@@ -115,6 +128,7 @@ class Console:
 
     def line(self, text: str = "", style: str = "") -> None:
         """Write one line."""
+        text = self._safe(text)
         if self.rich is not None:
             self.rich.print(text, style=STYLES.get(style, style), markup=False, highlight=False,
                             soft_wrap=True)  # fmt: skip
@@ -124,6 +138,8 @@ class Console:
 
     def table(self, headers: list[str], rows: list[list[str]]) -> None:
         """A table: rich's, or aligned plain columns."""
+        headers = [self._safe(h) for h in headers]
+        rows = [[self._safe(c) for c in row] for row in rows]
         if self.rich is not None:
             from rich.table import Table
 
@@ -146,14 +162,17 @@ class Console:
         return ConsoleProgress(self, total, label)
 
 
-def make_console(color: ColorMode = "auto", out: IO[str] | None = None) -> Console:
-    """A console for `out` (stdout): styled with rich when `color` and the terminal allow."""
+def make_console(
+    color: ColorMode = "auto", out: IO[str] | None = None, *, raw: bool = False
+) -> Console:
+    """A console for `out` (stdout): styled with rich when `color` and the terminal allow;
+    `raw` prints text with its control characters (see `Console.raw`)."""
     stream = out if out is not None else sys.stdout
     if color == "never" or not _rich_available():
-        return Console(stream)
+        return Console(stream, raw=raw)
     if color == "auto" and (os.environ.get("NO_COLOR") or not stream.isatty()):
-        return Console(stream)
+        return Console(stream, raw=raw)
     from rich.console import Console as RichConsole
 
     rich_console = RichConsole(file=stream, force_terminal=color == "always" or None)
-    return Console(stream, rich_console)
+    return Console(stream, rich_console, raw=raw)

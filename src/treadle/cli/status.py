@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import IO
 
+from treadle.cli.terminal_text import visible
+
 __all__ = ["PLAIN_REMINDER", "TICK", "StatusLine"]
 
 #: Seconds between redraws of the terminal status line (the elapsed time advances this often).
@@ -45,6 +47,8 @@ class StatusLine:
 
         `announce=False` skips the plain-output line for a phase the output already shows (the
         terminal line is drawn all the same, and a long phase is still reminded of)."""
+        if phase is not None:
+            phase = visible(phase)  # a phase can name a model's tool: no control reaches the tty
         if phase == self.phase:
             return
         self.phase = phase

@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic_core
 
@@ -26,6 +26,9 @@ from treadle.persist.format import SCHEMA_VERSION
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 from treadle.session.placement import SandboxHandle
 from treadle.session.rows import in_call_order
+
+if TYPE_CHECKING:
+    from treadle.sandbox.placements import PlacementLike
 
 __all__ = ["LoadedSession", "load_session"]
 
@@ -65,9 +68,41 @@ def _damaged(p: Path, what: str) -> PersistenceError:
     return PersistenceError(f"{p}: {what}; the file is damaged or from a newer Treadle.")
 
 
-def _placement(p: Path, header: Mapping[str, Any], env: Mapping[str, str]) -> SandboxHandle | None:
-    """The sandbox handle the header's placement (and options) describe, env values from `env`."""
+def _asked(p: Path, header: Mapping[str, Any]) -> PersistenceError:
+    """The refusal of a placement the file chose that the caller did not confirm."""
     placement = header.get("placement")
+    saved = header.get("placement_options")
+    if isinstance(saved, dict):
+        wants = ["network access"] if saved.get("network") else []
+        for kind in ("read_only", "writable"):
+            paths = saved.get(kind) or []
+            if paths:
+                wants.append(f"{kind.replace('_', '-')} host mounts {', '.join(map(str, paths))}")
+        what = f"an isolated box with {' and '.join(wants)}"
+    elif placement == "local":
+        what = "the 'local' placement (commands on the host, no box)"
+    else:
+        what = f"the host directory {placement!r} as its workspace"
+    return PersistenceError(
+        f"{p}: line 1 asks for {what}, which a saved file may not choose; pass placement=... "
+        "to load_session (you decide where code runs), or sandbox=False to read the transcript."
+    )
+
+
+def _placement(
+    p: Path, header: Mapping[str, Any], env: Mapping[str, str], placement: PlacementLike | None
+) -> SandboxHandle | None:
+    """The sandbox handle of the caller's `placement`, else of the file's when it is a box no
+    weaker than `Isolated()` (no host mounts, no network); env values come from `env`."""
+    if placement is not None:
+        if env:
+            raise ConfigurationError(
+                "give env values in the Isolated(env=...) passed as placement=, not as env=."
+            )
+        return SandboxHandle(placement)
+    asked = header.get("placement")
+    if asked is not None and not isinstance(asked, str):
+        raise _damaged(p, f"line 1: the header's placement is {type(asked).__name__}, not a name")
     saved = header.get("placement_options")
     if saved is None:
         if env:
@@ -75,10 +110,14 @@ def _placement(p: Path, header: Mapping[str, Any], env: Mapping[str, str]) -> Sa
                 f"{p}: env= names {', '.join(sorted(env))}, but the saved session has no "
                 "Isolated(env=...) variables."
             )
-        return SandboxHandle(placement) if isinstance(placement, str) and placement else None
-    if placement != "isolated":
+        if not asked:
+            return None
+        if asked != "isolated":  # a directory, or "local": the file would choose the host
+            raise _asked(p, header)
+        return SandboxHandle("isolated")
+    if asked != "isolated":
         raise _damaged(
-            p, f"the header has placement_options but its placement is {placement!r} (options "
+            p, f"the header has placement_options but its placement is {asked!r} (options "
             "apply to only the isolated placement)"
         )  # fmt: skip
     if not isinstance(saved, dict):
@@ -110,6 +149,8 @@ def _placement(p: Path, header: Mapping[str, Any], env: Mapping[str, str]) -> Sa
         options = Isolated.from_spec(spec)
     except ConfigurationError as err:
         raise _damaged(p, f"the header's placement_options are invalid ({err})") from None
+    if options.network or options.read_only or options.writable:
+        raise _asked(p, header)
     return SandboxHandle(options)
 
 
@@ -118,13 +159,19 @@ def load_session(
     *,
     env: Mapping[str, str] | None = None,
     sandbox: bool = True,
+    placement: PlacementLike | None = None,
 ) -> LoadedSession:
     """Load a session file written with `persist=True`.
 
-    `env` gives back the values of the `Isolated(env=...)` variables the session's box had (the
-    file holds only their names): every saved name, and no other, or `PersistenceError`.
-    `sandbox=False` reads the transcript only: the session comes back with no placement (no box
-    is prepared, no env values are needed).
+    The file never chooses where code runs: `placement` (`"local"`, `"isolated"`, an
+    `Isolated(...)` or a directory) binds the loaded session's sandbox, whatever the file says.
+    Without it, the file's own placement is used only when it is a box no weaker than
+    `Isolated()` (no host mounts, no network); a file asking for `local`, a host directory, host
+    mounts or the network raises `PersistenceError` naming what it asked for. `env` gives back
+    the values of the saved box's `Isolated(env=...)` variables (the file holds only their
+    names): every saved name, and no other. `sandbox=False` reads the transcript only: the
+    session comes back with no placement. Every malformed line is a `PersistenceError` naming
+    the file and the line.
     """
     p = Path(path)
     try:
@@ -132,7 +179,7 @@ def load_session(
     except OSError as err:
         raise PersistenceError(f"cannot read session file {p}: {err.strerror}.") from None
     lines = raw.split(b"\n")
-    objs: list[dict[str, Any]] = []
+    objs: list[tuple[int, dict[str, Any]]] = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -146,43 +193,55 @@ def load_session(
             ) from None
         if not isinstance(obj, dict):
             raise PersistenceError(f"{p}: line {i + 1} is not a JSON object.")
-        objs.append(obj)
-    if not objs or objs[0].get("type") != "header":
+        objs.append((i + 1, obj))
+    if not objs or objs[0][1].get("type") != "header":
         raise PersistenceError(f"{p} is not a Treadle session file (no header line).")
-    header = objs[0]
-    if int(header.get("schema", 0)) > SCHEMA_VERSION:
+    header_line, header = objs[0]
+    schema = header.get("schema", 0)
+    if isinstance(schema, bool) or not isinstance(schema, int):
+        raise _malformed(p, header_line, "the header's schema", f"{schema!r} is not a number")
+    if schema > SCHEMA_VERSION:
         raise PersistenceError(
-            f"{p} was written by a newer Treadle (schema {header.get('schema')}); upgrade Treadle."
+            f"{p} was written by a newer Treadle (schema {schema}); upgrade Treadle."
         )
     rows: list[ChunkRow] = []
     trailer: dict[str, Any] | None = None
+    trailer_line = 0
     intents: dict[str, str] = {}
     answered: set[str] = set()
-    try:
-        for obj in objs[1:]:
-            kind = obj.get("type")
+    for number, obj in objs[1:]:
+        kind = obj.get("type")
+        try:
             if kind == "row":
                 row = ChunkRow(obj["kind"], obj["payload"])
-                rows.append(row)
                 if row.kind == "tool_result":
-                    answered.add(str(row.payload["tool_call_id"]))
+                    answered.add(_text(row.payload["tool_call_id"]))
+                rows.append(row)
             elif kind == "intent":
-                intents[str(obj["tool_call_id"])] = str(obj.get("name", ""))
+                intents[_text(obj["tool_call_id"])] = _text(obj.get("name", ""))
             elif kind == "trailer":
-                trailer = obj
-        agent_rows = [ChunkRow.from_message(m) for m in header.get("agent_rows", [])]
-    except (KeyError, ConfigurationError) as err:
-        raise PersistenceError(f"{p}: a row is malformed ({err}).") from None
+                trailer, trailer_line = obj, number
+        except (KeyError, TypeError, ValueError) as err:  # ConfigurationError is a ValueError
+            raise _malformed(p, number, f"the {kind} line", _reason(err)) from None
+    try:
+        agent_rows = [ChunkRow.from_message(m) for m in _list_of(header.get("agent_rows", []))]
+    except (KeyError, TypeError, ValueError) as err:
+        raise _malformed(p, header_line, "the header's agent_rows", _reason(err)) from None
     usage = Usage()
-    if trailer is not None and isinstance(trailer.get("usage"), dict):
+    if trailer is not None and trailer.get("usage") is not None:
         u = trailer["usage"]
-        usage = Usage(
-            int(u.get("prompt_tokens", 0)),
-            int(u.get("completion_tokens", 0)),
-            int(u.get("total_tokens", 0)),
-            int(u.get("requests", 0)),
-        )
+        try:
+            if not isinstance(u, dict):
+                raise TypeError(f"usage is {type(u).__name__}, not an object")
+            usage = Usage(*(_count(u.get(name, 0)) for name in _USAGE))
+        except (TypeError, ValueError) as err:
+            raise _malformed(p, trailer_line, "the trailer's usage", _reason(err)) from None
     stop_reason = trailer.get("stop_reason") if trailer else None
+    if stop_reason is not None and not isinstance(stop_reason, str):
+        raise _malformed(p, trailer_line, "the trailer's stop_reason", "it is not a string")
+    session_id = header.get("session_id")
+    if session_id is not None and not isinstance(session_id, str):
+        raise _malformed(p, header_line, "the header's session_id", "it is not a string")
     pending = tuple(cid for cid in intents if cid not in answered)
     metadata: dict[str, Any] = {"closed": trailer is not None, "path": str(p)}
     written = trailer.get("metadata") if trailer is not None else None
@@ -193,17 +252,16 @@ def load_session(
     if pending:
         metadata["unknown_outcome_tool_calls"] = list(pending)
     rows = in_call_order(rows)
-    # A resumed pass gets a sandbox of the same placement: the same directory when the user gave
-    # one, a fresh temporary workspace for "local" (the old one was removed or orphaned), and for
-    # "isolated" a fresh box with the saved options.
-    handle = _placement(p, header, env or {}) if sandbox else None
+    # A resumed pass gets the caller's placement, or a fresh box the file describes (see above):
+    # a fresh temporary workspace either way, never a directory the file names.
+    handle = _placement(p, header, env or {}, placement) if sandbox else None
     session = Session._derive(
         SessionData(ChunkTable(rows), usage, stop_reason, metadata),
         operator="load_session",
         kind="output",
         parents=(),
         sandbox=handle,
-        id=str(header.get("session_id") or "") or None,  # the id the pass gave its output
+        id=session_id or None,  # the id the pass gave its output
     )
     if handle is not None:
         handle.release()  # the session took its own share; drop the creator's
@@ -217,3 +275,35 @@ def load_session(
         header=header,
         pending_intents=pending,
     )
+
+
+_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens", "requests")
+
+
+def _malformed(p: Path, line: int, what: str, why: str) -> PersistenceError:
+    return PersistenceError(
+        f"{p}: line {line}: {what} is malformed ({why}); the file is damaged or from a newer "
+        "Treadle."
+    )
+
+
+def _reason(err: BaseException) -> str:
+    return f"missing {err}" if isinstance(err, KeyError) else str(err)
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a string")
+    return value
+
+
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a token count")
+    return value
+
+
+def _list_of(value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{type(value).__name__}, not a list")
+    return value

@@ -7,12 +7,13 @@ here.
 from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
 from treadle.sandbox.bwrap import BOX_ENV, BOX_WORKSPACE, Isolated, ResourceLimits
 from treadle.sandbox.environment import DEFAULT_ENV_ALLOW, SECRET_PATTERNS, scrubbed_environment
+from treadle.sandbox.exporting import MAX_EXPORT_BYTES, export_workspace
 from treadle.sandbox.isolated import IsolatedBackend
 from treadle.sandbox.local import MAX_LIST_ENTRIES, MAX_READ_BYTES, SANDBOX_IO_THREADS, LocalBackend
 from treadle.sandbox.opening import Sandbox, open_placement
 from treadle.sandbox.paths import MAX_PATH_CHARS, resolve_in_workspace
 from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES
-from treadle.sandbox.seeding import export_workspace, seed_workspace
+from treadle.sandbox.seeding import seed_workspace
 
 from treadle.sandbox.builtin_tools import global_system_tools  # isort: skip (needs opening)
 from treadle.session.placement import SandboxHandle
@@ -22,6 +23,7 @@ __all__ = [
     "BOX_WORKSPACE",
     "DEFAULT_COMMAND_TIMEOUT",
     "DEFAULT_ENV_ALLOW",
+    "MAX_EXPORT_BYTES",
     "MAX_LIST_ENTRIES",
     "MAX_PATH_CHARS",
     "MAX_READ_BYTES",

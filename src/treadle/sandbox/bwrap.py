@@ -97,7 +97,7 @@ class ResourceLimits:
     open_files: int | None = 1024
     """Open file descriptors per process."""
     tmp_bytes: int | None = 256 * 1024**2
-    """Size of the box's private `/tmp` (a tmpfs, held in memory)."""
+    """Size of the box's private `/tmp`, and of its `/dev/shm` (each a tmpfs, held in memory)."""
 
     def __post_init__(self) -> None:
         for name in _LIMIT_NAMES:
@@ -261,12 +261,16 @@ def box_command(
     args += ["--cap-drop", "ALL", "--uid", "1000", "--gid", "1000", "--hostname", "box"]
     args += _system_mounts()
     args += ["--proc", "/proc", "--dev", "/dev"]
-    if options.limits.tmp_bytes is not None:
-        args += ["--size", str(options.limits.tmp_bytes)]
-    args += ["--tmpfs", "/tmp"]  # before the extra mounts, so a path under /tmp can be one
+    # Every RAM-backed mount the box can write is sized: /tmp and /dev/shm get `tmp_bytes` each;
+    # the root and /dev tmpfs that bwrap builds are made read-only once everything is mounted.
+    for where in ("/dev/shm", "/tmp"):  # before the extra mounts, so a path under /tmp can be one
+        if options.limits.tmp_bytes is not None:
+            args += ["--size", str(options.limits.tmp_bytes)]
+        args += ["--tmpfs", where]
     for path in options.read_only:
         args += ["--ro-bind", path, path]
     for path in options.writable:
         args += ["--bind", path, path]
     args += ["--bind", str(workspace), BOX_WORKSPACE, "--chdir", BOX_WORKSPACE]
+    args += ["--remount-ro", "/dev", "--remount-ro", "/"]
     return args

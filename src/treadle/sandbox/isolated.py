@@ -23,10 +23,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
+
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
-from treadle.sandbox.bwrap import BOX_ENV, Isolated, box_command, find_executable
+from treadle.sandbox.bwrap import (
+    BOX_ENV,
+    BWRAP_INSTALL_HINT,
+    Isolated,
+    box_command,
+    find_executable,
+)
 from treadle.sandbox.local import _IO, LocalBackend, _list, _read, _write
+from treadle.sandbox.memory_group import MemoryGroup
 from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
 
 __all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
@@ -64,6 +73,23 @@ def _as_uid(uid: int, operation: Callable[..., T], *args: object) -> T:
     finally:
         libc.setfsuid(old_uid)
         libc.setfsgid(old_gid)
+
+
+#: bwrap executables already asked whether they take `--size` (a sized tmpfs): path -> answer.
+_SIZES_TMPFS: dict[str, bool] = {}
+
+
+async def _takes_size(bwrap: str) -> bool:
+    """True when `bwrap --help` lists `--size` (bubblewrap 0.8 and later); asked once per path."""
+    known = _SIZES_TMPFS.get(bwrap)
+    if known is None:
+        try:
+            helped = await anyio.run_process([bwrap, "--help"], check=False)
+            known = b"--size" in helped.stdout + helped.stderr
+        except OSError:
+            known = False
+        _SIZES_TMPFS[bwrap] = known
+    return known
 
 
 def _allocate_uid() -> int:
@@ -107,13 +133,32 @@ class IsolatedBackend(LocalBackend):
         self.host_uid = _allocate_uid() if self._own_uid else os.geteuid()
         """The host uid every process of this box runs as."""
         self._env = {**BOX_ENV, **self.options.env}
+        self._memory: MemoryGroup | None = None
 
     def open(self) -> Path:
-        """Create the temporary workspace and hand it to the box's uid; return its root."""
+        """Create the temporary workspace and hand it to the box's uid; return its root.
+
+        As root, with a cgroup v1 memory controller, the box also gets a memory cgroup of
+        `limits.memory_bytes` for all its processes together (see `treadle.sandbox.memory_group`).
+        """
         root = super().open()
         if self._own_uid:
             os.chown(root, self.host_uid, self.host_uid)
+            limit = self.options.limits.memory_bytes
+            if limit is not None and self._memory is None:
+                self._memory = MemoryGroup.create(root.name, limit, self.host_uid)
         return root
+
+    def close(self) -> None:
+        """Kill running commands, delete the workspace and remove the memory cgroup."""
+        super().close()
+        if self._memory is not None and self._owner_pid == os.getpid():
+            self._memory.close()
+
+    @property
+    def memory_group(self) -> MemoryGroup | None:
+        """The box's memory cgroup, or None where the machine gives none (see docs/sandbox.md)."""
+        return self._memory
 
     async def run_command(
         self,
@@ -123,6 +168,18 @@ class IsolatedBackend(LocalBackend):
     ) -> CommandResult:
         """Run `command` with `/bin/sh -c` in a fresh box over the workspace (at `/workspace`)."""
         root = self._live_root()
+        for tool in (self._bwrap, self._prlimit):
+            if not os.access(tool, os.X_OK):  # removed (or upgraded away) since the box was made
+                raise SandboxUnavailable(
+                    f"{tool} is gone since this sandbox was made; reinstall it "
+                    f"({BWRAP_INSTALL_HINT if tool == self._bwrap else 'package util-linux'})."
+                )
+        if self.options.limits.tmp_bytes is not None and not await _takes_size(self._bwrap):
+            raise SandboxUnavailable(
+                f"{self._bwrap} has no --size option (bubblewrap before 0.8), so the box's /tmp "
+                "and /dev/shm cannot be bounded; upgrade bubblewrap, or pass "
+                "ResourceLimits(tmp_bytes=None) to accept unbounded RAM-backed mounts."
+            )
         launcher = box_command(
             self.options,
             workspace=root,
@@ -130,6 +187,11 @@ class IsolatedBackend(LocalBackend):
             prlimit=self._prlimit,
             processes_already=0 if self._own_uid else _processes_of(self.host_uid),
         )
+        memory = self._memory
+        oom_before = 0
+        if memory is not None:
+            launcher = [*memory.join_argv(), *launcher]
+            oom_before = memory.oom_kills()
         result = await run_command(
             command,
             cwd=root,
@@ -141,11 +203,24 @@ class IsolatedBackend(LocalBackend):
             launcher=launcher,
             as_uid=self.host_uid if self._own_uid else None,
         )
+        # The kernel's OOM killer may kill the shell (137) or bwrap itself (-9).
+        killed = result.exit_code in (128 + signal.SIGKILL, -signal.SIGKILL)
+        if memory is not None and killed and memory.oom_kills() > oom_before:
+            note = (
+                "\n[treadle: the command was stopped by the box's memory limit "
+                f"({memory.limit} bytes for all its processes, memfd and tmpfs included)]"
+            )
+            return dataclasses.replace(result, stderr=result.stderr + note)
         return self._explained(result)
 
     def _explained(self, result: CommandResult) -> CommandResult:
         """`result`, with a line on stderr saying which limit stopped it (if one did)."""
         code = result.exit_code
+        if code in (126, 127) and not result.stdout and "failed to execute" in result.stderr:
+            # prlimit could not start bwrap (removed between the check above and the start)
+            raise SandboxUnavailable(
+                f"bubblewrap could not be started ({result.stderr.strip()}); {BWRAP_INSTALL_HINT}."
+            )
         # bwrap's own failures (before the command starts) are exit 1 with "bwrap: ..." alone.
         if code == 1 and not result.stdout and result.stderr.startswith("bwrap: "):
             raise SandboxUnavailable(

@@ -10,6 +10,8 @@ the event loop and never delete a directory it did not create.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -21,8 +23,9 @@ from typing import Literal
 
 from treadle.errors import PathViolation, SandboxError
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
+from treadle.sandbox.beneath import is_link_error, make_dirs_beneath, open_beneath, opened
 from treadle.sandbox.environment import DEFAULT_ENV_ALLOW, scrubbed_environment
-from treadle.sandbox.paths import relative_name, resolve_in_workspace
+from treadle.sandbox.paths import workspace_parts
 from treadle.sandbox.process import (
     DEFAULT_COMMAND_TIMEOUT,
     MAX_STREAM_BYTES,
@@ -111,7 +114,7 @@ class LocalBackend:
         for pgid in groups:
             kill_process_group(pgid)
         if self._owns_root and self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+            remove_workspace(self._root)
 
     def _live_root(self) -> Path:
         if self._closed:
@@ -166,12 +169,51 @@ class LocalBackend:
         return await _IO.run(_list, root, path)
 
 
+def remove_workspace(root: Path) -> None:
+    """Delete a workspace whatever modes its commands left (a `chmod 000` directory included).
+
+    Root ignores modes; an ordinary user needs `u+rwx` on a directory to empty it, so each
+    directory (never a link: the commands are dead by now, and links are skipped) is given them
+    on the way down before the tree is removed.
+    """
+    with contextlib.suppress(OSError):
+        os.chmod(root, 0o700)
+    for here, dirs, _ in os.walk(root):
+        for name in dirs:
+            path = os.path.join(here, name)
+            with contextlib.suppress(OSError):
+                if not os.path.islink(path):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _link_refused(path: str) -> PathViolation:
+    return PathViolation(
+        f"the path {path!r} is or passes through a symbolic link; the file tools never follow "
+        "links in a workspace, so use the path the link points to."
+    )
+
+
+def _open_in(root: Path, path: str, parts: tuple[str, ...], flags: int) -> int:
+    """`parts` opened below `root`'s fd (no link followed); tool-shaped errors."""
+    with opened(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root_fd:
+        try:
+            return open_beneath(root_fd, parts, flags)
+        except OSError as e:
+            if is_link_error(e):
+                raise _link_refused(path) from None
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise SandboxError(
+                    f"no file {path!r} in the workspace; list the files first."
+                ) from None
+            if e.errno in (errno.EACCES, errno.EPERM):  # the isolated backend acts as the box
+                raise SandboxError(f"no permission to open {path!r}.") from None
+            raise SandboxError(f"cannot open {path!r} ({e.strerror}).") from None
+
+
 def _read(root: Path, path: str) -> FileContent:
-    real = resolve_in_workspace(root, path)
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise SandboxError(f"no file {path!r} in the workspace; list the files first.") from None
+    parts = workspace_parts(root, path)
+    fd = _open_in(root, path, parts, os.O_RDONLY | os.O_NONBLOCK)
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
@@ -194,30 +236,42 @@ def _read(root: Path, path: str) -> FileContent:
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    return FileContent(relative_name(root, real), data, max(info.st_size, len(data)))
+    return FileContent("/".join(parts) or ".", data, max(info.st_size, len(data)))
 
 
 def _write(root: Path, path: str, data: bytes) -> int:
     if not path or not path.strip():
         raise PathViolation("the path is empty; name a file inside the workspace.")
-    real = resolve_in_workspace(root, path)
-    if real == root:
+    parts = workspace_parts(root, path)
+    if not parts:
         raise SandboxError("cannot write to the workspace root; name a file inside it.")
-    parent = real.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    # The parent may have been swapped for a link while we created it: check again.
-    resolve_in_workspace(root, str(parent))
+    with opened(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root_fd:
+        try:
+            parent = make_dirs_beneath(root_fd, parts[:-1])
+        except OSError as e:
+            if is_link_error(e):
+                raise _link_refused(path) from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise SandboxError(
+                    f"no permission to write {path!r}; choose another file."
+                ) from None
+            raise SandboxError(f"cannot make the directories of {path!r} ({e.strerror}).") from None
+    # O_NOFOLLOW on one name relative to the held parent: a link there is refused (ELOOP).
     # O_NONBLOCK: opening a FIFO without a reader would otherwise block this thread for good.
     # No O_TRUNC yet: what the path names is checked first (see below).
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-    try:
-        fd = os.open(real, flags, 0o644)
-    except IsADirectoryError:
-        raise SandboxError(f"{path!r} is a directory; choose a file name.") from None
-    except PermissionError:  # the isolated backend writes with the box's rights
-        raise SandboxError(f"no permission to write {path!r}; choose another file.") from None
-    except OSError as e:  # ENXIO: a FIFO nobody reads
-        raise SandboxError(f"{path!r} is not a regular file ({e.strerror}).") from None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    with opened(parent):
+        try:
+            fd = os.open(parts[-1], flags, 0o644, dir_fd=parent)
+        except IsADirectoryError:
+            raise SandboxError(f"{path!r} is a directory; choose a file name.") from None
+        except PermissionError:  # the isolated backend writes with the box's rights
+            raise SandboxError(f"no permission to write {path!r}; choose another file.") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _link_refused(path) from None
+            # ENXIO: a FIFO nobody reads
+            raise SandboxError(f"{path!r} is not a regular file ({e.strerror}).") from None
     with os.fdopen(fd, "wb") as handle:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -245,17 +299,21 @@ def _entry_type(entry: os.DirEntry[str]) -> Literal["file", "directory", "symlin
 
 
 def _list(root: Path, path: str) -> list[DirEntry]:
-    real = resolve_in_workspace(root, path)
+    parts = workspace_parts(root, path)
     try:
-        with os.scandir(real) as it:
-            entries = []
+        fd = _open_in(root, path, parts, os.O_RDONLY | os.O_NONBLOCK)
+    except SandboxError as e:
+        if isinstance(e, PathViolation) or "no file" not in str(e):
+            raise
+        raise SandboxError(f"no directory {path!r} in the workspace.") from None
+    with opened(fd):
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise SandboxError(f"{path!r} is a file; read it instead of listing it.")
+        entries = []
+        with os.scandir(fd) as it:
             for entry in it:
                 kind = _entry_type(entry)
                 size = entry.stat(follow_symlinks=False).st_size if kind == "file" else 0
                 entries.append(DirEntry(entry.name, kind, size))
-    except FileNotFoundError:
-        raise SandboxError(f"no directory {path!r} in the workspace.") from None
-    except NotADirectoryError:
-        raise SandboxError(f"{path!r} is a file; read it instead of listing it.") from None
     entries.sort(key=lambda e: e.name)
     return entries[:MAX_LIST_ENTRIES]
