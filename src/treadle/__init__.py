@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "ChunkTable": "treadle.session",
     "LineageNode": "treadle.session",
     "Usage": "treadle.session",
+    "StopReason": "treadle.session",
     # runtime
     "LazyValue": "treadle.runtime",
     "run_lazy": "treadle.runtime",
@@ -57,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "tool": "treadle.tools",
     "Tool": "treadle.tools",
     "BaseTool": "treadle.tools",
+    "ToolContext": "treadle.tools",
     "SandboxHandle": "treadle.sandbox",
     "LocalBackend": "treadle.sandbox",
     "Isolated": "treadle.sandbox",
@@ -145,9 +147,11 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.session import LineageNode as LineageNode
     from treadle.session import Session as Session
     from treadle.session import SessionData as SessionData
+    from treadle.session import StopReason as StopReason
     from treadle.session import Usage as Usage
     from treadle.tools import BaseTool as BaseTool
     from treadle.tools import Tool as Tool
+    from treadle.tools import ToolContext as ToolContext
     from treadle.tools import tool as tool
 
 

@@ -49,9 +49,11 @@ from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
+from treadle.session.stops import StopReason
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
 from treadle.tools import ToolContext, ToolOutcome, run_tool_calls
+from treadle.tools.context import context_parameter
 
 __all__ = ["PassPlan", "pending_tool_calls", "run_pass"]
 
@@ -87,7 +89,7 @@ class _Pass:
         )
 
     # -- building blocks ---------------------------------------------------------------------
-    def data(self, stop_reason: str) -> SessionData:
+    def data(self, stop_reason: StopReason) -> SessionData:
         return SessionData(self.table, self.usage, stop_reason, self.metadata)
 
     @contextmanager
@@ -164,20 +166,40 @@ class _Pass:
         if self.events is not None:
             self.events.deltas(delta)
 
+    def context(self, session: Session) -> ToolContext:
+        """The context tools, guardrails and callbacks of this pass see, as of now."""
+        plan = self.plan
+        return ToolContext(
+            session,
+            self.out_id,
+            self.deadline,
+            None,
+            plan.limits.tool_timeout_seconds,
+            plan.deps,
+            self.pass_usage,
+        )
+
     async def notify(self, row: ChunkRow) -> None:
         """Hand a new row to `on_message` (which may interrupt the pass)."""
-        callback = self.plan.on_message
-        if callback is not None:
+        plan = self.plan
+        callback = plan.on_message
+        if callback is None:
+            return
+        param = plan.on_message_context
+        if param is None:
             await call_user(callback, row, self.control)
+            return
+        with self.snapshot() as session:
+            await call_user(callback, row, self.control, **{param: self.context(session)})
 
-    def interrupt(self, reason: str) -> str:
+    def interrupt(self, reason: str) -> StopReason:
         self.metadata["interrupt_reason"] = reason
         if self.events is not None:
             self.events.emit(Interrupted, reason=reason)
         return "interrupted"
 
     # -- the pass ---------------------------------------------------------------------------
-    async def rounds(self) -> str:
+    async def rounds(self) -> StopReason:
         rounds = 0
         unanswered = pending_tool_calls(self.table)
         if unanswered:  # resume: calls the model asked for that never got a result run first
@@ -239,26 +261,30 @@ class _Pass:
 
     async def guard(
         self, when: str, request: CompletionRequest, turn: AssistantTurn | None
-    ) -> str | None:
+    ) -> StopReason | None:
         guards = [g for g in self.plan.guardrails if g.when == when]
         if not guards:
             return None
         reply = turn.completion if turn is not None else None
         with self.snapshot() as session:
             data = GuardrailInput(session=session, request=request, reply=reply)
+            wanted = any(g.context_param is not None for g in guards)
+            context = self.context(session) if wanted else None
             for guard in guards:
-                tripwire = await guard.run(data)
+                tripwire = await guard.run(data, context)
                 if tripwire is not None:
                     return self.block(tripwire)
         return None
 
-    def block(self, tripwire: Tripwire) -> str:
+    def block(self, tripwire: Tripwire) -> StopReason:
         self.metadata["tripwire"] = tripwire
         if self.events is not None:
             self.events.emit(GuardrailTripped, tripwire=tripwire)
         return "blocked"
 
-    async def tool_round(self, calls: Sequence[ToolCall], *, resuming: bool = False) -> str | None:
+    async def tool_round(
+        self, calls: Sequence[ToolCall], *, resuming: bool = False
+    ) -> StopReason | None:
         plan = self.plan
         waiting = [
             c
@@ -304,12 +330,7 @@ class _Pass:
                 await run_tool_calls(
                     calls,
                     plan.tools,
-                    context=ToolContext(
-                        session,
-                        self.out_id,
-                        self.deadline,
-                        tool_timeout=plan.limits.tool_timeout_seconds,
-                    ),
+                    context=self.context(session),
                     executor=plan.executor,
                     denied=denied,
                     unknown_outcome=unknown,
@@ -355,8 +376,13 @@ class _Pass:
             )
             return
         try:
+            param = context_parameter(callback)  # once per pass: the budget fires once
             with self.snapshot() as session:
-                await call_user(callback, session, self.pass_usage)
+                if param is None:
+                    await call_user(callback, session, self.pass_usage)
+                else:
+                    context = self.context(session)
+                    await call_user(callback, session, self.pass_usage, **{param: context})
         except BudgetExceededError as err:
             self.budget_stop = True
             self.metadata["budget_message"] = str(err)

@@ -20,14 +20,14 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Union, overload
+from typing import Any, Literal, overload
 
 import pydantic
 import pydantic_core
 from pydantic.json_schema import GenerateJsonSchema
 
 from treadle.errors import ConfigurationError, ToolArgumentsError
-from treadle.tools.context import ToolContext
+from treadle.tools.context import ToolContext, injection_of
 from treadle.tools.docstrings import parse_docstring
 from treadle.tools.threads import run_sync_tool
 
@@ -135,23 +135,10 @@ def _check_options(name: str, timeout: float | None, max_result_chars: int | Non
         raise ConfigurationError(f"tool {name!r}: max_result_chars must be at least 1.")
 
 
-def _strip_optional(annotation: Any) -> Any:
-    if typing.get_origin(annotation) is typing.Annotated:
-        annotation = typing.get_args(annotation)[0]
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
 def _injection(annotation: Any) -> Injected | None:
     """What `annotation` asks the dispatcher for, by the type's `__treadle_inject__` marker."""
-    base = _strip_optional(annotation)
-    if not isinstance(base, type):
-        return None
-    what = getattr(base, "__treadle_inject__", None)
-    return what if what in ("session", "sandbox", "context") else None
+    what = injection_of(annotation)
+    return typing.cast(Injected, what) if what is not None else None
 
 
 def _type_hints(fn: Callable[..., Any], sig: inspect.Signature) -> dict[str, Any]:
