@@ -20,11 +20,12 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, overload
+from typing import Any, Generic, Literal, overload
 
 import pydantic
 import pydantic_core
 from pydantic.json_schema import GenerateJsonSchema
+from typing_extensions import ParamSpec, TypeVar
 
 from treadle.errors import ConfigurationError, ToolArgumentsError
 from treadle.tools.context import ToolContext, injection_of
@@ -39,6 +40,9 @@ ResourceKey = str | Callable[[Mapping[str, Any]], str | None] | None
 Injected = Literal["session", "sandbox", "context"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+P = ParamSpec("P", default=...)
+R = TypeVar("R", default=Any)
 
 
 class _ToolJsonSchema(GenerateJsonSchema):
@@ -206,12 +210,16 @@ def _format_errors(tool_name: str, error: pydantic.ValidationError) -> ToolArgum
     )
 
 
-class FunctionTool(Tool):
-    """A tool made from a function by `@tool`; calling the tool calls the function."""
+class FunctionTool(Tool, Generic[P, R]):
+    """A tool made from a function by `@tool`; calling the tool calls the function.
+
+    `FunctionTool[P, R]` keeps the function's signature: a direct call `my_tool(1, 2)` is checked
+    against it and typed as its return value.
+    """
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         name: str | None = None,
         description: str | None = None,
@@ -226,7 +234,7 @@ class FunctionTool(Tool):
             raise ConfigurationError(f"@tool needs a function, got {type(fn).__name__}.")
         tool_name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
         _check_options(tool_name, timeout, max_result_chars)
-        self.fn = fn
+        self.fn: Callable[P, R] = fn
         self.name = tool_name
         self.timeout = timeout
         self.parallel_safe = parallel_safe
@@ -306,7 +314,7 @@ class FunctionTool(Tool):
             self.fn, _inject(self, arguments, context), self._is_async
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the wrapped function directly (no validation, no injection)."""
         return self.fn(*args, **kwargs)
 
@@ -400,7 +408,7 @@ def _check_object(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> li
 
 
 @overload
-def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
+def tool(fn: Callable[P, R], /) -> FunctionTool[P, R]: ...
 
 
 @overload
@@ -414,7 +422,7 @@ def tool(
     max_result_chars: int | None = None,
     needs_approval: bool = False,
     idempotent: bool = False,
-) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+) -> Callable[[Callable[P, R]], FunctionTool[P, R]]: ...
 
 
 def tool(
@@ -429,7 +437,7 @@ def tool(
     max_result_chars: int | None = None,
     needs_approval: bool = False,
     idempotent: bool = False,
-) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
+) -> FunctionTool[..., Any] | Callable[[Callable[..., Any]], FunctionTool[..., Any]]:
     """Turn a sync or async function into a `Tool` (use bare, `@tool`, or with options).
 
     The docstring gives the description and the per-parameter descriptions; the type hints give
@@ -438,7 +446,7 @@ def tool(
     model.
     """
 
-    def wrap(function: Callable[..., Any]) -> FunctionTool:
+    def wrap(function: Callable[..., Any]) -> FunctionTool[..., Any]:
         return FunctionTool(
             function,
             name=name,
