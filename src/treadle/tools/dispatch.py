@@ -6,8 +6,9 @@ sharing a resource key run one at a time in call order. The same path serves the
 implementation (`Tool.invoke`) and a custom executor's `dispatch_tool` / `adispatch_tool`: both
 get the same validation, timeouts, lanes, approvals (denied calls) and unknown-outcome handling.
 Problems with a call (unknown tool, bad arguments, an exception, a timeout, a path outside the
-workspace) become an error body for the model; so do `SystemExit` and `KeyboardInterrupt` raised by
-a tool (an argparse-based tool exits on bad input), which would otherwise kill the runtime's loop.
+workspace) become an error body for the model; so do `asyncio.CancelledError` raised by a tool
+itself (only a cancellation of the pass propagates) and `SystemExit` and `KeyboardInterrupt` (an
+argparse-based tool exits on bad input), which would otherwise end the pass or kill the loop.
 Every call is bounded: by the tool's `timeout`, else the pass's `Limits.tool_timeout_seconds`, else
 `DEFAULT_TOOL_TIMEOUT`, and never past the pass's deadline.
 
@@ -17,6 +18,7 @@ This module must never raise for a tool's problem, never leave a task running af
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import weakref
@@ -225,12 +227,24 @@ async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     except ResultSerialisationError as error:
         message = f"tool {item.name!r} returned a value that cannot be shown as JSON ({error})"
         return _failure(call, "unserialisable_result", message)
-    except anyio.get_cancelled_exc_class():
-        raise  # the pass itself is being cancelled: not the tool's outcome
+    except anyio.get_cancelled_exc_class() as error:
+        if _being_cancelled():
+            raise  # the pass itself is being cancelled: not the tool's outcome
+        # The tool raised `CancelledError` on its own (a library's internal cancel, a timeout
+        # helper): like any other exception, it is this call's result.
+        message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
+        return _failure(call, "tool_execution_exception", message, exception_detail(error))
     except BaseException as error:
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
         return _failure(call, "tool_execution_exception", message, exception_detail(error))
     return ToolOutcome(call.id, item.name, content, True, None)
+
+
+def _being_cancelled() -> bool:
+    """True when a cancellation was requested for the task running the call (the pass, or a
+    scope around it, is being cancelled), as opposed to a tool raising `CancelledError` itself."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _answered(call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
