@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Guardrail": "treadle.loop",
     "GuardrailInput": "treadle.loop",
     "Tripwire": "treadle.loop",
+    "StopAtTools": "treadle.loop",
     "PassControl": "treadle.loop",
     "before_model": "treadle.loop",
     "after_model": "treadle.loop",
@@ -126,6 +127,7 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.loop import GuardrailInput as GuardrailInput
     from treadle.loop import Limits as Limits
     from treadle.loop import PassControl as PassControl
+    from treadle.loop import StopAtTools as StopAtTools
     from treadle.loop import Tripwire as Tripwire
     from treadle.loop import after_model as after_model
     from treadle.loop import arun_session_loop as arun_session_loop

@@ -20,6 +20,7 @@ from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
 from treadle.loop.control import Limits, normalise_guardrails
 from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped
+from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
@@ -87,6 +88,10 @@ class PassOptions(TypedDict, total=False):
     deps: Any
     """Dependencies for this pass, handed to tools, guardrails and callbacks that ask for a
     `ToolContext` (never serialised)."""
+    tool_use_behavior: ToolUseBehavior
+    """Whether a tool round ends the pass (default `"run_llm_again"`)."""
+    reset_tool_choice: bool
+    """Reset a forced `tool_choice` to `"auto"` once a tool ran (default True)."""
 
 
 def _plan(
@@ -108,6 +113,8 @@ def _plan(
     on_message: Callable[..., Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
     deps: Any = None,
+    tool_use_behavior: ToolUseBehavior = "run_llm_again",
+    reset_tool_choice: bool = True,
 ) -> PassPlan:
     if provider is not None:
         if agent_provider is not None:
@@ -139,6 +146,7 @@ def _plan(
     for name, fn in (("on_event", on_event), ("on_message", on_message)):
         if fn is not None and not callable(fn):
             raise ConfigurationError(f"{name} must be callable.")
+    behavior = check_tool_use_behavior(tool_use_behavior)
     if limits is not None and not isinstance(limits, Limits):
         raise ConfigurationError("limits must be a treadle Limits(...).")
     if approvals is not None and not isinstance(approvals, Mapping):
@@ -197,6 +205,8 @@ def _plan(
         trace_parent=capture_parent(),
         agent_name=agent_name,
         deps=deps,
+        tool_use_behavior=behavior,
+        reset_tool_choice=bool(reset_tool_choice),
     )
 
 
@@ -228,6 +238,8 @@ def run_session_loop(
     on_message: Callable[..., Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
     deps: Any = None,
+    tool_use_behavior: ToolUseBehavior = "run_llm_again",
+    reset_tool_choice: bool = True,
     lazy: bool = True,
 ) -> Session:
     """Run one agent pass on the runtime and return its output `Session` at once.
@@ -257,6 +269,11 @@ def run_session_loop(
         deps: Dependencies for this pass (a database handle, the user's id, ...): tools,
             guardrails and callbacks with a parameter annotated `ToolContext` read them as
             `context.deps`. Kept in memory only; never written to the transcript or a file.
+        tool_use_behavior: `"run_llm_again"` (the model answers after its tools ran),
+            `"stop_on_first_tool"` or `StopAtTools("name", ...)`: a round calling such a tool
+            ends the pass (`"final_answer"`) with that call's result as `out.output`.
+        reset_tool_choice: When the provider forces a tool call (`tool_choice="required"` or
+            a named function), ask with `"auto"` once a tool ran, so the pass can answer.
         lazy: Return at once (True) or after the pass ends (False).
     """
     out_id = new_session_id()
@@ -277,6 +294,8 @@ def run_session_loop(
         on_message=on_message,
         approvals=approvals,
         deps=deps,
+        tool_use_behavior=tool_use_behavior,
+        reset_tool_choice=reset_tool_choice,
     )
     handle = user_session.sandbox_handle
     if handle is not None:

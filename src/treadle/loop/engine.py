@@ -24,9 +24,9 @@ from typing import Any
 
 import anyio
 
-from treadle.errors import BudgetExceededError
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import AssistantTurn, HttpExecutor, TurnDelta, request_turn
+from treadle.loop.budget import soft_budget_crossed
 from treadle.loop.callbacks import CallbackPump
 from treadle.loop.control import (
     GuardrailInput,
@@ -46,14 +46,14 @@ from treadle.loop.events import (
     UsageEvent,
 )
 from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
+from treadle.loop.tooling import forced_tool_choice, gated_tools, offered, stop_after_tools
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.session.stops import StopReason
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
-from treadle.tools import ToolContext, ToolOutcome, run_tool_calls
-from treadle.tools.context import context_parameter
+from treadle.tools import Tool, ToolContext, ToolOutcome, run_tool_calls
 
 __all__ = ["PassPlan", "pending_tool_calls", "run_pass"]
 
@@ -74,6 +74,9 @@ class _Pass:
         self.pass_usage = Usage()
         self.metadata: dict[str, Any] = {}
         self.tool_calls_run = 0
+        self.tools = plan.tools  # offered in the next request (less tools disabled now)
+        self.gated: tuple[Tool, ...] = ()
+        self.reset_choice = plan.reset_tool_choice and forced_tool_choice(plan.provider)
         self.budget_fired = False
         self.budget_stop = False
         self.writer: SessionWriter | None = None
@@ -122,12 +125,14 @@ class _Pass:
 
     def request(self, extra: Mapping[str, Any] | None = None) -> CompletionRequest:
         plan = self.plan
+        if self.reset_choice and self.tool_calls_run:  # a forced choice once a tool ran: "auto"
+            extra = {"tool_choice": "auto", **(extra or {})}
         return CompletionRequest(
             session_id=self.out_id,
             provider=plan.provider,
             agent_rows=self.agent_rows,
             rows=self.table,
-            tools=plan.tools,
+            tools=self.tools,
             stream=plan.stream,
             # Only the HTTP executor consumes the growing list at once; custom executors may keep
             # the request, so they get the immutable rows and build bodies from those.
@@ -168,15 +173,9 @@ class _Pass:
 
     def context(self, session: Session) -> ToolContext:
         """The context tools, guardrails and callbacks of this pass see, as of now."""
-        plan = self.plan
+        plan, limit = self.plan, self.plan.limits.tool_timeout_seconds
         return ToolContext(
-            session,
-            self.out_id,
-            self.deadline,
-            None,
-            plan.limits.tool_timeout_seconds,
-            plan.deps,
-            self.pass_usage,
+            session, self.out_id, self.deadline, None, limit, plan.deps, self.pass_usage
         )
 
     async def notify(self, row: ChunkRow) -> None:
@@ -201,6 +200,8 @@ class _Pass:
     # -- the pass ---------------------------------------------------------------------------
     async def rounds(self) -> StopReason:
         rounds = 0
+        self.tools = self.plan.tools
+        self.gated = gated_tools(self.tools)
         unanswered = pending_tool_calls(self.table)
         if unanswered:  # resume: calls the model asked for that never got a result run first
             stop = await self.tool_round(unanswered, resuming=True)
@@ -217,6 +218,9 @@ class _Pass:
                 return "budget"
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 return "deadline"
+            if self.gated:
+                with self.snapshot() as session:
+                    self.tools = await offered(self.plan.tools, self.gated, self.context(session))
             request = self.request()
             tripped = await self.guard("before", request, None)
             if tripped is not None:
@@ -285,6 +289,13 @@ class _Pass:
     async def tool_round(
         self, calls: Sequence[ToolCall], *, resuming: bool = False
     ) -> StopReason | None:
+        stop = await self.run_tools(calls, resuming)
+        behavior = self.plan.tool_use_behavior
+        if stop is not None or behavior == "run_llm_again":
+            return stop
+        return stop_after_tools(behavior, calls, self.table.rows[-len(calls) :], self.metadata)
+
+    async def run_tools(self, calls: Sequence[ToolCall], resuming: bool) -> StopReason | None:
         plan = self.plan
         waiting = [
             c
@@ -329,7 +340,7 @@ class _Pass:
             with self.snapshot() as session:
                 await run_tool_calls(
                     calls,
-                    plan.tools,
+                    self.tools,
                     context=self.context(session),
                     executor=plan.executor,
                     denied=denied,
@@ -367,25 +378,18 @@ class _Pass:
         budget = provider.budget_total_tokens if provider is not None else None
         if budget is None or self.budget_fired or total < budget:
             return
-        self.budget_fired = True  # fires once per pass, when the total first crosses the cap
-        callback = provider.on_budget_exceeded if provider is not None else None
-        if callback is None:  # no one to ask: the budget is a limit, the pass stops
+        self.budget_fired = True  # fires once per pass, when the total first crosses it
+        message = await soft_budget_crossed(
+            provider.on_budget_exceeded if provider is not None else None,
+            pass_id=self.out_id,
+            usage=self.pass_usage,
+            budget=budget,
+            snapshot=self.snapshot,
+            context=self.context,
+        )
+        if message is not None:
             self.budget_stop = True
-            self.metadata["budget_message"] = (
-                f"the pass used {total} tokens, over its budget of {budget}"
-            )
-            return
-        try:
-            param = context_parameter(callback)  # once per pass: the budget fires once
-            with self.snapshot() as session:
-                if param is None:
-                    await call_user(callback, session, self.pass_usage)
-                else:
-                    context = self.context(session)
-                    await call_user(callback, session, self.pass_usage, **{param: context})
-        except BudgetExceededError as err:
-            self.budget_stop = True
-            self.metadata["budget_message"] = str(err)
+            self.metadata["budget_message"] = message
 
     async def final_answer(self) -> None:
         """One last completion with tools switched off, after a limit stopped the pass."""

@@ -12,6 +12,7 @@ from treadle.llm.provider import Provider
 from treadle.llm.turn import ModelExecutor
 from treadle.loop.control import Guardrail, Limits, Tripwire
 from treadle.loop.events import Event
+from treadle.loop.tooling import ToolUseBehavior
 from treadle.session import ChunkTable, Session, ToolCall
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
@@ -41,6 +42,10 @@ class PassPlan:
     """The caller's tracing context (None when tracing is off)."""
     agent_name: str | None = None
     """The agent's name, for traces."""
+    tool_use_behavior: ToolUseBehavior = "run_llm_again"
+    """Whether a tool round ends the pass (see `ToolUseBehavior`)."""
+    reset_tool_choice: bool = True
+    """A forced `tool_choice` becomes `"auto"` once a tool ran (so a pass cannot loop)."""
     on_message_context: str | None = None
     """`on_message`'s parameter that receives the `ToolContext`, if it asks for one."""
     deps: Any = None
