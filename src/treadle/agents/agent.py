@@ -47,6 +47,7 @@ from treadle.loop import (
     run_session_loop,
 )
 from treadle.loop.api import naming_next_pass
+from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools import FunctionTool, Tool, ToolSet
@@ -137,6 +138,11 @@ class Agent(Generic[Deps, Output]):
         output_type: A pydantic model; `out.output` then holds the validated answer.
         deps_type: The type of the `deps=` every run must pass (for type checkers and a clear
             error when a run passes none); None: deps are optional and untyped.
+        strict_output: Send the output schema in strict mode: None (default) when it allows,
+            True always (`ConfigurationError` where it cannot), False never.
+        tool_use_behavior: Whether a tool round ends the pass (see `run_session_loop`); not
+            with `output_type`.
+        reset_tool_choice: Reset a forced `tool_choice` to `"auto"` once a tool ran.
         structured_mode: `"tool"` (a `final_result` tool, works everywhere) or `"native"`
             (`response_format` JSON schema, for servers that support it).
         output_retries: Times an invalid answer goes back to the model before
@@ -163,6 +169,9 @@ class Agent(Generic[Deps, Output]):
         guardrails: Iterable[Any] | None = None,
         output_type: type[Output] | None = None,
         deps_type: type[Deps] | None = None,
+        strict_output: bool | None = None,
+        tool_use_behavior: ToolUseBehavior = "run_llm_again",
+        reset_tool_choice: bool = True,
         structured_mode: StructuredMode = "tool",
         output_retries: int = DEFAULT_OUTPUT_RETRIES,
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
@@ -203,13 +212,22 @@ class Agent(Generic[Deps, Output]):
         self.guardrails = tuple(guardrails or ())
         self.output_type = output_type
         self.deps_type = deps_type
+        self.tool_use_behavior = check_tool_use_behavior(tool_use_behavior)
+        if output_type is not None and tool_use_behavior != "run_llm_again":
+            raise ConfigurationError(
+                f"Agent {name!r}: tool_use_behavior needs no output_type (a tool's result is "
+                "then the output); drop one of the two."
+            )
+        self.reset_tool_choice = reset_tool_choice
         self.max_tool_rounds = max_tool_rounds
         self.compact_at_tokens = compact_at_tokens
         self.compact_keep_last = compact_keep_last
         self.compact_on_overflow = compact_on_overflow
         self.compaction_instruction = compaction_instruction
         self.spec = (
-            OutputSpec(cast(Any, output_type), structured_mode, output_retries)
+            OutputSpec(
+                cast(Any, output_type), structured_mode, output_retries, strict=strict_output
+            )
             if output_type is not None
             else None
         )
@@ -338,6 +356,8 @@ class Agent(Generic[Deps, Output]):
             "limits": self.limits,
             "guardrails": guards,
             "deps": run.deps,
+            "tool_use_behavior": self.tool_use_behavior,
+            "reset_tool_choice": self.reset_tool_choice,
         }
         if self.spec is not None and self.spec.mode == "tool":
             options["on_message"] = self.spec.on_message(run.output)

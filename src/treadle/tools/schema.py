@@ -35,6 +35,7 @@ __all__ = [
     "build_arguments",
     "described_source",
     "docstring_of",
+    "resolve_strict",
     "strict_schema",
     "type_hints",
 ]
@@ -236,3 +237,25 @@ def strict_schema(schema: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
 
     visit(out, "")
     return out, changed
+
+
+def resolve_strict(
+    what: str, parameters: dict[str, Any], strict: bool | None, *, required_ok: bool = False
+) -> tuple[dict[str, Any], bool]:
+    """The schema to send for `what` and whether to send it strict.
+
+    `strict=None` is strict when the schema allows it and, unless `required_ok`, when no
+    optional property would become required; `strict=True` raises `ConfigurationError` naming
+    what cannot be strict.
+    """
+    if strict is False:
+        return parameters, False
+    try:
+        converted, changed = strict_schema(parameters)
+    except NotStrict as why:
+        if strict is None:
+            return parameters, False
+        raise ConfigurationError(f"{what} cannot be strict: {why}; pass strict=False.") from None
+    if changed and strict is None and not required_ok:
+        return parameters, False  # optional parameters would become required: keep as is
+    return converted, True

@@ -31,7 +31,7 @@ from typing_extensions import ParamSpec, TypeVar
 from treadle.errors import ConfigurationError, ToolArgumentsError
 from treadle.tools.context import ToolContext, injection_of
 from treadle.tools.docstrings import parse_docstring
-from treadle.tools.schema import NotStrict, build_arguments, docstring_of, strict_schema
+from treadle.tools.schema import build_arguments, docstring_of, resolve_strict
 from treadle.tools.threads import run_sync_tool
 
 __all__ = [
@@ -125,7 +125,7 @@ class Tool(abc.ABC):
     def _wire_parameters(self) -> tuple[dict[str, Any], bool]:
         """The parameters schema as sent, and whether it is sent strict (decided once)."""
         if self._wire is None:
-            self._wire = _resolve_strict(self.name, self.parameters, self.strict)
+            self._wire = resolve_strict(f"tool {self.name!r}", self.parameters, self.strict)
         return self._wire
 
     def _set_policies(
@@ -187,24 +187,6 @@ class Tool(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
-
-
-def _resolve_strict(
-    name: str, parameters: dict[str, Any], strict: bool | None
-) -> tuple[dict[str, Any], bool]:
-    if strict is False:
-        return parameters, False
-    try:
-        converted, changed = strict_schema(parameters)
-    except NotStrict as why:
-        if strict is None:
-            return parameters, False
-        raise ConfigurationError(
-            f"tool {name!r} cannot be strict: {why}; pass strict=False (or None)."
-        ) from None
-    if changed and strict is None:  # optional parameters would become required: keep as is
-        return parameters, False
-    return converted, True
 
 
 def _check_options(name: str, timeout: float | None, max_result_chars: int | None) -> None:
