@@ -217,3 +217,12 @@ def test_strict_true_where_a_schema_cannot_be_strict_is_a_clear_error() -> None:
     with pytest.raises(ConfigurationError, match="cannot be strict"):
         tool(strict=True)(anything)
     assert "strict" not in tool(strict=False)(Scaler(1).halve).schema()["function"]
+
+
+def test_keywords_strict_mode_does_not_support_keep_a_tool_loose() -> None:
+    def name_it(name: Annotated[str, Field(min_length=2)]) -> str:
+        return name
+
+    assert "strict" not in tool(name_it).schema()["function"]
+    with pytest.raises(ConfigurationError, match="name uses minLength, which strict mode"):
+        tool(strict=True)(name_it)

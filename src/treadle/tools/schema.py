@@ -193,6 +193,17 @@ def build_arguments(
     return ArgumentModel(model, names, injected, schema)
 
 
+# The JSON-schema keywords OpenAI's strict mode accepts (its structured-outputs subset); a schema
+# using any other (minLength, oneOf, allOf, uniqueItems, ...) is refused by the API when strict.
+_STRICT_KEYWORDS = frozenset(
+    (
+        "type", "properties", "required", "additionalProperties", "items", "anyOf", "enum",
+        "const", "description", "title", "$ref", "$defs", "pattern", "format", "multipleOf",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems",
+    )
+)  # fmt: skip
+
+
 class NotStrict(Exception):
     """A schema that OpenAI's strict mode cannot express; the message says where and why."""
 
@@ -201,7 +212,8 @@ def strict_schema(schema: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     """`schema` in the form strict mode accepts (every object closed, every property required,
     no `default`), and whether that changed its meaning (some property was optional).
 
-    Raises `NotStrict` for an object whose keys are open (a `dict[str, X]`, `**kwargs`, `Any`).
+    Raises `NotStrict` for an object whose keys are open (a `dict[str, X]`, `**kwargs`, `Any`)
+    or a keyword strict mode does not support (`minLength`, `oneOf`, ...).
     """
     out = copy.deepcopy(dict(schema))
     changed = False
@@ -215,6 +227,12 @@ def strict_schema(schema: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
         if not isinstance(node, dict):
             return
         node.pop("default", None)
+        unsupported = sorted(set(node) - _STRICT_KEYWORDS)
+        if unsupported:
+            raise NotStrict(
+                f"{path or 'the arguments'} uses {', '.join(unsupported)}, which strict mode "
+                "does not support"
+            )
         if node.get("type") == "object":
             extra = node.get("additionalProperties")
             if extra not in (None, False) or "properties" not in node:
@@ -229,7 +247,7 @@ def strict_schema(schema: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
             node["required"] = list(properties)
             for name, value in properties.items():
                 visit(value, f"{path}.{name}" if path else name)
-        for key in ("items", "anyOf", "oneOf", "allOf", "prefixItems"):
+        for key in ("items", "anyOf"):
             if key in node:
                 visit(node[key], path)
         for name, value in (node.get("$defs") or {}).items():
