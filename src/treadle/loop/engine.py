@@ -205,6 +205,8 @@ class _Pass:
         unanswered = pending_tool_calls(self.table)
         if unanswered:  # resume: calls the model asked for that never got a result run first
             stop = await self.tool_round(unanswered, resuming=True)
+            if stop is None and self.plan.tool_use_behavior != "run_llm_again":
+                stop = self.stop_after_tools(unanswered)
             if stop is not None:
                 return stop
             rounds += 1
@@ -246,6 +248,8 @@ class _Pass:
             if not calls:
                 return "final_answer"
             stop = await self.tool_round(calls)
+            if stop is None and self.plan.tool_use_behavior != "run_llm_again":
+                stop = self.stop_after_tools(calls)
             if stop is not None:
                 return stop
             rounds += 1
@@ -289,13 +293,6 @@ class _Pass:
     async def tool_round(
         self, calls: Sequence[ToolCall], *, resuming: bool = False
     ) -> StopReason | None:
-        stop = await self.run_tools(calls, resuming)
-        behavior = self.plan.tool_use_behavior
-        if stop is not None or behavior == "run_llm_again":
-            return stop
-        return stop_after_tools(behavior, calls, self.table.rows[-len(calls) :], self.metadata)
-
-    async def run_tools(self, calls: Sequence[ToolCall], resuming: bool) -> StopReason | None:
         plan = self.plan
         waiting = [
             c
@@ -368,6 +365,11 @@ class _Pass:
         if self.control.interrupted:
             return self.interrupt(self.control.reason or "interrupted")
         return None
+
+    def stop_after_tools(self, calls: Sequence[ToolCall]) -> StopReason | None:
+        """`final_answer` when `tool_use_behavior` makes this round's result the output."""
+        rows = self.table.rows[-len(calls) :]
+        return stop_after_tools(self.plan.tool_use_behavior, calls, rows, self.metadata)
 
     async def check_budget(self) -> None:
         total = self.pass_usage.total_tokens
