@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import typing
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, cast
 
 import anyio
+from typing_extensions import TypeVar
 
 from treadle.agents.compaction import (
     DEFAULT_KEEP_LAST,
@@ -46,17 +48,22 @@ from treadle.loop import (
     run_session_loop,
 )
 from treadle.loop.api import naming_next_pass
+from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools import FunctionTool, Tool, ToolSet
+from treadle.tools.context import Deps
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
 
 #: Automatic compactions one run may do; past this the run goes on uncompacted (and may overflow).
 MAX_COMPACTIONS_PER_RUN = 4
 
-AgentInput = Session | str
+AgentInput = Session[Any] | str
 """What an agent accepts: a session (possibly still pending) or a user message."""
+
+Output = TypeVar("Output", default=Any)
+"""The type of an agent's structured output (`output_type`)."""
 
 _COMPACTION_GUARD = "treadle.auto_compaction"
 _TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
@@ -100,17 +107,26 @@ def as_session(value: AgentInput) -> Session:
     )
 
 
+def _type_name(value: object) -> str:
+    return str(getattr(value, "__name__", value))
+
+
 class _Run:
     """The state of one agent run (never shared between runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deps: object = None) -> None:
+        self.deps = deps
         self.output = OutputState()
         self.compactions = 0
         self.overflow_retried = False
 
 
-class Agent:
+class Agent(Generic[Deps, Output]):
     """A named agent: instructions, tools, a provider, limits, guardrails and an output type.
+
+    `Agent[Deps, Output]`: `deps_type` types the `deps=` each run takes (tools, guardrails and
+    callbacks read them through a `ToolContext[Deps]` parameter); `output_type` types
+    `out.output` as `Output | None` (None when the pass stopped without an answer).
 
     Args:
         name: Shown in lineage, tool names (`as_tool`) and handoffs.
@@ -122,6 +138,13 @@ class Agent:
         limits: Per-pass limits (see `Limits`).
         guardrails: Checks before each request or after each reply.
         output_type: A pydantic model; `out.output` then holds the validated answer.
+        deps_type: The type of the `deps=` every run must pass (for type checkers and a clear
+            error when a run passes none); None: deps are optional and untyped.
+        strict_output: Send the output schema in strict mode: None (default) when it allows,
+            True always (`ConfigurationError` where it cannot), False never.
+        tool_use_behavior: Whether a tool round ends the pass (see `run_session_loop`); not
+            with `output_type`.
+        reset_tool_choice: Reset a forced `tool_choice` to `"auto"` once a tool ran.
         structured_mode: `"tool"` (a `final_result` tool, works everywhere) or `"native"`
             (`response_format` JSON schema, for servers that support it).
         output_retries: Times an invalid answer goes back to the model before
@@ -146,7 +169,11 @@ class Agent:
         executor: object | None = None,
         limits: Limits | None = None,
         guardrails: Iterable[Any] | None = None,
-        output_type: type[Any] | None = None,
+        output_type: type[Output] | None = None,
+        deps_type: type[Deps] | None = None,
+        strict_output: bool | None = None,
+        tool_use_behavior: ToolUseBehavior = "run_llm_again",
+        reset_tool_choice: bool = True,
         structured_mode: StructuredMode = "tool",
         output_retries: int = DEFAULT_OUTPUT_RETRIES,
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
@@ -193,13 +220,23 @@ class Agent:
         self.limits = limits
         self.guardrails = tuple(guardrails or ())
         self.output_type = output_type
+        self.deps_type = deps_type
+        self.tool_use_behavior = check_tool_use_behavior(tool_use_behavior)
+        if output_type is not None and tool_use_behavior != "run_llm_again":
+            raise ConfigurationError(
+                f"Agent {name!r}: tool_use_behavior needs no output_type (a tool's result is "
+                "then the output); drop one of the two."
+            )
+        self.reset_tool_choice = reset_tool_choice
         self.max_tool_rounds = max_tool_rounds
         self.compact_at_tokens = compact_at_tokens
         self.compact_keep_last = compact_keep_last
         self.compact_on_overflow = compact_on_overflow
         self.compaction_instruction = compaction_instruction
         self.spec = (
-            OutputSpec(output_type, structured_mode, output_retries)
+            OutputSpec(
+                cast(Any, output_type), structured_mode, output_retries, strict=strict_output
+            )
             if output_type is not None
             else None
         )
@@ -218,26 +255,49 @@ class Agent:
         return f"<Agent {self.name!r}>"
 
     # -- entry points ------------------------------------------------------------------------
-    def __call__(self, session: AgentInput) -> Session:
+    def __call__(self, session: AgentInput, *, deps: Deps | None = None) -> Session[Output | None]:
         """Run the agent on the runtime and return its output `Session` at once (lazy).
 
         `session` may be a pending output of another pass or agent: the run waits for it on
         the runtime, so chains never block the caller. `out.cancel()` stops the pass with
-        `stop_reason == "cancelled"`.
+        `stop_reason == "cancelled"`. `deps` reach tools, guardrails and callbacks that ask for
+        a `ToolContext` (in memory only: never written to the transcript or a file).
         """
         user = as_session(session)
+        self._check_deps(deps)
         return lazy_session(
-            lambda: self._run(user, lazy=True),
+            lambda: self._run(user, lazy=True, deps=deps),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
         )
 
-    async def run(self, session: AgentInput) -> Session:
+    async def run(self, session: AgentInput, *, deps: Deps | None = None) -> Session[Output | None]:
         """Run the agent on the calling event loop and return the finished output `Session`.
 
         Cancelling the awaiting task cancels the pass (the `CancelledError` propagates).
         """
-        return await self._run(as_session(session), lazy=False)
+        self._check_deps(deps)
+        return await self._run(as_session(session), lazy=False, deps=deps)
+
+    def _check_deps(self, deps: object) -> None:
+        wanted = self.deps_type
+        if wanted is None:
+            return
+        if deps is None:
+            raise ConfigurationError(
+                f"Agent {self.name!r} declares deps_type={_type_name(wanted)}; pass deps=... "
+                "to each run."
+            )
+        origin = typing.get_origin(wanted) or wanted
+        try:  # a Protocol that is not runtime-checkable cannot be checked: type checkers do it
+            wrong = isinstance(origin, type) and not isinstance(deps, origin)
+        except TypeError:
+            wrong = False
+        if wrong:
+            raise ConfigurationError(
+                f"Agent {self.name!r} takes deps of type {_type_name(wanted)}, got "
+                f"{type(deps).__name__}."
+            )
 
     def as_tool(self, *, name: str | None = None, description: str | None = None) -> Tool:
         """This agent as an async tool taking `task: str`, for a manager agent to delegate to.
@@ -261,9 +321,9 @@ class Agent:
         return FunctionTool(delegate, name=tool_name, description=text)
 
     # -- one run -----------------------------------------------------------------------------
-    async def _run(self, session: Session, *, lazy: bool) -> Session:
+    async def _run(self, session: Session, *, lazy: bool, deps: object = None) -> Session[Any]:
         await session.wait_ready()
-        run = _Run()
+        run = _Run(deps)
         current = session
         while True:
             try:
@@ -308,6 +368,9 @@ class Agent:
             "max_tool_rounds": self.max_tool_rounds,
             "limits": self.limits,
             "guardrails": guards,
+            "deps": run.deps,
+            "tool_use_behavior": self.tool_use_behavior,
+            "reset_tool_choice": self.reset_tool_choice,
         }
         if self.spec is not None and self.spec.mode == "tool":
             options["on_message"] = self.spec.on_message(run.output)

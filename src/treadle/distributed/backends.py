@@ -12,7 +12,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Literal, overload
 
 from treadle.agents import fanout
-from treadle.agents.fanout import DEFAULT_CONCURRENCY, check_concurrency
+from treadle.agents.fanout import DEFAULT_CONCURRENCY, MapTarget, T, check_concurrency
 from treadle.agents.progress import run_blocking
 from treadle.distributed.mapping import REMOTE_BACKENDS, remote_amap, remote_map_iter
 from treadle.errors import ConfigurationError
@@ -37,13 +37,13 @@ def _check(concurrency: int, backend: str, options: dict[str, Any]) -> None:
 
 
 async def map_iter(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
     backend: str = "local",
     **backend_options: Any,
-) -> AsyncIterator[tuple[int, Session | BaseException]]:
+) -> AsyncIterator[tuple[int, Session[T] | BaseException]]:
     """Run `agent` over `sessions`; yield `(index, output session or exception)` as each ends.
 
     Leaving the loop early cancels the runs still in flight. `backend="process"` or `"ray"`
@@ -51,7 +51,7 @@ async def map_iter(
     """
     _check(concurrency, backend, backend_options)
     if backend == "local":
-        stream = fanout.map_iter(agent, sessions, concurrency=concurrency)
+        stream = fanout.local_map_iter(agent, sessions, concurrency=concurrency)
     else:
         stream = remote_map_iter(
             agent, sessions, backend=backend, concurrency=concurrency, **backend_options
@@ -65,7 +65,7 @@ async def map_iter(
 
 @overload
 async def amap(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -73,12 +73,12 @@ async def amap(
     return_exceptions: Literal[False] = ...,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session]: ...
+) -> list[Session[T]]: ...
 
 
 @overload
 async def amap(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -86,11 +86,11 @@ async def amap(
     return_exceptions: bool,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session | BaseException]: ...
+) -> list[Session[T] | BaseException]: ...
 
 
 async def amap(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
@@ -98,11 +98,11 @@ async def amap(
     return_exceptions: bool = False,
     backend: str = "local",
     **backend_options: Any,
-) -> list[Session] | list[Session | BaseException]:
+) -> list[Session[T]] | list[Session[T] | BaseException]:
     """Async `map`: the output sessions in input order (see `map`)."""
     _check(concurrency, backend, backend_options)
     if backend == "local":
-        return await fanout.amap(
+        return await fanout.local_amap(
             agent,
             sessions,
             concurrency=concurrency,
@@ -122,7 +122,7 @@ async def amap(
 
 @overload
 def map(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -130,12 +130,12 @@ def map(
     return_exceptions: Literal[False] = ...,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session]: ...
+) -> list[Session[T]]: ...
 
 
 @overload
 def map(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -143,11 +143,11 @@ def map(
     return_exceptions: bool,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session | BaseException]: ...
+) -> list[Session[T] | BaseException]: ...
 
 
 def map(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
@@ -155,7 +155,7 @@ def map(
     return_exceptions: bool = False,
     backend: str = "local",
     **backend_options: Any,
-) -> list[Session] | list[Session | BaseException]:
+) -> list[Session[T]] | list[Session[T] | BaseException]:
     """Run `agent` over every session with at most `concurrency` runs in flight; block until done.
 
     `agent` is an `Agent`, a pipeline or handoff, or any callable `session -> Session`

@@ -30,6 +30,7 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
+from treadle.loop.tooling import StopAtTools, ToolUseBehavior
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
@@ -48,10 +49,12 @@ __all__ = [
     "PassOptions",
     "PassStarted",
     "PassStopped",
+    "StopAtTools",
     "TextDelta",
     "ToolCallDelta",
     "ToolResultEvent",
     "ToolStarted",
+    "ToolUseBehavior",
     "Tripwire",
     "UsageEvent",
     "after_model",

@@ -17,6 +17,7 @@ slow check never stalls other passes on the loop.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from treadle.errors import ConfigurationError
 from treadle.runtime.threads import run_user_code
+from treadle.tools.context import ToolContext, context_parameter
 
 if TYPE_CHECKING:
     from treadle.llm import ChatCompletion, CompletionRequest
@@ -107,27 +109,38 @@ class Guardrail:
     """A check run before each model request or after each reply.
 
     `check(input)` returns None or False to let the pass go on, or trips the wire by returning
-    True, a reason string, or a `Tripwire`. An exception raised by a check fails the pass.
+    True, a reason string, or a `Tripwire`. An exception raised by a check fails the pass. A
+    check with a keyword parameter annotated `ToolContext` (e.g. `ctx: ToolContext[MyDeps]`)
+    also receives the pass's context there: its `deps`, usage and deadline.
     """
 
-    check: Callable[[GuardrailInput], Any]
+    check: Callable[..., Any]
     when: Literal["before", "after"] = "before"
     name: str = ""
+    context_param: str | None = field(default=None, init=False, repr=False, compare=False)
+    """The check's parameter that receives the `ToolContext` (found once, by annotation)."""
 
     def __post_init__(self) -> None:
         if not callable(self.check):
             raise ConfigurationError("Guardrail.check must be callable.")
         if self.when not in ("before", "after"):
             raise ConfigurationError("Guardrail.when must be 'before' or 'after'.")
+        object.__setattr__(self, "context_param", context_parameter(self.check))
 
     @property
     def label(self) -> str:
         """The name shown in tripwires and events."""
         return self.name or getattr(self.check, "__name__", "guardrail")
 
-    async def run(self, data: GuardrailInput) -> Tripwire | None:
-        """Run the check; return a tripwire when it trips."""
-        verdict = await call_user(self.check, data)
+    async def run(
+        self, data: GuardrailInput, context: ToolContext | None = None
+    ) -> Tripwire | None:
+        """Run the check (with `context` when it asks for one); return a tripwire when it trips."""
+        param = self.context_param
+        if param is not None and context is not None:
+            verdict = await call_user(self.check, data, **{param: context})
+        else:
+            verdict = await call_user(self.check, data)
         if verdict is None or verdict is False:
             return None
         if isinstance(verdict, Tripwire):
@@ -136,12 +149,12 @@ class Guardrail:
         return Tripwire(reason=reason, guardrail=self.label, when=self.when)
 
 
-def before_model(fn: Callable[[GuardrailInput], Any]) -> Guardrail:
+def before_model(fn: Callable[..., Any]) -> Guardrail:
     """Decorator: a guardrail that sees each request; a trip means the model is not called."""
     return Guardrail(fn, "before", getattr(fn, "__name__", ""))
 
 
-def after_model(fn: Callable[[GuardrailInput], Any]) -> Guardrail:
+def after_model(fn: Callable[..., Any]) -> Guardrail:
     """Decorator: a guardrail that sees each reply; a trip discards the reply."""
     return Guardrail(fn, "after", getattr(fn, "__name__", ""))
 
@@ -185,10 +198,12 @@ class PassControl:
         return self.reason is not None
 
 
-async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+async def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a user callback: async ones are awaited, sync ones run in a worker thread."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-        return await fn(*args)
+        return await fn(*args, **kwargs)
+    if kwargs:
+        fn = functools.partial(fn, **kwargs)
     result = await run_user_code(fn, *args)
     if inspect.isawaitable(result):
         return await result

@@ -24,9 +24,9 @@ from typing import Any
 
 import anyio
 
-from treadle.errors import BudgetExceededError
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import AssistantTurn, HttpExecutor, TurnDelta, request_turn
+from treadle.loop.budget import soft_budget_crossed
 from treadle.loop.callbacks import CallbackPump
 from treadle.loop.control import (
     GuardrailInput,
@@ -46,13 +46,15 @@ from treadle.loop.events import (
     UsageEvent,
 )
 from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
+from treadle.loop.tooling import forced_tool_choice, gated_tools, offered, stop_after_tools
 from treadle.persist.producer import producer_record
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
+from treadle.session.stops import StopReason
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
-from treadle.tools import ToolContext, ToolOutcome, run_tool_calls
+from treadle.tools import Tool, ToolContext, ToolOutcome, run_tool_calls
 
 __all__ = ["PassPlan", "pending_tool_calls", "run_pass"]
 
@@ -73,6 +75,9 @@ class _Pass:
         self.pass_usage = Usage()
         self.metadata: dict[str, Any] = {}
         self.tool_calls_run = 0
+        self.tools = plan.tools  # offered in the next request (less tools disabled now)
+        self.gated: tuple[Tool, ...] = ()
+        self.reset_choice = plan.reset_tool_choice and forced_tool_choice(plan.provider)
         self.budget_fired = False
         self.budget_stop = False
         self.writer: SessionWriter | None = None
@@ -88,7 +93,7 @@ class _Pass:
         )
 
     # -- building blocks ---------------------------------------------------------------------
-    def data(self, stop_reason: str) -> SessionData:
+    def data(self, stop_reason: StopReason) -> SessionData:
         return SessionData(self.table, self.usage, stop_reason, self.metadata)
 
     @contextmanager
@@ -121,12 +126,14 @@ class _Pass:
 
     def request(self, extra: Mapping[str, Any] | None = None) -> CompletionRequest:
         plan = self.plan
+        if self.reset_choice and self.tool_calls_run:  # a forced choice once a tool ran: "auto"
+            extra = {"tool_choice": "auto", **(extra or {})}
         return CompletionRequest(
             session_id=self.out_id,
             provider=plan.provider,
             agent_rows=self.agent_rows,
             rows=self.table,
-            tools=plan.tools,
+            tools=self.tools,
             stream=plan.stream,
             # Only the HTTP executor consumes the growing list at once; custom executors may keep
             # the request, so they get the immutable rows and build bodies from those.
@@ -165,24 +172,42 @@ class _Pass:
         if self.events is not None:
             self.events.deltas(delta)
 
+    def context(self, session: Session) -> ToolContext:
+        """The context tools, guardrails and callbacks of this pass see, as of now."""
+        plan, limit = self.plan, self.plan.limits.tool_timeout_seconds
+        return ToolContext(
+            session, self.out_id, self.deadline, None, limit, plan.deps, self.pass_usage
+        )
+
     async def notify(self, row: ChunkRow) -> None:
         """Hand a new row to `on_message` (which may interrupt the pass)."""
-        callback = self.plan.on_message
-        if callback is not None:
+        plan = self.plan
+        callback = plan.on_message
+        if callback is None:
+            return
+        param = plan.on_message_context
+        if param is None:
             await call_user(callback, row, self.control)
+            return
+        with self.snapshot() as session:
+            await call_user(callback, row, self.control, **{param: self.context(session)})
 
-    def interrupt(self, reason: str) -> str:
+    def interrupt(self, reason: str) -> StopReason:
         self.metadata["interrupt_reason"] = reason
         if self.events is not None:
             self.events.emit(Interrupted, reason=reason)
         return "interrupted"
 
     # -- the pass ---------------------------------------------------------------------------
-    async def rounds(self) -> str:
+    async def rounds(self) -> StopReason:
         rounds = 0
+        self.tools = self.plan.tools
+        self.gated = gated_tools(self.tools)
         unanswered = pending_tool_calls(self.table)
         if unanswered:  # resume: calls the model asked for that never got a result run first
             stop = await self.tool_round(unanswered, resuming=True)
+            if stop is None and self.plan.tool_use_behavior != "run_llm_again":
+                stop = self.stop_after_tools(unanswered)
             if stop is not None:
                 return stop
             rounds += 1
@@ -196,6 +221,9 @@ class _Pass:
                 return "budget"
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 return "deadline"
+            if self.gated:
+                with self.snapshot() as session:
+                    self.tools = await offered(self.plan.tools, self.gated, self.context(session))
             request = self.request()
             tripped = await self.guard("before", request, None)
             if tripped is not None:
@@ -221,6 +249,8 @@ class _Pass:
             if not calls:
                 return "final_answer"
             stop = await self.tool_round(calls)
+            if stop is None and self.plan.tool_use_behavior != "run_llm_again":
+                stop = self.stop_after_tools(calls)
             if stop is not None:
                 return stop
             rounds += 1
@@ -240,26 +270,30 @@ class _Pass:
 
     async def guard(
         self, when: str, request: CompletionRequest, turn: AssistantTurn | None
-    ) -> str | None:
+    ) -> StopReason | None:
         guards = [g for g in self.plan.guardrails if g.when == when]
         if not guards:
             return None
         reply = turn.completion if turn is not None else None
         with self.snapshot() as session:
             data = GuardrailInput(session=session, request=request, reply=reply)
+            wanted = any(g.context_param is not None for g in guards)
+            context = self.context(session) if wanted else None
             for guard in guards:
-                tripwire = await guard.run(data)
+                tripwire = await guard.run(data, context)
                 if tripwire is not None:
                     return self.block(tripwire)
         return None
 
-    def block(self, tripwire: Tripwire) -> str:
+    def block(self, tripwire: Tripwire) -> StopReason:
         self.metadata["tripwire"] = tripwire
         if self.events is not None:
             self.events.emit(GuardrailTripped, tripwire=tripwire)
         return "blocked"
 
-    async def tool_round(self, calls: Sequence[ToolCall], *, resuming: bool = False) -> str | None:
+    async def tool_round(
+        self, calls: Sequence[ToolCall], *, resuming: bool = False
+    ) -> StopReason | None:
         plan = self.plan
         waiting = [
             c
@@ -304,13 +338,8 @@ class _Pass:
             with self.snapshot() as session:
                 await run_tool_calls(
                     calls,
-                    plan.tools,
-                    context=ToolContext(
-                        session,
-                        self.out_id,
-                        self.deadline,
-                        tool_timeout=plan.limits.tool_timeout_seconds,
-                    ),
+                    self.tools,
+                    context=self.context(session),
                     executor=plan.executor,
                     denied=denied,
                     unknown_outcome=unknown,
@@ -338,6 +367,11 @@ class _Pass:
             return self.interrupt(self.control.reason or "interrupted")
         return None
 
+    def stop_after_tools(self, calls: Sequence[ToolCall]) -> StopReason | None:
+        """`final_answer` when `tool_use_behavior` makes this round's result the output."""
+        rows = self.table.rows[-len(calls) :]
+        return stop_after_tools(self.plan.tool_use_behavior, calls, rows, self.metadata)
+
     async def check_budget(self) -> None:
         total = self.pass_usage.total_tokens
         cap = self.plan.limits.max_total_tokens
@@ -347,20 +381,18 @@ class _Pass:
         budget = provider.budget_total_tokens if provider is not None else None
         if budget is None or self.budget_fired or total < budget:
             return
-        self.budget_fired = True  # fires once per pass, when the total first crosses the cap
-        callback = provider.on_budget_exceeded if provider is not None else None
-        if callback is None:  # no one to ask: the budget is a limit, the pass stops
+        self.budget_fired = True  # fires once per pass, when the total first crosses it
+        message = await soft_budget_crossed(
+            provider.on_budget_exceeded if provider is not None else None,
+            pass_id=self.out_id,
+            usage=self.pass_usage,
+            budget=budget,
+            snapshot=self.snapshot,
+            context=self.context,
+        )
+        if message is not None:
             self.budget_stop = True
-            self.metadata["budget_message"] = (
-                f"the pass used {total} tokens, over its budget of {budget}"
-            )
-            return
-        try:
-            with self.snapshot() as session:
-                await call_user(callback, session, self.pass_usage)
-        except BudgetExceededError as err:
-            self.budget_stop = True
-            self.metadata["budget_message"] = str(err)
+            self.metadata["budget_message"] = message
 
     async def final_answer(self) -> None:
         """One last completion with tools switched off, after a limit stopped the pass."""

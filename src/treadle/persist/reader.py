@@ -26,6 +26,7 @@ from treadle.persist.format import SCHEMA_VERSION
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 from treadle.session.placement import SandboxHandle
 from treadle.session.rows import in_call_order
+from treadle.session.stops import StopReason, as_stop_reason
 
 if TYPE_CHECKING:
     from treadle.sandbox.placements import PlacementLike
@@ -43,8 +44,8 @@ class LoadedSession:
     """The agent session (system prompt) the pass ran with."""
     closed: bool
     """True when the file has a trailer: the pass ended gracefully."""
-    stop_reason: str | None
-    """The trailer's stop reason (None without a trailer)."""
+    stop_reason: StopReason | None
+    """The trailer's stop reason (None without a trailer or an unknown one)."""
     path: Path
     """The file read."""
     header: dict[str, Any] = field(default_factory=dict)
@@ -236,9 +237,10 @@ def load_session(
             usage = Usage(*(_count(u.get(name, 0)) for name in _USAGE))
         except (TypeError, ValueError) as err:
             raise _malformed(p, trailer_line, "the trailer's usage", _reason(err)) from None
-    stop_reason = trailer.get("stop_reason") if trailer else None
-    if stop_reason is not None and not isinstance(stop_reason, str):
+    saved_stop = trailer.get("stop_reason") if trailer else None
+    if saved_stop is not None and not isinstance(saved_stop, str):
         raise _malformed(p, trailer_line, "the trailer's stop_reason", "it is not a string")
+    stop_reason = as_stop_reason(saved_stop)
     session_id = header.get("session_id")
     if session_id is not None and not isinstance(session_id, str):
         raise _malformed(p, header_line, "the header's session_id", "it is not a string")
