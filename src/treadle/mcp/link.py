@@ -32,8 +32,17 @@ import mcp_types as types
 from mcp import ClientSession, MCPError
 from mcp.client.session import MessageHandlerFnT
 
-from treadle.errors import MCPServerError, ToolArgumentsError, ToolError, ToolTimeoutError
+from treadle.errors import (
+    MCPSchemaError,
+    MCPServerError,
+    ToolArgumentsError,
+    ToolError,
+    ToolTimeoutError,
+)
+from treadle.mcp.stdio import TransportFault
+from treadle.mcp.tool import _object_schema, checked_validator
 from treadle.runtime import Runtime
+from treadle.runtime.threads import run_internal_io
 
 __all__ = ["CLOSE_SECONDS", "MAX_LIST_PAGES", "Link", "LinkLimits", "Opener", "close_soon"]
 
@@ -68,11 +77,12 @@ class LinkLimits:
 
 
 class _WatchedStream:
-    """The transport's read stream, setting `ended` when it ends (the server hung up or died)."""
+    """The transport's read stream, setting its connection's `finished` when it ends (the server
+    hung up or died) and keeping a transport's `TransportFault` as the reason."""
 
-    def __init__(self, inner: Any, ended: asyncio.Event) -> None:
+    def __init__(self, inner: Any, live: _Live) -> None:
         self._inner = inner
-        self._ended = ended
+        self._live = live
 
     @property
     def last_context(self) -> Any:
@@ -80,10 +90,17 @@ class _WatchedStream:
 
     async def receive(self) -> Any:
         try:
-            return await self._inner.receive()
+            item = await self._inner.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._ended.set()
+            self._live.finished.set()
             raise
+        if isinstance(item, TransportFault):
+            # Recorded before the session learns the stream ended, so the calls it then fails
+            # can say why.
+            self._live.fault = str(item)
+            self._live.finished.set()
+            raise anyio.EndOfStream
+        return item
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -107,12 +124,17 @@ class _WatchedStream:
 class _Live:
     """One connection's state: its session once initialised, and the event that retires it."""
 
-    __slots__ = ("finished", "group", "session")
+    __slots__ = ("fault", "finished", "group", "refresh_again", "refreshing", "session")
 
     def __init__(self) -> None:
         self.finished = asyncio.Event()
         self.session: ClientSession | None = None
         self.group: anyio.abc.TaskGroup | None = None
+        self.fault: str | None = None
+        """Why the transport ended the connection, when it said."""
+        self.refreshing = False
+        """A re-listing runs (announcements meanwhile only ask for one more)."""
+        self.refresh_again = False
 
     @property
     def usable(self) -> bool:
@@ -143,6 +165,10 @@ class Link:
         self._closed = False
         self.listing: tuple[types.Tool, ...] = ()
         """The server's tools as last listed (refreshed on `notifications/tools/list_changed`)."""
+        self.validators: dict[str, Any] = {}
+        """The compiled input schema of each listed tool, by its name on the server."""
+        self.listings = 0
+        """How many times the tool list was fetched (first listings and refreshes)."""
         self.starts = 0
         """How many connections were opened so far (1 + restarts)."""
         _register(self)
@@ -222,7 +248,7 @@ class Link:
                 read, write = await stack.enter_async_context(self._opener())
                 session = await stack.enter_async_context(
                     ClientSession(
-                        _WatchedStream(read, live.finished),
+                        _WatchedStream(read, live),
                         write,
                         message_handler=self._handler(live),
                         client_info=_CLIENT_INFO,
@@ -232,14 +258,17 @@ class Link:
                     live.group = group
                     with anyio.fail_after(self.limits.connect_timeout):
                         await session.initialize()
-                        self.listing = await _list_all(session)
+                        await self._list(session)
                     live.session = session
                     if not ready.done():
                         ready.set_result(None)
                     await live.finished.wait()
                     group.cancel_scope.cancel()
         except Exception as error:
-            if not ready.done():
+            refused = _refused(error)
+            if not ready.done() and refused is not None:
+                ready.set_exception(refused)
+            elif not ready.done():
                 ready.set_exception(
                     MCPServerError(
                         f"could not start MCP server {self.label} ({describe(error)}); "
@@ -258,23 +287,44 @@ class Link:
     def _handler(self, live: _Live) -> MessageHandlerFnT:
         async def handle(message: Any) -> None:
             if isinstance(message, types.ToolListChangedNotification) and live.group is not None:
-                # Not inline: the handler runs inside the session's receive loop, and listing
-                # needs that loop to read the reply.
-                live.group.start_soon(self._refresh, live)
+                # Coalesced: a storm of announcements costs at most one re-listing running and
+                # one pending. Not inline: the handler runs inside the session's receive loop,
+                # and listing needs that loop to read the reply.
+                if live.refreshing:
+                    live.refresh_again = True
+                else:
+                    live.refreshing = True
+                    live.group.start_soon(self._refresh, live)
             elif isinstance(message, Exception):
                 log.debug("MCP server %s: transport error %s", self.label, describe(message))
 
         return handle
 
+    async def _list(self, session: ClientSession) -> None:
+        """List the tools and compile their schemas (on a worker thread: a schema is peer data
+        whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
+        self.listings += 1
+        listing = await _list_all(session)
+        self.validators = await run_internal_io(_compile_all, listing, self.label)
+        self.listing = listing
+
     async def _refresh(self, live: _Live) -> None:
-        session = live.session
-        if session is None:
-            return
         try:
-            with anyio.fail_after(self.limits.call_timeout):
-                self.listing = await _list_all(session)
-        except Exception as error:
-            log.warning("MCP server %s: re-listing tools failed (%s)", self.label, describe(error))
+            while live.session is not None and not live.finished.is_set():
+                live.refresh_again = False
+                try:
+                    with anyio.fail_after(self.limits.call_timeout):
+                        await self._list(live.session)
+                except Exception as error:
+                    log.warning(
+                        "MCP server %s: re-listing tools failed, keeping the last list (%s)",
+                        self.label,
+                        describe(error),
+                    )
+                if not live.refresh_again:
+                    return
+        finally:
+            live.refreshing = False
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         async with self._slots:
@@ -287,14 +337,14 @@ class Link:
                 except MCPError as error:
                     if error.code == types.CONNECTION_CLOSED:
                         live.finished.set()
-                        raise self._hung_up(name) from None
+                        raise self._hung_up(name, live) from None
                     kind = ToolArgumentsError if error.code == types.INVALID_PARAMS else ToolError
                     raise kind(
                         f"MCP server {self.label} rejected the call to {name!r}: {error.message}"
                     ) from None
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                     live.finished.set()
-                    raise self._hung_up(name) from None
+                    raise self._hung_up(name, live) from None
                 except RuntimeError as error:  # the SDK's result checks (output schema)
                     raise ToolError(f"MCP tool {name!r} on {self.label}: {error}") from None
             assert scope.cancelled_caught
@@ -305,7 +355,12 @@ class Link:
                 f"{self.limits.call_timeout:g} s and was cancelled. Try smaller arguments."
             )
 
-    def _hung_up(self, name: str) -> MCPServerError:
+    def _hung_up(self, name: str, live: _Live) -> MCPServerError:
+        if live.fault is not None:
+            return MCPServerError(
+                f"the call to {name!r} failed: {live.fault} The connection was closed and will "
+                "be started again on the next call."
+            )
         return MCPServerError(
             f"MCP server {self.label} closed the connection during the call to {name!r} (it may "
             "have crashed); it will be started again on the next call."
@@ -350,6 +405,20 @@ async def _wait_closed(owner: asyncio.Task[None]) -> None:
     if not done:
         owner.cancel()
         await asyncio.wait({owner}, timeout=CLOSE_SECONDS)
+
+
+def _refused(error: BaseException) -> MCPSchemaError | None:
+    """Our own refusal of a listed tool's schema, when that is what ended a start."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error if isinstance(error, MCPSchemaError) else None
+
+
+def _compile_all(listing: tuple[types.Tool, ...], label: str) -> dict[str, Any]:
+    return {
+        tool.name: checked_validator(_object_schema(tool.input_schema), tool.name, label)
+        for tool in listing
+    }
 
 
 async def _list_all(session: ClientSession) -> tuple[types.Tool, ...]:
