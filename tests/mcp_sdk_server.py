@@ -2,7 +2,9 @@
 
 Run it as `python mcp_sdk_server.py` (stdio) or `python mcp_sdk_server.py --http` (streamable HTTP
 on 127.0.0.1, an ephemeral port, printed as `PORT <n>` on stdout once listening). `--collide`
-adds two tools whose names clash once made model-safe.
+adds two tools whose names clash once made model-safe; `--cyclic` lists a tool whose input schema
+is a `$ref` loop. The hostile tools (`match`, `storm`, `big`, `chatty`) serve
+tests/test_mcp_hostile.py.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import os
 import socket
 import sys
 import time
+from typing import Annotated
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context, Image
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
 
 app = MCPServer("treadle-test", log_level="WARNING")
 _in_flight = 0
@@ -117,6 +121,45 @@ async def grow(ctx: Context) -> str:
     return "grown"
 
 
+@app.tool()
+def match(text: Annotated[str, Field(pattern="^(a+)+$")]) -> str:
+    """Accepts runs of `a` (its schema's pattern backtracks catastrophically in Python's `re`)."""
+    return f"matched {len(text)}"
+
+
+@app.tool()
+async def storm(ctx: Context, count: int) -> str:
+    """Announces a changed tool list `count` times in a row."""
+    for _ in range(count):
+        await ctx.session.send_tool_list_changed()
+    return f"announced {count}"
+
+
+@app.tool(structured_output=False)
+def big(mib: int) -> str:
+    """A text result of `mib` MiB."""
+    return "x" * (mib * 1024 * 1024)
+
+
+@app.tool()
+def chatty(lines: int) -> str:
+    """Writes `lines` lines to stderr before answering."""
+    text = "chatter " * 12
+    for i in range(lines):
+        sys.stderr.write(f"{i} {text}\n")
+    sys.stderr.flush()
+    return f"said {lines}"
+
+
+def _cyclic() -> None:
+    app.add_tool(lambda x: x, name="loop", description="its schema's $ref loops forever")
+    app._tool_manager._tools["loop"].parameters = {
+        "type": "object",
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
+        "properties": {"x": {"$ref": "#/$defs/a"}},
+    }
+
+
 def _collide() -> None:
     app.add_tool(lambda: "dot", name="read.file", description="clashes with read_file")
     app.add_tool(lambda: "underscore", name="read_file", description="clashes with read.file")
@@ -140,9 +183,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", action="store_true")
     parser.add_argument("--collide", action="store_true")
+    parser.add_argument("--cyclic", action="store_true")
     args = parser.parse_args()
     if args.collide:
         _collide()
+    if args.cyclic:
+        _cyclic()
     if args.http:
         asyncio.run(_serve_http())
     else:

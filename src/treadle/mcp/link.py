@@ -44,7 +44,16 @@ from treadle.mcp.tool import _object_schema, checked_validator
 from treadle.runtime import Runtime
 from treadle.runtime.threads import run_internal_io
 
-__all__ = ["CLOSE_SECONDS", "MAX_LIST_PAGES", "Link", "LinkLimits", "Opener", "close_soon"]
+__all__ = [
+    "CLOSE_SECONDS",
+    "MAX_LIST_PAGES",
+    "REFRESH_MAX_WAIT",
+    "REFRESH_QUIET",
+    "Link",
+    "LinkLimits",
+    "Opener",
+    "close_soon",
+]
 
 T = TypeVar("T")
 log = logging.getLogger("treadle.mcp")
@@ -54,6 +63,11 @@ log = logging.getLogger("treadle.mcp")
 CLOSE_SECONDS = 10.0
 #: Pages of `tools/list` read before a server that keeps returning cursors is cut off.
 MAX_LIST_PAGES = 100
+#: After a re-listing, further announcements fold into one more, made once the server has been
+#: quiet for `REFRESH_QUIET` seconds (or `REFRESH_MAX_WAIT` seconds have passed): a storm of
+#: `notifications/tools/list_changed` costs a listing every few seconds at most.
+REFRESH_QUIET = 0.25
+REFRESH_MAX_WAIT = 5.0
 
 _CLIENT_INFO = types.Implementation(name="treadle", version="0.1.0")
 
@@ -124,7 +138,15 @@ class _WatchedStream:
 class _Live:
     """One connection's state: its session once initialised, and the event that retires it."""
 
-    __slots__ = ("fault", "finished", "group", "refresh_again", "refreshing", "session")
+    __slots__ = (
+        "announced",
+        "fault",
+        "finished",
+        "group",
+        "refresh_again",
+        "refreshing",
+        "session",
+    )
 
     def __init__(self) -> None:
         self.finished = asyncio.Event()
@@ -135,6 +157,8 @@ class _Live:
         self.refreshing = False
         """A re-listing runs (announcements meanwhile only ask for one more)."""
         self.refresh_again = False
+        self.announced = 0.0
+        """Loop time of the last `notifications/tools/list_changed`."""
 
     @property
     def usable(self) -> bool:
@@ -290,6 +314,7 @@ class Link:
                 # Coalesced: a storm of announcements costs at most one re-listing running and
                 # one pending. Not inline: the handler runs inside the session's receive loop,
                 # and listing needs that loop to read the reply.
+                live.announced = asyncio.get_running_loop().time()
                 if live.refreshing:
                     live.refresh_again = True
                 else:
@@ -323,6 +348,7 @@ class Link:
                     )
                 if not live.refresh_again:
                     return
+                await _quiet(live)
         finally:
             live.refreshing = False
 
@@ -405,6 +431,17 @@ async def _wait_closed(owner: asyncio.Task[None]) -> None:
     if not done:
         owner.cancel()
         await asyncio.wait({owner}, timeout=CLOSE_SECONDS)
+
+
+async def _quiet(live: _Live) -> None:
+    """Wait until the server stopped announcing changes for a moment (bounded)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + REFRESH_MAX_WAIT
+    while (now := loop.time()) < give_up and not live.finished.is_set():
+        calm = now - live.announced
+        if calm >= REFRESH_QUIET:
+            return
+        await asyncio.sleep(min(REFRESH_QUIET - calm, give_up - now))
 
 
 def _refused(error: BaseException) -> MCPSchemaError | None:

@@ -28,6 +28,7 @@ from typing import IO, Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import mcp_types as types
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.client.stdio import get_default_environment
@@ -51,6 +52,8 @@ _CHUNK = 64 * 1024
 #: Characters kept of one stderr line, and lines kept for error messages.
 _STDERR_LINE_CAP = 2000
 _STDERR_TAIL_LINES = 10
+#: Stderr lines logged before the reader lets the loop run other tasks.
+_STDERR_LINES_PER_STEP = 32
 #: Seconds a server has to exit after its stdin closes, then after SIGTERM, then after SIGKILL.
 _EXIT_SECONDS = 2.0
 _POLL_SECONDS = 0.01
@@ -126,7 +129,8 @@ class StdioTransport:
             finally:
                 if group is not None:
                     group.cancel_scope.cancel()
-                    await group.__aexit__(None, None, None)
+        if group is not None:  # outside the shield: scopes are left in the order entered
+            await group.__aexit__(None, None, None)
 
     # -- the pumps ------------------------------------------------------------------------------
 
@@ -200,10 +204,16 @@ class StdioTransport:
                 lines = chunk.split(b"\n")
                 lines[0] = pending + lines[0]
                 pending = lines.pop()[:_STDERR_LINE_CAP]
-                for raw in lines:
+                logged = log.isEnabledFor(logging.DEBUG)
+                for count, raw in enumerate(lines[-_STDERR_TAIL_LINES:] if not logged else lines):
                     text = raw[:_STDERR_LINE_CAP].decode(errors="replace").rstrip()
                     self.stderr_tail.append(text)
-                    log.debug("MCP server %s stderr: %s", self._label, text)
+                    if logged:
+                        log.debug("MCP server %s stderr: %s", self._label, text)
+                        if count % _STDERR_LINES_PER_STEP == _STDERR_LINES_PER_STEP - 1:
+                            await (
+                                anyio.lowlevel.checkpoint()
+                            )  # handlers may be slow: share the loop
 
 
 def _parse(line: bytes, label: str) -> SessionMessage | Exception:

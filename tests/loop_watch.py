@@ -1,0 +1,91 @@
+"""Hostile work beside 100 bystander passes, with the runtime loop's longest stall measured.
+
+The bystanders are tests/test_isolation.py's own (a scripted pass each that calls a sync tool and
+answers); their transcripts must come out as in a quiet run. The stall is measured by a heartbeat
+task on the runtime loop that wakes every few milliseconds: the longest gap between two beats is
+how long the loop could not run anything else. On a loaded machine the OS may deschedule the
+whole process, which stretches the wall-clock gap without any work on the loop; the heartbeat
+therefore also takes the loop thread's own CPU time across each gap (`time.thread_time` read on
+that thread), which grows only while the loop thread itself runs, and the tests bound that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from test_isolation import HANG_GUARD, _run_bystanders, _transcripts
+from treadle.runtime import get_runtime
+
+T = TypeVar("T")
+
+#: The longest the runtime loop may be kept busy at once by a hostile case (the issue's bound).
+STALL_LIMIT = 0.1
+_BEAT = 0.005
+
+
+@dataclass
+class Stall:
+    """The longest gaps between two heartbeats on the runtime loop."""
+
+    wall: float = 0.0
+    """Wall-clock seconds (includes time the OS did not run the process)."""
+    cpu: float = 0.0
+    """Seconds of the loop thread's own CPU time: time the loop spent on something else."""
+    beats: int = 0
+
+    def __str__(self) -> str:
+        return f"longest loop stall {self.wall * 1000:.1f} ms wall, {self.cpu * 1000:.1f} ms CPU"
+
+
+@contextmanager
+def watch_loop() -> Iterator[Stall]:
+    """Measure the runtime loop's longest stall while the block runs."""
+    runtime = get_runtime()
+    stall = Stall()
+    stop = threading.Event()
+
+    async def heartbeat() -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        while not stop.is_set():
+            await asyncio.sleep(_BEAT)
+            now_wall, now_cpu = time.perf_counter(), time.thread_time()
+            stall.wall = max(stall.wall, now_wall - wall - _BEAT)
+            stall.cpu = max(stall.cpu, now_cpu - cpu)
+            stall.beats += 1
+            wall, cpu = now_wall, now_cpu
+
+    beat = runtime.submit(heartbeat())
+    started = time.monotonic()
+    while stall.beats < 2 and time.monotonic() - started < HANG_GUARD:
+        time.sleep(0.01)  # the heartbeat is running before the block starts
+    try:
+        yield stall
+    finally:
+        stop.set()
+        beat.result(timeout=HANG_GUARD)
+
+
+def quiet_transcripts() -> list[list[dict[str, Any]]]:
+    """The bystanders' transcripts in a run with nothing hostile beside them."""
+    return _transcripts(_run_bystanders())
+
+
+def beside_bystanders(
+    hostile: Callable[[], T], quiet: list[list[dict[str, Any]]]
+) -> tuple[T, Stall]:
+    """Start `hostile()` (on a thread of its own), then 100 bystander passes on the runtime; check
+    the bystanders' transcripts against `quiet` and return the hostile result and the stall."""
+    with watch_loop() as stall, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(hostile)
+        bystanders = _run_bystanders()
+        assert _transcripts(bystanders) == quiet
+        result = running.result(timeout=HANG_GUARD)
+    print(stall)
+    return result, stall
