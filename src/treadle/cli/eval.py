@@ -103,7 +103,7 @@ def _scorer(spec: str) -> Any:
 def summary_rows(summary: Summary) -> list[list[str]]:
     """The summary as `[metric, value]` rows."""
     s = summary.score
-    method = "Wilson" if s.method == "wilson" else "t over item means"
+    method = "Wilson over items" if s.method == "wilson" else "t over item means"
     rows = [
         ["samples", f"{summary.samples} ({summary.items} items)"],
         ["score", f"{s.estimate:.4f}  {s.level:.0%} CI [{s.low:.4f}, {s.high:.4f}] ({method})"],
