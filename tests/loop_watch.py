@@ -3,10 +3,12 @@
 The bystanders are tests/test_isolation.py's own (a scripted pass each that calls a sync tool and
 answers); their transcripts must come out as in a quiet run. The stall is measured by a heartbeat
 task on the runtime loop that wakes every few milliseconds: the longest gap between two beats is
-how long the loop could not run anything else. On a loaded machine the OS may deschedule the
-whole process, which stretches the wall-clock gap without any work on the loop; the heartbeat
-therefore also takes the loop thread's own CPU time across each gap (`time.thread_time` read on
-that thread), which grows only while the loop thread itself runs, and the tests bound that.
+how long the loop could not run anything else. On a loaded machine the OS may leave the loop
+thread waiting for a CPU, which stretches the wall-clock gap without anything running on the
+loop; the heartbeat therefore subtracts the time the thread spent waiting on the kernel's run
+queue during the gap (`/proc/thread-self/schedstat`, read on the loop thread). What is left is
+time the loop was held: by work on it, or by a blocking call (a `time.sleep` in a callback
+counts, unlike in CPU time, which is measured too). The tests bound that `blocked` figure.
 """
 
 from __future__ import annotations
@@ -35,13 +37,27 @@ class Stall:
     """The longest gaps between two heartbeats on the runtime loop."""
 
     wall: float = 0.0
-    """Wall-clock seconds (includes time the OS did not run the process)."""
+    """Wall-clock seconds (includes time the OS left the thread waiting for a CPU)."""
+    blocked: float = 0.0
+    """Wall-clock seconds less the run-queue wait: how long the loop itself was held."""
     cpu: float = 0.0
-    """Seconds of the loop thread's own CPU time: time the loop spent on something else."""
+    """Seconds of the loop thread's own CPU time within one gap."""
     beats: int = 0
 
     def __str__(self) -> str:
-        return f"longest loop stall {self.wall * 1000:.1f} ms wall, {self.cpu * 1000:.1f} ms CPU"
+        return (
+            f"longest loop stall {self.blocked * 1000:.1f} ms blocked "
+            f"({self.wall * 1000:.1f} ms wall, {self.cpu * 1000:.1f} ms CPU)"
+        )
+
+
+def _queued() -> float:
+    """Seconds this thread has waited on the run queue so far (0 where Linux does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as file:
+            return int(file.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 @contextmanager
@@ -52,14 +68,16 @@ def watch_loop() -> Iterator[Stall]:
     stop = threading.Event()
 
     async def heartbeat() -> None:
-        wall, cpu = time.perf_counter(), time.thread_time()
+        wall, cpu, queued = time.perf_counter(), time.thread_time(), _queued()
         while not stop.is_set():
             await asyncio.sleep(_BEAT)
-            now_wall, now_cpu = time.perf_counter(), time.thread_time()
-            stall.wall = max(stall.wall, now_wall - wall - _BEAT)
+            now_wall, now_cpu, now_queued = time.perf_counter(), time.thread_time(), _queued()
+            gap = now_wall - wall - _BEAT
+            stall.wall = max(stall.wall, gap)
+            stall.blocked = max(stall.blocked, gap - (now_queued - queued))
             stall.cpu = max(stall.cpu, now_cpu - cpu)
             stall.beats += 1
-            wall, cpu = now_wall, now_cpu
+            wall, cpu, queued = now_wall, now_cpu, now_queued
 
     beat = runtime.submit(heartbeat())
     started = time.monotonic()

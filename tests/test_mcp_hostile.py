@@ -97,7 +97,7 @@ def test_a_backtracking_pattern_costs_the_loop_nothing(
     bad = results["match"]
     assert bad["ok"] is False and bad["error_kind"] == "invalid_tool_arguments"
     assert "does not match '^(a+)+$'" in bad["message"]
-    assert stall.cpu < STALL_LIMIT, stall
+    assert stall.blocked < STALL_LIMIT, stall
     assert _pass(server, ("match", {"text": "a" * 28}))["match"]["structured"] == {
         "result": "matched 28"
     }
@@ -119,7 +119,7 @@ def test_a_cyclic_schema_is_refused_when_listed(quiet: list[list[dict[str, Any]]
         message = str(error)
         assert "tool 'loop'" in message and SERVER_SCRIPT in message
         assert "$ref chain loops without descending" in message
-        assert stall.cpu < STALL_LIMIT, stall
+        assert stall.blocked < STALL_LIMIT, stall
         # a pass given the server fails with the same error, not with RecursionError
         with FakeOpenAIServer(script=calls_then_answer(("loop", {"x": 1}))) as fake:
             provider = Provider(model="fake-model", base_url=fake.base_url, api_key="k")
@@ -146,7 +146,7 @@ def test_twenty_thousand_list_changed_cause_a_handful_of_listings(
     assert server.listings <= 5  # the first listing and a few coalesced refreshes
     assert server.restarts == 0
     assert grown < 64
-    assert stall.cpu < STALL_LIMIT, stall
+    assert stall.blocked < STALL_LIMIT, stall
 
 
 def test_closing_during_a_notification_storm_stops_the_server() -> None:
@@ -176,7 +176,7 @@ def test_a_reply_over_the_cap_is_a_tool_error_and_restarts(
     refused = results["big"]
     assert refused["ok"] is False and refused["error_kind"] == "tool_execution_exception"
     assert f"max_message_bytes cap of {DEFAULT_MAX_MESSAGE_BYTES:,} bytes" in refused["message"]
-    assert stall.cpu < STALL_LIMIT, stall
+    assert stall.blocked < STALL_LIMIT, stall
     # the connection was closed with its process; the next call starts a new one
     assert _call(server, "pid").structured_content["result"] != first
     assert server.restarts == 1
@@ -227,7 +227,7 @@ def test_a_chatty_stderr_pipe_is_read_and_logged(quiet: list[list[dict[str, Any]
         while handler.lines < 200_000 and time.monotonic() < deadline:
             time.sleep(0.05)  # the last lines may still be in the pipe when the reply is read
         assert handler.lines == 200_000 and "stderr: 199999 chatter" in handler.last
-        assert stall.cpu < STALL_LIMIT, stall
+        assert stall.blocked < STALL_LIMIT, stall
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
