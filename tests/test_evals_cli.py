@@ -46,7 +46,10 @@ def test_eval_run_resume_report_compare(
     root, module = project
     assert main(["eval", "qa.jsonl", "--agent", f"{module}:agent", "--samples", "2"]) == 0
     out = capsys.readouterr().out
-    assert "pass@2" in out and "Wilson" not in out and "samples    40 (20 items)" in out
+    assert "pass@2" in out and "Wilson over items" in out and "samples    40 (20 items)" in out
+    # the failing samples, with what was expected
+    assert "failed samples (10 of 24):" in out
+    assert "q10#0   w1 tail  w0 tail   answer differs from expected" in out
     log = root / ".treadle" / "evals" / "qa.jsonl"
     assert len(log.read_text().splitlines()) == 41
     # same configuration (a factory this time): resumes with nothing to do
