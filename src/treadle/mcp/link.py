@@ -39,16 +39,13 @@ from treadle.errors import (
     ToolError,
     ToolTimeoutError,
 )
+from treadle.mcp.listing import compile_all, list_all, until_quiet
 from treadle.mcp.stdio import TransportFault
-from treadle.mcp.tool import _object_schema, checked_validator
 from treadle.runtime import Runtime
 from treadle.runtime.threads import run_internal_io
 
 __all__ = [
     "CLOSE_SECONDS",
-    "MAX_LIST_PAGES",
-    "REFRESH_MAX_WAIT",
-    "REFRESH_QUIET",
     "Link",
     "LinkLimits",
     "Opener",
@@ -61,13 +58,6 @@ log = logging.getLogger("treadle.mcp")
 #: How long closing a connection may take before its owner task is cancelled (the SDK's own stdio
 #: shutdown waits 2 s for the server to exit, then terminates and kills its process group).
 CLOSE_SECONDS = 10.0
-#: Pages of `tools/list` read before a server that keeps returning cursors is cut off.
-MAX_LIST_PAGES = 100
-#: After a re-listing, further announcements fold into one more, made once the server has been
-#: quiet for `REFRESH_QUIET` seconds (or `REFRESH_MAX_WAIT` seconds have passed): a storm of
-#: `notifications/tools/list_changed` costs a listing every few seconds at most.
-REFRESH_QUIET = 0.25
-REFRESH_MAX_WAIT = 5.0
 
 _CLIENT_INFO = types.Implementation(name="treadle", version="0.1.0")
 
@@ -329,8 +319,8 @@ class Link:
         """List the tools and compile their schemas (on a worker thread: a schema is peer data
         whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
         self.listings += 1
-        listing = await _list_all(session)
-        self.validators = await run_internal_io(_compile_all, listing, self.label)
+        listing = await list_all(session)
+        self.validators = await run_internal_io(compile_all, listing, self.label)
         self.listing = listing
 
     async def _refresh(self, live: _Live) -> None:
@@ -348,7 +338,7 @@ class Link:
                     )
                 if not live.refresh_again:
                     return
-                await _quiet(live)
+                await until_quiet(lambda: live.announced, live.finished)
         finally:
             live.refreshing = False
 
@@ -433,42 +423,11 @@ async def _wait_closed(owner: asyncio.Task[None]) -> None:
         await asyncio.wait({owner}, timeout=CLOSE_SECONDS)
 
 
-async def _quiet(live: _Live) -> None:
-    """Wait until the server stopped announcing changes for a moment (bounded)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + REFRESH_MAX_WAIT
-    while (now := loop.time()) < give_up and not live.finished.is_set():
-        calm = now - live.announced
-        if calm >= REFRESH_QUIET:
-            return
-        await asyncio.sleep(min(REFRESH_QUIET - calm, give_up - now))
-
-
 def _refused(error: BaseException) -> MCPSchemaError | None:
     """Our own refusal of a listed tool's schema, when that is what ended a start."""
     while isinstance(error, BaseExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
     return error if isinstance(error, MCPSchemaError) else None
-
-
-def _compile_all(listing: tuple[types.Tool, ...], label: str) -> dict[str, Any]:
-    return {
-        tool.name: checked_validator(_object_schema(tool.input_schema), tool.name, label)
-        for tool in listing
-    }
-
-
-async def _list_all(session: ClientSession) -> tuple[types.Tool, ...]:
-    tools: list[types.Tool] = []
-    cursor: str | None = None
-    for _ in range(MAX_LIST_PAGES):
-        params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
-        page = await session.list_tools(params=params)
-        tools.extend(page.tools)
-        cursor = page.next_cursor
-        if not cursor:
-            break
-    return tuple(tools)
 
 
 # -- closing every link when its runtime shuts down ----------------------------------------------

@@ -27,7 +27,14 @@ from treadle.errors import MCPSchemaError, ToolArgumentsError, ToolError
 from treadle.mcp.schema import SchemaRefused, compile_schema
 from treadle.tools import Tool, ToolContext
 
-__all__ = ["MAX_REPORTED_ERRORS", "MCPTool", "checked_validator", "result_body", "tool_name"]
+__all__ = [
+    "MAX_REPORTED_ERRORS",
+    "MCPTool",
+    "checked_validator",
+    "object_schema",
+    "result_body",
+    "tool_name",
+]
 
 #: Schema violations listed in one `invalid_tool_arguments` message (the rest are counted).
 MAX_REPORTED_ERRORS = 5
@@ -48,7 +55,7 @@ def tool_name(remote: str, prefix: str | None) -> str:
     return (_INVALID.sub("_", name) or "_")[:64]
 
 
-def _object_schema(schema: Mapping[str, Any] | None) -> dict[str, Any]:
+def object_schema(schema: Mapping[str, Any] | None) -> dict[str, Any]:
     """The input schema as sent, made an object schema when a server leaves that implicit."""
     result = dict(schema or {})
     result.setdefault("type", "object")
@@ -83,7 +90,7 @@ class MCPTool(Tool):
         self.description = (
             remote.description or remote.title or f"{remote.name} (a tool of {server.label})"
         )
-        self.parameters = _object_schema(remote.input_schema)
+        self.parameters = object_schema(remote.input_schema)
         self.output_schema = remote.output_schema
         """The server's output schema (the SDK checks structured results against it)."""
         self._validator = validator or checked_validator(self.parameters, remote.name, server.label)
