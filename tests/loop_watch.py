@@ -5,15 +5,18 @@ answers); their transcripts must come out as in a quiet run. The stall is measur
 task on the runtime loop that wakes every few milliseconds: the longest gap between two beats is
 how long the loop could not run anything else. On a loaded machine the OS may leave the loop
 thread waiting for a CPU, which stretches the wall-clock gap without anything running on the
-loop; the heartbeat therefore subtracts the time the thread spent waiting on the kernel's run
-queue during the gap (`/proc/thread-self/schedstat`, read on the loop thread). What is left is
-time the loop was held: by work on it, or by a blocking call (a `time.sleep` in a callback
-counts, unlike in CPU time, which is measured too). The tests bound that `blocked` figure.
+loop, or preempt another thread of this process while it holds the GIL, which the loop thread
+then waits for. The heartbeat therefore subtracts, from each gap, the time the loop thread spent
+waiting on the kernel's run queue and the longest such wait of any other thread of the process
+(`/proc/self/task/*/schedstat`), but never below the loop thread's own CPU time in the gap.
+What is left is time the loop was held: by work on it, or by a blocking call (a `time.sleep` in
+a callback counts, unlike in CPU time). The tests bound that `blocked` figure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,13 +54,29 @@ class Stall:
         )
 
 
-def _queued() -> float:
-    """Seconds this thread has waited on the run queue so far (0 where Linux does not say)."""
+def _queued() -> dict[int, float]:
+    """Seconds each thread of this process has waited on the run queue so far (empty where
+    Linux does not say)."""
+    waits: dict[int, float] = {}
     try:
-        with open("/proc/thread-self/schedstat", "rb") as file:
-            return int(file.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return waits
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as file:
+                waits[int(tid)] = int(file.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue
+    return waits
+
+
+def _not_held(me: int, before: dict[int, float], after: dict[int, float]) -> float:
+    """Seconds of a gap the loop thread was not held: its own run-queue wait plus the longest
+    run-queue wait of another thread (one that may have held the GIL meanwhile)."""
+    deltas = {tid: wait - before.get(tid, 0.0) for tid, wait in after.items()}
+    own = deltas.pop(me, 0.0)
+    return own + max(deltas.values(), default=0.0)
 
 
 @contextmanager
@@ -68,14 +87,16 @@ def watch_loop() -> Iterator[Stall]:
     stop = threading.Event()
 
     async def heartbeat() -> None:
+        me = threading.get_native_id()
         wall, cpu, queued = time.perf_counter(), time.thread_time(), _queued()
         while not stop.is_set():
             await asyncio.sleep(_BEAT)
             now_wall, now_cpu, now_queued = time.perf_counter(), time.thread_time(), _queued()
             gap = now_wall - wall - _BEAT
+            used = now_cpu - cpu
             stall.wall = max(stall.wall, gap)
-            stall.blocked = max(stall.blocked, gap - (now_queued - queued))
-            stall.cpu = max(stall.cpu, now_cpu - cpu)
+            stall.blocked = max(stall.blocked, used, gap - _not_held(me, queued, now_queued))
+            stall.cpu = max(stall.cpu, used)
             stall.beats += 1
             wall, cpu, queued = now_wall, now_cpu, now_queued
 

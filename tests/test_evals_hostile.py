@@ -187,16 +187,26 @@ def _damage(log: Path, line: int, text: str) -> None:
     ],
 )
 def test_resume_refuses_a_damaged_line_before_any_request(
-    server: FakeOpenAIServer, tmp_path: Path, damage: str, message: str
+    server: FakeOpenAIServer,
+    tmp_path: Path,
+    damage: str,
+    message: str,
+    quiet: list[list[dict[str, Any]]],
 ) -> None:
     log = tmp_path / "r.jsonl"
     run_eval(_agent(server), ITEMS[:4], log=log)
     requests = server.request_count
     _damage(log, 3, damage)  # a middle line: the header is line 1
-    with pytest.raises(EvalLogDamagedError) as info:
-        run_eval(_agent(server), ITEMS, log=log)
-    assert str(info.value).startswith(f"{log}:3: ") and message in str(info.value)
-    assert info.value.line == 3 and info.value.path == str(log)
+
+    def resume() -> EvalLogDamagedError:
+        with pytest.raises(EvalLogDamagedError) as info:
+            run_eval(_agent(server), ITEMS, log=log)
+        return info.value
+
+    error, stall = beside_bystanders(resume, quiet)
+    assert str(error).startswith(f"{log}:3: ") and message in str(error)
+    assert error.line == 3 and error.path == str(log)
+    assert stall.blocked < STALL_LIMIT, stall
     assert server.request_count == requests  # nothing was spent
     with pytest.raises(EvalLogDamagedError, match=f"{log.name}:3: "):
         read_log(log)
@@ -272,11 +282,20 @@ def test_slow_sync_scorers_run_on_threads(
     ],
 )
 def test_files_that_cannot_be_laid_out_fail_before_any_request(
-    server: FakeOpenAIServer, tmp_path: Path, files: dict[str, str], message: str
+    server: FakeOpenAIServer,
+    tmp_path: Path,
+    files: dict[str, str],
+    message: str,
+    quiet: list[list[dict[str, Any]]],
 ) -> None:
     items: list[Any] = [*ITEMS[:3], {"id": "bad", "input": "x", "files": files}]
-    with pytest.raises(ConfigurationError, match=message):
-        run_eval(_agent(server), items, log=tmp_path / "i.jsonl", sandbox=True)
+
+    def run() -> None:
+        with pytest.raises(ConfigurationError, match=message):
+            run_eval(_agent(server), items, log=tmp_path / "i.jsonl", sandbox=True)
+
+    _, stall = beside_bystanders(run, quiet)
+    assert stall.blocked < STALL_LIMIT, stall
     with pytest.raises(ConfigurationError, match=message):
         Item("bad", "x", files=files)
     assert server.request_count == 0

@@ -110,7 +110,12 @@ class StdioTransport:
         outgoing, outgoing_receive = anyio.create_memory_object_stream[SessionMessage](0)
         self._streams = [incoming_send, incoming, outgoing, outgoing_receive]
         group = anyio.create_task_group()
-        await group.__aenter__()
+        try:
+            await group.__aenter__()
+        except BaseException:  # cancelled right after the spawn: the process must not live on
+            with anyio.CancelScope(shield=True):
+                await _stop(process, self._label)
+            raise
         self._group = group
         group.start_soon(self._read_stdout, process, incoming_send)
         group.start_soon(self._write_stdin, process, outgoing_receive, incoming_send)
