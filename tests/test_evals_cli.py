@@ -81,3 +81,17 @@ def test_eval_usage_errors(project: tuple[Path, str], capsys: pytest.CaptureFixt
     assert "cannot load agent" in capsys.readouterr().err
     assert main(["eval", "report", "nope.jsonl"]) == 2
     assert "no evaluation log" in capsys.readouterr().err
+
+
+def test_failure_rows_are_terminal_safe() -> None:
+    from treadle.cli.eval import failure_rows
+    from treadle.evals import SampleRecord
+
+    hostile = "\x1b[2J\x1b]0;pwned\x07[bold red]boom[/] \u202egnp.exe"
+    record = SampleRecord("q\x1b[31m1", 0, 0.0, False, answer=hostile, expected=["a\nb"])
+    (plain,) = failure_rows([record])
+    assert all("\x1b" not in cell and "\x07" not in cell and "\u202e" not in cell for cell in plain)
+    assert plain[1].startswith("[2J]0;pwned[bold red]boom[/] gnp.exe")
+    assert plain[2] == '["a\\nb"]'
+    (styled,) = failure_rows([record], styled=True)
+    assert "\\[bold red]" in styled[1]  # rich markup escaped, shown as text

@@ -212,6 +212,54 @@ class _Counting(logging.Handler):
             self.last = message
 
 
+_RAW_WRITER = """
+import sys
+sys.stdin.readline()
+size = int(sys.argv[1])
+head = b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"'
+sys.stdout.buffer.write(head + b"x" * size + b'"}],"isError":false}}\\n')
+sys.stdout.flush()
+"""
+
+
+def test_the_reader_alone_is_linear_in_the_message_size() -> None:
+    """Our reader without the SDK server's own serialising: a process that writes one ready
+    reply; prints the times (16 and 64 MiB: linear means about 4x, quadratic 16x)."""
+    import mcp_types as types
+    from mcp.shared.message import SessionMessage
+
+    from treadle.mcp.stdio import StdioTransport
+
+    async def read(mib: int) -> float:
+        transport = StdioTransport(
+            sys.executable,
+            ["-c", _RAW_WRITER, str(mib * MIB)],
+            env=None,
+            cwd=None,
+            stderr=subprocess.DEVNULL,
+            max_message_bytes=128 * MIB,
+            label=f"writer of {mib} MiB",
+        )
+        async with transport as (incoming, outgoing):
+            ping = types.jsonrpc_message_adapter.validate_python(
+                {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+            )
+            started = time.perf_counter()
+            await outgoing.send(SessionMessage(ping))
+            reply = await incoming.receive()
+            took = time.perf_counter() - started
+        text = reply.message.result["content"][0]["text"]
+        assert len(text) == mib * MIB
+        return took
+
+    times = {mib: get_runtime().run(read(mib), timeout=GUARD_SECONDS * 2) for mib in (16, 64)}
+    print(
+        f"reader alone: 16 MiB {times[16]:.2f} s, 64 MiB {times[64]:.2f} s "
+        f"(ratio {times[64] / times[16]:.1f})"
+    )
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
 def test_a_chatty_stderr_pipe_is_read_and_logged(quiet: list[list[dict[str, Any]]]) -> None:
     chatty = _stdio(stderr=subprocess.PIPE)
     logger = logging.getLogger("treadle.mcp")

@@ -285,7 +285,8 @@ class Link:
             elif not ready.done():
                 ready.set_exception(
                     MCPServerError(
-                        f"could not start MCP server {self.label} ({describe(error)}); "
+                        f"could not start MCP server {self.label} "
+                        f"({live.fault or describe(error)}); "
                         "check that it runs and speaks MCP, then call again."
                     )
                 )
