@@ -1,7 +1,7 @@
 """The results log of an evaluation: a header line, then one line per finished sample.
 
 ```
-{"type": "header", "schema": 1, "config_hash", "config", "dataset", "items", "samples",
+{"type": "header", "schema": 2, "config_hash", "config", "dataset", "items", "samples",
  "created_at", "treadle"}
 {"type": "sample", "item_id", "sample", "score", "passed", ...}      one per finished sample
 ```
@@ -55,8 +55,9 @@ __all__ = [
     "read_log",
 ]
 
-#: Version of the log format in every header.
-LOG_SCHEMA = 1
+#: Version of the log format in every header (2: sample lines may carry `expected`; a log of
+#: version 1 is read and resumed as it is).
+LOG_SCHEMA = 2
 
 
 @dataclass(frozen=True, slots=True)
