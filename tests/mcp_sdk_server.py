@@ -3,7 +3,8 @@
 Run it as `python mcp_sdk_server.py` (stdio) or `python mcp_sdk_server.py --http` (streamable HTTP
 on 127.0.0.1, an ephemeral port, printed as `PORT <n>` on stdout once listening). `--collide`
 adds two tools whose names clash once made model-safe; `--cyclic` lists a tool whose input schema
-is a `$ref` loop. The hostile tools (`match`, `storm`, `big`, `chatty`) serve
+is a `$ref` loop; `--json` makes the HTTP server answer with JSON bodies instead of SSE. The
+hostile tools (`match`, `storm`, `big`, `chatty`) serve
 tests/test_mcp_hostile.py.
 """
 
@@ -165,14 +166,14 @@ def _collide() -> None:
     app.add_tool(lambda: "underscore", name="read_file", description="clashes with read.file")
 
 
-async def _serve_http() -> None:
+async def _serve_http(json_response: bool) -> None:
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)  # connections queue from now on, before uvicorn takes the socket
-    starlette_app = app.streamable_http_app(host="127.0.0.1")
+    starlette_app = app.streamable_http_app(host="127.0.0.1", json_response=json_response)
     config = uvicorn.Config(starlette_app, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     print(f"PORT {sock.getsockname()[1]}", flush=True)
@@ -184,13 +185,14 @@ def main() -> None:
     parser.add_argument("--http", action="store_true")
     parser.add_argument("--collide", action="store_true")
     parser.add_argument("--cyclic", action="store_true")
+    parser.add_argument("--json", action="store_true", help="HTTP replies as JSON, not SSE")
     args = parser.parse_args()
     if args.collide:
         _collide()
     if args.cyclic:
         _cyclic()
     if args.http:
-        asyncio.run(_serve_http())
+        asyncio.run(_serve_http(args.json))
     else:
         app.run()
     sys.exit(0)

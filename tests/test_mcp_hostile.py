@@ -27,11 +27,12 @@ from mcp_helpers import (
     GUARD_SECONDS,
     SERVER_SCRIPT,
     calls_then_answer,
+    http_server,
     server_children,
     tool_results,
 )
 from treadle import Session
-from treadle.errors import ConfigurationError, MCPSchemaError, MCPServerError
+from treadle.errors import ConfigurationError, MCPSchemaError, MCPServerError, ToolError
 from treadle.llm import Provider
 from treadle.loop import run_session_loop
 from treadle.mcp import MCPServer
@@ -180,6 +181,33 @@ def test_a_reply_over_the_cap_is_a_tool_error_and_restarts(
     # the connection was closed with its process; the next call starts a new one
     assert _call(server, "pid").structured_content["result"] != first
     assert server.restarts == 1
+
+
+@pytest.mark.parametrize("shape", ["sse", "json"])
+def test_an_http_reply_over_the_cap_is_a_tool_error(
+    shape: str, quiet: list[list[dict[str, Any]]]
+) -> None:
+    extra = ("--json",) if shape == "json" else ()
+    with http_server(*extra) as url:
+        remote = MCPServer.http(url)
+        try:
+            error, stall = beside_bystanders(lambda: _refused_call(remote, "big", mib=64), quiet)
+            assert isinstance(error, MCPServerError if shape == "sse" else ToolError), error
+            wanted = "byte limit" if shape == "sse" else "max_message_bytes cap of 4,194,304"
+            assert wanted in str(error)
+            assert stall.blocked < STALL_LIMIT, stall
+            # the server still serves (over SSE the connection was started again)
+            assert _call(remote, "add", a=1, b=2).structured_content == {"result": 3}
+        finally:
+            remote.close()
+
+
+def _refused_call(server: MCPServer, name: str, **arguments: Any) -> BaseException | None:
+    try:
+        _call(server, name, **arguments)
+    except ToolError as error:
+        return error
+    return None
 
 
 def test_a_64_mib_reply_under_a_raised_cap_is_read_whole() -> None:

@@ -353,6 +353,8 @@ class Link:
                     return await session.call_tool(name, arguments)
                 except MCPError as error:
                     if error.code == types.CONNECTION_CLOSED:
+                        if live.fault is None and error.message != "Connection closed":
+                            live.fault = f"{error.message.rstrip('.')}."  # an SSE event too big
                         live.finished.set()
                         raise self._hung_up(name, live) from None
                     kind = ToolArgumentsError if error.code == types.INVALID_PARAMS else ToolError

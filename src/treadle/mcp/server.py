@@ -71,6 +71,15 @@ def _stderr_target(stderr: IO[str] | int | None) -> Any:
     return sys.stderr
 
 
+def _check_cap(max_message_bytes: object) -> None:
+    if (
+        isinstance(max_message_bytes, bool)
+        or not isinstance(max_message_bytes, int)
+        or max_message_bytes < 1024
+    ):
+        raise ConfigurationError("MCPServer max_message_bytes must be an int >= 1024.")
+
+
 class MCPServer:
     """An MCP server whose tools a pass can call; build one with `MCPServer.stdio(...)` or
     `MCPServer.http(...)`.
@@ -156,12 +165,7 @@ class MCPServer:
             raise ConfigurationError("MCPServer.stdio needs a command, e.g. 'mcp-server-time'.")
         if isinstance(args, str):
             raise ConfigurationError("MCPServer.stdio args must be a list of strings, not a str.")
-        if (
-            isinstance(max_message_bytes, bool)
-            or not isinstance(max_message_bytes, int)
-            or max_message_bytes < 1024
-        ):
-            raise ConfigurationError("MCPServer max_message_bytes must be an int >= 1024.")
+        _check_cap(max_message_bytes)
         argv = [str(a) for a in args]
         target = _stderr_target(stderr)
         label = shlex.join([command, *argv])
@@ -184,17 +188,25 @@ class MCPServer:
 
     @classmethod
     def http(
-        cls, url: str, *, headers: Mapping[str, str] | None = None, **options: Any
+        cls,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        **options: Any,
     ) -> MCPServer:
         """A server reached over streamable HTTP at `url` (for example `http://host:8000/mcp`).
 
         Args:
             url: The MCP endpoint.
             headers: Sent with every request (an `Authorization` header, say).
+            max_message_bytes: Largest reply (or server-sent event) the server may send; a bigger
+                one fails the call it answers (a tool error).
             **options: `prefix`, `timeout`, `connect_timeout`, `ping_timeout`, `max_concurrency`.
         """
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigurationError(f"MCPServer.http needs an http(s) URL, got {url!r}.")
+        _check_cap(max_message_bytes)
         fixed_headers = dict(headers or {})
 
         @contextlib.asynccontextmanager
@@ -202,10 +214,14 @@ class MCPServer:
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 
+            from treadle.mcp.http import capped_client
+
             timeout = httpx2.Timeout(_HTTP_CONNECT_SECONDS, read=_HTTP_READ_SECONDS)
             async with (
-                httpx2.AsyncClient(headers=fixed_headers, timeout=timeout) as client,
-                streamable_http_client(url, http_client=client) as streams,
+                capped_client(fixed_headers, timeout, max_message_bytes) as client,
+                streamable_http_client(
+                    url, http_client=client, max_sse_event_size=max_message_bytes
+                ) as streams,
             ):
                 yield streams
 
