@@ -35,11 +35,22 @@ class SchemaRefused(ValueError):
     """A tool's input schema cannot be used; the message says why."""
 
 
+def _options() -> Any:
+    options = re2.Options()
+    options.log_errors = False  # an unsupported pattern is an answer here, not an error to print
+    options.never_capture = True  # only "does it match": no groups to keep
+    return options
+
+
+_RE2_OPTIONS = _options()
+
+
 @functools.lru_cache(maxsize=_PATTERN_CACHE)
 def _regex(pattern: str) -> Any:
-    """The RE2 form of `pattern`, or None when RE2 cannot express it."""
+    """The RE2 form of `pattern`, or None when RE2 cannot express it (or it needs more than
+    RE2's memory budget)."""
     try:
-        return re2.compile(pattern)
+        return re2.compile(pattern, _RE2_OPTIONS)
     except re2.error:
         return None
 
