@@ -179,8 +179,9 @@ class Link:
         self._closed = False
         self.listing: tuple[types.Tool, ...] = ()
         """The server's tools as last listed (refreshed on `notifications/tools/list_changed`)."""
-        self.validators: dict[str, Any] = {}
-        """The compiled input schema of each listed tool, by its name on the server."""
+        self.validators: dict[int, Any] = {}
+        """The compiled input schema of each tool of `listing`, by the `id` of its `types.Tool`
+        (so a reader holding an older listing never gets a newer tool's validator)."""
         self.listings = 0
         """How many times the tool list was fetched (first listings and refreshes)."""
         self.starts = 0
@@ -321,7 +322,8 @@ class Link:
         whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
         self.listings += 1
         listing = await list_all(session)
-        self.validators = await run_internal_io(compile_all, listing, self.label)
+        compiled = await run_internal_io(compile_all, listing, self.label)
+        self.validators = {id(tool): v for tool, v in zip(listing, compiled, strict=True)}
         self.listing = listing
 
     async def _refresh(self, live: _Live) -> None:

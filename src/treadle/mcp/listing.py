@@ -50,13 +50,12 @@ async def list_all(session: ClientSession) -> tuple[types.Tool, ...]:
     return tuple(tools)
 
 
-def compile_all(listing: tuple[types.Tool, ...], label: str) -> dict[str, Any]:
-    """Each tool's compiled input schema by its name; `MCPSchemaError` for a refused one.
+def compile_all(listing: tuple[types.Tool, ...], label: str) -> list[Any]:
+    """Each tool's compiled input schema, in listing order; `MCPSchemaError` for a refused one.
     Blocking (pure Python over peer data): call it on a worker thread."""
-    return {
-        tool.name: checked_validator(object_schema(tool.input_schema), tool.name, label)
-        for tool in listing
-    }
+    return [
+        checked_validator(object_schema(tool.input_schema), tool.name, label) for tool in listing
+    ]
 
 
 async def until_quiet(announced: Callable[[], float], finished: asyncio.Event) -> None:

@@ -274,7 +274,7 @@ class MCPServer:
             return list(cached[1])
         validators = self._link.validators if self._link is not None else {}
         wrapped = [
-            MCPTool(self, remote, prefix=self.prefix, validator=validators.get(remote.name))
+            MCPTool(self, remote, prefix=self.prefix, validator=validators.get(id(remote)))
             for remote in listing
         ]
         seen: dict[str, str] = {}
