@@ -16,6 +16,7 @@ a callback counts, unlike in CPU time). The tests bound that `blocked` figure.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -121,10 +122,17 @@ def beside_bystanders(
 ) -> tuple[T, Stall]:
     """Start `hostile()` (on a thread of its own), then 100 bystander passes on the runtime; check
     the bystanders' transcripts against `quiet` and return the hostile result and the stall."""
-    with watch_loop() as stall, ThreadPoolExecutor(1) as pool:
-        running = pool.submit(hostile)
-        bystanders = _run_bystanders()
-        assert _transcripts(bystanders) == quiet
-        result = running.result(timeout=HANG_GUARD)
+    # The heap the test process built so far is frozen first: a full collection of it, which
+    # could land on the loop thread at any moment, is no part of what is measured.
+    gc.collect()
+    gc.freeze()
+    try:
+        with watch_loop() as stall, ThreadPoolExecutor(1) as pool:
+            running = pool.submit(hostile)
+            bystanders = _run_bystanders()
+            assert _transcripts(bystanders) == quiet
+            result = running.result(timeout=HANG_GUARD)
+    finally:
+        gc.unfreeze()
     print(stall)
     return result, stall

@@ -355,10 +355,8 @@ class Link:
                     return await session.call_tool(name, arguments)
                 except MCPError as error:
                     if error.code == types.CONNECTION_CLOSED:
-                        if live.fault is None and error.message != "Connection closed":
-                            live.fault = f"{error.message.rstrip('.')}."  # an SSE event too big
                         live.finished.set()
-                        raise self._hung_up(name, live) from None
+                        raise self._hung_up(name, live, error.message) from None
                     kind = ToolArgumentsError if error.code == types.INVALID_PARAMS else ToolError
                     raise kind(
                         f"MCP server {self.label} rejected the call to {name!r}: {error.message}"
@@ -376,15 +374,21 @@ class Link:
                 f"{self.limits.call_timeout:g} s and was cancelled. Try smaller arguments."
             )
 
-    def _hung_up(self, name: str, live: _Live) -> MCPServerError:
+    def _hung_up(self, name: str, live: _Live, detail: str = "") -> MCPServerError:
         if live.fault is not None:
             return MCPServerError(
                 f"the call to {name!r} failed: {live.fault} The connection was closed and will "
                 "be started again on the next call."
             )
+        # The SDK's own reason when it has one (an HTTP stream that ended, an event too big).
+        why = (
+            detail.rstrip(".")
+            if detail and detail != "Connection closed"
+            else "it may have crashed"
+        )
         return MCPServerError(
-            f"MCP server {self.label} closed the connection during the call to {name!r} (it may "
-            "have crashed); it will be started again on the next call."
+            f"MCP server {self.label} closed the connection during the call to {name!r} ({why}); "
+            "it will be started again on the next call."
         )
 
     async def _check_alive(self, live: _Live) -> None:
