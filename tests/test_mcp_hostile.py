@@ -324,6 +324,22 @@ def test_stderr_into_stdout_is_refused() -> None:
         MCPServer.stdio(sys.executable, [SERVER_SCRIPT], max_message_bytes=10)
 
 
+def test_a_server_that_dies_at_start_is_quoted_from_its_stderr() -> None:
+    crashing = MCPServer.stdio(
+        sys.executable,
+        [
+            "-c",
+            "import sys; sys.stderr.write('config file missing: /etc/demo.toml\\n'); sys.exit(1)",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        with pytest.raises(MCPServerError, match=r"stderr ended with: config file missing"):
+            crashing.tools()
+    finally:
+        crashing.close()
+
+
 def test_a_missing_server_is_still_a_clear_start_error() -> None:
     missing = MCPServer.stdio("/nonexistent/mcp-server")
     with pytest.raises(MCPServerError, match="could not start MCP server /nonexistent/mcp-server"):

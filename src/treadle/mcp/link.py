@@ -40,7 +40,7 @@ from treadle.errors import (
     ToolTimeoutError,
 )
 from treadle.mcp.listing import compile_all, list_all, until_quiet
-from treadle.mcp.stdio import TransportFault
+from treadle.mcp.stdio import StdioTransport, TransportFault
 from treadle.runtime import Runtime
 from treadle.runtime.threads import run_internal_io
 
@@ -258,9 +258,10 @@ class Link:
 
     async def _own(self, live: _Live, ready: asyncio.Future[None]) -> None:
         """The owner task: enter the transport and session, serve until retired, then exit."""
+        transport = self._opener()
         try:
             async with contextlib.AsyncExitStack() as stack:
-                read, write = await stack.enter_async_context(self._opener())
+                read, write = await stack.enter_async_context(transport)
                 session = await stack.enter_async_context(
                     ClientSession(
                         _WatchedStream(read, live),
@@ -284,11 +285,14 @@ class Link:
             if not ready.done() and refused is not None:
                 ready.set_exception(refused)
             elif not ready.done():
+                said = ""
+                if isinstance(transport, StdioTransport) and transport.stderr_tail:
+                    said = " Its stderr ended with: " + " | ".join(transport.stderr_tail)
                 ready.set_exception(
                     MCPServerError(
                         f"could not start MCP server {self.label} "
                         f"({live.fault or describe(error)}); "
-                        "check that it runs and speaks MCP, then call again."
+                        f"check that it runs and speaks MCP, then call again.{said}"
                     )
                 )
             else:

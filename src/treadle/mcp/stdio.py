@@ -54,6 +54,8 @@ _STDERR_LINE_CAP = 2000
 _STDERR_TAIL_LINES = 10
 #: Stderr lines logged before the reader lets the loop run other tasks.
 _STDERR_LINES_PER_STEP = 32
+#: Seconds a stopped server's stderr is still read for its last lines.
+_STDERR_DRAIN_SECONDS = 0.5
 #: Seconds a server has to exit after its stdin closes, then after SIGTERM, then after SIGKILL.
 _EXIT_SECONDS = 2.0
 _POLL_SECONDS = 0.01
@@ -93,8 +95,10 @@ class StdioTransport:
         self._process: anyio.abc.Process | None = None
         self._group: anyio.abc.TaskGroup | None = None
         self._streams: list[Any] = []
+        self._stderr_read = anyio.Event()
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
-        """The last lines the server wrote to stderr (when it goes to a pipe we read)."""
+        """The last lines the server wrote to stderr (when it goes to a pipe we read), quoted
+        when the server fails to start."""
 
     async def __aenter__(self) -> tuple[Any, Any]:
         self._process = process = await anyio.open_process(
@@ -129,6 +133,14 @@ class StdioTransport:
             try:
                 if process is not None:
                     await _stop(process, self._label)
+                    if process.stderr is not None:
+                        # What it said last, read to the end (bounded: a child may keep it open).
+                        with anyio.move_on_after(_STDERR_DRAIN_SECONDS):
+                            await self._stderr_read.wait()
+                        with contextlib.suppress(
+                            OSError, anyio.BrokenResourceError, anyio.ClosedResourceError
+                        ):
+                            await process.stderr.aclose()
                 for stream in self._streams:
                     await stream.aclose()
             finally:
@@ -201,24 +213,28 @@ class StdioTransport:
             await incoming.aclose()
 
     async def _read_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
-        """Log each stderr line (cut to a bounded length) and keep the last few."""
+        """Log each stderr line (cut to a bounded length) and keep the last few, to its end."""
+        try:
+            with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, OSError):
+                await self._log_stderr(stream)
+        finally:
+            self._stderr_read.set()
+
+    async def _log_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
         pending = b""
-        with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, OSError):
-            while True:
-                chunk = await stream.receive(_CHUNK)
-                lines = chunk.split(b"\n")
-                lines[0] = pending + lines[0]
-                pending = lines.pop()[:_STDERR_LINE_CAP]
-                logged = log.isEnabledFor(logging.DEBUG)
-                for count, raw in enumerate(lines[-_STDERR_TAIL_LINES:] if not logged else lines):
-                    text = raw[:_STDERR_LINE_CAP].decode(errors="replace").rstrip()
-                    self.stderr_tail.append(text)
-                    if logged:
-                        log.debug("MCP server %s stderr: %s", self._label, text)
-                        if count % _STDERR_LINES_PER_STEP == _STDERR_LINES_PER_STEP - 1:
-                            await (
-                                anyio.lowlevel.checkpoint()
-                            )  # handlers may be slow: share the loop
+        while True:
+            chunk = await stream.receive(_CHUNK)
+            lines = chunk.split(b"\n")
+            lines[0] = pending + lines[0]
+            pending = lines.pop()[:_STDERR_LINE_CAP]
+            logged = log.isEnabledFor(logging.DEBUG)
+            for count, raw in enumerate(lines[-_STDERR_TAIL_LINES:] if not logged else lines):
+                text = raw[:_STDERR_LINE_CAP].decode(errors="replace").rstrip()
+                self.stderr_tail.append(text)
+                if logged:
+                    log.debug("MCP server %s stderr: %s", self._label, text)
+                    if count % _STDERR_LINES_PER_STEP == _STDERR_LINES_PER_STEP - 1:
+                        await anyio.lowlevel.checkpoint()  # handlers may be slow: share the loop
 
 
 def _parse(line: bytes, label: str) -> SessionMessage | Exception:
@@ -261,9 +277,6 @@ async def _stop(process: anyio.abc.Process, label: str) -> None:
     if process.stdout is not None:
         with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
             await process.stdout.aclose()
-    if process.stderr is not None:
-        with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            await process.stderr.aclose()
 
 
 async def _exited(process: anyio.abc.Process) -> bool:
