@@ -4,7 +4,7 @@ Run it as `python mcp_sdk_server.py` (stdio) or `python mcp_sdk_server.py --http
 on 127.0.0.1, an ephemeral port, printed as `PORT <n>` on stdout once listening). `--collide`
 adds two tools whose names clash once made model-safe; `--cyclic` lists a tool whose input schema
 is a `$ref` loop; `--json` makes the HTTP server answer with JSON bodies instead of SSE. The
-hostile tools (`match`, `storm`, `big`, `chatty`) serve
+hostile tools (`match`, `spell`, `storm`, `big`, `chatty`) serve
 tests/test_mcp_hostile.py.
 """
 
@@ -126,6 +126,18 @@ async def grow(ctx: Context) -> str:
 def match(text: Annotated[str, Field(pattern="^(a+)+$")]) -> str:
     """Accepts runs of `a` (its schema's pattern backtracks catastrophically in Python's `re`)."""
     return f"matched {len(text)}"
+
+
+@app.tool()
+def spell(text: str) -> str:
+    """Returns the text; its output schema's pattern backtracks catastrophically in `re`."""
+    return text
+
+
+# The output schema the server lists for `spell` (its own result is never checked against it).
+app._tool_manager._tools["spell"].fn_metadata.output_schema["properties"]["result"]["pattern"] = (
+    "^(a+)+$"
+)
 
 
 @app.tool()

@@ -105,6 +105,19 @@ def test_a_backtracking_pattern_costs_the_loop_nothing(
     }
 
 
+def test_a_backtracking_output_pattern_costs_the_loop_nothing(
+    server: MCPServer, quiet: list[list[dict[str, Any]]]
+) -> None:
+    # The SDK checks a structured result with Python's `re`; Treadle's session checks it on RE2.
+    listed = {t.remote_name: t for t in server.tools()}
+    assert listed["spell"].output_schema is not None
+    text = "a" * 28 + "b"
+    error, stall = beside_bystanders(lambda: _refused_call(server, "spell", text=text), quiet)
+    assert isinstance(error, ToolError) and "does not match '^(a+)+$'" in str(error)
+    assert stall.blocked < STALL_LIMIT, stall
+    assert _call(server, "spell", text="aaaa").structured_content == {"result": "aaaa"}
+
+
 def test_a_cyclic_schema_is_refused_when_listed(quiet: list[list[dict[str, Any]]]) -> None:
     cyclic = _stdio("--cyclic")
     try:

@@ -120,3 +120,15 @@ def test_arguments_nested_past_the_recursion_limit_are_a_tool_error() -> None:
         value = {"n": value}
     with pytest.raises(ToolArgumentsError, match="nested too deeply"):
         tool.validate(value)
+
+
+def test_an_unusable_output_schema_is_refused_too() -> None:
+    from treadle.mcp.listing import compile_all
+
+    fine = types.Tool(name="ok", input_schema={"type": "object"})
+    looping = types.Tool(
+        name="loop", input_schema={"type": "object"}, output_schema={"type": "object", "$ref": "#"}
+    )
+    assert compile_all((fine,), "demo-server")[0][1] is None
+    with pytest.raises(MCPSchemaError, match="tool 'loop' with an output schema Treadle refuses"):
+        compile_all((fine, looping), "demo-server")

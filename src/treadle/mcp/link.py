@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import anyio
 import mcp_types as types
-from mcp import ClientSession, MCPError
+from mcp import MCPError
 from mcp.client.session import MessageHandlerFnT
 
 from treadle.errors import (
@@ -39,7 +39,7 @@ from treadle.errors import (
     ToolError,
     ToolTimeoutError,
 )
-from treadle.mcp.listing import compile_all, list_all, until_quiet
+from treadle.mcp.listing import CheckedSession, compile_all, list_all, until_quiet
 from treadle.mcp.stdio import StdioTransport, TransportFault
 from treadle.runtime import Runtime
 from treadle.runtime.threads import run_internal_io
@@ -140,7 +140,7 @@ class _Live:
 
     def __init__(self) -> None:
         self.finished = asyncio.Event()
-        self.session: ClientSession | None = None
+        self.session: CheckedSession | None = None
         self.group: anyio.abc.TaskGroup | None = None
         self.fault: str | None = None
         """Why the transport ended the connection, when it said."""
@@ -263,7 +263,7 @@ class Link:
             async with contextlib.AsyncExitStack() as stack:
                 read, write = await stack.enter_async_context(transport)
                 session = await stack.enter_async_context(
-                    ClientSession(
+                    CheckedSession(
                         _WatchedStream(read, live),
                         write,
                         message_handler=self._handler(live),
@@ -321,13 +321,18 @@ class Link:
 
         return handle
 
-    async def _list(self, session: ClientSession) -> None:
+    async def _list(self, session: CheckedSession) -> None:
         """List the tools and compile their schemas (on a worker thread: a schema is peer data
         whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
         self.listings += 1
         listing = await list_all(session)
         compiled = await run_internal_io(compile_all, listing, self.label)
-        self.validators = {id(tool): v for tool, v in zip(listing, compiled, strict=True)}
+        self.validators = {id(tool): v for tool, (v, _) in zip(listing, compiled, strict=True)}
+        session.output_validators = {
+            tool.name: out
+            for tool, (_, out) in zip(listing, compiled, strict=True)
+            if out is not None
+        }
         self.listing = listing
 
     async def _refresh(self, live: _Live) -> None:

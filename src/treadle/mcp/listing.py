@@ -2,7 +2,8 @@
 
 A server's listing is peer data: its pages are capped (`MAX_LIST_PAGES`), its schemas compiled
 on a worker thread by the caller (`compile_all` refuses a tool whose schema cannot be used, see
-`treadle.mcp.schema`), and its `notifications/tools/list_changed` announcements are folded so a
+`treadle.mcp.schema`; `CheckedSession` checks results against the compiled output schemas), and
+its `notifications/tools/list_changed` announcements are folded so a
 storm of them costs a listing every few seconds at most (`until_quiet`). This module must never
 block the event loop.
 """
@@ -10,7 +11,7 @@ block the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import mcp_types as types
@@ -22,6 +23,7 @@ __all__ = [
     "MAX_LIST_PAGES",
     "REFRESH_MAX_WAIT",
     "REFRESH_QUIET",
+    "CheckedSession",
     "compile_all",
     "list_all",
     "until_quiet",
@@ -50,12 +52,45 @@ async def list_all(session: ClientSession) -> tuple[types.Tool, ...]:
     return tuple(tools)
 
 
-def compile_all(listing: tuple[types.Tool, ...], label: str) -> list[Any]:
-    """Each tool's compiled input schema, in listing order; `MCPSchemaError` for a refused one.
-    Blocking (pure Python over peer data): call it on a worker thread."""
+def compile_all(listing: tuple[types.Tool, ...], label: str) -> list[tuple[Any, Any]]:
+    """Each tool's compiled input and output schemas (None: no output schema), in listing order;
+    `MCPSchemaError` for a refused one. Blocking (pure Python over peer data): call it on a
+    worker thread."""
     return [
-        checked_validator(object_schema(tool.input_schema), tool.name, label) for tool in listing
+        (
+            checked_validator(object_schema(tool.input_schema), tool.name, label),
+            None
+            if tool.output_schema is None
+            else checked_validator(dict(tool.output_schema), tool.name, label, "output"),
+        )
+        for tool in listing
     ]
+
+
+class CheckedSession(ClientSession):
+    """The SDK's client session with its check of structured results replaced: a result is
+    checked against the output schema compiled when the tool was listed (regexes on RE2, `$ref`
+    loops refused), not recompiled with Python's `re` on the shared loop."""
+
+    output_validators: Mapping[str, Any] = {}
+    """The compiled output schema of each listed tool that has one, by its name."""
+
+    async def validate_tool_result(self, name: str, result: types.CallToolResult) -> None:
+        """Raise `RuntimeError` (a tool error to the caller) when a result does not match its
+        tool's output schema."""
+        from jsonschema import exceptions  # type: ignore[import-untyped]
+
+        validator = self.output_validators.get(name)
+        if validator is None:
+            return
+        if result.structured_content is None:
+            raise RuntimeError(f"tool {name} has an output schema but sent no structured content")
+        try:
+            error = exceptions.best_match(validator.iter_errors(result.structured_content))
+        except RecursionError:
+            raise RuntimeError(f"the structured result of {name} is nested too deeply") from None
+        if error is not None:
+            raise RuntimeError(f"the structured result of {name} does not match: {error.message}")
 
 
 async def until_quiet(announced: Callable[[], float], finished: asyncio.Event) -> None:

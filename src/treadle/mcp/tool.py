@@ -131,14 +131,14 @@ class MCPTool(Tool):
         return result_body(result, self.name)
 
 
-def checked_validator(schema: dict[str, Any], tool: str, server: str) -> Any:
-    """The compiled validator of a tool's input schema; `MCPSchemaError` naming tool and server
-    when the schema is refused."""
+def checked_validator(schema: dict[str, Any], tool: str, server: str, which: str = "input") -> Any:
+    """The compiled validator of a tool's `which` ("input" or "output") schema; `MCPSchemaError`
+    naming tool and server when the schema is refused."""
     try:
         return compile_schema(schema)
     except SchemaRefused as error:
         raise MCPSchemaError(
-            f"MCP server {server} lists tool {tool!r} with an input schema Treadle refuses: "
+            f"MCP server {server} lists tool {tool!r} with an {which} schema Treadle refuses: "
             f"{error}; fix the tool's schema on the server."
         ) from None
 
