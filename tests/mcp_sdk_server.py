@@ -2,7 +2,10 @@
 
 Run it as `python mcp_sdk_server.py` (stdio) or `python mcp_sdk_server.py --http` (streamable HTTP
 on 127.0.0.1, an ephemeral port, printed as `PORT <n>` on stdout once listening). `--collide`
-adds two tools whose names clash once made model-safe.
+adds two tools whose names clash once made model-safe; `--cyclic` lists a tool whose input schema
+is a `$ref` loop; `--json` makes the HTTP server answer with JSON bodies instead of SSE. The
+hostile tools (`match`, `spell`, `storm`, `big`, `chatty`) serve
+tests/test_mcp_hostile.py.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import os
 import socket
 import sys
 import time
+from typing import Annotated
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context, Image
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
 
 app = MCPServer("treadle-test", log_level="WARNING")
 _in_flight = 0
@@ -117,19 +122,70 @@ async def grow(ctx: Context) -> str:
     return "grown"
 
 
+@app.tool()
+def match(text: Annotated[str, Field(pattern="^(a+)+$")]) -> str:
+    """Accepts runs of `a` (its schema's pattern backtracks catastrophically in Python's `re`)."""
+    return f"matched {len(text)}"
+
+
+@app.tool()
+def spell(text: str) -> str:
+    """Returns the text; its output schema's pattern backtracks catastrophically in `re`."""
+    return text
+
+
+# The output schema the server lists for `spell` (its own result is never checked against it).
+app._tool_manager._tools["spell"].fn_metadata.output_schema["properties"]["result"]["pattern"] = (
+    "^(a+)+$"
+)
+
+
+@app.tool()
+async def storm(ctx: Context, count: int) -> str:
+    """Announces a changed tool list `count` times in a row."""
+    for _ in range(count):
+        await ctx.session.send_tool_list_changed()
+    return f"announced {count}"
+
+
+@app.tool(structured_output=False)
+def big(mib: int) -> str:
+    """A text result of `mib` MiB."""
+    return "x" * (mib * 1024 * 1024)
+
+
+@app.tool()
+def chatty(lines: int) -> str:
+    """Writes `lines` lines to stderr before answering."""
+    text = "chatter " * 12
+    for i in range(lines):
+        sys.stderr.write(f"{i} {text}\n")
+    sys.stderr.flush()
+    return f"said {lines}"
+
+
+def _cyclic() -> None:
+    app.add_tool(lambda x: x, name="loop", description="its schema's $ref loops forever")
+    app._tool_manager._tools["loop"].parameters = {
+        "type": "object",
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
+        "properties": {"x": {"$ref": "#/$defs/a"}},
+    }
+
+
 def _collide() -> None:
     app.add_tool(lambda: "dot", name="read.file", description="clashes with read_file")
     app.add_tool(lambda: "underscore", name="read_file", description="clashes with read.file")
 
 
-async def _serve_http() -> None:
+async def _serve_http(json_response: bool) -> None:
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)  # connections queue from now on, before uvicorn takes the socket
-    starlette_app = app.streamable_http_app(host="127.0.0.1")
+    starlette_app = app.streamable_http_app(host="127.0.0.1", json_response=json_response)
     config = uvicorn.Config(starlette_app, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     print(f"PORT {sock.getsockname()[1]}", flush=True)
@@ -140,11 +196,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", action="store_true")
     parser.add_argument("--collide", action="store_true")
+    parser.add_argument("--cyclic", action="store_true")
+    parser.add_argument("--json", action="store_true", help="HTTP replies as JSON, not SSE")
     args = parser.parse_args()
     if args.collide:
         _collide()
+    if args.cyclic:
+        _cyclic()
     if args.http:
-        asyncio.run(_serve_http())
+        asyncio.run(_serve_http(args.json))
     else:
         app.run()
     sys.exit(0)

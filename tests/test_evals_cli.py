@@ -46,7 +46,10 @@ def test_eval_run_resume_report_compare(
     root, module = project
     assert main(["eval", "qa.jsonl", "--agent", f"{module}:agent", "--samples", "2"]) == 0
     out = capsys.readouterr().out
-    assert "pass@2" in out and "Wilson" not in out and "samples    40 (20 items)" in out
+    assert "pass@2" in out and "Wilson over items" in out and "samples    40 (20 items)" in out
+    # the failing samples, with what was expected
+    assert "failed samples (10 of 24):" in out
+    assert "q10#0   w1 tail  w0 tail   answer differs from expected" in out
     log = root / ".treadle" / "evals" / "qa.jsonl"
     assert len(log.read_text().splitlines()) == 41
     # same configuration (a factory this time): resumes with nothing to do
@@ -78,3 +81,17 @@ def test_eval_usage_errors(project: tuple[Path, str], capsys: pytest.CaptureFixt
     assert "cannot load agent" in capsys.readouterr().err
     assert main(["eval", "report", "nope.jsonl"]) == 2
     assert "no evaluation log" in capsys.readouterr().err
+
+
+def test_failure_rows_are_terminal_safe() -> None:
+    from treadle.cli.eval import failure_rows
+    from treadle.evals import SampleRecord
+
+    hostile = "\x1b[2J\x1b]0;pwned\x07[bold red]boom[/] \u202egnp.exe"
+    record = SampleRecord("q\x1b[31m1", 0, 0.0, False, answer=hostile, expected=["a\nb"])
+    (plain,) = failure_rows([record])
+    assert all("\x1b" not in cell and "\x07" not in cell and "\u202e" not in cell for cell in plain)
+    assert plain[1].startswith("[2J]0;pwned[bold red]boom[/] gnp.exe")
+    assert plain[2] == '["a\\nb"]'
+    (styled,) = failure_rows([record], styled=True)
+    assert "\\[bold red]" in styled[1]  # rich markup escaped, shown as text

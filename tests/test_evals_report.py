@@ -60,8 +60,41 @@ def test_report_is_self_contained_and_escaped(tmp_path: Path) -> None:
     for needle in ("http://", "https://", "<link", ' src="', "url("):
         leftovers = page.replace('xmlns="http://www.w3.org/2000/svg"', "")
         assert needle not in leftovers, needle
-    for text in ("pass@1", "pass@2", "t over item means", "rate_limit", "geo"):
+    for text in ("pass@1", "pass@2", "Wilson", "rate_limit", "geo"):
         assert text in page
+
+
+def test_a_hostile_logs_links_are_dropped_and_failures_show_why(tmp_path: Path) -> None:
+    log = tmp_path / "run.jsonl"
+    writer = LogWriter(log, LogHeader("f" * 64, {}, "demo", 6, 1))
+    links = {
+        "good": "run.jsonl.transcripts/good-1234.s0.jsonl",
+        "script": "javascript:alert(document.cookie)",
+        "outside": "https://example.com/x.jsonl",
+        "climb": "run.jsonl.transcripts/../../etc/passwd",
+        "absolute": "/etc/passwd",
+        "other": "other.jsonl.transcripts/x.jsonl",
+    }
+    for name, link in links.items():
+        writer.write(
+            SampleRecord(
+                name,
+                0,
+                0.0,
+                False,
+                explanation=f"why {name} failed",
+                answer="Lyon",
+                expected={"city": "Paris"},
+                transcript=link,
+            )
+        )
+    writer.close()
+    page = render_report(read_log(log))
+    assert page.count("<a href=") == 1
+    assert '<a href="run.jsonl.transcripts/good-1234.s0.jsonl">' in page
+    for dropped in ("javascript:", "example.com", "passwd", "other.jsonl"):
+        assert dropped not in page
+    assert "why script failed" in page and "&quot;city&quot;: &quot;Paris&quot;" in page
 
 
 def _chromium(url: str, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:

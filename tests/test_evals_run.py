@@ -320,7 +320,7 @@ def test_dataset_validation(tmp_path: Path) -> None:
         Dataset([{"id": "a", "input": "x"}, {"id": "a", "input": "y"}])
     with pytest.raises(ConfigurationError, match="unknown item keys"):
         Dataset([{"id": "a", "input": "x", "answer": "y"}])
-    with pytest.raises(ConfigurationError, match="relative paths"):
+    with pytest.raises(ConfigurationError, match="leaves the workspace"):
         Item("a", "x", files={"../escape": "no"})
     with pytest.raises(ConfigurationError, match="no items"):
         Dataset([])

@@ -76,9 +76,12 @@ def test_summary_with_several_samples_uses_items_as_the_unit() -> None:
     assert summary.samples_per_item == 2 and summary.items == 3
     # pass@1 = mean(c/n) = (0.5 + 0 + 1) / 3; pass@2 = (1 + 0 + 1) / 3
     assert summary.pass_at_k == pytest.approx({1: 0.5, 2: 2 / 3})
-    # item means [0.5, 0, 1]: mean 0.5, s = 0.5, se = 0.288675, t(0.975, 2) = 4.302653
-    assert summary.score.method == "t"
-    assert summary.score.high - 0.5 == pytest.approx(4.302653 * 0.288675, abs=1e-5)
+    # binary scores, item means [0.5, 0, 1]: Wilson over 1.5 "successes" of 3 items, where a t
+    # interval (0.5 +/- 4.302653 * 0.288675) would reach [-0.74, 1.74]
+    assert summary.score.method == "wilson" and summary.score.n == 3
+    assert summary.score.estimate == 0.5
+    assert summary.score.low == pytest.approx(0.125334, abs=1e-5)  # by hand, z = 1.959964
+    assert summary.score.high == pytest.approx(0.874666, abs=1e-5)
     assert summary.latency["p50"] == pytest.approx(0.35)
     assert summary.errors == {"bad_request": 1} and summary.retries == 2
     assert summary.tokens["total_tokens"] == 12 and summary.tokens["requests"] == 2
@@ -93,6 +96,22 @@ def test_summary_binary_single_sample_uses_wilson() -> None:
     assert summary.score.method == "wilson"
     assert summary.score.low == pytest.approx(0.490154, abs=1e-5)
     assert summary.pass_at_k == {1: 0.8}
+
+
+def test_continuous_scores_get_a_t_interval_inside_0_and_1() -> None:
+    records = [_record(f"i{i}", 0, score) for i, score in enumerate([0.9, 1.0, 0.95, 0.2])]
+    summary = summarize(records)
+    assert summary.score.method == "t"
+    assert 0.0 <= summary.score.low < summary.score.estimate < summary.score.high == 1.0
+
+
+def test_the_docs_example_interval_stays_in_0_and_1() -> None:
+    # docs/evals.md's example: 3 items x 2 samples, 0/1 scores, items pass 2, 2 and 0 times;
+    # it printed "0.67 [-0.77, 2.10] (t)" before the interval was Wilson's
+    records = [_record(i, j, 1.0 if i != "q3" else 0.0) for i in ("q1", "q2", "q3") for j in (0, 1)]
+    score = summarize(records).score
+    assert score.method == "wilson" and 0.0 <= score.low < score.estimate < score.high <= 1.0
+    assert score.estimate == pytest.approx(2 / 3)
 
 
 def test_summary_pass_at_k_ladder() -> None:

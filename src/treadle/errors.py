@@ -22,11 +22,14 @@ TreadleError
 │   ├── ToolArgumentsError                    arguments do not match the tool's schema
 │   ├── ToolTimeoutError
 │   └── MCPServerError                        an MCP server cannot start, crashed or hung up
+│       └── MCPSchemaError                    a server lists a tool whose input schema is refused
 ├── SandboxError
 │   ├── PathViolation                         a path leaves the workspace
 │   └── SandboxUnavailable                    the machine lacks what a backend needs (bwrap)
 ├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
 ├── PersistenceError                          a session file cannot be read
+│   ├── EvalLogDamagedError                   an eval log line is not a valid record (file:line)
+│   └── EvalLogBusyError                      another run holds the eval log's lock
 ├── StructuredOutputError                     no valid structured output within `output_retries`
 └── WorkerLost                                a distributed worker died or stopped answering
 ```
@@ -49,7 +52,10 @@ __all__ = [
     "ConfigurationError",
     "ContextLengthError",
     "EvalConfigMismatch",
+    "EvalLogBusyError",
+    "EvalLogDamagedError",
     "InvalidRequestError",
+    "MCPSchemaError",
     "MCPServerError",
     "MalformedResponse",
     "ModelNotFoundError",
@@ -227,6 +233,11 @@ class MCPServerError(ToolError):
     """
 
 
+class MCPSchemaError(MCPServerError):
+    """An MCP server lists a tool whose input schema Treadle refuses (not valid JSON Schema, a
+    `$ref` leaving the schema or looping without end); the message names tool and server."""
+
+
 class SandboxError(TreadleError):
     """The sandbox could not be opened or used."""
 
@@ -247,6 +258,21 @@ class BudgetExceededError(TreadleError):
 
 class PersistenceError(TreadleError):
     """A persisted session file is missing, unreadable or not a Treadle session."""
+
+
+class EvalLogDamagedError(PersistenceError):
+    """A line of an evaluation log is not a valid record; raised before a resume spends anything."""
+
+    def __init__(self, message: str, *, path: str = "", line: int = 0) -> None:
+        super().__init__(message)
+        self.path = path
+        """The log's path."""
+        self.line = line
+        """The 1-based number of the damaged line."""
+
+
+class EvalLogBusyError(PersistenceError):
+    """Another run (named in the message: pid, host, start time) is writing the evaluation log."""
 
 
 class StructuredOutputError(TreadleError):

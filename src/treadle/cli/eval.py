@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import shlex
 import sys
+import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.errors import EvalConfigMismatch
 from treadle.evals import (
     EvalProgress,
+    SampleRecord,
     Summary,
     compare,
     read_log,
@@ -34,6 +38,9 @@ __all__ = ["EvalOptions", "compare_command", "eval_command", "load_object", "rep
 
 #: Where `treadle eval` writes its log when `--log` is not given (one file per dataset name).
 DEFAULT_LOG_DIR = Path(".treadle") / "evals"
+#: Failing samples listed under the summary (the report lists them all).
+SHOWN_FAILURES = 10
+_CELL_CHARS = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +113,7 @@ def _scorer(spec: str) -> Any:
 def summary_rows(summary: Summary) -> list[list[str]]:
     """The summary as `[metric, value]` rows."""
     s = summary.score
-    method = "Wilson" if s.method == "wilson" else "t over item means"
+    method = "Wilson over items" if s.method == "wilson" else "t over item means"
     rows = [
         ["samples", f"{summary.samples} ({summary.items} items)"],
         ["score", f"{s.estimate:.4f}  {s.level:.0%} CI [{s.low:.4f}, {s.high:.4f}] ({method})"],
@@ -129,6 +136,34 @@ def summary_rows(summary: Summary) -> list[list[str]]:
     errors = ", ".join(f"{k} {v}" for k, v in summary.errors.items()) or "none"
     rows.append(["errors", f"{errors}; {counted(summary.retries, 'retry')}"])
     return rows
+
+
+def _cell(value: Any, styled: bool) -> str:
+    """Log text made safe for a terminal: control and format characters (escapes, bidi
+    overrides) dropped, whitespace runs collapsed, cut short, rich markup escaped."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = "".join(c for c in text if not unicodedata.category(c).startswith("C") or c in " \t\n")
+    text = " ".join(text.split())
+    text = text if len(text) <= _CELL_CHARS else text[: _CELL_CHARS - 1] + "…"
+    if styled:
+        from rich.markup import escape
+
+        text = escape(text)
+    return text
+
+
+def failure_rows(records: Sequence[SampleRecord], styled: bool = False) -> list[list[str]]:
+    """The first failing samples as `[item, answer, expected, why]` rows (terminal-safe)."""
+    failed = sorted((r for r in records if not r.passed), key=lambda r: (r.item_id, r.sample))
+    return [
+        [
+            _cell(f"{r.item_id}#{r.sample}", styled),
+            _cell(r.answer or "", styled),
+            _cell("" if r.expected is None else r.expected, styled),
+            _cell(r.explanation or r.error or r.error_kind or "", styled),
+        ]
+        for r in failed[:SHOWN_FAILURES]
+    ]
 
 
 def eval_command(opts: EvalOptions, console: Console) -> int:
@@ -183,6 +218,11 @@ def eval_command(opts: EvalOptions, console: Console) -> int:
         if bar is not None:
             bar.__exit__(None, None, None)
     console.table(["metric", "value"], summary_rows(result.summary))
+    failures = failure_rows(result.records, console.styled)
+    if failures:
+        failed = sum(not r.passed for r in result.records)
+        console.line(f"failed samples ({min(failed, SHOWN_FAILURES)} of {failed}):", "summary")
+        console.table(["sample", "answer", "expected", "why"], failures)
     console.line(f"log: {result.log}  (treadle eval report {result.log})", "dim")
     return EXIT_CODES["ok"]
 

@@ -3,7 +3,9 @@
 `run_eval(agent, dataset, scorer, log=...)` runs every sample through `treadle.map` (local,
 process or Ray backend), scores it, appends one fsynced line per sample to the log, and resumes
 a log it finds (refusing one written by another configuration). `summarize` / `compare` read
-logs back; `write_report` renders one as a self-contained HTML page. See docs/evals.md.
+logs back; `write_report` renders one as a self-contained HTML page. A log has one writer (a
+lock beside it), every line is checked on reading, and scoring is bounded and off the shared
+loop. See docs/evals.md.
 This package sits above `distributed`: it imports Treadle's lower layers, never the CLI.
 """
 
@@ -12,7 +14,14 @@ from treadle.evals.dataset import Dataset, Item
 from treadle.evals.failures import ERROR_KINDS
 from treadle.evals.log import EvalLog, LogHeader, SampleRecord, read_log
 from treadle.evals.report import render_report, write_report
-from treadle.evals.run import DEFAULT_MAX_RETRIES, EvalProgress, EvalResult, arun_eval, run_eval
+from treadle.evals.run import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_SCORE_TIMEOUT,
+    EvalProgress,
+    EvalResult,
+    arun_eval,
+    run_eval,
+)
 from treadle.evals.scorers import (
     Score,
     ScoreInput,
@@ -29,6 +38,7 @@ from treadle.evals.summary import Summary, TagSummary, summarize
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
+    "DEFAULT_SCORE_TIMEOUT",
     "ERROR_KINDS",
     "Comparison",
     "Dataset",

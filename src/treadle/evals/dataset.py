@@ -44,13 +44,7 @@ class Item:
             raise ConfigurationError(f"an item id must be a non-empty str, got {self.id!r}.")
         if not isinstance(self.input, str):
             raise ConfigurationError(f"item {self.id!r}: input must be a str (the user message).")
-        for path, text in self.files.items():
-            pure = PurePosixPath(path)
-            if not isinstance(text, str) or pure.is_absolute() or ".." in pure.parts or not path:
-                raise ConfigurationError(
-                    f"item {self.id!r}: files maps relative paths inside the workspace to text, "
-                    f"got {path!r}."
-                )
+        _check_files(self.id, self.files)
         tags = self.metadata.get("tags", [])
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             raise ConfigurationError(f"item {self.id!r}: metadata['tags'] must be a list of str.")
@@ -94,6 +88,45 @@ class Item:
             expected=data.get("expected"),
             metadata=dict(data.get("metadata") or {}),
         )
+
+
+#: Bytes of one path component most file systems accept.
+_NAME_MAX = 255
+
+
+def _check_files(item_id: str, files: Mapping[str, Any]) -> None:
+    """Refuse workspace files that cannot all be laid out in one directory: a path that is not
+    relative, leaves the workspace, names the workspace itself (`.`), holds a NUL byte or an
+    over-long name, names the same file as another (`a` and `./a`), or is both a file and a
+    directory (`a` and `a/b`)."""
+    laid: dict[tuple[str, ...], str] = {}
+    for path, text in files.items():
+        pure = PurePosixPath(path) if isinstance(path, str) else None
+        why = None
+        if pure is None or not isinstance(text, str):
+            why = "files maps relative paths inside the workspace to text"
+        elif "\0" in path:
+            why = "the path holds a NUL byte"
+        elif pure.is_absolute() or ".." in pure.parts:
+            why = "the path leaves the workspace"
+        elif not pure.parts:
+            why = "the path names the workspace itself, not a file in it"
+        elif any(len(part.encode()) > _NAME_MAX for part in pure.parts):
+            why = f"a name in the path is longer than {_NAME_MAX} bytes"
+        elif pure.parts in laid:
+            why = f"it names the same file as {laid[pure.parts]!r}"
+        if why is None:
+            assert pure is not None
+            laid[pure.parts] = path
+            continue
+        raise ConfigurationError(f"item {item_id!r}: workspace file {path!r}: {why}.")
+    for parts, path in laid.items():
+        for depth in range(1, len(parts)):
+            if parts[:depth] in laid:
+                raise ConfigurationError(
+                    f"item {item_id!r}: workspace file {path!r} needs {laid[parts[:depth]]!r} "
+                    "to be a directory, but it is a file too; rename one of them."
+                )
 
 
 class Dataset(Sequence[Item]):

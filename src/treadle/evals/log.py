@@ -1,7 +1,7 @@
 """The results log of an evaluation: a header line, then one line per finished sample.
 
 ```
-{"type": "header", "schema": 1, "config_hash", "config", "dataset", "items", "samples",
+{"type": "header", "schema": 2, "config_hash", "config", "dataset", "items", "samples",
  "created_at", "treadle", "producer"?}
 {"type": "sample", "item_id", "sample", "score", "passed", ...}      one per finished sample
 ```
@@ -9,25 +9,41 @@
 `LogWriter` appends from a writer thread (the event loop never waits on the disk), writing each
 sample's transcript file first and its log line second, and fsyncs the log whenever its queue
 drains: a line on disk means its sample is done. A crash leaves at most a torn last line, which
-`read_log` ignores and `LogWriter` cuts off before appending. This module must never rewrite a
-line already written.
+`read_log` ignores and `LogWriter` cuts off before appending.
+
+A log has one writer: `LogWriter` holds an exclusive `flock` on `<log>.lock` (beside the log,
+naming its holder: pid, host, start time) from before it reads the log until `close`, and a
+second writer is refused with `EvalLogBusyError` naming the holder. Every line is checked when a
+log is read or resumed (known fields only, each of its type, no sample twice): a damaged line is
+an `EvalLogDamagedError` naming the file and line, raised before a resume spends anything. This
+module must never rewrite a line already written.
 """
 
 from __future__ import annotations
 
+import datetime
+import fcntl
+import math
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from pydantic_core import from_json, to_json
 
 from treadle import __version__
-from treadle.errors import EvalConfigMismatch, PersistenceError
+from treadle.errors import (
+    EvalConfigMismatch,
+    EvalLogBusyError,
+    EvalLogDamagedError,
+    PersistenceError,
+)
+from treadle.evals.failures import ERROR_KINDS
 
 __all__ = [
     "LOG_SCHEMA",
@@ -36,11 +52,13 @@ __all__ = [
     "LogWriter",
     "SampleRecord",
     "config_changes",
+    "lock_path",
     "read_log",
 ]
 
-#: Version of the log format in every header.
-LOG_SCHEMA = 1
+#: Version of the log format in every header (2: sample lines may carry `expected`; a log of
+#: version 1 is read and resumed as it is).
+LOG_SCHEMA = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +109,9 @@ class SampleRecord:
     error: str | None = None
     stop_reason: str | None = None
     tags: Sequence[str] = ()
+    expected: Any = None
+    """The item's expected value (shown beside a failing answer), cut to `ANSWER_CAP` characters
+    of JSON when longer."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -104,15 +125,57 @@ class SampleRecord:
         return {"type": "sample", **data}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SampleRecord:
-        """A record from its line."""
-        fields = {k: v for k, v in data.items() if k != "type"}
-        fields["tags"] = tuple(fields.get("tags", ()))
-        return cls(**fields)
+    def from_json(cls, data: Mapping[str, Any], *, where: str = "sample line") -> SampleRecord:
+        """A record from its line; `ValueError` naming the first field at fault (`where` says
+        which line)."""
+        unknown = sorted(set(data) - _RECORD_FIELDS - {"type"})
+        if unknown:
+            raise ValueError(f"{where}: unknown fields {unknown}")
+        missing = sorted({"item_id", "sample", "score", "passed"} - set(data))
+        if missing:
+            raise ValueError(f"{where}: missing fields {missing}")
+        for name, check in _FIELD_CHECKS.items():
+            if name in data and not check(data[name]):
+                raise ValueError(f"{where}: field {name!r} has a bad value {data[name]!r:.80}")
+        values = {k: v for k, v in data.items() if k != "type"}
+        values["tags"] = tuple(values.get("tags", ()))
+        return cls(**values)
 
 
 #: Characters of the final answer kept in the log (the transcript has all of it).
 ANSWER_CAP = 4000
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(SampleRecord))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _text_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+_FIELD_CHECKS: dict[str, Any] = {
+    "item_id": lambda v: isinstance(v, str) and bool(v),
+    "sample": _count,
+    "score": lambda v: _number(v) and 0.0 <= v <= 1.0,
+    "passed": lambda v: isinstance(v, bool),
+    "explanation": _text_or_none,
+    "answer": _text_or_none,
+    "transcript": _text_or_none,
+    "usage": lambda v: isinstance(v, dict) and all(_count(n) for n in v.values()),
+    "latency_s": lambda v: _number(v) and v >= 0,
+    "retries": _count,
+    "error_kind": lambda v: v is None or v in ERROR_KINDS,
+    "error": _text_or_none,
+    "stop_reason": _text_or_none,
+    "tags": lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,45 +227,164 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
             yield offset, line
 
 
+_HEADER_FIELDS = frozenset(f.name for f in fields(LogHeader))
+
+
 def _header(data: Any, path: Path) -> LogHeader:
     if not isinstance(data, dict) or data.get("type") != "header":
         raise PersistenceError(f"{path} is not an evaluation log (its first line is no header).")
-    if data.get("schema", 0) > LOG_SCHEMA:
-        raise PersistenceError(
-            f"{path} was written by a newer Treadle (log schema {data['schema']}); upgrade."
+    schema = data.get("schema", 0)
+    if not _count(schema):
+        raise EvalLogDamagedError(
+            f"{path}:1: the header's schema is {schema!r}, not a version number; this log "
+            "cannot be read.",
+            path=str(path),
+            line=1,
         )
-    fields = {k: v for k, v in data.items() if k not in ("type", "schema")}
-    return LogHeader(**fields)
+    if schema > LOG_SCHEMA:
+        raise PersistenceError(
+            f"{path} was written by a newer Treadle (log schema {schema}); upgrade."
+        )
+    values = {k: v for k, v in data.items() if k not in ("type", "schema")}
+    unknown = sorted(set(values) - _HEADER_FIELDS)
+    bad = (
+        f"unknown fields {unknown}"
+        if unknown
+        else next(
+            (
+                f"field {name!r} is missing or of the wrong type"
+                for name, kind in (
+                    ("config_hash", str),
+                    ("config", dict),
+                    ("dataset", str),
+                    ("items", int),
+                    ("samples", int),
+                )
+                if not isinstance(values.get(name), kind)
+            ),
+            None,
+        )
+    )
+    if bad is not None:
+        raise EvalLogDamagedError(
+            f"{path}:1: the header line is damaged ({bad}); this log cannot be read.",
+            path=str(path),
+            line=1,
+        )
+    return LogHeader(**values)
+
+
+def _scan(path: Path) -> tuple[LogHeader | None, list[SampleRecord], int]:
+    """Every complete line of a log, checked: its header, its records and the offset past the
+    last complete line. `EvalLogDamagedError` names the first damaged line."""
+    header: LogHeader | None = None
+    records: list[SampleRecord] = []
+    seen: dict[tuple[str, int], int] = {}
+    end = 0
+    for number, (offset, line) in enumerate(_lines(path), 1):
+        end = offset
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            data = from_json(line)
+        except ValueError as err:
+            raise _damaged(path, number, f"not JSON ({err})") from None
+        if header is None:
+            header = _header(data, path)
+            continue
+        if not isinstance(data, dict) or data.get("type") != "sample":
+            raise _damaged(path, number, "not a sample line")
+        try:
+            record = SampleRecord.from_json(data, where=where)
+        except ValueError as err:
+            raise _damaged(path, number, str(err).removeprefix(f"{where}: ")) from None
+        if record.key in seen:
+            raise _damaged(
+                path,
+                number,
+                f"sample {record.sample} of item {record.item_id!r} is already on line "
+                f"{seen[record.key]} (two runs wrote this log at once)",
+            )
+        seen[record.key] = number
+        records.append(record)
+    return header, records, end
+
+
+def _damaged(path: Path, number: int, why: str) -> EvalLogDamagedError:
+    return EvalLogDamagedError(
+        f"{path}:{number}: {why}; repair or delete that line, or start a new log.",
+        path=str(path),
+        line=number,
+    )
 
 
 def read_log(path: str | os.PathLike[str]) -> EvalLog:
-    """The header and records of a log (a torn last line is ignored)."""
+    """The header and records of a log (a torn last line is ignored); `EvalLogDamagedError`
+    naming the file and line of a damaged one."""
     p = Path(path)
     if not p.is_file():
         raise PersistenceError(f"no evaluation log at {p}.")
-    header: LogHeader | None = None
-    records: list[SampleRecord] = []
-    try:
-        for _, line in _lines(p):
-            if not line.strip():
-                continue
-            data = from_json(line)
-            if header is None:
-                header = _header(data, p)
-            elif data.get("type") == "sample":
-                records.append(SampleRecord.from_json(data))
-    except (ValueError, TypeError) as err:
-        raise PersistenceError(f"{p} has a damaged line ({err}).") from None
+    header, records, _ = _scan(p)
     if header is None:
         raise PersistenceError(f"{p} is empty: it has no header line.")
     return EvalLog(p, header, records)
 
 
+def lock_path(log: str | os.PathLike[str]) -> Path:
+    """The lock file beside a log (`run.jsonl.lock`), held by the run writing it."""
+    path = Path(log)
+    return path.with_name(path.name + ".lock")
+
+
+def _lock(log: Path) -> int:
+    """Take the log's lock and note the holder in it; `EvalLogBusyError` naming the holder."""
+    lock = lock_path(log)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise EvalLogBusyError(
+            f"{log} is being written by another run ({holder}); wait for it to end, or give "
+            "this run another log."
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    note = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, to_json(note) + b"\n", 0)
+    return fd
+
+
+def _holder(fd: int) -> str:
+    try:
+        data = from_json(os.pread(fd, 4096, 0))
+        started = datetime.datetime.fromtimestamp(float(data["started"]), datetime.UTC)
+        return f"pid {int(data['pid'])} on {data['host']}, started {started:%Y-%m-%d %H:%M:%S} UTC"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "its holder has not written its name yet"
+
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 class LogWriter:
     """Appends sample lines (and their transcripts) to a log from a background thread.
 
-    Opening an existing log checks its configuration hash against `header` and cuts a torn last
-    line; opening a missing or empty one writes `header` first.
+    Takes the log's lock first (`EvalLogBusyError` when another run holds it) and keeps it until
+    `close`. Opening an existing log checks every line and its configuration hash against
+    `header` and cuts a torn last line; opening a missing or empty one writes `header` first.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: LogHeader) -> None:
@@ -212,10 +394,15 @@ class LogWriter:
         """This run's header (a resumed log keeps the header it was first written with)."""
         self.done: set[tuple[str, int]] = set()
         """Keys of the samples already in the log when it was opened."""
-        fresh = not self.path.exists() or self.path.stat().st_size == 0
-        if not fresh:
-            self._check_and_trim(header)
-        self._file = self.path.open("ab")
+        self._lock = _lock(self.path)
+        try:
+            fresh = not self.path.exists() or self.path.stat().st_size == 0
+            if not fresh:
+                self._check_and_trim(header)
+            self._file = self.path.open("ab")
+        except BaseException:
+            _unlock(self._lock)
+            raise
         if fresh:
             self._file.write(to_json(header.to_json()) + b"\n")
             self._file.flush()
@@ -228,15 +415,8 @@ class LogWriter:
         self._thread.start()
 
     def _check_and_trim(self, header: LogHeader) -> None:
-        end = 0
-        found: LogHeader | None = None
-        for offset, line in _lines(self.path):
-            end = offset
-            data = from_json(line)
-            if found is None:
-                found = _header(data, self.path)
-            elif data.get("type") == "sample":
-                self.done.add((data["item_id"], data["sample"]))
+        found, records, end = _scan(self.path)
+        self.done.update(record.key for record in records)
         if found is None:
             raise PersistenceError(f"{self.path} is not an evaluation log; pick another --log.")
         if found.config_hash != header.config_hash:
@@ -284,9 +464,13 @@ class LogWriter:
         self._queue.put((transcript, body, to_json(record.to_json()) + b"\n"))
 
     def close(self) -> None:
-        """Write what is queued, fsync and close; re-raise a write error (blocks)."""
+        """Write what is queued, fsync, close and release the lock; re-raise a write error
+        (blocks)."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        if self._lock >= 0:
+            lock, self._lock = self._lock, -1
+            _unlock(lock)
         if self._error is not None:
             raise PersistenceError(f"cannot write {self.path}: {self._error}") from self._error

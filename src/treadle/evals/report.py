@@ -1,28 +1,36 @@
 """The HTML report of a log: one self-contained page (inline CSS and SVG, no script, no network).
 
 It shows the summary (score and interval, pass@k, latency percentiles, tokens, errors), a bar
-chart of the score by tag, a latency histogram and the samples (failures first). Every text from
-the log is HTML-escaped: answers are model output and must never become markup. This module
-only builds strings; `write_report` is the one place that writes a file.
+chart of the score by tag, a latency histogram and the samples (failures first, with what was
+expected and the scorer's explanation). Every text from the log is HTML-escaped: answers are
+model output and must never become markup. A log may be hostile, so a transcript link is kept
+only when it is a plain file name under the log's own transcript folder (`<log>.transcripts/`),
+and dropped otherwise (never a `javascript:` or outside URL). This module only builds strings;
+`write_report` is the one place that writes a file.
 """
 
 from __future__ import annotations
 
 import datetime
 import html
+import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 from treadle.evals.log import EvalLog, SampleRecord, read_log
 from treadle.evals.summary import Summary, TagSummary, summarize
 
-__all__ = ["MAX_REPORT_ROWS", "render_report", "write_report"]
+__all__ = ["MAX_REPORT_ROWS", "render_report", "transcript_href", "write_report"]
 
 #: Samples listed in the report's table (failures first); the log holds every one.
 MAX_REPORT_ROWS = 2000
 _BINS = 20
 _ANSWER_CHARS = 160
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#1d2330;
@@ -55,7 +63,7 @@ def _card(title: str, value: str, note: str = "") -> str:
 
 def _cards(summary: Summary) -> str:
     s = summary.score
-    method = "Wilson" if s.method == "wilson" else "t over item means"
+    method = "Wilson over items" if s.method == "wilson" else "t over item means"
     cards = [
         _card(
             "Score", f"{s.estimate:.3f}", f"{s.level:.0%} CI [{s.low:.3f}, {s.high:.3f}] ({method})"
@@ -159,26 +167,48 @@ def latency_histogram(latencies: Sequence[float], bins: int = _BINS) -> str:
     return "".join(parts)
 
 
-def _rows(records: Sequence[SampleRecord]) -> str:
+def transcript_href(transcript: str | None, log_name: str) -> str | None:
+    """The link to a sample's transcript, relative to the log's folder, or None when the log's
+    path is not a plain file name in `<log_name>.transcripts/`."""
+    if not transcript:
+        return None
+    folder, _, name = transcript.partition("/")
+    if folder != f"{log_name}.transcripts" or not _FILE_NAME.fullmatch(name) or ".." in name:
+        return None
+    return quote(f"{folder}/{name}")
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _ANSWER_CHARS else text[:_ANSWER_CHARS] + "…"
+
+
+def _expected(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _rows(records: Sequence[SampleRecord], log_name: str) -> str:
     ordered = sorted(records, key=lambda r: (r.passed, r.score, r.item_id, r.sample))
     shown = ordered[:MAX_REPORT_ROWS]
     out = [
         "<table><thead><tr><th>item</th><th>sample</th><th>score</th><th>passed</th>"
-        "<th>latency</th><th>retries</th><th>error</th><th>answer</th><th>transcript</th>"
-        "</tr></thead><tbody>"
+        "<th>latency</th><th>retries</th><th>error</th><th>answer</th><th>expected</th>"
+        "<th>explanation</th><th>transcript</th></tr></thead><tbody>"
     ]
     for r in shown:
-        answer = r.answer or ""
-        if len(answer) > _ANSWER_CHARS:
-            answer = answer[:_ANSWER_CHARS] + "…"
-        link = f'<a href="{_e(r.transcript)}">jsonl</a>' if r.transcript else ""
+        href = transcript_href(r.transcript, log_name)
+        link = f'<a href="{_e(href)}">jsonl</a>' if href else ""
         status = '<td class="pass">yes</td>' if r.passed else '<td class="fail">no</td>'
         error = _e(r.error_kind or "")
+        why = r.explanation or r.error or ""
         out.append(
             f"<tr><td>{_e(r.item_id)}</td><td class=num>{r.sample}</td>"
             f"<td class=num>{r.score:.3f}</td>{status}<td class=num>{r.latency_s:.3f}</td>"
             f'<td class=num>{r.retries}</td><td title="{_e(r.error or "")}">{error}</td>'
-            f'<td class="answer">{_e(answer)}</td><td>{link}</td></tr>'
+            f'<td class="answer">{_e(_short(r.answer or ""))}</td>'
+            f'<td class="answer">{_e(_short(_expected(r.expected)))}</td>'
+            f"<td>{_e(_short(why))}</td><td>{link}</td></tr>"
         )
     out.append("</tbody></table>")
     if len(ordered) > len(shown):
@@ -220,7 +250,7 @@ def render_report(log: EvalLog, summary: Summary | None = None) -> str:
         f"{_cards(summary)}"
         f"<h2>Score by tag</h2>{tag_chart(summary.by_tag)}"
         f"<h2>Latency</h2>{latency_histogram([r.latency_s for r in log.records])}"
-        f"{error_table}<h2>Samples</h2>{_rows(log.records)}"
+        f"{error_table}<h2>Samples</h2>{_rows(log.records, log.path.name)}"
         "</main></body></html>\n"
     )
 

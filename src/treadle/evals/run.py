@@ -6,7 +6,10 @@ infrastructure failure (up to `max_retries` times each). Each finished pass is s
 process and its record written to the log; the summary is computed from the log afterwards, so a
 resumed run and an uninterrupted one summarise the same lines the same way. This module must
 never write a sample twice in one run, never retry a scored failure, and never leave a sample's
-workspace behind.
+workspace behind. Everything that can be checked is checked before the first request: the
+arguments, every item (its workspace files can be laid out), the log's lock and every line of a
+log being resumed. Scoring is bounded in time (`score_timeout`, else `sample_timeout`, else
+`DEFAULT_SCORE_TIMEOUT`): a scorer past it fails its sample as a `scorer_error`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import hashlib
 import inspect
 import itertools
+import json
 import re
 import shutil
 import tempfile
@@ -34,17 +38,26 @@ from treadle.evals.config import config_hash, fingerprint_agent
 from treadle.evals.dataset import Dataset, Item
 from treadle.evals.failures import classify, classify_text, retryable
 from treadle.evals.log import ANSWER_CAP, LogHeader, LogWriter, SampleRecord, read_log
-from treadle.evals.scorers import Score, ScoreInput, Scorer, as_scorer
+from treadle.evals.scorers import Score, ScoreInput, Scorer, ScorerError, as_scorer
 from treadle.evals.summary import Summary, summarize
 from treadle.persist.format import encode_header, encode_row, encode_trailer
 from treadle.persist.producer import producer_record
 from treadle.runtime import get_runtime
 from treadle.session import Session
 
-__all__ = ["DEFAULT_MAX_RETRIES", "EvalProgress", "EvalResult", "arun_eval", "run_eval"]
+__all__ = [
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_SCORE_TIMEOUT",
+    "EvalProgress",
+    "EvalResult",
+    "arun_eval",
+    "run_eval",
+]
 
 #: Times a sample runs again after an infrastructure failure before it is logged as an error.
 DEFAULT_MAX_RETRIES = 3
+#: Seconds one sample's scoring may take when neither `score_timeout` nor `sample_timeout` is set.
+DEFAULT_SCORE_TIMEOUT = 600.0
 # Seconds Ctrl-C waits for a cancelled run to close its log before giving up on it.
 _CANCEL_GRACE = 30.0
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -121,6 +134,7 @@ async def arun_eval(
     sandbox: bool = False,
     max_retries: int = DEFAULT_MAX_RETRIES,
     sample_timeout: float | None = None,
+    score_timeout: float | None = None,
     transcripts: bool = True,
     progress: Callable[[EvalProgress], None] | None = None,
     **backend_options: Any,
@@ -140,6 +154,8 @@ async def arun_eval(
         sandbox: Give each sample its own workspace directory holding the item's files.
         max_retries: Runs again of a sample after an infrastructure failure.
         sample_timeout: Seconds one pass may take; past it the attempt is a `timeout` failure.
+        score_timeout: Seconds scoring one sample may take (default: `sample_timeout`, else
+            `DEFAULT_SCORE_TIMEOUT`); past it the sample is a `scorer_error`.
         transcripts: Write each output session next to the log (`<log>.transcripts/`).
         progress: Called (on the runtime's thread) at the start and after each sample.
         backend_options: Passed to the distributed backend (workers, sandbox_base, ...).
@@ -147,6 +163,11 @@ async def arun_eval(
     data = Dataset.coerce(dataset)
     scoring = as_scorer(scorer)
     _check(data, samples, concurrency, max_retries, sandbox, backend)
+    for name, value in (("sample_timeout", sample_timeout), ("score_timeout", score_timeout)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+        ):
+            raise ConfigurationError(f"{name} must be a positive number of seconds or None.")
     config = {
         "agent": fingerprint_agent(agent),
         "dataset": {"hash": data.hash, "items": len(data)},
@@ -159,6 +180,7 @@ async def arun_eval(
     log_path = Path(log)
     writer = await asyncio.to_thread(LogWriter, log_path, header)
     run = _Run(agent, scoring, writer, log_path, samples * len(data), progress)
+    run.score_timeout = score_timeout or sample_timeout or DEFAULT_SCORE_TIMEOUT
     try:
         pending = [
             _Attempt(item, j)
@@ -236,6 +258,7 @@ class _Run:
         self.passed = 0
         self.errors = 0
         self.progress_error: Exception | None = None
+        self.score_timeout = DEFAULT_SCORE_TIMEOUT
         self.agent_rows = getattr(getattr(agent, "agent_session", None), "rows", ())
 
     def report(self, last: SampleRecord | None) -> None:
@@ -360,6 +383,7 @@ class _Run:
             latency_s=round(latency, 6),
             retries=attempt.retries,
             tags=item.tags,
+            expected=_capped(item.expected),
         )
         if isinstance(result, BaseException):
             outcome = getattr(result, "outcome", None)
@@ -385,9 +409,20 @@ class _Run:
             base = replace(base, transcript=f"{self.transcript_dir}/{name}")
             body = self._transcript(out, attempt)
         try:
-            score: Score = await self.scorer.score(
-                ScoreInput(item, answer, out.output, out, attempt.workspace)
-            )
+            timer = asyncio.timeout(self.score_timeout)
+            try:
+                async with timer:
+                    score: Score = await self.scorer.score(
+                        ScoreInput(item, answer, out.output, out, attempt.workspace)
+                    )
+            except TimeoutError:
+                if not timer.expired():
+                    raise  # the scorer's own: classified as it always was
+                # Not retried, unlike a pass's timeout: a scorer that hung once likely hangs again.
+                raise ScorerError(
+                    f"scorer {self.scorer.name!r} did not finish within {self.score_timeout:g} s"
+                    " (score_timeout); make it faster or raise score_timeout."
+                ) from None
         except Exception as err:
             kind = classify(err)
             return replace(base, error_kind=kind, error=f"{type(err).__name__}: {err}"[:2000]), body
@@ -426,6 +461,16 @@ class _Run:
             workspace, attempt.workspace = attempt.workspace, None
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(shutil.rmtree, workspace)
+
+
+def _capped(value: Any) -> Any:
+    """The expected value for the log: as it is, or its JSON cut to `ANSWER_CAP` characters."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return value if len(value) <= ANSWER_CAP else value[:ANSWER_CAP] + "…"
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return value if len(text) <= ANSWER_CAP else text[:ANSWER_CAP] + "…"
 
 
 def _safe_name(item_id: str) -> str:

@@ -4,7 +4,11 @@ Built in: `exact` and `contains` match against the item's expected value, `funct
 Python function, `structured` validates the answer against a pydantic model (and compares it with
 the expected value), and `judge` asks an `Agent` to grade. A scorer that raises fails the sample
 with error kind `scorer_error`, except provider errors (a judge's endpoint failing), which are
-infrastructure failures and retried like the agent's. This module must never change a sample.
+infrastructure failures and retried like the agent's. A sync scoring function runs on a worker
+thread of the scorers' own (the shared loop never waits on it; one that outlives its run's
+`score_timeout` is abandoned there and counted in `treadle.runtime.thread_stats()`); the
+built-in sync scorers, a few string comparisons each, run inline. This module must never change
+a sample.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import pydantic
 from treadle.errors import ConfigurationError, TreadleError
 from treadle.evals.config import callable_fingerprint, fingerprint_agent
 from treadle.evals.dataset import Item
+from treadle.runtime.threads import LoopThreadLimiter
 from treadle.session import Session
 
 __all__ = [
+    "SCORER_THREADS",
     "Score",
     "ScoreInput",
     "Scorer",
@@ -78,15 +84,27 @@ class ScoreInput:
 
 ScoreFn = Callable[[ScoreInput], "Score | bool | float | Awaitable[Score | bool | float]"]
 
+#: Sync scoring functions running at once on one event loop (more wait for a thread).
+SCORER_THREADS = 64
+_SCORER_THREADS = LoopThreadLimiter(SCORER_THREADS)
+
 
 class Scorer:
     """Turns a `ScoreInput` into a `Score`; `fingerprint` enters the run's configuration hash."""
 
     def __init__(
-        self, name: str, fn: ScoreFn, fingerprint: dict[str, Any], pass_threshold: float = 1.0
+        self,
+        name: str,
+        fn: ScoreFn,
+        fingerprint: dict[str, Any],
+        pass_threshold: float = 1.0,
+        *,
+        inline: bool = False,
     ) -> None:
+        """`inline` runs a sync `fn` on the event loop: only for scorers known to be quick."""
         self.name = name
         self._fn = fn
+        self._on_thread = not inline and not inspect.iscoroutinefunction(fn)
         self.fingerprint = {"scorer": name, **fingerprint, "pass_threshold": pass_threshold}
         self.pass_threshold = pass_threshold
 
@@ -94,8 +112,12 @@ class Scorer:
         return f"<Scorer {self.name}>"
 
     async def score(self, sample: ScoreInput) -> Score:
-        """The sample's score (runs the function; awaits it if it is async)."""
-        result = self._fn(sample)
+        """The sample's score (runs the function, a sync one on a worker thread; awaits it if it
+        is async)."""
+        if self._on_thread:
+            result: Any = await _SCORER_THREADS.run(self._fn, sample, abandon_on_cancel=True)
+        else:
+            result = self._fn(sample)
         if inspect.isawaitable(result):
             result = await result
         return self._coerce(result)
@@ -136,7 +158,7 @@ def exact(*, ignore_case: bool = False) -> Scorer:
         ok = any(_norm(e, ignore_case) == answer for e in _expected_texts(sample.item))
         return Score(1.0 if ok else 0.0, ok, None if ok else "answer differs from expected")
 
-    return Scorer("exact", check, {"ignore_case": ignore_case})
+    return Scorer("exact", check, {"ignore_case": ignore_case}, inline=True)
 
 
 def contains(*, ignore_case: bool = False) -> Scorer:
@@ -147,7 +169,7 @@ def contains(*, ignore_case: bool = False) -> Scorer:
         ok = any(_norm(e, ignore_case) in answer for e in _expected_texts(sample.item))
         return Score(1.0 if ok else 0.0, ok, None if ok else "expected text not in answer")
 
-    return Scorer("contains", check, {"ignore_case": ignore_case})
+    return Scorer("contains", check, {"ignore_case": ignore_case}, inline=True)
 
 
 def function(fn: ScoreFn, *, name: str | None = None, pass_threshold: float = 1.0) -> Scorer:

@@ -1,10 +1,10 @@
 """The statistics of an evaluation: intervals, pass@k and percentiles, in the standard library.
 
-- `wilson_interval`: the Wilson score interval of a proportion (binary scores, one sample per
-  item). Unlike the normal ("Wald") interval it stays inside [0, 1] and is sound at 0 or n
-  successes.
-- `t_interval`: mean +/- t(1 - alpha/2, n - 1) * s / sqrt(n), for continuous scores or for
-  per-item mean scores when an item has several samples (its samples are not independent).
+- `wilson_interval`: the Wilson score interval of a proportion (binary scores; with several
+  samples per item, of the per-item pass rates over the items). Unlike the normal ("Wald")
+  interval it stays inside [0, 1] and is sound at 0 or n successes.
+- `t_interval`: mean +/- t(1 - alpha/2, n - 1) * s / sqrt(n), for continuous scores (per-item
+  means when an item has several samples: its samples are not independent), clipped to [0, 1].
 - `pass_at_k`: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models
   Trained on Code"): for an item with n samples of which c passed,
   1 - C(n - c, k) / C(n, k), computed as a product so it never overflows.
@@ -50,8 +50,12 @@ def _check_level(level: float) -> None:
         raise ValueError(f"the confidence level must be between 0 and 1, got {level!r}.")
 
 
-def wilson_interval(successes: int, n: int, level: float = 0.95) -> Interval:
-    """The Wilson score interval of `successes` out of `n` at confidence `level`."""
+def wilson_interval(successes: float, n: int, level: float = 0.95) -> Interval:
+    """The Wilson score interval of `successes` out of `n` at confidence `level`.
+
+    `successes` may be fractional: the sum of per-item pass rates when items have several
+    samples (the item is then the unit, as samples of one item are not independent).
+    """
     _check_level(level)
     if n < 1 or not 0 <= successes <= n:
         raise ValueError(f"need 0 <= successes <= n and n >= 1, got {successes} of {n}.")
@@ -66,8 +70,11 @@ def wilson_interval(successes: int, n: int, level: float = 0.95) -> Interval:
     return Interval(p, low, high, level, "wilson", n)
 
 
-def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
-    """Mean of `values` +/- Student's t quantile times the standard error (n - 1 d.o.f.).
+def t_interval(
+    values: Sequence[float], level: float = 0.95, bounds: tuple[float, float] | None = None
+) -> Interval:
+    """Mean of `values` +/- Student's t quantile times the standard error (n - 1 d.o.f.),
+    clipped to `bounds` when given (scores live in [0, 1], so their mean does too).
 
     With one value the interval is that value on both sides (there is no spread to measure).
     """
@@ -80,7 +87,10 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
         return Interval(mean, mean, mean, level, "t", 1)
     variance = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
     half = t_quantile(0.5 + level / 2, n - 1) * math.sqrt(variance / n)
-    return Interval(mean, mean - half, mean + half, level, "t", n)
+    low, high = mean - half, mean + half
+    if bounds is not None:
+        low, high = max(bounds[0], low), min(bounds[1], high)
+    return Interval(mean, low, high, level, "t", n)
 
 
 def t_quantile(p: float, df: int) -> float:

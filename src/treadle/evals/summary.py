@@ -1,11 +1,12 @@
 """`Summary` of a log: score with its confidence interval, pass@k, latency, tokens, errors, tags.
 
-The interval is Wilson's when scores are binary with one sample per item; otherwise it is a
-t-interval over per-item mean scores (samples of one item are not independent draws, so the item
-is the unit). A sample that ended in an error counts as score 0 and not passed: dropping it would
-flatter the agent. Every sum is `math.fsum` over sorted values, so the summary does not depend on
-the order samples finished in (a resumed log and an uninterrupted one summarise equal).
-This module must never read files: it takes an `EvalLog` or records.
+The interval is Wilson's when scores are binary (0 or 1), and a t-interval clipped to [0, 1]
+otherwise; either way over per-item mean scores (samples of one item are not independent draws,
+so the item is the unit), so it never leaves [0, 1]. A sample that ended in an error counts as
+score 0 and not passed: dropping it would flatter the agent. Every sum is `math.fsum` over sorted
+values, so the summary does not depend on the order samples finished in (a resumed log and an
+uninterrupted one summarise equal). This module must never read files: it takes an `EvalLog` or
+records.
 """
 
 from __future__ import annotations
@@ -94,12 +95,11 @@ def summarize(log: EvalLog | Sequence[SampleRecord]) -> Summary:
     per_item = [(len(rs), sum(r.passed for r in rs)) for rs in by_item.values()]
     k_max = min(n for n, _ in per_item)
     values = [r.score for r in records]
-    binary = all(v in (0.0, 1.0) for v in values)
-    if binary and k_max == 1 and all(n == 1 for n, _ in per_item):
-        interval = wilson_interval(sum(1 for v in values if v == 1.0), len(values))
+    means = sorted(math.fsum(sorted(r.score for r in rs)) / len(rs) for rs in by_item.values())
+    if all(v in (0.0, 1.0) for v in values):
+        interval = wilson_interval(math.fsum(means), len(means))
     else:
-        means = sorted(math.fsum(sorted(r.score for r in rs)) / len(rs) for rs in by_item.values())
-        interval = t_interval(means)
+        interval = t_interval(means, bounds=(0.0, 1.0))
     latencies = [r.latency_s for r in records]
     tokens: Counter[str] = Counter()
     for record in records:

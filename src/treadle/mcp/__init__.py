@@ -26,12 +26,14 @@ from treadle.mcp.server import (
     atools_from,
     tools_from,
 )
+from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
 from treadle.mcp.tool import MCPTool
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_PING_TIMEOUT",
     "MCPServer",
     "MCPTool",

@@ -29,13 +29,28 @@ from typing import Any, TypeVar
 
 import anyio
 import mcp_types as types
-from mcp import ClientSession, MCPError
+from mcp import MCPError
 from mcp.client.session import MessageHandlerFnT
 
-from treadle.errors import MCPServerError, ToolArgumentsError, ToolError, ToolTimeoutError
+from treadle.errors import (
+    MCPSchemaError,
+    MCPServerError,
+    ToolArgumentsError,
+    ToolError,
+    ToolTimeoutError,
+)
+from treadle.mcp.listing import CheckedSession, compile_all, list_all, until_quiet
+from treadle.mcp.stdio import StdioTransport, TransportFault
 from treadle.runtime import Runtime
+from treadle.runtime.threads import run_internal_io
 
-__all__ = ["CLOSE_SECONDS", "MAX_LIST_PAGES", "Link", "LinkLimits", "Opener", "close_soon"]
+__all__ = [
+    "CLOSE_SECONDS",
+    "Link",
+    "LinkLimits",
+    "Opener",
+    "close_soon",
+]
 
 T = TypeVar("T")
 log = logging.getLogger("treadle.mcp")
@@ -43,8 +58,6 @@ log = logging.getLogger("treadle.mcp")
 #: How long closing a connection may take before its owner task is cancelled (the SDK's own stdio
 #: shutdown waits 2 s for the server to exit, then terminates and kills its process group).
 CLOSE_SECONDS = 10.0
-#: Pages of `tools/list` read before a server that keeps returning cursors is cut off.
-MAX_LIST_PAGES = 100
 
 _CLIENT_INFO = types.Implementation(name="treadle", version="0.1.0")
 
@@ -68,11 +81,12 @@ class LinkLimits:
 
 
 class _WatchedStream:
-    """The transport's read stream, setting `ended` when it ends (the server hung up or died)."""
+    """The transport's read stream, setting its connection's `finished` when it ends (the server
+    hung up or died) and keeping a transport's `TransportFault` as the reason."""
 
-    def __init__(self, inner: Any, ended: asyncio.Event) -> None:
+    def __init__(self, inner: Any, live: _Live) -> None:
         self._inner = inner
-        self._ended = ended
+        self._live = live
 
     @property
     def last_context(self) -> Any:
@@ -80,10 +94,17 @@ class _WatchedStream:
 
     async def receive(self) -> Any:
         try:
-            return await self._inner.receive()
+            item = await self._inner.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._ended.set()
+            self._live.finished.set()
             raise
+        if isinstance(item, TransportFault):
+            # Recorded before the session learns the stream ended, so the calls it then fails
+            # can say why.
+            self._live.fault = str(item)
+            self._live.finished.set()
+            raise anyio.EndOfStream
+        return item
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -107,12 +128,27 @@ class _WatchedStream:
 class _Live:
     """One connection's state: its session once initialised, and the event that retires it."""
 
-    __slots__ = ("finished", "group", "session")
+    __slots__ = (
+        "announced",
+        "fault",
+        "finished",
+        "group",
+        "refresh_again",
+        "refreshing",
+        "session",
+    )
 
     def __init__(self) -> None:
         self.finished = asyncio.Event()
-        self.session: ClientSession | None = None
+        self.session: CheckedSession | None = None
         self.group: anyio.abc.TaskGroup | None = None
+        self.fault: str | None = None
+        """Why the transport ended the connection, when it said."""
+        self.refreshing = False
+        """A re-listing runs (announcements meanwhile only ask for one more)."""
+        self.refresh_again = False
+        self.announced = 0.0
+        """Loop time of the last `notifications/tools/list_changed`."""
 
     @property
     def usable(self) -> bool:
@@ -143,6 +179,11 @@ class Link:
         self._closed = False
         self.listing: tuple[types.Tool, ...] = ()
         """The server's tools as last listed (refreshed on `notifications/tools/list_changed`)."""
+        self.validators: dict[int, Any] = {}
+        """The compiled input schema of each tool of `listing`, by the `id` of its `types.Tool`
+        (so a reader holding an older listing never gets a newer tool's validator)."""
+        self.listings = 0
+        """How many times the tool list was fetched (first listings and refreshes)."""
         self.starts = 0
         """How many connections were opened so far (1 + restarts)."""
         _register(self)
@@ -217,12 +258,13 @@ class Link:
 
     async def _own(self, live: _Live, ready: asyncio.Future[None]) -> None:
         """The owner task: enter the transport and session, serve until retired, then exit."""
+        transport = self._opener()
         try:
             async with contextlib.AsyncExitStack() as stack:
-                read, write = await stack.enter_async_context(self._opener())
+                read, write = await stack.enter_async_context(transport)
                 session = await stack.enter_async_context(
-                    ClientSession(
-                        _WatchedStream(read, live.finished),
+                    CheckedSession(
+                        _WatchedStream(read, live),
                         write,
                         message_handler=self._handler(live),
                         client_info=_CLIENT_INFO,
@@ -232,18 +274,25 @@ class Link:
                     live.group = group
                     with anyio.fail_after(self.limits.connect_timeout):
                         await session.initialize()
-                        self.listing = await _list_all(session)
+                        await self._list(session)
                     live.session = session
                     if not ready.done():
                         ready.set_result(None)
                     await live.finished.wait()
                     group.cancel_scope.cancel()
         except Exception as error:
-            if not ready.done():
+            refused = _refused(error)
+            if not ready.done() and refused is not None:
+                ready.set_exception(refused)
+            elif not ready.done():
+                said = ""
+                if isinstance(transport, StdioTransport) and transport.stderr_tail:
+                    said = " Its stderr ended with: " + " | ".join(transport.stderr_tail)
                 ready.set_exception(
                     MCPServerError(
-                        f"could not start MCP server {self.label} ({describe(error)}); "
-                        "check that it runs and speaks MCP, then call again."
+                        f"could not start MCP server {self.label} "
+                        f"({live.fault or describe(error)}); "
+                        f"check that it runs and speaks MCP, then call again.{said}"
                     )
                 )
             else:
@@ -258,23 +307,52 @@ class Link:
     def _handler(self, live: _Live) -> MessageHandlerFnT:
         async def handle(message: Any) -> None:
             if isinstance(message, types.ToolListChangedNotification) and live.group is not None:
-                # Not inline: the handler runs inside the session's receive loop, and listing
-                # needs that loop to read the reply.
-                live.group.start_soon(self._refresh, live)
+                # Coalesced: a storm of announcements costs at most one re-listing running and
+                # one pending. Not inline: the handler runs inside the session's receive loop,
+                # and listing needs that loop to read the reply.
+                live.announced = asyncio.get_running_loop().time()
+                if live.refreshing:
+                    live.refresh_again = True
+                else:
+                    live.refreshing = True
+                    live.group.start_soon(self._refresh, live)
             elif isinstance(message, Exception):
                 log.debug("MCP server %s: transport error %s", self.label, describe(message))
 
         return handle
 
+    async def _list(self, session: CheckedSession) -> None:
+        """List the tools and compile their schemas (on a worker thread: a schema is peer data
+        whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
+        self.listings += 1
+        listing = await list_all(session)
+        compiled = await run_internal_io(compile_all, listing, self.label)
+        self.validators = {id(tool): v for tool, (v, _) in zip(listing, compiled, strict=True)}
+        session.output_validators = {
+            tool.name: out
+            for tool, (_, out) in zip(listing, compiled, strict=True)
+            if out is not None
+        }
+        self.listing = listing
+
     async def _refresh(self, live: _Live) -> None:
-        session = live.session
-        if session is None:
-            return
         try:
-            with anyio.fail_after(self.limits.call_timeout):
-                self.listing = await _list_all(session)
-        except Exception as error:
-            log.warning("MCP server %s: re-listing tools failed (%s)", self.label, describe(error))
+            while live.session is not None and not live.finished.is_set():
+                live.refresh_again = False
+                try:
+                    with anyio.fail_after(self.limits.call_timeout):
+                        await self._list(live.session)
+                except Exception as error:
+                    log.warning(
+                        "MCP server %s: re-listing tools failed, keeping the last list (%s)",
+                        self.label,
+                        describe(error),
+                    )
+                if not live.refresh_again:
+                    return
+                await until_quiet(lambda: live.announced, live.finished)
+        finally:
+            live.refreshing = False
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         async with self._slots:
@@ -287,14 +365,14 @@ class Link:
                 except MCPError as error:
                     if error.code == types.CONNECTION_CLOSED:
                         live.finished.set()
-                        raise self._hung_up(name) from None
+                        raise self._hung_up(name, live, error.message) from None
                     kind = ToolArgumentsError if error.code == types.INVALID_PARAMS else ToolError
                     raise kind(
                         f"MCP server {self.label} rejected the call to {name!r}: {error.message}"
                     ) from None
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                     live.finished.set()
-                    raise self._hung_up(name) from None
+                    raise self._hung_up(name, live) from None
                 except RuntimeError as error:  # the SDK's result checks (output schema)
                     raise ToolError(f"MCP tool {name!r} on {self.label}: {error}") from None
             assert scope.cancelled_caught
@@ -305,10 +383,21 @@ class Link:
                 f"{self.limits.call_timeout:g} s and was cancelled. Try smaller arguments."
             )
 
-    def _hung_up(self, name: str) -> MCPServerError:
+    def _hung_up(self, name: str, live: _Live, detail: str = "") -> MCPServerError:
+        if live.fault is not None:
+            return MCPServerError(
+                f"the call to {name!r} failed: {live.fault} The connection was closed and will "
+                "be started again on the next call."
+            )
+        # The SDK's own reason when it has one (an HTTP stream that ended, an event too big).
+        why = (
+            detail.rstrip(".")
+            if detail and detail != "Connection closed"
+            else "it may have crashed"
+        )
         return MCPServerError(
-            f"MCP server {self.label} closed the connection during the call to {name!r} (it may "
-            "have crashed); it will be started again on the next call."
+            f"MCP server {self.label} closed the connection during the call to {name!r} ({why}); "
+            "it will be started again on the next call."
         )
 
     async def _check_alive(self, live: _Live) -> None:
@@ -352,17 +441,11 @@ async def _wait_closed(owner: asyncio.Task[None]) -> None:
         await asyncio.wait({owner}, timeout=CLOSE_SECONDS)
 
 
-async def _list_all(session: ClientSession) -> tuple[types.Tool, ...]:
-    tools: list[types.Tool] = []
-    cursor: str | None = None
-    for _ in range(MAX_LIST_PAGES):
-        params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
-        page = await session.list_tools(params=params)
-        tools.extend(page.tools)
-        cursor = page.next_cursor
-        if not cursor:
-            break
-    return tuple(tools)
+def _refused(error: BaseException) -> MCPSchemaError | None:
+    """Our own refusal of a listed tool's schema, when that is what ended a start."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error if isinstance(error, MCPSchemaError) else None
 
 
 # -- closing every link when its runtime shuts down ----------------------------------------------

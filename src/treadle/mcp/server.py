@@ -26,6 +26,7 @@ import mcp_types as types
 
 from treadle.errors import ConfigurationError, RuntimeLoopError
 from treadle.mcp.link import Link, LinkLimits, Opener, Streams, close_soon
+from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES, StdioTransport
 from treadle.mcp.tool import MCPTool
 from treadle.runtime import get_runtime
 
@@ -54,7 +55,13 @@ _HTTP_READ_SECONDS = 300.0
 
 
 def _stderr_target(stderr: IO[str] | int | None) -> Any:
-    """Where a stdio server's stderr goes: as given, else ours when it is a real file."""
+    """Where a stdio server's stderr goes: as given (`subprocess.PIPE`: to our bounded reader,
+    which logs it), else ours when it is a real file."""
+    if stderr == subprocess.STDOUT:
+        raise ConfigurationError(
+            "MCPServer.stdio stderr cannot be subprocess.STDOUT: stdout carries the protocol; "
+            "pass a file, subprocess.PIPE (logged) or subprocess.DEVNULL."
+        )
     if stderr is not None:
         return stderr
     try:
@@ -62,6 +69,15 @@ def _stderr_target(stderr: IO[str] | int | None) -> Any:
     except (AttributeError, ValueError, OSError):  # a captured or replaced stderr
         return subprocess.DEVNULL
     return sys.stderr
+
+
+def _check_cap(max_message_bytes: object) -> None:
+    if (
+        isinstance(max_message_bytes, bool)
+        or not isinstance(max_message_bytes, int)
+        or max_message_bytes < 1024
+    ):
+        raise ConfigurationError("MCPServer max_message_bytes must be an int >= 1024.")
 
 
 class MCPServer:
@@ -127,6 +143,7 @@ class MCPServer:
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         stderr: IO[str] | int | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         **options: Any,
     ) -> MCPServer:
         """A server run as a subprocess speaking MCP on its stdin and stdout.
@@ -137,41 +154,59 @@ class MCPServer:
             env: Extra environment variables. The server gets only these plus a safe few of ours
                 (`HOME`, `PATH`, `USER`, ...): API keys are not passed on.
             cwd: Its working directory.
-            stderr: Where its stderr goes (a file or `subprocess.DEVNULL`; default: ours).
+            stderr: Where its stderr goes: a file, `subprocess.DEVNULL`, or `subprocess.PIPE`
+                (read by Treadle, each line logged at DEBUG on the `treadle.mcp` logger);
+                default: ours.
+            max_message_bytes: Largest message the server may send; a bigger one fails the
+                call it answers (a tool error) and the connection is started again.
             **options: `prefix`, `timeout`, `connect_timeout`, `ping_timeout`, `max_concurrency`.
         """
-        from mcp import StdioServerParameters, stdio_client
-
         if not isinstance(command, str) or not command.strip():
             raise ConfigurationError("MCPServer.stdio needs a command, e.g. 'mcp-server-time'.")
         if isinstance(args, str):
             raise ConfigurationError("MCPServer.stdio args must be a list of strings, not a str.")
-        params = StdioServerParameters(
-            command=command,
-            args=[str(a) for a in args],
-            env=dict(env) if env is not None else None,
-            cwd=Path(cwd) if cwd is not None else None,
-        )
+        _check_cap(max_message_bytes)
+        argv = [str(a) for a in args]
+        target = _stderr_target(stderr)
+        label = shlex.join([command, *argv])
+        label = label if len(label) <= 80 else label[:77] + "..."
+        fixed_env = dict(env) if env is not None else None
+        folder = Path(cwd) if cwd is not None else None
 
         def opener() -> contextlib.AbstractAsyncContextManager[Streams]:
-            return stdio_client(params, errlog=_stderr_target(stderr))
+            return StdioTransport(
+                command,
+                argv,
+                env=fixed_env,
+                cwd=folder,
+                stderr=target,
+                max_message_bytes=max_message_bytes,
+                label=label,
+            )
 
-        label = shlex.join([command, *params.args])
-        return cls(opener, label=label if len(label) <= 80 else label[:77] + "...", **options)
+        return cls(opener, label=label, **options)
 
     @classmethod
     def http(
-        cls, url: str, *, headers: Mapping[str, str] | None = None, **options: Any
+        cls,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        **options: Any,
     ) -> MCPServer:
         """A server reached over streamable HTTP at `url` (for example `http://host:8000/mcp`).
 
         Args:
             url: The MCP endpoint.
             headers: Sent with every request (an `Authorization` header, say).
+            max_message_bytes: Largest reply (or server-sent event) the server may send; a bigger
+                one fails the call it answers (a tool error).
             **options: `prefix`, `timeout`, `connect_timeout`, `ping_timeout`, `max_concurrency`.
         """
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigurationError(f"MCPServer.http needs an http(s) URL, got {url!r}.")
+        _check_cap(max_message_bytes)
         fixed_headers = dict(headers or {})
 
         @contextlib.asynccontextmanager
@@ -179,10 +214,14 @@ class MCPServer:
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 
+            from treadle.mcp.http import capped_client
+
             timeout = httpx2.Timeout(_HTTP_CONNECT_SECONDS, read=_HTTP_READ_SECONDS)
             async with (
-                httpx2.AsyncClient(headers=fixed_headers, timeout=timeout) as client,
-                streamable_http_client(url, http_client=client) as streams,
+                capped_client(fixed_headers, timeout, max_message_bytes) as client,
+                streamable_http_client(
+                    url, http_client=client, max_sse_event_size=max_message_bytes
+                ) as streams,
             ):
                 yield streams
 
@@ -233,7 +272,11 @@ class MCPServer:
         cached = self._tools
         if cached is not None and cached[0] is listing:
             return list(cached[1])
-        wrapped = [MCPTool(self, remote, prefix=self.prefix) for remote in listing]
+        validators = self._link.validators if self._link is not None else {}
+        wrapped = [
+            MCPTool(self, remote, prefix=self.prefix, validator=validators.get(id(remote)))
+            for remote in listing
+        ]
         seen: dict[str, str] = {}
         for item in wrapped:
             if item.name in seen:
@@ -245,6 +288,13 @@ class MCPServer:
             seen[item.name] = item.remote_name
         self._tools = (listing, wrapped)
         return list(wrapped)
+
+    @property
+    def listings(self) -> int:
+        """How many times the current runtime's connection fetched the tool list (the first
+        listing and each refresh after the server announced a change)."""
+        link = self._link
+        return link.listings if link is not None else 0
 
     @property
     def restarts(self) -> int:

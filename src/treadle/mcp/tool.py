@@ -1,8 +1,9 @@
 """`MCPTool`: one tool of an MCP server as a Treadle `Tool`, and its results as tool results.
 
 The server's input schema is passed to the model as it is, and the model's arguments are checked
-against it (JSON Schema, through the `jsonschema` package the SDK depends on) before the call, so
-a bad call is answered with the field paths at fault without a round trip. Results become the
+against it (JSON Schema, through the `jsonschema` package the SDK depends on, its regexes on RE2:
+see `treadle.mcp.schema`) before the call, so a bad call is answered with the field paths at fault
+without a round trip. Results become the
 JSON body the model reads: structured content under `structured` when the server sent any (its
 text twin is then left out, as the MCP spec makes that text a copy), otherwise the text blocks
 under `content`; images, audio and binary resources become a marker naming their type and size,
@@ -22,10 +23,18 @@ from typing import Any, Protocol
 
 import mcp_types as types
 
-from treadle.errors import ToolArgumentsError, ToolError
+from treadle.errors import MCPSchemaError, ToolArgumentsError, ToolError
+from treadle.mcp.schema import SchemaRefused, compile_schema
 from treadle.tools import Tool, ToolContext
 
-__all__ = ["MAX_REPORTED_ERRORS", "MCPTool", "result_body", "tool_name"]
+__all__ = [
+    "MAX_REPORTED_ERRORS",
+    "MCPTool",
+    "checked_validator",
+    "object_schema",
+    "result_body",
+    "tool_name",
+]
 
 #: Schema violations listed in one `invalid_tool_arguments` message (the rest are counted).
 MAX_REPORTED_ERRORS = 5
@@ -46,7 +55,7 @@ def tool_name(remote: str, prefix: str | None) -> str:
     return (_INVALID.sub("_", name) or "_")[:64]
 
 
-def _object_schema(schema: Mapping[str, Any] | None) -> dict[str, Any]:
+def object_schema(schema: Mapping[str, Any] | None) -> dict[str, Any]:
     """The input schema as sent, made an object schema when a server leaves that implicit."""
     result = dict(schema or {})
     result.setdefault("type", "object")
@@ -63,7 +72,16 @@ class MCPTool(Tool):
     server connection enforces its own call timeout (and health check) inside the call.
     """
 
-    def __init__(self, server: _Caller, remote: types.Tool, *, prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        server: _Caller,
+        remote: types.Tool,
+        *,
+        prefix: str | None = None,
+        validator: Any = None,
+    ) -> None:
+        """Wrap `remote`; `validator` is its compiled input schema when the listing made it
+        (compiled here otherwise; `MCPSchemaError` when the schema is refused)."""
         self.server = server
         """The server connection calls go to."""
         self.remote_name = remote.name
@@ -72,17 +90,28 @@ class MCPTool(Tool):
         self.description = (
             remote.description or remote.title or f"{remote.name} (a tool of {server.label})"
         )
-        self.parameters = _object_schema(remote.input_schema)
+        self.parameters = object_schema(remote.input_schema)
         self.output_schema = remote.output_schema
         """The server's output schema (the SDK checks structured results against it)."""
-        self._validator = _validator_for(self.parameters)
+        self._validator = validator or checked_validator(self.parameters, remote.name, server.label)
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """Check `arguments` against the input schema; `ToolArgumentsError` naming the paths."""
         values = dict(arguments)
-        if self._validator is None:
-            return values
-        errors = sorted(self._validator.iter_errors(values), key=lambda e: list(e.absolute_path))
+        try:
+            errors = sorted(
+                self._validator.iter_errors(values), key=lambda e: [str(p) for p in e.absolute_path]
+            )
+        except RecursionError:
+            raise ToolArgumentsError(
+                f"invalid arguments for tool {self.name!r}: they are nested too deeply to check",
+                detail="send flatter arguments",
+            ) from None
+        except Exception as failure:  # the schema is the server's: its surprises are a tool error
+            raise ToolError(
+                f"the arguments for tool {self.name!r} could not be checked against its schema "
+                f"from {self.server.label} ({type(failure).__name__}: {failure})"
+            ) from None
         if not errors:
             return values
         parts = []
@@ -102,17 +131,16 @@ class MCPTool(Tool):
         return result_body(result, self.name)
 
 
-def _validator_for(schema: dict[str, Any]) -> Any:
-    """A compiled JSON Schema validator, or None when the server's schema is itself invalid (the
-    server then validates alone)."""
-    from jsonschema import exceptions, validators  # type: ignore[import-untyped]
-
+def checked_validator(schema: dict[str, Any], tool: str, server: str, which: str = "input") -> Any:
+    """The compiled validator of a tool's `which` ("input" or "output") schema; `MCPSchemaError`
+    naming tool and server when the schema is refused."""
     try:
-        cls = validators.validator_for(schema)
-        cls.check_schema(schema)
-        return cls(schema)
-    except exceptions.SchemaError:
-        return None
+        return compile_schema(schema)
+    except SchemaRefused as error:
+        raise MCPSchemaError(
+            f"MCP server {server} lists tool {tool!r} with an {which} schema Treadle refuses: "
+            f"{error}; fix the tool's schema on the server."
+        ) from None
 
 
 def _size(data: str) -> str:

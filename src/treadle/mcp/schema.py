@@ -1,0 +1,221 @@
+"""An MCP server's input schemas: checked once when listed, then used to check arguments in
+bounded time.
+
+A server's schema is peer data, and the checks run on the shared runtime loop, so nothing in them
+may take unbounded time. `pattern` and `patternProperties` regexes run on RE2 (no backtracking:
+linear in the argument, so `^(a+)+$` costs what `^a+$` does) instead of Python's `re`; a regex RE2
+cannot express (lookaround, backreferences) is left to the server to check. When the server lists
+a tool, its schema is compiled (on a worker thread) and refused with an error naming tool and
+server when it is not a valid JSON Schema, points a `$ref` outside itself or nowhere, or has a
+`$ref` chain that loops back without descending into the arguments (`RecursionError` on every
+call otherwise). This module must never run Python's `re` on a server's pattern.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import unquote
+
+import re2  # type: ignore[import-untyped]
+from jsonschema import exceptions, validators  # type: ignore[import-untyped]
+
+__all__ = ["SchemaRefused", "compile_schema"]
+
+# Keywords whose subschemas apply to the same value as their parent (a `$ref` cycle through only
+# these never reaches a smaller value, so it never ends).
+_SAME_VALUE_LISTS = ("allOf", "anyOf", "oneOf")
+_SAME_VALUE_ONE = ("not", "if", "then", "else")
+_SUPPORTED_DIALECTS = ("draft4", "draft6", "draft7", "draft2019", "draft2020")
+_PATTERN_CACHE = 512
+
+
+class SchemaRefused(ValueError):
+    """A tool's input schema cannot be used; the message says why."""
+
+
+def _options() -> Any:
+    options = re2.Options()
+    options.log_errors = False  # an unsupported pattern is an answer here, not an error to print
+    options.never_capture = True  # only "does it match": no groups to keep
+    return options
+
+
+_RE2_OPTIONS = _options()
+
+
+@functools.lru_cache(maxsize=_PATTERN_CACHE)
+def _regex(pattern: str) -> Any:
+    """The RE2 form of `pattern`, or None when RE2 cannot express it (or it needs more than
+    RE2's memory budget)."""
+    try:
+        return re2.compile(pattern, _RE2_OPTIONS)
+    except re2.error:
+        return None
+
+
+def _matches(pattern: str, text: str) -> bool | None:
+    compiled = _regex(pattern)
+    return None if compiled is None else compiled.search(text) is not None
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    if validator.is_type(instance, "string") and _matches(pattern, instance) is False:
+        yield exceptions.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(
+    validator: Any, patterns: Mapping[str, Any], instance: Any, schema: Any
+) -> Iterator[Any]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _matches(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    if not validator.is_type(instance, "object"):
+        return
+    known = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    # A pattern RE2 cannot express counts as matching: the server decides those keys.
+    extras = sorted(
+        (
+            k
+            for k in instance
+            if k not in known and not any(_matches(p, k) is not False for p in patterns)
+        ),
+        key=str,
+    )
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:
+        names = ", ".join(repr(k) for k in extras)
+        verb = "was" if len(extras) == 1 else "were"
+        yield exceptions.ValidationError(
+            f"Additional properties are not allowed ({names} {verb} unexpected)"
+        )
+
+
+def _left_to_the_server(validator: Any, value: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    return iter(())
+
+
+def compile_schema(schema: Mapping[str, Any]) -> Any:
+    """A validator for `schema` whose regexes run on RE2; `SchemaRefused` saying what is wrong.
+
+    Pure Python and proportional to the schema's size: call it off the event loop for a schema
+    from a server.
+    """
+    try:
+        base = validators.validator_for(schema, default=validators.Draft202012Validator)
+        dialect = next((d for d in _SUPPORTED_DIALECTS if d in base.__name__.lower()), None)
+        if dialect is None:
+            raise SchemaRefused(f"its dialect ({schema.get('$schema')}) is not supported")
+        base.check_schema(schema)
+        _check_refs(schema)
+    except exceptions.SchemaError as error:
+        raise SchemaRefused(f"it is not a valid JSON Schema ({error.message})") from None
+    except RecursionError:
+        raise SchemaRefused("it is nested too deeply to check") from None
+    overrides: dict[str, Any] = {
+        "pattern": _pattern,
+        "patternProperties": _pattern_properties,
+        "additionalProperties": _additional_properties,
+    }
+    if "unevaluatedProperties" in base.VALIDATORS and _has_key(schema, "patternProperties"):
+        # jsonschema would match those patterns with `re`; without them the server checks.
+        overrides["unevaluatedProperties"] = _left_to_the_server
+    keywords = {k: v for k, v in overrides.items() if k in base.VALIDATORS}
+    return validators.extend(base, keywords)(schema)
+
+
+def _nodes(schema: Any) -> Iterator[tuple[str, Any]]:
+    """Every dict in the schema with its JSON pointer, iteratively (no recursion limit)."""
+    stack: list[tuple[str, Any]] = [("", schema)]
+    while stack:
+        pointer, node = stack.pop()
+        if isinstance(node, dict):
+            yield pointer, node
+            items: Any = node.items()
+        elif isinstance(node, list):
+            items = enumerate(node)
+        else:
+            continue
+        for key, value in items:
+            if isinstance(value, dict | list):
+                escaped = str(key).replace("~", "~0").replace("/", "~1")
+                stack.append((f"{pointer}/{escaped}", value))
+
+
+def _has_key(schema: Any, key: str) -> bool:
+    return any(key in node for _, node in _nodes(schema))
+
+
+def _target(ref: str, by_pointer: Mapping[str, Any], anchors: Mapping[str, str]) -> str:
+    """The pointer a local `$ref` names; `SchemaRefused` for any other."""
+    if not ref.startswith("#"):
+        raise SchemaRefused(f"its $ref {ref!r} points outside the schema")
+    fragment = unquote(ref[1:])
+    pointer = fragment if fragment.startswith("/") or not fragment else anchors.get(fragment)
+    if pointer is None or pointer not in by_pointer:
+        raise SchemaRefused(f"its $ref {ref!r} points nowhere")
+    return pointer
+
+
+def _check_refs(schema: Mapping[str, Any]) -> None:
+    """Refuse `$ref`s that leave the schema or point nowhere, and `$ref` loops that apply to the
+    same value forever."""
+    by_pointer = dict(_nodes(schema))
+    anchors = {
+        node["$anchor"]: pointer
+        for pointer, node in by_pointer.items()
+        if isinstance(node.get("$anchor"), str)
+    }
+    edges: dict[str, list[str]] = {}
+    for pointer, node in by_pointer.items():
+        for keyword in ("$dynamicRef", "$recursiveRef"):
+            if keyword in node:
+                raise SchemaRefused(f"it uses {keyword}, which Treadle does not check")
+        out: list[str] = []
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            out.append(_target(ref, by_pointer, anchors))
+        for keyword in _SAME_VALUE_LISTS:
+            if isinstance(node.get(keyword), list):
+                out.extend(f"{pointer}/{keyword}/{i}" for i in range(len(node[keyword])))
+        for keyword in _SAME_VALUE_ONE:
+            if isinstance(node.get(keyword), dict):
+                out.append(f"{pointer}/{keyword}")
+        if isinstance(node.get("dependentSchemas"), dict):
+            out.extend(f"{pointer}/dependentSchemas/{k}" for k in node["dependentSchemas"])
+        edges[pointer] = [p for p in out if p in by_pointer]
+    _refuse_cycles(edges)
+
+
+def _refuse_cycles(edges: Mapping[str, list[str]]) -> None:
+    """Depth-first search, iteratively; `SchemaRefused` naming the loop when there is one."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in edges:
+        if state.get(root):
+            continue
+        path: list[str] = [root]
+        stack: list[Iterator[str]] = [iter(edges[root])]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                state[path.pop()] = 2
+            elif state.get(nxt) == 1:
+                loop = [*path[path.index(nxt) :], nxt]
+                shown = " -> ".join(f"#{p}" for p in loop)
+                raise SchemaRefused(f"its $ref chain loops without descending ({shown})")
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(edges.get(nxt, ())))

@@ -1,0 +1,288 @@
+"""The stdio transport of an MCP server: a subprocess speaking newline-delimited JSON-RPC.
+
+Treadle's own, in place of the SDK's `stdio_client`, whose reader joins its whole buffer to each
+new chunk (quadratic in the size of a message) and keeps any size in memory. Here the server's
+stdout is read in chunks, each scanned once for a newline, and a message is kept only up to
+`max_message_bytes`: past the cap the rest of the line is read and dropped, and the connection
+ends with a `MessageTooLarge` fault (the link reports it to the call and restarts the server on
+the next one). The server's stderr goes where the caller says, or, with `subprocess.PIPE`, to a
+bounded reader that logs each line and keeps the last few for error messages; no pipe of the
+server is ever left unread.
+
+This module must never hold more than the cap of one message, never block the event loop, and
+never leave its server process running once its context has exited (closing is shielded from
+cancellation and every wait in it is bounded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import mcp_types as types
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from mcp.client.stdio import get_default_environment
+from mcp.shared.message import SessionMessage
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "MessageTooLarge",
+    "StdioTransport",
+    "TransportFault",
+]
+
+log = logging.getLogger("treadle.mcp")
+
+#: Bytes one message from a server may have before the connection is ended as faulty. A tool
+#: result reaches the model capped at a few thousand characters, so anything near this size is a
+#: server's mistake; parsing it is work on the shared loop, so the cap also bounds that work.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Bytes read from a pipe at once.
+_CHUNK = 64 * 1024
+#: Characters kept of one stderr line, and lines kept for error messages.
+_STDERR_LINE_CAP = 2000
+_STDERR_TAIL_LINES = 10
+#: Stderr lines logged before the reader lets the loop run other tasks.
+_STDERR_LINES_PER_STEP = 32
+#: Seconds a stopped server's stderr is still read for its last lines.
+_STDERR_DRAIN_SECONDS = 0.5
+#: Seconds a server has to exit after its stdin closes, then after SIGTERM, then after SIGKILL.
+_EXIT_SECONDS = 2.0
+_POLL_SECONDS = 0.01
+
+
+class TransportFault(Exception):
+    """A transport's reason for ending a connection, put on its read stream as its last item."""
+
+
+class MessageTooLarge(TransportFault):
+    """The server sent a message over the size cap."""
+
+
+class StdioTransport:
+    """An MCP server run as a subprocess; `async with` it to get the (read, write) stream pair.
+
+    Enter and exit it from the same task (the link's owner task does).
+    """
+
+    def __init__(
+        self,
+        command: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None,
+        cwd: str | os.PathLike[str] | None,
+        stderr: IO[str] | int | None,
+        max_message_bytes: int,
+        label: str,
+    ) -> None:
+        self._argv = [command, *args]
+        self._env = get_default_environment() | dict(env or {})
+        self._cwd = Path(cwd) if cwd is not None else None
+        self._stderr = stderr
+        self._cap = max_message_bytes
+        self._label = label
+        self._process: anyio.abc.Process | None = None
+        self._group: anyio.abc.TaskGroup | None = None
+        self._streams: list[Any] = []
+        self._stderr_read = anyio.Event()
+        self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        """The last lines the server wrote to stderr (when it goes to a pipe we read), quoted
+        when the server fails to start."""
+
+    async def __aenter__(self) -> tuple[Any, Any]:
+        self._process = process = await anyio.open_process(
+            self._argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=self._env,
+            cwd=self._cwd,
+            start_new_session=True,  # its own process group: closing stops its children too
+        )
+        incoming_send, incoming = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+        outgoing, outgoing_receive = anyio.create_memory_object_stream[SessionMessage](0)
+        self._streams = [incoming_send, incoming, outgoing, outgoing_receive]
+        group = anyio.create_task_group()
+        try:
+            await group.__aenter__()
+        except BaseException:  # cancelled right after the spawn: the process must not live on
+            with anyio.CancelScope(shield=True):
+                await _stop(process, self._label)
+            raise
+        self._group = group
+        group.start_soon(self._read_stdout, process, incoming_send)
+        group.start_soon(self._write_stdin, process, outgoing_receive, incoming_send)
+        if process.stderr is not None:
+            group.start_soon(self._read_stderr, process.stderr)
+        return incoming, outgoing
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        group, process = self._group, self._process
+        with anyio.CancelScope(shield=True):
+            try:
+                if process is not None:
+                    await _stop(process, self._label)
+                    if process.stderr is not None:
+                        # What it said last, read to the end (bounded: a child may keep it open).
+                        with anyio.move_on_after(_STDERR_DRAIN_SECONDS):
+                            await self._stderr_read.wait()
+                        with contextlib.suppress(
+                            OSError, anyio.BrokenResourceError, anyio.ClosedResourceError
+                        ):
+                            await process.stderr.aclose()
+                for stream in self._streams:
+                    await stream.aclose()
+            finally:
+                if group is not None:
+                    group.cancel_scope.cancel()
+        if group is not None:  # outside the shield: scopes are left in the order entered
+            await group.__aexit__(None, None, None)
+
+    # -- the pumps ------------------------------------------------------------------------------
+
+    async def _read_stdout(
+        self, process: anyio.abc.Process, sink: MemoryObjectSendStream[SessionMessage | Exception]
+    ) -> None:
+        """Split stdout into lines, each chunk scanned once; a line over the cap ends it all."""
+        assert process.stdout is not None
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with sink:
+                while True:
+                    try:
+                        chunk = await process.stdout.receive(_CHUNK)
+                    except (anyio.EndOfStream, anyio.ClosedResourceError, OSError):
+                        return
+                    start = 0
+                    while (end := chunk.find(b"\n", start)) >= 0:
+                        if size + end - start > self._cap:
+                            break
+                        parts.append(chunk[start:end])
+                        line = b"".join(parts)
+                        parts.clear()
+                        size = 0
+                        start = end + 1
+                        if line.strip():
+                            await sink.send(_parse(line, self._label))
+                    size += len(chunk) - start
+                    if size > self._cap:
+                        # Said at once, not at the line's end: a line may never end.
+                        parts.clear()
+                        await sink.send(self._too_large(size))
+                        return
+                    if start < len(chunk):
+                        parts.append(chunk[start:] if start else chunk)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the session is gone; closing stops the process
+        finally:
+            await _drain(process.stdout)
+
+    def _too_large(self, seen: int) -> MessageTooLarge:
+        return MessageTooLarge(
+            f"MCP server {self._label} sent a message over its max_message_bytes cap of "
+            f"{self._cap:,} bytes ({seen:,} read so far); raise the cap with "
+            "MCPServer.stdio(..., max_message_bytes=...) if such replies are expected."
+        )
+
+    async def _write_stdin(
+        self,
+        process: anyio.abc.Process,
+        source: MemoryObjectReceiveStream[SessionMessage],
+        incoming: MemoryObjectSendStream[SessionMessage | Exception],
+    ) -> None:
+        assert process.stdin is not None
+        try:
+            async with source:
+                async for item in source:
+                    data = item.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    await process.stdin.send(data.encode() + b"\n")
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            # The server stopped reading: end the read side too, so no request waits forever.
+            await incoming.aclose()
+
+    async def _read_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
+        """Log each stderr line (cut to a bounded length) and keep the last few, to its end."""
+        try:
+            with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, OSError):
+                await self._log_stderr(stream)
+        finally:
+            self._stderr_read.set()
+
+    async def _log_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
+        pending = b""
+        while True:
+            chunk = await stream.receive(_CHUNK)
+            lines = chunk.split(b"\n")
+            lines[0] = pending + lines[0]
+            pending = lines.pop()[:_STDERR_LINE_CAP]
+            logged = log.isEnabledFor(logging.DEBUG)
+            for count, raw in enumerate(lines[-_STDERR_TAIL_LINES:] if not logged else lines):
+                text = raw[:_STDERR_LINE_CAP].decode(errors="replace").rstrip()
+                self.stderr_tail.append(text)
+                if logged:
+                    log.debug("MCP server %s stderr: %s", self._label, text)
+                    if count % _STDERR_LINES_PER_STEP == _STDERR_LINES_PER_STEP - 1:
+                        await anyio.lowlevel.checkpoint()  # handlers may be slow: share the loop
+
+
+def _parse(line: bytes, label: str) -> SessionMessage | Exception:
+    try:
+        return SessionMessage(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+    except ValueError as error:
+        log.warning("MCP server %s sent a line that is not JSON-RPC (%s)", label, error)
+        return error
+
+
+async def _drain(stream: anyio.abc.ByteReceiveStream) -> None:
+    """Read and drop what the server still writes, so it never blocks on a full pipe on its way
+    out; ends when the pipe closes (at the latest when closing kills the process)."""
+    with (
+        anyio.CancelScope(shield=True),
+        contextlib.suppress(
+            anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError, OSError
+        ),
+    ):
+        while True:
+            await stream.receive(_CHUNK)
+
+
+async def _stop(process: anyio.abc.Process, label: str) -> None:
+    """Close stdin, then SIGTERM the process group, then SIGKILL it, each with a bounded wait."""
+    if process.stdin is not None:
+        with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await process.stdin.aclose()
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        if await _exited(process):
+            break
+    else:
+        log.warning("MCP server %s (pid %d) survived SIGKILL; abandoning it", label, process.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        # A child the server left behind in its group must not outlive it either.
+        os.killpg(process.pid, signal.SIGKILL)
+    if process.stdout is not None:
+        with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await process.stdout.aclose()
+
+
+async def _exited(process: anyio.abc.Process) -> bool:
+    """Whether the process exits within `_EXIT_SECONDS` (polled: on asyncio, `wait()` also waits
+    for the pipes to close, which a grandchild may hold open)."""
+    with anyio.move_on_after(_EXIT_SECONDS):
+        while process.returncode is None:  # noqa: ASYNC110 - no event to wait on
+            await anyio.sleep(_POLL_SECONDS)
+    return process.returncode is not None
