@@ -11,8 +11,11 @@ from treadle.loop.api import (
 from treadle.loop.control import (
     Guardrail,
     GuardrailInput,
+    GuardrailResult,
     Limits,
     PassControl,
+    ToolGuardrail,
+    ToolGuardrailInput,
     Tripwire,
     after_model,
     before_model,
@@ -30,8 +33,11 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
+from treadle.loop.hooks import DEFAULT_HOOK_TIMEOUT, HookContext, Hooks
+from treadle.loop.request_usage import RequestUsage
 
 __all__ = [
+    "DEFAULT_HOOK_TIMEOUT",
     "DEFAULT_MAX_TOOL_ROUNDS",
     "AssistantRowEvent",
     "AsyncExecutor",
@@ -40,7 +46,10 @@ __all__ = [
     "Executor",
     "Guardrail",
     "GuardrailInput",
+    "GuardrailResult",
     "GuardrailTripped",
+    "HookContext",
+    "Hooks",
     "HttpExecutor",
     "Interrupted",
     "Limits",
@@ -48,8 +57,11 @@ __all__ = [
     "PassOptions",
     "PassStarted",
     "PassStopped",
+    "RequestUsage",
     "TextDelta",
     "ToolCallDelta",
+    "ToolGuardrail",
+    "ToolGuardrailInput",
     "ToolResultEvent",
     "ToolStarted",
     "Tripwire",

@@ -17,9 +17,11 @@ from typing import Any, TypedDict, Unpack
 from treadle.errors import ConfigurationError, SandboxError
 from treadle.llm.provider import Provider
 from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
-from treadle.loop.control import Limits, PassControl, normalise_guardrails
+from treadle.loop.control import Limits, PassControl, normalise_guardrails, tool_guardrails_of
 from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped
+from treadle.loop.hooks import Hooks
+from treadle.loop.soft_stop import current_stop
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
@@ -83,6 +85,8 @@ class PassOptions(TypedDict, total=False):
     """Called as `on_message(row, control)` after each assistant and tool_result row."""
     approvals: Mapping[str, bool | str] | None
     """Decisions for calls to tools marked `needs_approval`, by tool call id."""
+    hooks: Hooks | None
+    """Lifecycle hooks for this pass (see `Hooks`)."""
 
 
 def _plan(
@@ -103,6 +107,7 @@ def _plan(
     guardrails: Iterable[Any] | None = None,
     on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
+    hooks: Hooks | None = None,
 ) -> PassPlan:
     if provider is not None:
         if agent_provider is not None:
@@ -136,6 +141,10 @@ def _plan(
             raise ConfigurationError(f"{name} must be callable.")
     if limits is not None and not isinstance(limits, Limits):
         raise ConfigurationError("limits must be a treadle Limits(...).")
+    if hooks is not None and not isinstance(hooks, Hooks):
+        raise ConfigurationError(
+            f"hooks must be a treadle Hooks (subclass it), got {type(hooks).__name__}."
+        )
     if approvals is not None and not isinstance(approvals, Mapping):
         raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
     if agent_provider is not None and not isinstance(agent_provider, Provider):
@@ -185,6 +194,9 @@ def _plan(
         stream=bool(resolved.stream) if resolved is not None and executor is None else False,
         limits=limits or Limits(),
         guardrails=normalise_guardrails(guardrails),
+        tool_guardrails=tool_guardrails_of(guardrails),
+        hooks=hooks,
+        stop=current_stop(),
         on_message=on_message,
         approvals=dict(approvals) if approvals else None,
         emit=emit,
@@ -220,6 +232,7 @@ def run_session_loop(
     guardrails: Iterable[Any] | None = None,
     on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
+    hooks: Hooks | None = None,
     lazy: bool = True,
 ) -> Session:
     """Run one agent pass on the runtime and return its output `Session` at once.
@@ -246,6 +259,7 @@ def run_session_loop(
             row; `control.interrupt(reason)` stops the pass, resumable.
         approvals: Decisions for calls to tools marked `needs_approval`, by tool call id:
             True runs the call, False or a reason string denies it.
+        hooks: Lifecycle hooks (model call and tool start/end) for this pass; see `Hooks`.
         lazy: Return at once (True) or after the pass ends (False).
     """
     out_id = new_session_id()
@@ -265,6 +279,7 @@ def run_session_loop(
         guardrails=guardrails,
         on_message=on_message,
         approvals=approvals,
+        hooks=hooks,
     )
     handle = user_session.sandbox_handle
     if handle is not None:
@@ -298,6 +313,19 @@ async def arun_session_loop(
     """
     out_id = new_session_id()
     plan = _plan(user_session, agent_session, out_id, **options)
+    return _output(plan, out_id, await run_pass(plan, out_id))
+
+
+async def arun_pass_emitting(
+    user_session: Session,
+    agent_session: Session,
+    emit: Callable[[Event], None],
+    **options: Unpack[PassOptions],
+) -> Session:
+    """`arun_session_loop`, handing each typed event to `emit` (how `Agent.stream` sees its
+    passes; the final `PassStopped` is the caller's to send)."""
+    out_id = new_session_id()
+    plan = _plan(user_session, agent_session, out_id, emit, **options)
     return _output(plan, out_id, await run_pass(plan, out_id))
 
 

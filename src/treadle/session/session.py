@@ -231,9 +231,10 @@ class Session:
     def __await__(self) -> Generator[Any, None, Session]:
         return self._await().__await__()
 
-    def cancel(self) -> None:
-        """Ask the pass producing this session to stop (no effect once done)."""
-        if self._lazy is not None:
+    def cancel(self, *, after_turn: bool = False) -> None:
+        """Ask the producing pass to stop; `after_turn=True` lets the current turn finish first."""
+        stop = ports.soft_stopper() if after_turn else None
+        if self._lazy is not None and not (stop is not None and stop(self.id)):
             self._lazy.cancel()
 
     # -- reading ----------------------------------------------------------------------------
