@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
 
+from treadle.agents.agent_run import AgentRun
 from treadle.agents.compaction import (
     DEFAULT_KEEP_LAST,
     TokenEstimator,
@@ -26,13 +27,15 @@ from treadle.agents.compaction import (
     arun_session_compress,
     request_bytes,
 )
+from treadle.agents.handoffs import Handoff, check_handoffs
+from treadle.agents.outcomes import check_error_handlers, check_validators
+from treadle.agents.streaming import AgentEvent, AgentRunStopped, current_sink, pass_sink
 from treadle.agents.structured import (
     DEFAULT_OUTPUT_RETRIES,
     OutputSpec,
-    OutputState,
     StructuredMode,
 )
-from treadle.errors import ConfigurationError, ContextLengthError
+from treadle.errors import ConfigurationError
 from treadle.llm import validate_executor
 from treadle.llm.provider import Provider
 from treadle.loop import (
@@ -44,9 +47,11 @@ from treadle.loop import (
     arun_session_loop,
     run_session_loop,
 )
-from treadle.loop.api import naming_next_pass
+from treadle.loop.api import arun_pass_emitting, naming_next_pass
+from treadle.loop.hooks import Hooks
 from treadle.runtime import submit
-from treadle.session import ChunkRow, Session, SessionData, new_session_id
+from treadle.runtime.streams import produce
+from treadle.session import Session, SessionData, new_session_id
 from treadle.tools import FunctionTool, Tool, ToolSet
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
@@ -66,6 +71,7 @@ def lazy_session(
     *,
     parents: Sequence[Session],
     operator: str,
+    id: str | None = None,
 ) -> Session:
     """A lazy output session whose data comes from `make()`, run on the runtime.
 
@@ -79,7 +85,7 @@ def lazy_session(
     sandbox = next((p.sandbox_handle for p in parents if p.sandbox_handle is not None), None)
     return Session._pending(
         submit(produce()),
-        id=new_session_id(),
+        id=id or new_session_id(),
         operator=operator,
         kind="output",
         parents=parents,
@@ -97,15 +103,6 @@ def as_session(value: AgentInput) -> Session:
         f"an agent takes a Session or a str, got {type(value).__name__}; "
         "build one with Session.from_user_message(...)."
     )
-
-
-class _Run:
-    """The state of one agent run (never shared between runs)."""
-
-    def __init__(self) -> None:
-        self.output = OutputState()
-        self.compactions = 0
-        self.overflow_retried = False
 
 
 class Agent:
@@ -131,7 +128,16 @@ class Agent:
         compact_on_overflow: On a `ContextLengthError`, compact the input and retry the pass
             once instead of failing.
         compaction_instruction: What the summariser is asked (default: keep facts and tasks).
-        description: What the agent does, for the model, when it is used as a tool.
+        description: What the agent does, for the model, when it is used as a tool or a
+            handoff target.
+        handoffs: Agents (or `handoff(agent, ...)` values) this agent may hand the
+            conversation to; each is a transfer tool, and the target continues the same
+            transcript.
+        hooks: Lifecycle hooks (`Hooks`) for this agent's runs and passes.
+        output_validators: `fn(output)` or `fn(session, output)` checks of the final answer;
+            raising `ModelRetry(message)` sends the message back to the model.
+        error_handlers: `{"max_turns" | "refusal" | "invalid_output": fn}`; `fn` receives an
+            `AgentErrorContext` and returns the final output instead of the stop or error.
     """
 
     def __init__(
@@ -153,6 +159,10 @@ class Agent:
         compact_on_overflow: bool = True,
         compaction_instruction: str | None = None,
         description: str | None = None,
+        handoffs: Sequence[Agent | Handoff] = (),
+        hooks: Hooks | None = None,
+        output_validators: Sequence[Callable[..., Any]] = (),
+        error_handlers: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ConfigurationError("an Agent needs a non-empty name, e.g. Agent('researcher').")
@@ -176,6 +186,14 @@ class Agent:
             raise ConfigurationError("compact_at_tokens must be a positive int or None.")
         if isinstance(compact_keep_last, bool) or not isinstance(compact_keep_last, int):
             raise ConfigurationError("compact_keep_last must be an int.")
+        if hooks is not None and not isinstance(hooks, Hooks):
+            raise ConfigurationError(
+                f"hooks must be a treadle Hooks (subclass it), got {type(hooks).__name__}."
+            )
+        self.hooks = hooks
+        self.validators = check_validators(output_validators)
+        self.error_handlers = check_error_handlers(error_handlers)
+        self.output_retries = output_retries
         self.name = name
         self.instructions = instructions
         self.description = description
@@ -196,7 +214,9 @@ class Agent:
         )
         extra: list[Tool] = [self.spec.tool] if self.spec and self.spec.mode == "tool" else []
         self.tools: tuple[Any, ...] = (*(tools or ()), *extra)
-        self._tools_json = ToolSet.build(self.tools).schemas_json()  # validates
+        self.handoffs = check_handoffs(name, handoffs)
+        transfers = [h.tool for h in self.handoffs]
+        self._tools_json = ToolSet.build([*self.tools, *transfers]).schemas_json()  # validates
         self._provider = self.spec.provider_for(provider) if self.spec else provider
         self.agent_session = (
             Session.from_agent_prompt(instructions)
@@ -209,26 +229,55 @@ class Agent:
         return f"<Agent {self.name!r}>"
 
     # -- entry points ------------------------------------------------------------------------
-    def __call__(self, session: AgentInput) -> Session:
+    def __call__(self, session: AgentInput, *, hooks: Hooks | None = None) -> Session:
         """Run the agent on the runtime and return its output `Session` at once (lazy).
 
         `session` may be a pending output of another pass or agent: the run waits for it on
         the runtime, so chains never block the caller. `out.cancel()` stops the pass with
-        `stop_reason == "cancelled"`.
+        `stop_reason == "cancelled"`; `out.cancel(after_turn=True)` lets the current turn
+        finish first. `hooks` (for this run) replace the agent's own.
         """
         user = as_session(session)
+        run_id = new_session_id()
         return lazy_session(
-            lambda: self._run(user, lazy=True),
+            lambda: AgentRun(self, run_id=run_id, lazy=True, hooks=hooks).run(user),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
+            id=run_id,
         )
 
-    async def run(self, session: AgentInput) -> Session:
+    async def run(self, session: AgentInput, *, hooks: Hooks | None = None) -> Session:
         """Run the agent on the calling event loop and return the finished output `Session`.
 
         Cancelling the awaiting task cancels the pass (the `CancelledError` propagates).
+        Inside a streamed run (an agent used as a tool), its events join that stream.
         """
-        return await self._run(as_session(session), lazy=False)
+        run = AgentRun(self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=current_sink())
+        return await run.run(as_session(session))
+
+    async def stream(
+        self, session: AgentInput, *, hooks: Hooks | None = None
+    ) -> AsyncIterator[AgentEvent]:
+        """Run the agent and yield its events as they happen (see `treadle.agents.streaming`).
+
+        Events of every pass, of agents it hands off to and of agents it uses as tools come
+        tagged with their agent's name; the last is `AgentRunStopped` with the output session.
+        Leaving the loop early cancels the run.
+        """
+        user = as_session(session)
+
+        async def events(send: Callable[[AgentEvent], None]) -> Session:
+            from treadle.agents.streaming import streaming_to
+
+            with streaming_to(send):
+                run = AgentRun(self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=send)
+                return await run.run(user)
+
+        async with produce(events) as stream:
+            async for event in stream:
+                yield event
+            out = stream.result()
+        yield AgentRunStopped(agent=str(out.metadata.get("agent", self.name)), session=out)
 
     def as_tool(self, *, name: str | None = None, description: str | None = None) -> Tool:
         """This agent as an async tool taking `task: str`, for a manager agent to delegate to.
@@ -251,58 +300,31 @@ class Agent:
         text = description or self.description or f"Ask the {self.name} agent to do a task."
         return FunctionTool(delegate, name=tool_name, description=text)
 
-    # -- one run -----------------------------------------------------------------------------
-    async def _run(self, session: Session, *, lazy: bool) -> Session:
-        await session.wait_ready()
-        run = _Run()
-        current = session
-        while True:
-            try:
-                out = await self._pass(current, run, lazy=lazy)
-            except ContextLengthError:
-                if not self.compact_on_overflow or run.overflow_retried:
-                    raise
-                compacted = await self._compact(current)
-                if compacted is None:
-                    raise
-                run.overflow_retried = True
-                current = compacted
-                continue
-            self.estimator.observe_pass(
-                self.agent_session.data.table.rows, current, out, self._tools_json
-            )
-            tripwire = out.tripwire
-            if (
-                out.stop_reason == "blocked"
-                and isinstance(tripwire, Tripwire)
-                and tripwire.guardrail == _COMPACTION_GUARD
-            ):
-                run.compactions += 1
-                compacted = await self._compact(out)
-                current = compacted if compacted is not None else out
-                continue
-            if self.spec is None:
-                return out
-            verdict = self.spec.finish(out, run.output)
-            if isinstance(verdict, Session):
-                return verdict
-            current = out.append(ChunkRow.user(verdict))
-
-    async def _pass(self, user: Session, run: _Run, *, lazy: bool) -> Session:
-        guards = list(self.guardrails)
+    # -- one pass ----------------------------------------------------------------------------
+    async def _pass(self, user: Session, run: AgentRun) -> Session:
+        guards = [g for g in self.guardrails if run.first_pass or getattr(g, "when", "") != "input"]
         if self.compact_at_tokens is not None:
             guards.insert(0, self._compaction_guard(run))
+        tools: list[Any] = list(self.tools)
+        for target in self.handoffs:
+            if await target.enabled(user):
+                tools.append(target.tool)
         options: dict[str, Any] = {
             "agent_provider": self._provider,
-            "tools": self.tools,
+            "tools": tools,
             "executor": self.executor,
             "max_tool_rounds": self.max_tool_rounds,
             "limits": self.limits,
             "guardrails": guards,
+            "hooks": run.hooks,
+            "on_message": run.on_message(),
         }
-        if self.spec is not None and self.spec.mode == "tool":
-            options["on_message"] = self.spec.on_message(run.output)
-        if not lazy:
+        if run.emit is not None:
+            with naming_next_pass(self.name):
+                return await arun_pass_emitting(
+                    user, self.agent_session, pass_sink(run.emit, self.name), **options
+                )
+        if not run.lazy:
             with naming_next_pass(self.name):
                 return await arun_session_loop(user, self.agent_session, **options)
         # The lazy form owns its pass like run_session_loop does: a cancellation becomes the
@@ -320,7 +342,7 @@ class Agent:
                 task.uncancel()
         return out
 
-    def _compaction_guard(self, run: _Run) -> Guardrail:
+    def _compaction_guard(self, run: AgentRun) -> Guardrail:
         limit = self.compact_at_tokens
         assert limit is not None
         keep = self.compact_keep_last

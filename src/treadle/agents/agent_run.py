@@ -1,0 +1,279 @@
+"""`AgentRun`: the state and the loop of one agent run (never shared between runs).
+
+A run is a sequence of passes: the first, then one more after a compaction, a transfer to
+another agent (the same transcript continues under the target's instructions), a structured
+output or validator retry. Around them it fires the agent hooks (`on_agent_start`/`end`,
+`on_handoff`), applies error handlers (max turns, refusal, invalid output), gathers per-request
+usage entries and guardrail results, and honours a soft cancel: a pass stopped after its turn
+ends the run, and no further pass starts. This module never blocks the event loop and never
+copies agent rows into an output session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from treadle.agents.handoffs import (
+    HANDOFF_INTERRUPT,
+    MAX_HANDOFFS_PER_RUN,
+    HandoffChoice,
+    find_transfer,
+    handoff_rows,
+)
+from treadle.agents.outcomes import (
+    AgentErrorContext,
+    ErrorKind,
+    handled,
+    refusal_error,
+    refusal_of,
+    replace_result,
+    run_validators,
+)
+from treadle.agents.streaming import AgentEvent, HandoffEvent
+from treadle.agents.structured import OutputState
+from treadle.errors import (
+    ConfigurationError,
+    ContextLengthError,
+    ModelRetry,
+    StructuredOutputError,
+    TreadleError,
+)
+from treadle.loop import Tripwire
+from treadle.loop.control import PassControl, call_user
+from treadle.loop.hooks import HookContext, Hooks, fire
+from treadle.loop.soft_stop import StopRequest, registered, sharing_stop
+from treadle.session import ChunkRow, Session
+from treadle.tools.results import error_content
+
+if TYPE_CHECKING:
+    from treadle.agents.agent import Agent
+
+__all__ = ["AgentRun"]
+
+_COMPACTION_GUARD = "treadle.auto_compaction"
+
+
+class AgentRun:
+    """One run of an agent (and of the agents it hands off to)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        *,
+        run_id: str,
+        lazy: bool,
+        hooks: Hooks | None = None,
+        emit: Callable[[AgentEvent], None] | None = None,
+    ) -> None:
+        self.agent = agent
+        self.run_id = run_id
+        self.lazy = lazy
+        self.run_hooks = hooks
+        self.emit = emit
+        self.output = OutputState()
+        self.compactions = 0
+        self.overflow_retried = False
+        self.first_pass = True
+        self.choice: HandoffChoice | None = None
+        self.transfers: list[dict[str, Any]] = []
+        self.entries: list[Any] = []
+        self.results: list[Any] = []
+        self.stop = StopRequest()
+
+    @property
+    def hooks(self) -> Hooks | None:
+        """The run's hooks, else the answering agent's."""
+        return self.run_hooks if self.run_hooks is not None else self.agent.hooks
+
+    def context(self, session: Session) -> HookContext:
+        return HookContext(self.agent.name, self.run_id, session.data.usage)
+
+    async def run(self, session: Session) -> Session:
+        with registered(self.run_id, self.stop), sharing_stop(self.stop):
+            await session.wait_ready()
+            await fire(self.hooks, "on_agent_start", self.context(session))
+            out = self.finish(await self.passes(session))
+            answer = out.output if out.output is not None else out.final_text
+            await fire(self.hooks, "on_agent_end", self.context(out), answer)
+            return out
+
+    def on_message(self) -> Callable[[ChunkRow, PassControl], Any] | None:
+        """The pass's `on_message`: ends it on a transfer call or an accepted final result."""
+        agent = self.agent
+        structured = (
+            agent.spec.on_message(self.output)
+            if agent.spec is not None and agent.spec.mode == "tool"
+            else None
+        )
+        targets = {h.tool_name: h for h in agent.handoffs}
+        if not targets:
+            return structured
+
+        async def hook(row: ChunkRow, control: PassControl) -> None:
+            if row.kind == "assistant":
+                found = find_transfer(row, targets)
+                if found is not None:
+                    self.choice = HandoffChoice(*found)
+                    control.interrupt(HANDOFF_INTERRUPT)
+                    return
+            if structured is not None:
+                await structured(row, control)
+
+        return hook
+
+    async def passes(self, session: Session) -> Session:
+        current = session
+        while True:
+            agent = self.agent
+            try:
+                out = await agent._pass(current, self)
+            except ContextLengthError:
+                if not agent.compact_on_overflow or self.overflow_retried:
+                    raise
+                compacted = await agent._compact(current)
+                if compacted is None:
+                    raise
+                self.overflow_retried = True
+                current = compacted
+                continue
+            self.first_pass = False
+            metadata = out.data.metadata
+            self.entries.extend(metadata.get("request_usage", ()))
+            self.results.extend(metadata.get("guardrail_results", ()))
+            agent.estimator.observe_pass(
+                agent.agent_session.data.table.rows, current, out, agent._tools_json
+            )
+            tripwire = out.tripwire
+            if (
+                out.stop_reason == "blocked"
+                and isinstance(tripwire, Tripwire)
+                and tripwire.guardrail == _COMPACTION_GUARD
+            ):
+                self.compactions += 1
+                compacted = await agent._compact(out)
+                current = compacted if compacted is not None else out
+                continue
+            if out.stop_reason == "cancelled":
+                return out
+            if self.choice is not None and out.interrupt_reason == HANDOFF_INTERRUPT:
+                current = await self.hand_off(out)
+                if current.data.stop_reason is not None or self.stop.requested:
+                    return self.stopped_after_turn(current)
+                continue
+            verdict = await self.settle(out)
+            if isinstance(verdict, Session):
+                return verdict
+            current = verdict[0]
+            if self.stop.requested:
+                return self.stopped_after_turn(current)
+
+    def stopped_after_turn(self, session: Session) -> Session:
+        if session.data.stop_reason is not None:
+            return session
+        metadata = {**session.data.metadata, "cancelled": True, "cancel_mode": "after_turn"}
+        return session.with_data(stop_reason="cancelled", metadata=metadata)
+
+    async def hand_off(self, out: Session) -> Session:
+        choice, self.choice = self.choice, None
+        assert choice is not None
+        target = choice.handoff
+        session = handoff_rows(out, choice)
+        if len(self.transfers) >= MAX_HANDOFFS_PER_RUN:
+            return session.with_data(stop_reason="max_steps")
+        if target.input_filter is not None:
+            filtered = await call_user(target.input_filter, session)
+            if not isinstance(filtered, Session):
+                raise ConfigurationError(
+                    f"the input_filter of the handoff to {target.agent.name!r} returned "
+                    f"{type(filtered).__name__}; it must return a Session."
+                )
+            session = filtered
+        await target.run_callback(session, choice.value)
+        source = self.agent.name
+        await fire(self.hooks, "on_handoff", self.context(session), source, target.agent.name)
+        self.transfers.append(
+            {"from": source, "to": target.agent.name, "tool_call_id": choice.call_id}
+        )
+        if self.emit is not None:
+            self.emit(HandoffEvent(agent=source, target=target.agent.name))
+        self.agent = target.agent
+        self.output = OutputState()
+        await fire(self.hooks, "on_agent_start", self.context(session))
+        return session
+
+    async def settle(self, out: Session) -> Session | tuple[Session]:
+        """The run's result, or `(session,)` to continue from after a correction."""
+        agent = self.agent
+        refusal = refusal_of(out)
+        if refusal is not None:
+            return await self.fail("refusal", out, refusal_error(agent.name, refusal))
+        if out.stop_reason == "max_steps" and "max_turns" in agent.error_handlers:
+            return await self.fail("max_turns", out, None)
+        if agent.spec is None:
+            if out.stop_reason != "final_answer" or not agent.validators:
+                return out
+            return await self.validate(out, out.final_text, None)
+        try:
+            verdict = agent.spec.finish(out, self.output)
+        except StructuredOutputError as err:
+            return await self.fail("invalid_output", out, err)
+        if isinstance(verdict, str):
+            return (out.append(ChunkRow.user(verdict)),)
+        if verdict.stop_reason != "final_answer" or not agent.validators:
+            return verdict
+        return await self.validate(verdict, verdict.output, self.output.call_id)
+
+    async def validate(
+        self, out: Session, value: Any, call_id: str | None
+    ) -> Session | tuple[Session]:
+        agent = self.agent
+        try:
+            checked = await run_validators(agent.validators, out, value)
+        except ModelRetry as retry:
+            state = self.output
+            state.failures += 1
+            state.last_error = str(retry)
+            limit = agent.spec.retries if agent.spec is not None else agent.output_retries
+            if state.failures > limit:
+                return await self.fail(
+                    "invalid_output",
+                    out,
+                    StructuredOutputError(
+                        f"agent {agent.name!r}: the output validators rejected every answer "
+                        f"after {limit} retries (last: {retry}); raise output_retries or relax "
+                        "the validator."
+                    ),
+                )
+            if call_id:  # tool mode: the final_result call itself reports the problem
+                return (replace_result(out, call_id, error_content("retry", str(retry))),)
+            return (out.append(ChunkRow.user(f"Please fix your answer: {retry}")),)
+        if agent.spec is None:
+            if checked == value:
+                return out
+            metadata = {**out.data.metadata, "output": checked}
+            return out.with_data(metadata=metadata)
+        return out.with_data(metadata={**out.data.metadata, "output": checked})
+
+    async def fail(self, kind: ErrorKind, out: Session, error: TreadleError | None) -> Session:
+        handler = self.agent.error_handlers.get(kind)
+        if handler is None:
+            if error is not None:
+                raise error
+            return out
+        context = AgentErrorContext(kind, self.agent.name, out, error)
+        model = self.agent.spec.model if self.agent.spec is not None else None
+        stop = "max_steps" if kind == "max_turns" else "final_answer"
+        return await handled(handler, context, model, stop)
+
+    def finish(self, out: Session) -> Session:
+        """The run's result with who answered, the transfers, usage entries and guardrails."""
+        metadata = dict(out.data.metadata)
+        metadata["agent"] = self.agent.name
+        if self.transfers:
+            metadata["handoffs"] = list(self.transfers)
+        if self.entries:
+            metadata["request_usage"] = tuple(self.entries)
+        if self.results:
+            metadata["guardrail_results"] = tuple(self.results)
+        return out.with_data(metadata=metadata)
