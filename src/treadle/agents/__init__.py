@@ -2,9 +2,6 @@
 output and validators, hooks, streaming and compaction, all built on the public session loop."""
 
 from treadle.agents.agent import MAX_COMPACTIONS_PER_RUN, Agent, AgentInput
-from treadle.agents.handoffs import MAX_HANDOFFS_PER_RUN, Handoff, handoff, remove_tool_rows
-from treadle.agents.outcomes import AgentErrorContext
-from treadle.agents.streaming import AgentEvent, AgentPassEvent, AgentRunStopped, HandoffEvent
 from treadle.agents.compaction import (
     DEFAULT_COMPACTION_INSTRUCTION,
     DEFAULT_KEEP_LAST,
@@ -15,7 +12,10 @@ from treadle.agents.compaction import (
     run_session_compress,
 )
 from treadle.agents.fanout import DEFAULT_CONCURRENCY, amap, map, map_iter
+from treadle.agents.handoffs import MAX_HANDOFFS_PER_RUN, Handoff, handoff, remove_tool_rows
+from treadle.agents.outcomes import AgentErrorContext
 from treadle.agents.patterns import Pipeline, Triage, brainstorm, pipeline, triage
+from treadle.agents.streaming import AgentEvent, AgentPassEvent, AgentRunStopped, HandoffEvent
 from treadle.agents.structured import (
     DEFAULT_OUTPUT_RETRIES,
     FINAL_RESULT_TOOL,

@@ -18,8 +18,10 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mappin
 from typing import Any
 
 import anyio
+import pydantic
 
 from treadle.agents.agent_run import AgentRun
+from treadle.agents.agent_tool import AgentTool, tool_answer
 from treadle.agents.compaction import (
     DEFAULT_KEEP_LAST,
     TokenEstimator,
@@ -279,12 +281,29 @@ class Agent:
             out = stream.result()
         yield AgentRunStopped(agent=str(out.metadata.get("agent", self.name)), session=out)
 
-    def as_tool(self, *, name: str | None = None, description: str | None = None) -> Tool:
-        """This agent as an async tool taking `task: str`, for a manager agent to delegate to.
+    def as_tool(
+        self,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        input_type: type[pydantic.BaseModel] | None = None,
+        output_extractor: Callable[[Session], Any] | None = None,
+    ) -> Tool:
+        """This agent as an async tool, for a manager agent to delegate to.
 
         Each call runs the agent on a fresh session holding the task; calls in one reply run
-        concurrently. The tool returns the structured output, or `{"answer", "stop_reason"}`.
+        concurrently. By default the tool takes `task: str` and returns the structured output,
+        or `{"answer", "stop_reason"}`. With `input_type` (a pydantic model) the model fills
+        that model instead and the agent receives it as JSON; `output_extractor(session)` (sync
+        or async) chooses what the tool returns from the agent's output session. In a streamed
+        run, the agent's events join the stream under its own name.
         """
+        if output_extractor is not None and not callable(output_extractor):
+            raise ConfigurationError("output_extractor must be callable (session -> value).")
+        tool_name = name or _TOOL_NAME.sub("_", self.name)[:64]
+        text = description or self.description or f"Ask the {self.name} agent to do a task."
+        if input_type is not None:
+            return AgentTool(self, tool_name, text, input_type, output_extractor)
         agent = self
 
         async def delegate(task: str) -> Any:
@@ -292,12 +311,8 @@ class Agent:
             task: The whole task, self-contained (the agent does not see this conversation).
             """
             out = await agent.run(Session.from_user_message(task))
-            if out.output is not None:
-                return out.output
-            return {"answer": out.final_text, "stop_reason": out.stop_reason}
+            return await tool_answer(out, output_extractor)
 
-        tool_name = name or _TOOL_NAME.sub("_", self.name)[:64]
-        text = description or self.description or f"Ask the {self.name} agent to do a task."
         return FunctionTool(delegate, name=tool_name, description=text)
 
     # -- one pass ----------------------------------------------------------------------------
