@@ -52,29 +52,31 @@ def _keep(results: list[GuardrailResult], label: str, when: str, trip: Tripwire 
 
 
 async def _all(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-    """Await every call concurrently (one call: directly); results in order."""
+    """Await every call concurrently (one call: directly); results in order.
+
+    A call's error (`SystemExit` too) is caught in its own task, which must never let it reach
+    the event loop, and re-raised here once the others are cancelled.
+    """
     if len(calls) == 1:
         return [await calls[0]()]
     out: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+    async with anyio.create_task_group() as group:
 
-    async def one(i: int) -> None:
-        out[i] = await calls[i]()
+        async def one(i: int) -> None:
+            try:
+                out[i] = await calls[i]()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # user code: ends this pass, never the loop
+                errors.append(err)
+                group.cancel_scope.cancel()
 
-    try:
-        async with anyio.create_task_group() as group:
-            for i in range(len(calls)):
-                group.start_soon(one, i)
-    except BaseExceptionGroup as group_error:
-        raise _first(group_error) from None
+        for i in range(len(calls)):
+            group.start_soon(one, i)
+    if errors:
+        raise errors[0]
     return out
-
-
-def _first(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The error a task group collected, as the caller would have seen it alone."""
-    error: BaseException = group
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 async def run_guardrails(
@@ -109,22 +111,35 @@ class GuardedCall:
             return await call(), None
         reply: list[T] = []
         tripped: list[Tripwire] = []
-        try:
-            async with anyio.create_task_group() as group:
+        errors: list[BaseException] = []
+        async with anyio.create_task_group() as group:
 
-                async def model() -> None:
+            async def model() -> None:
+                try:
                     reply.append(await call())
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as err:  # re-raised below, never into the event loop
+                    errors.append(err)
+                    group.cancel_scope.cancel()
 
-                async def check() -> None:
+            async def check() -> None:
+                try:
                     trip = await run_guardrails(parallel, self.data, self.results)
-                    if trip is not None:
-                        tripped.append(trip)
-                        group.cancel_scope.cancel()  # the call is abandoned: not charged
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as err:
+                    errors.append(err)
+                    group.cancel_scope.cancel()
+                    return
+                if trip is not None:
+                    tripped.append(trip)
+                    group.cancel_scope.cancel()  # the call is abandoned: not charged
 
-                group.start_soon(model)
-                group.start_soon(check)
-        except BaseExceptionGroup as group_error:
-            raise _first(group_error) from None
+            group.start_soon(model)
+            group.start_soon(check)
+        if errors:
+            raise errors[0]
         if tripped:
             return None, tripped[0]
         if not reply:  # cancelled from outside while both ran
