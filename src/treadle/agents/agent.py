@@ -13,7 +13,9 @@ This module must never copy agent rows into an output session and never block th
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
+import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -226,9 +228,21 @@ class Agent:
             else Session((), operator="from_agent_prompt", kind="agent")
         )
         self.estimator = TokenEstimator()
+        # Where the agent was defined: a distributed map finds it there by its import path.
+        self._defined_in = sys._getframe(1).f_globals.get("__name__")
 
     def __repr__(self) -> str:
         return f"<Agent {self.name!r}>"
+
+    def on_worker(self, provider: Provider, guardrails: Sequence[Any] = ()) -> Agent:
+        """This agent with a worker's `provider` (its share of the limits, its key) and extra
+        `guardrails` (the worker's shared rate gate); everything else is the same definition."""
+        clone = copy.copy(self)
+        clone.provider = provider
+        clone._provider = self.spec.provider_for(provider) if self.spec else provider
+        clone.guardrails = (*guardrails, *self.guardrails)
+        clone.estimator = TokenEstimator()
+        return clone
 
     # -- entry points ------------------------------------------------------------------------
     def __call__(self, session: AgentInput, *, hooks: Hooks | None = None) -> Session:
