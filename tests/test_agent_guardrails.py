@@ -217,3 +217,24 @@ def test_guardrail_configuration_errors() -> None:
         Guardrail(lambda d: None, "sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="tool_input"):
         ToolGuardrail(lambda d: None, "before")  # type: ignore[arg-type]
+
+
+def test_a_trip_wins_over_a_failing_first_call() -> None:
+    from treadle.testing.scripted import ScriptedExecutor
+
+    def refuse(data: GuardrailInput) -> str:
+        return "not today"
+
+    agent = Agent(
+        "a", "Help.", executor=ScriptedExecutor([]), guardrails=[Guardrail(refuse, "input")]
+    )
+    out = agent("hello")  # the scripted model fails at once; the guardrail still decides
+    assert out.stop_reason == "blocked"
+    assert out.tripwire.reason == "not today"
+    with pytest.raises(ConfigurationError, match="ran out of replies"):
+        Agent(
+            "b",
+            "Help.",
+            executor=ScriptedExecutor([]),
+            guardrails=[Guardrail(lambda d: None, "input")],
+        )("hello").synchronize(HANG_GUARD)

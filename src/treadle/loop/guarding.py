@@ -112,6 +112,7 @@ class GuardedCall:
         reply: list[T] = []
         tripped: list[Tripwire] = []
         errors: list[BaseException] = []
+        failed: list[BaseException] = []
         async with anyio.create_task_group() as group:
 
             async def model() -> None:
@@ -120,8 +121,8 @@ class GuardedCall:
                 except asyncio.CancelledError:
                     raise
                 except BaseException as err:  # re-raised below, never into the event loop
-                    errors.append(err)
-                    group.cancel_scope.cancel()
+                    # The guardrails still decide: a trip makes the call's failure moot.
+                    failed.append(err)
 
             async def check() -> None:
                 try:
@@ -142,6 +143,8 @@ class GuardedCall:
             raise errors[0]
         if tripped:
             return None, tripped[0]
+        if failed:
+            raise failed[0]
         if not reply:  # cancelled from outside while both ran
             raise asyncio.CancelledError
         return reply[0], None
