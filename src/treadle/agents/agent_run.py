@@ -248,11 +248,8 @@ class AgentRun:
             if call_id:  # tool mode: the final_result call itself reports the problem
                 return (replace_result(out, call_id, error_content("retry", str(retry))),)
             return (out.append(ChunkRow.user(f"Please fix your answer: {retry}")),)
-        if agent.spec is None:
-            if checked == value:
-                return out
-            metadata = {**out.data.metadata, "output": checked}
-            return out.with_data(metadata=metadata)
+        if agent.spec is None and checked == value:
+            return out  # a text answer the validators kept as it was
         return out.with_data(metadata={**out.data.metadata, "output": checked})
 
     async def fail(self, kind: ErrorKind, out: Session, error: TreadleError | None) -> Session:

@@ -53,7 +53,7 @@ from treadle.loop.guarding import (
 )
 from treadle.loop.hooks import HookContext, fire
 from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
-from treadle.loop.request_usage import RequestUsage, request_usage_of
+from treadle.loop.request_usage import request_usage_of
 from treadle.loop.soft_stop import registered
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
@@ -89,7 +89,7 @@ class _Pass:
         self.hooks = plan.hooks
         self.input_guards = [g for g in plan.guardrails if g.when == "input"]
         self.guard_results: list[GuardrailResult] = []
-        self.entries: list[RequestUsage] = []
+        self.entries: list[tuple[Any, str, Usage, float]] = []
         limits = plan.limits
         self.max_steps = limits.max_steps or plan.max_tool_rounds
         self.deadline = (
@@ -103,7 +103,10 @@ class _Pass:
     def settle(self) -> None:
         """Put the per-request entries and guardrail verdicts into the metadata."""
         if self.entries:
-            self.metadata["request_usage"] = tuple(self.entries)
+            name = self.plan.agent_name
+            self.metadata["request_usage"] = tuple(
+                request_usage_of(*entry, name) for entry in self.entries
+            )
         if self.guard_results:
             self.metadata["guardrail_results"] = tuple(self.guard_results)
 
@@ -158,15 +161,10 @@ class _Pass:
             await fire(self.hooks, "on_model_start", self.hook_context(), request.messages())
         started = time.monotonic()
         turn = await self.complete_traced(request)
-        usage = turn.usage
+        # The entry is built when the pass ends (`settle`): the round only keeps the pair.
+        completion = turn.completion
         self.entries.append(
-            request_usage_of(
-                turn.completion,
-                usage.prompt_tokens,
-                usage.completion_tokens,
-                time.monotonic() - started,
-                self.plan.agent_name,
-            )
+            (completion.usage, completion.id, turn.usage, time.monotonic() - started)
         )
         return turn
 

@@ -9,9 +9,11 @@ Pure values; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.session import Usage
 
 __all__ = ["RequestUsage", "request_usage_of"]
 
@@ -41,34 +43,17 @@ class RequestUsage:
         return self.input_tokens + self.output_tokens
 
 
-def _detail(extra: Mapping[str, Any] | None, group: str, key: str) -> int:
-    if not extra:
-        return 0
-    details = extra.get(group)
-    if isinstance(details, Mapping):
-        value = details.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else 0
-    return 0
-
-
 def request_usage_of(
-    completion: Any, input_tokens: int, output_tokens: int, latency: float, agent: str | None
+    wire: Any, response_id: str, usage: Usage, latency: float, agent: str | None
 ) -> RequestUsage:
-    """The entry for one finished completion (a `ChatCompletion` wire value)."""
-    usage = getattr(completion, "usage", None)
-    extra = getattr(usage, "model_extra", None) if usage is not None else None
+    """The entry for one completion: its `CompletionUsage` as received (or None), its id, the
+    counted `Usage`, the latency and the agent's name."""
     return RequestUsage(
-        input_tokens,
-        output_tokens,
-        _detail(extra, "prompt_tokens_details", "cached_tokens"),
-        _detail(extra, "completion_tokens_details", "reasoning_tokens"),
-        str(getattr(completion, "id", "") or ""),
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        wire.cached_tokens if wire is not None else 0,
+        wire.reasoning_tokens if wire is not None else 0,
+        response_id,
         latency,
         agent,
     )
-
-
-def entries_of(metadata: Mapping[str, Any]) -> Sequence[RequestUsage]:
-    """The request entries recorded in a session's metadata (empty when none)."""
-    value = metadata.get("request_usage", ())
-    return tuple(v for v in value if isinstance(v, RequestUsage)) if value else ()
