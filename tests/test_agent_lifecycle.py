@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from treadle import Session
+from treadle import ConfigurationError, Session
 from treadle.agents import Agent, AgentPassEvent, AgentRunStopped, HandoffEvent
 from treadle.llm import Provider
 from treadle.loop import HookContext, Hooks, RequestUsage, run_session_loop
@@ -293,3 +293,20 @@ async def test_leaving_the_stream_early_cancels_the_run(server: FakeOpenAIServer
     async for _event in stream:
         break
     await asyncio.wait_for(stream.aclose(), HANG_GUARD)  # type: ignore[attr-defined]
+
+
+def test_dynamic_instructions_are_computed_per_pass(server: FakeOpenAIServer) -> None:
+    async def by_length(session: Session) -> str:
+        return f"The conversation has {len(session.rows)} rows."
+
+    agent = Agent("counter", by_length, provider=_provider(server), tools=[lookup])
+    server.enqueue(Reply.text("first"))
+    first = agent("hi")
+    assert first.final_text == "first"
+    server.enqueue(Reply.text("second"))
+    agent(first.add_user_message("again")).synchronize(HANG_GUARD)
+    systems = [r.body["messages"][0]["content"] for r in server.requests]
+    assert systems == ["The conversation has 1 rows.", "The conversation has 3 rows."]
+    bad = Agent("bad", lambda session: 42, provider=_provider(server))
+    with pytest.raises(ConfigurationError, match="must return the system prompt"):
+        bad("hi").synchronize(HANG_GUARD)

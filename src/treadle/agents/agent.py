@@ -52,6 +52,7 @@ from treadle.loop import (
     run_session_loop,
 )
 from treadle.loop.api import arun_pass_emitting, naming_next_pass
+from treadle.loop.control import call_user
 from treadle.loop.hooks import Hooks
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
@@ -114,7 +115,8 @@ class Agent:
 
     Args:
         name: Shown in lineage, tool names (`as_tool`) and handoffs.
-        instructions: The system prompt.
+        instructions: The system prompt, or a function of the session a pass starts from
+            (sync or async) returning it: dynamic instructions, computed per pass.
         tools: Tools offered on every pass (`@tool` functions, `Tool`s, plain callables).
         provider: The model endpoint.
         executor: A custom executor (tests: `ScriptedExecutor`) instead of HTTP.
@@ -147,7 +149,7 @@ class Agent:
     def __init__(
         self,
         name: str,
-        instructions: str = "",
+        instructions: str | Callable[[Session], Any] = "",
         *,
         tools: Iterable[Any] | None = None,
         provider: Provider | None = None,
@@ -170,8 +172,14 @@ class Agent:
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ConfigurationError("an Agent needs a non-empty name, e.g. Agent('researcher').")
+        self.dynamic_instructions = instructions if callable(instructions) else None
+        if self.dynamic_instructions is not None:
+            instructions = ""
         if not isinstance(instructions, str):
-            raise ConfigurationError("instructions must be a str (the agent's system prompt).")
+            raise ConfigurationError(
+                "instructions must be a str (the agent's system prompt) or a function of the "
+                "session returning one."
+            )
         if provider is None and executor is None:
             raise ConfigurationError(
                 f"Agent {name!r} needs provider=Provider(model=...) (or executor=... in tests)."
@@ -348,18 +356,19 @@ class Agent:
             "hooks": run.hooks,
             "on_message": run.on_message(),
         }
+        agent_session = await self._agent_session_for(user)
         if run.emit is not None:
             with naming_next_pass(self.name):
                 return await arun_pass_emitting(
-                    user, self.agent_session, pass_sink(run.emit, self.name), **options
+                    user, agent_session, pass_sink(run.emit, self.name), **options
                 )
         if not run.lazy:
             with naming_next_pass(self.name):
-                return await arun_session_loop(user, self.agent_session, **options)
+                return await arun_session_loop(user, agent_session, **options)
         # The lazy form owns its pass like run_session_loop does: a cancellation becomes the
         # pass's `cancelled` stop instead of an error on every read.
         with naming_next_pass(self.name):
-            out = run_session_loop(user, self.agent_session, **options)
+            out = run_session_loop(user, agent_session, **options)
         try:
             await out.wait_ready()
         except asyncio.CancelledError:
@@ -370,6 +379,21 @@ class Agent:
             if task is not None:
                 task.uncancel()
         return out
+
+    async def _agent_session_for(self, user: Session) -> Session:
+        """The agent rows of a pass from `user`: fixed, or computed by dynamic instructions."""
+        make = self.dynamic_instructions
+        if make is None:
+            return self.agent_session
+        text = await call_user(make, user)
+        if not isinstance(text, str):
+            raise ConfigurationError(
+                f"the instructions function of agent {self.name!r} returned "
+                f"{type(text).__name__}; it must return the system prompt as a str."
+            )
+        if not text:
+            return self.agent_session
+        return Session.from_agent_prompt(text)
 
     def _compaction_guard(self, run: AgentRun) -> Guardrail:
         limit = self.compact_at_tokens

@@ -106,6 +106,8 @@ def _code_parts(agent: Any) -> list[tuple[str, Any]]:
         parts.append(("hooks", type(agent.hooks)))
     if agent.output_type is not None:
         parts.append(("output_type", agent.output_type))
+    if agent.dynamic_instructions is not None:
+        parts.append(("instructions function", agent.dynamic_instructions))
     return parts
 
 
