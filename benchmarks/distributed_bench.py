@@ -20,8 +20,8 @@ import tempfile
 import time
 from typing import Any
 
-from treadle import Session
-from treadle.agents import Agent, amap
+from treadle import Session, amap
+from treadle.agents import Agent
 from treadle.llm import Provider
 
 

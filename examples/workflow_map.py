@@ -2,8 +2,9 @@
 
 from typing import Any
 
+import treadle
 from treadle import ProviderError, Session
-from treadle.agents import Agent, map
+from treadle.agents import Agent
 from treadle.llm import Provider
 from treadle.testing import FakeOpenAIServer, Reply
 
@@ -19,8 +20,10 @@ with FakeOpenAIServer(script=fake_model, latency_ms=5) as server:
     provider = Provider(model="fake", base_url=server.base_url, api_key="sk-test", max_retries=0)
     agent = Agent("answerer", "Answer briefly.", provider=provider)
     inputs = (Session.from_user_message(f"q{i}") for i in range(500))  # pulled lazily
-    outs = map(agent, inputs, concurrency=50, return_exceptions=True, progress=True)
+    outs = treadle.map(agent, inputs, concurrency=50, return_exceptions=True, progress=True)
     failed = [i for i, o in enumerate(outs) if isinstance(o, ProviderError)]
     print(len(outs), "results;", "failed:", failed, "; peak in flight:", server.max_in_flight)
     assert failed == [13]
-    assert outs[0].final_text == "answer to q0" and outs[499].final_text == "answer to q499"
+    first, last = outs[0], outs[499]
+    assert isinstance(first, Session) and isinstance(last, Session)
+    assert first.final_text == "answer to q0" and last.final_text == "answer to q499"

@@ -11,7 +11,7 @@ import pytest
 
 from treadle import BudgetExceededError, ConfigurationError, ProviderError, Session, Usage
 from treadle.llm import Provider
-from treadle.loop import arun_session_loop, run_session_loop
+from treadle.loop import Limits, arun_session_loop, run_session_loop
 from treadle.testing.scripted import ScriptedExecutor, text, tool_call, tool_calls
 from treadle.tools import tool
 
@@ -145,16 +145,31 @@ def test_budget_callback_fires_once_and_can_stop() -> None:
     assert out.rows[-1].kind == "tool_result"  # the round's tools ran: no orphaned tool call
 
 
-def test_budget_without_callback_stops_the_pass() -> None:
+def test_budget_without_callback_warns_once_and_runs_on(caplog: pytest.LogCaptureFixture) -> None:
+    # The soft budget (OpenRath's behaviour): one warning at the first crossing, the pass goes on.
     provider = Provider(model="m", base_url="http://127.0.0.1:9/v1", budget_total_tokens=1)
+    ex = ScriptedExecutor([tool_call("add", {"a": 1, "b": 2})] * 3 + [text("3")])
+    with caplog.at_level("WARNING", logger="treadle"):
+        out = run_session_loop(
+            Session.from_user_message("x"), AGENT, executor=ex, agent_provider=provider, tools=[add]
+        )
+        assert out.stop_reason == "final_answer" and out.final_text == "3"
+    assert len(ex.requests) == 4
+    warnings = [r for r in caplog.records if "budget_total_tokens=1" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "used 15 tokens" in warnings[0].getMessage()
+    assert "budget_message" not in out.metadata
+
+
+def test_limits_max_total_tokens_is_the_hard_stop() -> None:
     ex = ScriptedExecutor(default=tool_call("add", {"a": 1, "b": 2}))
     out = run_session_loop(
-        Session.from_user_message("x"), AGENT, executor=ex, agent_provider=provider, tools=[add]
-    )
+        Session.from_user_message("x"), AGENT, executor=ex, tools=[add],
+        limits=Limits(max_total_tokens=20),
+    )  # fmt: skip
     assert out.stop_reason == "budget"
-    assert len(ex.requests) == 1  # stopped before the next request
+    assert len(ex.requests) == 2  # 15 tokens a reply: stopped once 30 >= 20, before the third
     assert out.rows[-1].kind == "tool_result"  # the round's tools ran: no orphaned tool call
-    assert out.metadata["budget_message"] == "the pass used 15 tokens, over its budget of 1"
 
 
 def test_budget_callback_that_returns_lets_the_pass_run_on() -> None:

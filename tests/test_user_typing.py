@@ -92,5 +92,125 @@ def test_map_keeps_the_session_type(tmp_path: Path) -> None:
         text=True,
         timeout=600,
     )
-    assert 'Revealed type is "list[treadle.session.session.Session]"' in proc.stdout, proc.stdout
-    assert "list[treadle.session.session.Session | BaseException]" in proc.stdout
+    # An agent without an output_type: sessions whose `output` is None or untyped.
+    assert 'Revealed type is "list[treadle.session.session.Session[Any | None]]"' in proc.stdout, (
+        proc.stdout
+    )
+    assert "list[treadle.session.session.Session[Any | None] | BaseException]" in proc.stdout
+
+
+# Deliberately wrong user programs, each line that mypy must reject marked `# E: <text>` (a part
+# of the message it must report). Before typed results, `mypy --strict` passed on most of these.
+WRONG_PROGRAMS = {
+    "wrong_output_field.py": """\
+import pydantic
+from treadle import Agent, Provider
+
+class City(pydantic.BaseModel):
+    name: str
+    population: int
+
+agent = Agent("geo", "Answer.", provider=Provider(model="m"), output_type=City)
+out = agent("capital of France?")
+if out.output is not None:
+    print(out.output.populaton)  # E: "City" has no attribute "populaton"
+    print(out.output.name.upper())
+label: str = out.output  # E: Incompatible types in assignment
+""",
+    "wrong_tool_arguments.py": """\
+from treadle import tool
+
+@tool
+def add(a: int, b: int) -> int:
+    \"\"\"Add two numbers.\"\"\"
+    return a + b
+
+@tool(timeout=5)
+async def shout(text: str) -> str:
+    \"\"\"Shout.\"\"\"
+    return text.upper()
+
+total: int = add(1, 2)
+add("1", 2)  # E: Argument 1 to "__call__" of "FunctionTool" has incompatible type "str"
+add(a=1, c=2)  # E: Unexpected keyword argument "c"
+
+async def main() -> None:
+    size: int = await shout("hi")  # E: Incompatible types in assignment
+""",
+    "misspelled_stop_reason.py": """\
+from treadle import Agent, Provider, StopReason
+
+agent = Agent("a", "Answer.", provider=Provider(model="m"))
+out = agent("hi")
+if out.stop_reason == "finall_answer":  # E: Non-overlapping equality check
+    pass
+reason: StopReason = "max_step"  # E: Incompatible types in assignment
+done: bool = out.stop_reason == "final_answer"
+""",
+    "wrong_deps.py": """\
+from dataclasses import dataclass
+from treadle import Agent, Provider, ToolContext, tool
+
+@dataclass
+class Deps:
+    token: str
+
+@tool
+def whoami(ctx: ToolContext[Deps]) -> str:
+    \"\"\"Who am I.\"\"\"
+    return ctx.deps.tokn  # E: "Deps" has no attribute "tokn"
+
+agent = Agent("a", "Answer.", provider=Provider(model="m"), tools=[whoami], deps_type=Deps)
+agent("hi", deps=Deps("t"))
+agent("hi", deps="t")  # E: Argument "deps" to "__call__" of "Agent" has incompatible type "str"
+""",
+    "map_results.py": """\
+import pydantic
+import treadle
+from treadle import Agent, Provider
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+
+agent = Agent("judge", "Judge.", provider=Provider(model="m"), output_type=Verdict)
+outs = treadle.map(agent, ["a", "b"])
+passed = [o for o in outs if o.output is not None and o.output.ok]
+wrong = [o.output.okay for o in outs if o.output is not None]  # E: has no attribute "okay"
+""",
+}
+
+_MARK = re.compile(r"# E: (.+)$")
+
+
+def test_mypy_strict_rejects_wrong_user_programs(tmp_path: Path) -> None:
+    pytest.importorskip("mypy")
+    (tmp_path / "mypy.ini").write_text(MYPY_INI)
+    expected: dict[tuple[str, int], str] = {}
+    for name, text in WRONG_PROGRAMS.items():
+        (tmp_path / name).write_text(text)
+        for number, line in enumerate(text.splitlines(), 1):
+            mark = _MARK.search(line)
+            if mark:
+                expected[(name, number)] = mark.group(1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", *WRONG_PROGRAMS],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    errors: dict[tuple[str, int], list[str]] = {}
+    for line in proc.stdout.splitlines():
+        found = re.match(r"^(\S+\.py):(\d+): error: (.*)$", line)
+        if found:
+            key = (found.group(1), int(found.group(2)))
+            errors.setdefault(key, []).append(found.group(3))
+    missing = {
+        key: want
+        for key, want in expected.items()
+        if not any(want in message for message in errors.get(key, []))
+    }
+    unexpected = {key: messages for key, messages in errors.items() if key not in expected}
+    assert not missing, f"mypy did not report these:\n{missing}\n{proc.stdout}"
+    assert not unexpected, f"mypy reported errors on correct lines:\n{unexpected}"
+    assert len(expected) == 10

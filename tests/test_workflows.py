@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from treadle import ConfigurationError, ProviderError, Session
-from treadle.agents import Agent, amap, brainstorm, map, map_iter, pipeline
+import treadle.agents
+from treadle import ConfigurationError, ProviderError, Session, amap, map, map_iter
+from treadle.agents import Agent, brainstorm, pipeline
 from treadle.agents.fanout import Progress
 from treadle.llm import Provider
 from treadle.loop import CompletionRequest
@@ -114,12 +115,26 @@ async def test_amap_async_iterable_and_callable() -> None:
 
 def test_map_argument_errors() -> None:
     agent = Agent("echo", executor=ScriptedExecutor(default="ok"))
-    with pytest.raises(ConfigurationError, match="backend='local'"):
-        map(agent, ["a"], backend="ray")
+    with pytest.raises(ConfigurationError, match="is not a backend"):
+        map(agent, ["a"], backend="cloud")
     with pytest.raises(ConfigurationError, match="concurrency"):
         map(agent, ["a"], concurrency=0)
     with pytest.raises(ConfigurationError, match="iterable"):
         map(agent, "abc")
+
+
+def test_the_agents_map_is_a_deprecated_alias_of_treadle_map() -> None:
+    agent = Agent("echo", executor=ScriptedExecutor(default=_echo))
+    with pytest.warns(DeprecationWarning, match="use treadle.map"):
+        outs = treadle.agents.map(agent, ["a", "b"])
+    assert [o.final_text for o in outs] == ["re: a", "re: b"]
+    with pytest.warns(DeprecationWarning, match="use treadle.amap"):
+        assert len(asyncio.run(treadle.agents.amap(agent, ["a"]))) == 1
+    with (
+        pytest.warns(DeprecationWarning, match="use treadle.map"),
+        pytest.raises(ConfigurationError, match="backend='local'"),
+    ):
+        treadle.agents.map(agent, ["a"], backend="ray")
 
 
 async def test_map_refuses_to_block_an_event_loop() -> None:

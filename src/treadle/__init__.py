@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "ChunkTable": "treadle.session",
     "LineageNode": "treadle.session",
     "Usage": "treadle.session",
+    "StopReason": "treadle.session",
     # runtime
     "LazyValue": "treadle.runtime",
     "run_lazy": "treadle.runtime",
@@ -37,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Guardrail": "treadle.loop",
     "GuardrailInput": "treadle.loop",
     "Tripwire": "treadle.loop",
+    "StopAtTools": "treadle.loop",
     "PassControl": "treadle.loop",
     "before_model": "treadle.loop",
     "after_model": "treadle.loop",
@@ -60,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "tool": "treadle.tools",
     "Tool": "treadle.tools",
     "BaseTool": "treadle.tools",
+    "ToolContext": "treadle.tools",
     "SandboxHandle": "treadle.sandbox",
     "LocalBackend": "treadle.sandbox",
     "Isolated": "treadle.sandbox",
@@ -133,6 +136,7 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.loop import Hooks as Hooks
     from treadle.loop import Limits as Limits
     from treadle.loop import PassControl as PassControl
+    from treadle.loop import StopAtTools as StopAtTools
     from treadle.loop import ToolGuardrail as ToolGuardrail
     from treadle.loop import Tripwire as Tripwire
     from treadle.loop import after_model as after_model
@@ -155,9 +159,11 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.session import LineageNode as LineageNode
     from treadle.session import Session as Session
     from treadle.session import SessionData as SessionData
+    from treadle.session import StopReason as StopReason
     from treadle.session import Usage as Usage
     from treadle.tools import BaseTool as BaseTool
     from treadle.tools import Tool as Tool
+    from treadle.tools import ToolContext as ToolContext
     from treadle.tools import tool as tool
 
 

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import re
 import sys
+import typing
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, cast
 
 import anyio
 import pydantic
+from typing_extensions import TypeVar
 
 from treadle.agents.agent_run import AgentRun
-from treadle.agents.agent_tool import AgentTool, tool_answer
+from treadle.agents.agent_tool import agent_tool
 from treadle.agents.compaction import (
     DEFAULT_KEEP_LAST,
     TokenEstimator,
@@ -33,7 +34,13 @@ from treadle.agents.compaction import (
 )
 from treadle.agents.handoffs import Handoff, check_handoffs
 from treadle.agents.outcomes import check_error_handlers, check_validators
-from treadle.agents.streaming import AgentEvent, AgentRunStopped, current_sink, pass_sink
+from treadle.agents.streaming import (
+    AgentEvent,
+    AgentRunStopped,
+    current_sink,
+    pass_sink,
+    streaming_to,
+)
 from treadle.agents.structured import (
     DEFAULT_OUTPUT_RETRIES,
     OutputSpec,
@@ -54,21 +61,25 @@ from treadle.loop import (
 from treadle.loop.api import arun_pass_emitting, naming_next_pass
 from treadle.loop.control import call_user
 from treadle.loop.hooks import Hooks
+from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
 from treadle.session import Session, SessionData, new_session_id
-from treadle.tools import FunctionTool, Tool, ToolSet
+from treadle.tools import Tool, ToolSet
+from treadle.tools.context import Deps
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
 
 #: Automatic compactions one run may do; past this the run goes on uncompacted (and may overflow).
 MAX_COMPACTIONS_PER_RUN = 4
 
-AgentInput = Session | str
+AgentInput = Session[Any] | str
 """What an agent accepts: a session (possibly still pending) or a user message."""
 
+Output = TypeVar("Output", default=Any)
+"""The type of an agent's structured output (`output_type`)."""
+
 _COMPACTION_GUARD = "treadle.auto_compaction"
-_TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
 
 
 def lazy_session(
@@ -110,8 +121,16 @@ def as_session(value: AgentInput) -> Session:
     )
 
 
-class Agent:
+def _type_name(value: object) -> str:
+    return str(getattr(value, "__name__", value))
+
+
+class Agent(Generic[Deps, Output]):
     """A named agent: instructions, tools, a provider, limits, guardrails and an output type.
+
+    `Agent[Deps, Output]`: `deps_type` types the `deps=` each run takes (tools, guardrails and
+    callbacks read them through a `ToolContext[Deps]` parameter); `output_type` types
+    `out.output` as `Output | None` (None when the pass stopped without an answer).
 
     Args:
         name: Shown in lineage, tool names (`as_tool`) and handoffs.
@@ -123,6 +142,13 @@ class Agent:
         limits: Per-pass limits (see `Limits`).
         guardrails: Checks before each request or after each reply.
         output_type: A pydantic model; `out.output` then holds the validated answer.
+        deps_type: The type of the `deps=` every run must pass (for type checkers and a clear
+            error when a run passes none); None: deps are optional and untyped.
+        strict_output: Send the output schema in strict mode: None (default) when it allows,
+            True always (`ConfigurationError` where it cannot), False never.
+        tool_use_behavior: Whether a tool round ends the pass (see `run_session_loop`); not
+            with `output_type`.
+        reset_tool_choice: Reset a forced `tool_choice` to `"auto"` once a tool ran.
         structured_mode: `"tool"` (a `final_result` tool, works everywhere) or `"native"`
             (`response_format` JSON schema, for servers that support it).
         output_retries: Times an invalid answer goes back to the model before
@@ -156,7 +182,11 @@ class Agent:
         executor: object | None = None,
         limits: Limits | None = None,
         guardrails: Iterable[Any] | None = None,
-        output_type: type[Any] | None = None,
+        output_type: type[Output] | None = None,
+        deps_type: type[Deps] | None = None,
+        strict_output: bool | None = None,
+        tool_use_behavior: ToolUseBehavior = "run_llm_again",
+        reset_tool_choice: bool = True,
         structured_mode: StructuredMode = "tool",
         output_retries: int = DEFAULT_OUTPUT_RETRIES,
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
@@ -214,13 +244,23 @@ class Agent:
         self.limits = limits
         self.guardrails = tuple(guardrails or ())
         self.output_type = output_type
+        self.deps_type = deps_type
+        self.tool_use_behavior = check_tool_use_behavior(tool_use_behavior)
+        if output_type is not None and tool_use_behavior != "run_llm_again":
+            raise ConfigurationError(
+                f"Agent {name!r}: tool_use_behavior needs no output_type (a tool's result is "
+                "then the output); drop one of the two."
+            )
+        self.reset_tool_choice = reset_tool_choice
         self.max_tool_rounds = max_tool_rounds
         self.compact_at_tokens = compact_at_tokens
         self.compact_keep_last = compact_keep_last
         self.compact_on_overflow = compact_on_overflow
         self.compaction_instruction = compaction_instruction
         self.spec = (
-            OutputSpec(output_type, structured_mode, output_retries)
+            OutputSpec(
+                cast(Any, output_type), structured_mode, output_retries, strict=strict_output
+            )
             if output_type is not None
             else None
         )
@@ -253,34 +293,60 @@ class Agent:
         return clone
 
     # -- entry points ------------------------------------------------------------------------
-    def __call__(self, session: AgentInput, *, hooks: Hooks | None = None) -> Session:
+    def __call__(
+        self, session: AgentInput, *, deps: Deps | None = None, hooks: Hooks | None = None
+    ) -> Session[Output | None]:
         """Run the agent on the runtime and return its output `Session` at once (lazy).
 
         `session` may be a pending output of another pass or agent: the run waits for it on
         the runtime, so chains never block the caller. `out.cancel()` stops the pass with
         `stop_reason == "cancelled"`; `out.cancel(after_turn=True)` lets the current turn
-        finish first. `hooks` (for this run) replace the agent's own.
+        finish first. `deps` reach tools, guardrails and callbacks that ask for a `ToolContext`
+        (in memory only: never written to the transcript or a file). `hooks` (for this run)
+        replace the agent's own.
         """
         user = as_session(session)
+        self._check_deps(deps)
         run_id = new_session_id()
         return lazy_session(
-            lambda: AgentRun(self, run_id=run_id, lazy=True, hooks=hooks).run(user),
+            lambda: AgentRun(self, run_id=run_id, lazy=True, hooks=hooks, deps=deps).run(user),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
             id=run_id,
         )
 
-    async def run(self, session: AgentInput, *, hooks: Hooks | None = None) -> Session:
+    async def run(
+        self, session: AgentInput, *, deps: Deps | None = None, hooks: Hooks | None = None
+    ) -> Session[Output | None]:
         """Run the agent on the calling event loop and return the finished output `Session`.
 
         Cancelling the awaiting task cancels the pass (the `CancelledError` propagates).
         Inside a streamed run (an agent used as a tool), its events join that stream.
         """
-        run = AgentRun(self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=current_sink())
-        return await run.run(as_session(session))
+        self._check_deps(deps)
+        run = AgentRun(
+            self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=current_sink(), deps=deps
+        )
+        return cast("Session[Output | None]", await run.run(as_session(session)))
+
+    def _check_deps(self, deps: object) -> None:
+        wanted = self.deps_type
+        if wanted is None:
+            return
+        if deps is None:
+            raise ConfigurationError(
+                f"Agent {self.name!r} declares deps_type={_type_name(wanted)}; pass deps=... "
+                "to each run."
+            )
+        origin = typing.get_origin(wanted) or wanted
+        if isinstance(origin, type) and not isinstance(deps, origin):
+            raise ConfigurationError(
+                f"Agent {self.name!r} takes deps of type {_type_name(wanted)}, got "
+                f"{type(deps).__name__}."
+            )
 
     async def stream(
-        self, session: AgentInput, *, hooks: Hooks | None = None
+        self, session: AgentInput, *, deps: Deps | None = None, hooks: Hooks | None = None
     ) -> AsyncIterator[AgentEvent]:
         """Run the agent and yield its events as they happen (see `treadle.agents.streaming`).
 
@@ -289,12 +355,13 @@ class Agent:
         Leaving the loop early cancels the run.
         """
         user = as_session(session)
+        self._check_deps(deps)
 
         async def events(send: Callable[[AgentEvent], None]) -> Session:
-            from treadle.agents.streaming import streaming_to
-
             with streaming_to(send):
-                run = AgentRun(self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=send)
+                run = AgentRun(
+                    self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=send, deps=deps
+                )
                 return await run.run(user)
 
         async with produce(events) as stream:
@@ -320,22 +387,7 @@ class Agent:
         or async) chooses what the tool returns from the agent's output session. In a streamed
         run, the agent's events join the stream under its own name.
         """
-        if output_extractor is not None and not callable(output_extractor):
-            raise ConfigurationError("output_extractor must be callable (session -> value).")
-        tool_name = name or _TOOL_NAME.sub("_", self.name)[:64]
-        text = description or self.description or f"Ask the {self.name} agent to do a task."
-        if input_type is not None:
-            return AgentTool(self, tool_name, text, input_type, output_extractor)
-        agent = self
-
-        async def delegate(task: str) -> Any:
-            """Args:
-            task: The whole task, self-contained (the agent does not see this conversation).
-            """
-            out = await agent.run(Session.from_user_message(task))
-            return await tool_answer(out, output_extractor)
-
-        return FunctionTool(delegate, name=tool_name, description=text)
+        return agent_tool(self, name, description, input_type, output_extractor)
 
     # -- one pass ----------------------------------------------------------------------------
     async def _pass(self, user: Session, run: AgentRun) -> Session:
@@ -355,6 +407,9 @@ class Agent:
             "guardrails": guards,
             "hooks": run.hooks,
             "on_message": run.on_message(),
+            "deps": run.deps,
+            "tool_use_behavior": self.tool_use_behavior,
+            "reset_tool_choice": self.reset_tool_choice,
         }
         agent_session = await self._agent_session_for(user)
         if run.emit is not None:

@@ -65,8 +65,10 @@ class AgentRun:
         lazy: bool,
         hooks: Hooks | None = None,
         emit: Callable[[AgentEvent], None] | None = None,
+        deps: object = None,
     ) -> None:
         self.agent = agent
+        self.deps = deps
         self.run_id = run_id
         self.lazy = lazy
         self.run_hooks = hooks

@@ -7,6 +7,7 @@ takes from its output session). Calls run on the caller's loop and never block i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,12 +16,14 @@ import pydantic
 from treadle.errors import ConfigurationError, ToolArgumentsError
 from treadle.loop.control import call_user
 from treadle.session import Session
-from treadle.tools import Tool, ToolContext
+from treadle.tools import FunctionTool, Tool, ToolContext
 
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
 
-__all__ = ["AgentTool", "tool_answer"]
+__all__ = ["AgentTool", "agent_tool", "tool_answer"]
+
+_TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
 
 
 async def tool_answer(out: Session, extractor: Callable[[Session], Any] | None) -> Any:
@@ -69,3 +72,28 @@ class AgentTool(Tool):
         task = self.input_type.model_validate(dict(arguments)).model_dump_json()
         out = await self.agent.run(Session.from_user_message(task))
         return await tool_answer(out, self.extractor)
+
+
+def agent_tool(
+    agent: Agent,
+    name: str | None,
+    description: str | None,
+    input_type: type[pydantic.BaseModel] | None,
+    output_extractor: Callable[[Session], Any] | None,
+) -> Tool:
+    """`agent.as_tool(...)`: an `AgentTool` with `input_type`, else a tool taking `task: str`."""
+    if output_extractor is not None and not callable(output_extractor):
+        raise ConfigurationError("output_extractor must be callable (session -> value).")
+    tool_name = name or _TOOL_NAME.sub("_", agent.name)[:64]
+    text = description or agent.description or f"Ask the {agent.name} agent to do a task."
+    if input_type is not None:
+        return AgentTool(agent, tool_name, text, input_type, output_extractor)
+
+    async def delegate(task: str) -> Any:
+        """Args:
+        task: The whole task, self-contained (the agent does not see this conversation).
+        """
+        out = await agent.run(Session.from_user_message(task))
+        return await tool_answer(out, output_extractor)
+
+    return FunctionTool(delegate, name=tool_name, description=text)

@@ -1,11 +1,12 @@
 """Fan-out: run one agent over many sessions with a bounded number of passes in flight.
 
-`map` (sync, blocks until every item is done), `amap` (async, same result) and `map_iter` (async
-iterator of `(index, result)` as items complete). Inputs are pulled from any iterable or async
-iterable only as slots free up, so a million inputs are never materialised up front. One item's
-failure never cancels the others: it is reported per item. Every pass runs on one event loop;
-`treadle.map(..., backend="process" | "ray")` (the switch in `treadle.distributed.backends`) runs
-them on worker processes instead.
+`local_amap` (async, the output sessions in input order) and `local_map_iter` (async iterator of
+`(index, result)` as items complete) are the `"local"` backend of `treadle.map` / `treadle.amap` /
+`treadle.map_iter`, the one public fan-out (the switch in `treadle.distributed.backends` also
+runs passes on worker processes). `treadle.agents.map`, `amap` and `map_iter` are deprecated
+aliases kept for old code: they warn and run the same local fan-out. Inputs are pulled from any
+iterable or async iterable only as slots free up, so a million inputs are never materialised up
+front. One item's failure never cancels the others: it is reported per item.
 
 This module must never start more than `concurrency` runs at once, never reorder `map`'s results
 and never block the event loop it runs on (sync input iterators are expected to be cheap).
@@ -16,21 +17,38 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import anyio
+from typing_extensions import TypeVar, deprecated
 
 from treadle.agents.progress import Progress, known_length, run_blocking, settle_results
 from treadle.errors import ConfigurationError
 from treadle.runtime.streams import produce
 from treadle.session import Session
 
-__all__ = ["DEFAULT_CONCURRENCY", "Progress", "amap", "map", "map_iter", "settle_results"]
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "MapTarget",
+    "Progress",
+    "amap",
+    "local_amap",
+    "local_map_iter",
+    "map",
+    "map_iter",
+    "settle_results",
+]
 
 #: Runs in flight at once when `concurrency` is not given.
 DEFAULT_CONCURRENCY = 64
 
 Runner = Callable[[Any], Awaitable[Session]]
+
+T = TypeVar("T", default=Any)
+
+MapTarget = Callable[[Any], Session[T]] | Callable[[Any], Awaitable[Session[T]]]
+"""What `map` runs: an `Agent[Deps, Output]` (output sessions typed `Session[Output | None]`),
+a pipeline, or any sync or async callable from an item to a `Session`."""
 
 
 def _runner(agent: Any) -> Runner:
@@ -124,20 +142,15 @@ async def _drive(
             tg.start_soon(worker)
 
 
-async def map_iter(
-    agent: Any,
+async def local_map_iter(
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
-    backend: str = "local",
-    **backend_options: Any,
-) -> AsyncIterator[tuple[int, Session | BaseException]]:
-    """Run `agent` over `sessions`; yield `(index, output session or exception)` as each ends.
-
-    Leaving the loop early cancels the runs still in flight. Only `backend="local"` runs here;
-    `treadle.map_iter` also takes `"process"` and `"ray"`.
-    """
-    _check(concurrency, backend, backend_options)
+) -> AsyncIterator[tuple[int, Session[T] | BaseException]]:
+    """Run `agent` over `sessions` on this event loop; yield `(index, output or exception)` as
+    each ends. Leaving the loop early cancels the runs still in flight."""
+    check_concurrency(concurrency)
     run = _runner(agent)
 
     async def drive(send: Callable[[tuple[int, Any]], None]) -> None:
@@ -149,18 +162,16 @@ async def map_iter(
         entries.result()  # re-raises a failure of the input iterable itself
 
 
-async def amap(
-    agent: Any,
+async def local_amap(
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
     progress: bool = False,
     return_exceptions: bool = False,
-    backend: str = "local",
-    **backend_options: Any,
 ) -> list[Any]:
-    """Async `map`: the output sessions in input order (see `map`)."""
-    _check(concurrency, backend, backend_options)
+    """The output sessions in input order, every pass on this event loop (see `treadle.map`)."""
+    check_concurrency(concurrency)
     run = _runner(agent)
     results: list[Any] = []
     bar = Progress.create(known_length(sessions)) if progress else None
@@ -181,8 +192,54 @@ async def amap(
     return settle_results(results, return_exceptions)
 
 
-def map(
-    agent: Any,
+@deprecated("treadle.agents.map_iter is deprecated; use treadle.map_iter (the same call).")
+async def map_iter(
+    agent: MapTarget[T],
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    backend: str = "local",
+    **backend_options: Any,
+) -> AsyncIterator[tuple[int, Session[T] | BaseException]]:
+    """Deprecated alias of `treadle.map_iter` limited to `backend="local"`."""
+    _check(concurrency, backend, backend_options)
+    stream = local_map_iter(agent, sessions, concurrency=concurrency)
+    try:
+        async for entry in stream:
+            yield entry
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+@overload
+async def amap(
+    agent: MapTarget[T],
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: Literal[False] = ...,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session[T]]: ...
+
+
+@overload
+async def amap(
+    agent: MapTarget[T],
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: bool,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session[T] | BaseException]: ...
+
+
+@deprecated("treadle.agents.amap is deprecated; use treadle.amap (the same call, with backends).")
+async def amap(
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
@@ -190,27 +247,63 @@ def map(
     return_exceptions: bool = False,
     backend: str = "local",
     **backend_options: Any,
-) -> list[Any]:
-    """Run `agent` over every session with at most `concurrency` runs in flight; block until done.
-
-    `agent` is an `Agent`, a pipeline or handoff, or any callable `session -> Session`
-    (sync or async). Items may be sessions or strings (user messages); they are pulled from the
-    iterable only as slots free up. Returns the output sessions in input order. A failing item
-    never stops the others: with `return_exceptions=True` its place holds the exception;
-    otherwise, after every item finished, the first failure (in input order) is raised with a note
-    counting the failures. `progress=True` shows a progress bar on a terminal (rich when
-    installed, a plain line otherwise; nothing when stderr is not a TTY). Use `amap` or
-    `map_iter` from async code. Only `backend="local"` runs here: `treadle.map` (the same call)
-    also takes `backend="process"` or `"ray"` (docs/distributed.md).
-    """
+) -> list[Session[T]] | list[Session[T] | BaseException]:
+    """Deprecated alias of `treadle.amap` limited to `backend="local"`."""
     _check(concurrency, backend, backend_options)
-    call = amap(
+    return await local_amap(
         agent,
         sessions,
         concurrency=concurrency,
         progress=progress,
         return_exceptions=return_exceptions,
-        backend=backend,
-        **backend_options,
+    )
+
+
+@overload
+def map(
+    agent: MapTarget[T],
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: Literal[False] = ...,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session[T]]: ...
+
+
+@overload
+def map(
+    agent: MapTarget[T],
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = ...,
+    progress: bool = ...,
+    return_exceptions: bool,
+    backend: str = ...,
+    **backend_options: Any,
+) -> list[Session[T] | BaseException]: ...
+
+
+@deprecated("treadle.agents.map is deprecated; use treadle.map (the same call, with backends).")
+def map(
+    agent: MapTarget[T],
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    progress: bool = False,
+    return_exceptions: bool = False,
+    backend: str = "local",
+    **backend_options: Any,
+) -> list[Session[T]] | list[Session[T] | BaseException]:
+    """Deprecated alias of `treadle.map` limited to `backend="local"`: `treadle.map` is the same
+    call and also takes `backend="process"` or `"ray"` (docs/workflows.md)."""
+    _check(concurrency, backend, backend_options)
+    call = local_amap(
+        agent,
+        sessions,
+        concurrency=concurrency,
+        progress=progress,
+        return_exceptions=return_exceptions,
     )
     return run_blocking(call, "treadle.agents.map")

@@ -3,7 +3,8 @@
 Two modes. `"tool"` (the default, works with every OpenAI-compatible server) offers a tool named
 `final_result` whose parameters are the model's JSON schema; the model's call to it ends the pass
 and its arguments are the output. `"native"` sends `response_format = {"type": "json_schema",
-"json_schema": {"name", "schema", "strict": true}}` and validates the final text. A reply that
+"json_schema": {"name", "schema", "strict"}}` and validates the final text. Both send the schema
+in strict mode when it allows (see `OutputSpec.strict`). A reply that
 does not validate goes back to the model with the validation errors, at most `output_retries`
 times; after that `StructuredOutputError` is raised.
 
@@ -12,7 +13,6 @@ This module only builds values and inspects finished sessions; it never calls a 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +24,7 @@ import pydantic_core
 from treadle.errors import ConfigurationError, StructuredOutputError, ToolArgumentsError
 from treadle.tools import Tool, ToolContext
 from treadle.tools.results import error_content, success_content
+from treadle.tools.schema import resolve_strict
 
 if TYPE_CHECKING:
     from treadle.llm.provider import Provider
@@ -58,25 +59,6 @@ def _format_errors(error: pydantic.ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema in the form OpenAI's strict mode accepts: closed objects, every field required."""
-    out = copy.deepcopy(schema)
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            if node.get("type") == "object" and "properties" in node:
-                node["additionalProperties"] = False
-                node["required"] = list(node["properties"])
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    visit(out)
-    return out
-
-
 class _FinalResultTool(Tool):
     """The tool-mode final answer: its arguments are the output; invalid ones go back as errors."""
 
@@ -87,6 +69,8 @@ class _FinalResultTool(Tool):
             "Call it once, when you are done."
         )
         self.parameters = spec.schema
+        self.strict = spec.strict
+        self._wire = (spec.wire_schema, spec.sent_strict)  # decided once, by the spec
         self._spec = spec
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,7 +107,14 @@ class OutputSpec:
     mode: StructuredMode = "tool"
     retries: int = DEFAULT_OUTPUT_RETRIES
     tool_name: str = FINAL_RESULT_TOOL
+    strict: bool | None = None
+    """Strict mode for the output schema: None (default) when the schema allows it (optional
+    fields become required: the model then fills every field), True always (an error where it
+    cannot be), False never."""
     schema: dict[str, Any] = field(init=False)
+    wire_schema: dict[str, Any] = field(init=False)
+    """The schema as sent (the strict form when `sent_strict`)."""
+    sent_strict: bool = field(init=False)
     tool: Tool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -137,9 +128,15 @@ class OutputSpec:
             )
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigurationError("output_retries must be an int >= 0.")
+        if self.strict not in (None, True, False):
+            raise ConfigurationError("strict_output must be True, False or None.")
         schema = self.model.model_json_schema()
         schema.pop("title", None)
+        what = f"output_type {self.model.__name__}"
+        wire, strict = resolve_strict(what, schema, self.strict, required_ok=True)
         object.__setattr__(self, "schema", schema)
+        object.__setattr__(self, "wire_schema", wire)
+        object.__setattr__(self, "sent_strict", strict)
         object.__setattr__(self, "tool", _FinalResultTool(self))
 
     # -- request side ------------------------------------------------------------------------
@@ -149,8 +146,8 @@ class OutputSpec:
             "type": "json_schema",
             "json_schema": {
                 "name": self.model.__name__,
-                "schema": _strict_schema(self.schema),
-                "strict": True,
+                "schema": self.wire_schema,
+                "strict": self.sent_strict,
             },
         }
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Literal, overload
 
 from treadle.agents import fanout
-from treadle.agents.fanout import DEFAULT_CONCURRENCY, check_concurrency
+from treadle.agents.fanout import DEFAULT_CONCURRENCY, MapTarget, T, check_concurrency
 from treadle.agents.progress import run_blocking
 from treadle.distributed.mapping import REMOTE_BACKENDS, remote_amap, remote_map_iter
 from treadle.errors import ConfigurationError
@@ -57,13 +57,13 @@ def local_concurrency(concurrency: int, workers: int | None) -> int:
 
 
 async def map_iter(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
     backend: str = "local",
     **backend_options: Any,
-) -> AsyncIterator[tuple[int, Session | BaseException]]:
+) -> AsyncIterator[tuple[int, Session[T] | BaseException]]:
     """Run `agent` over `sessions`; yield `(index, output session or exception)` as each ends.
 
     Leaving the loop early cancels the runs still in flight. `backend="process"` or `"ray"`
@@ -71,7 +71,7 @@ async def map_iter(
     """
     local = _check(concurrency, backend, backend_options)
     if backend == "local":
-        stream = fanout.map_iter(agent, sessions, concurrency=local)
+        stream = fanout.local_map_iter(agent, sessions, concurrency=local)
     else:
         stream = remote_map_iter(
             agent, sessions, backend=backend, concurrency=concurrency, **backend_options
@@ -85,7 +85,7 @@ async def map_iter(
 
 @overload
 async def amap(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -93,12 +93,12 @@ async def amap(
     return_exceptions: Literal[False] = ...,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session]: ...
+) -> list[Session[T]]: ...
 
 
 @overload
 async def amap(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -106,11 +106,11 @@ async def amap(
     return_exceptions: bool,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session | BaseException]: ...
+) -> list[Session[T] | BaseException]: ...
 
 
 async def amap(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
@@ -118,11 +118,11 @@ async def amap(
     return_exceptions: bool = False,
     backend: str = "local",
     **backend_options: Any,
-) -> list[Session] | list[Session | BaseException]:
+) -> list[Session[T]] | list[Session[T] | BaseException]:
     """Async `map`: the output sessions in input order (see `map`)."""
     local = _check(concurrency, backend, backend_options)
     if backend == "local":
-        return await fanout.amap(
+        return await fanout.local_amap(
             agent,
             sessions,
             concurrency=local,
@@ -142,7 +142,7 @@ async def amap(
 
 @overload
 def map(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -150,12 +150,12 @@ def map(
     return_exceptions: Literal[False] = ...,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session]: ...
+) -> list[Session[T]]: ...
 
 
 @overload
 def map(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = ...,
@@ -163,11 +163,11 @@ def map(
     return_exceptions: bool,
     backend: str = ...,
     **backend_options: Any,
-) -> list[Session | BaseException]: ...
+) -> list[Session[T] | BaseException]: ...
 
 
 def map(
-    agent: Any,
+    agent: MapTarget[T],
     sessions: Iterable[Any] | AsyncIterable[Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
@@ -175,7 +175,7 @@ def map(
     return_exceptions: bool = False,
     backend: str = "local",
     **backend_options: Any,
-) -> list[Session] | list[Session | BaseException]:
+) -> list[Session[T]] | list[Session[T] | BaseException]:
     """Run `agent` over every session with at most `concurrency` runs in flight; block until done.
 
     `agent` is an `Agent`, a pipeline or handoff, or any callable `session -> Session`

@@ -148,11 +148,13 @@ class Provider:
     retry_base_delay: float = 0.5
     """First backoff step in seconds; doubles each retry (full jitter), capped at 8 s."""
     budget_total_tokens: int | None = None
-    """Token budget of one pass. When a reply crosses it, the round's tools still run, then the
-    pass stops with `stop_reason == "budget"` (unless `on_budget_exceeded` lets it go on)."""
+    """Soft token budget of one pass: when a reply first crosses it, `on_budget_exceeded` decides;
+    without a callback one warning is logged (logger `treadle`) and the pass runs on. The hard
+    stop is `Limits(max_total_tokens=...)` (`stop_reason == "budget"`)."""
     on_budget_exceeded: Callable[..., Any] | None = field(default=None, compare=False)
     """Called once, as `(session, usage)`, when the budget is first crossed: raise
-    `BudgetExceededError` to stop the pass, return to let it run on. Without it, the pass stops."""
+    `BudgetExceededError` to stop the pass (after the round's tools ran), return to let it run
+    on. A parameter annotated `ToolContext` also receives the pass's context."""
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     """Cap on requests in flight to this endpoint from this process."""
     requests_per_minute: int | None = None

@@ -35,6 +35,7 @@ from treadle.loop.events import (
 )
 from treadle.loop.hooks import DEFAULT_HOOK_TIMEOUT, HookContext, Hooks
 from treadle.loop.request_usage import RequestUsage
+from treadle.loop.tooling import StopAtTools, ToolUseBehavior
 
 __all__ = [
     "DEFAULT_HOOK_TIMEOUT",
@@ -58,12 +59,14 @@ __all__ = [
     "PassStarted",
     "PassStopped",
     "RequestUsage",
+    "StopAtTools",
     "TextDelta",
     "ToolCallDelta",
     "ToolGuardrail",
     "ToolGuardrailInput",
     "ToolResultEvent",
     "ToolStarted",
+    "ToolUseBehavior",
     "Tripwire",
     "UsageEvent",
     "after_model",

@@ -17,17 +17,19 @@ from typing import Any, TypedDict, Unpack
 from treadle.errors import ConfigurationError, SandboxError
 from treadle.llm.provider import Provider
 from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
-from treadle.loop.control import Limits, PassControl, normalise_guardrails, tool_guardrails_of
+from treadle.loop.control import Limits, normalise_guardrails, tool_guardrails_of
 from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped
 from treadle.loop.hooks import Hooks
 from treadle.loop.soft_stop import current_stop
+from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
-from treadle.session import ChunkRow, Session, SessionData, new_session_id
+from treadle.session import Session, SessionData, new_session_id
 from treadle.telemetry import capture_parent
 from treadle.tools import ToolSet
+from treadle.tools.context import context_parameter
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
@@ -81,12 +83,19 @@ class PassOptions(TypedDict, total=False):
     """Step, token, deadline and tool-call limits (see `Limits`)."""
     guardrails: Iterable[Any] | None
     """Checks run before each request or after each reply (see `Guardrail`)."""
-    on_message: Callable[[ChunkRow, PassControl], Any] | None
+    on_message: Callable[..., Any] | None
     """Called as `on_message(row, control)` after each assistant and tool_result row."""
     approvals: Mapping[str, bool | str] | None
     """Decisions for calls to tools marked `needs_approval`, by tool call id."""
     hooks: Hooks | None
     """Lifecycle hooks for this pass (see `Hooks`)."""
+    deps: Any
+    """Dependencies for this pass, handed to tools, guardrails and callbacks that ask for a
+    `ToolContext` (never serialised)."""
+    tool_use_behavior: ToolUseBehavior
+    """Whether a tool round ends the pass (default `"run_llm_again"`)."""
+    reset_tool_choice: bool
+    """Reset a forced `tool_choice` to `"auto"` once a tool ran (default True)."""
 
 
 def _plan(
@@ -105,9 +114,12 @@ def _plan(
     persist_path: str | os.PathLike[str] | None = None,
     limits: Limits | None = None,
     guardrails: Iterable[Any] | None = None,
-    on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
+    on_message: Callable[..., Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
     hooks: Hooks | None = None,
+    deps: Any = None,
+    tool_use_behavior: ToolUseBehavior = "run_llm_again",
+    reset_tool_choice: bool = True,
 ) -> PassPlan:
     if provider is not None:
         if agent_provider is not None:
@@ -139,6 +151,7 @@ def _plan(
     for name, fn in (("on_event", on_event), ("on_message", on_message)):
         if fn is not None and not callable(fn):
             raise ConfigurationError(f"{name} must be callable.")
+    behavior = check_tool_use_behavior(tool_use_behavior)
     if limits is not None and not isinstance(limits, Limits):
         raise ConfigurationError("limits must be a treadle Limits(...).")
     if hooks is not None and not isinstance(hooks, Hooks):
@@ -198,10 +211,14 @@ def _plan(
         hooks=hooks,
         stop=current_stop(),
         on_message=on_message,
+        on_message_context=context_parameter(on_message) if on_message is not None else None,
         approvals=dict(approvals) if approvals else None,
         emit=emit,
         trace_parent=capture_parent(),
         agent_name=agent_name,
+        deps=deps,
+        tool_use_behavior=behavior,
+        reset_tool_choice=bool(reset_tool_choice),
     )
 
 
@@ -230,9 +247,12 @@ def run_session_loop(
     persist_path: str | os.PathLike[str] | None = None,
     limits: Limits | None = None,
     guardrails: Iterable[Any] | None = None,
-    on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
+    on_message: Callable[..., Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
     hooks: Hooks | None = None,
+    deps: Any = None,
+    tool_use_behavior: ToolUseBehavior = "run_llm_again",
+    reset_tool_choice: bool = True,
     lazy: bool = True,
 ) -> Session:
     """Run one agent pass on the runtime and return its output `Session` at once.
@@ -260,6 +280,14 @@ def run_session_loop(
         approvals: Decisions for calls to tools marked `needs_approval`, by tool call id:
             True runs the call, False or a reason string denies it.
         hooks: Lifecycle hooks (model call and tool start/end) for this pass; see `Hooks`.
+        deps: Dependencies for this pass (a database handle, the user's id, ...): tools,
+            guardrails and callbacks with a parameter annotated `ToolContext` read them as
+            `context.deps`. Kept in memory only; never written to the transcript or a file.
+        tool_use_behavior: `"run_llm_again"` (the model answers after its tools ran),
+            `"stop_on_first_tool"` or `StopAtTools("name", ...)`: a round calling such a tool
+            ends the pass (`"final_answer"`) with that call's result as `out.output`.
+        reset_tool_choice: When the provider forces a tool call (`tool_choice="required"` or
+            a named function), ask with `"auto"` once a tool ran, so the pass can answer.
         lazy: Return at once (True) or after the pass ends (False).
     """
     out_id = new_session_id()
@@ -280,6 +308,9 @@ def run_session_loop(
         on_message=on_message,
         approvals=approvals,
         hooks=hooks,
+        deps=deps,
+        tool_use_behavior=tool_use_behavior,
+        reset_tool_choice=reset_tool_choice,
     )
     handle = user_session.sandbox_handle
     if handle is not None:

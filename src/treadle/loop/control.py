@@ -17,13 +17,15 @@ slow check never stalls other passes on the loop.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from treadle.errors import ConfigurationError
 from treadle.runtime.threads import run_user_code
+from treadle.tools.context import ToolContext, context_parameter
 
 if TYPE_CHECKING:
     from treadle.llm import ChatCompletion, CompletionRequest
@@ -120,14 +122,18 @@ class Guardrail:
     first request only (with `parallel=True`, concurrently with that model call, which is
     cancelled and not charged when the wire trips), `"output"` each reply that calls no tools
     (the final answer). Guardrails of one kind run concurrently with each other, and every
-    result, passing ones too, is in `out.metadata["guardrail_results"]`.
+    result, passing ones too, is in `out.metadata["guardrail_results"]`. A check with a keyword
+    parameter annotated `ToolContext` (e.g. `ctx: ToolContext[MyDeps]`) also receives the pass's
+    context there: its `deps`, usage and deadline.
     """
 
-    check: Callable[[GuardrailInput], Any]
+    check: Callable[..., Any]
     when: GuardrailWhen = "before"
     name: str = ""
     parallel: bool = True
     """`"input"` guardrails only: run concurrently with the first model call (False: before)."""
+    context_param: str | None = field(default=None, init=False, repr=False, compare=False)
+    """The check's parameter that receives the `ToolContext` (found once, by annotation)."""
 
     def __post_init__(self) -> None:
         if not callable(self.check):
@@ -136,15 +142,23 @@ class Guardrail:
             raise ConfigurationError(
                 "Guardrail.when must be 'before', 'after', 'input' or 'output'."
             )
+        object.__setattr__(self, "context_param", context_parameter(self.check))
 
     @property
     def label(self) -> str:
         """The name shown in tripwires and events."""
         return self.name or getattr(self.check, "__name__", "guardrail")
 
-    async def run(self, data: GuardrailInput) -> Tripwire | None:
-        """Run the check; return a tripwire when it trips."""
-        return _verdict(await call_user(self.check, data), self.label, self.when)
+    async def run(
+        self, data: GuardrailInput, context: ToolContext | None = None
+    ) -> Tripwire | None:
+        """Run the check (with `context` when it asks for one); return a tripwire when it trips."""
+        param = self.context_param
+        if param is not None and context is not None:
+            verdict = await call_user(self.check, data, **{param: context})
+        else:
+            verdict = await call_user(self.check, data)
+        return _verdict(verdict, self.label, self.when)
 
 
 def _verdict(verdict: Any, label: str, when: Any) -> Tripwire | None:
@@ -227,12 +241,12 @@ class ToolGuardrail:
         return str(verdict)
 
 
-def before_model(fn: Callable[[GuardrailInput], Any]) -> Guardrail:
+def before_model(fn: Callable[..., Any]) -> Guardrail:
     """Decorator: a guardrail that sees each request; a trip means the model is not called."""
     return Guardrail(fn, "before", getattr(fn, "__name__", ""))
 
 
-def after_model(fn: Callable[[GuardrailInput], Any]) -> Guardrail:
+def after_model(fn: Callable[..., Any]) -> Guardrail:
     """Decorator: a guardrail that sees each reply; a trip discards the reply."""
     return Guardrail(fn, "after", getattr(fn, "__name__", ""))
 
@@ -286,14 +300,46 @@ class PassControl:
         return self.reason is not None
 
 
-async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+async def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a user callback: async ones are awaited, sync ones run in a worker thread."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-        return await fn(*args)
+        return await fn(*args, **kwargs)
+    if kwargs:
+        fn = functools.partial(fn, **kwargs)
     result = await run_user_code(fn, *args)
     if inspect.isawaitable(result):
         return await result
     return result
+
+
+def approvals_of(
+    tools: Mapping[str, Any],
+    approvals: Mapping[str, bool | str] | None,
+    calls: Sequence[ToolCall],
+    metadata: dict[str, Any],
+) -> dict[str, str] | None:
+    """The denied calls of a round (id -> reason), or None when some call still waits for a
+    decision (then `metadata` holds `pending_approvals` and `approval_reason`)."""
+    waiting = [
+        c
+        for c in calls
+        if c.name in tools
+        and tools[c.name].needs_approval
+        and approval_decision(approvals, c.id) is None
+    ]
+    if waiting:
+        metadata["pending_approvals"] = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments} for c in waiting
+        ]
+        metadata["approval_reason"] = "approval required for " + ", ".join(c.name for c in waiting)
+        return None
+    metadata.pop("pending_approvals", None)
+    denied: dict[str, str] = {}
+    for c in calls:
+        decision = approval_decision(approvals, c.id)
+        if decision is False or isinstance(decision, str):
+            denied[c.id] = decision if isinstance(decision, str) else ""
+    return denied
 
 
 def approval_decision(

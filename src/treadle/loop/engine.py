@@ -32,7 +32,7 @@ from treadle.loop.control import (
     GuardrailResult,
     PassControl,
     Tripwire,
-    approval_decision,
+    approvals_of,
     call_user,
 )
 from treadle.loop.events import (
@@ -53,14 +53,16 @@ from treadle.loop.guarding import (
 )
 from treadle.loop.hooks import HookContext, fire
 from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
-from treadle.loop.request_usage import request_usage_of
+from treadle.loop.request_usage import request_entries
 from treadle.loop.soft_stop import registered
+from treadle.loop.tooling import forced_tool_choice, gated_tools, offered, stop_after_tools
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
+from treadle.session.stops import StopReason
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
-from treadle.tools import ToolContext, ToolOutcome, run_tool_calls
+from treadle.tools import Tool, ToolContext, ToolOutcome, run_tool_calls
 
 __all__ = ["PassPlan", "pending_tool_calls", "run_pass"]
 
@@ -78,6 +80,9 @@ class _Pass:
         self.pass_usage = Usage()
         self.metadata: dict[str, Any] = {}
         self.tool_calls_run = 0
+        self.tools = plan.tools  # offered in the next request (less tools disabled now)
+        self.gated: tuple[Tool, ...] = ()
+        self.reset_choice = plan.reset_tool_choice and forced_tool_choice(plan.provider)
         self.budget_fired = False
         self.budget_stop = False
         self.writer: SessionWriter | None = None
@@ -87,6 +92,7 @@ class _Pass:
         self.user_metadata: Mapping[str, Any] = {}
         self.trace: PassTrace | None = None
         self.hooks = plan.hooks
+        self.guarded = bool(plan.guardrails)
         self.input_guards = [g for g in plan.guardrails if g.when == "input"]
         self.guard_results: list[GuardrailResult] = []
         self.entries: list[tuple[Any, str, Usage, float]] = []
@@ -97,16 +103,13 @@ class _Pass:
         )
 
     # -- building blocks ---------------------------------------------------------------------
-    def data(self, stop_reason: str) -> SessionData:
+    def data(self, stop_reason: StopReason) -> SessionData:
         return SessionData(self.table, self.usage, stop_reason, self.metadata)
 
     def settle(self) -> None:
         """Put the per-request entries and guardrail verdicts into the metadata."""
         if self.entries:
-            name = self.plan.agent_name
-            self.metadata["request_usage"] = tuple(
-                request_usage_of(*entry, name) for entry in self.entries
-            )
+            self.metadata["request_usage"] = request_entries(self.entries, self.plan.agent_name)
         if self.guard_results:
             self.metadata["guardrail_results"] = tuple(self.guard_results)
 
@@ -143,12 +146,14 @@ class _Pass:
 
     def request(self, extra: Mapping[str, Any] | None = None) -> CompletionRequest:
         plan = self.plan
+        if self.reset_choice and self.tool_calls_run:  # a forced choice once a tool ran: "auto"
+            extra = {"tool_choice": "auto", **(extra or {})}
         return CompletionRequest(
             session_id=self.out_id,
             provider=plan.provider,
             agent_rows=self.agent_rows,
             rows=self.table,
-            tools=plan.tools,
+            tools=self.tools,
             stream=plan.stream,
             # Only the HTTP executor consumes the growing list at once; custom executors may keep
             # the request, so they get the immutable rows and build bodies from those.
@@ -199,22 +204,38 @@ class _Pass:
         if self.events is not None:
             self.events.deltas(delta)
 
+    def context(self, session: Session) -> ToolContext:
+        """The context tools, guardrails and callbacks of this pass see, as of now."""
+        plan, limit = self.plan, self.plan.limits.tool_timeout_seconds
+        return ToolContext(
+            session, self.out_id, self.deadline, None, limit, plan.deps, self.pass_usage
+        )
+
     async def notify(self, row: ChunkRow) -> None:
         """Hand a new row to `on_message` (which may interrupt the pass)."""
-        callback = self.plan.on_message
-        if callback is not None:
+        plan = self.plan
+        callback = plan.on_message
+        if callback is None:
+            return
+        param = plan.on_message_context
+        if param is None:
             await call_user(callback, row, self.control)
+            return
+        with self.snapshot() as session:
+            await call_user(callback, row, self.control, **{param: self.context(session)})
 
-    def interrupt(self, reason: str) -> str:
+    def interrupt(self, reason: str) -> StopReason:
         self.metadata["interrupt_reason"] = reason
         if self.events is not None:
             self.events.emit(Interrupted, reason=reason)
         return "interrupted"
 
     # -- the pass ---------------------------------------------------------------------------
-    async def rounds(self) -> str:
+    async def rounds(self) -> StopReason:
         rounds = 0
         soft = self.plan.stop
+        self.tools = self.plan.tools
+        self.gated = gated_tools(self.tools)
         unanswered = pending_tool_calls(self.table)
         if unanswered:  # resume: calls the model asked for that never got a result run first
             stop = await self.tool_round(unanswered, resuming=True)
@@ -235,8 +256,11 @@ class _Pass:
                 self.metadata["cancelled"] = True
                 self.metadata["cancel_mode"] = "after_turn"
                 return "cancelled"
+            if self.gated:
+                with self.snapshot() as session:
+                    self.tools = await offered(self.plan.tools, self.gated, self.context(session))
             request = self.request()
-            tripped = await self.guard("before", request, None)
+            tripped = await guard_round(self, "before", request, None) if self.guarded else None
             if tripped is not None:
                 return tripped
             if self.input_guards:
@@ -248,7 +272,7 @@ class _Pass:
             if turn is None:
                 return "deadline"
             self.count(turn.usage)
-            tripped = await self.guard("after", request, turn)
+            tripped = await guard_round(self, "after", request, turn) if self.guarded else None
             if tripped is not None:
                 return tripped
             row = ChunkRow._trusted("assistant", turn.payload)
@@ -284,40 +308,26 @@ class _Pass:
         if self.events is not None:
             self.events.emit(UsageEvent, usage=usage, total=self.pass_usage)
 
-    async def guard(
-        self, when: str, request: CompletionRequest, turn: AssistantTurn | None
-    ) -> str | None:
-        if not self.plan.guardrails:
-            return None
-        return await guard_round(self, when, request, turn)
-
-    def block(self, tripwire: Tripwire) -> str:
+    def block(self, tripwire: Tripwire) -> StopReason:
         self.metadata["tripwire"] = tripwire
         if self.events is not None:
             self.events.emit(GuardrailTripped, tripwire=tripwire)
         return "blocked"
 
-    async def tool_round(self, calls: Sequence[ToolCall], *, resuming: bool = False) -> str | None:
+    async def tool_round(
+        self, calls: Sequence[ToolCall], *, resuming: bool = False
+    ) -> StopReason | None:
+        stop = await self.run_tools(calls, resuming)
+        behavior = self.plan.tool_use_behavior
+        if stop is not None or behavior == "run_llm_again":
+            return stop
+        return stop_after_tools(behavior, calls, self.table.rows[-len(calls) :], self.metadata)
+
+    async def run_tools(self, calls: Sequence[ToolCall], resuming: bool) -> StopReason | None:
         plan = self.plan
-        waiting = [
-            c
-            for c in calls
-            if c.name in plan.tools
-            and plan.tools[c.name].needs_approval
-            and approval_decision(plan.approvals, c.id) is None
-        ]
-        if waiting:
-            self.metadata["pending_approvals"] = [
-                {"id": c.id, "name": c.name, "arguments": c.arguments} for c in waiting
-            ]
-            names = ", ".join(c.name for c in waiting)
-            return self.interrupt(f"approval required for {names}")
-        self.metadata.pop("pending_approvals", None)
-        denied: dict[str, str] = {}
-        for c in calls:
-            decision = approval_decision(plan.approvals, c.id)
-            if decision is False or isinstance(decision, str):
-                denied[c.id] = decision if isinstance(decision, str) else ""
+        denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata)
+        if denied is None:
+            return self.interrupt(self.metadata.pop("approval_reason"))
         rejected: dict[str, str] = {}
         if plan.tool_guardrails:
             screened = await screen_tool_calls(self, calls, denied)
@@ -356,13 +366,8 @@ class _Pass:
             with self.snapshot() as session:
                 await run_tool_calls(
                     calls,
-                    plan.tools,
-                    context=ToolContext(
-                        session,
-                        self.out_id,
-                        self.deadline,
-                        tool_timeout=plan.limits.tool_timeout_seconds,
-                    ),
+                    self.tools,
+                    context=self.context(session),
                     executor=plan.executor,
                     denied={**denied, **rejected} if rejected else denied,
                     unknown_outcome=unknown,

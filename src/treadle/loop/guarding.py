@@ -23,7 +23,8 @@ from treadle.loop.control import (
     ToolGuardrailInput,
     Tripwire,
 )
-from treadle.session import ToolCall
+from treadle.session import Session, StopReason, ToolCall
+from treadle.tools.context import ToolContext
 from treadle.tools.results import error_content
 
 if TYPE_CHECKING:
@@ -80,10 +81,13 @@ async def _all(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
 
 
 async def run_guardrails(
-    guards: Sequence[Guardrail], data: GuardrailInput, results: list[GuardrailResult]
+    guards: Sequence[Guardrail],
+    data: GuardrailInput,
+    results: list[GuardrailResult],
+    context: ToolContext | None = None,
 ) -> Tripwire | None:
     """Run `guards` concurrently; record each verdict; the first tripwire (in list order)."""
-    trips = await _all([lambda g=g: g.run(data) for g in guards])  # type: ignore[misc]
+    trips = await _all([lambda g=g: g.run(data, context) for g in guards])  # type: ignore[misc]
     for guard, trip in zip(guards, trips, strict=True):
         _keep(results, guard.label, guard.when, trip)
     return next((t for t in trips if t is not None), None)
@@ -93,17 +97,22 @@ class GuardedCall:
     """A model call raced by input guardrails: a trip cancels the call (its usage never counts)."""
 
     def __init__(
-        self, guards: Sequence[Guardrail], data: GuardrailInput, results: list[GuardrailResult]
+        self,
+        guards: Sequence[Guardrail],
+        data: GuardrailInput,
+        results: list[GuardrailResult],
+        context: ToolContext | None = None,
     ) -> None:
         self.guards = guards
         self.data = data
         self.results = results
+        self.context = context
 
     async def run(self, call: Callable[[], Awaitable[T]]) -> tuple[T | None, Tripwire | None]:
         """`(reply, None)`, or `(None, tripwire)` when a guardrail tripped."""
         serial = [g for g in self.guards if not g.parallel]
         if serial:  # these must pass before the model is called at all
-            trip = await run_guardrails(serial, self.data, self.results)
+            trip = await run_guardrails(serial, self.data, self.results, self.context)
             if trip is not None:
                 return None, trip
         parallel = [g for g in self.guards if g.parallel]
@@ -126,7 +135,7 @@ class GuardedCall:
 
             async def check() -> None:
                 try:
-                    trip = await run_guardrails(parallel, self.data, self.results)
+                    trip = await run_guardrails(parallel, self.data, self.results, self.context)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as err:
@@ -176,7 +185,7 @@ async def run_tool_guardrails(
 
 async def guard_round(
     run: _Pass, when: str, request: CompletionRequest, turn: AssistantTurn | None
-) -> str | None:
+) -> StopReason | None:
     """Run the pass's `when` guardrails (`after` adds `output` ones on a final reply)."""
     final = turn is not None and not turn.payload.get("tool_calls")
     guards = [
@@ -189,7 +198,9 @@ async def guard_round(
     reply = turn.completion if turn is not None else None
     with run.snapshot() as session:
         data = GuardrailInput(session=session, request=request, reply=reply)
-        tripwire = await run_guardrails(guards, data, run.guard_results)
+        tripwire = await run_guardrails(
+            guards, data, run.guard_results, _context(run, guards, session)
+        )
     return run.block(tripwire) if tripwire is not None else None
 
 
@@ -200,9 +211,15 @@ async def complete_guarded(
     guards, run.input_guards = run.input_guards, []  # the first request only
     with run.snapshot() as session:
         data = GuardrailInput(session=session, request=request)
-        return await GuardedCall(guards, data, run.guard_results).run(
+        context = _context(run, guards, session)
+        return await GuardedCall(guards, data, run.guard_results, context).run(
             lambda: run.complete_in_time(request)
         )
+
+
+def _context(run: _Pass, guards: Sequence[Guardrail], session: Session) -> ToolContext | None:
+    """The pass's context, built only when a guardrail asks for it."""
+    return run.context(session) if any(g.context_param is not None for g in guards) else None
 
 
 async def screen_tool_calls(

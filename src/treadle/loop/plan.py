@@ -10,12 +10,13 @@ from typing import Any
 
 from treadle.llm.provider import Provider
 from treadle.llm.turn import ModelExecutor
-from treadle.loop.control import Guardrail, Limits, PassControl, ToolGuardrail, Tripwire
+from treadle.loop.control import Guardrail, Limits, ToolGuardrail, Tripwire
 from treadle.loop.events import Event
 from treadle.loop.hooks import Hooks
 from treadle.loop.request_usage import RequestUsage
 from treadle.loop.soft_stop import StopRequest
-from treadle.session import ChunkRow, ChunkTable, Session, ToolCall
+from treadle.loop.tooling import ToolUseBehavior
+from treadle.session import ChunkTable, Session, ToolCall
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
 
@@ -37,7 +38,7 @@ class PassPlan:
     stream: bool
     limits: Limits = field(default_factory=Limits)
     guardrails: Sequence[Guardrail] = ()
-    on_message: Callable[[ChunkRow, PassControl], Any] | None = None
+    on_message: Callable[..., Any] | None = None
     approvals: Mapping[str, bool | str] | None = None
     emit: Callable[[Event], None] | None = None
     trace_parent: TraceParent | None = None
@@ -50,6 +51,15 @@ class PassPlan:
     """Set by a soft cancel: stop after the current turn."""
     tool_guardrails: Sequence[ToolGuardrail] = ()
     """Checks on tool calls and their results."""
+    tool_use_behavior: ToolUseBehavior = "run_llm_again"
+    """Whether a tool round ends the pass (see `ToolUseBehavior`)."""
+    reset_tool_choice: bool = True
+    """A forced `tool_choice` becomes `"auto"` once a tool ran (so a pass cannot loop)."""
+    on_message_context: str | None = None
+    """`on_message`'s parameter that receives the `ToolContext`, if it asks for one."""
+    deps: Any = None
+    """The caller's dependencies for this pass (`ToolContext.deps`); held in memory only, never
+    written to the transcript or a persisted file."""
 
 
 def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:

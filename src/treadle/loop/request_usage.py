@@ -9,13 +9,14 @@ Pure values; no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from treadle.session import Usage
 
-__all__ = ["RequestUsage", "request_usage_of"]
+__all__ = ["RequestUsage", "request_entries", "request_usage_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +58,10 @@ def request_usage_of(
         latency,
         agent,
     )
+
+
+def request_entries(
+    entries: Sequence[tuple[Any, str, Usage, float]], agent: str | None
+) -> tuple[RequestUsage, ...]:
+    """The entries of a pass from what each round kept: `(wire usage, id, usage, latency)`."""
+    return tuple(request_usage_of(*entry, agent) for entry in entries)

@@ -26,6 +26,7 @@ from treadle.persist.format import SCHEMA_VERSION
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 from treadle.session.placement import SandboxHandle
 from treadle.session.rows import in_call_order
+from treadle.session.stops import StopReason, as_stop_reason
 
 __all__ = ["LoadedSession", "load_session"]
 
@@ -40,8 +41,8 @@ class LoadedSession:
     """The agent session (system prompt) the pass ran with."""
     closed: bool
     """True when the file has a trailer: the pass ended gracefully."""
-    stop_reason: str | None
-    """The trailer's stop reason (None without a trailer)."""
+    stop_reason: StopReason | None
+    """The trailer's stop reason (None without a trailer or an unknown one)."""
     path: Path
     """The file read."""
     header: dict[str, Any] = field(default_factory=dict)
@@ -175,7 +176,7 @@ def load_session(
             int(u.get("total_tokens", 0)),
             int(u.get("requests", 0)),
         )
-    stop_reason = trailer.get("stop_reason") if trailer else None
+    stop_reason = as_stop_reason(trailer.get("stop_reason")) if trailer else None
     pending = tuple(cid for cid in intents if cid not in answered)
     metadata: dict[str, Any] = {"closed": trailer is not None, "path": str(p)}
     written = trailer.get("metadata") if trailer is not None else None

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from treadle.session.placement import SandboxHandle
     from treadle.session.rows import ROLE_OF_KIND, ChunkRow, ChunkTable, RowKind
     from treadle.session.session import Session, SessionData, new_session_id
+    from treadle.session.stops import STOP_REASONS, StopReason
     from treadle.session.usage import Usage
 
 _HOMES = {
@@ -30,11 +31,14 @@ _HOMES = {
     "Session": "session",
     "SessionData": "session",
     "new_session_id": "session",
+    "STOP_REASONS": "stops",
+    "StopReason": "stops",
     "Usage": "usage",
 }
 
 __all__ = [
     "ROLE_OF_KIND",
+    "STOP_REASONS",
     "ChunkRow",
     "ChunkTable",
     "LineageNode",
@@ -42,6 +46,7 @@ __all__ = [
     "SandboxHandle",
     "Session",
     "SessionData",
+    "StopReason",
     "ToolCall",
     "Usage",
     "new_session_id",

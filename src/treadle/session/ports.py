@@ -19,6 +19,7 @@ __all__ = [
     "opener",
     "preparer",
     "soft_stopper",
+    "stop_after_turn",
 ]
 
 _opener: list[Callable[[Any, Any], Any]] = []
@@ -66,3 +67,9 @@ def install_soft_stopper(stop: Callable[[str], bool]) -> None:
 def soft_stopper() -> Callable[[str], bool] | None:
     """The installed soft stopper, if any."""
     return _soft_stopper[0] if _soft_stopper else None
+
+
+def stop_after_turn(session_id: str) -> bool:
+    """Ask the running pass producing `session_id` to stop after its turn; False if none."""
+    stop = soft_stopper()
+    return stop is not None and stop(session_id)

@@ -17,7 +17,9 @@ import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, cast
+
+from typing_extensions import TypeVar
 
 from treadle.errors import ConfigurationError
 from treadle.session import ports
@@ -25,6 +27,7 @@ from treadle.session.combine import check_data_fields, merged_rows_and_usage, re
 from treadle.session.lineage import LineageNode, record_usage
 from treadle.session.placement import SandboxHandle
 from treadle.session.rows import ChunkRow, ChunkTable, text_of_content
+from treadle.session.stops import StopReason
 from treadle.session.usage import Usage
 
 if TYPE_CHECKING:
@@ -32,7 +35,10 @@ if TYPE_CHECKING:
     from treadle.sandbox import Sandbox
     from treadle.sandbox.placements import PlacementLike
 
-__all__ = ["Session", "SessionData", "new_session_id"]
+__all__ = ["Output", "Session", "SessionData", "new_session_id"]
+
+Output = TypeVar("Output", default=Any)
+"""The type of `Session.output` (an `Agent[Deps, Output]` returns `Session[Output | None]`)."""
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -50,7 +56,7 @@ class SessionData:
     """The rows."""
     usage: Usage = field(default_factory=Usage)
     """Cumulative token usage."""
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     """Why the pass that produced this session ended (None when no pass produced it)."""
     metadata: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     """Extra facts set by the loop (interrupt reason, tripwire, structured output, ...)."""
@@ -59,8 +65,11 @@ class SessionData:
 _DATA_FIELDS = frozenset(f.name for f in fields(SessionData))
 
 
-class Session:
+class Session(Generic[Output]):
     """An ordered table of chunk rows with an id, lineage, usage and a sandbox handle.
+
+    `Session[T]` is a session whose `output` is typed `T`: an `Agent[Deps, Model]` returns
+    `Session[Model | None]` (None when the pass stopped without an answer, e.g. `max_steps`).
 
     Build one with `Session.from_agent_prompt`, `Session.from_user_message` or
     `Session.from_messages`; bind a sandbox placement with `.to("local")`. A session returned by
@@ -199,7 +208,7 @@ class Session:
         """True when the session's rows are available without waiting."""
         return self._data is not None or (self._lazy is not None and self._lazy.done())
 
-    def synchronize(self, timeout: float | None = None) -> Session:
+    def synchronize(self, timeout: float | None = None) -> Self:
         """Block until the session is materialised; `TimeoutError` after `timeout` seconds."""
         self._materialise(timeout)
         return self
@@ -213,7 +222,7 @@ class Session:
             self.lineage.usage = data.usage
         return data
 
-    async def _await(self) -> Session:
+    async def _await(self) -> Self:
         if self._data is None:
             assert self._lazy is not None
             self._data = await self._lazy.wait()
@@ -228,13 +237,12 @@ class Session:
             self.lineage.usage = self._data.usage
         return self._data
 
-    def __await__(self) -> Generator[Any, None, Session]:
+    def __await__(self) -> Generator[Any, None, Self]:
         return self._await().__await__()
 
     def cancel(self, *, after_turn: bool = False) -> None:
         """Ask the producing pass to stop; `after_turn=True` lets the current turn finish first."""
-        stop = ports.soft_stopper() if after_turn else None
-        if self._lazy is not None and not (stop is not None and stop(self.id)):
+        if self._lazy is not None and not (after_turn and ports.stop_after_turn(self.id)):
             self._lazy.cancel()
 
     # -- reading ----------------------------------------------------------------------------
@@ -254,7 +262,7 @@ class Session:
         return self._materialise().usage
 
     @property
-    def stop_reason(self) -> str | None:
+    def stop_reason(self) -> StopReason | None:
         """Why the producing pass ended (`final_answer`, `max_steps`, `budget`, ...)."""
         return self._materialise().stop_reason
 
@@ -280,9 +288,9 @@ class Session:
         return list(self._materialise().metadata.get("pending_approvals", ()))
 
     @property
-    def output(self) -> Any:
+    def output(self) -> Output:
         """The validated structured output of an agent with an `output_type`, else None."""
-        return self._materialise().metadata.get("output")
+        return cast(Output, self._materialise().metadata.get("output"))
 
     @property
     def data(self) -> SessionData:
@@ -310,21 +318,13 @@ class Session:
     ) -> Session:
         """A child with data `make(self's data)`: lazy while this one is pending, else built now."""
         lazy = self._pending_value()
-        if lazy is not None:
-            return Session._derive(
-                None,
-                operator=operator,
-                kind=self.lineage.kind,
-                parents=[self],
-                sandbox=sandbox,
-                lazy=lazy.then(make),
-            )
         return Session._derive(
-            make(self._materialise()),
+            make(self._materialise()) if lazy is None else None,
             operator=operator,
             kind=self.lineage.kind,
             parents=[self],
             sandbox=sandbox,
+            lazy=lazy.then(make) if lazy is not None else None,
         )
 
     def _with_rows(self, rows: Iterable[ChunkRow], operator: str) -> Session:

@@ -3,6 +3,7 @@
 The session loop calls `ToolSet.build(...)` once per pass and `run_tool_calls(...)` once per round.
 """
 
+from treadle.tools.base import BaseTool
 from treadle.tools.context import ToolContext
 from treadle.tools.dispatch import (
     DEFAULT_TOOL_TIMEOUT,
@@ -14,7 +15,15 @@ from treadle.tools.dispatch import (
 )
 from treadle.tools.results import MAX_CONTENT_CHARS, MAX_DETAIL_CHARS, MAX_TEXT_CHARS
 from treadle.tools.threads import SYNC_TOOL_THREADS
-from treadle.tools.tool import BaseTool, FunctionTool, ResourceKey, Tool, tool
+from treadle.tools.tool import (
+    ErrorPolicy,
+    FunctionTool,
+    IsEnabled,
+    ResourceKey,
+    TimeoutPolicy,
+    Tool,
+    tool,
+)
 from treadle.tools.toolset import ToolSet, ToolSource
 
 __all__ = [
@@ -25,8 +34,11 @@ __all__ = [
     "SYNC_TOOL_THREADS",
     "AsyncToolExecutor",
     "BaseTool",
+    "ErrorPolicy",
     "FunctionTool",
+    "IsEnabled",
     "ResourceKey",
+    "TimeoutPolicy",
     "Tool",
     "ToolContext",
     "ToolExecutor",

@@ -6,8 +6,9 @@ sharing a resource key run one at a time in call order. The same path serves the
 implementation (`Tool.invoke`) and a custom executor's `dispatch_tool` / `adispatch_tool`: both
 get the same validation, timeouts, lanes, approvals (denied calls) and unknown-outcome handling.
 Problems with a call (unknown tool, bad arguments, an exception, a timeout, a path outside the
-workspace) become an error body for the model; so do `SystemExit` and `KeyboardInterrupt` raised by
-a tool (an argparse-based tool exits on bad input), which would otherwise kill the runtime's loop.
+workspace) become an error body for the model; so do `asyncio.CancelledError` raised by a tool
+itself (only a cancellation of the pass propagates) and `SystemExit` and `KeyboardInterrupt` (an
+argparse-based tool exits on bad input), which would otherwise end the pass or kill the loop.
 Every call is bounded: by the tool's `timeout`, else the pass's `Limits.tool_timeout_seconds`, else
 `DEFAULT_TOOL_TIMEOUT`, and never past the pass's deadline.
 
@@ -17,6 +18,7 @@ This module must never raise for a tool's problem, never leave a task running af
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import weakref
@@ -198,39 +200,81 @@ async def _execute(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     return outcome
 
 
+class _Escalated(Exception):
+    """Carries a tool's exception out of the round when its policy says `"raise"`."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _raised(
+    item: Tool, call: ToolCall, error: BaseException, message: str, detail: str | None
+) -> ToolOutcome:
+    """The outcome of a call whose tool raised `error`, as the tool's `on_error` says."""
+    policy = item.on_error
+    if policy == "raise":
+        raise _Escalated(error)
+    if callable(policy):
+        try:
+            message = str(policy(error))
+        except Exception as broken:  # a broken policy must not lose the call's result
+            message = f"{message} (and its on_error function raised {broken!r})"
+        else:
+            detail = None  # the policy decided what the model sees
+    return _failure(call, "tool_execution_exception", message, detail)
+
+
 async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
     item, call = ready.tool, ready.call
     context = context.for_call(call)
     limit, by_deadline = _time_limit(item, context)
+    content = ""
     try:
         with anyio.move_on_after(limit) as scope:
             result = await run(item, ready.arguments, context)
-        if scope.cancelled_caught:
-            sync_note = (
-                ""
-                if getattr(item, "_is_async", True)
-                else "; its thread cannot be stopped and may still be running"
-            )
-            why = "the pass's deadline" if by_deadline else f"its {limit:g} s timeout"
-            raise ToolTimeoutError(
-                f"tool {item.name!r} ran past {why} and was abandoned{sync_note}. "
-                "Try a smaller task or different arguments."
-            )
-        # Inside the try: a result that cannot become JSON is the model's problem to hear about.
-        content = success_content(result, max_chars=item.max_result_chars)
+        if not scope.cancelled_caught:
+            # Inside the try: a result that cannot become JSON is the model's to hear about.
+            content = success_content(result, max_chars=item.max_result_chars)
     except ToolError as error:
         return _failure(call, error.error_kind, error.message, error.detail)
     except TreadleError as error:  # our own clear message (e.g. a missing file): no traceback
-        return _failure(call, "tool_execution_exception", f"tool {item.name!r} failed: {error}")
+        return _raised(item, call, error, f"tool {item.name!r} failed: {error}", None)
     except ResultSerialisationError as error:
         message = f"tool {item.name!r} returned a value that cannot be shown as JSON ({error})"
         return _failure(call, "unserialisable_result", message)
-    except anyio.get_cancelled_exc_class():
-        raise  # the pass itself is being cancelled: not the tool's outcome
+    except anyio.get_cancelled_exc_class() as error:
+        if _being_cancelled():
+            raise  # the pass itself is being cancelled: not the tool's outcome
+        # The tool raised `CancelledError` on its own (a library's internal cancel, a timeout
+        # helper): like any other exception, it is this call's result.
+        message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
+        return _raised(item, call, error, message, exception_detail(error))
     except BaseException as error:
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
-        return _failure(call, "tool_execution_exception", message, exception_detail(error))
+        return _raised(item, call, error, message, exception_detail(error))
+    if scope.cancelled_caught:
+        sync_note = (
+            ""
+            if getattr(item, "_is_async", True)
+            else "; its thread cannot be stopped and may still be running"
+        )
+        why = "the pass's deadline" if by_deadline else f"its {limit:g} s timeout"
+        timeout = ToolTimeoutError(
+            f"tool {item.name!r} ran past {why} and was abandoned{sync_note}. "
+            "Try a smaller task or different arguments."
+        )
+        if item.on_timeout == "raise":
+            raise _Escalated(timeout)
+        return _failure(call, timeout.error_kind, timeout.message, timeout.detail)
     return ToolOutcome(call.id, item.name, content, True, None)
+
+
+def _being_cancelled() -> bool:
+    """True when a cancellation was requested for the task running the call (the pass, or a
+    scope around it, is being cancelled), as opposed to a tool raising `CancelledError` itself."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _answered(call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
@@ -290,7 +334,9 @@ async def run_tool_calls(
     are not run; calls in `unknown_outcome` (interrupted by a crash) are not run again unless
     their tool is `idempotent`. Calls run concurrently; calls sharing a resource key (or of a
     tool with `parallel_safe=False`) run one at a time in call order. Never raises for a tool's
-    problem; cancelling the caller cancels every call (sandbox commands are killed).
+    problem, except a tool whose `on_error` / `on_timeout` is `"raise"`: its exception (or
+    `ToolTimeoutError`) is raised once the round's other calls are cancelled. Cancelling the
+    caller cancels every call (sandbox commands are killed).
     `on_outcome(index, outcome)`, when given, is awaited as each call's outcome is known (in
     finishing order), so a caller can persist a result before the round ends.
     """
@@ -347,12 +393,31 @@ async def run_tool_calls(
         for ready in lane:
             await run_one(ready)
 
-    if len(free) == 1 and not lanes:
-        await run_one(free[0])  # the common single-call round needs no task group
-    elif free or lanes:
-        async with anyio.create_task_group() as group:
-            for ready in free:
-                group.start_soon(run_one, ready)
-            for lane in lanes.values():
-                group.start_soon(run_lane, lane)
+    try:
+        if len(free) == 1 and not lanes:
+            await run_one(free[0])  # the common single-call round needs no task group
+        elif free or lanes:
+            async with anyio.create_task_group() as group:
+                for ready in free:
+                    group.start_soon(run_one, ready)
+                for lane in lanes.values():
+                    group.start_soon(run_lane, lane)
+    except _Escalated as escalated:  # a tool whose policy is "raise": its error fails the pass
+        raise escalated.error from None
+    except BaseExceptionGroup as group:
+        first = _first_escalated(group)
+        if first is None:
+            raise
+        raise first.error from None
     return [o for o in outcomes if o is not None]
+
+
+def _first_escalated(group: BaseExceptionGroup[BaseException]) -> _Escalated | None:
+    for error in group.exceptions:
+        if isinstance(error, _Escalated):
+            return error
+        if isinstance(error, BaseExceptionGroup):
+            found = _first_escalated(error)
+            if found is not None:
+                return found
+    return None

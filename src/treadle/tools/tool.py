@@ -8,6 +8,8 @@ parameters are found by type (each such type declares `__treadle_inject__`), nev
 are left out of the schema. `BaseTool` is the hand-written form: class attributes `name`,
 `description`, `parameters` (a JSON schema) and a sync or async `__call__`.
 
+`BaseTool` lives in `treadle.tools.base`.
+
 This module must never run a tool on the event loop thread when the tool is sync (sync tools go to
 `treadle.tools.threads`), and never import the sandbox layer above it.
 """
@@ -20,32 +22,50 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Union, overload
+from typing import Any, Generic, Literal, overload
 
 import pydantic
 import pydantic_core
-from pydantic.json_schema import GenerateJsonSchema
+from typing_extensions import ParamSpec, TypeVar
 
 from treadle.errors import ConfigurationError, ToolArgumentsError
-from treadle.tools.context import ToolContext
+from treadle.tools.context import ToolContext, injection_of
 from treadle.tools.docstrings import parse_docstring
+from treadle.tools.schema import build_arguments, docstring_of, resolve_strict
 from treadle.tools.threads import run_sync_tool
 
-__all__ = ["BaseTool", "FunctionTool", "ResourceKey", "Tool", "tool"]
+__all__ = [
+    "ErrorPolicy",
+    "FunctionTool",
+    "IsEnabled",
+    "ResourceKey",
+    "TimeoutPolicy",
+    "Tool",
+    "tool",
+]
 
 ResourceKey = str | Callable[[Mapping[str, Any]], str | None] | None
 """A fixed key, or a function of the validated arguments returning one (None: no ordering)."""
 
 Injected = Literal["session", "sandbox", "context"]
 
+ErrorPolicy = Literal["report", "raise"] | Callable[[BaseException], str]
+"""What happens when a tool raises: `"report"` (the model gets a `tool_execution_exception`
+body), `"raise"` (the exception fails the pass), or a function of the exception returning the
+message the model sees in that body."""
+
+TimeoutPolicy = Literal["report", "raise"]
+"""What a timed-out call does: `"report"` (the model gets a `timeout` body) or `"raise"` (the
+pass fails with `ToolTimeoutError`)."""
+
+IsEnabled = bool | Callable[[ToolContext[Any]], Any]
+"""Whether a tool is offered: a bool, or a function of the pass's `ToolContext` returning one
+(sync or async), asked before each model request."""
+
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
-
-class _ToolJsonSchema(GenerateJsonSchema):
-    """Pydantic's schema generator without per-field titles (they cost tokens and add nothing)."""
-
-    def field_title_should_be_set(self, schema: Any) -> bool:
-        return False
+P = ParamSpec("P", default=...)
+R = TypeVar("R", default=Any)
 
 
 class Tool(abc.ABC):
@@ -76,19 +96,64 @@ class Tool(abc.ABC):
     injected: Mapping[str, Injected] = types.MappingProxyType({})
     """Parameters the dispatcher fills in (`"session"`, `"sandbox"` or `"context"`), not in the
     schema."""
+    strict: bool | None = False
+    """Send the schema in OpenAI's strict mode (`"strict": true`, closed objects, every property
+    required). None: when the schema allows it without changing its meaning (`@tool` and
+    `BaseTool` default); True: always (an error where it cannot be strict)."""
+    on_error: ErrorPolicy = "report"
+    """What a raising call does (see `ErrorPolicy`)."""
+    on_timeout: TimeoutPolicy = "report"
+    """What a timed-out call does (see `TimeoutPolicy`)."""
+    is_enabled: IsEnabled = True
+    """Whether the tool is offered (see `IsEnabled`); a disabled tool's calls are unknown."""
 
     _schema_json: bytes | None = None
+    _wire: tuple[dict[str, Any], bool] | None = None
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI tool schema: `{"type": "function", "function": {...}}`."""
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
+        parameters, strict = self._wire_parameters()
+        function: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": parameters,
         }
+        if strict:
+            function["strict"] = True
+        return {"type": "function", "function": function}
+
+    def _wire_parameters(self) -> tuple[dict[str, Any], bool]:
+        """The parameters schema as sent, and whether it is sent strict (decided once)."""
+        if self._wire is None:
+            self._wire = resolve_strict(f"tool {self.name!r}", self.parameters, self.strict)
+        return self._wire
+
+    def _set_policies(
+        self,
+        strict: bool | None,
+        on_error: ErrorPolicy,
+        on_timeout: TimeoutPolicy,
+        is_enabled: IsEnabled,
+    ) -> None:
+        if on_error not in ("report", "raise") and not callable(on_error):
+            raise ConfigurationError(
+                f"tool {self.name!r}: on_error must be 'report', 'raise' or a function of the "
+                "exception returning the message the model sees."
+            )
+        if on_timeout not in ("report", "raise"):
+            raise ConfigurationError(f"tool {self.name!r}: on_timeout must be 'report' or 'raise'.")
+        if not isinstance(is_enabled, bool) and not callable(is_enabled):
+            raise ConfigurationError(
+                f"tool {self.name!r}: is_enabled must be a bool or a function of the context."
+            )
+        if strict not in (None, True, False):
+            raise ConfigurationError(f"tool {self.name!r}: strict must be True, False or None.")
+        self.strict = strict
+        self.on_error = on_error
+        self.on_timeout = on_timeout
+        self.is_enabled = is_enabled
+        self._wire = None
+        self._wire_parameters()  # strict=True on a schema that cannot be strict fails here
 
     def schema_json(self) -> bytes:
         """`schema()` encoded as JSON once (the loop joins these bytes into request bodies)."""
@@ -135,47 +200,10 @@ def _check_options(name: str, timeout: float | None, max_result_chars: int | Non
         raise ConfigurationError(f"tool {name!r}: max_result_chars must be at least 1.")
 
 
-def _strip_optional(annotation: Any) -> Any:
-    if typing.get_origin(annotation) is typing.Annotated:
-        annotation = typing.get_args(annotation)[0]
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
 def _injection(annotation: Any) -> Injected | None:
     """What `annotation` asks the dispatcher for, by the type's `__treadle_inject__` marker."""
-    base = _strip_optional(annotation)
-    if not isinstance(base, type):
-        return None
-    what = getattr(base, "__treadle_inject__", None)
-    return what if what in ("session", "sandbox", "context") else None
-
-
-def _type_hints(fn: Callable[..., Any], sig: inspect.Signature) -> dict[str, Any]:
-    """Resolved annotations; a name that cannot be resolved is a clear configuration error."""
-    try:
-        return typing.get_type_hints(fn, include_extras=True)
-    except Exception:
-        pass
-    hints: dict[str, Any] = {}
-    namespace = getattr(fn, "__globals__", {})
-    for param in sig.parameters.values():
-        annotation = param.annotation
-        if isinstance(annotation, str):
-            try:
-                annotation = eval(annotation, dict(namespace))  # resolving a forward reference
-            except Exception:
-                raise ConfigurationError(
-                    f"cannot resolve the type hint {annotation!r} of parameter "
-                    f"{param.name!r}; import that type at module level (not only under "
-                    "TYPE_CHECKING)."
-                ) from None
-        if annotation is not inspect.Parameter.empty:
-            hints[param.name] = annotation
-    return hints
+    what = injection_of(annotation)
+    return typing.cast(Injected, what) if what is not None else None
 
 
 async def _call_implementation(
@@ -219,12 +247,16 @@ def _format_errors(tool_name: str, error: pydantic.ValidationError) -> ToolArgum
     )
 
 
-class FunctionTool(Tool):
-    """A tool made from a function by `@tool`; calling the tool calls the function."""
+class FunctionTool(Tool, Generic[P, R]):
+    """A tool made from a function by `@tool`; calling the tool calls the function.
+
+    `FunctionTool[P, R]` keeps the function's signature: a direct call `my_tool(1, 2)` is checked
+    against it and typed as its return value.
+    """
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         name: str | None = None,
         description: str | None = None,
@@ -234,12 +266,16 @@ class FunctionTool(Tool):
         max_result_chars: int | None = None,
         needs_approval: bool = False,
         idempotent: bool = False,
+        strict: bool | None = None,
+        on_error: ErrorPolicy = "report",
+        on_timeout: TimeoutPolicy = "report",
+        is_enabled: IsEnabled = True,
     ) -> None:
         if not callable(fn):
             raise ConfigurationError(f"@tool needs a function, got {type(fn).__name__}.")
         tool_name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
         _check_options(tool_name, timeout, max_result_chars)
-        self.fn = fn
+        self.fn: Callable[P, R] = fn
         self.name = tool_name
         self.timeout = timeout
         self.parallel_safe = parallel_safe
@@ -248,59 +284,16 @@ class FunctionTool(Tool):
         self.needs_approval = needs_approval
         self.idempotent = idempotent
         self._is_async = _is_async(fn)
-        doc = parse_docstring(inspect.getdoc(fn))
+        doc = parse_docstring(docstring_of(fn))
         self.description = description if description is not None else doc.summary
-        self._build_model(fn, doc.params)
+        built = build_arguments(fn, self.name, doc.params)
+        self._model = built.model
+        self._field_names = built.field_names
+        self.injected = types.MappingProxyType(dict(built.injected))
+        self.parameters = built.parameters
+        self._set_policies(strict, on_error, on_timeout, is_enabled)
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
-
-    def _build_model(self, fn: Callable[..., Any], param_docs: Mapping[str, str]) -> None:
-        sig = inspect.signature(fn)
-        hints = _type_hints(fn, sig)
-        fields: dict[str, Any] = {}
-        self._field_names: dict[str, str] = {}  # internal model field -> parameter name
-        injected: dict[str, Injected] = {}
-        extra: Literal["allow", "forbid"] = "forbid"
-        for i, param in enumerate(sig.parameters.values()):
-            if param.kind is inspect.Parameter.VAR_KEYWORD:
-                extra = "allow"
-                continue
-            if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
-                raise ConfigurationError(
-                    f"tool {self.name!r}: parameter {param.name!r} is positional-only or *args; "
-                    "tools are called with keyword arguments only."
-                )
-            annotation = hints.get(param.name, Any)
-            what = _injection(annotation)
-            if what is not None:
-                injected[param.name] = what
-                continue
-            default = ... if param.default is inspect.Parameter.empty else param.default
-            # Internal names avoid clashes with BaseModel attributes (`json`, `copy`, `_x`).
-            internal = f"p{i}"
-            self._field_names[internal] = param.name
-            fields[internal] = (
-                annotation,
-                pydantic.Field(default, alias=param.name, description=param_docs.get(param.name)),
-            )
-        self.injected = types.MappingProxyType(injected)
-        try:
-            self._model: type[pydantic.BaseModel] = pydantic.create_model(
-                f"{self.name}_arguments",
-                __config__=pydantic.ConfigDict(extra=extra, arbitrary_types_allowed=False),
-                **fields,
-            )
-            schema = self._model.model_json_schema(schema_generator=_ToolJsonSchema)
-        except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError) as e:
-            raise ConfigurationError(
-                f"tool {self.name!r}: a parameter type has no JSON schema ({e}); use JSON-friendly "
-                "types (str, int, float, bool, list, dict, Literal, Enum, pydantic models)."
-            ) from None
-        schema.pop("title", None)
-        if extra == "forbid":
-            schema["additionalProperties"] = False
-        schema.setdefault("properties", {})
-        self.parameters = schema
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """Validated keyword arguments (pydantic lax mode); `ToolArgumentsError` on mismatch."""
@@ -319,101 +312,13 @@ class FunctionTool(Tool):
             self.fn, _inject(self, arguments, context), self._is_async
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the wrapped function directly (no validation, no injection)."""
         return self.fn(*args, **kwargs)
 
 
-class BaseTool(Tool):
-    """Subclass for a hand-written schema: set `name`, `description`, `parameters`, `__call__`.
-
-    `parameters` is a JSON schema object. Arguments are checked lightly before the call (an
-    object, required properties present, no unknown properties when `additionalProperties` is
-    false, top-level JSON types); validate deeper inside `__call__` and raise
-    `ToolArgumentsError` for anything else. `__call__` may be sync or async and may declare a
-    parameter annotated `ToolContext`, `Session` or `Sandbox` to receive it.
-    """
-
-    # Declared as the plain attributes of `Tool` with class-level defaults (not ClassVar), so a
-    # user's subclass body `name = "lookup"` type-checks under `mypy --strict`.
-    description: str = ""
-    parameters: dict[str, Any] = {"type": "object", "properties": {}}
-
-    def __init__(self) -> None:
-        name = getattr(self, "name", None)
-        if not isinstance(name, str):
-            raise ConfigurationError(f"{type(self).__name__} must set the class attribute `name`.")
-        _check_options(name, self.timeout, self.max_result_chars)
-        if not isinstance(self.parameters, Mapping) or self.parameters.get("type") != "object":
-            raise ConfigurationError(
-                f"tool {name!r}: `parameters` must be a JSON schema with type 'object'."
-            )
-        call = self.__call__
-        sig = inspect.signature(call)
-        hints = _type_hints(call, sig)
-        injected: dict[str, Injected] = {}
-        for param in sig.parameters.values():
-            what = _injection(hints.get(param.name, Any))
-            if what is not None:
-                injected[param.name] = what
-        self.injected = types.MappingProxyType(injected)
-        self._is_async = _is_async(call)
-
-    @abc.abstractmethod
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The implementation; override it (sync or `async def`) with the tool's parameters as
-        keyword arguments (`(*args: Any, **kwargs: Any)` lets any such signature override it)."""
-
-    def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        """Check `arguments` against the top level of `parameters`."""
-        problems = _check_object(self.parameters, arguments)
-        if problems:
-            raise ToolArgumentsError(
-                f"invalid arguments for tool {self.name!r}: " + "; ".join(problems),
-                detail="fix these fields and call the tool again",
-            )
-        return dict(arguments)
-
-    async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
-        """Call `__call__` (sync ones on the sync-tool threads) with injected values."""
-        return await _call_implementation(
-            self.__call__, _inject(self, arguments, context), self._is_async
-        )
-
-
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list,),
-    "object": (dict,),
-    "null": (type(None),),
-}
-
-
-def _check_object(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> list[str]:
-    properties: Mapping[str, Any] = schema.get("properties") or {}
-    problems = [
-        f"{name}: Field required" for name in schema.get("required", ()) if name not in arguments
-    ]
-    for name, value in arguments.items():
-        spec = properties.get(name)
-        if spec is None:
-            if schema.get("additionalProperties") is False:
-                problems.append(f"{name}: Extra inputs are not permitted")
-            continue
-        wanted = spec.get("type") if isinstance(spec, Mapping) else None
-        names = [wanted] if isinstance(wanted, str) else list(wanted or [])
-        accepted = tuple(t for n in names for t in _JSON_TYPES.get(n, ()))
-        wrong_bool = isinstance(value, bool) and "boolean" not in names
-        if accepted and (not isinstance(value, accepted) or wrong_bool):
-            problems.append(f"{name}: Input should be of type {' or '.join(names)}")
-    return problems
-
-
 @overload
-def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
+def tool(fn: Callable[P, R], /) -> FunctionTool[P, R]: ...
 
 
 @overload
@@ -427,7 +332,11 @@ def tool(
     max_result_chars: int | None = None,
     needs_approval: bool = False,
     idempotent: bool = False,
-) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+    strict: bool | None = None,
+    on_error: ErrorPolicy = "report",
+    on_timeout: TimeoutPolicy = "report",
+    is_enabled: IsEnabled = True,
+) -> Callable[[Callable[P, R]], FunctionTool[P, R]]: ...
 
 
 def tool(
@@ -442,16 +351,23 @@ def tool(
     max_result_chars: int | None = None,
     needs_approval: bool = False,
     idempotent: bool = False,
-) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
+    strict: bool | None = None,
+    on_error: ErrorPolicy = "report",
+    on_timeout: TimeoutPolicy = "report",
+    is_enabled: IsEnabled = True,
+) -> FunctionTool[..., Any] | Callable[[Callable[..., Any]], FunctionTool[..., Any]]:
     """Turn a sync or async function into a `Tool` (use bare, `@tool`, or with options).
 
     The docstring gives the description and the per-parameter descriptions; the type hints give
-    the JSON schema and argument validation. Parameters annotated `ToolContext`, `Session` or
-    `Sandbox` receive the calling pass's context, session or sandbox and are not shown to the
-    model.
+    the JSON schema and argument validation (a pydantic `Field(...)` as a default, or in
+    `Annotated[T, Field(...)]`, adds a description and constraints; `Annotated[T, "text"]` a
+    description). Parameters annotated `ToolContext`, `Session` or `Sandbox` receive the calling
+    pass's context, session or sandbox and are not shown to the model. `strict`, `on_error`,
+    `on_timeout` and `is_enabled` are described on `Tool`. The decorated tool keeps the
+    function's signature: calling it directly calls the function.
     """
 
-    def wrap(function: Callable[..., Any]) -> FunctionTool:
+    def wrap(function: Callable[..., Any]) -> FunctionTool[..., Any]:
         return FunctionTool(
             function,
             name=name,
@@ -462,6 +378,10 @@ def tool(
             max_result_chars=max_result_chars,
             needs_approval=needs_approval,
             idempotent=idempotent,
+            strict=strict,
+            on_error=on_error,
+            on_timeout=on_timeout,
+            is_enabled=is_enabled,
         )
 
     return wrap if fn is None else wrap(fn)
