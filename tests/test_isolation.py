@@ -276,6 +276,25 @@ def _parallel_guardrails_exit() -> Session:
     )
 
 
+async def _stuck_guard(data: Any) -> None:
+    await asyncio.sleep(3600)
+
+
+def _stuck_input_guardrail() -> Session:
+    return run_session_loop(
+        Session.from_user_message("go"),
+        AGENT,
+        executor=ScriptedExecutor(["answered"]),
+        guardrails=[Guardrail(_stuck_guard, "input")],
+    )
+
+
+def _cancel_frees_it(out: Session) -> None:
+    out.cancel()  # the hung guardrail holds only its own pass, which a cancel ends
+    assert out.synchronize(HANG_GUARD).stop_reason == "cancelled"
+    assert out.usage.requests == 0  # the raced model call is not charged
+
+
 def _tool_guardrail_interrupt() -> Session:
     ex = ScriptedExecutor([tool_call("add", {"a": 1, "b": 2}, id="t"), "done"])
     return run_session_loop(
@@ -329,6 +348,10 @@ HOSTILE: dict[str, tuple[Callable[[], Session], Callable[[Session], None]]] = {
     "concurrent input guardrails, one raises SystemExit": (
         _parallel_guardrails_exit,
         _pass_failed(SystemExit),
+    ),
+    "input guardrail never returns; cancelling its pass frees it": (
+        _stuck_input_guardrail,
+        _cancel_frees_it,
     ),
     "tool guardrail raises KeyboardInterrupt": (
         _tool_guardrail_interrupt,
