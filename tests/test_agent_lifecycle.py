@@ -310,3 +310,25 @@ def test_dynamic_instructions_are_computed_per_pass(server: FakeOpenAIServer) ->
     bad = Agent("bad", lambda session: 42, provider=_provider(server))
     with pytest.raises(ConfigurationError, match="must return the system prompt"):
         bad("hi").synchronize(HANG_GUARD)
+
+
+def test_run_settings_override_every_agent_of_the_run(server: FakeOpenAIServer) -> None:
+    from treadle.agents import RunSettings
+    from treadle.loop import Limits
+
+    with FakeOpenAIServer(script="echo") as other:
+        unused = Provider(model="never-used", base_url=server.base_url, api_key="sk-test")
+        target = Agent("target", "Second.", provider=unused)
+        first = Agent("first", "First.", provider=unused, tools=[lookup], handoffs=[target])
+        other.enqueue(Reply.tool_call("transfer_to_target", {}), Reply.tool_call("lookup", {}))
+        settings = RunSettings(
+            provider=Provider(model="override", base_url=other.base_url, api_key="k"),
+            limits=Limits(max_steps=1),
+        )
+        out = first("go", settings=settings)
+        assert out.stop_reason == "max_steps"  # the override's limit, in the handoff target too
+        assert out.metadata["agent"] == "target"
+        assert {r.body["model"] for r in other.requests} == {"override"}
+    assert server.request_count == 0
+    with pytest.raises(ConfigurationError, match=r"RunSettings\.limits"):
+        RunSettings(limits=3)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 output and validators, hooks, streaming and compaction, all built on the public session loop."""
 
 from treadle.agents.agent import MAX_COMPACTIONS_PER_RUN, Agent, AgentInput
+from treadle.agents.agent_run import RunSettings
 from treadle.agents.compaction import (
     DEFAULT_COMPACTION_INSTRUCTION,
     DEFAULT_KEEP_LAST,
@@ -41,6 +42,7 @@ __all__ = [
     "Handoff",
     "HandoffEvent",
     "Pipeline",
+    "RunSettings",
     "StructuredMode",
     "StructuredOutputError",
     "TokenEstimator",

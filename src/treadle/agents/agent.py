@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import sys
-import typing
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Generic, cast
 
@@ -23,7 +22,7 @@ import anyio
 import pydantic
 from typing_extensions import TypeVar
 
-from treadle.agents.agent_run import AgentRun
+from treadle.agents.agent_run import AgentRun, RunSettings, check_deps
 from treadle.agents.agent_tool import agent_tool
 from treadle.agents.compaction import (
     DEFAULT_KEEP_LAST,
@@ -119,10 +118,6 @@ def as_session(value: AgentInput) -> Session:
         f"an agent takes a Session or a str, got {type(value).__name__}; "
         "build one with Session.from_user_message(...)."
     )
-
-
-def _type_name(value: object) -> str:
-    return str(getattr(value, "__name__", value))
 
 
 class Agent(Generic[Deps, Output]):
@@ -294,7 +289,12 @@ class Agent(Generic[Deps, Output]):
 
     # -- entry points ------------------------------------------------------------------------
     def __call__(
-        self, session: AgentInput, *, deps: Deps | None = None, hooks: Hooks | None = None
+        self,
+        session: AgentInput,
+        *,
+        deps: Deps | None = None,
+        hooks: Hooks | None = None,
+        settings: RunSettings | None = None,
     ) -> Session[Output | None]:
         """Run the agent on the runtime and return its output `Session` at once (lazy).
 
@@ -303,50 +303,53 @@ class Agent(Generic[Deps, Output]):
         `stop_reason == "cancelled"`; `out.cancel(after_turn=True)` lets the current turn
         finish first. `deps` reach tools, guardrails and callbacks that ask for a `ToolContext`
         (in memory only: never written to the transcript or a file). `hooks` (for this run)
-        replace the agent's own.
+        replace the agent's own; `settings` override the provider, limits or tool rounds of
+        every agent of this run (see `RunSettings`).
         """
         user = as_session(session)
-        self._check_deps(deps)
+        check_deps(self, deps)
         run_id = new_session_id()
         return lazy_session(
-            lambda: AgentRun(self, run_id=run_id, lazy=True, hooks=hooks, deps=deps).run(user),
+            lambda: AgentRun(
+                self, run_id=run_id, lazy=True, hooks=hooks, deps=deps, settings=settings
+            ).run(user),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
             id=run_id,
         )
 
     async def run(
-        self, session: AgentInput, *, deps: Deps | None = None, hooks: Hooks | None = None
+        self,
+        session: AgentInput,
+        *,
+        deps: Deps | None = None,
+        hooks: Hooks | None = None,
+        settings: RunSettings | None = None,
     ) -> Session[Output | None]:
         """Run the agent on the calling event loop and return the finished output `Session`.
 
         Cancelling the awaiting task cancels the pass (the `CancelledError` propagates).
         Inside a streamed run (an agent used as a tool), its events join that stream.
         """
-        self._check_deps(deps)
+        check_deps(self, deps)
         run = AgentRun(
-            self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=current_sink(), deps=deps
+            self,
+            run_id=new_session_id(),
+            lazy=False,
+            hooks=hooks,
+            emit=current_sink(),
+            deps=deps,
+            settings=settings,
         )
         return cast("Session[Output | None]", await run.run(as_session(session)))
 
-    def _check_deps(self, deps: object) -> None:
-        wanted = self.deps_type
-        if wanted is None:
-            return
-        if deps is None:
-            raise ConfigurationError(
-                f"Agent {self.name!r} declares deps_type={_type_name(wanted)}; pass deps=... "
-                "to each run."
-            )
-        origin = typing.get_origin(wanted) or wanted
-        if isinstance(origin, type) and not isinstance(deps, origin):
-            raise ConfigurationError(
-                f"Agent {self.name!r} takes deps of type {_type_name(wanted)}, got "
-                f"{type(deps).__name__}."
-            )
-
     async def stream(
-        self, session: AgentInput, *, deps: Deps | None = None, hooks: Hooks | None = None
+        self,
+        session: AgentInput,
+        *,
+        deps: Deps | None = None,
+        hooks: Hooks | None = None,
+        settings: RunSettings | None = None,
     ) -> AsyncIterator[AgentEvent]:
         """Run the agent and yield its events as they happen (see `treadle.agents.streaming`).
 
@@ -355,12 +358,18 @@ class Agent(Generic[Deps, Output]):
         Leaving the loop early cancels the run.
         """
         user = as_session(session)
-        self._check_deps(deps)
+        check_deps(self, deps)
 
         async def events(send: Callable[[AgentEvent], None]) -> Session:
             with streaming_to(send):
                 run = AgentRun(
-                    self, run_id=new_session_id(), lazy=False, hooks=hooks, emit=send, deps=deps
+                    self,
+                    run_id=new_session_id(),
+                    lazy=False,
+                    hooks=hooks,
+                    emit=send,
+                    deps=deps,
+                    settings=settings,
                 )
                 return await run.run(user)
 
@@ -399,11 +408,11 @@ class Agent(Generic[Deps, Output]):
             if await target.enabled(user):
                 tools.append(target.tool)
         options: dict[str, Any] = {
-            "agent_provider": self._provider,
+            "agent_provider": run.settings.provider_for(self),
             "tools": tools,
             "executor": self.executor,
-            "max_tool_rounds": self.max_tool_rounds,
-            "limits": self.limits,
+            "max_tool_rounds": run.settings.max_tool_rounds or self.max_tool_rounds,
+            "limits": run.settings.limits or self.limits,
             "guardrails": guards,
             "hooks": run.hooks,
             "on_message": run.on_message(),

@@ -11,7 +11,9 @@ copies agent rows into an output session.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from treadle.agents.handoffs import (
@@ -39,7 +41,8 @@ from treadle.errors import (
     StructuredOutputError,
     TreadleError,
 )
-from treadle.loop import Tripwire
+from treadle.llm.provider import Provider
+from treadle.loop import Limits, Tripwire
 from treadle.loop.control import PassControl, call_user
 from treadle.loop.hooks import HookContext, Hooks, fire
 from treadle.loop.soft_stop import StopRequest, registered, sharing_stop
@@ -49,9 +52,62 @@ from treadle.tools.results import error_content
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
 
-__all__ = ["AgentRun"]
+__all__ = ["AgentRun", "RunSettings", "check_deps"]
 
 _COMPACTION_GUARD = "treadle.auto_compaction"
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """Per-run overrides, for every agent of the run (handoff targets too): `agent.run(session,
+    settings=RunSettings(provider=..., limits=...))`."""
+
+    provider: Provider | None = None
+    """The model endpoint to use instead of each agent's own."""
+    limits: Limits | None = None
+    """Per-pass limits instead of each agent's own."""
+    max_tool_rounds: int | None = None
+    """Tool rounds per pass instead of each agent's own."""
+
+    def __post_init__(self) -> None:
+        if self.provider is not None and not isinstance(self.provider, Provider):
+            raise ConfigurationError("RunSettings.provider must be a treadle Provider.")
+        if self.limits is not None and not isinstance(self.limits, Limits):
+            raise ConfigurationError("RunSettings.limits must be a treadle Limits(...).")
+        rounds = self.max_tool_rounds
+        if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int)):
+            raise ConfigurationError("RunSettings.max_tool_rounds must be an int or None.")
+
+    def provider_for(self, agent: Agent) -> Provider | None:
+        """The provider a pass of `agent` sends with (its output mode applied)."""
+        if self.provider is None:
+            return agent._provider
+        return agent.spec.provider_for(self.provider) if agent.spec else self.provider
+
+
+_NO_SETTINGS = RunSettings()
+
+
+def _type_name(value: object) -> str:
+    return str(getattr(value, "__name__", value))
+
+
+def check_deps(agent: Agent, deps: object) -> None:
+    """Refuse a run without the deps its agent declares, or with deps of another type."""
+    wanted = agent.deps_type
+    if wanted is None:
+        return
+    if deps is None:
+        raise ConfigurationError(
+            f"Agent {agent.name!r} declares deps_type={_type_name(wanted)}; pass deps=... "
+            "to each run."
+        )
+    origin = typing.get_origin(wanted) or wanted
+    if isinstance(origin, type) and not isinstance(deps, origin):
+        raise ConfigurationError(
+            f"Agent {agent.name!r} takes deps of type {_type_name(wanted)}, got "
+            f"{type(deps).__name__}."
+        )
 
 
 class AgentRun:
@@ -66,9 +122,11 @@ class AgentRun:
         hooks: Hooks | None = None,
         emit: Callable[[AgentEvent], None] | None = None,
         deps: object = None,
+        settings: RunSettings | None = None,
     ) -> None:
         self.agent = agent
         self.deps = deps
+        self.settings = settings or _NO_SETTINGS
         self.run_id = run_id
         self.lazy = lazy
         self.run_hooks = hooks
