@@ -332,3 +332,19 @@ def test_run_settings_override_every_agent_of_the_run(server: FakeOpenAIServer) 
     assert server.request_count == 0
     with pytest.raises(ConfigurationError, match=r"RunSettings\.limits"):
         RunSettings(limits=3)  # type: ignore[arg-type]
+
+
+def test_an_agent_used_as_a_tool_inherits_the_run_settings(server: FakeOpenAIServer) -> None:
+    from treadle.agents import RunSettings
+
+    with FakeOpenAIServer(script="echo") as other:
+        unused = Provider(model="never-used", base_url=server.base_url, api_key="sk-test")
+        helper = Agent("helper", "Help.", provider=unused)
+        boss = Agent("boss", "Delegate.", provider=unused, tools=[helper.as_tool()])
+        other.enqueue(
+            Reply.tool_call("helper", {"task": "sum it"}), Reply.text("4"), Reply.text("done")
+        )
+        settings = RunSettings(provider=Provider(model="inherited", base_url=other.base_url))
+        assert boss("go", settings=settings).final_text == "done"
+        assert [r.body["model"] for r in other.requests] == ["inherited"] * 3
+    assert server.request_count == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ from treadle.tools.results import error_content
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
 
-__all__ = ["AgentRun", "RunSettings", "check_deps"]
+__all__ = ["AgentRun", "RunSettings", "check_deps", "inherited"]
 
 _COMPACTION_GUARD = "treadle.auto_compaction"
 
@@ -86,6 +87,19 @@ class RunSettings:
 
 
 _NO_SETTINGS = RunSettings()
+_running: ContextVar[AgentRun | None] = ContextVar("treadle_agent_run", default=None)
+
+
+def inherited(agent: Agent) -> dict[str, Any]:
+    """What a run of `agent` started inside another run (an agent used as a tool) inherits:
+    the outer run's `settings`, and its `deps` when `agent` declares a `deps_type`."""
+    outer = _running.get()
+    if outer is None:
+        return {}
+    found: dict[str, Any] = {"settings": outer.settings}
+    if agent.deps_type is not None and outer.deps is not None:
+        found["deps"] = outer.deps
+    return found
 
 
 def _type_name(value: object) -> str:
@@ -150,6 +164,13 @@ class AgentRun:
         return HookContext(self.agent.name, self.run_id, session.data.usage)
 
     async def run(self, session: Session) -> Session:
+        token = _running.set(self)  # agents this run uses as tools inherit its settings
+        try:
+            return await self._run(session)
+        finally:
+            _running.reset(token)
+
+    async def _run(self, session: Session) -> Session:
         with registered(self.run_id, self.stop), sharing_stop(self.stop):
             await session.wait_ready()
             await fire(self.hooks, "on_agent_start", self.context(session))

@@ -2,7 +2,9 @@
 
 The model fills the input model's schema; the call runs the agent on a fresh session whose one
 user row is that input as JSON, and returns the agent's answer (or what `output_extractor`
-takes from its output session). Calls run on the caller's loop and never block it.
+takes from its output session). Inside an agent run, the agent inherits that run's
+`RunSettings`, and its `deps` when it declares a `deps_type`. Calls run on the caller's loop
+and never block it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
+from treadle.agents.agent_run import inherited
 from treadle.errors import ConfigurationError, ToolArgumentsError
 from treadle.loop.control import call_user
 from treadle.session import Session
@@ -70,7 +73,7 @@ class AgentTool(Tool):
     async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
         """Run the agent on the input (as JSON in one user row)."""
         task = self.input_type.model_validate(dict(arguments)).model_dump_json()
-        out = await self.agent.run(Session.from_user_message(task))
+        out = await self.agent.run(Session.from_user_message(task), **inherited(self.agent))
         return await tool_answer(out, self.extractor)
 
 
@@ -93,7 +96,7 @@ def agent_tool(
         """Args:
         task: The whole task, self-contained (the agent does not see this conversation).
         """
-        out = await agent.run(Session.from_user_message(task))
+        out = await agent.run(Session.from_user_message(task), **inherited(agent))
         return await tool_answer(out, output_extractor)
 
     return FunctionTool(delegate, name=tool_name, description=text)
