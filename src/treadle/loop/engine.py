@@ -162,7 +162,7 @@ class _Pass:
         )
 
     async def complete(self, request: CompletionRequest) -> AssistantTurn:
-        if self.hooks is not None:
+        if self.hooks is not None and "on_model_start" in self.hooks.overridden:
             await fire(self.hooks, "on_model_start", self.hook_context(), request.messages())
         started = time.monotonic()
         turn = await self.complete_traced(request)
