@@ -22,6 +22,9 @@ from treadle.testing.sample_agents import Capital, geographer, geographer_script
 
 PATH = "treadle.testing.sample_agents:geographer"
 
+typed = Agent[None, Capital]("typed", provider=Provider(model="fake"), output_type=Capital)
+"""Built through the generic alias: its import path is still found (this module, `typed`)."""
+
 
 def test_an_agent_with_code_parts_crosses_by_its_import_path() -> None:
     spec = AgentSpec.from_agent(geographer)
@@ -36,6 +39,12 @@ def test_an_agent_with_code_parts_crosses_by_its_import_path() -> None:
     assert rebuilt.handoffs == geographer.handoffs
     assert rebuilt.validators == geographer.validators
     assert rebuilt.provider.model == "fake"
+
+
+def test_a_typed_agent_is_found_through_the_generic_alias() -> None:
+    spec = AgentSpec.from_agent(typed)
+    assert spec.agent_path is not None and spec.agent_path.endswith(":typed")
+    assert spec.agent_path.split(":")[0] == __name__
 
 
 def test_what_cannot_cross_is_refused_by_name() -> None:

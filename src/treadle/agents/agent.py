@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, cast
 
 import anyio
 import pydantic
 from typing_extensions import TypeVar
 
-from treadle.agents.agent_run import AgentRun, RunSettings, check_deps
+from treadle.agents.agent_run import AgentRun, RunSettings, check_deps, lazy_session
 from treadle.agents.agent_tool import agent_tool
 from treadle.agents.compaction import (
     DEFAULT_KEEP_LAST,
@@ -61,9 +61,8 @@ from treadle.loop.api import arun_pass_emitting, naming_next_pass
 from treadle.loop.control import call_user
 from treadle.loop.hooks import Hooks
 from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
-from treadle.runtime import submit
 from treadle.runtime.streams import produce
-from treadle.session import Session, SessionData, new_session_id
+from treadle.session import Session, new_session_id
 from treadle.tools import Tool, ToolSet
 from treadle.tools.context import Deps
 
@@ -81,33 +80,6 @@ Output = TypeVar("Output", default=Any)
 _COMPACTION_GUARD = "treadle.auto_compaction"
 
 
-def lazy_session(
-    make: Callable[[], Coroutine[Any, Any, Session]],
-    *,
-    parents: Sequence[Session],
-    operator: str,
-    id: str | None = None,
-) -> Session:
-    """A lazy output session whose data comes from `make()`, run on the runtime.
-
-    Like `run_lazy`, but the coroutine is created only once the runtime starts the work, so a
-    cancellation that arrives first leaves no never-awaited coroutine behind.
-    """
-
-    async def produce() -> SessionData:
-        return await (await make()).wait_ready()
-
-    sandbox = next((p.sandbox_handle for p in parents if p.sandbox_handle is not None), None)
-    return Session._pending(
-        submit(produce()),
-        id=id or new_session_id(),
-        operator=operator,
-        kind="output",
-        parents=parents,
-        sandbox=sandbox,
-    )
-
-
 def as_session(value: AgentInput) -> Session:
     """A session from an agent input (a string becomes one user row)."""
     if isinstance(value, Session):
@@ -118,6 +90,14 @@ def as_session(value: AgentInput) -> Session:
         f"an agent takes a Session or a str, got {type(value).__name__}; "
         "build one with Session.from_user_message(...)."
     )
+
+
+def _caller_module() -> str | None:
+    """The module that built the agent (past `Agent[...]`'s alias and subclasses' __init__)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in ("typing", __name__):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame.f_globals.get("__name__") if frame is not None else None
 
 
 class Agent(Generic[Deps, Output]):
@@ -272,7 +252,7 @@ class Agent(Generic[Deps, Output]):
         )
         self.estimator = TokenEstimator()
         # Where the agent was defined: a distributed map finds it there by its import path.
-        self._defined_in = sys._getframe(1).f_globals.get("__name__")
+        self._defined_in = _caller_module()
 
     def __repr__(self) -> str:
         return f"<Agent {self.name!r}>"

@@ -12,7 +12,7 @@ copies agent rows into an output session.
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,13 +47,14 @@ from treadle.loop import Limits, Tripwire
 from treadle.loop.control import PassControl, call_user
 from treadle.loop.hooks import HookContext, Hooks, fire
 from treadle.loop.soft_stop import StopRequest, registered, sharing_stop
-from treadle.session import ChunkRow, Session
+from treadle.runtime import submit
+from treadle.session import ChunkRow, Session, SessionData, new_session_id
 from treadle.tools.results import error_content
 
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
 
-__all__ = ["AgentRun", "RunSettings", "check_deps", "inherited"]
+__all__ = ["AgentRun", "RunSettings", "check_deps", "inherited", "lazy_session"]
 
 _COMPACTION_GUARD = "treadle.auto_compaction"
 
@@ -355,3 +356,30 @@ class AgentRun:
         if self.results:
             metadata["guardrail_results"] = tuple(self.results)
         return out.with_data(metadata=metadata)
+
+
+def lazy_session(
+    make: Callable[[], Coroutine[Any, Any, Session]],
+    *,
+    parents: Sequence[Session],
+    operator: str,
+    id: str | None = None,
+) -> Session:
+    """A lazy output session whose data comes from `make()`, run on the runtime.
+
+    Like `run_lazy`, but the coroutine is created only once the runtime starts the work, so a
+    cancellation that arrives first leaves no never-awaited coroutine behind.
+    """
+
+    async def produce() -> SessionData:
+        return await (await make()).wait_ready()
+
+    sandbox = next((p.sandbox_handle for p in parents if p.sandbox_handle is not None), None)
+    return Session._pending(
+        submit(produce()),
+        id=id or new_session_id(),
+        operator=operator,
+        kind="output",
+        parents=parents,
+        sandbox=sandbox,
+    )

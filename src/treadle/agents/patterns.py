@@ -20,7 +20,8 @@ from typing import Any
 
 import pydantic
 
-from treadle.agents.agent import Agent, AgentInput, as_session, lazy_session
+from treadle.agents.agent import Agent, AgentInput, as_session
+from treadle.agents.agent_run import lazy_session
 from treadle.errors import ConfigurationError
 from treadle.session import Session
 
