@@ -22,6 +22,7 @@ from treadle.session import ChunkRow, Usage
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 from treadle.tools import ToolContext, tool
+from treadle.tools.context import context_parameter
 
 SECRET = "s3cr3t-token-d6f1"
 
@@ -125,3 +126,15 @@ def test_deps_are_never_written_to_the_transcript_or_the_file(
     assert SECRET not in repr(out.metadata)
     assert all(SECRET not in json.dumps(r.body) for r in server.requests)
     assert SECRET not in Session.load(path).rows.__repr__()
+
+
+def test_context_is_found_by_annotation_even_beside_an_unresolvable_one() -> None:
+    def check(data: Undefined, ctx: ToolContext[Deps]) -> None:  # type: ignore[name-defined]  # noqa: F821
+        return None
+
+    def named_like_it(data: GuardrailInput, context: Deps) -> None:
+        return None  # a parameter called `context` is not a context: only the type counts
+
+    assert context_parameter(check) == "ctx"
+    assert context_parameter(named_like_it) is None
+    assert before_model(check).context_param == "ctx"

@@ -265,3 +265,14 @@ def test_without_the_reset_a_forced_choice_stays(server: FakeOpenAIServer) -> No
     )  # fmt: skip
     assert out.stop_reason == "max_steps"
     assert {r.body.get("tool_choice") for r in server.requests} == {"required"}
+
+
+def test_a_forced_named_function_is_reset_too(server: FakeOpenAIServer) -> None:
+    forced = {"type": "function", "function": {"name": "add"}}
+    server.enqueue(Reply.tool_call("add", {"a": 2, "b": 2}), Reply.text("4"))
+    out = run_session_loop(
+        Session.from_user_message("go"), AGENT,
+        agent_provider=_provider(server, tool_choice=forced), tools=[add],
+    )  # fmt: skip
+    assert out.final_text == "4"
+    assert [r.body.get("tool_choice") for r in server.requests] == [forced, "auto"]

@@ -129,12 +129,18 @@ def context_parameter(fn: Callable[..., Any]) -> str | None:
         return None
     try:
         hints = typing.get_type_hints(target, include_extras=True)
-    except Exception:
+    except Exception:  # some other annotation does not resolve: resolve each one alone
         hints = {}
+    namespace = dict(getattr(target, "__globals__", {}))
     for param in sig.parameters.values():
         if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
             continue
         annotation = hints.get(param.name, param.annotation)
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, namespace)  # a forward reference, as hints do
+            except Exception:
+                continue
         if injection_of(annotation) == "context":
             return param.name
     return None

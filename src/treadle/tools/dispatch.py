@@ -12,8 +12,9 @@ argparse-based tool exits on bad input), which would otherwise end the pass or k
 Every call is bounded: by the tool's `timeout`, else the pass's `Limits.tool_timeout_seconds`, else
 `DEFAULT_TOOL_TIMEOUT`, and never past the pass's deadline.
 
-This module must never raise for a tool's problem, never leave a task running after it returns
-(cancellation cancels async tools and kills sandbox commands), and never block the event loop.
+This module must never raise for a tool's problem (unless the tool's own `on_error` /
+`on_timeout` policy is `"raise"`), never leave a task running after it returns (cancellation
+cancels async tools and kills sandbox commands), and never block the event loop.
 """
 
 from __future__ import annotations
