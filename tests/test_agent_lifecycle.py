@@ -132,11 +132,12 @@ def test_hooks_per_pass_and_per_run(server: FakeOpenAIServer) -> None:
     )
     assert out.stop_reason == "final_answer"
     assert pass_hooks.calls == ["model_start:None:2", "model_end:None"]
-    run_hooks = Recorder()
-    agent = Agent("echo", "Echo.", provider=provider)
+    run_hooks, agent_hooks = Recorder(), Recorder()
+    agent = Agent("echo", "Echo.", provider=provider, hooks=agent_hooks)
     agent("hello", hooks=run_hooks).synchronize(HANG_GUARD)
     assert run_hooks.calls[0] == "agent_start:echo"
     assert run_hooks.calls[-1].startswith("agent_end:echo:")
+    assert agent_hooks.calls == run_hooks.calls  # both are called, the run's first
 
 
 def test_soft_cancel_finishes_the_turn_then_stops(server: FakeOpenAIServer) -> None:
@@ -347,4 +348,19 @@ def test_an_agent_used_as_a_tool_inherits_the_run_settings(server: FakeOpenAISer
         settings = RunSettings(provider=Provider(model="inherited", base_url=other.base_url))
         assert boss("go", settings=settings).final_text == "done"
         assert [r.body["model"] for r in other.requests] == ["inherited"] * 3
+    assert server.request_count == 0
+
+
+def test_a_raising_agent_hook_fails_its_run_once_wrapped(server: FakeOpenAIServer) -> None:
+    from treadle.errors import HookError
+
+    class Broken(Hooks):
+        def on_agent_start(self, ctx: HookContext) -> None:
+            raise RuntimeError("broken hook")
+
+    agent = Agent("a", "Talk.", provider=_provider(server), hooks=Broken())
+    with pytest.raises(HookError) as info:
+        agent("hi", hooks=Recorder()).synchronize(HANG_GUARD)
+    assert str(info.value).count("raised") == 1
+    assert "RuntimeError: broken hook" in str(info.value)
     assert server.request_count == 0

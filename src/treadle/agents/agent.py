@@ -283,8 +283,8 @@ class Agent(Generic[Deps, Output]):
         `stop_reason == "cancelled"`; `out.cancel(after_turn=True)` lets the current turn
         finish first. `deps` reach tools, guardrails and callbacks that ask for a `ToolContext`
         (in memory only: never written to the transcript or a file). `hooks` (for this run)
-        replace the agent's own; `settings` override the provider, limits or tool rounds of
-        every agent of this run (see `RunSettings`).
+        are called before the answering agent's own; `settings` override the provider,
+        limits or tool rounds of every agent of this run (see `RunSettings`).
         """
         user = as_session(session)
         check_deps(self, deps)

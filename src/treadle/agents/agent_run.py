@@ -45,7 +45,7 @@ from treadle.errors import (
 from treadle.llm.provider import Provider
 from treadle.loop import Limits, Tripwire
 from treadle.loop.control import PassControl, call_user
-from treadle.loop.hooks import HookContext, Hooks, fire
+from treadle.loop.hooks import HookContext, Hooks, both, fire
 from treadle.loop.soft_stop import StopRequest, registered, sharing_stop
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
@@ -158,8 +158,8 @@ class AgentRun:
 
     @property
     def hooks(self) -> Hooks | None:
-        """The run's hooks, else the answering agent's."""
-        return self.run_hooks if self.run_hooks is not None else self.agent.hooks
+        """The run's hooks, then the answering agent's (either may be absent)."""
+        return both(self.run_hooks, self.agent.hooks)
 
     def context(self, session: Session) -> HookContext:
         return HookContext(self.agent.name, self.run_id, session.data.usage)

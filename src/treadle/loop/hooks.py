@@ -24,7 +24,7 @@ from treadle.runtime.threads import _USER_CODE
 if TYPE_CHECKING:
     from treadle.session import ChunkRow, ToolCall, Usage
 
-__all__ = ["DEFAULT_HOOK_TIMEOUT", "HookContext", "Hooks", "fire"]
+__all__ = ["DEFAULT_HOOK_TIMEOUT", "HookContext", "Hooks", "both", "fire"]
 
 #: Seconds a hook may run before its pass fails with `HookError` (`Hooks.timeout` overrides).
 DEFAULT_HOOK_TIMEOUT = 60.0
@@ -104,7 +104,7 @@ async def fire(hooks: Hooks | None, name: str, *args: Any) -> None:
                 result = await _USER_CODE.run(functools.partial(fn, *args), abandon_on_cancel=True)
                 if inspect.isawaitable(result):
                     await result
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, HookError):
         raise
     except BaseException as err:  # SystemExit too: the hook ends its own pass, not others
         raise HookError(
@@ -116,3 +116,33 @@ async def fire(hooks: Hooks | None, name: str, *args: Any) -> None:
             f"hook {name} ran over {timeout} s, so its pass failed; make it return sooner or "
             "raise Hooks.timeout."
         )
+
+
+class _Pair(Hooks):
+    """Two hook objects called in turn (a run's hooks, then the answering agent's)."""
+
+    def __init__(self, first: Hooks, second: Hooks) -> None:
+        self.first, self.second = first, second
+        self.timeout = first.timeout + second.timeout  # each call keeps its own bound
+
+    @functools.cached_property
+    def overridden(self) -> frozenset[str]:
+        """Every hook either object implements."""
+        return self.first.overridden | self.second.overridden
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _NAMES:
+
+            async def both_of(*args: Any) -> None:
+                await fire(self.first, name, *args)
+                await fire(self.second, name, *args)
+
+            return both_of
+        return super().__getattribute__(name)
+
+
+def both(first: Hooks | None, second: Hooks | None) -> Hooks | None:
+    """Hooks calling `first` then `second` (either may be None)."""
+    if first is None or second is None or first is second:
+        return first or second
+    return _Pair(first, second)
