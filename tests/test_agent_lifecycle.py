@@ -66,7 +66,7 @@ class Recorder(Hooks):
 
     async def on_tool_end(self, ctx: HookContext, call: ToolCall, row: ChunkRow) -> None:
         body = json.loads(row.payload["content"])
-        self.calls.append(f"tool_end:{call.name}:{body['status']}")
+        self.calls.append(f"tool_end:{call.name}:{body.get('status', body.get('assistant'))}")
 
     def on_handoff(self, ctx: HookContext, source: str, target: str) -> None:
         self.calls.append(f"handoff:{source}->{target}")
@@ -92,6 +92,8 @@ def test_hooks_see_agent_model_tool_and_handoff(server: FakeOpenAIServer) -> Non
         "tool_end:lookup:shipped",
         "model_start:triage:4",
         "model_end:triage",
+        "tool_start:transfer_to_billing",
+        "tool_end:transfer_to_billing:billing",
         "handoff:triage->billing",
         "agent_start:billing",
         "model_start:billing:6",
@@ -111,6 +113,8 @@ def test_agent_hooks_belong_to_their_agent(server: FakeOpenAIServer) -> None:
         "agent_start:triage",
         "model_start:triage:2",
         "model_end:triage",
+        "tool_start:transfer_to_billing",
+        "tool_end:transfer_to_billing:billing",
         "handoff:triage->billing",
     ]
     assert billing_hooks.calls == [

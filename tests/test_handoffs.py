@@ -162,7 +162,7 @@ def test_handoff_chain_and_configuration_errors(server: FakeOpenAIServer) -> Non
         Agent("x", provider=provider, handoffs=[b, handoff(c, tool_name="transfer_to_b")])
 
 
-def test_two_calls_in_the_handoff_reply_both_get_results(server: FakeOpenAIServer) -> None:
+def test_sibling_calls_of_the_transfer_run_before_the_handoff(server: FakeOpenAIServer) -> None:
     provider = _provider(server)
     billing = Agent("billing", "Refunds.", provider=provider)
     triage = Agent("triage", "Route.", provider=provider, tools=[lookup], handoffs=[billing])
@@ -173,4 +173,6 @@ def test_two_calls_in_the_handoff_reply_both_get_results(server: FakeOpenAIServe
     out = triage("hi")
     results = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
     assert results[0]["assistant"] == "billing"
-    assert results[1]["error_kind"] == "not_run"
+    assert results[1]["status"] == "charged twice"  # the lookup ran, like any call of the round
+    assert out.metadata["agent"] == "billing"
+    assert server.request_count == 2

@@ -181,7 +181,8 @@ class AgentRun:
             return out
 
     def on_message(self) -> Callable[[ChunkRow, PassControl], Any] | None:
-        """The pass's `on_message`: ends it on a transfer call or an accepted final result."""
+        """The pass's `on_message`: ends it once a transfer call has its result, or on an
+        accepted final result."""
         agent = self.agent
         structured = (
             agent.spec.on_message(self.output)
@@ -195,10 +196,15 @@ class AgentRun:
         async def hook(row: ChunkRow, control: PassControl) -> None:
             if row.kind == "assistant":
                 found = find_transfer(row, targets)
-                if found is not None:
-                    self.choice = HandoffChoice(*found)
-                    control.interrupt(HANDOFF_INTERRUPT)
-                    return
+                # The round still runs (sibling calls too); the transfer's result ends the pass.
+                self.choice = HandoffChoice(*found) if found is not None else None
+            elif (
+                row.kind == "tool_result"
+                and self.choice is not None
+                and row.payload.get("tool_call_id") == self.choice.call_id
+            ):
+                control.interrupt(HANDOFF_INTERRUPT)
+                return
             if structured is not None:
                 await structured(row, control)
 

@@ -1,11 +1,11 @@
 """Handoffs: an agent's `handoffs=[...]` become transfer tools the model calls.
 
 `Agent("triage", handoffs=[billing, handoff(tech, input_type=Reason, on_handoff=log)])` offers
-the model one tool per target (`transfer_to_billing`, ...). When the model calls one, the pass
-ends before any tool runs, the call gets its result row (`{"assistant": "billing"}`; other calls
-of the same reply get `not_run`), the transcript passes through the handoff's `input_filter`,
-`on_handoff` runs, and the target agent continues the SAME transcript under its own
-instructions. The output records who answered (`metadata["agent"]`) and every transfer
+the model one tool per target (`transfer_to_billing`, ...). When the model calls one, the round
+runs as usual (other calls of the same reply too), the transfer's result row says who takes over
+(`{"assistant": "billing"}`), and the pass ends there; the transcript passes through the
+handoff's `input_filter`, `on_handoff` runs, and the target agent continues the SAME transcript
+under its own instructions. The output records who answered (`metadata["agent"]`) and every transfer
 (`metadata["handoffs"]`).
 
 This module builds values and rows; it never calls a model and never blocks the event loop.
@@ -25,7 +25,6 @@ from treadle.errors import ConfigurationError, ToolArgumentsError
 from treadle.loop.control import call_user
 from treadle.session import ChunkRow, Session
 from treadle.tools import Tool, ToolContext
-from treadle.tools.results import error_content, success_content
 
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
@@ -149,8 +148,9 @@ class _TransferTool(Tool):
         return dict(arguments)
 
     async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
-        """Reached only outside an `Agent` run (a bare pass): says where it would go."""
-        return {"assistant": self._target.agent.name, "handed_off": False}
+        """The transfer's result row: the agent that takes over (an `Agent` run then ends the
+        pass and hands over; in a bare pass nothing else happens)."""
+        return {"assistant": self._target.agent.name}
 
 
 def as_handoff(item: Any) -> Handoff:
@@ -187,28 +187,13 @@ def find_transfer(
 
 
 def handoff_rows(out: Session, choice: HandoffChoice) -> Session:
-    """`out` (a pass ended by a transfer call) with a result row for every call of its last
-    reply, its stop fields cleared: the transcript the target continues."""
+    """`out` (a pass ended by a transfer's result) with its stop fields cleared: the transcript
+    the target continues."""
     data = out.data
-    last = data.table.rows[-1]
-    rows = []
-    for call in last.calls:
-        if call.id == choice.call_id:
-            content = success_content({"assistant": choice.handoff.agent.name})
-        else:
-            content = error_content(
-                "not_run",
-                "the conversation was handed off in the same reply; this call did not run.",
-            )
-        rows.append(
-            ChunkRow._trusted(
-                "tool_result", {"tool_call_id": call.id, "name": call.name, "content": content}
-            )
-        )
     metadata = {
         k: v for k, v in data.metadata.items() if k not in ("interrupt_reason", "cancelled")
     }
-    return out.with_data(table=data.table.extend(rows), stop_reason=None, metadata=metadata)
+    return out.with_data(stop_reason=None, metadata=metadata)
 
 
 def remove_tool_rows(session: Session) -> Session:
