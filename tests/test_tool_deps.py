@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -138,3 +138,15 @@ def test_context_is_found_by_annotation_even_beside_an_unresolvable_one() -> Non
     assert context_parameter(check) == "ctx"
     assert context_parameter(named_like_it) is None
     assert before_model(check).context_param == "ctx"
+
+
+class HasToken(Protocol):
+    """A deps protocol (not runtime-checkable: only a type checker can check it)."""
+
+    token: str
+
+
+def test_a_protocol_deps_type_is_left_to_the_type_checker(server: FakeOpenAIServer) -> None:
+    agent = Agent("p", "Help.", provider=_provider(server), deps_type=HasToken)
+    out = agent("hi", deps=Deps(SECRET, "ACME"))
+    assert out.stop_reason == "final_answer"

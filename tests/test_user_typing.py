@@ -146,6 +146,7 @@ if out.stop_reason == "finall_answer":  # E: Non-overlapping equality check
     pass
 reason: StopReason = "max_step"  # E: Incompatible types in assignment
 done: bool = out.stop_reason == "final_answer"
+Agent("b", provider=Provider(model="m"), tool_use_behavior="stop_first")  # E: "tool_use_behavior"
 """,
     "wrong_deps.py": """\
 from dataclasses import dataclass
@@ -213,4 +214,4 @@ def test_mypy_strict_rejects_wrong_user_programs(tmp_path: Path) -> None:
     unexpected = {key: messages for key, messages in errors.items() if key not in expected}
     assert not missing, f"mypy did not report these:\n{missing}\n{proc.stdout}"
     assert not unexpected, f"mypy reported errors on correct lines:\n{unexpected}"
-    assert len(expected) == 10
+    assert len(expected) == 11

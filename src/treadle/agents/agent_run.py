@@ -118,7 +118,11 @@ def check_deps(agent: Agent, deps: object) -> None:
             "to each run."
         )
     origin = typing.get_origin(wanted) or wanted
-    if isinstance(origin, type) and not isinstance(deps, origin):
+    try:  # a Protocol that is not runtime-checkable cannot be checked: type checkers do it
+        wrong = isinstance(origin, type) and not isinstance(deps, origin)
+    except TypeError:
+        wrong = False
+    if wrong:
         raise ConfigurationError(
             f"Agent {agent.name!r} takes deps of type {_type_name(wanted)}, got "
             f"{type(deps).__name__}."

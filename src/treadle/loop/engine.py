@@ -166,11 +166,8 @@ class _Pass:
             await fire(self.hooks, "on_model_start", self.hook_context(), request.messages())
         started = time.monotonic()
         turn = await self.complete_traced(request)
-        # The entry is built when the pass ends (`settle`): the round only keeps the pair.
-        completion = turn.completion
-        self.entries.append(
-            (completion.usage, completion.id, turn.usage, time.monotonic() - started)
-        )
+        done = turn.completion  # the entry is built when the pass ends: a round keeps 4 values
+        self.entries.append((done.usage, done.id, turn.usage, time.monotonic() - started))
         return turn
 
     async def complete_traced(self, request: CompletionRequest) -> AssistantTurn:
@@ -239,6 +236,8 @@ class _Pass:
         unanswered = pending_tool_calls(self.table)
         if unanswered:  # resume: calls the model asked for that never got a result run first
             stop = await self.tool_round(unanswered, resuming=True)
+            if stop is None and self.plan.tool_use_behavior != "run_llm_again":
+                stop = self.stop_after_tools(unanswered)
             if stop is not None:
                 return stop
             rounds += 1
@@ -291,6 +290,8 @@ class _Pass:
             if not calls:
                 return "final_answer"
             stop = await self.tool_round(calls)
+            if stop is None and self.plan.tool_use_behavior != "run_llm_again":
+                stop = self.stop_after_tools(calls)
             if stop is not None:
                 return stop
             rounds += 1
@@ -317,13 +318,6 @@ class _Pass:
     async def tool_round(
         self, calls: Sequence[ToolCall], *, resuming: bool = False
     ) -> StopReason | None:
-        stop = await self.run_tools(calls, resuming)
-        behavior = self.plan.tool_use_behavior
-        if stop is not None or behavior == "run_llm_again":
-            return stop
-        return stop_after_tools(behavior, calls, self.table.rows[-len(calls) :], self.metadata)
-
-    async def run_tools(self, calls: Sequence[ToolCall], resuming: bool) -> StopReason | None:
         plan = self.plan
         denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata)
         if denied is None:
@@ -398,6 +392,11 @@ class _Pass:
         if self.control.interrupted:
             return self.interrupt(self.control.reason or "interrupted")
         return None
+
+    def stop_after_tools(self, calls: Sequence[ToolCall]) -> StopReason | None:
+        """`final_answer` when `tool_use_behavior` makes this round's result the output."""
+        rows = self.table.rows[-len(calls) :]
+        return stop_after_tools(self.plan.tool_use_behavior, calls, rows, self.metadata)
 
     async def check_budget(self) -> None:
         await check_budget(self)

@@ -231,10 +231,12 @@ async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     context = context.for_call(call)
     limit, by_deadline = _time_limit(item, context)
     content = ""
+    timed_out = False
     try:
         with anyio.move_on_after(limit) as scope:
             result = await run(item, ready.arguments, context)
-        if not scope.cancelled_caught:
+        timed_out = scope.cancelled_caught
+        if not timed_out:
             # Inside the try: a result that cannot become JSON is the model's to hear about.
             content = success_content(result, max_chars=item.max_result_chars)
     except ToolError as error:
@@ -254,7 +256,7 @@ async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     except BaseException as error:
         message = f"tool {item.name!r} raised {type(error).__name__}: {error}"
         return _raised(item, call, error, message, exception_detail(error))
-    if scope.cancelled_caught:
+    if timed_out:
         sync_note = (
             ""
             if getattr(item, "_is_async", True)
