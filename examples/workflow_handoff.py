@@ -1,10 +1,12 @@
-"""A handoff: a triage agent picks a specialist (a Literal field); the specialist answers fresh."""
+"""Triage: a router agent picks a specialist (a Literal field); the specialist answers fresh.
+
+(A handoff that continues the same transcript is `Agent(handoffs=[...])`: docs/agents.md.)"""
 
 from typing import Literal
 
 from pydantic import BaseModel
 
-from treadle.agents import Agent, handoff
+from treadle.agents import Agent, triage
 from treadle.testing.scripted import ScriptedExecutor, text, tool_call
 
 
@@ -13,7 +15,7 @@ class Route(BaseModel):
     reason: str
 
 
-triage = Agent(
+router = Agent(
     "triage",
     "Route the customer to billing or tech.",
     executor=ScriptedExecutor(
@@ -28,7 +30,7 @@ tech = Agent(
     executor=ScriptedExecutor([text("Hold the power button for 10 s.")]),
 )
 
-support = handoff(triage, {"billing": billing, "tech": tech})
+support = triage(router, {"billing": billing, "tech": tech})
 out = support("My laptop will not turn on.")
 print(out.metadata["handoff"])
 print(out.final_text)

@@ -11,7 +11,9 @@ def fake_model(request: dict[str, Any]) -> Reply:
     messages = request["messages"]
     system = messages[0]["content"]
     if system.startswith("Research"):  # a worker: answer its task
-        return Reply.text(f"notes on {messages[-1]['content']}", latency_ms=50)
+        # 300 ms: longer than a cold first use (imports on the loop) can delay one sibling call,
+        # so the three calls always overlap on a loaded machine.
+        return Reply.text(f"notes on {messages[-1]['content']}", latency_ms=300)
     if messages[-1]["role"] == "user":  # the manager: fan the work out in one reply
         return Reply.tool_calls_of(
             [("researcher", {"task": topic}) for topic in ("queues", "retries", "backoff")]

@@ -233,11 +233,12 @@ def test_lazy_agent_cancel_is_a_stop() -> None:
     assert out.chunk_table.kinds() == ["user"]
 
 
-def test_handoff_triage_output_with_literal() -> None:
+def test_triage_output_with_literal() -> None:
     class Route(BaseModel):
         department: Literal["billing", "tech"]
 
     from treadle.agents import handoff
+    from treadle.agents import triage as make_triage
 
     triage = Agent(
         "triage",
@@ -247,7 +248,7 @@ def test_handoff_triage_output_with_literal() -> None:
     )
     tech_ex = ScriptedExecutor([text("Restart it.")])
     billing_ex = ScriptedExecutor()
-    flow = handoff(
+    flow = make_triage(
         triage,
         {
             "billing": Agent("billing", executor=billing_ex),
@@ -265,4 +266,8 @@ def test_handoff_triage_output_with_literal() -> None:
     assert out.usage.requests == 2
     assert billing_ex.requests == []
     with pytest.raises(ConfigurationError, match="output_type"):
-        handoff(Agent("t", executor=billing_ex), {"x": triage})
+        make_triage(Agent("t", executor=billing_ex), {"x": triage})
+    # the old name still builds a triage, with a deprecation warning naming the new one
+    with pytest.warns(DeprecationWarning, match="triage"):
+        old = handoff(triage, {"tech": Agent("tech", executor=ScriptedExecutor([text("ok")]))})
+    assert type(old).__name__ == "Triage"

@@ -239,7 +239,7 @@ def test_sync_map_and_argument_errors(tmp_path: Path) -> None:
         with pytest.raises(ConfigurationError, match="shared"):
             map(agent, ["x"], backend="process", rate_limit="shared")
         with pytest.raises(ConfigurationError, match="apply to backend"):
-            map(agent, ["x"], workers=2)
+            map(agent, ["x"], workers=2, ray_address="auto")
         with pytest.raises(ConfigurationError, match="not a backend"):
             map(agent, ["x"], backend="dask")
 

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from treadle import Session, load_session
-from treadle.errors import SessionFailedError
+from treadle.errors import HookError, SessionFailedError
 from treadle.llm import Provider
-from treadle.loop import Guardrail, Limits, run_session_loop
+from treadle.loop import Guardrail, HookContext, Hooks, Limits, ToolGuardrail, run_session_loop
 from treadle.runtime import get_runtime, stats
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.scripted import ScriptedExecutor, text, tool_call, tool_calls
@@ -210,6 +210,102 @@ def _pass_failed(cause: type[BaseException]) -> Callable[[Session], None]:
     return check
 
 
+class _ExitingHooks(Hooks):
+    def on_model_start(self, ctx: HookContext, messages: list[dict[str, Any]]) -> None:
+        raise SystemExit(5)
+
+
+class _InterruptingHooks(Hooks):
+    async def on_tool_start(self, ctx: HookContext, call: Any) -> None:
+        raise KeyboardInterrupt
+
+
+_release_hook = threading.Event()
+
+
+class _HangingSyncHooks(Hooks):
+    timeout = 0.2
+
+    def on_model_end(self, ctx: HookContext, row: Any) -> None:
+        _release_hook.wait(HANG_GUARD)  # ignores cancellation: its thread is abandoned
+
+
+class _HangingAsyncHooks(Hooks):
+    timeout = 0.2
+
+    async def on_model_start(self, ctx: HookContext, messages: Any) -> None:
+        await asyncio.sleep(3600)
+
+
+def _hook_pass(hooks: Hooks) -> Session:
+    ex = ScriptedExecutor([tool_call("add", {"a": 1, "b": 2}, id="k"), "done"])
+    return run_session_loop(
+        Session.from_user_message("go"), AGENT, executor=ex, tools=[add], hooks=hooks
+    )
+
+
+def _hanging_hook_pass() -> Session:
+    _release_hook.clear()
+    return _hook_pass(_HangingSyncHooks())
+
+
+def _hook_failed(out: Session) -> None:
+    for _ in range(2):  # re-raised on every read, as a plain exception of its own pass
+        with pytest.raises(HookError, match="its pass failed"):
+            out.synchronize(HANG_GUARD)
+    _release_hook.set()  # let an abandoned hook thread end
+
+
+async def _parallel_guard_exit(data: Any) -> None:
+    raise SystemExit(6)
+
+
+async def _parallel_guard_ok(data: Any) -> None:
+    return None
+
+
+def _parallel_guardrails_exit() -> Session:
+    return run_session_loop(
+        Session.from_user_message("go"),
+        AGENT,
+        executor=ScriptedExecutor(["never"]),
+        guardrails=[
+            Guardrail(_parallel_guard_ok, "input"),
+            Guardrail(_parallel_guard_exit, "input"),
+        ],
+    )
+
+
+async def _stuck_guard(data: Any) -> None:
+    await asyncio.sleep(3600)
+
+
+def _stuck_input_guardrail() -> Session:
+    return run_session_loop(
+        Session.from_user_message("go"),
+        AGENT,
+        executor=ScriptedExecutor(["answered"]),
+        guardrails=[Guardrail(_stuck_guard, "input")],
+    )
+
+
+def _cancel_frees_it(out: Session) -> None:
+    out.cancel()  # the hung guardrail holds only its own pass, which a cancel ends
+    assert out.synchronize(HANG_GUARD).stop_reason == "cancelled"
+    assert out.usage.requests == 0  # the raced model call is not charged
+
+
+def _tool_guardrail_interrupt() -> Session:
+    ex = ScriptedExecutor([tool_call("add", {"a": 1, "b": 2}, id="t"), "done"])
+    return run_session_loop(
+        Session.from_user_message("go"),
+        AGENT,
+        executor=ex,
+        tools=[add],
+        guardrails=[ToolGuardrail(_raise_interrupt)],
+    )
+
+
 HOSTILE: dict[str, tuple[Callable[[], Session], Callable[[Session], None]]] = {
     "sync tool exits like argparse": (
         lambda: _tool_pass("parse_cli"),
@@ -242,6 +338,25 @@ HOSTILE: dict[str, tuple[Callable[[], Session], Callable[[Session], None]]] = {
     "on_message raises KeyboardInterrupt": (_on_message_interrupt, _pass_failed(KeyboardInterrupt)),
     "sync executor raises SystemExit": (_executor_exit, _pass_failed(SystemExit)),
     "budget callback raises SystemExit": (_budget_exit, _pass_failed(SystemExit)),
+    "sync hook raises SystemExit": (lambda: _hook_pass(_ExitingHooks()), _hook_failed),
+    "async hook raises KeyboardInterrupt": (
+        lambda: _hook_pass(_InterruptingHooks()),
+        _hook_failed,
+    ),
+    "sync hook hangs past Hooks.timeout": (_hanging_hook_pass, _hook_failed),
+    "async hook never returns": (lambda: _hook_pass(_HangingAsyncHooks()), _hook_failed),
+    "concurrent input guardrails, one raises SystemExit": (
+        _parallel_guardrails_exit,
+        _pass_failed(SystemExit),
+    ),
+    "input guardrail never returns; cancelling its pass frees it": (
+        _stuck_input_guardrail,
+        _cancel_frees_it,
+    ),
+    "tool guardrail raises KeyboardInterrupt": (
+        _tool_guardrail_interrupt,
+        _pass_failed(KeyboardInterrupt),
+    ),
 }
 
 

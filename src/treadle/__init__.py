@@ -42,6 +42,8 @@ _EXPORTS: dict[str, str] = {
     "PassControl": "treadle.loop",
     "before_model": "treadle.loop",
     "after_model": "treadle.loop",
+    "Hooks": "treadle.loop",
+    "ToolGuardrail": "treadle.loop",
     "CompletionRequest": "treadle.loop",
     "Executor": "treadle.loop",
     "AsyncExecutor": "treadle.loop",
@@ -53,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "pipeline": "treadle.agents",
     "brainstorm": "treadle.agents",
     "handoff": "treadle.agents",
+    "triage": "treadle.agents",
     "run_session_compress": "treadle.agents",
     "arun_session_compress": "treadle.agents",
     # tools and sandbox
@@ -87,6 +90,8 @@ _EXPORTS: dict[str, str] = {
     "BudgetExceededError": "treadle.errors",
     "PersistenceError": "treadle.errors",
     "StructuredOutputError": "treadle.errors",
+    "ModelRetry": "treadle.errors",
+    "ModelRefusalError": "treadle.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -98,6 +103,7 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.agents import handoff as handoff
     from treadle.agents import pipeline as pipeline
     from treadle.agents import run_session_compress as run_session_compress
+    from treadle.agents import triage as triage
     from treadle.distributed import amap as amap
     from treadle.distributed import map as map
     from treadle.distributed import map_iter as map_iter
@@ -106,6 +112,8 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.errors import ConfigurationError as ConfigurationError
     from treadle.errors import ContextLengthError as ContextLengthError
     from treadle.errors import MalformedResponse as MalformedResponse
+    from treadle.errors import ModelRefusalError as ModelRefusalError
+    from treadle.errors import ModelRetry as ModelRetry
     from treadle.errors import PathViolation as PathViolation
     from treadle.errors import PersistenceError as PersistenceError
     from treadle.errors import ProviderConnectionError as ProviderConnectionError
@@ -125,9 +133,11 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.loop import Executor as Executor
     from treadle.loop import Guardrail as Guardrail
     from treadle.loop import GuardrailInput as GuardrailInput
+    from treadle.loop import Hooks as Hooks
     from treadle.loop import Limits as Limits
     from treadle.loop import PassControl as PassControl
     from treadle.loop import StopAtTools as StopAtTools
+    from treadle.loop import ToolGuardrail as ToolGuardrail
     from treadle.loop import Tripwire as Tripwire
     from treadle.loop import after_model as after_model
     from treadle.loop import arun_session_loop as arun_session_loop

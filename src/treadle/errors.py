@@ -31,6 +31,9 @@ TreadleError
 │   ├── EvalLogDamagedError                   an eval log line is not a valid record (file:line)
 │   └── EvalLogBusyError                      another run holds the eval log's lock
 ├── StructuredOutputError                     no valid structured output within `output_retries`
+├── ModelRefusalError                         the model refused to answer (never retried)
+├── HookError                                 a lifecycle hook raised or ran over its timeout
+├── ModelRetry                                raised by an output validator: ask the model again
 └── WorkerLost                                a distributed worker died or stopped answering
 ```
 
@@ -54,11 +57,14 @@ __all__ = [
     "EvalConfigMismatch",
     "EvalLogBusyError",
     "EvalLogDamagedError",
+    "HookError",
     "InvalidRequestError",
     "MCPSchemaError",
     "MCPServerError",
     "MalformedResponse",
     "ModelNotFoundError",
+    "ModelRefusalError",
+    "ModelRetry",
     "NotOpenAIEndpointError",
     "PassFailed",
     "PathViolation",
@@ -281,3 +287,21 @@ class StructuredOutputError(TreadleError):
 
 class WorkerLost(TreadleError):
     """The worker running a distributed pass died or stopped answering (the pass may be retried)."""
+
+
+class ModelRefusalError(TreadleError):
+    """The model refused (its reply carried `refusal`); refusals are not retried."""
+
+    def __init__(self, message: str, *, refusal: str = "") -> None:
+        super().__init__(message)
+        self.refusal = refusal
+        """The model's refusal text."""
+
+
+class HookError(TreadleError):
+    """A lifecycle hook (`Hooks`) raised or ran past its timeout; only its pass fails."""
+
+
+class ModelRetry(TreadleError):
+    """Raise from an output validator: the message goes back to the model, which tries again
+    (at most `output_retries` times, then `StructuredOutputError`)."""

@@ -13,15 +13,18 @@ This module must never copy agent rows into an output session and never block th
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
-import re
-import typing
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+import sys
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, cast
 
 import anyio
+import pydantic
 from typing_extensions import TypeVar
 
+from treadle.agents.agent_run import AgentRun, RunSettings, check_deps, lazy_session
+from treadle.agents.agent_tool import agent_tool
 from treadle.agents.compaction import (
     DEFAULT_KEEP_LAST,
     TokenEstimator,
@@ -29,13 +32,21 @@ from treadle.agents.compaction import (
     arun_session_compress,
     request_bytes,
 )
+from treadle.agents.handoffs import Handoff, check_handoffs
+from treadle.agents.outcomes import check_error_handlers, check_validators
+from treadle.agents.streaming import (
+    AgentEvent,
+    AgentRunStopped,
+    current_sink,
+    pass_sink,
+    streaming_to,
+)
 from treadle.agents.structured import (
     DEFAULT_OUTPUT_RETRIES,
     OutputSpec,
-    OutputState,
     StructuredMode,
 )
-from treadle.errors import ConfigurationError, ContextLengthError
+from treadle.errors import ConfigurationError
 from treadle.llm import validate_executor
 from treadle.llm.provider import Provider
 from treadle.loop import (
@@ -47,11 +58,13 @@ from treadle.loop import (
     arun_session_loop,
     run_session_loop,
 )
-from treadle.loop.api import naming_next_pass
+from treadle.loop.api import arun_pass_emitting, naming_next_pass
+from treadle.loop.control import call_user
+from treadle.loop.hooks import Hooks
 from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
-from treadle.runtime import submit
-from treadle.session import ChunkRow, Session, SessionData, new_session_id
-from treadle.tools import FunctionTool, Tool, ToolSet
+from treadle.runtime.streams import produce
+from treadle.session import Session, new_session_id
+from treadle.tools import Tool, ToolSet
 from treadle.tools.context import Deps
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
@@ -66,33 +79,6 @@ Output = TypeVar("Output", default=Any)
 """The type of an agent's structured output (`output_type`)."""
 
 _COMPACTION_GUARD = "treadle.auto_compaction"
-_TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def lazy_session(
-    make: Callable[[], Coroutine[Any, Any, Session]],
-    *,
-    parents: Sequence[Session],
-    operator: str,
-) -> Session:
-    """A lazy output session whose data comes from `make()`, run on the runtime.
-
-    Like `run_lazy`, but the coroutine is created only once the runtime starts the work, so a
-    cancellation that arrives first leaves no never-awaited coroutine behind.
-    """
-
-    async def produce() -> SessionData:
-        return await (await make()).wait_ready()
-
-    sandbox = next((p.sandbox_handle for p in parents if p.sandbox_handle is not None), None)
-    return Session._pending(
-        submit(produce()),
-        id=new_session_id(),
-        operator=operator,
-        kind="output",
-        parents=parents,
-        sandbox=sandbox,
-    )
 
 
 def as_session(value: AgentInput) -> Session:
@@ -107,18 +93,12 @@ def as_session(value: AgentInput) -> Session:
     )
 
 
-def _type_name(value: object) -> str:
-    return str(getattr(value, "__name__", value))
-
-
-class _Run:
-    """The state of one agent run (never shared between runs)."""
-
-    def __init__(self, deps: object = None) -> None:
-        self.deps = deps
-        self.output = OutputState()
-        self.compactions = 0
-        self.overflow_retried = False
+def _caller_module() -> str | None:
+    """The module that built the agent (past `Agent[...]`'s alias and subclasses' __init__)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in ("typing", __name__):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame.f_globals.get("__name__") if frame is not None else None
 
 
 class Agent(Generic[Deps, Output]):
@@ -130,7 +110,8 @@ class Agent(Generic[Deps, Output]):
 
     Args:
         name: Shown in lineage, tool names (`as_tool`) and handoffs.
-        instructions: The system prompt.
+        instructions: The system prompt, or a function of the session a pass starts from
+            (sync or async) returning it: dynamic instructions, computed per pass.
         tools: Tools offered on every pass (`@tool` functions, `Tool`s, plain callables).
         provider: The model endpoint. Default: `Provider(model=$TREADLE_MODEL)` (endpoint and key
             from `OPENAI_BASE_URL` / `OPENAI_API_KEY`), as the `treadle` command reads them.
@@ -156,13 +137,22 @@ class Agent(Generic[Deps, Output]):
         compact_on_overflow: On a `ContextLengthError`, compact the input and retry the pass
             once instead of failing.
         compaction_instruction: What the summariser is asked (default: keep facts and tasks).
-        description: What the agent does, for the model, when it is used as a tool.
+        description: What the agent does, for the model, when it is used as a tool or a
+            handoff target.
+        handoffs: Agents (or `handoff(agent, ...)` values) this agent may hand the
+            conversation to; each is a transfer tool, and the target continues the same
+            transcript.
+        hooks: Lifecycle hooks (`Hooks`) for this agent's runs and passes.
+        output_validators: `fn(output)` or `fn(session, output)` checks of the final answer;
+            raising `ModelRetry(message)` sends the message back to the model.
+        error_handlers: `{"max_turns" | "refusal" | "invalid_output": fn}`; `fn` receives an
+            `AgentErrorContext` and returns the final output instead of the stop or error.
     """
 
     def __init__(
         self,
         name: str,
-        instructions: str = "",
+        instructions: str | Callable[[Session], Any] = "",
         *,
         tools: Iterable[Any] | None = None,
         provider: Provider | None = None,
@@ -182,11 +172,21 @@ class Agent(Generic[Deps, Output]):
         compact_on_overflow: bool = True,
         compaction_instruction: str | None = None,
         description: str | None = None,
+        handoffs: Sequence[Agent | Handoff] = (),
+        hooks: Hooks | None = None,
+        output_validators: Sequence[Callable[..., Any]] = (),
+        error_handlers: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ConfigurationError("an Agent needs a non-empty name, e.g. Agent('researcher').")
+        self.dynamic_instructions = instructions if callable(instructions) else None
+        if self.dynamic_instructions is not None:
+            instructions = ""
         if not isinstance(instructions, str):
-            raise ConfigurationError("instructions must be a str (the agent's system prompt).")
+            raise ConfigurationError(
+                "instructions must be a str (the agent's system prompt) or a function of the "
+                "session returning one."
+            )
         if provider is None and executor is None:
             # As the `treadle` command does: the model from TREADLE_MODEL, fixed now (an eval's
             # configuration hash names it); the endpoint and key from the environment at the
@@ -212,6 +212,14 @@ class Agent(Generic[Deps, Output]):
             raise ConfigurationError("compact_at_tokens must be a positive int or None.")
         if isinstance(compact_keep_last, bool) or not isinstance(compact_keep_last, int):
             raise ConfigurationError("compact_keep_last must be an int.")
+        if hooks is not None and not isinstance(hooks, Hooks):
+            raise ConfigurationError(
+                f"hooks must be a treadle Hooks (subclass it), got {type(hooks).__name__}."
+            )
+        self.hooks = hooks
+        self.validators = check_validators(output_validators)
+        self.error_handlers = check_error_handlers(error_handlers)
+        self.output_retries = output_retries
         self.name = name
         self.instructions = instructions
         self.description = description
@@ -242,7 +250,9 @@ class Agent(Generic[Deps, Output]):
         )
         extra: list[Tool] = [self.spec.tool] if self.spec and self.spec.mode == "tool" else []
         self.tools: tuple[Any, ...] = (*(tools or ()), *extra)
-        self._tools_json = ToolSet.build(self.tools).schemas_json()  # validates
+        self.handoffs = check_handoffs(name, handoffs)
+        transfers = [h.tool for h in self.handoffs]
+        self._tools_json = ToolSet.build([*self.tools, *transfers]).schemas_json()  # validates
         self._provider = self.spec.provider_for(provider) if self.spec else provider
         self.agent_session = (
             Session.from_agent_prompt(instructions)
@@ -250,137 +260,168 @@ class Agent(Generic[Deps, Output]):
             else Session((), operator="from_agent_prompt", kind="agent")
         )
         self.estimator = TokenEstimator()
+        # Where the agent was defined: a distributed map finds it there by its import path.
+        self._defined_in = _caller_module()
 
     def __repr__(self) -> str:
         return f"<Agent {self.name!r}>"
 
+    def on_worker(self, provider: Provider, guardrails: Sequence[Any] = ()) -> Agent:
+        """This agent with a worker's `provider` (its share of the limits, its key) and extra
+        `guardrails` (the worker's shared rate gate); everything else is the same definition."""
+        clone = copy.copy(self)
+        clone.provider = provider
+        clone._provider = self.spec.provider_for(provider) if self.spec else provider
+        clone.guardrails = (*guardrails, *self.guardrails)
+        clone.estimator = TokenEstimator()
+        return clone
+
     # -- entry points ------------------------------------------------------------------------
-    def __call__(self, session: AgentInput, *, deps: Deps | None = None) -> Session[Output | None]:
+    def __call__(
+        self,
+        session: AgentInput,
+        *,
+        deps: Deps | None = None,
+        hooks: Hooks | None = None,
+        settings: RunSettings | None = None,
+    ) -> Session[Output | None]:
         """Run the agent on the runtime and return its output `Session` at once (lazy).
 
         `session` may be a pending output of another pass or agent: the run waits for it on
         the runtime, so chains never block the caller. `out.cancel()` stops the pass with
-        `stop_reason == "cancelled"`. `deps` reach tools, guardrails and callbacks that ask for
-        a `ToolContext` (in memory only: never written to the transcript or a file).
+        `stop_reason == "cancelled"`; `out.cancel(after_turn=True)` lets the current turn
+        finish first. `deps` reach tools, guardrails and callbacks that ask for a `ToolContext`
+        (in memory only: never written to the transcript or a file). `hooks` (for this run)
+        are called before the answering agent's own; `settings` override the provider,
+        limits or tool rounds of every agent of this run (see `RunSettings`).
         """
         user = as_session(session)
-        self._check_deps(deps)
+        check_deps(self, deps)
+        run_id = new_session_id()
         return lazy_session(
-            lambda: self._run(user, lazy=True, deps=deps),
+            lambda: AgentRun(
+                self, run_id=run_id, lazy=True, hooks=hooks, deps=deps, settings=settings
+            ).run(user),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
+            id=run_id,
         )
 
-    async def run(self, session: AgentInput, *, deps: Deps | None = None) -> Session[Output | None]:
+    async def run(
+        self,
+        session: AgentInput,
+        *,
+        deps: Deps | None = None,
+        hooks: Hooks | None = None,
+        settings: RunSettings | None = None,
+    ) -> Session[Output | None]:
         """Run the agent on the calling event loop and return the finished output `Session`.
 
         Cancelling the awaiting task cancels the pass (the `CancelledError` propagates).
+        Inside a streamed run (an agent used as a tool), its events join that stream.
         """
-        self._check_deps(deps)
-        return await self._run(as_session(session), lazy=False, deps=deps)
+        check_deps(self, deps)
+        run = AgentRun(
+            self,
+            run_id=new_session_id(),
+            lazy=False,
+            hooks=hooks,
+            emit=current_sink(),
+            deps=deps,
+            settings=settings,
+        )
+        return cast("Session[Output | None]", await run.run(as_session(session)))
 
-    def _check_deps(self, deps: object) -> None:
-        wanted = self.deps_type
-        if wanted is None:
-            return
-        if deps is None:
-            raise ConfigurationError(
-                f"Agent {self.name!r} declares deps_type={_type_name(wanted)}; pass deps=... "
-                "to each run."
-            )
-        origin = typing.get_origin(wanted) or wanted
-        try:  # a Protocol that is not runtime-checkable cannot be checked: type checkers do it
-            wrong = isinstance(origin, type) and not isinstance(deps, origin)
-        except TypeError:
-            wrong = False
-        if wrong:
-            raise ConfigurationError(
-                f"Agent {self.name!r} takes deps of type {_type_name(wanted)}, got "
-                f"{type(deps).__name__}."
-            )
+    async def stream(
+        self,
+        session: AgentInput,
+        *,
+        deps: Deps | None = None,
+        hooks: Hooks | None = None,
+        settings: RunSettings | None = None,
+    ) -> AsyncIterator[AgentEvent]:
+        """Run the agent and yield its events as they happen (see `treadle.agents.streaming`).
 
-    def as_tool(self, *, name: str | None = None, description: str | None = None) -> Tool:
-        """This agent as an async tool taking `task: str`, for a manager agent to delegate to.
+        Events of every pass, of agents it hands off to and of agents it uses as tools come
+        tagged with their agent's name; the last is `AgentRunStopped` with the output session.
+        Leaving the loop early cancels the run.
+        """
+        user = as_session(session)
+        check_deps(self, deps)
+
+        async def events(send: Callable[[AgentEvent], None]) -> Session:
+            with streaming_to(send):
+                run = AgentRun(
+                    self,
+                    run_id=new_session_id(),
+                    lazy=False,
+                    hooks=hooks,
+                    emit=send,
+                    deps=deps,
+                    settings=settings,
+                )
+                return await run.run(user)
+
+        async with produce(events) as stream:
+            async for event in stream:
+                yield event
+            out = stream.result()
+        yield AgentRunStopped(agent=str(out.metadata.get("agent", self.name)), session=out)
+
+    def as_tool(
+        self,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        input_type: type[pydantic.BaseModel] | None = None,
+        output_extractor: Callable[[Session], Any] | None = None,
+    ) -> Tool:
+        """This agent as an async tool, for a manager agent to delegate to.
 
         Each call runs the agent on a fresh session holding the task; calls in one reply run
-        concurrently. The tool returns the structured output, or `{"answer", "stop_reason"}`.
+        concurrently. By default the tool takes `task: str` and returns the structured output,
+        or `{"answer", "stop_reason"}`. With `input_type` (a pydantic model) the model fills
+        that model instead and the agent receives it as JSON; `output_extractor(session)` (sync
+        or async) chooses what the tool returns from the agent's output session. In a streamed
+        run, the agent's events join the stream under its own name.
         """
-        agent = self
+        return agent_tool(self, name, description, input_type, output_extractor)
 
-        async def delegate(task: str) -> Any:
-            """Args:
-            task: The whole task, self-contained (the agent does not see this conversation).
-            """
-            out = await agent.run(Session.from_user_message(task))
-            if out.output is not None:
-                return out.output
-            return {"answer": out.final_text, "stop_reason": out.stop_reason}
-
-        tool_name = name or _TOOL_NAME.sub("_", self.name)[:64]
-        text = description or self.description or f"Ask the {self.name} agent to do a task."
-        return FunctionTool(delegate, name=tool_name, description=text)
-
-    # -- one run -----------------------------------------------------------------------------
-    async def _run(self, session: Session, *, lazy: bool, deps: object = None) -> Session[Any]:
-        await session.wait_ready()
-        run = _Run(deps)
-        current = session
-        while True:
-            try:
-                out = await self._pass(current, run, lazy=lazy)
-            except ContextLengthError:
-                if not self.compact_on_overflow or run.overflow_retried:
-                    raise
-                compacted = await self._compact(current)
-                if compacted is None:
-                    raise
-                run.overflow_retried = True
-                current = compacted
-                continue
-            self.estimator.observe_pass(
-                self.agent_session.data.table.rows, current, out, self._tools_json
-            )
-            tripwire = out.tripwire
-            if (
-                out.stop_reason == "blocked"
-                and isinstance(tripwire, Tripwire)
-                and tripwire.guardrail == _COMPACTION_GUARD
-            ):
-                run.compactions += 1
-                compacted = await self._compact(out)
-                current = compacted if compacted is not None else out
-                continue
-            if self.spec is None:
-                return out
-            verdict = self.spec.finish(out, run.output)
-            if isinstance(verdict, Session):
-                return verdict
-            current = out.append(ChunkRow.user(verdict))
-
-    async def _pass(self, user: Session, run: _Run, *, lazy: bool) -> Session:
-        guards = list(self.guardrails)
+    # -- one pass ----------------------------------------------------------------------------
+    async def _pass(self, user: Session, run: AgentRun) -> Session:
+        guards = [g for g in self.guardrails if run.first_pass or getattr(g, "when", "") != "input"]
         if self.compact_at_tokens is not None:
             guards.insert(0, self._compaction_guard(run))
+        tools: list[Any] = list(self.tools)
+        for target in self.handoffs:
+            if await target.enabled(user):
+                tools.append(target.tool)
         options: dict[str, Any] = {
-            "agent_provider": self._provider,
-            "tools": self.tools,
+            "agent_provider": run.settings.provider_for(self),
+            "tools": tools,
             "executor": self.executor,
-            "max_tool_rounds": self.max_tool_rounds,
-            "limits": self.limits,
+            "max_tool_rounds": run.settings.max_tool_rounds or self.max_tool_rounds,
+            "limits": run.settings.limits or self.limits,
             "guardrails": guards,
+            "hooks": run.hooks,
+            "on_message": run.on_message(),
             "deps": run.deps,
             "tool_use_behavior": self.tool_use_behavior,
             "reset_tool_choice": self.reset_tool_choice,
         }
-        if self.spec is not None and self.spec.mode == "tool":
-            options["on_message"] = self.spec.on_message(run.output)
-        if not lazy:
+        agent_session = await self._agent_session_for(user)
+        if run.emit is not None:
             with naming_next_pass(self.name):
-                return await arun_session_loop(user, self.agent_session, **options)
+                return await arun_pass_emitting(
+                    user, agent_session, pass_sink(run.emit, self.name), **options
+                )
+        if not run.lazy:
+            with naming_next_pass(self.name):
+                return await arun_session_loop(user, agent_session, **options)
         # The lazy form owns its pass like run_session_loop does: a cancellation becomes the
         # pass's `cancelled` stop instead of an error on every read.
         with naming_next_pass(self.name):
-            out = run_session_loop(user, self.agent_session, **options)
+            out = run_session_loop(user, agent_session, **options)
         try:
             await out.wait_ready()
         except asyncio.CancelledError:
@@ -392,7 +433,22 @@ class Agent(Generic[Deps, Output]):
                 task.uncancel()
         return out
 
-    def _compaction_guard(self, run: _Run) -> Guardrail:
+    async def _agent_session_for(self, user: Session) -> Session:
+        """The agent rows of a pass from `user`: fixed, or computed by dynamic instructions."""
+        make = self.dynamic_instructions
+        if make is None:
+            return self.agent_session
+        text = await call_user(make, user)
+        if not isinstance(text, str):
+            raise ConfigurationError(
+                f"the instructions function of agent {self.name!r} returned "
+                f"{type(text).__name__}; it must return the system prompt as a str."
+            )
+        if not text:
+            return self.agent_session
+        return Session.from_agent_prompt(text)
+
+    def _compaction_guard(self, run: AgentRun) -> Guardrail:
         limit = self.compact_at_tokens
         assert limit is not None
         keep = self.compact_keep_last

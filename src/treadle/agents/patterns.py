@@ -2,8 +2,9 @@
 
 - `pipeline(a, b, c)`: the output session of each agent is the input of the next.
 - `brainstorm(a, b, rounds=2)`: agents take turns appending to one shared session.
-- `handoff(triage, {"billing": billing, ...})`: a triage agent's structured choice picks the
-  specialist that answers, on a fresh copy of the input.
+- `triage(router, {"billing": billing, ...})`: a router agent's structured choice picks the
+  specialist that answers, on a fresh copy of the input (formerly `handoff(...)`; handoffs that
+  continue the same transcript are `Agent(handoffs=[...])`, see `treadle.agents.handoffs`).
 - Manager/worker needs no helper: give the manager `worker.as_tool()` tools; calls in one reply
   run concurrently.
 
@@ -19,11 +20,12 @@ from typing import Any
 
 import pydantic
 
-from treadle.agents.agent import Agent, AgentInput, as_session, lazy_session
+from treadle.agents.agent import Agent, AgentInput, as_session
+from treadle.agents.agent_run import lazy_session
 from treadle.errors import ConfigurationError
 from treadle.session import Session
 
-__all__ = ["Handoff", "Pipeline", "brainstorm", "handoff", "pipeline"]
+__all__ = ["Pipeline", "Triage", "brainstorm", "pipeline", "triage"]
 
 
 class Pipeline:
@@ -85,8 +87,12 @@ def _default_route(specialists: Mapping[str, Agent]) -> Callable[[Any], str]:
     return route
 
 
-class Handoff:
-    """A triage agent chooses; the chosen specialist answers on a fresh copy of the input."""
+class Triage:
+    """A router agent chooses; the chosen specialist answers on a fresh copy of the input.
+
+    The specialist does not see the router's rows. For a transfer that keeps the transcript, give
+    the agent `handoffs=[...]` instead.
+    """
 
     def __init__(
         self,
@@ -152,16 +158,16 @@ def _minus(a: Any, b: Any) -> Any:
     )
 
 
-def handoff(
+def triage(
     triage: Agent,
     specialists: Mapping[str, Agent],
     *,
     route: Callable[[Any], str] | None = None,
-) -> Handoff:
-    """A triage agent (with an `output_type`) picks which specialist answers.
+) -> Triage:
+    """A router agent (with an `output_type`) picks which specialist answers.
 
     `route(output) -> name` picks the specialist; by default the first string field of the
     triage output that names one. The specialist runs on a fresh copy of the input session (it
     does not see the triage's rows).
     """
-    return Handoff(triage, specialists, route=route)
+    return Triage(triage, specialists, route=route)

@@ -24,16 +24,36 @@ __all__ = ["BACKENDS", "amap", "map", "map_iter"]
 BACKENDS = ("local", *REMOTE_BACKENDS)
 
 
-def _check(concurrency: int, backend: str, options: dict[str, Any]) -> None:
+def _check(concurrency: int, backend: str, options: dict[str, Any]) -> int:
+    """Validate the call; the concurrency the local backend runs with (see `local_concurrency`)."""
     check_concurrency(concurrency)
     if backend not in BACKENDS:
         raise ConfigurationError(
             f"backend={backend!r} is not a backend; use 'local', 'process' or 'ray'."
         )
-    if backend == "local" and options:
+    if backend != "local":
+        return concurrency
+    workers = options.pop("workers", None)
+    if options:
         raise ConfigurationError(
             f"{sorted(options)} apply to backend='process' or 'ray' only (see treadle.distributed)."
         )
+    return local_concurrency(concurrency, workers)
+
+
+def local_concurrency(concurrency: int, workers: int | None) -> int:
+    """Passes in flight on `backend="local"` for `workers` (None: `concurrency`).
+
+    On the process and Ray backends `concurrency` is per worker, so a map keeps `workers *
+    concurrency` passes in flight. `backend="local"` keeps the same number in flight on the one
+    runtime loop (its passes wait on the network, not on a core), so the same call means the
+    same load on the endpoint whichever backend runs it.
+    """
+    if workers is None:
+        return concurrency
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigurationError(f"workers must be an int >= 1 or None, got {workers!r}.")
+    return concurrency * workers
 
 
 async def map_iter(
@@ -49,9 +69,9 @@ async def map_iter(
     Leaving the loop early cancels the runs still in flight. `backend="process"` or `"ray"`
     runs on worker processes (see `treadle.distributed.map_outcomes` for `backend_options`).
     """
-    _check(concurrency, backend, backend_options)
+    local = _check(concurrency, backend, backend_options)
     if backend == "local":
-        stream = fanout.local_map_iter(agent, sessions, concurrency=concurrency)
+        stream = fanout.local_map_iter(agent, sessions, concurrency=local)
     else:
         stream = remote_map_iter(
             agent, sessions, backend=backend, concurrency=concurrency, **backend_options
@@ -100,12 +120,12 @@ async def amap(
     **backend_options: Any,
 ) -> list[Session[T]] | list[Session[T] | BaseException]:
     """Async `map`: the output sessions in input order (see `map`)."""
-    _check(concurrency, backend, backend_options)
+    local = _check(concurrency, backend, backend_options)
     if backend == "local":
         return await fanout.local_amap(
             agent,
             sessions,
-            concurrency=concurrency,
+            concurrency=local,
             progress=progress,
             return_exceptions=return_exceptions,
         )
@@ -168,8 +188,10 @@ def map(
     `map_iter` from async code. `backend="process"` (this machine's cores) or `"ray"` (a Ray
     cluster) run passes on worker processes; `concurrency` is then per worker, and
     `backend_options` are those of `treadle.distributed.map_outcomes` (docs/distributed.md).
+    `workers=N` with `backend="local"` keeps the same `N * concurrency` passes in flight on the
+    one runtime loop (see `local_concurrency`).
     """
-    _check(concurrency, backend, backend_options)
+    _check(concurrency, backend, dict(backend_options))
     call = amap(
         agent,
         sessions,

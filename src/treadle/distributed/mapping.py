@@ -23,6 +23,7 @@ from treadle.distributed.spec import (
     check_key_reaches_workers,
     explicit_key,
     import_path,
+    resolve_tool,
 )
 from treadle.errors import ConfigurationError
 from treadle.session import Session
@@ -90,7 +91,9 @@ async def map_outcomes(
     """Run `agent` over `sessions` on worker processes; yield a `PassOutcome` as each ends.
 
     Args:
-        agent: An `Agent` (importable tools, a `Provider`) or an `AgentSpec`.
+        agent: An `Agent` (with a `Provider`), `"package.module:agent"`, or an `AgentSpec`.
+            An agent with structured output, guardrails, validators, hooks or handoffs crosses
+            by its import path: define it at the top level of an importable module.
         sessions: Sessions or user-message strings, from any iterable or async iterable; pulled
             only as workers have room.
         backend: `"process"` (this machine's cores) or `"ray"` (a Ray cluster).
@@ -116,6 +119,8 @@ async def map_outcomes(
     is on, the span current here is the parent of every pass's span on the workers.
     """
     _check(backend, concurrency, max_attempts, rate_limit, workers)
+    if isinstance(agent, str):  # "package.module:agent": the caller's process imports it too
+        agent = resolve_tool(import_path(agent, "agent"))
     spec = AgentSpec.from_agent(agent, api_key_env=api_key_env)
     init = import_path(worker_init, "worker_init") if worker_init is not None else None
     trace_context = inject_parent(capture_parent()) or None
@@ -178,8 +183,22 @@ def _as_pool(pool: Any) -> WorkerPool:
     return pool  # type: ignore[no-any-return]
 
 
-def _result(outcome: PassOutcome) -> Session | PassFailed:
-    return outcome.session() if outcome.ok else PassFailed(outcome)
+def _result(outcome: PassOutcome, output_type: Any) -> Session | PassFailed:
+    if not outcome.ok:
+        return PassFailed(outcome)
+    session = outcome.session()
+    value = outcome.metadata.get("output")
+    if output_type is not None and isinstance(value, dict):
+        # The worker's validated output crossed as JSON; here it is the caller's type again.
+        metadata = {**session.data.metadata, "output": output_type.model_validate(value)}
+        session = session.with_data(metadata=metadata)
+    return session
+
+
+def _output_type(agent: Any) -> Any:
+    if isinstance(agent, str):
+        agent = resolve_tool(import_path(agent, "agent"))
+    return getattr(agent, "output_type", None)
 
 
 async def remote_map_iter(
@@ -187,10 +206,11 @@ async def remote_map_iter(
 ) -> AsyncGenerator[tuple[int, Session | BaseException], None]:
     """`treadle.map_iter` on a distributed backend: `(index, output session or
     PassFailed)` as each pass ends (options as for `map_outcomes`)."""
+    output_type = _output_type(agent)
     stream = map_outcomes(agent, sessions, **options)
     try:
         async for outcome in stream:
-            yield outcome.index, _result(outcome)
+            yield outcome.index, _result(outcome, output_type)
     finally:
         await stream.aclose()
 

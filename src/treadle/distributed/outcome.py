@@ -16,7 +16,14 @@ from typing import Any, Literal
 from treadle.errors import ConfigurationError, PassFailed
 from treadle.session import Session, Usage
 
-__all__ = ["OUTCOME_METADATA_KEY", "PassFailed", "PassItem", "PassOutcome", "PassStatus"]
+__all__ = [
+    "OUTCOME_METADATA_KEY",
+    "PassFailed",
+    "PassItem",
+    "PassOutcome",
+    "PassStatus",
+    "portable_metadata",
+]
 
 PassStatus = Literal["ok", "error", "timeout", "lost"]
 """How a pass ended: it finished, it raised, it ran past `pass_timeout`, or every attempt was on
@@ -93,6 +100,9 @@ class PassOutcome:
     """`ErrorType: message` when the pass did not finish."""
     history: tuple[dict[str, Any], ...] = ()
     """One `{attempt, worker, status, error}` per attempt, oldest first."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The output's metadata as JSON data: `output` (a structured output, dumped), `agent`,
+    `handoffs`, `tripwire`, `guardrail_results`, `request_usage`, `handled_error`, ..."""
 
     @property
     def ok(self) -> bool:
@@ -113,7 +123,7 @@ class PassOutcome:
         return base.with_data(
             usage=Usage(**self.usage) if self.usage else Usage(),
             stop_reason=self.stop_reason,
-            metadata={OUTCOME_METADATA_KEY: info},
+            metadata={**self.metadata, OUTCOME_METADATA_KEY: info},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -126,3 +136,36 @@ class PassOutcome:
     def from_json(cls, data: Mapping[str, Any]) -> PassOutcome:
         """The outcome from `to_json` output."""
         return cls(**{**data, "history": tuple(data.get("history", ()))})
+
+
+_PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
+
+
+def portable_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """An output session's metadata as JSON data for an outcome (objects become dicts)."""
+    import pydantic
+
+    out: dict[str, Any] = {k: metadata[k] for k in _PORTABLE if k in metadata}
+    value = metadata.get("output")
+    if isinstance(value, pydantic.BaseModel):
+        out["output"] = value.model_dump(mode="json")
+    elif value is not None:
+        out["output"] = value
+    trip = metadata.get("tripwire")
+    if trip is not None and dataclasses.is_dataclass(trip) and not isinstance(trip, type):
+        out["tripwire"] = _plain(trip)
+    if metadata.get("guardrail_results"):
+        results = metadata["guardrail_results"]
+        out["guardrail_results"] = [{**_plain(r), "tripped": bool(r.tripped)} for r in results]
+    if metadata.get("request_usage"):
+        out["request_usage"] = [_plain(v) for v in metadata["request_usage"]]
+    return out
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    data = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return {
+        k: _plain(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+        for k, v in data.items()
+        if k != "info"
+    }

@@ -2,7 +2,12 @@
 
 A spec names everything a worker needs to rebuild the agent: the model, the endpoint URL, the
 instructions, the tools by import path (`package.module:function`), limits and the per-endpoint
-rate limits. The API key never travels: the spec carries the *name* of the environment variable
+rate limits. An agent with parts that are code rather than data (structured output, guardrails,
+validators, hooks, handoffs, error handlers) crosses by its own import path instead
+(`package.module:agent`, as `treadle eval --agent` names one): each worker imports the module
+and gets the same definition, then gives it its own provider.
+
+The API key never travels: the spec carries the *name* of the environment variable
 holding it, and each worker reads its own environment. This module must never put a secret into
 a spec and never import a tool before a worker builds the agent.
 """
@@ -13,6 +18,7 @@ import dataclasses
 import importlib
 import math
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +27,14 @@ from treadle.errors import ConfigurationError
 from treadle.llm.provider import Provider
 from treadle.loop import DEFAULT_MAX_TOOL_ROUNDS, Limits
 
-__all__ = ["DEFAULT_API_KEY_ENV", "AgentSpec", "import_path", "resolve_tool", "tool_path"]
+__all__ = [
+    "DEFAULT_API_KEY_ENV",
+    "AgentSpec",
+    "agent_path",
+    "import_path",
+    "resolve_tool",
+    "tool_path",
+]
 
 #: The environment variable a worker reads the API key from when the spec names none.
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
@@ -81,6 +94,66 @@ def resolve_tool(path: str) -> Any:
     return obj
 
 
+def _code_parts(agent: Any) -> list[tuple[str, Any]]:
+    """The parts of an agent that are code (they cross only with the agent's import path)."""
+    parts: list[tuple[str, Any]] = [("guardrail", getattr(g, "check", g)) for g in agent.guardrails]
+    parts += [("output validator", fn) for fn, _count in agent.validators]
+    parts += [(f"error handler {kind!r}", fn) for kind, fn in agent.error_handlers.items()]
+    for target in agent.handoffs:
+        parts += [("handoff", target.agent)]
+        parts += [("handoff callback", f) for f in (target.on_handoff, target.input_filter) if f]
+    if agent.hooks is not None:
+        parts.append(("hooks", type(agent.hooks)))
+    if agent.output_type is not None:
+        parts.append(("output_type", agent.output_type))
+    if agent.dynamic_instructions is not None:
+        parts.append(("instructions function", agent.dynamic_instructions))
+    return parts
+
+
+def _needs_path(agent: Any) -> bool:
+    if _code_parts(agent):
+        return True
+    try:
+        for t in agent.tools:
+            tool_path(t)
+    except ConfigurationError:
+        return bool(agent.tools)
+    return False
+
+
+def _label(obj: Any) -> str:
+    return str(getattr(obj, "__qualname__", None) or getattr(obj, "name", None) or repr(obj))
+
+
+def agent_path(agent: Any) -> str:
+    """The import path `package.module:name` of an `Agent` defined at the top level of a module.
+
+    Raises `ConfigurationError` naming what cannot cross: an agent built inside a function or in
+    `__main__`, and the first part of it that is a lambda or a local function.
+    """
+    module_name = getattr(agent, "_defined_in", None)
+    module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+    if module is not None and module_name != "__main__":
+        for attr, value in vars(module).items():
+            if value is agent:
+                return f"{module_name}:{attr}"
+    local = [
+        (what, obj)
+        for what, obj in _code_parts(agent)
+        if "<" in _label(obj) or _label(obj) == "<lambda>"
+    ]
+    detail = ""
+    if local:
+        what, obj = local[0]
+        detail = f"; its {what} {_label(obj)!r} is defined inside a function or is a lambda"
+    raise ConfigurationError(
+        f"Agent {agent.name!r} cannot cross to a worker: workers import it by path, so define it "
+        f"at the top level of an importable module (not __main__){detail}, then pass it or "
+        "'package.module:agent'."
+    )
+
+
 def _limits_dict(limits: Limits | None) -> dict[str, Any] | None:
     return None if limits is None else dataclasses.asdict(limits)
 
@@ -113,6 +186,9 @@ class AgentSpec:
     """Requests per minute to the endpoint, over all workers (split, or one shared bucket)."""
     tokens_per_minute: int | None = None
     """Tokens per minute to the endpoint, over all workers (split between them)."""
+    agent_path: str | None = None
+    """`package.module:agent`: workers import this `Agent` (its output type, guardrails,
+    validators, hooks and handoffs come with it) and give it their own provider."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -129,21 +205,34 @@ class AgentSpec:
 
     @classmethod
     def from_agent(cls, agent: Any, *, api_key_env: str = DEFAULT_API_KEY_ENV) -> AgentSpec:
-        """The spec of an `Agent` whose tools are importable functions and whose provider is
-        plain data (no executor, guardrails or output type: those cannot cross machines)."""
+        """The spec of an `Agent` (or of the one named `package.module:agent`).
+
+        An agent whose parts are all data (a provider, importable tools, limits) crosses as
+        data; one with code parts (output type, guardrails, validators, hooks, handoffs, error
+        handlers, or tools that are not importable functions) crosses by its import path.
+        A custom executor never crosses.
+        """
         if isinstance(agent, AgentSpec):
             return agent
+        path: str | None = None
+        if isinstance(agent, str):
+            path = import_path(agent, "agent")
+            agent = resolve_tool(path)
+        from treadle.agents import Agent
+
+        if not isinstance(agent, Agent):
+            raise ConfigurationError(
+                f"a distributed map needs an Agent, an AgentSpec or 'package.module:agent', got "
+                f"{type(agent).__name__}."
+            )
         provider = getattr(agent, "provider", None)
         if not isinstance(provider, Provider) or getattr(agent, "executor", None) is not None:
             raise ConfigurationError(
                 "a distributed map needs an Agent with provider=Provider(...) or an AgentSpec; "
                 "custom executors do not cross machines (use backend='local' for them)."
             )
-        if agent.guardrails or agent.output_type is not None:
-            raise ConfigurationError(
-                f"Agent {agent.name!r} has guardrails or an output_type, which do not cross "
-                "machines yet; use backend='local' for it."
-            )
+        if path is None and _needs_path(agent):
+            path = agent_path(agent)
         if provider.model is None:
             raise ConfigurationError(f"Agent {agent.name!r} needs Provider(model=...).")
         options = {
@@ -159,13 +248,14 @@ class AgentSpec:
             name=agent.name,
             base_url=provider.base_url,
             api_key_env=api_key_env,
-            tools=tuple(tool_path(t) for t in agent.tools),
+            tools=() if path else tuple(tool_path(t) for t in agent.tools),
             limits=_limits_dict(agent.limits),
             max_tool_rounds=agent.max_tool_rounds,
             provider_options=options,
             max_concurrent_requests=provider.max_concurrent_requests,
             requests_per_minute=provider.requests_per_minute,
             tokens_per_minute=provider.tokens_per_minute,
+            agent_path=path,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -217,6 +307,14 @@ class AgentSpec:
             rate_limit_share=min(1.0, max(share, 1e-6)),
             **options,
         )
+        if self.agent_path is not None:
+            defined = resolve_tool(self.agent_path)
+            if not isinstance(defined, Agent):
+                raise ConfigurationError(
+                    f"{self.agent_path!r} is a {type(defined).__name__} on this worker, not an "
+                    "Agent; install the same code on every worker."
+                )
+            return defined.on_worker(provider, guardrails)
         return Agent(
             self.name,
             self.instructions,

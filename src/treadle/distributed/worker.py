@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.distributed.janitor import clean_orphans, make_sandbox_root
-from treadle.distributed.outcome import PassItem, PassOutcome
+from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata
 from treadle.distributed.spec import AgentSpec, resolve_tool
 from treadle.loop import Guardrail
 from treadle.session import Session
@@ -112,6 +112,7 @@ class PassWorker:
                 messages=out.to_messages(),
                 usage=dataclasses.asdict(usage),
                 stop_reason=out.stop_reason,
+                metadata=portable_metadata(out.metadata),
             )
         except TimeoutError as err:
             if not deadline.expired():  # a timeout inside the pass (e.g. ProviderTimeout)

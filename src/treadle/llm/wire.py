@@ -85,6 +85,22 @@ class CompletionUsage(_Wire):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @property
+    def cached_tokens(self) -> int:
+        """`prompt_tokens_details.cached_tokens` when the server sent it, else 0."""
+        return _detail(self.model_extra, "prompt_tokens_details", "cached_tokens")
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """`completion_tokens_details.reasoning_tokens` when the server sent it, else 0."""
+        return _detail(self.model_extra, "completion_tokens_details", "reasoning_tokens")
+
+
+def _detail(extra: dict[str, Any] | None, group: str, key: str) -> int:
+    details = extra.get(group) if extra else None
+    value = details.get(key) if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
 
 class ChatCompletion(_Wire):
     """A whole (non-streamed, or accumulated) chat completion."""

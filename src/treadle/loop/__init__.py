@@ -11,8 +11,11 @@ from treadle.loop.api import (
 from treadle.loop.control import (
     Guardrail,
     GuardrailInput,
+    GuardrailResult,
     Limits,
     PassControl,
+    ToolGuardrail,
+    ToolGuardrailInput,
     Tripwire,
     after_model,
     before_model,
@@ -30,9 +33,12 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
+from treadle.loop.hooks import DEFAULT_HOOK_TIMEOUT, HookContext, Hooks
+from treadle.loop.request_usage import RequestUsage
 from treadle.loop.tooling import StopAtTools, ToolUseBehavior
 
 __all__ = [
+    "DEFAULT_HOOK_TIMEOUT",
     "DEFAULT_MAX_TOOL_ROUNDS",
     "AssistantRowEvent",
     "AsyncExecutor",
@@ -41,7 +47,10 @@ __all__ = [
     "Executor",
     "Guardrail",
     "GuardrailInput",
+    "GuardrailResult",
     "GuardrailTripped",
+    "HookContext",
+    "Hooks",
     "HttpExecutor",
     "Interrupted",
     "Limits",
@@ -49,9 +58,12 @@ __all__ = [
     "PassOptions",
     "PassStarted",
     "PassStopped",
+    "RequestUsage",
     "StopAtTools",
     "TextDelta",
     "ToolCallDelta",
+    "ToolGuardrail",
+    "ToolGuardrailInput",
     "ToolResultEvent",
     "ToolStarted",
     "ToolUseBehavior",

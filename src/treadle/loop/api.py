@@ -17,9 +17,11 @@ from typing import Any, TypedDict, Unpack
 from treadle.errors import ConfigurationError, SandboxError
 from treadle.llm.provider import Provider
 from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
-from treadle.loop.control import Limits, normalise_guardrails
+from treadle.loop.control import Limits, normalise_guardrails, tool_guardrails_of
 from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped
+from treadle.loop.hooks import Hooks
+from treadle.loop.soft_stop import current_stop
 from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
@@ -85,6 +87,8 @@ class PassOptions(TypedDict, total=False):
     """Called as `on_message(row, control)` after each assistant and tool_result row."""
     approvals: Mapping[str, bool | str] | None
     """Decisions for calls to tools marked `needs_approval`, by tool call id."""
+    hooks: Hooks | None
+    """Lifecycle hooks for this pass (see `Hooks`)."""
     deps: Any
     """Dependencies for this pass, handed to tools, guardrails and callbacks that ask for a
     `ToolContext` (never serialised)."""
@@ -112,6 +116,7 @@ def _plan(
     guardrails: Iterable[Any] | None = None,
     on_message: Callable[..., Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
+    hooks: Hooks | None = None,
     deps: Any = None,
     tool_use_behavior: ToolUseBehavior = "run_llm_again",
     reset_tool_choice: bool = True,
@@ -149,6 +154,10 @@ def _plan(
     behavior = check_tool_use_behavior(tool_use_behavior)
     if limits is not None and not isinstance(limits, Limits):
         raise ConfigurationError("limits must be a treadle Limits(...).")
+    if hooks is not None and not isinstance(hooks, Hooks):
+        raise ConfigurationError(
+            f"hooks must be a treadle Hooks (subclass it), got {type(hooks).__name__}."
+        )
     if approvals is not None and not isinstance(approvals, Mapping):
         raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
     if agent_provider is not None and not isinstance(agent_provider, Provider):
@@ -198,6 +207,9 @@ def _plan(
         stream=bool(resolved.stream) if resolved is not None and executor is None else False,
         limits=limits or Limits(),
         guardrails=normalise_guardrails(guardrails),
+        tool_guardrails=tool_guardrails_of(guardrails),
+        hooks=hooks,
+        stop=current_stop(),
         on_message=on_message,
         on_message_context=context_parameter(on_message) if on_message is not None else None,
         approvals=dict(approvals) if approvals else None,
@@ -237,6 +249,7 @@ def run_session_loop(
     guardrails: Iterable[Any] | None = None,
     on_message: Callable[..., Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
+    hooks: Hooks | None = None,
     deps: Any = None,
     tool_use_behavior: ToolUseBehavior = "run_llm_again",
     reset_tool_choice: bool = True,
@@ -266,6 +279,7 @@ def run_session_loop(
             row; `control.interrupt(reason)` stops the pass, resumable.
         approvals: Decisions for calls to tools marked `needs_approval`, by tool call id:
             True runs the call, False or a reason string denies it.
+        hooks: Lifecycle hooks (model call and tool start/end) for this pass; see `Hooks`.
         deps: Dependencies for this pass (a database handle, the user's id, ...): tools,
             guardrails and callbacks with a parameter annotated `ToolContext` read them as
             `context.deps`. Kept in memory only; never written to the transcript or a file.
@@ -293,6 +307,7 @@ def run_session_loop(
         guardrails=guardrails,
         on_message=on_message,
         approvals=approvals,
+        hooks=hooks,
         deps=deps,
         tool_use_behavior=tool_use_behavior,
         reset_tool_choice=reset_tool_choice,
@@ -329,6 +344,19 @@ async def arun_session_loop(
     """
     out_id = new_session_id()
     plan = _plan(user_session, agent_session, out_id, **options)
+    return _output(plan, out_id, await run_pass(plan, out_id))
+
+
+async def arun_pass_emitting(
+    user_session: Session,
+    agent_session: Session,
+    emit: Callable[[Event], None],
+    **options: Unpack[PassOptions],
+) -> Session:
+    """`arun_session_loop`, handing each typed event to `emit` (how `Agent.stream` sees its
+    passes; the final `PassStopped` is the caller's to send)."""
+    out_id = new_session_id()
+    plan = _plan(user_session, agent_session, out_id, emit, **options)
     return _output(plan, out_id, await run_pass(plan, out_id))
 
 

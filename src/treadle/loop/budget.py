@@ -1,4 +1,5 @@
-"""The soft token budget of a pass: `Provider.budget_total_tokens` and `on_budget_exceeded`.
+"""The ends of a pass's token limits: the soft budget (`Provider.budget_total_tokens` and
+`on_budget_exceeded`), and the last tool-less answer `Limits.final_answer_on_limit` asks for.
 
 Two different things bound a pass's tokens. `Limits(max_total_tokens=...)` is the hard stop: the
 pass ends with `stop_reason == "budget"`. `Provider(budget_total_tokens=...)` is a soft budget:
@@ -12,14 +13,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treadle.errors import BudgetExceededError
 from treadle.loop.control import call_user
-from treadle.session import Session, Usage
+from treadle.loop.events import AssistantRowEvent
+from treadle.session import ChunkRow, Session, Usage
 from treadle.tools.context import ToolContext, context_parameter
 
-__all__ = ["soft_budget_crossed"]
+if TYPE_CHECKING:
+    from treadle.loop.engine import _Pass
+
+__all__ = ["check_budget", "final_answer", "soft_budget_crossed"]
+
+_NO_TOOLS = {"tool_choice": "none"}
 
 logger = logging.getLogger("treadle")
 
@@ -53,3 +60,42 @@ async def soft_budget_crossed(
     except BudgetExceededError as err:
         return str(err)
     return None
+
+
+async def final_answer(run: _Pass) -> None:
+    """One last completion with tools switched off, after a limit stopped the pass."""
+    turn = await run.complete(run.request(_NO_TOOLS))
+    payload = dict(turn.payload)
+    payload.pop("tool_calls", None)  # a model that calls tools anyway: keep its text only
+    run.count(turn.usage)
+    row = ChunkRow._trusted("assistant", payload)
+    if run.pump is not None:
+        await run.pump.drain()
+    await run.append([row], boundary=True)
+    if run.events is not None:
+        run.events.emit(AssistantRowEvent, row=row)
+
+
+async def check_budget(run: _Pass) -> None:
+    """After each reply: the hard cap (`Limits.max_total_tokens`) and the soft budget, which
+    fires once per pass, when the total first crosses it."""
+    total = run.pass_usage.total_tokens
+    cap = run.plan.limits.max_total_tokens
+    if cap is not None and total >= cap:
+        run.budget_stop = True
+    provider = run.plan.provider
+    budget = provider.budget_total_tokens if provider is not None else None
+    if budget is None or run.budget_fired or total < budget:
+        return
+    run.budget_fired = True
+    message = await soft_budget_crossed(
+        provider.on_budget_exceeded if provider is not None else None,
+        pass_id=run.out_id,
+        usage=run.pass_usage,
+        budget=budget,
+        snapshot=run.snapshot,
+        context=run.context,
+    )
+    if message is not None:
+        run.budget_stop = True
+        run.metadata["budget_message"] = message

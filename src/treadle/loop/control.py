@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,18 +29,22 @@ from treadle.tools.context import ToolContext, context_parameter
 
 if TYPE_CHECKING:
     from treadle.llm import ChatCompletion, CompletionRequest
-    from treadle.session import Session
+    from treadle.session import Session, ToolCall
 
 __all__ = [
     "Guardrail",
     "GuardrailInput",
+    "GuardrailResult",
     "Limits",
     "PassControl",
+    "ToolGuardrail",
+    "ToolGuardrailInput",
     "Tripwire",
     "after_model",
     "before_model",
     "call_user",
     "normalise_guardrails",
+    "tool_guardrails_of",
 ]
 
 
@@ -86,8 +90,9 @@ class Tripwire:
     """What the guardrail said."""
     guardrail: str
     """The guardrail's name."""
-    when: Literal["before", "after"]
-    """`before`: the model was not called; `after`: its reply was discarded."""
+    when: Literal["before", "after", "input", "output", "tool_input", "tool_output"]
+    """`before`/`input`: the model was not called (or its call was cancelled and not charged);
+    `after`/`output`: its reply was discarded; `tool_*`: a tool guardrail stopped the pass."""
     info: Any = None
     """Anything the guardrail attached."""
 
@@ -104,27 +109,39 @@ class GuardrailInput:
     """The model's reply (after guardrails only)."""
 
 
+GuardrailWhen = Literal["before", "after", "input", "output"]
+
+
 @dataclass(frozen=True, slots=True)
 class Guardrail:
-    """A check run before each model request or after each reply.
+    """A check on a pass's requests or replies.
 
     `check(input)` returns None or False to let the pass go on, or trips the wire by returning
-    True, a reason string, or a `Tripwire`. An exception raised by a check fails the pass. A
-    check with a keyword parameter annotated `ToolContext` (e.g. `ctx: ToolContext[MyDeps]`)
-    also receives the pass's context there: its `deps`, usage and deadline.
+    True, a reason string, or a `Tripwire`. An exception raised by a check fails the pass.
+    `when` says what it checks: `"before"` each request, `"after"` each reply, `"input"` the
+    first request only (with `parallel=True`, concurrently with that model call, which is
+    cancelled and not charged when the wire trips), `"output"` each reply that calls no tools
+    (the final answer). Guardrails of one kind run concurrently with each other, and every
+    result, passing ones too, is in `out.metadata["guardrail_results"]`. A check with a keyword
+    parameter annotated `ToolContext` (e.g. `ctx: ToolContext[MyDeps]`) also receives the pass's
+    context there: its `deps`, usage and deadline.
     """
 
     check: Callable[..., Any]
-    when: Literal["before", "after"] = "before"
+    when: GuardrailWhen = "before"
     name: str = ""
+    parallel: bool = True
+    """`"input"` guardrails only: run concurrently with the first model call (False: before)."""
     context_param: str | None = field(default=None, init=False, repr=False, compare=False)
     """The check's parameter that receives the `ToolContext` (found once, by annotation)."""
 
     def __post_init__(self) -> None:
         if not callable(self.check):
             raise ConfigurationError("Guardrail.check must be callable.")
-        if self.when not in ("before", "after"):
-            raise ConfigurationError("Guardrail.when must be 'before' or 'after'.")
+        if self.when not in ("before", "after", "input", "output"):
+            raise ConfigurationError(
+                "Guardrail.when must be 'before', 'after', 'input' or 'output'."
+            )
         object.__setattr__(self, "context_param", context_parameter(self.check))
 
     @property
@@ -141,12 +158,87 @@ class Guardrail:
             verdict = await call_user(self.check, data, **{param: context})
         else:
             verdict = await call_user(self.check, data)
+        return _verdict(verdict, self.label, self.when)
+
+
+def _verdict(verdict: Any, label: str, when: Any) -> Tripwire | None:
+    if verdict is None or verdict is False:
+        return None
+    if isinstance(verdict, Tripwire):
+        return verdict
+    reason = verdict if isinstance(verdict, str) else f"{label} tripped"
+    return Tripwire(reason=reason, guardrail=label, when=when)
+
+
+@dataclass(frozen=True, slots=True)
+class GuardrailResult:
+    """One guardrail's verdict (`out.metadata["guardrail_results"]` holds all of them)."""
+
+    guardrail: str
+    """The guardrail's name."""
+    when: str
+    """Its kind: `before`, `after`, `input`, `output`, `tool_input` or `tool_output`."""
+    tripwire: Tripwire | None = None
+    """The tripwire when it tripped, else None (it passed)."""
+
+    @property
+    def tripped(self) -> bool:
+        """True when the guardrail tripped."""
+        return self.tripwire is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolGuardrailInput:
+    """What a tool guardrail sees: the call, and (`tool_output` only) the result's JSON text."""
+
+    call: ToolCall
+    """The tool call (name, id, JSON arguments)."""
+    content: str | None = None
+    """The tool result's content, as the model would see it (`tool_output` only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolGuardrail:
+    """A check on tool calls (`when="tool_input"`, before the call runs) or their results
+    (`"tool_output"`, before the model sees them).
+
+    `check(ToolGuardrailInput)` returns None/False to allow; a string to *reject* (input: the
+    call does not run and the model is told the reason; output: the model sees the reason
+    instead of the result); or a `Tripwire` to stop the pass with `stop_reason == "blocked"`.
+    `tools` limits it to those tool names (empty: every tool).
+    """
+
+    check: Callable[[ToolGuardrailInput], Any]
+    when: Literal["tool_input", "tool_output"] = "tool_input"
+    name: str = ""
+    tools: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not callable(self.check):
+            raise ConfigurationError("ToolGuardrail.check must be callable.")
+        if self.when not in ("tool_input", "tool_output"):
+            raise ConfigurationError("ToolGuardrail.when must be 'tool_input' or 'tool_output'.")
+        object.__setattr__(self, "tools", frozenset(self.tools))
+
+    @property
+    def label(self) -> str:
+        """The name shown in results and tripwires."""
+        return self.name or getattr(self.check, "__name__", "tool_guardrail")
+
+    def applies(self, tool_name: str) -> bool:
+        """True when this guardrail checks calls of `tool_name`."""
+        return not self.tools or tool_name in self.tools
+
+    async def run(self, data: ToolGuardrailInput) -> str | Tripwire | None:
+        """Run the check: None (allow), a rejection message, or a tripwire."""
+        verdict = await call_user(self.check, data)
         if verdict is None or verdict is False:
             return None
         if isinstance(verdict, Tripwire):
             return verdict
-        reason = verdict if isinstance(verdict, str) else f"{self.label} tripped"
-        return Tripwire(reason=reason, guardrail=self.label, when=self.when)
+        if verdict is True:
+            return f"{self.label} rejected this call"
+        return str(verdict)
 
 
 def before_model(fn: Callable[..., Any]) -> Guardrail:
@@ -160,7 +252,8 @@ def after_model(fn: Callable[..., Any]) -> Guardrail:
 
 
 def normalise_guardrails(items: Iterable[Any] | None) -> tuple[Guardrail, ...]:
-    """Guardrails from a list of `Guardrail`s or plain callables (plain ones run `before`)."""
+    """Guardrails from a list of `Guardrail`s or plain callables (plain ones run `before`);
+    `ToolGuardrail`s are kept apart (see `tool_guardrails_of`)."""
     if items is None:
         return ()
     if isinstance(items, (Guardrail, str)) or callable(items):
@@ -169,6 +262,8 @@ def normalise_guardrails(items: Iterable[Any] | None) -> tuple[Guardrail, ...]:
     for item in items:
         if isinstance(item, Guardrail):
             out.append(item)
+        elif isinstance(item, ToolGuardrail):
+            continue
         elif callable(item):
             out.append(Guardrail(item, "before", getattr(item, "__name__", "")))
         else:
@@ -176,6 +271,13 @@ def normalise_guardrails(items: Iterable[Any] | None) -> tuple[Guardrail, ...]:
                 f"a guardrail must be a Guardrail or a callable, got {type(item).__name__}."
             )
     return tuple(out)
+
+
+def tool_guardrails_of(items: Iterable[Any] | None) -> tuple[ToolGuardrail, ...]:
+    """The `ToolGuardrail`s among `guardrails=` items."""
+    if items is None or isinstance(items, (Guardrail, str)) or callable(items):
+        return ()
+    return tuple(item for item in items if isinstance(item, ToolGuardrail))
 
 
 @dataclass(slots=True)
@@ -208,6 +310,36 @@ async def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if inspect.isawaitable(result):
         return await result
     return result
+
+
+def approvals_of(
+    tools: Mapping[str, Any],
+    approvals: Mapping[str, bool | str] | None,
+    calls: Sequence[ToolCall],
+    metadata: dict[str, Any],
+) -> dict[str, str] | None:
+    """The denied calls of a round (id -> reason), or None when some call still waits for a
+    decision (then `metadata` holds `pending_approvals` and `approval_reason`)."""
+    waiting = [
+        c
+        for c in calls
+        if c.name in tools
+        and tools[c.name].needs_approval
+        and approval_decision(approvals, c.id) is None
+    ]
+    if waiting:
+        metadata["pending_approvals"] = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments} for c in waiting
+        ]
+        metadata["approval_reason"] = "approval required for " + ", ".join(c.name for c in waiting)
+        return None
+    metadata.pop("pending_approvals", None)
+    denied: dict[str, str] = {}
+    for c in calls:
+        decision = approval_decision(approvals, c.id)
+        if decision is False or isinstance(decision, str):
+            denied[c.id] = decision if isinstance(decision, str) else ""
+    return denied
 
 
 def approval_decision(

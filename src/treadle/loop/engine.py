@@ -26,13 +26,13 @@ import anyio
 
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import AssistantTurn, HttpExecutor, TurnDelta, request_turn
-from treadle.loop.budget import soft_budget_crossed
+from treadle.loop.budget import check_budget, final_answer
 from treadle.loop.callbacks import CallbackPump
 from treadle.loop.control import (
-    GuardrailInput,
+    GuardrailResult,
     PassControl,
     Tripwire,
-    approval_decision,
+    approvals_of,
     call_user,
 )
 from treadle.loop.events import (
@@ -45,7 +45,16 @@ from treadle.loop.events import (
     ToolStarted,
     UsageEvent,
 )
+from treadle.loop.guarding import (
+    complete_guarded,
+    guard_round,
+    screen_tool_calls,
+    screen_tool_result,
+)
+from treadle.loop.hooks import HookContext, fire
 from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
+from treadle.loop.request_usage import request_entries
+from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import forced_tool_choice, gated_tools, offered, stop_after_tools
 from treadle.persist.producer import producer_record
 from treadle.persist.writer import SessionWriter
@@ -57,9 +66,6 @@ from treadle.telemetry.hooks import PassTrace
 from treadle.tools import Tool, ToolContext, ToolOutcome, run_tool_calls
 
 __all__ = ["PassPlan", "pending_tool_calls", "run_pass"]
-
-
-_NO_TOOLS = {"tool_choice": "none"}
 
 
 class _Pass:
@@ -86,6 +92,11 @@ class _Pass:
         self.control = PassControl(out_id)
         self.user_metadata: Mapping[str, Any] = {}
         self.trace: PassTrace | None = None
+        self.hooks = plan.hooks
+        self.guarded = bool(plan.guardrails)
+        self.input_guards = [g for g in plan.guardrails if g.when == "input"]
+        self.guard_results: list[GuardrailResult] = []
+        self.entries: list[tuple[Any, str, Usage, float]] = []
         limits = plan.limits
         self.max_steps = limits.max_steps or plan.max_tool_rounds
         self.deadline = (
@@ -95,6 +106,16 @@ class _Pass:
     # -- building blocks ---------------------------------------------------------------------
     def data(self, stop_reason: StopReason) -> SessionData:
         return SessionData(self.table, self.usage, stop_reason, self.metadata)
+
+    def settle(self) -> None:
+        """Put the per-request entries and guardrail verdicts into the metadata."""
+        if self.entries:
+            self.metadata["request_usage"] = request_entries(self.entries, self.plan.agent_name)
+        if self.guard_results:
+            self.metadata["guardrail_results"] = tuple(self.guard_results)
+
+    def hook_context(self) -> HookContext:
+        return HookContext(self.plan.agent_name, self.out_id, self.pass_usage)
 
     @contextmanager
     def snapshot(self) -> Iterator[Session]:
@@ -142,6 +163,15 @@ class _Pass:
         )
 
     async def complete(self, request: CompletionRequest) -> AssistantTurn:
+        if self.hooks is not None and "on_model_start" in self.hooks.overridden:
+            await fire(self.hooks, "on_model_start", self.hook_context(), request.messages())
+        started = time.monotonic()
+        turn = await self.complete_traced(request)
+        done = turn.completion  # the entry is built when the pass ends: a round keeps 4 values
+        self.entries.append((done.usage, done.id, turn.usage, time.monotonic() - started))
+        return turn
+
+    async def complete_traced(self, request: CompletionRequest) -> AssistantTurn:
         sink = self.on_delta if self.pump is not None or self.events is not None else None
         trace = self.trace
         if trace is None:
@@ -201,6 +231,7 @@ class _Pass:
     # -- the pass ---------------------------------------------------------------------------
     async def rounds(self) -> StopReason:
         rounds = 0
+        soft = self.plan.stop
         self.tools = self.plan.tools
         self.gated = gated_tools(self.tools)
         unanswered = pending_tool_calls(self.table)
@@ -221,18 +252,27 @@ class _Pass:
                 return "budget"
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 return "deadline"
+            if soft.requested:  # a soft cancel: the last turn finished, start no other
+                self.metadata["cancelled"] = True
+                self.metadata["cancel_mode"] = "after_turn"
+                return "cancelled"
             if self.gated:
                 with self.snapshot() as session:
                     self.tools = await offered(self.plan.tools, self.gated, self.context(session))
             request = self.request()
-            tripped = await self.guard("before", request, None)
+            tripped = await guard_round(self, "before", request, None) if self.guarded else None
             if tripped is not None:
                 return tripped
-            turn = await self.complete_in_time(request)
+            if self.input_guards:
+                turn, trip = await complete_guarded(self, request)
+                if trip is not None:
+                    return self.block(trip)
+            else:
+                turn = await self.complete_in_time(request)
             if turn is None:
                 return "deadline"
             self.count(turn.usage)
-            tripped = await self.guard("after", request, turn)
+            tripped = await guard_round(self, "after", request, turn) if self.guarded else None
             if tripped is not None:
                 return tripped
             row = ChunkRow._trusted("assistant", turn.payload)
@@ -242,6 +282,8 @@ class _Pass:
             await self.append([row], boundary=not calls)
             if self.events is not None:
                 self.events.emit(AssistantRowEvent, row=row)
+            if self.hooks is not None:
+                await fire(self.hooks, "on_model_end", self.hook_context(), row)
             await self.notify(row)
             await self.check_budget()
             if self.control.interrupted:
@@ -268,23 +310,6 @@ class _Pass:
         if self.events is not None:
             self.events.emit(UsageEvent, usage=usage, total=self.pass_usage)
 
-    async def guard(
-        self, when: str, request: CompletionRequest, turn: AssistantTurn | None
-    ) -> StopReason | None:
-        guards = [g for g in self.plan.guardrails if g.when == when]
-        if not guards:
-            return None
-        reply = turn.completion if turn is not None else None
-        with self.snapshot() as session:
-            data = GuardrailInput(session=session, request=request, reply=reply)
-            wanted = any(g.context_param is not None for g in guards)
-            context = self.context(session) if wanted else None
-            for guard in guards:
-                tripwire = await guard.run(data, context)
-                if tripwire is not None:
-                    return self.block(tripwire)
-        return None
-
     def block(self, tripwire: Tripwire) -> StopReason:
         self.metadata["tripwire"] = tripwire
         if self.events is not None:
@@ -295,40 +320,38 @@ class _Pass:
         self, calls: Sequence[ToolCall], *, resuming: bool = False
     ) -> StopReason | None:
         plan = self.plan
-        waiting = [
-            c
-            for c in calls
-            if c.name in plan.tools
-            and plan.tools[c.name].needs_approval
-            and approval_decision(plan.approvals, c.id) is None
-        ]
-        if waiting:
-            self.metadata["pending_approvals"] = [
-                {"id": c.id, "name": c.name, "arguments": c.arguments} for c in waiting
-            ]
-            names = ", ".join(c.name for c in waiting)
-            return self.interrupt(f"approval required for {names}")
-        self.metadata.pop("pending_approvals", None)
-        denied: dict[str, str] = {}
+        denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata)
+        if denied is None:
+            return self.interrupt(self.metadata.pop("approval_reason"))
+        rejected: dict[str, str] = {}
+        if plan.tool_guardrails:
+            screened = await screen_tool_calls(self, calls, denied)
+            if isinstance(screened, Tripwire):
+                return self.block(screened)
+            rejected = screened
         for c in calls:
-            decision = approval_decision(plan.approvals, c.id)
-            if decision is False or isinstance(decision, str):
-                denied[c.id] = decision if isinstance(decision, str) else ""
-        if self.events is not None:
-            for c in calls:
-                if c.id not in denied:
-                    self.events.emit(ToolStarted, call_id=c.id, name=c.name, arguments=c.arguments)
+            if c.id in denied or c.id in rejected:
+                continue
+            if self.events is not None:
+                self.events.emit(ToolStarted, call_id=c.id, name=c.name, arguments=c.arguments)
+            if self.hooks is not None:
+                await fire(self.hooks, "on_tool_start", self.hook_context(), c)
         unknown: set[str] = set()
         if resuming:
             unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
         if self.writer is not None:  # before any tool runs: a crash leaves its intent behind
             await self.writer.intents([(c.id, c.name) for c in calls if c.id not in denied])
         finished: dict[int, ChunkRow] = {}
+        output_guards = [g for g in plan.tool_guardrails if g.when == "tool_output"]
+        output_trips: list[Tripwire] = []
 
         async def on_outcome(index: int, outcome: ToolOutcome) -> None:
             c = calls[index]
+            content = outcome.content
+            if c.id in rejected or output_guards:
+                content = await screen_tool_result(self, c, content, rejected, output_trips)
             row = ChunkRow._trusted(
-                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": outcome.content}
+                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": content}
             )
             finished[index] = row
             if self.writer is not None:  # as it finishes: a crash later keeps a known result
@@ -341,7 +364,7 @@ class _Pass:
                     self.tools,
                     context=self.context(session),
                     executor=plan.executor,
-                    denied=denied,
+                    denied={**denied, **rejected} if rejected else denied,
                     unknown_outcome=unknown,
                     on_outcome=on_outcome,
                 )
@@ -359,10 +382,14 @@ class _Pass:
             self.table = ChunkTable(in_call_order(self.table))
             self.messages_json = [r.message_json() for r in (*self.agent_rows, *self.table)]
         self.tool_calls_run += len(calls)
-        for row in rows:
+        for c, row in zip(calls, rows, strict=True):
             if self.events is not None:
                 self.events.emit(ToolResultEvent, row=row)
+            if self.hooks is not None and c.id not in denied and c.id not in rejected:
+                await fire(self.hooks, "on_tool_end", self.hook_context(), c, row)
             await self.notify(row)
+        if output_trips:
+            return self.block(output_trips[0])
         if self.control.interrupted:
             return self.interrupt(self.control.reason or "interrupted")
         return None
@@ -373,39 +400,7 @@ class _Pass:
         return stop_after_tools(self.plan.tool_use_behavior, calls, rows, self.metadata)
 
     async def check_budget(self) -> None:
-        total = self.pass_usage.total_tokens
-        cap = self.plan.limits.max_total_tokens
-        if cap is not None and total >= cap:
-            self.budget_stop = True
-        provider = self.plan.provider
-        budget = provider.budget_total_tokens if provider is not None else None
-        if budget is None or self.budget_fired or total < budget:
-            return
-        self.budget_fired = True  # fires once per pass, when the total first crosses it
-        message = await soft_budget_crossed(
-            provider.on_budget_exceeded if provider is not None else None,
-            pass_id=self.out_id,
-            usage=self.pass_usage,
-            budget=budget,
-            snapshot=self.snapshot,
-            context=self.context,
-        )
-        if message is not None:
-            self.budget_stop = True
-            self.metadata["budget_message"] = message
-
-    async def final_answer(self) -> None:
-        """One last completion with tools switched off, after a limit stopped the pass."""
-        turn = await self.complete(self.request(_NO_TOOLS))
-        payload = dict(turn.payload)
-        payload.pop("tool_calls", None)  # a model that calls tools anyway: keep its text only
-        self.count(turn.usage)
-        row = ChunkRow._trusted("assistant", payload)
-        if self.pump is not None:
-            await self.pump.drain()
-        await self.append([row], boundary=True)
-        if self.events is not None:
-            self.events.emit(AssistantRowEvent, row=row)
+        await check_budget(self)
 
 
 async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False) -> SessionData:
@@ -414,6 +409,11 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
     With `cancel_as_stop` (the lazy path, where the runtime owns the task) a cancellation ends
     the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
     """
+    with registered(out_id, plan.stop):
+        return await _run_pass(plan, out_id, cancel_as_stop)
+
+
+async def _run_pass(plan: PassPlan, out_id: str, cancel_as_stop: bool) -> SessionData:
     run = _Pass(plan, out_id)
     started = False
     traced = None
@@ -456,9 +456,10 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
             run.metadata["path"] = str(plan.persist_path)
         stop_reason = await run.rounds()
         if plan.limits.final_answer_on_limit and stop_reason in ("max_steps", "budget"):
-            await run.final_answer()
+            await final_answer(run)
         if run.pump is not None:
             await run.pump.drain()
+        run.settle()
         if run.writer is not None:
             await run.writer.finish(
                 usage=run.usage, stop_reason=stop_reason, metadata=plain_metadata(run.metadata)
@@ -491,6 +492,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
                     user = await plan.user.wait_ready()
                 run.table, run.usage = user.table, user.usage
             run.metadata["cancelled"] = True
+            run.settle()
             return run.data("cancelled")
         raise
     if traced is not None:

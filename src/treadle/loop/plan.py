@@ -10,8 +10,11 @@ from typing import Any
 
 from treadle.llm.provider import Provider
 from treadle.llm.turn import ModelExecutor
-from treadle.loop.control import Guardrail, Limits, Tripwire
+from treadle.loop.control import Guardrail, Limits, ToolGuardrail, Tripwire
 from treadle.loop.events import Event
+from treadle.loop.hooks import Hooks
+from treadle.loop.request_usage import RequestUsage
+from treadle.loop.soft_stop import StopRequest
 from treadle.loop.tooling import ToolUseBehavior
 from treadle.session import ChunkTable, Session, ToolCall
 from treadle.telemetry import TraceParent
@@ -42,6 +45,12 @@ class PassPlan:
     """The caller's tracing context (None when tracing is off)."""
     agent_name: str | None = None
     """The agent's name, for traces."""
+    hooks: Hooks | None = None
+    """Lifecycle hooks (None: none, and no cost)."""
+    stop: StopRequest = field(default_factory=StopRequest)
+    """Set by a soft cancel: stop after the current turn."""
+    tool_guardrails: Sequence[ToolGuardrail] = ()
+    """Checks on tool calls and their results."""
     tool_use_behavior: ToolUseBehavior = "run_llm_again"
     """Whether a tool round ends the pass (see `ToolUseBehavior`)."""
     reset_tool_choice: bool = True
@@ -73,6 +82,20 @@ def plain_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in metadata.items():
         if isinstance(value, Tripwire):
             out[key] = {"reason": value.reason, "guardrail": value.guardrail, "when": value.when}
+        elif key == "request_usage" and isinstance(value, tuple):
+            out[key] = [_plain_entry(v) for v in value if isinstance(v, RequestUsage)]
         elif isinstance(value, (str, int, float, bool, list, dict)) or value is None:
             out[key] = value
     return out
+
+
+def _plain_entry(entry: RequestUsage) -> dict[str, Any]:
+    return {
+        "input_tokens": entry.input_tokens,
+        "output_tokens": entry.output_tokens,
+        "cached_tokens": entry.cached_tokens,
+        "reasoning_tokens": entry.reasoning_tokens,
+        "response_id": entry.response_id,
+        "latency_seconds": entry.latency_seconds,
+        "agent": entry.agent,
+    }

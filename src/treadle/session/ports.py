@@ -14,14 +14,18 @@ __all__ = [
     "install_loader",
     "install_opener",
     "install_preparer",
+    "install_soft_stopper",
     "loader",
     "opener",
     "preparer",
+    "soft_stopper",
+    "stop_after_turn",
 ]
 
 _opener: list[Callable[[Any, Any], Any]] = []
 _preparer: list[Callable[[Any, Any], Any]] = []
 _loader: list[Callable[[str], Any]] = []
+_soft_stopper: list[Callable[[str], bool]] = []
 
 
 def install_opener(open_placement: Callable[[Any, Any], Any]) -> None:
@@ -53,3 +57,19 @@ def opener() -> Callable[[Any, Any], Any] | None:
 def loader() -> Callable[[str], Any] | None:
     """The installed loader, if any."""
     return _loader[0] if _loader else None
+
+
+def install_soft_stopper(stop: Callable[[str], bool]) -> None:
+    """Set how a soft cancel reaches a running pass: `stop(session_id) -> found`."""
+    _soft_stopper[:] = [stop]
+
+
+def soft_stopper() -> Callable[[str], bool] | None:
+    """The installed soft stopper, if any."""
+    return _soft_stopper[0] if _soft_stopper else None
+
+
+def stop_after_turn(session_id: str) -> bool:
+    """Ask the running pass producing `session_id` to stop after its turn; False if none."""
+    stop = soft_stopper()
+    return stop is not None and stop(session_id)

@@ -240,9 +240,9 @@ class Session(Generic[Output]):
     def __await__(self) -> Generator[Any, None, Self]:
         return self._await().__await__()
 
-    def cancel(self) -> None:
-        """Ask the pass producing this session to stop (no effect once done)."""
-        if self._lazy is not None:
+    def cancel(self, *, after_turn: bool = False) -> None:
+        """Ask the producing pass to stop; `after_turn=True` lets the current turn finish first."""
+        if self._lazy is not None and not (after_turn and ports.stop_after_turn(self.id)):
             self._lazy.cancel()
 
     # -- reading ----------------------------------------------------------------------------

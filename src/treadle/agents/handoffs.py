@@ -1,0 +1,264 @@
+"""Handoffs: an agent's `handoffs=[...]` become transfer tools the model calls.
+
+`Agent("triage", handoffs=[billing, handoff(tech, input_type=Reason, on_handoff=log)])` offers
+the model one tool per target (`transfer_to_billing`, ...). When the model calls one, the round
+runs as usual (other calls of the same reply too), the transfer's result row says who takes over
+(`{"assistant": "billing"}`), and the pass ends there; the transcript passes through the
+handoff's `input_filter`, `on_handoff` runs, and the target agent continues the SAME transcript
+under its own instructions. The output records who answered (`metadata["agent"]`) and every transfer
+(`metadata["handoffs"]`).
+
+This module builds values and rows; it never calls a model and never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+
+from treadle.errors import ConfigurationError, ToolArgumentsError
+from treadle.loop.control import call_user
+from treadle.session import ChunkRow, Session
+from treadle.tools import Tool, ToolContext
+
+if TYPE_CHECKING:
+    from treadle.agents.agent import Agent
+
+__all__ = [
+    "HANDOFF_INTERRUPT",
+    "MAX_HANDOFFS_PER_RUN",
+    "Handoff",
+    "HandoffChoice",
+    "handoff",
+    "handoff_rows",
+    "remove_tool_rows",
+]
+
+#: Transfers one run may make; past this the run stops with `stop_reason == "max_steps"`.
+MAX_HANDOFFS_PER_RUN = 16
+#: The interrupt reason a transfer call ends its pass with (never shown to users).
+HANDOFF_INTERRUPT = "treadle:handoff"
+
+_TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _default_tool_name(name: str) -> str:
+    return ("transfer_to_" + _TOOL_NAME.sub("_", name.strip().lower()))[:64]
+
+
+@dataclass(frozen=True, eq=False)
+class Handoff:
+    """A transfer to `agent`, offered to the model as a tool.
+
+    Build with `handoff(agent, ...)`; a bare `Agent` in `handoffs=[...]` is `handoff(agent)`.
+    """
+
+    agent: Agent
+    """The agent that continues the conversation."""
+    tool_name: str = ""
+    """The tool's name (default `transfer_to_<agent name>`)."""
+    tool_description: str = ""
+    """What the model reads (default: the target's `description`)."""
+    input_type: type[pydantic.BaseModel] | None = None
+    """Arguments the model must give with the transfer (validated; invalid ones go back)."""
+    on_handoff: Callable[..., Any] | None = None
+    """Called as `on_handoff(session)` or, with `input_type`, `on_handoff(session, input)`."""
+    input_filter: Callable[[Session], Session] | None = None
+    """Rewrites the transcript the target sees (e.g. `remove_tool_rows`)."""
+    is_enabled: bool | Callable[[Session], Any] = True
+    """Offer the tool at all; a callable decides per pass from the session so far."""
+    tool: Tool = field(init=False)
+
+    def __post_init__(self) -> None:
+        from treadle.agents.agent import Agent
+
+        if not isinstance(self.agent, Agent):
+            raise ConfigurationError(
+                f"a handoff needs an Agent to hand off to, got {type(self.agent).__name__}."
+            )
+        if self.input_type is not None and not (
+            isinstance(self.input_type, type) and issubclass(self.input_type, pydantic.BaseModel)
+        ):
+            raise ConfigurationError("handoff input_type must be a pydantic BaseModel subclass.")
+        for name in ("on_handoff", "input_filter"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigurationError(f"handoff {name} must be callable.")
+        if not (isinstance(self.is_enabled, bool) or callable(self.is_enabled)):
+            raise ConfigurationError("handoff is_enabled must be a bool or a callable.")
+        object.__setattr__(self, "tool_name", self.tool_name or _default_tool_name(self.agent.name))
+        if not self.tool_description:
+            about = self.agent.description or f"the {self.agent.name} agent"
+            text = f"Hand the conversation to {self.agent.name}: {about}"
+            object.__setattr__(self, "tool_description", text)
+        object.__setattr__(self, "tool", _TransferTool(self))
+
+    async def enabled(self, session: Session) -> bool:
+        """Whether the tool is offered on a pass starting from `session`."""
+        if isinstance(self.is_enabled, bool):
+            return self.is_enabled
+        return bool(await call_user(self.is_enabled, session))
+
+    def parse(self, arguments: str) -> pydantic.BaseModel | None:
+        """The typed input from the call's JSON arguments (None without `input_type`)."""
+        if self.input_type is None:
+            return None
+        return self.input_type.model_validate_json(arguments or "{}")
+
+    async def run_callback(self, session: Session, value: pydantic.BaseModel | None) -> None:
+        """Call `on_handoff` (sync ones off the event loop)."""
+        if self.on_handoff is None:
+            return
+        if self.input_type is not None:
+            await call_user(self.on_handoff, session, value)
+        else:
+            await call_user(self.on_handoff, session)
+
+
+class _TransferTool(Tool):
+    """The transfer as a tool: its arguments are validated; the call itself ends the pass."""
+
+    def __init__(self, target: Handoff) -> None:
+        self.name = target.tool_name
+        self.description = target.tool_description
+        if target.input_type is not None:
+            schema = target.input_type.model_json_schema()
+            schema.pop("title", None)
+        else:
+            schema = {"type": "object", "properties": {}, "additionalProperties": False}
+        self.parameters = schema
+        self._target = target
+
+    def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate the transfer's input; `ToolArgumentsError` lists the bad fields."""
+        model = self._target.input_type
+        if model is not None:
+            try:
+                model.model_validate(dict(arguments))
+            except pydantic.ValidationError as err:
+                raise ToolArgumentsError(
+                    f"the transfer to {self._target.agent.name} needs valid input: {err}",
+                    detail="fix these fields and call the transfer again",
+                ) from None
+        return dict(arguments)
+
+    async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
+        """The transfer's result row: the agent that takes over (an `Agent` run then ends the
+        pass and hands over; in a bare pass nothing else happens)."""
+        return {"assistant": self._target.agent.name}
+
+
+def as_handoff(item: Any) -> Handoff:
+    """A `Handoff` from a `handoffs=[...]` item (an `Agent` or a `Handoff`)."""
+    if isinstance(item, Handoff):
+        return item
+    return Handoff(item)
+
+
+@dataclass
+class HandoffChoice:
+    """The transfer a pass's last reply asked for (one per run state, reset per pass)."""
+
+    handoff: Handoff
+    call_id: str
+    value: pydantic.BaseModel | None
+
+
+def find_transfer(
+    row: ChunkRow, handoffs: Mapping[str, Handoff]
+) -> tuple[Handoff, str, pydantic.BaseModel | None] | None:
+    """The first valid transfer call of an assistant row, if any (invalid ones are left to the
+    tool round, which reports the validation error to the model)."""
+    for call in row.calls:
+        target = handoffs.get(call.name)
+        if target is None:
+            continue
+        try:
+            value = target.parse(call.arguments)
+        except pydantic.ValidationError:
+            continue
+        return target, call.id, value
+    return None
+
+
+def handoff_rows(out: Session, choice: HandoffChoice) -> Session:
+    """`out` (a pass ended by a transfer's result) with its stop fields cleared: the transcript
+    the target continues."""
+    data = out.data
+    metadata = {
+        k: v for k, v in data.metadata.items() if k not in ("interrupt_reason", "cancelled")
+    }
+    return out.with_data(stop_reason=None, metadata=metadata)
+
+
+def remove_tool_rows(session: Session) -> Session:
+    """An `input_filter`: the transcript without tool calls and tool results (the target sees
+    only the conversation's words)."""
+    kept: list[ChunkRow] = []
+    for row in session.rows:
+        if row.kind == "tool_result":
+            continue
+        if row.kind == "assistant" and row.calls:
+            payload = {k: v for k, v in row.payload.items() if k != "tool_calls"}
+            if not payload.get("content"):
+                continue
+            row = ChunkRow._trusted("assistant", payload)
+        kept.append(row)
+    return session.with_data(table=type(session.data.table)(kept))
+
+
+def check_handoffs(owner: str, items: Sequence[Any]) -> tuple[Handoff, ...]:
+    """The handoffs of agent `owner`, with distinct tool names."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise ConfigurationError("handoffs takes a list of Agents or handoff(...) values.")
+    out = tuple(as_handoff(item) for item in items)
+    names = [h.tool_name for h in out]
+    if len(set(names)) != len(names):
+        raise ConfigurationError(
+            f"Agent {owner!r} has two handoffs with one tool name; set tool_name= on one."
+        )
+    return out
+
+
+def handoff(
+    agent: Agent,
+    specialists: Mapping[str, Agent] | None = None,
+    *,
+    tool_name: str = "",
+    tool_description: str = "",
+    input_type: type[pydantic.BaseModel] | None = None,
+    on_handoff: Callable[..., Any] | None = None,
+    input_filter: Callable[[Session], Session] | None = None,
+    is_enabled: bool | Callable[[Session], Any] = True,
+    route: Callable[[Any], str] | None = None,
+) -> Any:
+    """A transfer to `agent` with options, for `Agent(handoffs=[...])`.
+
+    The old form `handoff(router, {"name": specialist, ...})` (a router's structured choice,
+    the specialist answering a fresh copy of the input) still works but is deprecated: it is
+    `treadle.agents.triage` now.
+    """
+    if specialists is not None:
+        warnings.warn(
+            "handoff(router, specialists) is now triage(router, specialists); handoff(agent) "
+            "builds a transfer for Agent(handoffs=[...]).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from treadle.agents.patterns import triage
+
+        return triage(agent, specialists, route=route)
+    return Handoff(
+        agent,
+        tool_name=tool_name,
+        tool_description=tool_description,
+        input_type=input_type,
+        on_handoff=on_handoff,
+        input_filter=input_filter,
+        is_enabled=is_enabled,
+    )

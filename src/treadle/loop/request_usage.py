@@ -1,0 +1,67 @@
+"""`RequestUsage`: one entry per model request, beside the session's summed `Usage`.
+
+A pass appends one entry per completion to `out.metadata["request_usage"]` (a tuple, oldest
+first): input, output, cached and reasoning tokens, the provider's response id and the request's
+latency. Token details come from the reply's `usage.prompt_tokens_details.cached_tokens` and
+`usage.completion_tokens_details.reasoning_tokens` when the provider sends them (0 otherwise).
+Pure values; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.session import Usage
+
+__all__ = ["RequestUsage", "request_entries", "request_usage_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUsage:
+    """The usage of one model request."""
+
+    input_tokens: int
+    """Prompt tokens of this request."""
+    output_tokens: int
+    """Completion tokens of this request."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the provider's cache."""
+    reasoning_tokens: int = 0
+    """Completion tokens spent on hidden reasoning."""
+    response_id: str = ""
+    """The provider's id of the completion (`chatcmpl-...`), for its logs and support."""
+    latency_seconds: float = 0.0
+    """Seconds from sending the request to the finished reply."""
+    agent: str | None = None
+    """The agent whose pass made the request (None for a bare pass)."""
+
+    @property
+    def total_tokens(self) -> int:
+        """Input plus output tokens."""
+        return self.input_tokens + self.output_tokens
+
+
+def request_usage_of(
+    wire: Any, response_id: str, usage: Usage, latency: float, agent: str | None
+) -> RequestUsage:
+    """The entry for one completion: its `CompletionUsage` as received (or None), its id, the
+    counted `Usage`, the latency and the agent's name."""
+    return RequestUsage(
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        wire.cached_tokens if wire is not None else 0,
+        wire.reasoning_tokens if wire is not None else 0,
+        response_id,
+        latency,
+        agent,
+    )
+
+
+def request_entries(
+    entries: Sequence[tuple[Any, str, Usage, float]], agent: str | None
+) -> tuple[RequestUsage, ...]:
+    """The entries of a pass from what each round kept: `(wire usage, id, usage, latency)`."""
+    return tuple(request_usage_of(*entry, agent) for entry in entries)

@@ -1,0 +1,240 @@
+"""Guardrails through the fake server: input guardrails racing the first model call (cancelled
+and not charged when they trip), guardrails concurrent with each other, every result on the
+session, output guardrails, and tool input/output guardrails."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from treadle import ConfigurationError, Session
+from treadle.agents import Agent
+from treadle.llm import Provider
+from treadle.loop import (
+    Guardrail,
+    GuardrailInput,
+    GuardrailResult,
+    ToolGuardrail,
+    ToolGuardrailInput,
+    Tripwire,
+    run_session_loop,
+)
+from treadle.testing import FakeOpenAIServer, Reply
+from treadle.tools import tool
+
+HANG_GUARD = 120.0
+
+
+@tool
+def transfer_money(amount: int) -> dict[str, Any]:
+    """Move money.
+
+    Args:
+        amount: how much
+    """
+    return {"moved": amount, "account": "ACC-12345"}
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(script="echo") as srv:
+        yield srv
+
+
+def _provider(server: FakeOpenAIServer) -> Provider:
+    return Provider(model="fake-model", base_url=server.base_url, api_key="sk-test")
+
+
+def test_input_guardrail_trips_while_the_model_call_runs(server: FakeOpenAIServer) -> None:
+    arrived = threading.Event()
+
+    def slow_reply(request: dict[str, Any]) -> Reply:
+        arrived.set()  # the model call is out on the wire before the guardrail decides
+        # an hour: reading the output within HANG_GUARD proves the call was cancelled
+        return Reply.text("too late").with_latency(3_600_000)
+
+    server.script = slow_reply
+
+    async def no_homework(data: GuardrailInput) -> str | None:
+        await asyncio.to_thread(arrived.wait, HANG_GUARD)
+        return "homework requests are refused"
+
+    agent = Agent(
+        "tutor",
+        "Help.",
+        provider=_provider(server),
+        guardrails=[Guardrail(no_homework, "input")],
+    )
+    out = agent("do my homework")
+    out.synchronize(HANG_GUARD)
+    assert arrived.is_set()
+    assert out.stop_reason == "blocked"
+    assert out.tripwire.when == "input"
+    assert out.tripwire.reason == "homework requests are refused"
+    # the call was cancelled: nothing charged, no assistant row
+    assert out.usage.requests == 0
+    assert out.chunk_table.kinds() == ["user"]
+    assert server.request_count == 1
+    [result] = out.metadata["guardrail_results"]
+    assert isinstance(result, GuardrailResult)
+    assert result.tripped and result.guardrail == "no_homework"
+
+
+def test_guardrails_run_concurrently_and_every_result_is_kept(server: FakeOpenAIServer) -> None:
+    a_ran, b_ran = asyncio.Event(), asyncio.Event()
+
+    async def first(data: GuardrailInput) -> None:
+        a_ran.set()
+        await asyncio.wait_for(b_ran.wait(), HANG_GUARD)  # only ends if `second` runs meanwhile
+
+    async def second(data: GuardrailInput) -> None:
+        b_ran.set()
+        await asyncio.wait_for(a_ran.wait(), HANG_GUARD)
+
+    def polite(data: GuardrailInput) -> None:
+        return None
+
+    agent = Agent(
+        "helper",
+        "Help.",
+        provider=_provider(server),
+        guardrails=[
+            Guardrail(first, "input", parallel=False),
+            Guardrail(second, "input", parallel=False),
+            Guardrail(polite, "output"),
+        ],
+    )
+    server.enqueue(Reply.text("Happy to help."))
+    out = agent("hello")
+    assert out.final_text == "Happy to help."
+    results = out.metadata["guardrail_results"]
+    assert [(r.guardrail, r.when, r.tripped) for r in results] == [
+        ("first", "input", False),
+        ("second", "input", False),
+        ("polite", "output", False),
+    ]
+
+
+def test_input_guardrails_run_once_per_run_and_output_guard_trips(
+    server: FakeOpenAIServer,
+) -> None:
+    seen: list[int] = []
+
+    def count_input(data: GuardrailInput) -> None:
+        seen.append(len(data.session.rows))
+
+    def no_secrets(data: GuardrailInput) -> Tripwire | None:
+        assert data.reply is not None
+        if "ACC-" in (data.reply.message.content or ""):
+            return Tripwire("account number in the answer", "no_secrets", "output")
+        return None
+
+    agent = Agent(
+        "banker",
+        "Bank.",
+        provider=_provider(server),
+        tools=[transfer_money],
+        guardrails=[Guardrail(count_input, "input"), Guardrail(no_secrets, "output")],
+    )
+    server.enqueue(
+        Reply.tool_call("transfer_money", {"amount": 5}),  # output guard skips tool-call replies
+        Reply.text("Moved 5 from ACC-12345."),
+    )
+    out = agent("move 5")
+    assert out.stop_reason == "blocked"
+    assert out.tripwire.guardrail == "no_secrets"
+    assert seen == [1]  # the first request only
+    assert out.chunk_table.kinds() == ["user", "assistant", "tool_result"]  # reply discarded
+
+
+def test_tool_guardrails_reject_rewrite_and_trip(server: FakeOpenAIServer) -> None:
+    def limit(data: ToolGuardrailInput) -> str | None:
+        amount = json.loads(data.call.arguments)["amount"]
+        return f"amount {amount} is over the limit of 100" if amount > 100 else None
+
+    def redact(data: ToolGuardrailInput) -> str | None:
+        return "the result held an account number" if "ACC-" in (data.content or "") else None
+
+    server.enqueue(
+        Reply.tool_calls_of(
+            [("transfer_money", {"amount": 500}), ("transfer_money", {"amount": 7})]
+        ),
+        Reply.text("done"),
+    )
+    ran: list[int] = []
+
+    @tool
+    def audited(amount: int) -> int:
+        """Audited move.
+
+        Args:
+            amount: how much
+        """
+        ran.append(amount)
+        return amount
+
+    out = run_session_loop(
+        Session.from_user_message("move"),
+        Session.from_agent_prompt("Bank."),
+        agent_provider=_provider(server),
+        tools=[transfer_money, audited],
+        guardrails=[
+            ToolGuardrail(limit, "tool_input", tools={"transfer_money"}),
+            ToolGuardrail(redact, "tool_output"),
+        ],
+    )
+    assert out.final_text == "done"
+    first, second = (json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result")
+    assert first["error_kind"] == "guardrail_rejected"
+    assert "over the limit" in first["message"]
+    assert second["error_kind"] == "guardrail_rejected"  # the output guard hid the account
+    kinds = [(r.guardrail, r.when, r.tripped) for r in out.metadata["guardrail_results"]]
+    assert ("limit", "tool_input", True) in kinds and ("limit", "tool_input", False) in kinds
+
+    def stop_all(data: ToolGuardrailInput) -> Tripwire:
+        return Tripwire("no tools today", "stop_all", "tool_input")
+
+    server.enqueue(Reply.tool_call("audited", {"amount": 1}), Reply.text("never"))
+    blocked = run_session_loop(
+        Session.from_user_message("move"),
+        Session.from_agent_prompt("Bank."),
+        agent_provider=_provider(server),
+        tools=[audited],
+        guardrails=[ToolGuardrail(stop_all)],
+    )
+    assert blocked.stop_reason == "blocked"
+    assert blocked.tripwire.when == "tool_input"
+    assert ran == []  # the call never ran
+
+
+def test_guardrail_configuration_errors() -> None:
+    with pytest.raises(ConfigurationError, match="'input' or 'output'"):
+        Guardrail(lambda d: None, "sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="tool_input"):
+        ToolGuardrail(lambda d: None, "before")  # type: ignore[arg-type]
+
+
+def test_a_trip_wins_over_a_failing_first_call() -> None:
+    from treadle.testing.scripted import ScriptedExecutor
+
+    def refuse(data: GuardrailInput) -> str:
+        return "not today"
+
+    agent = Agent(
+        "a", "Help.", executor=ScriptedExecutor([]), guardrails=[Guardrail(refuse, "input")]
+    )
+    out = agent("hello")  # the scripted model fails at once; the guardrail still decides
+    assert out.stop_reason == "blocked"
+    assert out.tripwire.reason == "not today"
+    with pytest.raises(ConfigurationError, match="ran out of replies"):
+        Agent(
+            "b",
+            "Help.",
+            executor=ScriptedExecutor([]),
+            guardrails=[Guardrail(lambda d: None, "input")],
+        )("hello").synchronize(HANG_GUARD)

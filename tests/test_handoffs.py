@@ -1,0 +1,178 @@
+"""Handoffs through the fake server: the transfer is a tool the model calls, the target continues
+the same transcript under its own instructions, and the output says who answered."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from treadle import ConfigurationError, Session
+from treadle.agents import Agent, handoff, remove_tool_rows
+from treadle.llm import Provider
+from treadle.loop import RequestUsage
+from treadle.testing import FakeOpenAIServer, Reply
+from treadle.tools import tool
+
+
+@tool
+def lookup(order: str) -> dict[str, Any]:
+    """Look up an order.
+
+    Args:
+        order: the order id
+    """
+    return {"order": order, "status": "charged twice"}
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(script="echo") as srv:
+        yield srv
+
+
+def _provider(server: FakeOpenAIServer) -> Provider:
+    return Provider(model="fake-model", base_url=server.base_url, api_key="sk-test")
+
+
+def _bodies(server: FakeOpenAIServer) -> list[dict[str, Any]]:
+    return [r.body for r in server.requests if r.path.endswith("/chat/completions")]
+
+
+def _tool_names(body: dict[str, Any]) -> list[str]:
+    return [t["function"]["name"] for t in body.get("tools", ())]
+
+
+def test_transfer_continues_the_same_transcript(server: FakeOpenAIServer) -> None:
+    provider = _provider(server)
+    billing = Agent(
+        "billing", "You handle refunds.", provider=provider, description="refunds and charges"
+    )
+    triage = Agent(
+        "triage", "Route the user.", provider=provider, tools=[lookup], handoffs=[billing]
+    )
+    server.enqueue(
+        Reply.tool_call("lookup", {"order": "A1"}),
+        Reply.tool_call("transfer_to_billing", {}),
+        Reply.text("Refunded the second charge."),
+    )
+    out = triage("I was charged twice for A1.")
+    assert out.final_text == "Refunded the second charge."
+    assert out.stop_reason == "final_answer"
+    # rows before the handoff are kept: the lookup and the transfer, each with its result
+    assert out.chunk_table.kinds() == [
+        "user",
+        "assistant",
+        "tool_result",
+        "assistant",
+        "tool_result",
+        "assistant",
+    ]
+    transfer_result = json.loads(out.rows[4].payload["content"])
+    assert transfer_result["assistant"] == "billing"
+    assert out.metadata["agent"] == "billing"
+    assert [(h["from"], h["to"]) for h in out.metadata["handoffs"]] == [("triage", "billing")]
+    bodies = _bodies(server)
+    assert len(bodies) == 3
+    assert "transfer_to_billing" in _tool_names(bodies[0])
+    assert "refunds and charges" in json.dumps(bodies[0]["tools"])
+    # the target's request: its own system prompt, then the whole transcript so far
+    last = bodies[2]["messages"]
+    assert last[0] == {"role": "system", "content": "You handle refunds."}
+    assert [m["role"] for m in last[1:]] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert "charged twice" in last[3]["content"]
+    # usage covers all three requests, with one entry per request naming its agent
+    assert out.usage.requests == 3
+    entries = out.metadata["request_usage"]
+    assert all(isinstance(e, RequestUsage) for e in entries)
+    assert [e.agent for e in entries] == ["triage", "triage", "billing"]
+    assert all(e.response_id for e in entries)
+
+
+class Escalation(BaseModel):
+    reason: str
+    priority: int
+
+
+def test_typed_input_callback_filter_and_is_enabled(server: FakeOpenAIServer) -> None:
+    provider = _provider(server)
+    seen: list[tuple[int, Escalation]] = []
+
+    def on_escalate(session: Session, value: Escalation) -> None:
+        seen.append((len(session.rows), value))
+
+    human = Agent("human desk", "Escalations.", provider=provider)
+    hidden = Agent("hidden", "Never offered.", provider=provider)
+    triage = Agent(
+        "triage",
+        "Route.",
+        provider=provider,
+        tools=[lookup],
+        handoffs=[
+            handoff(
+                human,
+                tool_name="escalate",
+                input_type=Escalation,
+                on_handoff=on_escalate,
+                input_filter=remove_tool_rows,
+            ),
+            handoff(hidden, is_enabled=lambda session: len(session.rows) > 99),
+        ],
+    )
+    server.enqueue(
+        Reply.tool_call("lookup", {"order": "B2"}),
+        Reply.tool_call("escalate", {"reason": "fraud"}),  # invalid: priority missing
+        Reply.tool_call("escalate", {"reason": "fraud", "priority": 1}),
+        Reply.text("A human will call you."),
+    )
+    out = triage("Someone used my card.")
+    assert out.final_text == "A human will call you."
+    assert out.metadata["agent"] == "human desk"
+    bodies = _bodies(server)
+    assert _tool_names(bodies[0]) == ["lookup", "escalate"]  # `hidden` is not enabled
+    # the invalid transfer went back to the model as a tool error, and the pass went on
+    invalid = bodies[2]["messages"][-1]
+    assert invalid["role"] == "tool"
+    assert json.loads(invalid["content"])["error_kind"] == "invalid_tool_arguments"
+    # on_handoff got the typed input; the filter left the human only the words
+    assert [v for _, v in seen] == [Escalation(reason="fraud", priority=1)]
+    assert [m["role"] for m in bodies[3]["messages"]] == ["system", "user"]
+    assert out.chunk_table.kinds() == ["user", "assistant"]
+
+
+def test_handoff_chain_and_configuration_errors(server: FakeOpenAIServer) -> None:
+    provider = _provider(server)
+    c = Agent("c", "Third.", provider=provider)
+    b = Agent("b", "Second.", provider=provider, handoffs=[c])
+    a = Agent("a", "First.", provider=provider, handoffs=[b])
+    server.enqueue(
+        Reply.tool_call("transfer_to_b", {}),
+        Reply.tool_call("transfer_to_c", {}),
+        Reply.text("done"),
+    )
+    out = a("go")
+    assert out.metadata["agent"] == "c"
+    assert [h["to"] for h in out.metadata["handoffs"]] == ["b", "c"]
+    with pytest.raises(ConfigurationError, match="Agent to hand off to"):
+        Agent("x", provider=provider, handoffs=["b"])  # type: ignore[list-item]
+    with pytest.raises(ConfigurationError, match="one tool name"):
+        Agent("x", provider=provider, handoffs=[b, handoff(c, tool_name="transfer_to_b")])
+
+
+def test_sibling_calls_of_the_transfer_run_before_the_handoff(server: FakeOpenAIServer) -> None:
+    provider = _provider(server)
+    billing = Agent("billing", "Refunds.", provider=provider)
+    triage = Agent("triage", "Route.", provider=provider, tools=[lookup], handoffs=[billing])
+    server.enqueue(
+        Reply.tool_calls_of([("transfer_to_billing", {}), ("lookup", {"order": "C3"})]),
+        Reply.text("ok"),
+    )
+    out = triage("hi")
+    results = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
+    assert results[0]["assistant"] == "billing"
+    assert results[1]["status"] == "charged twice"  # the lookup ran, like any call of the round
+    assert out.metadata["agent"] == "billing"
+    assert server.request_count == 2
