@@ -21,9 +21,9 @@ from treadle.errors import MalformedResponse, ProviderTimeout
 from treadle.llm import Provider, build_request_body, get_client
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import HttpExecutor, request_turn
-from treadle.tools import ToolSet
 from treadle.loop import arun_session_loop
-from wire_helpers import EchoWire, echo_wire
+from treadle.tools import ToolSet
+from wire_helpers import echo_wire
 
 AGENT = Session.from_agent_prompt("sys")
 
