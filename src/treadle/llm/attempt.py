@@ -1,7 +1,7 @@
 """One attempt of a chat-completion request, as plain values for `ModelClient`'s one retry loop.
 
 A non-200 reply is a `StatusError` carrying status, headers and body (no `httpx.Response` is
-built); `classify` turns it, or an httpx transport error, into the typed `ProviderError` and the
+built); `classify` turns it, or an HTTP-layer error (`treadle._http.errors`), into the typed `ProviderError` and the
 server's `Retry-After`. `OpenStream` is a streamed 200 reply read up to its first SSE events: the
 point after which a stream is never retried. Nothing here sleeps or retries.
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-import httpx
-
-from treadle.errors import ProviderError
+from treadle._http.errors import HTTPError
+from treadle.errors import ProviderError, TreadleError
 from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
 from treadle.llm.retry import parse_retry_after
 from treadle.llm.sse import SSEDecoder
@@ -36,8 +35,8 @@ class StatusError(Exception):
 
 
 def classify(
-    provider: Provider, failure: httpx.TransportError | StatusError, retries: int
-) -> tuple[ProviderError, float | None]:
+    provider: Provider, failure: HTTPError | StatusError, retries: int
+) -> tuple[TreadleError, float | None]:
     """The typed error of a failed attempt (saying `retries` were spent), and `Retry-After`."""
     url = provider.chat_completions_url
     if isinstance(failure, StatusError):
@@ -98,10 +97,11 @@ class OpenStream:
             return self.decoder.flush()
         return self.decoder.feed(raw)
 
-    def torn(self, exc: httpx.TransportError, url: str) -> ProviderError:
+    def torn(self, exc: HTTPError, url: str) -> ProviderError:
         """The error for a connection lost after the first events (never retried)."""
         error = error_from_transport(exc, url=url, retries=0)
-        return malformed(f"the stream was torn ({error.message})", request_id=self.request_id)
+        text = error.message if isinstance(error, ProviderError) else str(error)
+        return malformed(f"the stream was torn ({text})", request_id=self.request_id)
 
     async def aclose(self) -> None:
         """Close the body stream (idempotent)."""
