@@ -271,7 +271,9 @@ class Connection(asyncio.Protocol):
         if self._in_head:
             self._head_size += size
             if self._head_size > MAX_HEAD_BYTES:
-                raise _Refused(RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes."))
+                raise _Refused(
+                    RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes.")
+                )
             self._raw.append((name, value))
         else:  # a trailer: read and bounded, never kept
             self._trailer_size += size
@@ -310,7 +312,9 @@ class Connection(asyncio.Protocol):
         ex.keep_alive = parser.should_keep_alive()
         length = dict.get(headers, "content-length")
         if length is not None and int(length) > MAX_BODY_BYTES:  # llhttp checked it is digits
-            raise _Refused(DecodeError(f"The reply body ({length} bytes) is over {MAX_BODY_BYTES}."))
+            raise _Refused(
+                DecodeError(f"The reply body ({length} bytes) is over {MAX_BODY_BYTES}.")
+            )
         self._until_close = (
             status not in (204, 304) and length is None and "transfer-encoding" not in headers
         )
@@ -359,7 +363,9 @@ class Connection(asyncio.Protocol):
             return RemoteProtocolError(
                 f"The server closed the connection without replying{detail}.", url=ex.url
             )
-        return RemoteProtocolError(f"The server closed the connection mid-reply{detail}.", url=ex.url)
+        return RemoteProtocolError(
+            f"The server closed the connection mid-reply{detail}.", url=ex.url
+        )
 
     def _check(self) -> None:
         self._timer = None

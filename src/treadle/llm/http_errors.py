@@ -324,7 +324,9 @@ def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleEr
 
 def is_certificate_failure(exc: HTTPError) -> bool:
     """True for a TLS failure no retry fixes: the certificate was refused (either side)."""
-    return isinstance(exc, TLSError) and not exc.plaintext_peer and "certificate" in str(exc).lower()
+    return (
+        isinstance(exc, TLSError) and not exc.plaintext_peer and "certificate" in str(exc).lower()
+    )
 
 
 def malformed(
