@@ -62,7 +62,7 @@ class Route:
         return host if self.port == default else f"{host}:{self.port}"
 
 
-def route_for(url: str, options: NetworkOptions) -> Route:  # noqa: ARG001 - the contract's shape
+def route_for(url: str, options: NetworkOptions) -> Route:
     """The direct route to `url`'s origin; raises `InvalidURL`."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
