@@ -22,7 +22,6 @@ from treadle.errors import (
     ModelNotFoundError,
     NotOpenAIEndpointError,
     ProtocolMismatchError,
-    ProviderConnectionError,
     ProviderError,
     ProviderTimeout,
 )

@@ -175,7 +175,7 @@ class Provider:
     proxy: str | None = None
     """A proxy URL (`http://user:pass@host:port`) for every request; wins over the environment."""
     trust_env: bool = True
-    """Read `HTTP(S)_PROXY`, `ALL_PROXY`, `NO_PROXY`, `SSL_CERT_FILE` and `SSL_CERT_DIR`, as httpx."""
+    """Read `HTTP(S)_PROXY`, `ALL_PROXY`, `NO_PROXY`, `SSL_CERT_FILE`, `SSL_CERT_DIR` (as httpx)."""
     verify: bool | str | ssl.SSLContext = True
     """Server certificate checks: True (default CAs), False (none), a CA file or directory, or an
     `ssl.SSLContext`."""
