@@ -2,8 +2,8 @@
 
 A non-200 reply is a `StatusError` carrying status, headers and body; `classify` turns it, or an
 HTTP-layer error (`treadle._http.errors`), into the typed error and the server's `Retry-After`:
-the one place a failure is classified. `OpenStream` is a streamed 200 reply read up to its first SSE events: the
-point after which a stream is never retried. Nothing here sleeps or retries.
+the one place a failure is classified. `OpenStream` is a streamed 200 reply read up to its first
+SSE events: the point after which a stream is never retried. Nothing here sleeps or retries.
 """
 
 from __future__ import annotations
