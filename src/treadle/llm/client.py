@@ -30,6 +30,7 @@ from treadle._http.reply import Timeouts
 from treadle.errors import MalformedResponse, ProviderError
 from treadle.llm.attempt import OpenStream, StatusError, classify
 from treadle.llm.chunk_parse import parse_chunk
+from treadle.llm.inband import status_in
 from treadle.llm.http_errors import (
     error_from_payload,
     html_reply_error,
@@ -114,29 +115,49 @@ class ModelClient:
     async def complete(self, provider: Provider, body: bytes) -> ChatCompletion:
         """POST `body` (non-streaming) and return the parsed completion, retrying per policy."""
         _, provider, url, headers, timeouts, limiter = self._prepare(provider)
-        (content, reply_headers), permit = await self._send(
+        (result, reply_headers), permit = await self._send(
             provider,
             limiter,
             body,
-            self._post_whole,
+            self._complete_once,
             (url, body, headers, timeouts),
             "chat completion",
         )
         used: int | None = None
         try:
             limiter.observe(permit, reply_headers)
-            try:
-                result = _parse_completion(content, reply_headers.get("x-request-id"))
-            except MalformedResponse as exc:
-                page = html_reply_error(url, reply_headers, content)
-                if page is not None:
-                    raise page from exc
-                raise
             if result.usage is not None:
                 used = result.usage.total_tokens
             return result
         finally:
             limiter.release(permit, used)
+
+    async def _complete_once(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> tuple[ChatCompletion, Mapping[str, str]]:
+        """One non-streamed attempt, parsed. A 200 whose body is an error naming an HTTP status
+        (`{"error": {"code": 429, ...}}`) is a `StatusError` of that status, so the one retry
+        loop treats it as the status it names."""
+        content, reply_headers = await self._post_whole(url, body, headers, timeouts)
+        request_id = reply_headers.get("x-request-id")
+        try:
+            result = _parse_completion(content, request_id)
+        except MalformedResponse as exc:
+            page = html_reply_error(url, reply_headers, content)
+            if page is not None:
+                raise page from exc
+            raise
+        except ProviderError as exc:  # a 200 whose body is {"error": ...}
+            status = _named_status(exc.body)
+            if status is not None:
+                raise StatusError(status, reply_headers, content) from None
+            raise
+        extra = result.model_extra
+        if extra and extra.get("error"):
+            status = status_in(extra["error"])
+            if status is not None:
+                raise StatusError(status, reply_headers, content)
+        return result, reply_headers
 
     async def stream(self, provider: Provider, body: bytes) -> AsyncGenerator[ChatCompletionChunk]:
         """POST `body` with `"stream": true` and yield chunks as they arrive.
@@ -336,6 +357,17 @@ def wire_timeouts(provider: Provider) -> Timeouts:
             cached = Timeouts(t.connect, t.read, wait)
         provider._cache["wire_timeouts"] = cached
     return cached
+
+
+def _named_status(body: str | None) -> int | None:
+    """The HTTP status an in-band error body names (`code`, `status`, `status_code`), if any."""
+    if not body:
+        return None
+    try:
+        payload = from_json(body)
+    except ValueError:
+        return None
+    return status_in(payload.get("error")) if isinstance(payload, dict) else None
 
 
 def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
