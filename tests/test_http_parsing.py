@@ -186,7 +186,7 @@ async def test_bytes_on_an_idle_connection_close_it() -> None:
     left, right = socket.socketpair()
     loop = asyncio.get_running_loop()
     lost: list[Connection] = []
-    _, conn = await loop.create_connection(lambda: Connection(lost.append, None), sock=left)  # type: ignore[arg-type]
+    _, conn = await loop.create_connection(lambda: Connection(lost.append, None, []), sock=left)  # type: ignore[arg-type]
     try:
         ex = conn.send(b"", "http://x/", stream=False, read=None)
         conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")

@@ -494,7 +494,9 @@ def test_any_split_of_the_bytes_reads_the_same(which: int, cuts: list[int], stre
     async def read() -> bytes:
         left, right = socket.socketpair()
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: Connection(lambda _: None, None), sock=left)  # type: ignore[arg-type]
+        _, conn = await loop.create_connection(
+            lambda: Connection(lambda _: None, None, []), sock=left
+        )  # type: ignore[arg-type]
         try:
             ex = conn.send(b"", "http://x/", stream=stream, read=None)
             for piece in pieces:  # as the kernel might have cut them

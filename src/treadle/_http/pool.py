@@ -50,11 +50,19 @@ _SKIPPED = frozenset({"host", "content-length", "transfer-encoding", "connection
 class _Target:
     """What every request to one URL with one set of headers needs: the route and the head."""
 
-    __slots__ = ("headers", "prefix", "route", "url")
+    __slots__ = ("headers", "idle", "prefix", "route", "url")
 
-    def __init__(self, url: str, headers: dict[str, str], options: NetworkOptions) -> None:
+    def __init__(
+        self,
+        url: str,
+        headers: dict[str, str],
+        options: NetworkOptions,
+        idle: dict[Route, list[Connection]],
+    ) -> None:
         route = route_for(url, options)
         self.url, self.headers, self.route = url, headers, route
+        self.idle = idle.setdefault(route, [])
+        """The route's idle connections (looked up once: a route's hash is a Python call)."""
         parts = urlsplit(url)
         path = quote(parts.path or "/", safe=_PATH_SAFE)
         if parts.query:
@@ -119,14 +127,14 @@ class Pool:
         if target is None or target.headers is not headers or target.url != url:
             if len(self._targets) > 256:
                 self._targets.clear()
-            target = self._targets[id(headers)] = _Target(url, headers, self._options)
+            target = self._targets[id(headers)] = _Target(url, headers, self._options, self._idle)
         return target
 
     async def _send(
         self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts, stream: bool
     ) -> tuple[Connection, Exchange]:
         target = self._target(url, headers)
-        conn = await self._acquire(target.route, timeouts)
+        conn = await self._acquire(target, timeouts)
         data = b"%b%d\r\n\r\n%b" % (target.prefix, len(body), body)
         ex = conn.send(data, url, stream=stream, read=timeouts.read)
         try:
@@ -154,8 +162,7 @@ class Pool:
 
     # -- the pool -------------------------------------------------------------------------------
 
-    def _take_idle(self, route: Route, now: float) -> Connection | None:
-        idle = self._idle.get(route)
+    def _take_idle(self, idle: list[Connection], now: float) -> Connection | None:
         while idle:
             conn = idle.pop()
             self._idle_count -= 1
@@ -167,11 +174,12 @@ class Pool:
             return conn
         return None
 
-    async def _acquire(self, route: Route, timeouts: Timeouts) -> Connection:
+    async def _acquire(self, target: _Target, timeouts: Timeouts) -> Connection:
         if self.closed:
             raise RuntimeError("This connection pool is closed; create a new client.")
         loop = asyncio.get_running_loop()
-        conn = self._take_idle(route, loop.time())
+        route, idle = target.route, target.idle
+        conn = self._take_idle(idle, loop.time())
         if conn is not None:
             return conn
         if self._limit and self._open >= self._limit:
@@ -181,7 +189,7 @@ class Pool:
                         if self._evict_idle():
                             continue
                         await self._wait_for_room(loop)
-                        conn = self._take_idle(route, loop.time())
+                        conn = self._take_idle(idle, loop.time())
                         if conn is not None:
                             return conn
             except TimeoutError:
@@ -195,7 +203,7 @@ class Pool:
         try:
             _, conn = await open_connection(
                 route,
-                lambda: Connection(self._lost, route),
+                lambda: Connection(self._lost, route, idle),
                 options=self._options,
                 connect_timeout=timeouts.connect,
             )
@@ -249,19 +257,18 @@ class Pool:
             return
         conn.reused = conn.pooled = True
         keep = self._expiry
-        hint = ex.headers.get("keep-alive")
+        hint = dict.get(ex.headers, "keep-alive")
         if hint is not None:  # the server's own idle timeout: reuse well before it closes
             keep = min(keep, _server_idle_seconds(hint, keep))
-        conn.idle_until = asyncio.get_running_loop().time() + keep
-        self._idle.setdefault(conn.key, []).append(conn)
+        conn.idle_until = conn.now() + keep
+        conn.idle.append(conn)
         self._idle_count += 1
         self._wake_one()
 
     def _lost(self, conn: Connection) -> None:
         if conn.pooled:
-            idle = self._idle.get(conn.key)
-            if idle is not None and conn in idle:
-                idle.remove(conn)
+            if conn in conn.idle:
+                conn.idle.remove(conn)
                 self._idle_count -= 1
             conn.pooled = False
         self._forget(conn)
@@ -289,7 +296,8 @@ class Pool:
         for conn in list(self._all):
             with contextlib.suppress(RuntimeError):  # a closed loop: sockets die with the process
                 conn.close()
-        self._idle.clear()
+        for idle in self._idle.values():
+            idle.clear()
         self._idle_count = 0
         while self._waiters:
             waiter = self._waiters.popleft()

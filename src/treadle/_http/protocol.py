@@ -54,6 +54,9 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 """A (decompressed) reply body larger than this is refused rather than held in memory."""
 PAUSE_BYTES = 1024 * 1024
 """A streamed body buffered past this pauses reading until its reader catches up."""
+READ_BUFFER_BYTES = 64 * 1024
+"""Each connection reads into one buffer of this size, reused: no allocation per read (a
+256 KiB `bytes` per read, asyncio's default, costs an mmap and munmap each time)."""
 STALE_WINDOW_SECONDS = 0.1
 """A reused connection closed with no reply byte this soon after the write was closed by the
 server while idle (it never saw the request): the one case re-sent without counting a retry."""
@@ -161,12 +164,16 @@ class Exchange:
             waiter.set_result(None)
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.BufferedProtocol):
     """One kept-alive connection carrying one exchange at a time (see the module docstring)."""
 
-    def __init__(self, on_lost: Callable[[Connection], None], key: Route) -> None:
+    def __init__(
+        self, on_lost: Callable[[Connection], None], key: Route, idle: list[Connection]
+    ) -> None:
         self.key = key
         """The pool's key (the route) this connection belongs to."""
+        self.idle = idle
+        """Where the pool keeps this route's idle connections."""
         self._on_lost = on_lost
         self._parser = httptools.HttpResponseParser(self)
         self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
@@ -184,12 +191,13 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
         self._quiet = 0  # bytes fed since the parser last made progress
-        self._head_size = 0
+        self._lenient = True
         self._trailer_size = 0
         self._interim = 0
         self._in_head = True
         self._raw: list[tuple[bytes, bytes]] = []
         self._until_close = False
+        self._buffer = memoryview(bytearray(READ_BUFFER_BYTES))
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -198,7 +206,19 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         self._loop = asyncio.get_running_loop()
 
-    def data_received(self, data: bytes) -> None:
+    def now(self) -> float:
+        """The loop's clock."""
+        assert self._loop is not None
+        return self._loop.time()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._buffer[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        """Feed one read to the parser (llhttp copies what it hands on: `data` may be reused)."""
         ex = self.exchange
         if ex is None:
             # Bytes with no request outstanding: this connection is out of step with its
@@ -262,31 +282,28 @@ class Connection(asyncio.Protocol):
         if ex is None or ex.complete:
             raise _Refused(RemoteProtocolError("The server sent bytes past the reply's end."))
         self._in_head = True
-        self._head_size = self._trailer_size = 0
+        self._trailer_size = 0
         self._raw = []
-        self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
+        if not self._lenient:
+            self._lenient = True
+            self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        size = len(name) + len(value) + 4
+        # The head's size is bounded by `_quiet` (no progress is counted until it ends).
         if self._in_head:
-            self._head_size += size
-            if self._head_size > MAX_HEAD_BYTES:
-                raise _Refused(
-                    RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes.")
-                )
             self._raw.append((name, value))
-        else:  # a trailer: read and bounded, never kept
-            self._trailer_size += size
-            if self._trailer_size > MAX_TRAILER_BYTES:
-                raise _Refused(
-                    RemoteProtocolError(f"The reply's trailers are over {MAX_TRAILER_BYTES} bytes.")
-                )
-        self._quiet = 0
+            return
+        self._trailer_size += len(name) + len(value) + 4  # a trailer: bounded, never kept
+        if self._trailer_size > MAX_TRAILER_BYTES:
+            raise _Refused(
+                RemoteProtocolError(f"The reply's trailers are over {MAX_TRAILER_BYTES} bytes.")
+            )
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         # Bare-LF line endings are read in the head, as httpx and aiohttp do; never in the body's
         # chunk framing, where a lenient reading could take a chunk's data for its size line.
+        self._lenient = False
         parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=False)
         self._in_head = False
         self._quiet = 0
@@ -300,25 +317,32 @@ class Connection(asyncio.Protocol):
             return
         ex = self.exchange
         assert ex is not None
-        headers = ex.headers
-        for raw_name, raw_value in self._raw:
-            name = raw_name.decode("latin-1").lower()
-            value = raw_value.decode("latin-1")
-            if name in headers:
-                value = f"{dict.__getitem__(headers, name)}, {value}"
-            dict.__setitem__(headers, name, value)
+        raw = self._raw
         self._raw = []
+        headers = ex.headers
+        headers.update(
+            {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw}
+        )
+        if len(headers) < len(raw):  # a repeated header: its values joined, in order
+            dict.clear(headers)
+            for raw_name, raw_value in raw:
+                name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+                old = dict.get(headers, name)
+                dict.__setitem__(headers, name, value if old is None else f"{old}, {value}")
         ex.status = status
         ex.keep_alive = parser.should_keep_alive()
-        length = dict.get(headers, "content-length")
+        get = headers.get
+        length = get("content-length")
         if length is not None and int(length) > MAX_BODY_BYTES:  # llhttp checked it is digits
             raise _Refused(
                 DecodeError(f"The reply body ({length} bytes) is over {MAX_BODY_BYTES}.")
             )
         self._until_close = (
-            status not in (204, 304) and length is None and "transfer-encoding" not in headers
+            status not in (204, 304) and length is None and get("transfer-encoding") is None
         )
-        ex.decoder = _decoder(dict.get(headers, "content-encoding"), ex.url)
+        coding = get("content-encoding")
+        if coding is not None:
+            ex.decoder = _decoder(coding, ex.url)
 
     def on_body(self, data: bytes) -> None:
         self._quiet = 0

@@ -38,7 +38,8 @@ class Headers(dict[str, str]):
 
     def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
         """The value of header `name` (any case), or `default`."""
-        return super().get(name.lower(), default)
+        value = dict.get(self, name)
+        return value if value is not None else dict.get(self, name.lower(), default)
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and super().__contains__(name.lower())

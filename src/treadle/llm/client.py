@@ -30,13 +30,13 @@ from treadle._http.reply import Timeouts
 from treadle.errors import MalformedResponse, ProviderError
 from treadle.llm.attempt import OpenStream, StatusError, classify
 from treadle.llm.chunk_parse import parse_chunk
-from treadle.llm.inband import status_in
 from treadle.llm.http_errors import (
     error_from_payload,
     html_reply_error,
     is_certificate_failure,
     malformed,
 )
+from treadle.llm.inband import status_in
 from treadle.llm.limiter import EndpointLimiter, Permit, estimate_tokens
 from treadle.llm.provider import DEFAULT_POOL_TIMEOUT, Provider
 from treadle.llm.retry import backoff_delay, is_retryable_error
