@@ -188,7 +188,7 @@ async def test_bytes_on_an_idle_connection_close_it() -> None:
     lost: list[Connection] = []
     _, conn = await loop.create_connection(lambda: Connection(lost.append, None, []), sock=left)  # type: ignore[arg-type]
     try:
-        ex = conn.send(b"", "http://x/", stream=False, read=None)
+        ex = conn.begin("http://x/", stream=False, read=None)
         conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
         assert ex.complete and conn.exchange is None and not conn.closed
         conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale")

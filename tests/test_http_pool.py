@@ -498,7 +498,7 @@ def test_any_split_of_the_bytes_reads_the_same(which: int, cuts: list[int], stre
             lambda: Connection(lambda _: None, None, []), sock=left
         )  # type: ignore[arg-type]
         try:
-            ex = conn.send(b"", "http://x/", stream=stream, read=None)
+            ex = conn.begin("http://x/", stream=stream, read=None)
             for piece in pieces:  # as the kernel might have cut them
                 conn.data_received(piece)
             assert ex.complete and ex.error is None

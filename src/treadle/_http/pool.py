@@ -135,8 +135,10 @@ class Pool:
     ) -> tuple[Connection, Exchange]:
         target = self._target(url, headers)
         conn = await self._acquire(target, timeouts)
-        data = b"%b%d\r\n\r\n%b" % (target.prefix, len(body), body)
-        ex = conn.send(data, url, stream=stream, read=timeouts.read)
+        ex = conn.begin(url, stream=stream, read=timeouts.read)
+        transport = conn.transport
+        assert transport is not None
+        transport.write(b"%b%d\r\n\r\n%b" % (target.prefix, len(body), body))  # one write
         try:
             await ex.head
         except BaseException:

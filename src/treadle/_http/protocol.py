@@ -360,16 +360,15 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- the current request ------------------------------------------------------------------
 
-    def send(self, data: bytes, url: str, *, stream: bool, read: float | None) -> Exchange:
-        """Write one request and return the exchange its reply fills."""
+    def begin(self, url: str, *, stream: bool, read: float | None) -> Exchange:
+        """The exchange the next reply fills, its read timer armed; the caller then writes the
+        request (one write, straight after: nothing can arrive in between)."""
         loop = self._loop
-        transport = self.transport
-        assert loop is not None and transport is not None
+        assert loop is not None
         ex = self.exchange = Exchange(loop, url, stream=stream)
         self._interim = 0
         self.pooled = False
         now = self.written_at = self.last_data = loop.time()
-        transport.write(data)
         self._read = read
         if read is not None:
             self._timer = loop.call_at(now + read, self._check)

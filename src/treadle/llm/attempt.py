@@ -11,16 +11,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
+from pydantic_core import from_json
+
 from treadle._http.errors import HTTPError
+from treadle._http.reply import Timeouts
 from treadle.errors import ProviderError, TreadleError
 from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
+from treadle.llm.inband import status_in
+from treadle.llm.provider import DEFAULT_POOL_TIMEOUT
 from treadle.llm.retry import parse_retry_after
 from treadle.llm.sse import SSEDecoder
 
 if TYPE_CHECKING:
     from treadle.llm.provider import Provider
 
-__all__ = ["OpenStream", "StatusError", "classify"]
+__all__ = ["OpenStream", "StatusError", "classify", "named_status", "wire_timeouts"]
 
 
 class StatusError(Exception):
@@ -111,3 +116,31 @@ class OpenStream:
                 await aclose()
         finally:
             await self._close()
+
+
+def wire_timeouts(provider: Provider) -> Timeouts:
+    """`provider.timeout` (and `pool_timeout`) as the HTTP layer's `Timeouts` (no httpx needed)."""
+    cached: Timeouts | None = provider._cache.get("wire_timeouts")
+    if cached is None:
+        t = provider.timeout
+        pool = provider.pool_timeout
+        if isinstance(t, tuple):
+            cached = Timeouts(float(t[0]), float(t[1]), pool)
+        elif isinstance(t, int | float):
+            cached = Timeouts(float(t), float(t), pool)
+        else:  # an httpx.Timeout: its own pool value unless pool_timeout was changed
+            wait = t.pool if pool == DEFAULT_POOL_TIMEOUT else pool
+            cached = Timeouts(t.connect, t.read, wait)
+        provider._cache["wire_timeouts"] = cached
+    return cached
+
+
+def named_status(body: str | None) -> int | None:
+    """The HTTP status an in-band error body names (`code`, `status`, `status_code`), if any."""
+    if not body:
+        return None
+    try:
+        payload = from_json(body)
+    except ValueError:
+        return None
+    return status_in(payload.get("error")) if isinstance(payload, dict) else None

@@ -28,7 +28,7 @@ from pydantic_core import from_json
 from treadle._http.errors import HTTPError, StaleConnection
 from treadle._http.reply import Timeouts
 from treadle.errors import MalformedResponse, ProviderError
-from treadle.llm.attempt import OpenStream, StatusError, classify
+from treadle.llm.attempt import OpenStream, StatusError, classify, named_status, wire_timeouts
 from treadle.llm.chunk_parse import parse_chunk
 from treadle.llm.http_errors import (
     error_from_payload,
@@ -38,7 +38,7 @@ from treadle.llm.http_errors import (
 )
 from treadle.llm.inband import status_in
 from treadle.llm.limiter import EndpointLimiter, Permit, estimate_tokens
-from treadle.llm.provider import DEFAULT_POOL_TIMEOUT, Provider
+from treadle.llm.provider import Provider
 from treadle.llm.retry import backoff_delay, is_retryable_error
 from treadle.llm.sse import DONE
 from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
@@ -148,7 +148,7 @@ class ModelClient:
                 raise page from exc
             raise
         except ProviderError as exc:  # a 200 whose body is {"error": ...}
-            status = _named_status(exc.body)
+            status = named_status(exc.body)
             if status is not None:
                 raise StatusError(status, reply_headers, content) from None
             raise
@@ -340,34 +340,6 @@ class ModelClient:
         """Synchronous best-effort close for a loop that cannot run coroutines any more."""
         self.closed = True
         self.transport.close_now()
-
-
-def wire_timeouts(provider: Provider) -> Timeouts:
-    """`provider.timeout` (and `pool_timeout`) as the HTTP layer's `Timeouts` (no httpx needed)."""
-    cached: Timeouts | None = provider._cache.get("wire_timeouts")
-    if cached is None:
-        t = provider.timeout
-        pool = provider.pool_timeout
-        if isinstance(t, tuple):
-            cached = Timeouts(float(t[0]), float(t[1]), pool)
-        elif isinstance(t, int | float):
-            cached = Timeouts(float(t), float(t), pool)
-        else:  # an httpx.Timeout: its own pool value unless pool_timeout was changed
-            wait = t.pool if pool == DEFAULT_POOL_TIMEOUT else pool
-            cached = Timeouts(t.connect, t.read, wait)
-        provider._cache["wire_timeouts"] = cached
-    return cached
-
-
-def _named_status(body: str | None) -> int | None:
-    """The HTTP status an in-band error body names (`code`, `status`, `status_code`), if any."""
-    if not body:
-        return None
-    try:
-        payload = from_json(body)
-    except ValueError:
-        return None
-    return status_in(payload.get("error")) if isinstance(payload, dict) else None
 
 
 def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
