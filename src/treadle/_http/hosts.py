@@ -87,14 +87,16 @@ def encode_host(host: str) -> str:
     """
     if _IPV4_STYLE.match(host):
         try:
-            return str(ipaddress.IPv4Address(host))
+            ipaddress.IPv4Address(host)
         except ipaddress.AddressValueError:
             raise InvalidURL(f"The host {host!r} is not a valid IPv4 address.") from None
+        return host
     if host.startswith("[") and host.endswith("]"):
         try:
-            return str(ipaddress.IPv6Address(host[1:-1]))
+            ipaddress.IPv6Address(host[1:-1])
         except ipaddress.AddressValueError:
             raise InvalidURL(f"The host {host!r} is not a valid IPv6 address.") from None
+        return host[1:-1]
     lowered = host.lower()
     if lowered.isascii():
         if not _ASCII_NAME.match(lowered) or ".." in lowered or lowered.startswith("."):
@@ -116,10 +118,8 @@ def authority(host: str, port: int, scheme: str) -> str:
 
 
 def _safe(url: str) -> str:
-    """`url` for a message: scheme and host only, so no credential or query leaks."""
-    try:
-        parts = urlsplit(url.strip())
-        host = parts.netloc.rpartition("@")[2]
-    except ValueError:
-        return "given"
-    return repr(f"{parts.scheme}://{host}" if parts.scheme else host or "(empty)")
+    """`url` for a message: scheme and host only, so no credential, path or query leaks."""
+    scheme, sep, rest = url.strip().partition("://")
+    netloc = re.split(r"[/?#]", rest if sep else scheme, maxsplit=1)[0]
+    shown = netloc.rpartition("@")[2]
+    return repr(f"{scheme}://{shown}" if sep else shown or "(empty)")
