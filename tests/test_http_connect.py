@@ -560,6 +560,35 @@ async def test_client_certificates_for_a_server_that_requires_one(
                 await plain.get(f"https://localhost:{origin.port}/")
 
 
+async def test_verify_system_uses_the_os_store_through_truststore(
+    ca: trustme.CA, ca_file: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("truststore")
+    system = NetworkOptions(verify="system", trust_env=False)
+    async with serve(server_context(ca)) as origin:
+        route = route_for(f"https://localhost:{origin.port}/", NO_ENV)
+        with pytest.raises(TLSError, match="did not verify"):
+            await exchange(route, system)  # the test CA is in no OS store
+        # OpenSSL's own SSL_CERT_FILE points the "system" store at the test CA: truststore reads
+        # the store at each handshake, so the same cached context now trusts it.
+        monkeypatch.setenv("SSL_CERT_FILE", ca_file)
+        assert body(await exchange(route, system)) == b"hello from tls"
+        assert origin.alpn[-1] == "http/1.1"
+
+
+def test_verify_system_without_truststore_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from treadle._http import tls
+    from treadle._http.connect import ssl_context
+    from treadle.errors import ConfigurationError
+
+    monkeypatch.setattr(tls, "_built", {})  # no context cached by an earlier test
+    monkeypatch.setitem(sys.modules, "truststore", None)  # as if the extra were not installed
+    with pytest.raises(ConfigurationError, match=r"treadle\[truststore\]"):
+        ssl_context(NetworkOptions(verify="system"))
+
+
 def test_missing_certificate_files_are_a_configuration_error(tmp_path: Path) -> None:
     from treadle._http.connect import ssl_context
     from treadle.errors import ConfigurationError
@@ -774,33 +803,53 @@ async def test_cancelling_a_pending_connect_closes_every_socket() -> None:
 
 EMFILE_SCRIPT = textwrap.dedent(
     """
-    import asyncio, resource, sys
+    import asyncio, contextlib, os, resource, socket, sys
     from treadle._http.connect import NetworkOptions, open_connection, route_for
     from treadle._http.errors import OpenFilesExhausted
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    port, hole = int(sys.argv[1]), sys.argv[2]
+    options = NetworkOptions(trust_env=False)
+
+    async def hole_first(host, port):
+        return [(socket.AF_INET, (hole, port)), (socket.AF_INET, ("127.0.0.1", port))]
+
+    async def attempt(url, **kw):
+        try:
+            transport, _ = await open_connection(
+                route_for(url, options), asyncio.Protocol, options=options,
+                connect_timeout=30, **kw,
+            )
+        except OpenFilesExhausted as exc:
+            return exc
+        return transport
 
     async def main() -> None:
-        options = NetworkOptions(trust_env=False)
-        route = route_for(sys.argv[1], options)
         held = []
-        try:
-            for _ in range(200):
-                transport, _ = await open_connection(
-                    route, asyncio.Protocol, options=options, connect_timeout=30
-                )
-                held.append(transport)
-        except OpenFilesExhausted as exc:
-            print("EXHAUSTED", len(held), exc)
+        while len(held) < 200:
+            got = await attempt(f"http://127.0.0.1:{port}/")
+            if isinstance(got, OpenFilesExhausted):
+                print("EXHAUSTED", len(held), got)
+                break
+            held.append(got)
+        # One descriptor free: the black-holed first address takes it, the second attempt hits
+        # EMFILE, and that ends the connect at once instead of waiting out the 30 s budget.
+        held.pop().close()
+        await asyncio.sleep(0.1)
+        print("RACE", type(await attempt(f"http://api.test:{port}/", resolver=hole_first)).__name__)
+        # Every descriptor taken: even resolving a name (glibc opens /etc/hosts) fails so.
+        fillers = []
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
+        print("RESOLVER", type(await attempt(f"http://localhost:{port}/")).__name__)
+        for fd in fillers:
+            os.close(fd)
         for transport in held:
             transport.close()
         await asyncio.sleep(0.1)  # lets the transports' close callbacks run
-        transport, _ = await open_connection(
-            route, asyncio.Protocol, options=options, connect_timeout=30
-        )
-        transport.close()
-        print("RECOVERED")
+        print("RECOVERED", type(await attempt(f"http://localhost:{port}/")).__name__)
 
     asyncio.run(main())
     """
@@ -809,18 +858,22 @@ EMFILE_SCRIPT = textwrap.dedent(
 
 async def test_emfile_is_open_files_exhausted_naming_ulimit_and_the_process_recovers() -> None:
     async with serve() as origin:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            EMFILE_SCRIPT,
-            f"{origin.url}/",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        with black_hole(origin.port) as dead:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                EMFILE_SCRIPT,
+                str(origin.port),
+                dead,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
     text = out.decode()
     assert proc.returncode == 0, err.decode()
-    assert "EXHAUSTED" in text and "ulimit -n" in text and "RECOVERED" in text, text
-    opened = int(text.split()[1])
-    assert 0 < opened < 64
+    lines = dict(line.split(" ", 1) for line in text.splitlines())
+    assert "ulimit -n" in lines["EXHAUSTED"] and 0 < int(lines["EXHAUSTED"].split()[0]) < 64
+    assert lines["RACE"] == "OpenFilesExhausted"
+    assert lines["RESOLVER"] == "OpenFilesExhausted"
+    assert lines["RECOVERED"] == "_SelectorSocketTransport"

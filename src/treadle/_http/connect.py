@@ -369,9 +369,10 @@ async def _happy_eyeballs(addresses: list[Address], origin: str) -> socket.socke
                 finally:
                     for wait in waits:
                         wait.cancel()
-                if won.is_set() or any(e.errno in _NO_FILES for e in errors):
+                if won.is_set() or _out_of_files(errors):
                     break
-            if not won.is_set():
+            # Out of descriptors, the pending attempts cannot help: end them now.
+            if not won.is_set() and not _out_of_files(errors):
                 await _first_of(won, attempts)
             for task in attempts:
                 task.cancel()
@@ -400,6 +401,10 @@ async def _first_of(won: asyncio.Event, attempts: list[asyncio.Task[None]]) -> N
             await asyncio.wait([waiter, *pending], return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
+
+
+def _out_of_files(errors: list[OSError]) -> bool:
+    return any(exc.errno in _NO_FILES for exc in errors)
 
 
 def _raise_if_out_of_files(exc: OSError, origin: str) -> None:
