@@ -394,6 +394,30 @@ async def test_https_through_a_connect_tunnel_with_credentials_as_httpx(
         await proxy.stop_serving()
 
 
+async def test_an_https_proxy_speaks_tls_to_the_proxy_then_to_the_origin_inside_it(
+    ca: trustme.CA, ca_file: str
+) -> None:
+    proxy = FakeProxy(ssl=server_context(ca), auth=("carol", "pw"))
+    await proxy.start_serving()
+    try:
+        assert proxy.url.startswith("https://")
+        options = NetworkOptions(proxy=proxy.url, verify=ca_file, trust_env=False)
+        async with serve(server_context(ca)) as tls_origin, serve() as plain_origin:
+            route = route_for(f"https://localhost:{tls_origin.port}/", options)
+            assert body(await exchange(route, options)) == b"hello from tls"  # TLS in TLS
+            route = route_for(f"{plain_origin.url}/", options)
+            assert body(await exchange(route, options)) == b"hello from plain"
+            verify = ssl.create_default_context(cafile=ca_file)
+            mount = httpx.Proxy(proxy.url, ssl_context=verify)
+            async with httpx.AsyncClient(proxy=mount, verify=verify, trust_env=False) as client:
+                got = await client.get(f"https://localhost:{tls_origin.port}/")
+                assert got.content == b"hello from tls"
+        assert [r.method for r in proxy.requests] == ["CONNECT", "GET", "CONNECT"]
+        assert proxy.requests[0] == proxy.requests[2]
+    finally:
+        await proxy.stop_serving()
+
+
 async def test_plain_http_through_a_proxy_uses_absolute_form_as_httpx() -> None:
     proxy = FakeProxy(auth=("bob", "pa:ss/w@rd"))
     await proxy.start_serving()

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import contextlib
 import ipaddress
+import ssl as ssl_module
 import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -39,8 +40,16 @@ class ProxiedRequest:
 class FakeProxy:
     """A forward proxy on 127.0.0.1 (random free port): `with FakeProxy() as proxy: proxy.url`."""
 
-    def __init__(self, *, auth: tuple[str, str] | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        *,
+        auth: tuple[str, str] | None = None,
+        host: str = "127.0.0.1",
+        ssl: ssl_module.SSLContext | None = None,
+    ) -> None:
         self.host = host
+        self.ssl = ssl
+        """A server context makes this an `https://` proxy (clients speak TLS to it first)."""
         self.port = 0
         self.auth = auth
         self.requests: list[ProxiedRequest] = []
@@ -52,16 +61,17 @@ class FakeProxy:
 
     @property
     def url(self) -> str:
-        """`http://[user:pass@]127.0.0.1:PORT`, the value for `proxy=` or `HTTPS_PROXY`."""
+        """`http://[user:pass@]127.0.0.1:PORT` (`https://` with `ssl=`): for `proxy=`."""
         creds = f"{self.auth[0]}:{self.auth[1]}@" if self.auth else ""
-        return f"http://{creds}{self.host}:{self.port}"
+        scheme = "https" if self.ssl is not None else "http"
+        return f"{scheme}://{creds}{self.host}:{self.port}"
 
     # -- serving ---------------------------------------------------------------------------------
 
     async def start_serving(self) -> None:
         """Listen on the current loop; the port is known afterwards."""
         self._loop = asyncio.get_running_loop()
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop_serving(self) -> None:
@@ -214,9 +224,12 @@ class FakeProxy:
         except ConnectionError:
             pass
         finally:
+            # Pass the end on: half-close where the transport can (TCP), else close (TLS).
             if sink.can_write_eof():
                 with contextlib.suppress(OSError):
                     sink.write_eof()
+            else:
+                sink.close()
 
     @staticmethod
     async def _answer(writer: asyncio.StreamWriter, status: bytes) -> None:
