@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import ipaddress
 import socket
 import ssl
@@ -26,7 +27,12 @@ from treadle._http.errors import (
     ProxyError,
 )
 from treadle._http.hosts import authority, parse_url
-from treadle._http.proxy import choose_proxy, connect_reader, read_connect_reply
+from treadle._http.proxy import (
+    choose_proxy,
+    connect_reader,
+    environment_key,
+    read_connect_reply,
+)
 from treadle._http.tls import handshake_error, ssl_context, ssl_context_async
 from treadle.errors import ConfigurationError
 
@@ -110,7 +116,19 @@ class Route:
 
 
 def route_for(url: str, options: NetworkOptions) -> Route:
-    """The route to `url`'s origin under `options`; raises `InvalidURL` for a bad URL or host."""
+    """The route to `url`'s origin under `options`; raises `InvalidURL` for a bad URL or host.
+
+    The answer is cached per URL, options and the values of the proxy variables, so a changed
+    `HTTPS_PROXY` or `NO_PROXY` is seen at the next call; reading those variables still costs
+    about 10 µs, so call it once per endpoint (httpx, too, reads them when a client is built),
+    not once per request.
+    """
+    key = environment_key() if options.trust_env and options.proxy is None else ()
+    return _route(url, options, key)
+
+
+@functools.lru_cache(maxsize=512)
+def _route(url: str, options: NetworkOptions, env: tuple[str | None, ...]) -> Route:
     target = parse_url(url)
     proxy = choose_proxy(target, explicit=options.proxy, trust_env=options.trust_env)
     return Route(

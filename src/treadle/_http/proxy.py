@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
+import os
 import re
 from dataclasses import dataclass
 from urllib.request import getproxies
@@ -22,7 +23,13 @@ import httptools
 from treadle._http.errors import InvalidURL, ProxyError
 from treadle._http.hosts import ParsedURL, authority, parse_url
 
-__all__ = ["ProxyChoice", "choose_proxy", "read_connect_reply"]
+__all__ = [
+    "ProxyChoice",
+    "choose_proxy",
+    "connect_reader",
+    "environment_key",
+    "read_connect_reply",
+]
 
 PROXY_SCHEMES = ("http", "https")
 """Proxy URL schemes Treadle speaks (SOCKS is refused with a clear error)."""
@@ -102,6 +109,19 @@ def _pattern(key: str) -> _Pattern:
     elif host:
         regex = re.compile(f"^{re.escape(host)}$")
     return _Pattern(scheme, host, port, regex)
+
+
+_PROXY_VARIABLES = tuple(
+    name
+    for base in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "request_method")
+    for name in (base, base.upper())
+)
+
+
+def environment_key() -> tuple[str | None, ...]:
+    """The values `choose_proxy` reads from the environment, as a cache key (a few µs)."""
+    get = os.environ.get
+    return tuple(get(name) for name in _PROXY_VARIABLES)
 
 
 def _environment_patterns() -> list[tuple[_Pattern, str | None]]:
