@@ -37,7 +37,7 @@ from treadle._http.errors import (
     ProxyError,
     TLSError,
 )
-from treadle.testing.fake_proxy import FakeProxy
+from treadle.testing.fake_proxy import FakeProxy, TLSFront
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_ENV = NetworkOptions(trust_env=False)
@@ -611,6 +611,35 @@ def test_verify_system_without_truststore_says_what_to_install(
     monkeypatch.setitem(sys.modules, "truststore", None)  # as if the extra were not installed
     with pytest.raises(ConfigurationError, match=r"treadle\[truststore\]"):
         ssl_context(NetworkOptions(verify="system"))
+
+
+async def test_mutual_tls_in_front_of_the_fake_openai_server(ca: trustme.CA, ca_file: str) -> None:
+    from treadle.testing import FakeOpenAIServer
+
+    client = ca.issue_cert("client.example")
+    server = FakeOpenAIServer(script="echo")
+    await server.start_serving()
+    front = TLSFront(server.port, ssl=server_context(ca, require_client_cert=True))
+    await front.start_serving()
+    try:
+        with client.private_key_and_cert_chain_pem.tempfile() as pem:
+            options = NetworkOptions(verify=ca_file, cert=pem, trust_env=False)
+            route = route_for(f"{front.url}/v1/chat/completions", options)
+            transport, protocol = await open_connection(
+                route, Collect, options=options, connect_timeout=30
+            )
+            payload = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+            transport.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (route.authority.encode(), len(payload), payload)
+            )
+            await asyncio.wait_for(asyncio.shield(protocol.closed), 30)
+            transport.close()
+            assert protocol.data.startswith(b"HTTP/1.1 200") and b"hi" in protocol.data
+    finally:
+        await front.stop_serving()
+        await server.stop_serving()
 
 
 def test_missing_certificate_files_are_a_configuration_error(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A forward HTTP proxy on 127.0.0.1 for tests: CONNECT tunnels and absolute-form requests.
+"""A forward HTTP proxy and a TLS front on 127.0.0.1, for tests of proxies and certificates.
 
 `FakeProxy` behaves as a corporate proxy does for the two ways clients use one: `CONNECT
 host:port` opens a byte tunnel (https origins; the proxy never sees inside the TLS), and a
@@ -6,7 +6,8 @@ request whose target is a full URL (`GET http://host:port/path`) is forwarded to
 (plain http). With `auth=("user", "pass")` it answers 407 unless `Proxy-Authorization` carries
 them. Every request head is recorded in `requests`. It only ever connects to loopback
 addresses (127.0.0.0/8, ::1, localhost): any other target gets 403, so a test or a docs example
-can never send traffic off the machine through it.
+can never send traffic off the machine through it. `TLSFront` puts TLS (mutual, if asked) in
+front of a plain server such as `FakeOpenAIServer`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["FakeProxy", "ProxiedRequest"]
+__all__ = ["FakeProxy", "ProxiedRequest", "TLSFront"]
 
 MAX_HEAD_BYTES = 64 * 1024
 """The longest request head the proxy reads before answering 431."""
@@ -221,7 +222,7 @@ class FakeProxy:
             while data := await source.read(65536):
                 sink.write(data)
                 await sink.drain()
-        except ConnectionError:
+        except OSError:  # a reset or a TLS alert from either side ends the pipe
             pass
         finally:
             # Pass the end on: half-close where the transport can (TCP), else close (TLS).
@@ -279,6 +280,41 @@ class FakeProxy:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class TLSFront(FakeProxy):
+    """TLS in front of a plain server on 127.0.0.1, as a gateway with its own CA stands in
+    front of a model server: test `verify=` and `cert=` against `FakeOpenAIServer`.
+
+    `TLSFront(server.port, ssl=context)`: the server context carries the front's certificate
+    (and `verify_mode = CERT_REQUIRED` with the CA loaded, for mutual TLS); every connection is
+    relayed byte for byte to `127.0.0.1:target_port`.
+    """
+
+    def __init__(self, target_port: int, *, ssl: ssl_module.SSLContext) -> None:
+        super().__init__(ssl=ssl)
+        self.target_port = target_port
+
+    @property
+    def url(self) -> str:
+        """`https://127.0.0.1:PORT`: the origin to put in `base_url` (add the path, `/v1`)."""
+        return f"https://{self.host}:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
+            await self._pipe_both(reader, writer, up_reader, upstream)
+        except (OSError, ExceptionGroup):
+            pass
+        finally:
+            for side in (writer, upstream):
+                if side is not None:
+                    side.close()
+            self._tasks.discard(task)
 
 
 def _is_loopback(host: str) -> bool:
