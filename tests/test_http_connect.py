@@ -16,8 +16,8 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
