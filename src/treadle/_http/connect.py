@@ -18,7 +18,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from treadle._http.errors import (
     ConnectError,
@@ -349,28 +349,23 @@ async def _happy_eyeballs(addresses: list[Address], origin: str) -> socket.socke
     attempts: list[asyncio.Task[None]] = []
     won = asyncio.Event()
 
+    if len(addresses) == 1:  # nothing to race (an IP literal, a name with one address)
+        try:
+            return await _connect_one(loop, *addresses[0])
+        except OSError as exc:
+            errors.append(exc)
+            return _no_connection(errors, origin)
+
     async def attempt(family: int, sockaddr: tuple[object, ...], failed: asyncio.Event) -> None:
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock = await _connect_one(loop, family, sockaddr)
         except OSError as exc:
             errors.append(exc)
             failed.set()
             return
-        try:
-            sock.setblocking(False)
-            await loop.sock_connect(sock, sockaddr)
-        except OSError as exc:
-            sock.close()
-            errors.append(exc)
-            failed.set()
-            return
-        except BaseException:
-            sock.close()
-            raise
         if winner:
             sock.close()
             return
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         winner.append(sock)
         won.set()
 
@@ -400,6 +395,25 @@ async def _happy_eyeballs(addresses: list[Address], origin: str) -> socket.socke
         raise
     if winner:
         return winner[0]
+    return _no_connection(errors, origin)
+
+
+async def _connect_one(
+    loop: asyncio.AbstractEventLoop, family: int, sockaddr: tuple[object, ...]
+) -> socket.socket:
+    """A non-blocking socket connected to `sockaddr`, or the OSError (socket closed)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, sockaddr)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _no_connection(errors: list[OSError], origin: str) -> NoReturn:
     for exc in errors:
         _raise_if_out_of_files(exc, origin)
     detail = "; ".join(dict.fromkeys(str(e.strerror or e) for e in errors)) or "no address"
