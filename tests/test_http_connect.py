@@ -282,6 +282,16 @@ def test_route_is_hashable_and_keeps_proxy_credentials_out_of_its_repr() -> None
     assert route_for("https://h.example:443/", NO_ENV).authority == "h.example"
 
 
+def test_messages_never_carry_credentials_of_a_bad_url() -> None:
+    for url in ("http://u:hunter22@proxy:99999", "http://u:hunter22@[::1/", "ftp://u:hunter22@h"):
+        with pytest.raises(InvalidURL) as caught:
+            NetworkOptions(proxy=url)
+        assert "hunter22" not in str(caught.value), caught.value
+        with pytest.raises(InvalidURL) as caught:
+            route_for(url.replace("proxy", "api"), NO_ENV)
+        assert "hunter22" not in str(caught.value), caught.value
+
+
 def test_unsupported_proxies_and_options_fail_at_construction() -> None:
     with pytest.raises(InvalidURL, match="SOCKS"):
         NetworkOptions(proxy="socks5://127.0.0.1:1080")
@@ -838,6 +848,34 @@ async def test_a_name_that_does_not_resolve_is_a_dns_connect_error() -> None:
     assert caught.value.dns
 
 
+async def test_the_system_resolver_failing_is_a_dns_connect_error_as_in_httpx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def nxdomain(host: Any, port: Any, **kw: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(loop, "getaddrinfo", nxdomain)  # no DNS query leaves the machine
+    with pytest.raises(ConnectError, match="did not resolve") as caught:
+        await exchange(route_for("https://no-such-host.test/", NO_ENV), NO_ENV)
+    assert caught.value.dns
+    async with httpx.AsyncClient(trust_env=False) as client:
+        with pytest.raises(httpx.ConnectError, match="Name or service not known"):
+            await client.get("https://no-such-host.test/")
+
+
+def test_addresses_alternate_families_starting_with_the_resolvers_first_choice() -> None:
+    from treadle._http.connect import _interleave
+
+    v6 = [(socket.AF_INET6, (f"2001:db8::{i}", 443, 0, 0)) for i in (1, 2, 3)]
+    v4 = [(socket.AF_INET, (f"192.0.2.{i}", 443)) for i in (1, 2)]
+    mixed: list[Address] = [*v6, *v4]
+    assert _interleave(mixed) == [v6[0], v4[0], v6[1], v4[1], v6[2]]
+    v4_first: list[Address] = [v4[0], *v6, v4[1]]
+    assert _interleave(v4_first) == [v4[0], v6[0], v4[1], v6[1], v6[2]]
+
+
 async def test_ipv6_literals_connect() -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
@@ -874,6 +912,7 @@ async def test_cancelling_a_pending_connect_closes_every_socket() -> None:
 EMFILE_SCRIPT = textwrap.dedent(
     """
     import asyncio, contextlib, os, resource, socket, sys
+    import certifi  # imported before the limit: an import opens files too
     from treadle._http.connect import NetworkOptions, open_connection, route_for
     from treadle._http.errors import OpenFilesExhausted
 
@@ -914,6 +953,10 @@ EMFILE_SCRIPT = textwrap.dedent(
             while True:
                 fillers.append(os.open(os.devnull, os.O_RDONLY))
         print("RESOLVER", type(await attempt(f"http://localhost:{port}/")).__name__)
+        # One descriptor for the socket, none left to read the CA bundle of a first TLS
+        # connection: that too says ulimit, not "cannot load the certificates".
+        os.close(fillers.pop())
+        print("CA", type(await attempt(f"https://127.0.0.1:{port}/")).__name__)
         for fd in fillers:
             os.close(fd)
         for transport in held:
@@ -946,4 +989,5 @@ async def test_emfile_is_open_files_exhausted_naming_ulimit_and_the_process_reco
     assert "ulimit -n" in lines["EXHAUSTED"] and 0 < int(lines["EXHAUSTED"].split()[0]) < 64
     assert lines["RACE"] == "OpenFilesExhausted"
     assert lines["RESOLVER"] == "OpenFilesExhausted"
+    assert lines["CA"] == "OpenFilesExhausted"
     assert lines["RECOVERED"] == "_SelectorSocketTransport"

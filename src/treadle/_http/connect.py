@@ -159,13 +159,22 @@ async def open_connection(
     try:
         async with asyncio.timeout(connect_timeout):
             return await _open(route, protocol_factory, options, connect_timeout, resolver)
-    except TimeoutError:
-        where = f" through the proxy {route.proxy}" if route.proxy else ""
-        raise ConnectTimeout(
-            f"Connecting to {route.origin}{where} took longer than the {connect_timeout} s "
-            "connect timeout; raise it (timeout=) if the network or server is slow.",
-            url=route.origin,
+    except OSError as exc:  # what no phase above turned into an HTTPError (a worker thread's)
+        if isinstance(exc, TimeoutError):
+            raise _timeout(route, connect_timeout) from None
+        _raise_if_out_of_files(exc, route.origin)
+        raise ConnectError(
+            f"Connecting to {route.origin} failed ({exc}).", url=route.origin
         ) from None
+
+
+def _timeout(route: Route, connect_timeout: float | None) -> ConnectTimeout:
+    where = f" through the proxy {route.proxy}" if route.proxy else ""
+    return ConnectTimeout(
+        f"Connecting to {route.origin}{where} took longer than the {connect_timeout} s "
+        "connect timeout; raise it (timeout=) if the network or server is slow.",
+        url=route.origin,
+    )
 
 
 async def _open(

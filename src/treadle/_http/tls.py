@@ -11,11 +11,12 @@ worker thread; both are cached, so a context is built once per options and envir
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import ssl
 from typing import TYPE_CHECKING
 
-from treadle._http.errors import TLSError
+from treadle._http.errors import OpenFilesExhausted, TLSError
 from treadle.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -111,6 +112,12 @@ def _build_context(options: NetworkOptions, cert_file: str, cert_dir: str) -> ss
         elif options.cert is not None:
             context.load_cert_chain(*options.cert)
     except (OSError, ssl.SSLError) as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise OpenFilesExhausted(
+                "The process ran out of file descriptors reading the CA certificates "
+                f"({errno.errorcode[exc.errno]}); raise the limit (ulimit -n) or lower the "
+                "number of concurrent passes."
+            ) from None
         raise ConfigurationError(
             f"Cannot load the certificates for verify={_shown(verify)} / cert= ({exc}); "
             "check the paths and that the files are PEM."
