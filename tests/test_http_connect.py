@@ -490,7 +490,7 @@ async def test_a_refused_connect_is_a_proxy_error_naming_the_status_not_the_pass
         await proxy.stop_serving()
 
 
-async def test_an_unreachable_or_malformed_proxy_is_a_proxy_error() -> None:
+async def test_an_unreachable_or_misbehaving_proxy_is_a_proxy_error() -> None:
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
@@ -500,17 +500,24 @@ async def test_an_unreachable_or_malformed_proxy_is_a_proxy_error() -> None:
         await exchange(route_for("https://localhost:1/", options), options)
     assert "hunter22" not in str(caught.value)
 
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 2000 OK\r\n\r\n")
-        await writer.drain()
-        await reader.read()
-        writer.close()
+    replies = {
+        "malformed": b"HTTP/1.1 2000 OK\r\n\r\n",  # llhttp refuses a 4-digit status
+        "over 65536 bytes": b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 70_000,
+        "sent bytes after its 200 reply": b"HTTP/1.1 200 OK\r\n\r\nSSH-2.0-not-a-tunnel\r\n",
+        "closed the connection before answering": b"HTTP/1.1 200 OK\r\n",
+    }
+    for why, reply in replies.items():
 
-    async with tcp_server(garbage) as port:
-        options = NetworkOptions(proxy=f"http://127.0.0.1:{port}", trust_env=False)
-        with pytest.raises(ProxyError, match="malformed"):
-            await exchange(route_for("https://localhost:1/", options), options)
+        async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(reply)  # noqa: B023 (each server lives only in its own iteration)
+            await writer.drain()
+            writer.close()
+
+        async with tcp_server(proxy) as port:
+            options = NetworkOptions(proxy=f"http://127.0.0.1:{port}", trust_env=False)
+            with pytest.raises(ProxyError, match=why):
+                await exchange(route_for("https://localhost:1/", options), options)
 
 
 # -- TLS: trust, client certificates, the connect budget -------------------------------------
