@@ -960,8 +960,8 @@ EMFILE_SCRIPT = textwrap.dedent(
             while True:
                 fillers.append(os.open(os.devnull, os.O_RDONLY))
         print("RESOLVER", type(await attempt(f"http://localhost:{port}/")).__name__)
-        # One descriptor for the socket, none left to read the CA bundle of a first TLS
-        # connection: that too says ulimit, not "cannot load the certificates".
+        # One descriptor, taken by the socket or the CA bundle: a first TLS connection (the CA
+        # file, OpenSSL's own files) says ulimit too, never "bad certificates" or "TLS failed".
         os.close(fillers.pop())
         print("CA", type(await attempt(f"https://127.0.0.1:{port}/")).__name__)
         for fd in fillers:

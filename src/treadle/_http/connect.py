@@ -187,11 +187,17 @@ async def _open(
     loop = asyncio.get_running_loop()
     # asyncio's own handshake limit must never fire before our budget does.
     handshake = None if budget is None else budget + 30.0
-    if route.proxy is None:
+    # Contexts first: a certificate file that cannot be read fails before any traffic, and no
+    # connected socket waits (or leaks) while the files are read.
+    context = await ssl_context_async(options) if route.scheme == "https" else None
+    proxy = None if route.proxy is None else parse_url(route.proxy)
+    proxy_tls = None
+    if proxy is not None and proxy.scheme == "https":
+        proxy_tls = context or await ssl_context_async(options)
+    if route.proxy is None or proxy is None:
         sock = await _connect_tcp(route.host, route.port, route.origin, resolver)
-        if route.scheme == "http":
+        if context is None:
             return await _adopt(loop.create_connection(factory, sock=sock), sock, route.origin)
-        context = await ssl_context_async(options)
         return await _handshake(
             loop.create_connection(
                 factory,
@@ -203,7 +209,6 @@ async def _open(
             sock,
             route.origin,
         )
-    proxy = parse_url(route.proxy)
     try:
         sock = await _connect_tcp(proxy.host, proxy.port, route.proxy, resolver)
     except OpenFilesExhausted:
@@ -214,9 +219,6 @@ async def _open(
             "HTTP_PROXY, or add the host to NO_PROXY.",
             url=route.proxy,
         ) from None
-    proxy_tls = None
-    if proxy.scheme == "https":
-        proxy_tls = await ssl_context_async(options)
     if route.absolute_form:
         if proxy_tls is None:
             return await _adopt(loop.create_connection(factory, sock=sock), sock, route.proxy)
@@ -248,12 +250,13 @@ async def _open(
         )
     try:
         await read_connect_reply(raw, reader, route.proxy_headers)
-        context = await ssl_context_async(options)
+        assert context is not None  # a tunnel is only for https origins
         try:
             tls = await loop.start_tls(
                 raw, reader, context, server_hostname=route.host, ssl_handshake_timeout=handshake
             )
         except (OSError, ssl.SSLError) as exc:
+            _raise_if_out_of_files(exc, route.origin)
             raise handshake_error(exc, route.origin) from None
     except BaseException:
         raw.close()
@@ -290,6 +293,7 @@ async def _handshake(
             f"The TLS handshake with {origin} did not finish ({exc}).", url=origin
         ) from None
     except (OSError, ssl.SSLError) as exc:
+        _raise_if_out_of_files(exc, origin)  # OpenSSL opens files of its own on first use
         raise handshake_error(exc, origin) from None
 
 
