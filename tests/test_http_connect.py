@@ -669,6 +669,32 @@ def test_missing_certificate_files_are_a_configuration_error(tmp_path: Path) -> 
         ssl_context(NetworkOptions(cert=str(tmp_path / "nope.pem"), trust_env=False))
 
 
+async def test_a_burst_of_first_connections_builds_one_context(
+    ca: trustme.CA, ca_file: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from treadle._http import tls
+
+    builds: list[object] = []
+    real = tls._build_context
+
+    def counted(*args: Any) -> ssl.SSLContext:
+        builds.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(tls, "_build_context", counted)  # a spy: the real build still runs
+    monkeypatch.setattr(tls, "_built", {})  # nothing cached by an earlier test
+    # certifi's bundle (about 150 CAs, milliseconds to load): the test CA is not in it, so each
+    # connection fails to verify, after sharing the one context.
+    options = NetworkOptions(trust_env=False)
+    async with serve(server_context(ca)) as origin:
+        route = route_for(f"https://localhost:{origin.port}/", options)
+        failures = await asyncio.gather(
+            *(exchange(route, options) for _ in range(40)), return_exceptions=True
+        )
+    assert {type(failure) for failure in failures} == {TLSError}
+    assert len(builds) == 1
+
+
 def test_ssl_context_is_cached_per_options_and_offers_http11(ca_file: str) -> None:
     from treadle._http.connect import ssl_context
 

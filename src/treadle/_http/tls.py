@@ -14,6 +14,7 @@ import asyncio
 import errno
 import os
 import ssl
+import threading
 from typing import TYPE_CHECKING
 
 from treadle._http.errors import OpenFilesExhausted, TLSError
@@ -42,39 +43,45 @@ def ssl_context(options: NetworkOptions) -> ssl.SSLContext:
 
     Reads certificate files: on an event loop, await `ssl_context_async` instead.
     """
-    return _cached(options, *_env_paths(options))
+    return _cached((options, *_env_paths(options)))
 
 
 async def ssl_context_async(options: NetworkOptions) -> ssl.SSLContext:
-    """`ssl_context`, with a first build (file reads) on a worker thread."""
-    key = (options, *_env_paths(options))
-    try:
-        return _cached(*key, _build=False)
-    except _NotCached:
-        return await asyncio.to_thread(_cached, *key)
+    """`ssl_context`, with a first build (file reads) on a worker thread.
 
-
-class _NotCached(Exception):
-    pass
-
-
-_built: dict[tuple[object, ...], ssl.SSLContext] = {}
-
-
-def _cached(
-    options: NetworkOptions, cert_file: str, cert_dir: str, *, _build: bool = True
-) -> ssl.SSLContext:
-    key = (options, cert_file, cert_dir)
+    Single-flight: a thousand passes connecting at once share one build (certifi's bundle costs
+    tens of milliseconds of CPU to load), not a thousand.
+    """
+    key: _Key = (options, *_env_paths(options))
     context = _built.get(key)
-    if context is None:
-        if not _build:
-            raise _NotCached
-        context = _build_context(options, cert_file, cert_dir)
-        # A few entries at most (one per Provider configuration): drop the oldest past 64.
-        if len(_built) >= 64:
-            _built.pop(next(iter(_built)))
-        _built[key] = context
-    return context
+    if context is not None:
+        return context
+    loop = asyncio.get_running_loop()
+    building = _building.get((loop, key))
+    if building is None:
+        building = loop.create_task(asyncio.to_thread(_cached, key))
+        _building[(loop, key)] = building
+        building.add_done_callback(lambda _: _building.pop((loop, key), None))
+    # Shielded: one waiter's cancellation must not cancel the build the others wait for.
+    return await asyncio.shield(building)
+
+
+_Key = tuple["NetworkOptions", str, str]
+_built: dict[_Key, ssl.SSLContext] = {}
+_building: dict[tuple[asyncio.AbstractEventLoop, _Key], asyncio.Task[ssl.SSLContext]] = {}
+_lock = threading.Lock()
+
+
+def _cached(key: _Key) -> ssl.SSLContext:
+    with _lock:  # worker threads and the loop thread may both build
+        context = _built.get(key)
+        if context is None:
+            context = _build_context(*key)
+            # A few entries at most (one per Provider configuration): drop the oldest past 64.
+            if len(_built) >= 64:
+                _built.pop(next(iter(_built)))
+            _built[key] = context
+        return context
 
 
 def _env_paths(options: NetworkOptions) -> tuple[str, str]:
