@@ -428,6 +428,20 @@ async def test_an_https_proxy_speaks_tls_to_the_proxy_then_to_the_origin_inside_
         await proxy.stop_serving()
 
 
+async def test_a_proxy_that_never_answers_is_a_connect_timeout_and_leaks_nothing() -> None:
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # reads the CONNECT and never answers
+
+    before = len(os.listdir("/proc/self/fd"))
+    async with tcp_server(mute) as port:
+        options = NetworkOptions(proxy=f"http://127.0.0.1:{port}", trust_env=False)
+        route = route_for("https://localhost:1/", options)
+        with pytest.raises(ConnectTimeout, match="through the proxy"):
+            await exchange(route, options, budget=0.5)
+    await asyncio.sleep(0)  # a closed transport releases its socket on the next turn
+    assert len(os.listdir("/proc/self/fd")) == before  # the server's sockets and ours
+
+
 async def test_plain_http_through_a_proxy_uses_absolute_form_as_httpx() -> None:
     proxy = FakeProxy(auth=("bob", "pa:ss/w@rd"))
     await proxy.start_serving()
