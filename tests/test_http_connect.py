@@ -859,7 +859,7 @@ async def test_happy_eyeballs_connects_through_the_next_address_when_the_first_i
             assert body(await exchange(named, NO_ENV, resolver=resolver)) == b"hello from plain"
 
 
-async def test_every_connect_resolves_afresh_so_a_fail_over_is_seen_at_once() -> None:
+async def test_a_failed_connect_resolves_again_so_a_fail_over_is_seen_at_once() -> None:
     refused = socket.socket()
     refused.bind(("127.0.0.1", 0))
     dead_port = refused.getsockname()[1]
@@ -883,6 +883,31 @@ async def test_every_connect_resolves_afresh_so_a_fail_over_is_seen_at_once() ->
         assert not caught.value.dns
         assert body(await exchange(route, NO_ENV, resolver=resolver)) == b"hello from plain"
         assert calls == ["api.test", "api.test"]
+
+
+async def test_a_burst_of_connections_to_one_name_makes_one_lookup() -> None:
+    async with serve() as origin:
+        calls: list[str] = []
+        asked, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_resolver(host: str, port: int) -> list[Address]:
+            calls.append(host)
+            asked.set()
+            await release.wait()  # every connection of the burst is waiting by now
+            return [(socket.AF_INET, ("127.0.0.1", origin.port))]
+
+        route = route_for(f"http://burst.test:{origin.port}/", NO_ENV)
+        burst = [
+            asyncio.create_task(exchange(route, NO_ENV, resolver=slow_resolver)) for _ in range(20)
+        ]
+        await asyncio.wait_for(asked.wait(), 30)
+        for _ in range(5):
+            await asyncio.sleep(0)  # turns of the loop: the rest of the burst reaches the lookup
+        release.set()
+        assert {body(reply) for reply in await asyncio.gather(*burst)} == {b"hello from plain"}
+        # A later connection reuses the answer (kept DNS_CACHE_SECONDS; dropped on failure).
+        assert body(await exchange(route, NO_ENV, resolver=slow_resolver)) == b"hello from plain"
+        assert calls == ["burst.test"]
 
 
 async def test_a_name_that_does_not_resolve_is_a_dns_connect_error() -> None:
@@ -913,7 +938,7 @@ async def test_the_system_resolver_failing_is_a_dns_connect_error_as_in_httpx(
 
 
 def test_addresses_alternate_families_starting_with_the_resolvers_first_choice() -> None:
-    from treadle._http.connect import _interleave
+    from treadle._http.dial import _interleave
 
     v6 = [(socket.AF_INET6, (f"2001:db8::{i}", 443, 0, 0)) for i in (1, 2, 3)]
     v4 = [(socket.AF_INET, (f"192.0.2.{i}", 443)) for i in (1, 2)]

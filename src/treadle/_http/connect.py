@@ -1,9 +1,10 @@
 """Reaching an origin: its route (proxy or direct), Happy Eyeballs, TLS, one connect budget.
 
 `route_for(url, options)` says how to reach the URL's origin (the pool's key);
-`open_connection(route, factory, ...)` resolves the host afresh (no DNS cache, so a fail-over is
-seen at the next connect), races its addresses as RFC 8305 says, tunnels through a proxy with
-CONNECT when the origin is https, and completes TLS, all inside one `connect_timeout`. Every
+`open_connection(route, factory, ...)` dials the host (`treadle._http.dial`: one lookup per name
+at a time, answers kept 10 s and dropped when they fail, addresses raced as RFC 8305 says),
+tunnels through a proxy with CONNECT when the origin is https, and completes TLS, all inside
+one `connect_timeout`. Every
 failure leaves as one of `treadle._http.errors`; nothing here blocks the event loop (resolving
 runs on the loop's executor, certificate files are read on a worker thread).
 """
@@ -11,15 +12,21 @@ runs on the loop's executor, certificate files are read on a worker thread).
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
-import ipaddress
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
+from treadle._http.dial import (
+    DNS_CACHE_SECONDS,
+    HAPPY_EYEBALLS_DELAY,
+    Address,
+    Resolver,
+    dial,
+    raise_if_out_of_files,
+)
 from treadle._http.errors import (
     ConnectError,
     ConnectTimeout,
@@ -37,7 +44,9 @@ from treadle._http.tls import handshake_error, ssl_context, ssl_context_async
 from treadle.errors import ConfigurationError
 
 __all__ = [
+    "DNS_CACHE_SECONDS",
     "HAPPY_EYEBALLS_DELAY",
+    "Address",
     "NetworkOptions",
     "Resolver",
     "Route",
@@ -47,17 +56,6 @@ __all__ = [
 ]
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
-
-HAPPY_EYEBALLS_DELAY = 0.25
-"""Seconds before the next address is tried while one attempt is pending (RFC 8305's 250 ms)."""
-
-_NO_FILES = (errno.EMFILE, errno.ENFILE)
-
-Address = tuple[int, tuple[object, ...]]
-"""One resolved address: the socket family and the `sockaddr` to connect to."""
-
-Resolver = Callable[[str, int], Awaitable[list[Address]]]
-"""Resolves `(host, port)` to addresses in the order to try; raises `socket.gaierror`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +152,7 @@ async def open_connection(
     The protocol's `connection_made` has been called once, with the returned transport (TLS
     already done for https, inside the tunnel when proxied). `connect_timeout` covers all of
     it: DNS, TCP, the proxy's CONNECT and the TLS handshake; running out is `ConnectTimeout`.
-    `resolver` replaces the system resolver (tests); it is called on every connect.
+    `resolver` replaces the system resolver (tests); its answers are cached like the system's.
     """
     try:
         async with asyncio.timeout(connect_timeout):
@@ -162,7 +160,7 @@ async def open_connection(
     except OSError as exc:  # what no phase above turned into an HTTPError (a worker thread's)
         if isinstance(exc, TimeoutError):
             raise _timeout(route, connect_timeout) from None
-        _raise_if_out_of_files(exc, route.origin)
+        raise_if_out_of_files(exc, route.origin)
         raise ConnectError(
             f"Connecting to {route.origin} failed ({exc}).", url=route.origin
         ) from None
@@ -195,7 +193,7 @@ async def _open(
     if proxy is not None and proxy.scheme == "https":
         proxy_tls = context or await ssl_context_async(options)
     if route.proxy is None or proxy is None:
-        sock = await _connect_tcp(route.host, route.port, route.origin, resolver)
+        sock = await dial(route.host, route.port, route.origin, resolver)
         if context is None:
             return await _adopt(loop.create_connection(factory, sock=sock), sock, route.origin)
         return await _handshake(
@@ -210,7 +208,7 @@ async def _open(
             route.origin,
         )
     try:
-        sock = await _connect_tcp(proxy.host, proxy.port, route.proxy, resolver)
+        sock = await dial(proxy.host, proxy.port, route.proxy, resolver)
     except OpenFilesExhausted:
         raise
     except ConnectError as exc:
@@ -256,7 +254,7 @@ async def _open(
                 raw, reader, context, server_hostname=route.host, ssl_handshake_timeout=handshake
             )
         except (OSError, ssl.SSLError) as exc:
-            _raise_if_out_of_files(exc, route.origin)
+            raise_if_out_of_files(exc, route.origin)
             raise handshake_error(exc, route.origin) from None
     except BaseException:
         raw.close()
@@ -293,170 +291,5 @@ async def _handshake(
             f"The TLS handshake with {origin} did not finish ({exc}).", url=origin
         ) from None
     except (OSError, ssl.SSLError) as exc:
-        _raise_if_out_of_files(exc, origin)  # OpenSSL opens files of its own on first use
+        raise_if_out_of_files(exc, origin)  # OpenSSL opens files of its own on first use
         raise handshake_error(exc, origin) from None
-
-
-async def _connect_tcp(
-    host: str, port: int, origin: str, resolver: Resolver | None
-) -> socket.socket:
-    """A connected non-blocking socket to `host:port`: resolve afresh, then race the addresses."""
-    addresses = await _resolve(host, port, origin, resolver)
-    return await _happy_eyeballs(_interleave(addresses), origin)
-
-
-async def _resolve(host: str, port: int, origin: str, resolver: Resolver | None) -> list[Address]:
-    try:
-        literal = ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
-        family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
-        sockaddr: tuple[object, ...] = (host, port, 0, 0) if literal.version == 6 else (host, port)
-        return [(family, sockaddr)]
-    try:
-        if resolver is not None:
-            addresses = await resolver(host, port)
-        else:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host, port, type=socket.SOCK_STREAM
-            )
-            addresses = [(info[0], info[4]) for info in infos]
-    except socket.gaierror as exc:
-        raise ConnectError(
-            f"The host name {host!r} did not resolve ({exc.strerror}); check the spelling of "
-            "base_url and this machine's DNS.",
-            url=origin,
-            dns=True,
-        ) from None
-    except OSError as exc:
-        _raise_if_out_of_files(exc, origin)
-        raise ConnectError(f"Resolving {host!r} failed ({exc}).", url=origin, dns=True) from None
-    if not addresses:
-        raise ConnectError(f"The host name {host!r} has no address.", url=origin, dns=True)
-    return addresses
-
-
-def _interleave(addresses: list[Address]) -> list[Address]:
-    """RFC 8305 section 4: alternate families, starting with the resolver's first choice."""
-    families: dict[int, list[Address]] = {}
-    for address in addresses:
-        families.setdefault(address[0], []).append(address)
-    queues = list(families.values())
-    ordered: list[Address] = []
-    while any(queues):
-        for queue in queues:
-            if queue:
-                ordered.append(queue.pop(0))
-    return ordered
-
-
-async def _happy_eyeballs(addresses: list[Address], origin: str) -> socket.socket:
-    """Race connects to `addresses`: start the next when one fails or after 250 ms pending.
-
-    The first to connect wins; every other attempt is cancelled and its socket closed.
-    """
-    loop = asyncio.get_running_loop()
-    winner: list[socket.socket] = []
-    errors: list[OSError] = []
-    attempts: list[asyncio.Task[None]] = []
-    won = asyncio.Event()
-
-    if len(addresses) == 1:  # nothing to race (an IP literal, a name with one address)
-        try:
-            return await _connect_one(loop, *addresses[0])
-        except OSError as exc:
-            errors.append(exc)
-            return _no_connection(errors, origin)
-
-    async def attempt(family: int, sockaddr: tuple[object, ...], failed: asyncio.Event) -> None:
-        try:
-            sock = await _connect_one(loop, family, sockaddr)
-        except OSError as exc:
-            errors.append(exc)
-            failed.set()
-            return
-        if winner:
-            sock.close()
-            return
-        winner.append(sock)
-        won.set()
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            for family, sockaddr in addresses:
-                failed = asyncio.Event()
-                attempts.append(group.create_task(attempt(family, sockaddr, failed)))
-                waits = [asyncio.ensure_future(failed.wait()), asyncio.ensure_future(won.wait())]
-                try:
-                    await asyncio.wait(
-                        waits, timeout=HAPPY_EYEBALLS_DELAY, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    for wait in waits:
-                        wait.cancel()
-                if won.is_set() or _out_of_files(errors):
-                    break
-            # Out of descriptors, the pending attempts cannot help: end them now.
-            if not won.is_set() and not _out_of_files(errors):
-                await _first_of(won, attempts)
-            for task in attempts:
-                task.cancel()
-    except BaseException:
-        for sock in winner:
-            sock.close()
-        raise
-    if winner:
-        return winner[0]
-    return _no_connection(errors, origin)
-
-
-async def _connect_one(
-    loop: asyncio.AbstractEventLoop, family: int, sockaddr: tuple[object, ...]
-) -> socket.socket:
-    """A non-blocking socket connected to `sockaddr`, or the OSError (socket closed)."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        await loop.sock_connect(sock, sockaddr)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _no_connection(errors: list[OSError], origin: str) -> NoReturn:
-    for exc in errors:
-        _raise_if_out_of_files(exc, origin)
-    detail = "; ".join(dict.fromkeys(str(e.strerror or e) for e in errors)) or "no address"
-    raise ConnectError(
-        f"Cannot connect to {origin} ({detail}); check that the server is running and reachable.",
-        url=origin,
-    )
-
-
-async def _first_of(won: asyncio.Event, attempts: list[asyncio.Task[None]]) -> None:
-    """Wait until an attempt wins or every attempt has ended."""
-    waiter = asyncio.ensure_future(won.wait())
-    try:
-        await asyncio.wait([waiter, *attempts], return_when=asyncio.FIRST_COMPLETED)
-        while not won.is_set() and not all(task.done() for task in attempts):
-            pending = [task for task in attempts if not task.done()]
-            await asyncio.wait([waiter, *pending], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-
-
-def _out_of_files(errors: list[OSError]) -> bool:
-    return any(exc.errno in _NO_FILES for exc in errors)
-
-
-def _raise_if_out_of_files(exc: OSError, origin: str) -> None:
-    if exc.errno in _NO_FILES:
-        raise OpenFilesExhausted(
-            f"The process ran out of file descriptors opening a connection to {origin} "
-            f"({errno.errorcode[exc.errno]}); raise the limit (ulimit -n) or lower the "
-            "number of concurrent passes.",
-            url=origin,
-        ) from None
