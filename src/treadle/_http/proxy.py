@@ -180,7 +180,7 @@ class _ConnectReply(asyncio.Protocol):
     """Reads the proxy's reply head to CONNECT through llhttp; bytes after it are refused."""
 
     def __init__(self, proxy: str, target: str) -> None:
-        self._proxy, self._target = proxy, target
+        self.proxy, self.target = proxy, target
         self._parser = httptools.HttpResponseParser(self)
         self._reason = bytearray()
         self._seen = 0
@@ -189,7 +189,7 @@ class _ConnectReply(asyncio.Protocol):
 
     # llhttp callbacks
     def on_status(self, status: bytes) -> None:
-        self._reason += status[:200]
+        self._reason += status[: max(0, 200 - len(self._reason))]
 
     def on_headers_complete(self) -> None:
         if not self.head.done():
@@ -216,15 +216,17 @@ class _ConnectReply(asyncio.Protocol):
         self._fail("closed the connection before answering")
 
     def reason(self) -> str:
-        return self._reason.decode("latin-1").strip()
+        """The reply's reason phrase, printable characters only (it is the peer's text)."""
+        text = self._reason.decode("latin-1")
+        return "".join(c if c.isprintable() else "?" for c in text).strip()
 
     def _fail(self, what: str) -> None:
         if not self.head.done():
             self.head.set_exception(
                 ProxyError(
-                    f"The proxy {self._proxy} {what} to CONNECT {self._target}; check the "
+                    f"The proxy {self.proxy} {what} to CONNECT {self.target}; check the "
                     "proxy URL (proxy= or HTTPS_PROXY).",
-                    url=self._proxy,
+                    url=self.proxy,
                 )
             )
 
@@ -233,7 +235,7 @@ async def read_connect_reply(
     transport: asyncio.Transport, reader: _ConnectReply, headers: tuple[tuple[str, str], ...]
 ) -> None:
     """Send CONNECT on `transport` (whose protocol is `reader`) and await a 2xx reply."""
-    lines = [f"CONNECT {reader._target} HTTP/1.1", f"Host: {reader._target}"]
+    lines = [f"CONNECT {reader.target} HTTP/1.1", f"Host: {reader.target}"]
     lines += [f"{name}: {value}" for name, value in headers]
     transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
     status = await reader.head
@@ -244,15 +246,15 @@ async def read_connect_reply(
             else "ask the proxy's administrator whether this host is allowed"
         )
         raise ProxyError(
-            f"The proxy {reader._proxy} refused CONNECT {reader._target} with {status} "
+            f"The proxy {reader.proxy} refused CONNECT {reader.target} with {status} "
             f"{reader.reason()}; {hint}.",
-            url=reader._proxy,
+            url=reader.proxy,
         )
     if reader.early_bytes:
         raise ProxyError(
-            f"The proxy {reader._proxy} sent bytes after its {status} reply to CONNECT "
-            f"{reader._target} before the TLS handshake began; it is not a tunnelling proxy.",
-            url=reader._proxy,
+            f"The proxy {reader.proxy} sent bytes after its {status} reply to CONNECT "
+            f"{reader.target} before the TLS handshake began; it is not a tunnelling proxy.",
+            url=reader.proxy,
         )
 
 
