@@ -772,14 +772,22 @@ async def test_plaintext_peer_only_when_the_peer_answered_in_plain_http() -> Non
         await reader.read()
         writer.close()
 
+    async def ssh(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)  # not TLS either, but not HTTP: no "use http://" for this one
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\nProtocol mismatch.\r\n")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
     async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1)
         writer.close()
 
-    for handler, plaintext in ((plain_http, True), (hang_up, False)):
+    cases = [(plain_http, True, "plain HTTP"), (ssh, False, "not TLS"), (hang_up, False, "closed")]
+    for handler, plaintext, says in cases:
         async with tcp_server(handler) as port:
             url = f"https://127.0.0.1:{port}/"
-            with pytest.raises(TLSError) as caught:
+            with pytest.raises(TLSError, match=says) as caught:
                 await exchange(route_for(url, NO_ENV), NetworkOptions(verify=False))
             assert caught.value.plaintext_peer is plaintext, caught.value
 

@@ -30,6 +30,7 @@ from treadle._http.dial import (
 from treadle._http.errors import (
     ConnectError,
     ConnectTimeout,
+    HTTPError,
     OpenFilesExhausted,
     ProxyError,
 )
@@ -40,7 +41,13 @@ from treadle._http.proxy import (
     environment_key,
     read_connect_reply,
 )
-from treadle._http.tls import handshake_error, ssl_context, ssl_context_async
+from treadle._http.tls import (
+    first_bytes_after_hello,
+    handshake_error,
+    not_tls,
+    ssl_context,
+    ssl_context_async,
+)
 from treadle.errors import ConfigurationError
 
 __all__ = [
@@ -155,8 +162,8 @@ async def open_connection(
     `resolver` replaces the system resolver (tests); its answers are cached like the system's.
     """
     try:
-        async with asyncio.timeout(connect_timeout):
-            return await _open(route, protocol_factory, options, connect_timeout, resolver)
+        async with asyncio.timeout(connect_timeout) as scope:
+            return await _open(route, protocol_factory, options, scope.when(), resolver)
     except OSError as exc:  # what no phase above turned into an HTTPError (a worker thread's)
         if isinstance(exc, TimeoutError):
             raise _timeout(route, connect_timeout) from None
@@ -179,12 +186,12 @@ async def _open(
     route: Route,
     factory: Callable[[], P],
     options: NetworkOptions,
-    budget: float | None,
+    deadline: float | None,
     resolver: Resolver | None,
 ) -> tuple[asyncio.Transport, P]:
     loop = asyncio.get_running_loop()
     # asyncio's own handshake limit must never fire before our budget does.
-    handshake = None if budget is None else budget + 30.0
+    handshake = None if deadline is None else max(0.0, deadline - loop.time()) + 30.0
     # Contexts first: a certificate file that cannot be read fails before any traffic, and no
     # connected socket waits (or leaks) while the files are read.
     context = await ssl_context_async(options) if route.scheme == "https" else None
@@ -196,6 +203,11 @@ async def _open(
         sock = await dial(route.host, route.port, route.origin, resolver)
         if context is None:
             return await _adopt(loop.create_connection(factory, sock=sock), sock, route.origin)
+        tls_context = context
+
+        async def plain_http() -> bool:
+            return await _answers_in_plain_http(route, tls_context, resolver, deadline)
+
         return await _handshake(
             loop.create_connection(
                 factory,
@@ -206,6 +218,7 @@ async def _open(
             ),
             sock,
             route.origin,
+            plain_http,
         )
     try:
         sock = await dial(proxy.host, proxy.port, route.proxy, resolver)
@@ -280,9 +293,15 @@ async def _adopt(
 
 
 async def _handshake(
-    opening: Awaitable[tuple[asyncio.BaseTransport, P]], sock: socket.socket, origin: str
+    opening: Awaitable[tuple[asyncio.BaseTransport, P]],
+    sock: socket.socket,
+    origin: str,
+    plain_http: Callable[[], Awaitable[bool]] | None = None,
 ) -> tuple[asyncio.Transport, P]:
-    """`_adopt` for a TLS transport: a failed handshake becomes `TLSError`."""
+    """`_adopt` for a TLS transport: a failed handshake becomes `TLSError`.
+
+    When the peer answered with bytes that are not TLS, `plain_http()` looks at what they were.
+    """
     try:
         return await _adopt(opening, sock, origin)
     except ConnectionAbortedError as exc:
@@ -292,4 +311,34 @@ async def _handshake(
         ) from None
     except (OSError, ssl.SSLError) as exc:
         raise_if_out_of_files(exc, origin)  # OpenSSL opens files of its own on first use
-        raise handshake_error(exc, origin) from None
+        plain = not_tls(exc) and plain_http is not None and await plain_http()
+        raise handshake_error(exc, origin, plain_http=plain) from None
+
+
+PROBE_SECONDS = 2.0
+"""The longest a look at a non-TLS answer may take (within what is left of the budget)."""
+
+
+async def _answers_in_plain_http(
+    route: Route, context: ssl.SSLContext, resolver: Resolver | None, deadline: float | None
+) -> bool:
+    """Whether `route`'s server answers a ClientHello with `HTTP/`, on a second connection.
+
+    The failed handshake's bytes were consumed by the TLS layer, so a fresh connection sends the
+    same ClientHello (nothing else: no request, no key) and reads the first five bytes of the
+    answer. Any failure, or the budget nearly spent, means "not shown to be HTTP".
+    """
+    loop = asyncio.get_running_loop()
+    limit = loop.time() + PROBE_SECONDS
+    if deadline is not None:
+        limit = min(limit, deadline - 0.05)  # the connect budget must not run out in here
+    try:
+        async with asyncio.timeout_at(limit):
+            sock = await dial(route.host, route.port, route.origin, resolver)
+            try:
+                first = await first_bytes_after_hello(sock, context, route.host)
+            finally:
+                sock.close()
+    except (OSError, HTTPError):  # TimeoutError is an OSError
+        return False
+    return first.startswith(b"HTTP/")

@@ -11,8 +11,10 @@ worker thread; both are cached, so a context is built once per options and envir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
+import socket
 import ssl
 import threading
 from typing import TYPE_CHECKING
@@ -147,11 +149,39 @@ def _shown(verify: object) -> str:
     return repr(verify) if isinstance(verify, (bool, str)) else "<SSLContext>"
 
 
-def handshake_error(exc: BaseException, origin: str) -> TLSError:
+def not_tls(exc: BaseException) -> bool:
+    """True when OpenSSL says the bytes the peer sent back were not a TLS record at all."""
+    return isinstance(exc, ssl.SSLError) and getattr(exc, "reason", None) in _NOT_TLS_REASONS
+
+
+async def first_bytes_after_hello(
+    sock: socket.socket, context: ssl.SSLContext, server_hostname: str
+) -> bytes:
+    """Send a ClientHello on connected `sock` and return the first (up to 5) bytes answered.
+
+    A probe for a peer that did not answer in TLS: it sends what the failed handshake sent, a
+    ClientHello, and nothing else, and reads only the start of the answer.
+    """
+    loop = asyncio.get_running_loop()
+    outgoing = ssl.MemoryBIO()
+    hello = context.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname=server_hostname)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        hello.do_handshake()
+    await loop.sock_sendall(sock, outgoing.read())
+    answer = b""
+    while len(answer) < 5:
+        more = await loop.sock_recv(sock, 5 - len(answer))
+        if not more:
+            break
+        answer += more
+    return answer
+
+
+def handshake_error(exc: BaseException, origin: str, *, plain_http: bool = False) -> TLSError:
     """A failed handshake with `origin` as a `TLSError` saying what happened and what to do.
 
-    `plaintext_peer` is set only when OpenSSL says the bytes that came back were not TLS, never
-    from timing (a slow handshake is a `ConnectTimeout`, decided by the caller).
+    `plain_http` is the caller's finding that the peer answers a ClientHello with `HTTP/`: only
+    then is `plaintext_peer` set (never from timing: a slow handshake is a `ConnectTimeout`).
     """
     if isinstance(exc, ssl.SSLCertVerificationError):
         return TLSError(
@@ -160,12 +190,18 @@ def handshake_error(exc: BaseException, origin: str) -> TLSError:
             url=origin,
         )
     reason = getattr(exc, "reason", None)
-    if isinstance(exc, ssl.SSLError) and reason in _NOT_TLS_REASONS:
+    if not_tls(exc) and plain_http:
         return TLSError(
-            f"{origin} answered the TLS handshake with bytes that are not TLS: it may serve "
-            "plain HTTP on this port; check the port and scheme of base_url.",
+            f"{origin} answered the TLS handshake in plain HTTP: this port serves http://, not "
+            "https://; check the scheme and port of base_url.",
             url=origin,
             plaintext_peer=True,
+        )
+    if not_tls(exc):
+        return TLSError(
+            f"{origin} answered the TLS handshake with bytes that are not TLS; check that this "
+            "port serves HTTPS (the scheme and port of base_url).",
+            url=origin,
         )
     if isinstance(exc, ssl.SSLError):
         return TLSError(
