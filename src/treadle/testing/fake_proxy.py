@@ -130,18 +130,32 @@ class FakeProxy:
         target: str,
         headers: dict[str, str],
     ) -> None:
-        """Plain http: rewrite each absolute-form request to origin-form and relay the replies."""
-        parts = urlsplit(target)
-        if parts.scheme != "http" or not parts.hostname:
-            await self._answer(writer, b"400 Bad Request")
-            return
-        opened = await self._open(parts.hostname, str(parts.port or 80), writer)
-        if opened is None:
-            return
-        up_reader, upstream = opened
-        replies = asyncio.create_task(self._pipe(up_reader, writer))
+        """Plain http: rewrite each absolute-form request to origin-form and relay the replies.
+
+        Keep-alive: the next request on the connection may name another origin, which then gets
+        a connection of its own. Request bodies are relayed by `Content-Length` only.
+        """
+        origin: tuple[str, int] | None = None
+        upstream: asyncio.StreamWriter | None = None
+        replies: asyncio.Task[None] | None = None
         try:
             while True:
+                parts = urlsplit(target)
+                if parts.scheme != "http" or not parts.hostname:
+                    await self._answer(writer, b"400 Bad Request")
+                    return
+                wanted = (parts.hostname, parts.port or 80)
+                if wanted != origin or upstream is None or upstream.is_closing():
+                    if replies is not None:
+                        replies.cancel()
+                    if upstream is not None:
+                        upstream.close()
+                    opened = await self._open(wanted[0], str(wanted[1]), writer)
+                    if opened is None:
+                        return
+                    up_reader, upstream = opened
+                    origin = wanted
+                    replies = asyncio.create_task(self._pipe(up_reader, writer))
                 path = parts.path or "/"
                 path += f"?{parts.query}" if parts.query else ""
                 lines = [f"{method} {path} HTTP/1.1"]
@@ -155,15 +169,18 @@ class FakeProxy:
                 if head is None:
                     return
                 method, target, headers = head
-                self.requests.append(
-                    ProxiedRequest(method, target, headers.get("proxy-authorization"))
-                )
-                parts = urlsplit(target)
+                auth = headers.get("proxy-authorization")
+                self.requests.append(ProxiedRequest(method, target, auth))
+                if not self._authorized(auth):
+                    await self._answer(writer, b"407 Proxy Authentication Required")
+                    return
         finally:
-            replies.cancel()
-            with contextlib.suppress(BaseException):
-                await replies
-            upstream.close()
+            if replies is not None:
+                replies.cancel()
+                with contextlib.suppress(BaseException):
+                    await replies
+            if upstream is not None:
+                upstream.close()
 
     async def _read_head(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
