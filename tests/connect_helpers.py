@@ -39,6 +39,7 @@ class Collect(asyncio.Protocol):
         self.closed: asyncio.Future[BaseException | None] = (
             asyncio.get_running_loop().create_future()
         )
+        self._arrived = asyncio.Event()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.made += 1
@@ -46,10 +47,21 @@ class Collect(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.data += data
+        self._arrived.set()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self.closed.done():
             self.closed.set_result(exc)
+        self._arrived.set()
+
+    async def until(self, ending: bytes) -> None:
+        """Wait (30 s at most) until the bytes received end with `ending`."""
+        async with asyncio.timeout(30):
+            while not self.data.endswith(ending):
+                if self.closed.done():
+                    raise AssertionError(f"closed with {bytes(self.data)!r}, not {ending!r}")
+                self._arrived.clear()
+                await self._arrived.wait()
 
 
 async def exchange(

@@ -19,6 +19,7 @@ import trustme
 
 from connect_helpers import (
     NO_ENV,
+    Collect,
     body,
     clean_network_env,
     exchange,
@@ -28,6 +29,7 @@ from connect_helpers import (
 )
 from treadle._http.connect import (
     NetworkOptions,
+    open_connection,
     route_for,
 )
 from treadle._http.errors import (
@@ -304,6 +306,40 @@ async def test_plain_http_through_a_proxy_uses_absolute_form_as_httpx() -> None:
             ours, theirs = proxy.requests
             assert ours.target == theirs.target == f"{origin.url}/probe"
             assert ours.proxy_authorization == theirs.proxy_authorization is not None
+    finally:
+        await proxy.stop_serving()
+
+
+async def test_one_kept_alive_proxy_connection_carries_requests_to_two_origins() -> None:
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        name = f"{writer.get_extra_info('sockname')[1]}".encode()
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(name), name))
+            await writer.drain()
+
+    proxy = FakeProxy(auth=("u", "p"))
+    await proxy.start_serving()
+    try:
+        async with tcp_server(keep_alive) as one, tcp_server(keep_alive) as two:
+            options = NetworkOptions(proxy=proxy.url, trust_env=False)
+            first = route_for(f"http://127.0.0.1:{one}/", options)
+            transport, protocol = await open_connection(
+                first, Collect, options=options, connect_timeout=30
+            )
+            try:
+                for port in (one, two, one):
+                    route = route_for(f"http://127.0.0.1:{port}/", options)
+                    assert route.proxy == first.proxy  # the same proxy connection serves both
+                    head = [f"GET {route.origin}/v1 HTTP/1.1", f"Host: {route.authority}"]
+                    head += [f"{name}: {value}" for name, value in route.proxy_headers]
+                    protocol.data.clear()
+                    transport.write(("\r\n".join(head) + "\r\n\r\n").encode())
+                    await protocol.until(b"\r\n\r\n" + str(port).encode())
+            finally:
+                transport.close()
+        assert [r.target for r in proxy.requests] == [
+            f"http://127.0.0.1:{port}/v1" for port in (one, two, one)
+        ]
     finally:
         await proxy.stop_serving()
 

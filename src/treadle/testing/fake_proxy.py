@@ -59,6 +59,7 @@ class FakeProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     @property
     def url(self) -> str:
@@ -79,11 +80,14 @@ class FakeProxy:
         """Stop listening and close every tunnel."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        # Abort the connections first: their handlers see the end and return. Cancelling a
+        # handler instead makes asyncio's stream callback log the CancelledError.
+        for writer in list(self._writers):
+            writer.transport.abort()
+        if self._tasks:
+            _, stuck = await asyncio.wait(list(self._tasks), timeout=10)
+            for task in stuck:
+                task.cancel()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -92,6 +96,7 @@ class FakeProxy:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self._writers.add(writer)
         upstream: asyncio.StreamWriter | None = None
         try:
             head = await self._read_head(reader, writer)
@@ -121,6 +126,7 @@ class FakeProxy:
                 if side is not None:
                     side.close()
             self._tasks.discard(task)
+            self._writers.discard(writer)
 
     async def _forward(
         self,
@@ -241,13 +247,14 @@ class FakeProxy:
                 await sink.drain()
         except OSError:  # a reset or a TLS alert from either side ends the pipe
             pass
-        finally:
-            # Pass the end on: half-close where the transport can (TCP), else close (TLS).
-            if sink.can_write_eof():
-                with contextlib.suppress(OSError):
-                    sink.write_eof()
-            else:
-                sink.close()
+        # The source ended (not cancelled: a forwarding connection that changes origin cancels
+        # the old origin's pipe, and its client stays open). Pass the end on: half-close where
+        # the transport can (TCP), else close (TLS).
+        if sink.can_write_eof():
+            with contextlib.suppress(OSError):
+                sink.write_eof()
+        else:
+            sink.close()
 
     @staticmethod
     async def _answer(writer: asyncio.StreamWriter, status: bytes) -> None:
@@ -321,6 +328,7 @@ class TLSFront(FakeProxy):
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self._writers.add(writer)
         upstream: asyncio.StreamWriter | None = None
         try:
             up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
@@ -332,6 +340,7 @@ class TLSFront(FakeProxy):
                 if side is not None:
                     side.close()
             self._tasks.discard(task)
+            self._writers.discard(writer)
 
 
 def _is_loopback(host: str) -> bool:
