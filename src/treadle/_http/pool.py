@@ -18,7 +18,7 @@ import re
 from collections import deque
 from urllib.parse import quote, urlsplit
 
-from treadle._http.direct import NetworkOptions, Route, open_connection, route_for
+from treadle._http.connect import NetworkOptions, Route, open_connection, route_for
 from treadle._http.errors import InvalidHeader, PoolTimeout
 from treadle._http.protocol import Body, Connection, Exchange
 from treadle._http.reply import Reply, StreamReply, Timeouts
