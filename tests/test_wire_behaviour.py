@@ -163,3 +163,10 @@ async def test_a_gpustack_error_line_reaches_the_user() -> None:
         )
         with pytest.raises(ProviderError, match="CUDA out of memory on the worker"):
             await _pass(provider, "hi")
+
+
+def test_network_options_with_a_users_client_are_refused() -> None:
+    import httpx
+
+    with pytest.raises(ConfigurationError, match="httpx.AsyncClient"):
+        Provider(model="m", http_client=httpx.AsyncClient(), verify=False)

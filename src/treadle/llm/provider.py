@@ -229,6 +229,13 @@ class Provider:
                 "Provider.proxy must be an http:// or https:// proxy URL, got a URL of scheme "
                 f"{urlsplit(self.proxy).scheme!r}."
             )
+        if self.http_client is not None and (
+            self.proxy is not None or self.verify is not True or self.cert is not None
+        ):
+            raise ConfigurationError(
+                "Provider.proxy, verify and cert configure Treadle's own pool; with "
+                "http_client=, set them on your httpx.AsyncClient instead."
+            )
         if self.on_budget_exceeded is not None and not callable(self.on_budget_exceeded):
             raise ConfigurationError("Provider.on_budget_exceeded must be callable or None.")
 
