@@ -168,5 +168,5 @@ async def test_a_gpustack_error_line_reaches_the_user() -> None:
 def test_network_options_with_a_users_client_are_refused() -> None:
     import httpx
 
-    with pytest.raises(ConfigurationError, match="httpx.AsyncClient"):
+    with pytest.raises(ConfigurationError, match=r"httpx\.AsyncClient"):
         Provider(model="m", http_client=httpx.AsyncClient(), verify=False)
