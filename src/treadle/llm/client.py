@@ -395,12 +395,15 @@ async def _aclose_all(loop_clients: _LoopClients) -> None:
 
 
 def _new_client(provider: Provider) -> ModelClient:
+    from treadle._http.pool import DEFAULT_MAX_CONNECTIONS
     from treadle.llm.transport import HttpxTransport, PoolTransport
 
     user_http = provider.http_client
     if user_http is not None:
         return ModelClient(HttpxTransport(user_http), http=user_http)
-    return ModelClient(PoolTransport(provider.network_options))
+    # The endpoint limiter gates requests first; the pool must not be the narrower gate.
+    limit = max(DEFAULT_MAX_CONNECTIONS, provider.max_concurrent_requests)
+    return ModelClient(PoolTransport(provider.network_options, max_connections=limit))
 
 
 def get_client(provider: Provider) -> ModelClient:

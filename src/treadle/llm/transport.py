@@ -42,8 +42,11 @@ class Transport(Protocol):
 class PoolTransport:
     """Treadle's own pool, bound to the event loop of its first request."""
 
-    def __init__(self, options: NetworkOptions | None = None) -> None:
+    def __init__(
+        self, options: NetworkOptions | None = None, *, max_connections: int | None = None
+    ) -> None:
         self._options = options
+        self._max_connections = max_connections
         self._pool: Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -66,7 +69,10 @@ class PoolTransport:
                 "(treadle.llm.get_client does this for you)."
             )
         self._loop = loop
-        pool = self._pool = Pool(options=self._options)
+        if self._max_connections is None:
+            pool = self._pool = Pool(options=self._options)
+        else:
+            pool = self._pool = Pool(options=self._options, max_connections=self._max_connections)
         return pool
 
     async def post(
