@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from net_helpers import cancel_held_requests, unanswered_port
 from treadle import ConfigurationError, Provider, Session, run_session_loop
 from treadle._http.errors import (
+    BodyClosed,
     ConnectError,
     ConnectTimeout,
     DecodeError,
@@ -542,3 +543,26 @@ async def test_the_servers_keep_alive_timeout_is_respected(lane: Pool) -> None:
         assert len(connections) == 2  # a new connection, not one the server is closing
     finally:
         srv.close()
+
+
+async def test_a_body_read_after_aclose_never_reads_the_next_reply(
+    server: FakeOpenAIServer, lane: Pool
+) -> None:
+    _, _, body = await post_stream(lane, chat(server), STREAM_BODY, HEADERS, T)
+    _ = [piece async for piece in body]
+    await body.aclose()  # read to its end: the connection goes back to the pool
+    _, _, second = await post_stream(lane, chat(server), STREAM_BODY, HEADERS, T)
+    assert len(server._connections) == 1  # the same connection carries the second reply
+    with pytest.raises(BodyClosed):
+        await anext(body)
+    assert b"[DONE]" in b"".join([piece async for piece in second])  # all of it, for its reader
+    await second.aclose()
+
+
+async def test_the_decompressed_size_is_capped(lane: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("treadle._http.protocol.MAX_BODY_BYTES", 10_000)
+    bomb = gzip.compress(b"0" * 50_000)  # 50 KB from a few dozen bytes
+    async with raw_server([reply(bomb, "content-encoding: gzip")], close_after=True) as url:
+        with pytest.raises(DecodeError, match="over 10000 bytes"):
+            await post(lane, url, BODY, HEADERS, T)
+    assert lane.idle_connections == 0
