@@ -80,7 +80,7 @@ def per_round(h: Harness, size: dict[str, Any], *, stream: bool) -> Result:
         jobs.append(Job("raw-socket hand loop", "raw", "serial", params))
     if not size["variants"]:
         jobs = [jobs[0], jobs[3]]
-    jobs += _baseline(size, "serial", params) if not stream else []
+    jobs += _baseline(size, "serial", params)  # streamed too: "nothing slower" is checked both ways
     jobs += _peer_jobs(size, "serial", params) if not stream else []
     key, title = (
         ("s6a", "6a. Per-round overhead, streamed")

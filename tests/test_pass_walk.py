@@ -23,7 +23,7 @@ MAX_FILES_PER_PATH = 6
 
 # (file, function) where a pass leaves Treadle: the HTTP send, and the sandbox backend.
 LEAVES = {
-    ("llm/lane.py", "_request"): "wire",
+    ("_http/pool.py", "_send"): "wire",
     ("sandbox/local.py", "run_command"): "shell",
     ("sandbox/local.py", "write_file"): "write",
 }

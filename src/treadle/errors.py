@@ -13,7 +13,8 @@ TreadleError
 │   ├── ContextLengthError                    the prompt does not fit the model's context
 │   ├── ProviderTimeout (also TimeoutError)   connect or read timed out after all retries
 │   ├── ProviderConnectionError               refused / reset / disconnected after all retries
-│   │   └── ProtocolMismatchError             https:// to a plain-HTTP port (or the reverse)
+│   │   ├── ProtocolMismatchError             https:// to a plain-HTTP port (or the reverse)
+│   │   └── HostNotFoundError                 the endpoint's host name does not exist (not retried)
 │   ├── NotOpenAIEndpointError                the URL answers, but not as an OpenAI endpoint
 │   ├── ModelNotFoundError                    the endpoint does not serve the requested model
 │   ├── InvalidRequestError                   a 5xx saying this request cannot be parsed
@@ -58,6 +59,7 @@ __all__ = [
     "EvalLogBusyError",
     "EvalLogDamagedError",
     "HookError",
+    "HostNotFoundError",
     "InvalidRequestError",
     "MCPSchemaError",
     "MCPServerError",
@@ -188,6 +190,11 @@ class ProtocolMismatchError(ProviderConnectionError):
 
     Never retried: the same URL fails the same way every time.
     """
+
+
+class HostNotFoundError(ProviderConnectionError):
+    """The endpoint's host name does not exist (the DNS said so): not retried, as a retry
+    would fail the same way; check the spelling of `base_url`."""
 
 
 class NotOpenAIEndpointError(ProviderError):

@@ -70,10 +70,14 @@ class PoolTimeout(HTTPError):
 class ConnectError(HTTPError):
     """No connection could be opened (refused, unreachable, name not resolved, reset)."""
 
-    def __init__(self, message: str, *, url: str = "", dns: bool = False) -> None:
+    def __init__(
+        self, message: str, *, url: str = "", dns: bool = False, no_such_host: bool = False
+    ) -> None:
         super().__init__(message, url=url)
         self.dns = dns
-        """True when the host name did not resolve (a retry will not help)."""
+        """True when resolving the host name failed (perhaps for a moment: a DNS server down)."""
+        self.no_such_host = no_such_host
+        """True when the DNS answered that the name does not exist: a retry will not help."""
 
 
 class ConnectTimeout(ConnectError):

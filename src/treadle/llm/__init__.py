@@ -1,8 +1,8 @@
-"""The model layer: OpenAI-compatible chat completions over httpx, with retries and limits.
+"""The model layer: OpenAI-compatible chat completions over `treadle._http`, retries and limits.
 
 Public face of `treadle.llm`; the modules behind it may move. Nothing here blocks the event loop.
 Names are imported on first use (see `_HOMES`), so building a `Provider` never imports httpx or
-aiohttp.
+the HTTP layer.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from treadle.llm.provider import Provider
     from treadle.llm.request import CompletionRequest, OfferedTools
     from treadle.llm.sse import SSEDecoder
-    from treadle.llm.transport import AiohttpTransport
     from treadle.llm.turn import (
         AssistantTurn,
         AsyncExecutor,
@@ -51,10 +50,9 @@ if TYPE_CHECKING:
         build_request_body,
     )
 
-# Every name loads on first access: httpx (about 40-100 ms) and aiohttp (about 170 ms) are paid
+# Every name loads on first access: httpx (about 40-100 ms) and the HTTP layer are paid
 # by the first request, not by `from treadle import Provider`.
 _HOMES = {
-    "AiohttpTransport": "transport",
     "StreamAccumulator": "accumulate",
     "ModelClient": "client",
     "aclose_clients": "client",
@@ -108,7 +106,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AiohttpTransport",
     "AssistantTurn",
     "AsyncExecutor",
     "ChatCompletion",

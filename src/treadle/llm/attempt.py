@@ -1,9 +1,9 @@
 """One attempt of a chat-completion request, as plain values for `ModelClient`'s one retry loop.
 
-A non-200 reply is a `StatusError` carrying status, headers and body (no `httpx.Response` is
-built); `classify` turns it, or an httpx transport error, into the typed `ProviderError` and the
-server's `Retry-After`. `OpenStream` is a streamed 200 reply read up to its first SSE events: the
-point after which a stream is never retried. Nothing here sleeps or retries.
+A non-200 reply is a `StatusError` carrying status, headers and body; `classify` turns it, or an
+HTTP-layer error (`treadle._http.errors`), into the typed error and the server's `Retry-After`:
+the one place a failure is classified. `OpenStream` is a streamed 200 reply read up to its first
+SSE events: the point after which a stream is never retried. Nothing here sleeps or retries.
 """
 
 from __future__ import annotations
@@ -11,17 +11,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-import httpx
+from pydantic_core import from_json
 
-from treadle.errors import ProviderError
+from treadle._http.errors import HTTPError
+from treadle._http.reply import Timeouts
+from treadle.errors import ProviderError, TreadleError
 from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
+from treadle.llm.inband import status_in
+from treadle.llm.provider import DEFAULT_POOL_TIMEOUT
 from treadle.llm.retry import parse_retry_after
 from treadle.llm.sse import SSEDecoder
 
 if TYPE_CHECKING:
     from treadle.llm.provider import Provider
 
-__all__ = ["OpenStream", "StatusError", "classify"]
+__all__ = ["OpenStream", "StatusError", "classify", "named_status", "wire_timeouts"]
 
 
 class StatusError(Exception):
@@ -36,8 +40,8 @@ class StatusError(Exception):
 
 
 def classify(
-    provider: Provider, failure: httpx.TransportError | StatusError, retries: int
-) -> tuple[ProviderError, float | None]:
+    provider: Provider, failure: HTTPError | StatusError, retries: int
+) -> tuple[TreadleError, float | None]:
     """The typed error of a failed attempt (saying `retries` were spent), and `Retry-After`."""
     url = provider.chat_completions_url
     if isinstance(failure, StatusError):
@@ -98,10 +102,11 @@ class OpenStream:
             return self.decoder.flush()
         return self.decoder.feed(raw)
 
-    def torn(self, exc: httpx.TransportError, url: str) -> ProviderError:
+    def torn(self, exc: HTTPError, url: str) -> ProviderError:
         """The error for a connection lost after the first events (never retried)."""
         error = error_from_transport(exc, url=url, retries=0)
-        return malformed(f"the stream was torn ({error.message})", request_id=self.request_id)
+        text = error.message if isinstance(error, ProviderError) else str(error)
+        return malformed(f"the stream was torn ({text})", request_id=self.request_id)
 
     async def aclose(self) -> None:
         """Close the body stream (idempotent)."""
@@ -111,3 +116,31 @@ class OpenStream:
                 await aclose()
         finally:
             await self._close()
+
+
+def wire_timeouts(provider: Provider) -> Timeouts:
+    """`provider.timeout` (and `pool_timeout`) as the HTTP layer's `Timeouts` (no httpx needed)."""
+    cached: Timeouts | None = provider._cache.get("wire_timeouts")
+    if cached is None:
+        t = provider.timeout
+        pool = provider.pool_timeout
+        if isinstance(t, tuple):
+            cached = Timeouts(float(t[0]), float(t[1]), pool)
+        elif isinstance(t, int | float):
+            cached = Timeouts(float(t), float(t), pool)
+        else:  # an httpx.Timeout: its own pool value unless pool_timeout was changed
+            wait = t.pool if pool == DEFAULT_POOL_TIMEOUT else pool
+            cached = Timeouts(t.connect, t.read, wait)
+        provider._cache["wire_timeouts"] = cached
+    return cached
+
+
+def named_status(body: str | None) -> int | None:
+    """The HTTP status an in-band error body names (`code`, `status`, `status_code`), if any."""
+    if not body:
+        return None
+    try:
+        payload = from_json(body)
+    except ValueError:
+        return None
+    return status_in(payload.get("error")) if isinstance(payload, dict) else None

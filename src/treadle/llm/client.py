@@ -1,4 +1,8 @@
-"""`ModelClient`: chat completions over httpx (whole and SSE-streamed) with retries and limits.
+"""`ModelClient`: chat completions (whole and SSE-streamed) with retries and limits.
+
+Requests go through one `Transport` (`treadle.llm.transport`): Treadle's own pool, or the user's
+`httpx.AsyncClient` behind the same two calls. A failure is classified once
+(`treadle.llm.attempt.classify`) and retried in one loop (`ModelClient._send`).
 
 `get_client(provider)` returns the pooled client of the running event loop for the provider's
 endpoint; every pass on that loop shares it (keep-alive connections, one limiter per endpoint and
@@ -18,19 +22,21 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import httpx
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from treadle._http.errors import HTTPError, StaleConnection
+from treadle._http.reply import Timeouts
 from treadle.errors import MalformedResponse, ProviderError
-from treadle.llm.attempt import OpenStream, StatusError, classify
+from treadle.llm.attempt import OpenStream, StatusError, classify, named_status, wire_timeouts
 from treadle.llm.chunk_parse import parse_chunk
 from treadle.llm.http_errors import (
-    StaleConnectionError,
     error_from_payload,
     html_reply_error,
+    is_certificate_failure,
     malformed,
 )
+from treadle.llm.inband import status_in
 from treadle.llm.limiter import EndpointLimiter, Permit, estimate_tokens
 from treadle.llm.provider import Provider
 from treadle.llm.retry import backoff_delay, is_retryable_error
@@ -38,8 +44,10 @@ from treadle.llm.sse import DONE
 from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
 from treadle.telemetry import current_pass
 
-if TYPE_CHECKING:  # imported on first use: aiohttp's import costs ~170 ms
-    from treadle.llm.transport import AiohttpTransport
+if TYPE_CHECKING:
+    import httpx
+
+    from treadle.llm.transport import Transport
 
 __all__ = ["ModelClient", "aclose_clients", "close_all_clients_for_loop", "get_client"]
 
@@ -51,28 +59,21 @@ _CLOSE_TIMEOUT_SECONDS = 10.0
 _T = TypeVar("_T")
 _Parse = Callable[[bytes, str | None, str | None], tuple[_T, int | None, bool]]
 """A stream payload parser: `(data, api_key, request_id) -> (item, usage total, finished)`."""
-_Prepared = tuple[Provider, Provider, str, dict[str, str], httpx.Timeout, EndpointLimiter]
+_Prepared = tuple[Provider, Provider, str, dict[str, str], Timeouts, EndpointLimiter]
 """(provider, resolved, URL, headers, timeouts, limiter): `ModelClient._prepare`."""
 _MAX_PREPARED = 256
+_USER_AGENT = "treadle"
 
 
 class ModelClient:
     """Sends chat-completion bodies to one endpoint; obtain it with `get_client(provider)`."""
 
-    def __init__(
-        self,
-        http: httpx.AsyncClient,
-        *,
-        owns_http: bool,
-        fast_transport: AiohttpTransport | None = None,
-    ) -> None:
+    def __init__(self, transport: Transport, *, http: httpx.AsyncClient | None = None) -> None:
+        self.transport = transport
+        """The two calls every request goes through."""
         self.http = http
-        """The underlying `httpx.AsyncClient`."""
-        self._owns_http = owns_http
-        # Set when Treadle built `http` over its own transport: whole (non-streamed) completions
-        # then skip httpx's Request/Response layer (same headers, errors and timeouts).
-        self._fast = fast_transport
-        self._fast_headers: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+        """The user's `httpx.AsyncClient` carrying the requests (None: Treadle's own pool)."""
+        self._wire_headers: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
         self._limiters: dict[tuple[int, int | None, int | None, bool, float], EndpointLimiter] = {}
         # Per provider object: what every request to it needs, worked out once (not per request).
         self._prepared: dict[int, _Prepared] = {}
@@ -105,8 +106,8 @@ class ModelClient:
                 provider,
                 resolved,
                 resolved.chat_completions_url,
-                resolved.request_headers(),
-                resolved.httpx_timeout,
+                self._headers_for(resolved.request_headers()),
+                wire_timeouts(resolved),
                 self.limiter(resolved),
             )
         return prepared
@@ -114,29 +115,49 @@ class ModelClient:
     async def complete(self, provider: Provider, body: bytes) -> ChatCompletion:
         """POST `body` (non-streaming) and return the parsed completion, retrying per policy."""
         _, provider, url, headers, timeouts, limiter = self._prepare(provider)
-        (content, reply_headers), permit = await self._send(
+        (result, reply_headers), permit = await self._send(
             provider,
             limiter,
             body,
-            self._post_whole,
+            self._complete_once,
             (url, body, headers, timeouts),
             "chat completion",
         )
         used: int | None = None
         try:
             limiter.observe(permit, reply_headers)
-            try:
-                result = _parse_completion(content, reply_headers.get("x-request-id"))
-            except MalformedResponse as exc:
-                page = html_reply_error(url, reply_headers, content)
-                if page is not None:
-                    raise page from exc
-                raise
             if result.usage is not None:
                 used = result.usage.total_tokens
             return result
         finally:
             limiter.release(permit, used)
+
+    async def _complete_once(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> tuple[ChatCompletion, Mapping[str, str]]:
+        """One non-streamed attempt, parsed. A 200 whose body is an error naming an HTTP status
+        (`{"error": {"code": 429, ...}}`) is a `StatusError` of that status, so the one retry
+        loop treats it as the status it names."""
+        content, reply_headers = await self._post_whole(url, body, headers, timeouts)
+        request_id = reply_headers.get("x-request-id")
+        try:
+            result = _parse_completion(content, request_id)
+        except MalformedResponse as exc:
+            page = html_reply_error(url, reply_headers, content)
+            if page is not None:
+                raise page from exc
+            raise
+        except ProviderError as exc:  # a 200 whose body is {"error": ...}
+            status = named_status(exc.body)
+            if status is not None:
+                raise StatusError(status, reply_headers, content) from None
+            raise
+        extra = result.model_extra
+        if extra and extra.get("error"):
+            status = status_in(extra["error"])
+            if status is not None:
+                raise StatusError(status, reply_headers, content)
+        return result, reply_headers
 
     async def stream(self, provider: Provider, body: bytes) -> AsyncGenerator[ChatCompletionChunk]:
         """POST `body` with `"stream": true` and yield chunks as they arrive.
@@ -202,7 +223,7 @@ class ModelClient:
                     opened.ended = True
                     events = decoder.flush()
                     continue
-                except httpx.TransportError as exc:
+                except HTTPError as exc:
                     raise opened.torn(exc, url) from exc
                 events = decoder.feed(raw)
             if not done and not finished:
@@ -223,17 +244,17 @@ class ModelClient:
         provider: Provider,
         limiter: EndpointLimiter,
         body: bytes,
-        attempt: Callable[[str, bytes, dict[str, str], httpx.Timeout], Awaitable[_T]],
-        args: tuple[str, bytes, dict[str, str], httpx.Timeout],
+        attempt: Callable[[str, bytes, dict[str, str], Timeouts], Awaitable[_T]],
+        args: tuple[str, bytes, dict[str, str], Timeouts],
         what: str,
     ) -> tuple[_T, Permit]:
         """The one retry loop of whole and streamed completions: `attempt(*args)` until it succeeds.
 
         Each try holds a limiter permit; the successful one is returned with the attempt's result
-        and the caller releases it once the reply is consumed. Raises the classified
-        `ProviderError` when the failure cannot succeed on retry or `max_retries` are used up. A
-        reused keep-alive connection the server had closed (`StaleConnectionError`: the request
-        never reached it) is re-sent once at once, not counted as a retry.
+        and the caller releases it once the reply is consumed. Raises the classified error when
+        the failure cannot succeed on retry or `max_retries` are used up. A reused keep-alive
+        connection the server had closed just as the request was written (`StaleConnection`: it
+        never saw the request) is re-sent once at once, not counted as a retry.
         """
         estimate = estimate_tokens(body)
         trace = current_pass()  # None unless the application traces passes
@@ -248,22 +269,27 @@ class ModelClient:
                 trace.note_limiter_wait(time.monotonic() - waited)
             try:
                 return await attempt(*args), permit
-            except (httpx.TransportError, StatusError) as exc:
+            except (HTTPError, StatusError) as exc:
                 if isinstance(exc, StatusError):  # a 429 pauses every pass on the endpoint
                     limiter.observe(permit, exc.headers, refused=exc.status == 429)
                 limiter.release(permit)
-                if isinstance(exc, StaleConnectionError) and not stale_resent:
+                if isinstance(exc, StaleConnection) and not stale_resent:
                     stale_resent = True
                     continue
-                failure: httpx.TransportError | StatusError = exc
+                failure: HTTPError | StatusError = exc
             except BaseException:
                 limiter.release(permit)
                 raise
             error, retry_after = classify(provider, failure, 0)
-            if not is_retryable_error(error) or tries >= provider.max_retries:
+            if (
+                not isinstance(error, ProviderError)
+                or not is_retryable_error(error)
+                or (isinstance(failure, HTTPError) and is_certificate_failure(failure))
+                or tries >= provider.max_retries
+            ):
                 if tries:  # the final error says how many retries were spent
                     error, _ = classify(provider, failure, tries)
-                raise error from (failure if isinstance(failure, httpx.TransportError) else None)
+                raise error from (failure if isinstance(failure, HTTPError) else None)
             delay = backoff_delay(tries, provider.retry_base_delay, retry_after)
             logger.info("retrying %s (%s) in %.2fs, attempt %d/%d", what, error.message, delay,
                         tries + 1, provider.max_retries)  # fmt: skip
@@ -273,77 +299,47 @@ class ModelClient:
             tries += 1
 
     async def _post_whole(
-        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
     ) -> tuple[bytes, Mapping[str, str]]:
         """One non-streamed POST: `(content, headers)` of a 200 reply, else `StatusError`."""
-        fast = self._fast
-        if fast is not None:
-            status, reply_headers, content = await fast.post_buffered(
-                url, body, self._merged_headers(headers), timeouts
-            )
-        else:
-            response = await self.http.post(url, content=body, headers=headers, timeout=timeouts)
-            status, reply_headers, content = (
-                response.status_code,
-                response.headers,
-                response.content,
-            )
-        if status != 200:
-            raise StatusError(status, reply_headers, content)
-        return content, reply_headers
+        reply = await self.transport.post(url, body, headers, timeouts)
+        if reply.status != 200:
+            raise StatusError(reply.status, reply.headers, reply.content)
+        return reply.content, reply.headers
 
     async def _open_stream(
-        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
     ) -> OpenStream:
         """One streamed POST, read until its first SSE events (or its end) arrived.
 
-        When Treadle built the client, aiohttp is used directly (no httpx Request/Response per
-        request, the streaming twin of `complete`'s fast path); a user's `http_client` goes
-        through httpx. A non-200 reply is read whole and raised as `StatusError`.
+        A non-200 reply is read whole and raised as `StatusError`.
         """
-        fast = self._fast
-        if fast is not None:
-            status, reply_headers, stream = await fast.post_stream(
-                url, body, self._merged_headers(headers), timeouts
-            )
-            opened = OpenStream(stream.__aiter__(), stream.aclose, reply_headers)
-        else:
-            request = self.http.build_request(
-                "POST", url, content=body, headers=headers, timeout=timeouts
-            )
-            response = await self.http.send(request, stream=True)
-            status, reply_headers = response.status_code, response.headers
-            opened = OpenStream(response.aiter_bytes(), response.aclose, reply_headers)
-        await opened.start(status)
+        reply = await self.transport.post_stream(url, body, headers, timeouts)
+        opened = OpenStream(reply.body.__aiter__(), reply.body.aclose, reply.headers)
+        await opened.start(reply.status)
         return opened
 
-    def _merged_headers(self, headers: dict[str, str]) -> dict[str, str]:
-        """The headers httpx would send: the client's defaults, then the provider's."""
+    def _headers_for(self, headers: dict[str, str]) -> dict[str, str]:
+        """The provider's headers, offering only the encodings the pool decodes (a user's
+        client sends its own defaults, then these)."""
+        if self.http is not None:
+            return headers
         key = tuple(headers.items())
-        merged = self._fast_headers.get(key)
+        merged = self._wire_headers.get(key)
         if merged is None:
-            merged = dict(self.http.headers)
-            merged.update(headers)
-            # Only what aiohttp itself decodes (httpx may also offer br/zstd when installed).
-            merged["accept-encoding"] = "gzip, deflate"
-            merged.pop("content-length", None)
-            self._fast_headers[key] = merged
+            merged = {"accept-encoding": "gzip, deflate", "user-agent": _USER_AGENT, **headers}
+            self._wire_headers[key] = merged
         return merged
 
     async def aclose(self) -> None:
         """Close the pooled connections (a user-supplied `http_client` is left open)."""
         self.closed = True
-        if self._owns_http:
-            await self.http.aclose()
+        await self.transport.aclose()
 
     def close_now(self) -> None:
         """Synchronous best-effort close for a loop that cannot run coroutines any more."""
         self.closed = True
-        if self._owns_http:
-            transport = getattr(self.http, "_transport", None)
-            close_now = getattr(transport, "close_now", None)
-            if callable(close_now):  # our AiohttpTransport
-                close_now()
+        self.transport.close_now()
 
 
 def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
@@ -368,7 +364,7 @@ def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
 
 # --- the per-loop registry -------------------------------------------------------------------
 
-_ClientKey = tuple[str, str, int]
+_ClientKey = tuple[str, str, int, object]
 
 
 class _LoopClients:
@@ -398,12 +394,16 @@ async def _aclose_all(loop_clients: _LoopClients) -> None:
         await client.aclose()
 
 
-def _new_client() -> ModelClient:
-    from treadle.llm.transport import AiohttpTransport
+def _new_client(provider: Provider) -> ModelClient:
+    from treadle._http.pool import DEFAULT_MAX_CONNECTIONS
+    from treadle.llm.transport import HttpxTransport, PoolTransport
 
-    transport = AiohttpTransport()
-    http = httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False)
-    return ModelClient(http, owns_http=True, fast_transport=transport)
+    user_http = provider.http_client
+    if user_http is not None:
+        return ModelClient(HttpxTransport(user_http), http=user_http)
+    # The endpoint limiter gates requests first; the pool must not be the narrower gate.
+    limit = max(DEFAULT_MAX_CONNECTIONS, provider.max_concurrent_requests)
+    return ModelClient(PoolTransport(provider.network_options, max_connections=limit))
 
 
 def get_client(provider: Provider) -> ModelClient:
@@ -430,10 +430,11 @@ def _registered_client(loop: asyncio.AbstractEventLoop, provider: Provider) -> M
     resolved = provider.resolve()
     base_url, key_digest = resolved.endpoint_key
     user_http = resolved.http_client
-    key = (base_url, key_digest, id(user_http) if user_http is not None else 0)
+    network = resolved.network_options if user_http is None else None
+    key = (base_url, key_digest, id(user_http) if user_http is not None else 0, network)
     client = loop_clients.clients.get(key)
     if client is None or client.closed:
-        client = _new_client() if user_http is None else ModelClient(user_http, owns_http=False)
+        client = _new_client(resolved)
         loop_clients.clients[key] = client
         if loop_clients.closer is None:
             # The loop's asyncgen hooks track this generator; shutdown_asyncgens() finalises it,

@@ -1,4 +1,4 @@
-"""Maps HTTP outcomes (error statuses, httpx transport errors) to `treadle.errors` exceptions.
+"""Maps HTTP outcomes (error statuses, `treadle._http` errors) to `treadle.errors` exceptions.
 
 Failures are classified by what the user should do: wrong URL or protocol
 (`NotOpenAIEndpointError`, `ProtocolMismatchError`), bad key (`AuthenticationError`), bad model
@@ -17,12 +17,24 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 from pydantic_core import from_json
 
+from treadle._http.errors import (
+    ConnectError,
+    ConnectTimeout,
+    HTTPError,
+    InvalidHeader,
+    InvalidURL,
+    OpenFilesExhausted,
+    PoolTimeout,
+    ReadTimeout,
+    TLSError,
+)
 from treadle.errors import (
     AuthenticationError,
+    ConfigurationError,
     ContextLengthError,
+    HostNotFoundError,
     InvalidRequestError,
     MalformedResponse,
     ModelNotFoundError,
@@ -32,36 +44,20 @@ from treadle.errors import (
     ProviderError,
     ProviderTimeout,
     RateLimitError,
+    TreadleError,
 )
 
 __all__ = [
     "BODY_EXCERPT_CHARS",
     "MIN_SECRET_CHARS",
-    "StaleConnectionError",
-    "TLSMismatchError",
     "error_from_payload",
     "error_from_status",
     "error_from_transport",
     "excerpt",
     "html_reply_error",
-    "is_tls_mismatch",
+    "is_certificate_failure",
     "redact",
 ]
-
-
-class StaleConnectionError(httpx.RemoteProtocolError):
-    """A reused keep-alive connection closed before any byte of the response arrived.
-
-    The server had closed the pooled connection while it sat idle (llama.cpp's server closes
-    every connection shortly after a streamed reply while still advertising keep-alive), so the
-    request was never processed: the client re-sends it once at once, without counting a retry.
-    A fresh connection closed the same way is an ordinary `RemoteProtocolError`: the server may
-    have processed (and billed) that request, so only `max_retries` may send it again.
-    """
-
-
-class TLSMismatchError(httpx.ConnectError):
-    """The TLS handshake failed in a way that says the server speaks plain HTTP on that port."""
 
 
 BODY_EXCERPT_CHARS = 2000
@@ -307,7 +303,7 @@ def error_from_status(
 ) -> ProviderError:
     """The typed error for a non-2xx reply, from plain values (no `httpx.Response` needed).
 
-    `headers` is any case-insensitive mapping (aiohttp's or httpx's headers).
+    `headers` is any case-insensitive mapping (`treadle._http.reply.Headers`).
     """
     try:
         payload = from_json(body) if body else None
@@ -324,23 +320,41 @@ def error_from_status(
     )
 
 
-def error_from_transport(exc: httpx.TransportError, *, url: str, retries: int) -> ProviderError:
-    """The typed error for a request that got no usable response (connect, read, disconnect)."""
+def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleError:
+    """The typed error for a request that got no usable reply: the one table from the HTTP
+    layer's errors to what users see (`ConfigurationError` for what no retry can fix)."""
     after = _after_retries(retries)
-    if isinstance(exc, TLSMismatchError) or (
-        url.startswith("https:") and isinstance(exc, httpx.ConnectError) and is_tls_mismatch(exc)
-    ):
+    if isinstance(exc, OpenFilesExhausted):
+        return ConfigurationError(
+            f"The process ran out of file descriptors connecting to {url} ({exc}); raise the "
+            "open-files limit (`ulimit -n`) or lower max_concurrent_requests."
+        )
+    if isinstance(exc, InvalidHeader | InvalidURL):
+        return ConfigurationError(str(exc))
+    if isinstance(exc, TLSError) and exc.plaintext_peer:
         base = _base_of(url)
         return ProtocolMismatchError(
             f"The server at {base} does not speak TLS ({exc}); if it serves plain HTTP, use "
             f"base_url=http:{base[len('https:') :]}."
         )
-    if isinstance(exc, httpx.TimeoutException):
-        phase = "connecting to" if isinstance(exc, httpx.ConnectTimeout) else "waiting for"
+    if isinstance(exc, PoolTimeout):
+        return ProviderTimeout(
+            f"Timed out waiting for a free connection to {url}{after} ({exc}); raise "
+            "Provider.pool_timeout or close streams you stop reading."
+        )
+    if isinstance(exc, ConnectTimeout | ReadTimeout):
+        phase = "connecting to" if isinstance(exc, ConnectTimeout) else "waiting for"
         return ProviderTimeout(
             f"Timed out {phase} {url}{after}; raise Provider.timeout or check the server."
         )
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, TLSError):
+        return ProviderConnectionError(
+            f"The TLS handshake with {url} failed{after} ({exc}); check verify= and cert= on "
+            "the Provider, or the server's certificate."
+        )
+    if isinstance(exc, ConnectError) and exc.no_such_host:
+        return HostNotFoundError(f"Cannot reach {url}: {exc} A retry would fail the same way.")
+    if isinstance(exc, ConnectError):
         return ProviderConnectionError(
             f"Could not connect to {url}{after} ({exc}); check base_url and that the server runs."
         )
@@ -349,20 +363,11 @@ def error_from_transport(exc: httpx.TransportError, *, url: str, retries: int) -
     )
 
 
-_TLS_MISMATCH_MARKERS = (
-    "wrong_version_number",  # OpenSSL: the reply to a ClientHello is not TLS (plain HTTP)
-    "wrong version number",
-    "record layer failure",  # OpenSSL 3 wording of the same
-    "packet length too long",
-    "http request",  # OpenSSL "http request": TLS spoken to us... by a plain HTTP peer
-    "ssl handshake is taking longer",  # asyncio's handshake timeout: no TLS answer at all
-)
-
-
-def is_tls_mismatch(exc: BaseException) -> bool:
-    """True when a connect failure says the peer does not speak TLS (plain HTTP on that port)."""
-    text = f"{exc} {exc.__cause__ or ''}".lower()
-    return any(marker in text for marker in _TLS_MISMATCH_MARKERS)
+def is_certificate_failure(exc: HTTPError) -> bool:
+    """True for a TLS failure no retry fixes: the certificate was refused (either side)."""
+    return (
+        isinstance(exc, TLSError) and not exc.plaintext_peer and "certificate" in str(exc).lower()
+    )
 
 
 def malformed(

@@ -21,12 +21,17 @@ from urllib.parse import urlsplit
 from treadle.errors import ConfigurationError
 
 if TYPE_CHECKING:  # httpx is imported by the first request, not by building a Provider
+    import ssl
+
     import httpx
+
+    from treadle._http.pool import NetworkOptions
 
 __all__ = [
     "DEFAULT_BASE_URL",
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_MAX_CONCURRENT_REQUESTS",
+    "DEFAULT_POOL_TIMEOUT",
     "DEFAULT_READ_TIMEOUT",
     "Provider",
     "is_loopback_url",
@@ -44,6 +49,8 @@ DEFAULT_READ_TIMEOUT = 600.0
 """Seconds to wait between two reads of a response (a long reasoning reply stays silent a while)."""
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 """Default cap on requests in flight per endpoint: generous, it only stops runaway fan-outs."""
+DEFAULT_POOL_TIMEOUT = 5.0
+"""Seconds a request waits for a free connection of the pool (httpx's default)."""
 
 _LOOPBACK_HOSTS = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -166,7 +173,19 @@ class Provider:
     rate_limit_share: float = 1.0
     """Part (0-1] of the endpoint's reported limits this process paces at (backends: 1/workers)."""
     http_client: httpx.AsyncClient | None = field(default=None, compare=False)
-    """A client of your own (proxies, TLS, hooks); used instead of Treadle's pooled client."""
+    """A client of your own (transports, hooks); used instead of Treadle's pooled client."""
+    proxy: str | None = None
+    """A proxy URL (`http://user:pass@host:port`) for every request; wins over the environment."""
+    trust_env: bool = True
+    """Read `HTTP(S)_PROXY`, `ALL_PROXY`, `NO_PROXY`, `SSL_CERT_FILE`, `SSL_CERT_DIR` (as httpx)."""
+    verify: bool | str | ssl.SSLContext = True
+    """Server certificate checks: True (default CAs), False (none), a CA file or directory, or an
+    `ssl.SSLContext`."""
+    cert: str | tuple[str, str] | None = None
+    """A client certificate: one PEM file with its key, or `(cert_file, key_file)`."""
+    pool_timeout: float | None = DEFAULT_POOL_TIMEOUT
+    """Seconds a request waits for a free connection when the pool is full (None: no limit);
+    then it fails with `ProviderTimeout`."""
 
     _resolved: Provider | None = field(default=None, init=False, repr=False, compare=False)
     _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -205,6 +224,20 @@ class Provider:
         if not (self.retry_base_delay >= 0 and math.isfinite(self.retry_base_delay)):
             raise ConfigurationError("Provider.retry_base_delay must be a number >= 0.")
         _check_timeout(self.timeout)  # the shape is checked now, not at the first request
+        if self.pool_timeout is not None:
+            _check_positive("pool_timeout", self.pool_timeout)
+        if self.proxy is not None and urlsplit(self.proxy).scheme not in ("http", "https"):
+            raise ConfigurationError(
+                "Provider.proxy must be an http:// or https:// proxy URL, got a URL of scheme "
+                f"{urlsplit(self.proxy).scheme!r}."
+            )
+        if self.http_client is not None and (
+            self.proxy is not None or self.verify is not True or self.cert is not None
+        ):
+            raise ConfigurationError(
+                "Provider.proxy, verify and cert configure Treadle's own pool; with "
+                "http_client=, set them on your httpx.AsyncClient instead."
+            )
         if self.on_budget_exceeded is not None and not callable(self.on_budget_exceeded):
             raise ConfigurationError("Provider.on_budget_exceeded must be callable or None.")
 
@@ -216,6 +249,8 @@ class Provider:
             value = getattr(self, f.name)
             if f.name == "api_key":
                 shown.append(f"api_key={mask_secret(value)!s}")
+            elif f.name == "proxy" and value is not None:
+                shown.append("proxy=***")  # may carry credentials
             elif value is not None and value != f.default:
                 shown.append(f"{f.name}={value!r}")
         return f"Provider({', '.join(shown)})"
@@ -236,6 +271,19 @@ class Provider:
     def replace(self, **changes: Any) -> Provider:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def network_options(self) -> NetworkOptions:
+        """`proxy`, `trust_env`, `verify` and `cert` as the HTTP layer's options (one value)."""
+        cached: NetworkOptions | None = self._cache.get("network_options")
+        if cached is None:
+            from treadle._http.pool import NetworkOptions
+
+            cached = NetworkOptions(
+                proxy=self.proxy, trust_env=self.trust_env, verify=self.verify, cert=self.cert
+            )
+            self._cache["network_options"] = cached
+        return cached
 
     @property
     def httpx_timeout(self) -> httpx.Timeout:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 
 from treadle.errors import (
+    HostNotFoundError,
     InvalidRequestError,
     ModelNotFoundError,
     NotOpenAIEndpointError,
@@ -62,7 +63,11 @@ def is_retryable_error(error: ProviderError) -> bool:
     """True when sending the same request again can succeed (the endpoint is busy or down)."""
     if isinstance(
         error,
-        NotOpenAIEndpointError | ProtocolMismatchError | ModelNotFoundError | InvalidRequestError,
+        NotOpenAIEndpointError
+        | ProtocolMismatchError
+        | HostNotFoundError
+        | ModelNotFoundError
+        | InvalidRequestError,
     ):
         return False
     if error.status_code is not None:

@@ -2,9 +2,10 @@
 
 Feed it bytes as they arrive, in any chunking; it returns the `data` payload of each complete
 event. It keeps only the unfinished tail between calls and must never wait for the whole body.
-Comment lines (`: keep-alive`), `id:` and `retry:` fields are skipped. An `event: error` is
-handed on as an `{"error": ...}` payload even when its data is a bare object or plain text, so a
-provider's mid-stream failure always reaches the client as an error.
+Comment lines (`: keep-alive`), `id:` and `retry:` fields are skipped. An `event: error`, and a
+non-standard `error: {...}` line (GPUStack), are handed on as an `{"error": ...}` payload even
+when the data is a bare object or plain text, so a provider's mid-stream failure always reaches
+the client as an error.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class SSEDecoder:
                 data.append(value[1:] if value.startswith(b" ") else value)
             elif line.startswith(b"event:"):
                 self._error = line[6:].strip() == b"error"
+            elif line.startswith(b"error:"):
+                # Not SSE: GPUStack ends a failed stream with an `error: {...}` line. Its
+                # message is the provider's answer, so it is handed on as an error payload.
+                out.append(_as_error(line[6:].strip()))
             # Comments (":...") and other fields (id, retry) carry nothing we use.
         return out
 

@@ -1,140 +1,229 @@
-"""`AiohttpTransport`: the httpx transport under Treadle's pooled client, one per event loop.
+"""The one transport seam of `ModelClient`: two calls, a buffered POST and a streamed POST.
 
-Why not httpx's own: httpcore's pool does O(connections^2) work per request, which dominates
-fan-outs of thousands of passes (see docs/providers.md). Chat-completion POSTs take Treadle's
-HTTP/1.1 lane (`treadle.llm.lane`, `post_buffered` / `post_stream`); any other request goes
-through httpx to one `aiohttp.ClientSession` (`treadle.llm.aiohttp_parts`, imported on its first
-use). Both behave like httpx's transport: errors surface as httpx's exception classes, streamed
-bodies arrive incrementally, a cancelled request's connection is closed (never pooled). Nothing
-blocks the event loop; connections are made inside the running loop.
+`PoolTransport` carries them over Treadle's own pool (`treadle._http`), one per event loop.
+`HttpxTransport` adapts a user's `httpx.AsyncClient` (`Provider(http_client=...)`) to the same
+two calls and turns httpx's exceptions into `treadle._http.errors` once, here, so `llm` classifies
+every failure in one place whichever transport carried it. Replies are `treadle._http.reply`
+values. Nothing here blocks the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
 
-import httpx
-
-from treadle.llm.lane import Lane, LaneBody
+from treadle._http import errors as http
+from treadle._http.pool import NetworkOptions, Pool
+from treadle._http.reply import Headers, Reply, StreamReply, Timeouts
 
 if TYPE_CHECKING:
-    import aiohttp
+    import httpx
 
-__all__ = ["DEFAULT_CONNECTION_LIMIT", "AiohttpTransport"]
-
-DEFAULT_CONNECTION_LIMIT = 1000
-"""Default cap on open connections: an unbounded pool made a busy loop time itself out."""
+__all__ = ["HttpxTransport", "PoolTransport", "Transport"]
 
 
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """httpx transport bound to the event loop of its first request.
+class Transport(Protocol):
+    """What `ModelClient` needs from an HTTP client."""
 
-    `limit` caps open connections of each of its two pools (None: unlimited; not recommended
-    for fan-outs).
-    """
-
-    def __init__(
-        self,
-        *,
-        limit: int | None = DEFAULT_CONNECTION_LIMIT,
-        keepalive_timeout: float = 30.0,
-    ) -> None:
-        self._limit = limit
-        self._keepalive_timeout = keepalive_timeout
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
-        self._lane: Lane | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession | None:
-        """The aiohttp session, once the first request other than a completion created it."""
-        return self._session
-
-    def _bind(self) -> None:
-        """Check this transport is used on its own loop (binding it on first use)."""
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            if self._closed:
-                raise RuntimeError("This AiohttpTransport is closed; create a new client.")
-            self._loop = loop
-        elif loop is not self._loop:
-            raise RuntimeError(
-                "This AiohttpTransport belongs to another event loop; create one per loop "
-                "(treadle.llm.get_client does this for you)."
-            )
-        elif self._closed:
-            raise RuntimeError("This AiohttpTransport is closed; create a new client.")
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        session = self._session
-        if session is None:
-            self._bind()
-            from treadle.llm.aiohttp_parts import new_session
-
-            session = self._session = new_session(self._limit, self._keepalive_timeout)
-        elif asyncio.get_running_loop() is not self._loop:
-            self._bind()  # raises
-        return session
-
-    def _get_lane(self) -> Lane:
-        lane = self._lane
-        if lane is None:
-            self._bind()
-            lane = self._lane = Lane(limit=self._limit, keepalive_timeout=self._keepalive_timeout)
-        elif asyncio.get_running_loop() is not self._loop:
-            self._bind()  # raises
-        return lane
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Send `request` over aiohttp; return a buffered or streamed `httpx.Response`."""
-        from treadle.llm.aiohttp_parts import send
-
-        return await send(self._get_session(), request)
-
-    async def post_buffered(
-        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
-    ) -> tuple[int, Mapping[str, str], bytes]:
-        """POST `body` and read the whole reply: `(status, headers, content)`, decompressed.
-
-        The hot path of `ModelClient.complete` when Treadle owns the client: Treadle's own
-        HTTP/1.1 lane (`treadle.llm.lane`), no httpx or aiohttp objects per request (together
-        about half of a round's CPU). Failures surface as the same httpx exceptions
-        `handle_async_request` raises.
-        """
-        return await self._get_lane().post_buffered(url, body, headers, timeouts)
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> Reply: ...
 
     async def post_stream(
-        self, url: str, body: bytes, headers: dict[str, str], timeouts: httpx.Timeout
-    ) -> tuple[int, Mapping[str, str], LaneBody]:
-        """POST `body` and return `(status, headers, body stream)` as soon as the headers arrive.
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> StreamReply: ...
 
-        The streaming twin of `post_buffered`. The caller must `aclose()` the stream; closing
-        it before the end closes the connection instead of returning it to the pool.
-        """
-        return await self._get_lane().post_stream(url, body, headers, timeouts)
+    async def aclose(self) -> None: ...
+
+    def close_now(self) -> None: ...
+
+
+class PoolTransport:
+    """Treadle's own pool, bound to the event loop of its first request."""
+
+    def __init__(
+        self, options: NetworkOptions | None = None, *, max_connections: int | None = None
+    ) -> None:
+        self._options = options
+        self._max_connections = max_connections
+        self._pool: Pool | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @property
+    def pool(self) -> Pool | None:
+        """The pool, once the first request created it."""
+        return self._pool
+
+    def _get_pool(self) -> Pool:
+        pool = self._pool
+        loop = asyncio.get_running_loop()
+        if pool is not None and loop is self._loop:
+            return pool
+        if self._closed:
+            raise RuntimeError("This connection pool is closed; create a new client.")
+        if pool is not None:
+            raise RuntimeError(
+                "This connection pool belongs to another event loop; create one per loop "
+                "(treadle.llm.get_client does this for you)."
+            )
+        self._loop = loop
+        if self._max_connections is None:
+            pool = self._pool = Pool(options=self._options)
+        else:
+            pool = self._pool = Pool(options=self._options, max_connections=self._max_connections)
+        return pool
+
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> Reply:
+        """POST `body` and read the whole reply."""
+        return await self._get_pool().post(url, body, headers, timeouts)
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> StreamReply:
+        """POST `body`; the reply once its head arrived (close its body)."""
+        return await self._get_pool().post_stream(url, body, headers, timeouts)
 
     async def aclose(self) -> None:
-        """Close the aiohttp session and every pooled connection."""
+        """Close every pooled connection."""
         self._closed = True
-        lane, self._lane = self._lane, None
-        if lane is not None:
-            lane.close()
-            await asyncio.sleep(0)  # the transports finish closing (no unclosed-socket warnings)
-        session, self._session = self._session, None
-        if session is not None and not session.closed:
-            await session.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()
 
     def close_now(self) -> None:
         """Best-effort synchronous close, for a loop that can no longer run coroutines."""
         self._closed = True
-        lane, self._lane = self._lane, None
-        if lane is not None:
-            lane.close()
-        session, self._session = self._session, None
-        if session is not None:
-            from treadle.llm.aiohttp_parts import close_session_now
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
-            close_session_now(session)
+
+class HttpxTransport:
+    """A user's `httpx.AsyncClient` behind the same two calls (Treadle never closes it)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> Reply:
+        """POST `body` through the user's client and read the whole reply."""
+        with _mapped(url):
+            response = await self.client.post(
+                url, content=body, headers=headers, timeout=_httpx_timeout(timeouts)
+            )
+            return Reply(response.status_code, _headers(response.headers), response.content)
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> StreamReply:
+        """POST `body` through the user's client; the reply once its head arrived."""
+        with _mapped(url):
+            request = self.client.build_request(
+                "POST", url, content=body, headers=headers, timeout=_httpx_timeout(timeouts)
+            )
+            response = await self.client.send(request, stream=True)
+        return StreamReply(
+            response.status_code, _headers(response.headers), _HttpxBody(response, url)
+        )
+
+    async def aclose(self) -> None:
+        """Nothing: the client is the user's."""
+
+    def close_now(self) -> None:
+        """Nothing: the client is the user's."""
+
+
+class _HttpxBody:
+    """An httpx streamed response as a `BodyStream` (errors mapped as the pool's are)."""
+
+    def __init__(self, response: httpx.Response, url: str) -> None:
+        self._response = response
+        self._url = url
+        self._chunks: AsyncIterator[bytes] | None = None
+        self._closed = False
+
+    def __aiter__(self) -> _HttpxBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise http.BodyClosed("The reply body was read after it was closed.", url=self._url)
+        if self._chunks is None:
+            self._chunks = self._response.aiter_bytes()
+        with _mapped(self._url):
+            return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        """Close the response (httpx closes its connection unless it was read to the end)."""
+        self._closed = True
+        await self._response.aclose()
+
+
+def _headers(headers: httpx.Headers) -> Headers:
+    out = Headers()
+    for name, value in headers.multi_items():
+        name = name.lower()
+        if name in out:
+            value = f"{dict.__getitem__(out, name)}, {value}"
+        dict.__setitem__(out, name, value)
+    return out
+
+
+def _httpx_timeout(timeouts: Timeouts) -> httpx.Timeout:
+    import httpx
+
+    return httpx.Timeout(
+        connect=timeouts.connect, read=timeouts.read, write=timeouts.connect, pool=timeouts.pool
+    )
+
+
+class _mapped:
+    """Turns httpx's exceptions into `treadle._http.errors` (the one place that knows both)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        import httpx
+
+        if exc is None or not isinstance(exc, httpx.HTTPError):
+            return
+        message, url = str(exc) or type(exc).__name__, self.url
+        mapped: http.HTTPError
+        if isinstance(exc, httpx.PoolTimeout):
+            mapped = http.PoolTimeout(message, url=url)
+        elif isinstance(exc, httpx.ConnectTimeout):
+            mapped = http.ConnectTimeout(message, url=url)
+        elif isinstance(exc, httpx.ProxyError):
+            mapped = http.ProxyError(message, url=url)
+        elif isinstance(exc, httpx.ConnectError):
+            text = message.lower()
+            if "ssl" in text or "certificate" in text or "tls" in text:
+                mapped = http.TLSError(message, url=url, plaintext_peer=_plaintext(text))
+            else:
+                mapped = http.ConnectError(message, url=url)
+        elif isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+            mapped = http.ReadTimeout(message, url=url)
+        elif isinstance(exc, httpx.WriteError):
+            mapped = http.WriteError(message, url=url)
+        elif isinstance(exc, httpx.DecodingError):
+            mapped = http.DecodeError(message, url=url)
+        elif isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+            mapped = http.InvalidURL(message, url=url)
+        else:  # RemoteProtocolError, ReadError, other transport failures
+            mapped = http.RemoteProtocolError(f"{type(exc).__name__}: {message}", url=url)
+        raise mapped from exc
+
+
+def _plaintext(text: str) -> bool:
+    markers = ("wrong_version_number", "wrong version number", "record layer failure",
+               "packet length too long", "http request")  # fmt: skip
+    return any(marker in text for marker in markers)

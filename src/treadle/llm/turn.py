@@ -247,9 +247,10 @@ async def request_turn(
 
     An error the provider reports inside a 200 reply (an `event: error`, a chunk carrying
     `error`, a whole `{"error": ...}` body) raises the typed `ProviderError` its status would
-    have given. When that status is retryable (429, 5xx) the turn is asked for again, up to
-    `Provider.max_retries` times; a retried stream starts over, so `on_delta` may see the
-    beginning of a turn twice.
+    have given. Treadle's client retries a whole reply's error in its one retry loop; what is
+    restarted here is only a stream whose events already went out (and a custom executor's
+    reply): when the status is retryable (429, 5xx) the turn is asked for again, up to
+    `Provider.max_retries` times, so `on_delta` may see the beginning of a turn twice.
     """
     provider = request.provider
     attempt = 0
