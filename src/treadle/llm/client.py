@@ -73,7 +73,9 @@ class ModelClient:
         # then skip httpx's Request/Response layer (same headers, errors and timeouts).
         self._fast = fast_transport
         self._fast_headers: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
-        self._limiters: dict[tuple[int, int | None, int | None, bool, float], EndpointLimiter] = {}
+        self._limiters: dict[
+            tuple[int, int | None, int | None, bool, float, int], EndpointLimiter
+        ] = {}
         # Per provider object: what every request to it needs, worked out once (not per request).
         self._prepared: dict[int, _Prepared] = {}
         self.closed = False
@@ -87,11 +89,16 @@ class ModelClient:
             provider.tokens_per_minute,
             provider.learn_rate_limits,
             provider.rate_limit_share,
+            provider.first_wave,
         )
         limiter = self._limiters.get(key)
         if limiter is None:
             limiter = self._limiters[key] = EndpointLimiter(
-                *key[:3], learn=key[3], share=key[4], endpoint=" ".join(provider.endpoint_key)
+                *key[:3],
+                learn=key[3],
+                share=key[4],
+                first_wave=key[5],
+                endpoint=" ".join(provider.endpoint_key),
             )
         return limiter
 
