@@ -211,7 +211,7 @@ FIRST_FANOUT_LATENCY_MS = 500.0
 
 
 def first_fanout(h: Harness, size: dict[str, Any]) -> Result:
-    """Scenario 9: the first fan-out to a new endpoint (no warm-up: limits not yet learned).
+    """Scenario 10: the first fan-out to a new endpoint (no warm-up: limits not yet learned).
 
     50 passes of one tool round at 500 ms latency, each job in a fresh process: the default first
     wave (16 requests before the first reply), a wave as large as the fan-out (`first_wave=64`),
@@ -221,8 +221,8 @@ def first_fanout(h: Harness, size: dict[str, Any]) -> Result:
     completions = 2  # one tool round, then the answer
     ideal = completions * FIRST_FANOUT_LATENCY_MS / 1000
     result = Result(
-        "s9",
-        "9. First fan-out to a new endpoint (50 passes, 500 ms latency, 1 tool round)",
+        "s10",
+        "10. First fan-out to a new endpoint (50 passes, 500 ms latency, 1 tool round)",
         ["passes", "wall s", "x ideal", "errors"],
     )
     p = {"n": n, "cold": True}
@@ -249,7 +249,7 @@ def first_fanout(h: Harness, size: dict[str, Any]) -> Result:
         mine = data.get(label, [])
         if mine:
             ratio = _m(mine, "wall") / ideal
-            name = f"S9 first fan-out, {label[9:-1]}: wall vs ideal"
+            name = f"S10 first fan-out, {label[9:-1]}: wall vs ideal"
             result.targets.append(Target(name, ratio, "<= 1.1x", ratio <= 1.1))
     result.notes.append(f"ideal (latency-bound) wall: {ideal:.2f} s")
     return result
