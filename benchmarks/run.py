@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer-fanout", action="store_true", help="also run installed peers in the fan-out"
     )
-    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,...,s8)")
+    parser.add_argument("--only", help="comma-separated scenario keys (s1,s2,...,s10)")
     parser.add_argument("--goodput-n", type=int, help="passes of the rate-limited scenario (s7)")
     parser.add_argument(
         "--goodput-window", type=float, help="seconds the s7 limits hold for (60: real minutes)"
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         ("s6", lambda: scenarios.fanout(h, size, stream=True)),
         ("s7", lambda: goodput.goodput(h, size)),
         ("s8", lambda: sandbox_bench.sandbox_overhead(h, size)),
+        ("s10", lambda: scenarios.first_fanout(h, size)),
     ]
     results = []
     for key, run in plan:

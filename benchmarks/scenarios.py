@@ -206,6 +206,55 @@ def fanout(h: Harness, size: dict[str, Any], *, stream: bool) -> Result:
     return result
 
 
+FIRST_FANOUT_PASSES = 50
+FIRST_FANOUT_LATENCY_MS = 500.0
+
+
+def first_fanout(h: Harness, size: dict[str, Any]) -> Result:
+    """Scenario 10: the first fan-out to a new endpoint (no warm-up: limits not yet learned).
+
+    50 passes of one tool round at 500 ms latency, each job in a fresh process: the default first
+    wave (16 requests before the first reply), a wave as large as the fan-out (`first_wave=64`),
+    a lone first request (`first_wave=1`, the behaviour before), against the latency-bound ideal.
+    """
+    n = FIRST_FANOUT_PASSES
+    completions = 2  # one tool round, then the answer
+    ideal = completions * FIRST_FANOUT_LATENCY_MS / 1000
+    result = Result(
+        "s10",
+        "10. First fan-out to a new endpoint (50 passes, 500 ms latency, 1 tool round)",
+        ["passes", "wall s", "x ideal", "errors"],
+    )
+    p = {"n": n, "cold": True}
+    jobs = [
+        Job("treadle (first wave 16)", "treadle", "fanout", p),
+        Job("treadle (first wave 64)", "treadle", "fanout", {**p, "first_wave": 64}),
+        Job("treadle (lone first request)", "treadle", "fanout", {**p, "first_wave": 1}),
+    ]
+    with ServerProcess("tool_loop", rounds=1, latency_ms=FIRST_FANOUT_LATENCY_MS) as server:
+        data = h.measure(server, jobs, size["fanout_reps"])
+    for label, samples in data.items():
+        wall = _m(samples, "wall")
+        result.rows.append(
+            {
+                "label": label,
+                "passes": n,
+                "wall s": wall,
+                "x ideal": wall / ideal,
+                "errors": sum(s.errors for s in samples),
+            }
+        )
+        result.series[label] = wall
+    for label in ("treadle (first wave 16)", "treadle (first wave 64)"):
+        mine = data.get(label, [])
+        if mine:
+            ratio = _m(mine, "wall") / ideal
+            name = f"S10 first fan-out, {label[9:-1]}: wall vs ideal"
+            result.targets.append(Target(name, ratio, "<= 1.1x", ratio <= 1.1))
+    result.notes.append(f"ideal (latency-bound) wall: {ideal:.2f} s")
+    return result
+
+
 def growth(h: Harness, size: dict[str, Any]) -> Result:
     """Scenario 3: one pass of many tool rounds; late rounds against early ones."""
     rounds, window = size["growth_rounds"], size["growth_window"]

@@ -170,9 +170,9 @@ def test_a_429_pauses_everyone_and_an_unforeseen_one_slows_the_rate() -> None:
 # -- the limiter --------------------------------------------------------------------------------
 
 
-async def test_first_request_probes_alone_then_the_rest_are_paced() -> None:
+async def test_a_first_wave_of_one_probes_alone_then_the_rest_are_paced() -> None:
     clock = VirtualClock()
-    limiter = EndpointLimiter(100, learn=True, clock=clock, sleep=clock.sleep)
+    limiter = EndpointLimiter(100, learn=True, first_wave=1, clock=clock, sleep=clock.sleep)
     probe = await limiter.acquire(10)
     assert probe.probe
     waiting = asyncio.ensure_future(limiter.acquire(10))
@@ -190,8 +190,31 @@ async def test_first_request_probes_alone_then_the_rest_are_paced() -> None:
         limiter.release(permit)
 
 
+async def test_the_first_wave_goes_at_once_and_the_rest_wait_for_the_first_reply() -> None:
+    clock = VirtualClock()
+    limiter = EndpointLimiter(100, learn=True, first_wave=16, clock=clock, sleep=clock.sleep)
+    wave = [await limiter.acquire(10) for _ in range(16)]
+    assert all(p.probe for p in wave) and limiter.active == 16
+    waiting = asyncio.ensure_future(limiter.acquire(10))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # the 17th waits for a reply that says what the limits are
+    limiter.observe(wave[0], _headers(100, 80, "60s"))
+    limiter.release(wave[0])
+    after = await asyncio.wait_for(waiting, 10)
+    assert not after.probe and after.mark is not None
+    # The wave's other 15 are still unanswered: the mirror counts them as possibly unseen by the
+    # server, so the learned bucket does not hand out their room twice.
+    assert limiter.learned is not None and limiter.learned.requests is not None
+    assert limiter.learned.requests.held == 16
+    for permit in wave[1:]:
+        limiter.observe(permit, _headers(100, 79, "60s"))
+        limiter.release(permit)
+    limiter.release(after)
+    assert limiter.active == 0 and limiter._wave_out == 0
+
+
 async def test_a_probe_without_reply_hands_probing_on() -> None:
-    limiter = EndpointLimiter(100, learn=True)
+    limiter = EndpointLimiter(100, learn=True, first_wave=1)
     probe = await limiter.acquire()
     waiting = asyncio.ensure_future(limiter.acquire())
     await asyncio.sleep(0)
@@ -207,7 +230,7 @@ async def test_a_probe_without_reply_hands_probing_on() -> None:
 
 async def test_a_429_without_headers_pauses_paces_then_returns_to_the_fast_path() -> None:
     clock = VirtualClock()
-    limiter = EndpointLimiter(100, learn=True, clock=clock, sleep=clock.sleep)
+    limiter = EndpointLimiter(100, learn=True, first_wave=1, clock=clock, sleep=clock.sleep)
     probe = await limiter.acquire()
     limiter.observe(probe, {"retry-after": "3"}, refused=True)
     limiter.release(probe)
@@ -341,3 +364,9 @@ async def test_streamed_requests_learn_from_their_headers() -> None:
         assert server.limits.rejected <= 1
         learned = client.limiter(provider).learned
         assert learned is not None and learned.known
+
+
+@pytest.mark.parametrize("wave", [0, -1, 1.5, True, "16"])
+def test_first_wave_is_checked(wave: object) -> None:
+    with pytest.raises(ConfigurationError, match="first_wave"):
+        Provider(model="m", first_wave=wave)  # type: ignore[arg-type]

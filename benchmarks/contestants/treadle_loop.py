@@ -47,8 +47,10 @@ nap_sync = tool(name="nap")(sync_nap)
 
 def _provider(job: dict[str, Any]) -> Provider:
     options: dict[str, Any] = {}
-    for key in ("requests_per_minute", "tokens_per_minute", "learn_rate_limits", "max_retries"):
-        if key in job:  # the rate-limited goodput scenario's variants
+    keys = ("requests_per_minute", "tokens_per_minute", "learn_rate_limits", "max_retries",
+            "first_wave")  # fmt: skip
+    for key in keys:
+        if key in job:  # the rate-limited goodput and first fan-out scenarios' variants
             options[key] = job[key]
     return Provider(
         model=MODEL,
@@ -158,7 +160,8 @@ def fanout(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
 
         return {"errors": asyncio.run(main())}
 
-    _ok(run_session_loop(user, agent, agent_provider=provider, tools=tools))  # warm the pool
+    if not job.get("cold"):  # a first fan-out (s9) meets the endpoint new
+        _ok(run_session_loop(user, agent, agent_provider=provider, tools=tools))  # warm the pool
     meter.start()
     outs = [
         run_session_loop(user, agent, agent_provider=provider, tools=tools) for _ in range(job["n"])

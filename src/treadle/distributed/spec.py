@@ -375,5 +375,6 @@ _PLAIN_PROVIDER_FIELDS = frozenset(
         "retry_base_delay",
         "budget_total_tokens",
         "learn_rate_limits",
+        "first_wave",
     }
 )

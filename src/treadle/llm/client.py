@@ -74,7 +74,9 @@ class ModelClient:
         self.http = http
         """The user's `httpx.AsyncClient` carrying the requests (None: Treadle's own pool)."""
         self._wire_headers: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
-        self._limiters: dict[tuple[int, int | None, int | None, bool, float], EndpointLimiter] = {}
+        self._limiters: dict[
+            tuple[int, int | None, int | None, bool, float, int], EndpointLimiter
+        ] = {}
         # Per provider object: what every request to it needs, worked out once (not per request).
         self._prepared: dict[int, _Prepared] = {}
         self.closed = False
@@ -88,11 +90,16 @@ class ModelClient:
             provider.tokens_per_minute,
             provider.learn_rate_limits,
             provider.rate_limit_share,
+            provider.first_wave,
         )
         limiter = self._limiters.get(key)
         if limiter is None:
             limiter = self._limiters[key] = EndpointLimiter(
-                *key[:3], learn=key[3], share=key[4], endpoint=" ".join(provider.endpoint_key)
+                *key[:3],
+                learn=key[3],
+                share=key[4],
+                first_wave=key[5],
+                endpoint=" ".join(provider.endpoint_key),
             )
         return limiter
 

@@ -349,13 +349,16 @@ class LearnedLimits:
             rate = bucket.learned_rate * PROBE_STEP
         bucket.learned_rate = bucket.rate = rate
 
-    def wait(self, tokens: int, now: float) -> float:
-        """Seconds to wait before a request of about `tokens` tokens may go (0.0: now)."""
+    def wait(self, tokens: int, now: float, *, ahead: int = 0) -> float:
+        """Seconds to wait before a request of about `tokens` tokens may go (0.0: now), leaving
+        room for `ahead` requests of the same size sent earlier that the server may not have
+        counted in any reply seen yet."""
         wait = self.paused_until - now
         if self.requests is not None:
-            wait = max(wait, self.requests.wait(1.0, now))
+            wait = max(wait, self.requests.wait(1.0 + ahead, now))
         if self.tokens is not None:
-            wait = max(wait, self.tokens.wait(tokens + self.unseen_tokens, now))
+            need = (tokens + self.unseen_tokens) * (1 + ahead)
+            wait = max(wait, self.tokens.wait(need, now))
         return wait
 
     def hold(self, in_flight: int) -> None:

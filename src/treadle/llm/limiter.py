@@ -5,10 +5,12 @@ loop: passes share the runtime loop). Waiting callers are admitted first-in firs
 estimated from the request size (`len(body) / 4`) and corrected once the server reports usage.
 
 Without configuration it also learns the endpoint's own limits (`learn=True`, see
-`learned_limits`): the first request to an endpoint goes alone (a probe) and its reply says
+`learned_limits`): the first requests to an endpoint go as one wave of at most `first_wave`
+(`DEFAULT_FIRST_WAVE`, 16) and the first reply says
 whether the endpoint reports rate limits; if it does, every later request waits for room in the
-learned buckets, and a 429 pauses every caller for its `Retry-After`. An endpoint that reports
-nothing costs one header lookup per reply after the probe. Never blocks the event loop; a
+learned buckets, and a 429 pauses every caller for its `Retry-After`. A fan-out to a new endpoint
+so starts at once instead of waiting one whole round trip for a lone probe. An endpoint that
+reports nothing costs one header lookup per reply after the first. Never blocks the event loop; a
 cancelled waiter leaves no trace.
 """
 
@@ -21,6 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 
 from treadle.llm.learned_limits import LearnedLimits
+from treadle.llm.provider import DEFAULT_FIRST_WAVE
 from treadle.llm.retry import parse_retry_after
 from treadle.llm.shared_limits import shared_endpoint
 
@@ -54,7 +57,7 @@ class Permit:
         self.mark = mark
         """The learned limits' admission counts with this request (None: none learned yet)."""
         self.probe = probe
-        """True for the first request to an endpoint, sent alone to learn its limits."""
+        """True for a request of the first wave to an endpoint, sent before any reply came."""
         self.leased = False
         """True when the permit came from the map's shared limits (`mark` is the broker's)."""
 
@@ -64,7 +67,8 @@ class EndpointLimiter:
 
     `window` is the rate window in seconds (60 for "per minute"; tests shrink it). `learn`
     turns on learning the endpoint's limits from its replies (report each reply with `observe`),
-    paced at `share` of them, or, in a backend worker, leased from the map's shared limits for
+    with at most `first_wave` requests out before the first reply (one in a map's worker), paced
+    at `share` of them, or, in a backend worker, leased from the map's shared limits for
     `endpoint` (see `shared_limits`). `clock` and `sleep` are injectable so the logic can be
     tested without wall-clock assertions.
     """
@@ -78,6 +82,7 @@ class EndpointLimiter:
         window: float = 60.0,
         learn: bool = False,
         share: float = 1.0,
+        first_wave: int = DEFAULT_FIRST_WAVE,
         endpoint: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
@@ -95,12 +100,16 @@ class EndpointLimiter:
         self._rated = requests_per_window is not None or tokens_per_window is not None
         self.learned = LearnedLimits(share) if learn else None
         """What the endpoint's replies taught (None when not learning)."""
-        self._probing = learn  # until the first reply arrived, one request at a time
-        self._probe_out = False
+        self._probing = learn  # until the first reply arrived, at most `first_wave` at a time
+        self._probes_out = 0  # first-wave requests out while probing (their replies unseen)
+        self._wave_out = 0  # first-wave requests whose reply has not come (counted as unseen)
         self._fast = not self._rated and not learn  # admission needs no clock and no lock
         self._unanswered: list[int] = []  # admission numbers of learned-mode requests in flight
         self._answered = 0  # the latest admission number a reply came back for
         self._shared = shared_endpoint(endpoint) if learn and endpoint is not None else None
+        # A map's worker sharing the learned limits probes alone, as before: the driver's
+        # mirror leases permits without knowing of other workers' unanswered first requests.
+        self._first_wave = 1 if self._shared is not None else max(1, first_wave)
         self._waiting = 0  # callers in the slow path (a shared lease asks for that many)
         self.peak_active = 0
         """Highest number of requests in flight seen (for tests and metrics)."""
@@ -131,7 +140,7 @@ class EndpointLimiter:
 
     async def _acquire_slow(self, tokens: int) -> Permit:
         async with self._gate:
-            while self._active >= self.max_concurrent or self._probe_out:
+            while self._active >= self.max_concurrent or self._probes_out >= self._first_wave:
                 self._freed.clear()
                 await self._freed.wait()
             if self._rated:
@@ -139,8 +148,7 @@ class EndpointLimiter:
             learned = self.learned
             if learned is None or not (learned.known or learned.paused_until > 0.0):
                 permit = self._admit(self._clock() if self._rated else 0.0, tokens)
-                if self._probing:
-                    permit.probe = self._probe_out = True
+                self._count_probe(permit)
                 return permit
             shared = self._shared
             if shared is not None and not shared.broken:
@@ -153,9 +161,11 @@ class EndpointLimiter:
                 else:
                     permit = self._admit(self._clock(), charged)
                     permit.mark, permit.leased = mark, True
-                    permit.probe = self._probe_out = self._probing
+                    self._count_probe(permit)
                     return permit
-            while (wait := learned.wait(tokens, self._clock())) > 0.0:
+            # The first wave's unanswered requests may have reached the server after the reply
+            # the mirror learned from: leave room for them until their own replies say.
+            while (wait := learned.wait(tokens, self._clock(), ahead=self._wave_out)) > 0.0:
                 # In naps: a reply may show room sooner (a measured rate, a level that followed
                 # the server up) than the wait worked out now.
                 await self._sleep(min(wait, MAX_NAP))
@@ -167,16 +177,30 @@ class EndpointLimiter:
             if not learned.known:  # only a pause, now over: back to the fast path
                 learned.paused_until = 0.0
                 self._fast = not self._rated and not self._probing
-            permit.probe = self._probe_out = self._probing
+            self._count_probe(permit)
             return permit
+
+    def _count_probe(self, permit: Permit) -> None:
+        if self._probing:
+            permit.probe = True
+            self._probes_out += 1
+            self._wave_out += 1
+
+    def _wave_answered(self, permit: Permit) -> None:
+        """`permit` was of the first wave and has its reply (or never will): count it out."""
+        permit.probe = False
+        self._wave_out -= 1
 
     def observe(self, permit: Permit, headers: Mapping[str, str], *, refused: bool = False) -> None:
         """Learn from the reply to `permit`'s request (`refused`: it was a 429)."""
         learned = self.learned
         if learned is None:
             return
-        if self._probing:  # the probe's reply: learning is settled, the others may go
-            self._probing = self._probe_out = False
+        if permit.probe:
+            self._wave_answered(permit)
+        if self._probing:  # the first reply: learning is settled, the others may go
+            self._probing = False
+            self._probes_out = 0
             self._freed.set()
         if not (learned.known or refused or "x-ratelimit-remaining-requests" in headers
                 or "x-ratelimit-remaining-tokens" in headers):  # fmt: skip
@@ -204,9 +228,10 @@ class EndpointLimiter:
 
     def _unseen(self) -> int:
         """Requests in flight that may not have reached the server: those sent after the latest
-        one answered (the earlier ones were, give or take reordering on new connections)."""
+        one answered (the earlier ones were, give or take reordering on new connections), and the
+        first wave's still unanswered (sent before anything was learned: counted, to be safe)."""
         unanswered = self._unanswered
-        return len(unanswered) - bisect.bisect_right(unanswered, self._answered)
+        return len(unanswered) - bisect.bisect_right(unanswered, self._answered) + self._wave_out
 
     async def _wait_for_rate(self, tokens: int) -> None:
         recent = self._recent
@@ -249,8 +274,10 @@ class EndpointLimiter:
                 del unanswered[at]
             if self.learned is not None:
                 self.learned.hold(self._unseen())
-        if permit.probe and self._probing:  # it got no reply: the next request probes
-            self._probe_out = False
+        if permit.probe:  # a first-wave request that got no reply
+            self._wave_answered(permit)
+            if self._probing:  # another may go in its place
+                self._probes_out -= 1
         if actual_tokens is not None:
             if permit.mark is not None and self.learned is not None and not permit.leased:
                 self.learned.correct(permit.tokens, actual_tokens)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # httpx is imported by the first request, not by building a P
 __all__ = [
     "DEFAULT_BASE_URL",
     "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_FIRST_WAVE",
     "DEFAULT_MAX_CONCURRENT_REQUESTS",
     "DEFAULT_POOL_TIMEOUT",
     "DEFAULT_READ_TIMEOUT",
@@ -51,6 +52,9 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 """Default cap on requests in flight per endpoint: generous, it only stops runaway fan-outs."""
 DEFAULT_POOL_TIMEOUT = 5.0
 """Seconds a request waits for a free connection of the pool (httpx's default)."""
+DEFAULT_FIRST_WAVE = 16
+"""Requests sent to a new endpoint before its first reply says what its limits are: below the
+burst any provider we know of allows, and enough that a fan-out starts at once."""
 
 _LOOPBACK_HOSTS = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -172,6 +176,9 @@ class Provider:
     """Pace requests below the limits the endpoint reports (`x-ratelimit-*` headers, 429s)."""
     rate_limit_share: float = 1.0
     """Part (0-1] of the endpoint's reported limits this process paces at (backends: 1/workers)."""
+    first_wave: int = DEFAULT_FIRST_WAVE
+    """Requests sent to a new endpoint before its first reply says what its limits are (when
+    learning): a fan-out starts at once instead of after one round trip."""
     http_client: httpx.AsyncClient | None = field(default=None, compare=False)
     """A client of your own (transports, hooks); used instead of Treadle's pooled client."""
     proxy: str | None = None
@@ -217,6 +224,14 @@ class Provider:
             )
         if not isinstance(self.max_concurrent_requests, int) or self.max_concurrent_requests < 1:
             raise ConfigurationError("Provider.max_concurrent_requests must be an integer >= 1.")
+        if (
+            not isinstance(self.first_wave, int)
+            or isinstance(self.first_wave, bool)
+            or self.first_wave < 1
+        ):
+            raise ConfigurationError(
+                f"Provider.first_wave must be an integer >= 1, got {self.first_wave!r}."
+            )
         if not (isinstance(self.rate_limit_share, int | float) and 0 < self.rate_limit_share <= 1):
             raise ConfigurationError(
                 f"Provider.rate_limit_share must be in (0, 1], got {self.rate_limit_share!r}."
