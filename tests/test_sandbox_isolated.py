@@ -229,25 +229,34 @@ def test_map_over_200_items_each_in_its_own_box_leaves_no_box() -> None:
         session.close_sandbox()
     assert all(h is not None and h.wait_closed(10) for h in handles)
     assert not any(w.exists() for w in workspaces)
-    assert _box_processes() == []
+    assert _box_processes(workspaces) == []
 
 
-def _box_processes() -> list[int]:
-    """Host pids of live processes running as a box uid (unprivileged: any bwrap).
+def _box_processes(workspaces: set[Path]) -> list[int]:
+    """Host pids of live processes of the boxes whose workspaces are `workspaces`.
 
-    Zombies do not count: a box's PID 1 outlives bwrap's monitor by a moment and is then the
-    host init's to reap (this container's init reaps about once a second).
+    A process is a box's when it runs as a box uid (unprivileged: is a bwrap) and its mount
+    table binds one of those workspaces: other boxes on the machine (other tests in other
+    pytest-xdist workers, other checkouts) are not this test's business, and counting them made
+    the test fail whenever one was open. Zombies do not count: a box's PID 1 outlives bwrap's
+    monitor by a moment and is then the host init's to reap.
     """
-    if os.geteuid() != 0:
-        return processes_with("bwrap")
+    names = [str(w).encode() for w in workspaces]
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            uid = os.stat(f"/proc/{entry}").st_uid
+            if os.geteuid() == 0:
+                uid = os.stat(f"/proc/{entry}").st_uid
+                if not BOX_UID_BASE <= uid < BOX_UID_BASE + BOX_UID_COUNT:
+                    continue
+            elif int(entry) not in processes_with("bwrap"):
+                continue
+            with open(f"/proc/{entry}/mountinfo", "rb") as f:
+                mounts = f.read()
             zombie = is_zombie(entry)
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
             continue
-        if BOX_UID_BASE <= uid < BOX_UID_BASE + BOX_UID_COUNT and not zombie:
+        if not zombie and any(name in mounts for name in names):
             found.append(int(entry))
     return found
 
