@@ -26,6 +26,8 @@ TreadleError
 │   └── SandboxUnavailable                    the machine lacks what a backend needs (bwrap)
 ├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
 ├── PersistenceError                          a session file cannot be read
+│   └── StoreError                            a conversation store failed (lost, damaged)
+│       └── ConflictError                     another writer moved the conversation first
 ├── StructuredOutputError                     no valid structured output within `output_retries`
 └── WorkerLost                                a distributed worker died or stopped answering
 ```
@@ -45,6 +47,7 @@ __all__ = [
     "AuthenticationError",
     "BudgetExceededError",
     "ConfigurationError",
+    "ConflictError",
     "ContextLengthError",
     "InvalidRequestError",
     "MCPServerError",
@@ -63,6 +66,7 @@ __all__ = [
     "SandboxError",
     "SandboxUnavailable",
     "SessionFailedError",
+    "StoreError",
     "StructuredOutputError",
     "ToolArgumentsError",
     "ToolError",
@@ -229,6 +233,39 @@ class BudgetExceededError(TreadleError):
 
 class PersistenceError(TreadleError):
     """A persisted session file is missing, unreadable or not a Treadle session."""
+
+
+class StoreError(PersistenceError):
+    """A conversation store could not be read or written (connection lost, disk full, damage).
+
+    Raised by a pass that uses `store=`: the pass fails and the conversation keeps its last
+    committed version (a pass's rows are committed in one transaction, or not at all).
+    """
+
+
+class ConflictError(StoreError):
+    """Another writer appended to the conversation after this one read it (optimistic
+    versioning): nothing of this write was committed.
+
+    `key` names the conversation, `expected` is the version this writer read and `actual` the
+    version it found; `rows` are the rows that were not written (a pass's new rows), so the
+    caller can run the turn again on the latest version.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str = "",
+        expected: int = 0,
+        actual: int = 0,
+        rows: tuple[object, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+        self.rows = rows
 
 
 class StructuredOutputError(TreadleError):

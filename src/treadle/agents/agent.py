@@ -47,6 +47,7 @@ from treadle.loop import (
 from treadle.loop.api import naming_next_pass
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
+from treadle.stores import PendingPass, Store, check_store_arguments
 from treadle.tools import FunctionTool, Tool, ToolSet
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
@@ -102,10 +103,12 @@ def as_session(value: AgentInput) -> Session:
 class _Run:
     """The state of one agent run (never shared between runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stored: dict[str, Any] | None = None) -> None:
         self.output = OutputState()
         self.compactions = 0
         self.overflow_retried = False
+        self.stored = stored or {}
+        """`store=` and `conversation=` for every pass of the run (empty without a store)."""
 
 
 class Agent:
@@ -209,26 +212,42 @@ class Agent:
         return f"<Agent {self.name!r}>"
 
     # -- entry points ------------------------------------------------------------------------
-    def __call__(self, session: AgentInput) -> Session:
+    def __call__(
+        self,
+        session: AgentInput,
+        *,
+        store: Store | None = None,
+        conversation: str | PendingPass | None = None,
+    ) -> Session:
         """Run the agent on the runtime and return its output `Session` at once (lazy).
 
         `session` may be a pending output of another pass or agent: the run waits for it on
         the runtime, so chains never block the caller. `out.cancel()` stops the pass with
-        `stop_reason == "cancelled"`.
+        `stop_reason == "cancelled"`. With `store=` and `conversation=` the run continues that
+        stored conversation and commits to it (as `run_session_loop` does).
         """
         user = as_session(session)
+        stored = _stored(store, conversation)
         return lazy_session(
-            lambda: self._run(user, lazy=True),
+            lambda: self._run(user, lazy=True, stored=stored),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
         )
 
-    async def run(self, session: AgentInput) -> Session:
+    async def run(
+        self,
+        session: AgentInput,
+        *,
+        store: Store | None = None,
+        conversation: str | PendingPass | None = None,
+    ) -> Session:
         """Run the agent on the calling event loop and return the finished output `Session`.
 
         Cancelling the awaiting task cancels the pass (the `CancelledError` propagates).
+        `store=` and `conversation=` continue a stored conversation, as on a call.
         """
-        return await self._run(as_session(session), lazy=False)
+        stored = _stored(store, conversation)
+        return await self._run(as_session(session), lazy=False, stored=stored)
 
     def as_tool(self, *, name: str | None = None, description: str | None = None) -> Tool:
         """This agent as an async tool taking `task: str`, for a manager agent to delegate to.
@@ -252,9 +271,11 @@ class Agent:
         return FunctionTool(delegate, name=tool_name, description=text)
 
     # -- one run -----------------------------------------------------------------------------
-    async def _run(self, session: Session, *, lazy: bool) -> Session:
+    async def _run(
+        self, session: Session, *, lazy: bool, stored: dict[str, Any] | None = None
+    ) -> Session:
         await session.wait_ready()
-        run = _Run()
+        run = _Run(stored)
         current = session
         while True:
             try:
@@ -299,6 +320,7 @@ class Agent:
             "max_tool_rounds": self.max_tool_rounds,
             "limits": self.limits,
             "guardrails": guards,
+            **run.stored,
         }
         if self.spec is not None and self.spec.mode == "tool":
             options["on_message"] = self.spec.on_message(run.output)
@@ -356,3 +378,9 @@ class Agent:
             instruction=self.compaction_instruction,
             keep_last=self.compact_keep_last,
         )
+
+
+def _stored(store: Store | None, conversation: str | PendingPass | None) -> dict[str, Any]:
+    """The `store=` / `conversation=` options of a run, checked at the call."""
+    check_store_arguments(store, conversation)
+    return {} if store is None else {"store": store, "conversation": conversation}

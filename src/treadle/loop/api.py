@@ -24,6 +24,7 @@ from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
 from treadle.session import ChunkRow, Session, SessionData, new_session_id
+from treadle.stores import PendingPass, Store, check_store_arguments
 from treadle.telemetry import capture_parent
 from treadle.tools import ToolSet
 
@@ -83,6 +84,10 @@ class PassOptions(TypedDict, total=False):
     """Called as `on_message(row, control)` after each assistant and tool_result row."""
     approvals: Mapping[str, bool | str] | None
     """Decisions for calls to tools marked `needs_approval`, by tool call id."""
+    store: Store | None
+    """A conversation store: the pass continues `conversation` there and commits to it."""
+    conversation: str | PendingPass | None
+    """The conversation's key in `store` (or an item of `store.pending()` to resume)."""
 
 
 def _plan(
@@ -103,6 +108,8 @@ def _plan(
     guardrails: Iterable[Any] | None = None,
     on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
+    store: Store | None = None,
+    conversation: str | PendingPass | None = None,
 ) -> PassPlan:
     if provider is not None:
         if agent_provider is not None:
@@ -138,6 +145,7 @@ def _plan(
         raise ConfigurationError("limits must be a treadle Limits(...).")
     if approvals is not None and not isinstance(approvals, Mapping):
         raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
+    check_store_arguments(store, conversation)
     if agent_provider is not None and not isinstance(agent_provider, Provider):
         raise ConfigurationError(
             f"agent_provider must be a treadle Provider, got {type(agent_provider).__name__}."
@@ -190,6 +198,8 @@ def _plan(
         emit=emit,
         trace_parent=capture_parent(),
         agent_name=agent_name,
+        store=store,
+        conversation=conversation,
     )
 
 
@@ -220,6 +230,8 @@ def run_session_loop(
     guardrails: Iterable[Any] | None = None,
     on_message: Callable[[ChunkRow, PassControl], Any] | None = None,
     approvals: Mapping[str, bool | str] | None = None,
+    store: Store | None = None,
+    conversation: str | PendingPass | None = None,
     lazy: bool = True,
 ) -> Session:
     """Run one agent pass on the runtime and return its output `Session` at once.
@@ -246,6 +258,12 @@ def run_session_loop(
             row; `control.interrupt(reason)` stops the pass, resumable.
         approvals: Decisions for calls to tools marked `needs_approval`, by tool call id:
             True runs the call, False or a reason string denies it.
+        store: A conversation store (`Store.sqlite(...)`, `Store.postgres(...)`); with
+            `conversation`, the pass continues the stored conversation (the user session's
+            rows follow it) and commits its new rows in one transaction when it ends
+            (`ConflictError` if another writer committed first).
+        conversation: The conversation's key in `store`, or an item of `store.pending()` to
+            resume (the pass takes it over).
         lazy: Return at once (True) or after the pass ends (False).
     """
     out_id = new_session_id()
@@ -265,6 +283,8 @@ def run_session_loop(
         guardrails=guardrails,
         on_message=on_message,
         approvals=approvals,
+        store=store,
+        conversation=conversation,
     )
     handle = user_session.sandbox_handle
     if handle is not None:

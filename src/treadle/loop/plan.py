@@ -13,6 +13,7 @@ from treadle.llm.turn import ModelExecutor
 from treadle.loop.control import Guardrail, Limits, PassControl, Tripwire
 from treadle.loop.events import Event
 from treadle.session import ChunkRow, ChunkTable, Session, ToolCall
+from treadle.stores import PendingPass, Store
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
 
@@ -41,6 +42,10 @@ class PassPlan:
     """The caller's tracing context (None when tracing is off)."""
     agent_name: str | None = None
     """The agent's name, for traces."""
+    store: Store | None = None
+    """The conversation store the pass continues and commits to (with `conversation`)."""
+    conversation: str | PendingPass | None = None
+    """The conversation's key, or a pending pass of the store to resume."""
 
 
 def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:

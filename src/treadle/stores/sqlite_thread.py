@@ -1,0 +1,100 @@
+"""One thread per SQLite database file in this process, owning the file's connection.
+
+Statements on a file run on its thread in the order they were submitted, so writes of this
+process never wait on each other's locks in Python, and the event loop awaits only a future.
+A forked child starts its own threads (the parent's are not in it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["DatabaseThread", "release", "thread_for"]
+
+T = TypeVar("T")
+
+
+class DatabaseThread:
+    """The one thread (and connection) of a database file in this process: every statement on
+    the file runs here, in the order submitted."""
+
+    def __init__(self, path: Path, connect: Callable[[Path], sqlite3.Connection]) -> None:
+        self.path = path
+        self._connect = connect
+        self.users = 0
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]] | None
+        ] = queue.SimpleQueue()
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._serve, args=(ready,), name=f"treadle-sqlite {path.name}", daemon=True
+        )
+        self._thread.start()
+        ready.result()  # raises the error of a file that cannot be opened
+
+    def _serve(self, ready: concurrent.futures.Future[None]) -> None:
+        try:
+            conn = self._connect(self.path)
+        except BaseException as err:
+            ready.set_exception(err)
+            return
+        ready.set_result(None)
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(conn))
+            except BaseException as err:
+                if conn.in_transaction:
+                    conn.rollback()
+                future.set_exception(err)
+        conn.close()
+
+    def run(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(connection)` on the thread; its future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        """Stop after the jobs already queued (waits unless called on the thread itself)."""
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+
+_writers: dict[Path, DatabaseThread] = {}
+_writers_lock = threading.Lock()
+_writers_pid = os.getpid()
+
+
+def thread_for(path: Path, connect: Callable[[Path], sqlite3.Connection]) -> DatabaseThread:
+    """The thread of the database file at `path`, started on first use (one more user)."""
+    global _writers_pid
+    with _writers_lock:
+        if _writers_pid != os.getpid():  # a forked child: the parent's threads are not here
+            _writers.clear()
+            _writers_pid = os.getpid()
+        writer = _writers.get(path)
+        if writer is None:
+            writer = _writers[path] = DatabaseThread(path, connect)
+        writer.users += 1
+        return writer
+
+
+def release(writer: DatabaseThread) -> None:
+    """One user fewer; the thread stops (closing its connection) with its last user."""
+    with _writers_lock:
+        writer.users -= 1
+        if writer.users > 0 or _writers.get(writer.path) is not writer:
+            return
+        del _writers[writer.path]
+    writer.stop()
