@@ -89,7 +89,7 @@ class PostgresBackend:
             return await fn()
         except psycopg.Error as err:
             raise StoreError(
-                f"the PostgreSQL store {self._url} failed: {str(err).strip()}."
+                f"the PostgreSQL store {self._url} failed: {' '.join(str(err).split())}."
             ) from None
 
     async def _connection_pool(self) -> AsyncConnectionPool[AsyncConnection[Any]]:

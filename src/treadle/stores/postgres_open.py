@@ -78,7 +78,7 @@ async def open_pool(
             timeout,
         )
     except (psycopg.Error, OSError, TimeoutError) as err:
-        what = str(err).strip() or "no answer within the timeout"
+        what = " ".join(str(err).split()) or "no answer within the timeout"
         raise ConfigurationError(
             f"cannot connect to the PostgreSQL store {url}: {what}; check the DSN "
             "and that the server is running."
