@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Coroutine, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from treadle.errors import ConfigurationError
@@ -210,6 +211,33 @@ class Store:
     def prune(self, *, older_than_days: float) -> int:
         """Delete conversations not changed for `older_than_days` days (blocks)."""
         return self._wait(self.aprune(older_than_days=older_than_days))
+
+    # -- files -------------------------------------------------------------------------------
+    async def aimport_jsonl(
+        self, path: str | os.PathLike[str], *, key: str | None = None
+    ) -> tuple[str, int]:
+        """Import a JSONL session file (written with `persist=True`) as the new conversation
+        `key` (default: the file's session id); `(key, version)`."""
+        from treadle.stores.transfer import import_jsonl
+
+        return await import_jsonl(self.backend, path, key)
+
+    def import_jsonl(
+        self, path: str | os.PathLike[str], *, key: str | None = None
+    ) -> tuple[str, int]:
+        """Import a JSONL session file as a new conversation (blocks; see `aimport_jsonl`)."""
+        return self._wait(self.aimport_jsonl(path, key=key))
+
+    async def aexport_jsonl(self, key: str, path: str | os.PathLike[str]) -> Path:
+        """Write conversation `key` as a JSONL session file (`treadle show` and
+        `load_session` read it); the path."""
+        from treadle.stores.transfer import export_jsonl
+
+        return await export_jsonl(self.backend, key, path)
+
+    def export_jsonl(self, key: str, path: str | os.PathLike[str]) -> Path:
+        """Write a conversation as a JSONL session file (blocks; see `aexport_jsonl`)."""
+        return self._wait(self.aexport_jsonl(key, path))
 
     # -- closing -----------------------------------------------------------------------------
     async def aclose(self) -> None:
