@@ -58,7 +58,8 @@ def test_damaged_rows_are_a_store_error(tmp_path: Path) -> None:
 
 
 def test_a_store_lost_mid_pass_fails_the_pass_and_writes_nothing() -> None:
-    cluster = Cluster(require_postgres())
+    require_postgres()
+    cluster = Cluster()
     try:
         dsn = cluster.new_database()
         started, release = threading.Event(), threading.Event()
