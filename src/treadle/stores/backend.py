@@ -65,9 +65,12 @@ class StoreBackend(Protocol):
         stop_reason: str | None,
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
     ) -> int:
         """Append `rows` at version `base` in one transaction and settle the pass; the new
-        version, or `ConflictError` when the conversation is no longer at `base`."""
+        version, or `ConflictError` when the conversation is no longer at `base`. `recorded`
+        False says the pass never called `record` (a pass that ends done then needs no record
+        of its own)."""
         ...
 
     async def settle(self, pass_id: str, status: str) -> None:

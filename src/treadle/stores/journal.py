@@ -60,10 +60,13 @@ class ConversationJournal:
     """Rows not yet durable: made durable with the next intents or tool result, or the commit."""
     version: int | None = None
     """The version the commit made (None until it succeeds)."""
+    recorded: bool = False
+    """True once the pass wrote anything to the store's journal."""
 
     async def _flush(self, more: Sequence[JournalEntry] = ()) -> None:
         entries = [*self.buffered, *more]
         if entries:
+            self.recorded = True
             await self.backend.record(self.pass_id, self.key, self.base, self.agent_rows, entries)
         self.buffered.clear()
 
@@ -97,6 +100,7 @@ class ConversationJournal:
             stop_reason=stop_reason,
             metadata=metadata,
             agent_rows=self.agent_rows,
+            recorded=self.recorded,
         )
         self.buffered.clear()
         return self.version

@@ -28,6 +28,7 @@ from treadle.stores.records import (
     ConversationInfo,
     PassRecord,
     PendingPass,
+    RowCache,
     StoredConversation,
     conflict_error,
     decode_json,
@@ -67,6 +68,7 @@ class PostgresBackend:
         self._pool: AsyncConnectionPool[AsyncConnection[Any]] | None = None
         self._opening: asyncio.Lock | None = None
         self._closed = False
+        self._cache = RowCache()  # touched only on the runtime loop
 
     @property
     def url(self) -> str:
@@ -114,25 +116,32 @@ class PostgresBackend:
 
     # -- the protocol ---------------------------------------------------------------------------
     async def load(self, key: str) -> StoredConversation:
-        """The committed conversation (empty for a new key)."""
+        """The committed conversation (empty for a new key), in one query; only rows not cached
+        are fetched and decoded."""
+        cache = self._cache
 
         async def do(conn: AsyncConnection[Any]) -> StoredConversation:
-            async with conn.transaction():  # one snapshot for the head and its rows
+            cur = await conn.execute(
+                "SELECT c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
+                " c.created_at, c.version FROM treadle_conversations c"
+                " WHERE c.key = %s",
+                (key,),
+            )
+            head = await cur.fetchone()
+            if head is None:
+                return StoredConversation(key)
+            known = cache.get(key, head[5], head[6])
+            if len(known) < head[6]:
                 cur = await conn.execute(
-                    "SELECT usage, stop_reason, metadata, parent_key, parent_version "
-                    "FROM treadle_conversations WHERE key = %s",
-                    (key,),
+                    "SELECT kind, payload FROM treadle_rows WHERE key = %s AND seq >= %s"
+                    " AND seq < %s ORDER BY seq",
+                    (key, len(known), head[6]),
                 )
-                head = await cur.fetchone()
-                if head is None:
-                    return StoredConversation(key)
-                cur = await conn.execute(
-                    "SELECT kind, payload FROM treadle_rows WHERE key = %s ORDER BY seq", (key,)
-                )
-                found = await cur.fetchall()
+                known += tuple(decode_row(k, p, key) for k, p in await cur.fetchall())
+                cache.put(key, head[5], known)
             return StoredConversation(
                 key,
-                tuple(decode_row(k, p, key) for k, p in found),
+                known,
                 decode_usage(head[0], key),
                 head[1],
                 decode_json(head[2], key),
@@ -237,36 +246,27 @@ class PostgresBackend:
         stop_reason: str | None,
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
     ) -> int:
-        """Append a pass's rows at version `base` and settle the pass (one transaction)."""
+        """Append a pass's rows at version `base` and settle the pass (one server-side call)."""
         kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
         status = "interrupted" if stop_reason == "interrupted" else "done"
         agents = encode_json([r.to_message() for r in agent_rows])
+        encoded = rows_text(rows)
 
         async def do(conn: AsyncConnection[Any]) -> int:
-            async with conn.transaction():
-                found = await self._lock(conn, key)
-                if (found or 0) == base:
-                    head = {"usage": encode_usage(usage), "stop_reason": stop_reason}
-                    version = await self._write_rows(
-                        conn, key, found, base, rows, pass_id, {**head, "metadata": kept}
-                    )
-                    now = time.time()
-                    tail = (status, version, kept, now)  # the ON CONFLICT update's values
-                    await conn.execute(
-                        "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
-                        " metadata, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s,"
-                        " %s) ON CONFLICT (pass_id) DO UPDATE SET status = %s, version = %s,"
-                        " metadata = %s, updated_at = %s",
-                        (pass_id, key, status, version, agents, kept, now, now, *tail),
-                    )
-                    await conn.execute("DELETE FROM treadle_journal WHERE pass_id = %s", (pass_id,))
-                    return version
-            await conn.execute(
-                "UPDATE treadle_passes SET status = 'conflict', updated_at = %s WHERE pass_id = %s",
-                (time.time(), pass_id),
-            )
-            raise conflict_error(key, base, found or 0, rows)
+            cur = await conn.execute(
+                "SELECT treadle_commit(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (
+                    pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
+                    encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+                ),
+            )  # fmt: skip
+            version = int(((await cur.fetchone()) or (-1,))[0])
+            if version < 0:
+                raise conflict_error(key, base, -1 - version, rows)
+            self._cache.extend(key, base, rows)  # a new key is cached by its first read
+            return version
 
         return await self._run(do)
 
@@ -394,7 +394,9 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> bool:
             async with conn.transaction():
-                return await _delete(conn, [key]) > 0
+                gone = await _delete(conn, [key])
+            self._cache.drop(key)
+            return gone > 0
 
         return await self._run(do)
 
@@ -406,7 +408,11 @@ class PostgresBackend:
                 cur = await conn.execute(
                     "SELECT key FROM treadle_conversations WHERE updated_at < %s", (before,)
                 )
-                return await _delete(conn, [k for (k,) in await cur.fetchall()])
+                keys = [k for (k,) in await cur.fetchall()]
+                gone = await _delete(conn, keys)
+            for key in keys:
+                self._cache.drop(key)
+            return gone
 
         return await self._run(do)
 

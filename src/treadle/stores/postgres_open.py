@@ -18,6 +18,47 @@ if TYPE_CHECKING:
 
 __all__ = ["MIGRATIONS", "display_url", "open_pool"]
 
+#: A pass's commit as one server-side call (one round trip, one transaction): take the
+#: conversation's lock, check the version (a conflict returns -1 - the version found, and marks
+#: the pass), append the rows, move the head, settle the pass.
+COMMIT_FUNCTION = """
+CREATE FUNCTION treadle_commit(
+    p_pass TEXT, p_key TEXT, p_base BIGINT, p_kinds TEXT[], p_payloads TEXT[], p_usage TEXT,
+    p_stop TEXT, p_meta TEXT, p_status TEXT, p_agents TEXT, p_recorded BOOLEAN,
+    p_now DOUBLE PRECISION
+) RETURNS BIGINT LANGUAGE plpgsql AS $$
+DECLARE
+    found BIGINT;
+    target BIGINT := p_base + cardinality(p_kinds);
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, 0));
+    SELECT version INTO found FROM treadle_conversations WHERE key = p_key;
+    IF coalesce(found, 0) <> p_base THEN
+        UPDATE treadle_passes SET status = 'conflict', updated_at = p_now WHERE pass_id = p_pass;
+        RETURN -1 - coalesce(found, 0);
+    END IF;
+    INSERT INTO treadle_rows (key, seq, pass_id, kind, payload)
+        SELECT p_key, p_base + t.o - 1, p_pass, t.k, t.p
+        FROM unnest(p_kinds, p_payloads) WITH ORDINALITY AS t(k, p, o);
+    IF found IS NULL THEN
+        INSERT INTO treadle_conversations (key, version, usage, stop_reason, metadata,
+            created_at, updated_at) VALUES (p_key, target, p_usage, p_stop, p_meta, p_now, p_now);
+    ELSE
+        UPDATE treadle_conversations SET version = target, usage = p_usage, stop_reason = p_stop,
+            metadata = p_meta, updated_at = p_now WHERE key = p_key;
+    END IF;
+    IF p_recorded OR p_status <> 'done' THEN
+        INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows, metadata,
+            created_at, updated_at) VALUES (p_pass, p_key, p_status, target, p_agents, p_meta,
+            p_now, p_now)
+        ON CONFLICT (pass_id) DO UPDATE SET status = p_status, version = target,
+            metadata = p_meta, updated_at = p_now;
+        DELETE FROM treadle_journal WHERE pass_id = p_pass;
+    END IF;
+    RETURN target;
+END
+$$"""
+
 #: Schema migrations, by the version they reach; each runs once, in one transaction.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -36,6 +77,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         """CREATE TABLE treadle_journal (
             pass_id TEXT NOT NULL, seq BIGINT NOT NULL, entry TEXT NOT NULL, kind TEXT NOT NULL,
             body TEXT NOT NULL, PRIMARY KEY (pass_id, seq))""",
+        COMMIT_FUNCTION,
     ),
 }
 assert max(MIGRATIONS) == SCHEMA_VERSION

@@ -232,3 +232,47 @@ def pending_from(
         reason if isinstance(reason, str) else None,
         tuple(ChunkRow.from_message(m) for m in messages if isinstance(m, dict)),
     )
+
+
+#: Conversations whose validated rows a backend keeps in memory (least recently used go first).
+ROW_CACHE_CONVERSATIONS = 4096
+
+
+class RowCache:
+    """Validated rows of recently read conversations, so a read decodes only rows it has not
+    seen. Committed rows never change (a conversation only grows; delete and fork make a new
+    `created_at`), so cached rows stay true; a read still asks the database for the version and
+    fetches the rows past what it holds. Used from one thread (the backend's) only."""
+
+    def __init__(self, size: int = ROW_CACHE_CONVERSATIONS) -> None:
+        self.size = size
+        self._rows: dict[str, tuple[float, tuple[ChunkRow, ...]]] = {}
+
+    def get(self, key: str, created_at: float, version: int) -> tuple[ChunkRow, ...]:
+        """The cached rows of `key` if they belong to this incarnation (else none)."""
+        found = self._rows.pop(key, None)
+        if found is None or found[0] != created_at or len(found[1]) > version:
+            return ()
+        self._rows[key] = found  # most recently used last
+        return found[1]
+
+    def put(self, key: str, created_at: float, rows: tuple[ChunkRow, ...]) -> None:
+        """Remember the rows of `key`."""
+        self._rows.pop(key, None)
+        self._rows[key] = (created_at, rows)
+        if len(self._rows) > self.size:
+            del self._rows[next(iter(self._rows))]
+
+    def extend(self, key: str, base: int, rows: Sequence[ChunkRow]) -> None:
+        """A commit of `rows` at version `base`: cached rows that end at `base` grow by them."""
+        found = self._rows.get(key)
+        if found is not None and len(found[1]) == base:
+            self.put(key, found[0], found[1] + tuple(rows))
+
+    def drop(self, key: str) -> None:
+        """Forget `key` (deleted)."""
+        self._rows.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._rows.clear()

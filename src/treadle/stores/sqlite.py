@@ -4,8 +4,8 @@ database file.
 Every statement runs on one thread per database file in this process, which owns the file's only
 connection here: commits are serialised without locks in Python, and the event loop only awaits
 a future. Other processes open their own connection; SQLite's file lock and `busy_timeout`
-serialise them, and each write takes the lock at its start (`BEGIN IMMEDIATE`) so a version check
-and its insert are never split by another writer. WAL with `synchronous=NORMAL` makes a commit
+serialise them, and each transaction takes the lock at its start (`BEGIN IMMEDIATE`) so a version
+check and its insert are never split by another writer. WAL with `synchronous=NORMAL` makes a commit
 survive a crash of the process (a power loss may lose the last commits, never corrupt the file).
 Never blocks the event loop.
 """
@@ -162,6 +162,7 @@ class SqliteBackend:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).expanduser().resolve()
         self._writer: DatabaseThread | None = thread_for(self.path, _connect)
+        self._cache = self._writer.cache  # touched only on the database thread
 
     @property
     def url(self) -> str:
@@ -178,22 +179,32 @@ class SqliteBackend:
             raise StoreError(f"the SQLite store {self.path} failed: {err}.") from None
 
     async def load(self, key: str) -> StoredConversation:
-        """The committed conversation (empty for a new key)."""
+        """The committed conversation (empty for a new key); only rows not cached are decoded."""
+        cache = self._cache
 
         def do(conn: sqlite3.Connection) -> StoredConversation:
             head = conn.execute(
-                "SELECT usage, stop_reason, metadata, parent_key, parent_version "
-                "FROM conversations WHERE key = ?",
+                "SELECT usage, stop_reason, metadata, parent_key, parent_version, created_at,"
+                " version FROM conversations WHERE key = ?",
                 (key,),
             ).fetchone()
             if head is None:
                 return StoredConversation(key)
-            found = conn.execute(
-                "SELECT kind, payload FROM rows WHERE key = ? ORDER BY seq", (key,)
-            ).fetchall()
+            known = cache.get(key, head[5], head[6])
+            found = (
+                conn.execute(
+                    "SELECT kind, payload FROM rows WHERE key = ? AND seq >= ? AND seq < ?"
+                    " ORDER BY seq",
+                    (key, len(known), head[6]),
+                ).fetchall()
+                if len(known) < head[6]
+                else []
+            )
+            rows = known + tuple(decode_row(k, p, key) for k, p in found)
+            cache.put(key, head[5], rows)
             return StoredConversation(
                 key,
-                tuple(decode_row(k, p, key) for k, p in found),
+                rows,
                 decode_usage(head[0], key),
                 head[1],
                 decode_json(head[2], key),
@@ -216,7 +227,6 @@ class SqliteBackend:
 
         def do(conn: sqlite3.Connection) -> None:
             now = time.time()
-            conn.execute("BEGIN IMMEDIATE")
             conn.execute(
                 "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
                 " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, '{}', ?, ?) "
@@ -230,7 +240,6 @@ class SqliteBackend:
                 "INSERT INTO journal (pass_id, seq, entry, kind, body) VALUES (?, ?, ?, ?, ?)",
                 [(pass_id, start + i, *journal_text(e)) for i, e in enumerate(entries)],
             )
-            conn.execute("COMMIT")
 
         await self._run(do)
 
@@ -245,6 +254,7 @@ class SqliteBackend:
         stop_reason: str | None,
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
     ) -> int:
         """Append a pass's rows at version `base` and settle the pass (one transaction)."""
         kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
@@ -253,33 +263,39 @@ class SqliteBackend:
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
-            conn.execute("BEGIN IMMEDIATE")
             found = _version(conn, key)
             if (found or 0) != base:
-                conn.execute("ROLLBACK")
                 conn.execute(
                     "UPDATE passes SET status = 'conflict', updated_at = ? WHERE pass_id = ?",
                     (now, pass_id),
                 )
-                raise conflict_error(key, base, found or 0, rows)
+                return -1 - (found or 0)  # kept: the pass's conflict status
             version = base + len(rows)
             _insert_rows(conn, key, base, rows, pass_id)
             _advance(
                 conn, key, found, version, now,
                 usage=encode_usage(usage), stop_reason=stop_reason, metadata=kept,
             )  # fmt: skip
-            conn.execute(
-                "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
-                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (pass_id)"
-                " DO UPDATE SET status = excluded.status, version = excluded.version,"
-                " metadata = excluded.metadata, updated_at = excluded.updated_at",
-                (pass_id, key, status, version, agents, kept, now, now),
-            )
-            conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
-            conn.execute("COMMIT")
+            if recorded or status != "done":  # a pass that kept nothing pending needs no record
+                conn.execute(
+                    "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
+                    " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT"
+                    " (pass_id) DO UPDATE SET status = excluded.status, version ="
+                    " excluded.version, metadata = excluded.metadata, updated_at ="
+                    " excluded.updated_at",
+                    (pass_id, key, status, version, agents, kept, now, now),
+                )
+                conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
+            if found is None:
+                self._cache.put(key, now, tuple(rows))
+            else:
+                self._cache.extend(key, base, rows)
             return version
 
-        return await self._run(do)
+        version = await self._run(do)
+        if version < 0:
+            raise conflict_error(key, base, -1 - version, rows)
+        return version
 
     async def settle(self, pass_id: str, status: str) -> None:
         """Mark a running pass settled with `status`."""
@@ -297,12 +313,10 @@ class SqliteBackend:
         """Take over a pending pass: its journal, or `ConflictError`."""
 
         def do(conn: sqlite3.Connection) -> PassRecord:
-            conn.execute("BEGIN IMMEDIATE")
             found = conn.execute(
                 "SELECT key, status, version FROM passes WHERE pass_id = ?", (pass_id,)
             ).fetchone()
             if found is None or found[1] not in RESUMABLE:
-                conn.execute("ROLLBACK")
                 raise ConflictError(
                     f"pass {pass_id} is not pending (another process resumed it, or it ended); "
                     "list what is pending with store.pending().",
@@ -311,7 +325,6 @@ class SqliteBackend:
             key, _, version = found
             actual = _version(conn, key) or 0
             if actual != version:
-                conn.execute("ROLLBACK")
                 raise conflict_error(key, version, actual, ())
             conn.execute(
                 "UPDATE passes SET status = 'resumed', updated_at = ? WHERE pass_id = ?",
@@ -320,7 +333,6 @@ class SqliteBackend:
             entries = conn.execute(
                 "SELECT entry, kind, body FROM journal WHERE pass_id = ? ORDER BY seq", (pass_id,)
             ).fetchall()
-            conn.execute("COMMIT")
             return journal_record(entries, key)
 
         return await self._run(do)
@@ -330,15 +342,12 @@ class SqliteBackend:
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
-            conn.execute("BEGIN IMMEDIATE")
             found = _version(conn, key)
             base = found or 0
             if expected is not None and expected != base:
-                conn.execute("ROLLBACK")
                 raise conflict_error(key, expected, base, rows)
             _insert_rows(conn, key, base, rows, None)
             _advance(conn, key, found, base + len(rows), now)
-            conn.execute("COMMIT")
             return base + len(rows)
 
         return await self._run(do)
@@ -375,19 +384,16 @@ class SqliteBackend:
         """Copy `key` up to `version` to `new_key` (which must be new)."""
 
         def do(conn: sqlite3.Connection) -> int:
-            conn.execute("BEGIN IMMEDIATE")
             head = conn.execute(
                 "SELECT version, usage FROM conversations WHERE key = ?", (key,)
             ).fetchone()
             at = head[0] if head is not None else 0
             if version is not None and not 0 <= version <= at:
-                conn.execute("ROLLBACK")
                 raise ConfigurationError(
                     f"conversation {key!r} has versions 0 to {at}; fork at one of those."
                 )
             at = at if version is None else version
             if _version(conn, new_key) is not None:
-                conn.execute("ROLLBACK")
                 raise ConflictError(
                     f"conversation {new_key!r} already exists; fork to a new key.", key=new_key
                 )
@@ -401,7 +407,6 @@ class SqliteBackend:
                 conn, new_key, None, at, time.time(),
                 usage=usage, parent_key=key, parent_version=at,
             )  # fmt: skip
-            conn.execute("COMMIT")
             return int(at)
 
         return await self._run(do)
@@ -410,9 +415,8 @@ class SqliteBackend:
         """Delete a conversation with its passes and journal."""
 
         def do(conn: sqlite3.Connection) -> bool:
-            conn.execute("BEGIN IMMEDIATE")
             gone = _delete(conn, [key])
-            conn.execute("COMMIT")
+            self._cache.drop(key)
             return gone > 0
 
         return await self._run(do)
@@ -421,7 +425,6 @@ class SqliteBackend:
         """Delete conversations not changed since `before`."""
 
         def do(conn: sqlite3.Connection) -> int:
-            conn.execute("BEGIN IMMEDIATE")
             keys = [
                 k
                 for (k,) in conn.execute(
@@ -429,7 +432,8 @@ class SqliteBackend:
                 )
             ]
             gone = _delete(conn, keys)
-            conn.execute("COMMIT")
+            for key in keys:
+                self._cache.drop(key)
             return gone
 
         return await self._run(do)

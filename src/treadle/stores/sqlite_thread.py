@@ -2,6 +2,9 @@
 
 Statements on a file run on its thread in the order they were submitted, so writes of this
 process never wait on each other's locks in Python, and the event loop awaits only a future.
+Jobs that queue up together run in one transaction, each in its own savepoint (group commit:
+many passes ending at once pay for one commit); a job's future is settled only once that
+transaction has committed.
 A forked child starts its own threads (the parent's are not in it).
 """
 
@@ -16,9 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from treadle.stores.records import RowCache
+
 __all__ = ["DatabaseThread", "release", "thread_for"]
 
 T = TypeVar("T")
+
+#: Most jobs that share one transaction (and one commit) when they queue up together.
+MAX_BATCH = 256
 
 
 class DatabaseThread:
@@ -29,6 +37,8 @@ class DatabaseThread:
         self.path = path
         self._connect = connect
         self.users = 0
+        self.cache = RowCache()
+        """Validated rows of the file's conversations (touched only on this thread)."""
         self._jobs: queue.SimpleQueue[
             tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]] | None
         ] = queue.SimpleQueue()
@@ -46,17 +56,63 @@ class DatabaseThread:
             ready.set_exception(err)
             return
         ready.set_result(None)
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(conn))
-            except BaseException as err:
-                if conn.in_transaction:
-                    conn.rollback()
-                future.set_exception(err)
+        stopping = False
+        while not stopping:
+            job = self._jobs.get()
+            if job is None:
+                break
+            batch = [job]
+            while len(batch) < MAX_BATCH:  # what queued meanwhile shares one commit
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batch.append(more)
+            self._run_batch(conn, batch)
         conn.close()
+
+    def _run_batch(
+        self,
+        conn: sqlite3.Connection,
+        batch: list[tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]]],
+    ) -> None:
+        """Run the jobs in one transaction, each in its own savepoint (a job that raises undoes
+        only its own statements); settle their futures once the transaction is durable."""
+        running = [(fn, f) for fn, f in batch if f.set_running_or_notify_cancel()]
+        if not running:
+            return
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as err:
+            for _, future in running:
+                future.set_exception(err)
+            return
+        outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
+        for fn, future in running:
+            conn.execute("SAVEPOINT job")
+            try:
+                value = fn(conn)
+            except BaseException as err:
+                conn.execute("ROLLBACK TO job")
+                outcomes.append((future, None, err))
+            else:
+                outcomes.append((future, value, None))
+            conn.execute("RELEASE job")
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as err:
+            if conn.in_transaction:
+                conn.rollback()
+            self.cache.clear()  # it may hold rows of the commits that were just undone
+            outcomes = [(future, None, err) for future, _, _ in outcomes]
+        for future, value, error in outcomes:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
 
     def run(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
         """Run `fn(connection)` on the thread; its future."""
