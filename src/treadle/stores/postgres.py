@@ -77,10 +77,12 @@ class PostgresBackend:
 
     # -- the pool, on the runtime loop ---------------------------------------------------------
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
+        # An operation, once started, runs to its end even if its caller is cancelled meanwhile
+        # (a pass recording its own cancellation must not be cut short by it).
         runtime = get_runtime()
         if runtime.in_loop_thread():
-            return await self._guarded(fn)
-        return await runtime.submit(self._guarded(fn)).wait()
+            return await asyncio.shield(asyncio.ensure_future(self._guarded(fn)))
+        return await runtime.submit(self._guarded(fn)).wait(propagate_cancel=False)
 
     async def _guarded(self, fn: Callable[[], Awaitable[T]]) -> T:
         import psycopg
