@@ -327,6 +327,14 @@ def test_a_pending_approval_is_finished_by_another_process(
     assert (pending.key, pending.status) == ("ops", "interrupted")
     assert pending.pending_approvals[0]["name"] == "deploy"
     assert store.conversation("ops").pending_approvals == list(pending.pending_approvals)
+    with pytest.raises(ConflictError, match="waits for a decision on deploy"):
+        run_session_loop(  # a new turn cannot follow calls that have no results
+            Session.from_user_message("and another thing"),
+            AGENT,
+            executor=ScriptedExecutor(["x"]),
+            store=store,
+            conversation="ops",
+        ).synchronize()
     child = _child("resume", url, "ops", server.base_url)
     stdout, _ = child.communicate(timeout=CHILD_TIMEOUT)
     assert child.returncode == 0

@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from treadle.errors import ConfigurationError
+from treadle.errors import ConfigurationError, ConflictError
 from treadle.session import ChunkRow, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import JournalEntry, StoreBackend
@@ -152,6 +152,19 @@ async def open_conversation(
             f"{type(conversation).__name__}."
         )
     stored = await backend.load(key)
+    waiting = stored.metadata.get("pending_approvals")
+    if waiting and not isinstance(conversation, PendingPass):
+        # A new turn after an assistant row whose calls have no results would be a transcript
+        # no model accepts: the calls must be decided first (approved or denied).
+        names = ", ".join(str(c.get("name")) for c in waiting if isinstance(c, dict))
+        raise ConflictError(
+            f"conversation {key!r} waits for a decision on {names}; resume it first: "
+            "run_session_loop(Session(), agent, store=store, conversation=store.pending(key)[0], "
+            "approvals={call_id: True or False}).",
+            key=key,
+            expected=stored.version,
+            actual=stored.version,
+        )
     committed = stored.rows
     new = list(user_rows)
     if committed:
