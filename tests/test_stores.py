@@ -380,3 +380,64 @@ def test_delete_and_prune(store: Store) -> None:
     assert store.conversations() == []
     with pytest.raises(ConfigurationError, match="negative"):
         store.prune(older_than_days=-1)
+
+
+def test_a_failed_pass_stays_resumable_with_what_it_made_durable(
+    store: Store,
+) -> None:
+    from store_worker import deploy
+
+    from treadle.errors import ProviderError
+
+    boom = ProviderError("the model endpoint failed", status_code=500)
+    failed = run_session_loop(
+        Session.from_user_message("hello?"),
+        AGENT,
+        executor=ScriptedExecutor([boom]),
+        store=store,
+        conversation="f",
+    )
+    with pytest.raises(ProviderError):
+        failed.synchronize()
+    (pending,) = store.pending("f")
+    assert pending.status == "failed"  # its input is kept for a resume
+    out = run_session_loop(
+        Session(), AGENT, executor=ScriptedExecutor(["hi!"]), store=store, conversation=pending
+    )
+    assert [t for _, t in _texts(out)] == ["hello?", "hi!"]
+    assert store.pending("f") == []
+    # A resume of an approval that fails gives the approval back, still pending.
+    model = ScriptedExecutor([tool_call("deploy", {"target": "prod"}, id="d1")])
+    run_session_loop(
+        Session.from_user_message("deploy"),
+        AGENT,
+        executor=model,
+        tools=[deploy],
+        store=store,
+        conversation="g",
+    ).synchronize()
+    (waiting,) = store.pending("g")
+    with pytest.raises(ProviderError):
+        run_session_loop(
+            Session(),
+            AGENT,
+            executor=ScriptedExecutor([boom]),
+            tools=[deploy],
+            store=store,
+            conversation=waiting,
+            approvals={"d1": True},
+        ).synchronize()
+    # The approved call ran and its result is durable: the failed resume is what is pending
+    # now, and resuming it finishes without running the call again.
+    (again,) = store.pending("g")
+    assert (again.status, again.pass_id != waiting.pass_id) == ("failed", True)
+    done = run_session_loop(
+        Session(),
+        AGENT,
+        executor=ScriptedExecutor(["deployed"]),
+        tools=[deploy],
+        store=store,
+        conversation=again,
+    )
+    assert [r.kind for r in done.rows] == ["user", "assistant", "tool_result", "assistant"]
+    assert store.pending("g") == []

@@ -73,8 +73,8 @@ class StoreBackend(Protocol):
         of its own)."""
         ...
 
-    async def settle(self, pass_id: str, status: str) -> None:
-        """Mark a running pass `failed`, `cancelled` or `conflict` (no effect once settled)."""
+    async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
+        """Move a pass from status `was` to `status` (no effect from any other status)."""
         ...
 
     async def claim(self, pass_id: str) -> PassRecord:

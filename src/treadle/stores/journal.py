@@ -62,6 +62,8 @@ class ConversationJournal:
     """The version the commit made (None until it succeeds)."""
     recorded: bool = False
     """True once the pass wrote anything to the store's journal."""
+    claimed: tuple[str, str] | None = None
+    """`(pass id, its status)` of the pending pass this one took over, if any."""
 
     async def _flush(self, more: Sequence[JournalEntry] = ()) -> None:
         entries = [*self.buffered, *more]
@@ -106,18 +108,23 @@ class ConversationJournal:
         return self.version
 
     async def aclose(self, error: BaseException | None) -> None:
-        """The pass ended without a commit: keep what it had and mark it cancelled or failed.
+        """The pass ended without a commit: keep what it had, resumable.
 
-        Never raises: the pass's own error is the one its reader must see.
+        Its rows so far (input, adopted, made) are made durable and the pass is marked
+        `cancelled` or `failed`, so `Store.pending()` lists it; a pass that took over another and
+        has nothing of its own gives that one back. A lost race (`ConflictError`) keeps nothing:
+        the conversation moved on. Never raises: the pass's own error is what its reader sees.
         """
-        if self.version is not None:
+        if self.version is not None or isinstance(error, ConflictError):
             return
-        cancelled = isinstance(error, asyncio.CancelledError)
+        status = "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
         with anyio.CancelScope(shield=True):
             try:
-                if cancelled:  # a resume can pick it up: keep the rows it had made
+                if self.recorded or self.buffered:
                     await self._flush()
-                await self.backend.settle(self.pass_id, "cancelled" if cancelled else "failed")
+                    await self.backend.settle(self.pass_id, status)
+                elif self.claimed is not None:
+                    await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
             except Exception as err:  # the store itself may be what failed
                 log.warning("could not record the end of pass %s: %s", self.pass_id, err)
 
@@ -177,8 +184,13 @@ async def open_conversation(
     if unknown:
         metadata["unknown_outcome_tool_calls"] = unknown
     journal = ConversationJournal(backend, key, pass_id, len(committed), agent_rows)
+    if isinstance(conversation, PendingPass):
+        journal.claimed = (conversation.pass_id, record.status)
     fresh = [*adopted, *new]
     journal.buffered.extend(("row", r) for r in fresh)
+    # Calls of unknown outcome stay so: if this pass stops before it answers them, the next
+    # resume must not take them for calls that never started.
+    journal.buffered.extend(("intent", (cid, "")) for cid in unknown)
     return ConversationStart([*committed, *fresh], stored.usage, metadata, journal)
 
 

@@ -272,14 +272,14 @@ class PostgresBackend:
 
         return await self._run(do)
 
-    async def settle(self, pass_id: str, status: str) -> None:
-        """Mark a running pass settled with `status`."""
+    async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
+        """Move a pass from status `was` to `status` (no effect from any other status)."""
 
         async def do(conn: AsyncConnection[Any]) -> None:
             await conn.execute(
                 "UPDATE treadle_passes SET status = %s, updated_at = %s WHERE pass_id = %s"
-                " AND status = 'running'",
-                (status, time.time(), pass_id),
+                " AND status = %s",
+                (status, time.time(), pass_id, was),
             )
 
         await self._run(do)
@@ -300,7 +300,7 @@ class PostgresBackend:
                         "ended); list what is pending with store.pending().",
                         key=found[0] if found else "",
                     )
-                key, _, version = found
+                key, status, version = found
                 actual = (await self._lock(conn, key)) or 0
                 if actual != version:
                     raise conflict_error(key, int(version), actual, ())
@@ -313,7 +313,7 @@ class PostgresBackend:
                     "SELECT entry, kind, body FROM treadle_journal WHERE pass_id = %s ORDER BY seq",
                     (pass_id,),
                 )
-                return journal_record(await cur.fetchall(), key)
+                return journal_record(await cur.fetchall(), key, status)
 
         return await self._run(do)
 
@@ -338,7 +338,8 @@ class PostgresBackend:
             cur = await conn.execute(
                 "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
                 " p.agent_rows FROM treadle_passes p LEFT JOIN treadle_conversations c"
-                " ON c.key = p.key WHERE p.status IN ('running', 'interrupted', 'cancelled')"
+                " ON c.key = p.key"
+                " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
                 f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
                 (key,) if key is not None else (),
             )

@@ -35,12 +35,13 @@ __all__ = [
 MAX_KEY_LENGTH = 512
 
 #: How a pass recorded in a store stands. `running`: it started and has not ended (or its process
-#: died); `interrupted`: it stopped for an approval or an interrupt and was committed; `cancelled`:
-#: it was cancelled before it could commit; `done`, `failed`, `conflict`, `resumed`: settled.
+#: died); `interrupted`: it stopped for an approval or an interrupt and was committed; `cancelled`
+#: and `failed`: it was cancelled or raised before it could commit; `done`, `conflict`, `resumed`:
+#: settled.
 PassStatus = Literal["running", "interrupted", "cancelled", "done", "failed", "conflict", "resumed"]
 
 #: Statuses a resume may pick up (`Store.pending()` lists them).
-RESUMABLE: frozenset[str] = frozenset({"running", "interrupted", "cancelled"})
+RESUMABLE: frozenset[str] = frozenset({"running", "interrupted", "cancelled", "failed"})
 
 
 def check_key(key: object, what: str = "conversation key") -> str:
@@ -119,6 +120,8 @@ class PassRecord:
     rows: tuple[ChunkRow, ...] = ()
     intents: tuple[str, ...] = ()
     """Ids of tool calls recorded as about to run, in order."""
+    status: str = "running"
+    """The status the pass had before it was claimed (a failed resume gives it back)."""
 
 
 def encode_json(value: Any) -> str:
@@ -204,7 +207,9 @@ def journal_text(entry: tuple[str, Any]) -> tuple[str, str, str]:
     return ("intent", str(name), str(call_id))
 
 
-def journal_record(entries: Sequence[tuple[str, str, str]], key: str) -> PassRecord:
+def journal_record(
+    entries: Sequence[tuple[str, str, str]], key: str, status: str = "running"
+) -> PassRecord:
     rows: list[ChunkRow] = []
     intents: list[str] = []
     for entry, kind, body in entries:
@@ -212,7 +217,7 @@ def journal_record(entries: Sequence[tuple[str, str, str]], key: str) -> PassRec
             rows.append(decode_row(kind, body, key))
         else:
             intents.append(body)
-    return PassRecord(tuple(rows), tuple(intents))
+    return PassRecord(tuple(rows), tuple(intents), status)
 
 
 def pending_from(

@@ -299,14 +299,13 @@ class SqliteBackend:
             raise conflict_error(key, base, -1 - version, rows)
         return version
 
-    async def settle(self, pass_id: str, status: str) -> None:
-        """Mark a running pass settled with `status`."""
+    async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
+        """Move a pass from status `was` to `status` (no effect from any other status)."""
 
         def do(conn: sqlite3.Connection) -> None:
             conn.execute(
-                "UPDATE passes SET status = ?, updated_at = ? WHERE pass_id = ? "
-                "AND status = 'running'",
-                (status, time.time(), pass_id),
+                "UPDATE passes SET status = ?, updated_at = ? WHERE pass_id = ? AND status = ?",
+                (status, time.time(), pass_id, was),
             )
 
         await self._run(do)
@@ -324,7 +323,7 @@ class SqliteBackend:
                     "list what is pending with store.pending().",
                     key=found[0] if found else "",
                 )
-            key, _, version = found
+            key, status, version = found
             actual = _version(conn, key) or 0
             if actual != version:
                 raise conflict_error(key, version, actual, ())
@@ -335,7 +334,7 @@ class SqliteBackend:
             entries = conn.execute(
                 "SELECT entry, kind, body FROM journal WHERE pass_id = ? ORDER BY seq", (pass_id,)
             ).fetchall()
-            return journal_record(entries, key)
+            return journal_record(entries, key, status)
 
         return await self._run(do)
 
@@ -362,7 +361,7 @@ class SqliteBackend:
             found = conn.execute(
                 "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
                 " p.agent_rows FROM passes p LEFT JOIN conversations c ON c.key = p.key"
-                " WHERE p.status IN ('running', 'interrupted', 'cancelled')"
+                " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
                 f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
                 (key,) if key is not None else (),
             ).fetchall()
