@@ -386,7 +386,6 @@ def test_a_failed_pass_stays_resumable_with_what_it_made_durable(
     store: Store,
 ) -> None:
     from store_worker import deploy
-
     from treadle.errors import ProviderError
 
     boom = ProviderError("the model endpoint failed", status_code=500)
