@@ -106,6 +106,9 @@ class PostgresBackend:
                 self._pool = await open_pool(
                     self._dsn, self._url, self._pool_size, self._connect_timeout
                 )
+                # A store never closed still closes its pool when the runtime stops (its
+                # connections and maintenance tasks live on the runtime's loop).
+                get_runtime().add_shutdown_hook(self.aclose)
         return self._pool
 
     async def _run(self, fn: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
