@@ -30,6 +30,12 @@ def deploy(target: str) -> str:
 
 
 @tool
+def quick() -> str:
+    """Answer at once."""
+    return "quick result"
+
+
+@tool
 def wait_forever() -> str:
     """Block until the process dies."""
     print("tool started", flush=True)
@@ -96,7 +102,7 @@ def main(argv: list[str]) -> None:
             Session.from_user_message("wait"),
             AGENT,
             provider=provider,
-            tools=[wait_forever],
+            tools=[quick, wait_forever],
             store=store,
             conversation=key,
         ).synchronize()

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -308,6 +309,67 @@ def test_sigkill_mid_pass_leaves_a_pending_pass_another_process_resumes(
         result = json.loads(store.conversation("crash").rows[2].payload["content"])
         assert result["ok"] is False  # reported to the model as of unknown outcome
         assert store.pending("crash") == []
+
+
+def _durable_tool_results(url: str) -> int:
+    """Tool results in the store's journal (what a crash keeps of a pass that did not commit)."""
+    if url.startswith("sqlite"):
+        import sqlite3
+
+        with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
+            query = "SELECT count(*) FROM journal WHERE entry = 'row' AND kind = 'tool_result'"
+            found: int = conn.execute(query).fetchone()[0]
+            return found
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM treadle_journal WHERE entry = 'row' AND kind = 'tool_result'"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+
+def test_sigkill_after_a_tool_result_keeps_it_and_the_resume_does_not_run_it_again(
+    url: str, server: FakeOpenAIServer
+) -> None:
+    server.enqueue(Reply.tool_calls_of([("quick", {}), ("wait_forever", {})]))
+    child = _child("hang", url, "half", server.base_url)
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "tool started"
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    while _durable_tool_results(url) < 1:  # the quick call's result, written as it finished
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.communicate(timeout=CHILD_TIMEOUT)
+
+    @make_tool
+    def quick() -> str:
+        """Must not run again: its result is in the store."""
+        raise AssertionError("a call with a durable result ran again")
+
+    @make_tool
+    def wait_forever() -> str:
+        """Must not run again: its outcome is unknown."""
+        raise AssertionError("a call of unknown outcome ran again")
+
+    with Store.open(url) as store:
+        assert store.conversation("half").rows == ()
+        (pending,) = store.pending("half")
+        server.enqueue(Reply.text("recovered"))
+        run_session_loop(
+            Session(),
+            AGENT,
+            provider=_provider(server),
+            tools=[quick, wait_forever],
+            store=store,
+            conversation=pending,
+        ).synchronize()
+        rows = store.conversation("half").rows
+        assert [r.kind for r in rows] == ["user", "assistant", "tool_result", "tool_result",
+                                          "assistant"]  # fmt: skip
+        assert "quick result" in rows[2].payload["content"]  # kept from before the crash
+        assert json.loads(rows[3].payload["content"])["ok"] is False  # unknown outcome
 
 
 def test_a_pending_approval_is_finished_by_another_process(
