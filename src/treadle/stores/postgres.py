@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from psycopg import AsyncConnection
     from psycopg_pool import AsyncConnectionPool
 
+    from treadle.runtime.background import Runtime
+
 __all__ = ["PostgresBackend"]
 
 T = TypeVar("T")
@@ -68,6 +70,7 @@ class PostgresBackend:
         self._pool: AsyncConnectionPool[AsyncConnection[Any]] | None = None
         self._opening: asyncio.Lock | None = None
         self._closed = False
+        self._runtime: Runtime | None = None  # where the pool lives, once it does
         self._cache = RowCache()  # touched only on the runtime loop
 
     @property
@@ -76,10 +79,18 @@ class PostgresBackend:
         return self._url
 
     # -- the pool, on the runtime loop ---------------------------------------------------------
+    def _home(self) -> Runtime:
+        """The runtime whose loop holds the pool (a stopped one's pool is left behind)."""
+        runtime = self._runtime
+        if runtime is None or not (runtime.alive or runtime.in_loop_thread()):
+            self._pool, self._opening = None, None  # its loop is gone: connect anew
+            runtime = self._runtime = get_runtime()
+        return runtime
+
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
         # An operation, once started, runs to its end even if its caller is cancelled meanwhile
         # (a pass recording its own cancellation must not be cut short by it).
-        runtime = get_runtime()
+        runtime = self._home()
         if runtime.in_loop_thread():
             return await asyncio.shield(asyncio.ensure_future(self._guarded(fn)))
         return await runtime.submit(self._guarded(fn)).wait(propagate_cancel=False)
@@ -108,7 +119,7 @@ class PostgresBackend:
                 )
                 # A store never closed still closes its pool when the runtime stops (its
                 # connections and maintenance tasks live on the runtime's loop).
-                get_runtime().add_shutdown_hook(self.aclose)
+                self._home().add_shutdown_hook(self.aclose)
         return self._pool
 
     async def _run(self, fn: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
@@ -433,11 +444,13 @@ class PostgresBackend:
             if pool is not None:
                 await pool.close()
 
-        runtime = get_runtime()
-        if runtime.in_loop_thread():
-            await close()
-        else:
+        runtime = self._runtime
+        if runtime is not None and runtime.in_loop_thread():
+            await close()  # the runtime's own shutdown hook lands here
+        elif runtime is not None and runtime.alive:
             await runtime.submit(close()).wait()
+        else:  # never connected, or its loop is gone along with the pool's connections
+            self._closed, self._pool = True, None
 
 
 async def _delete(conn: AsyncConnection[Any], keys: Sequence[str]) -> int:
