@@ -174,9 +174,9 @@ class SqliteBackend:
         if writer is None:
             raise StoreError(f"the store {self.url} is closed; open a new Store.")
         try:
-            # Shielded: a job handed to the thread always runs to its end, so a caller cancelled
-            # meanwhile (a pass recording its own cancellation) never leaves it half-decided.
-            return await asyncio.shield(asyncio.wrap_future(writer.run(fn)))
+            # A job handed to the thread always runs to its end, even if this caller is
+            # cancelled meanwhile (a pass recording its own cancellation).
+            return await writer.submit(fn)
         except sqlite3.Error as err:
             raise StoreError(f"the SQLite store {self.path} failed: {err}.") from None
 

@@ -10,7 +10,9 @@ A forked child starts its own threads (the parent's are not in it).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import os
 import queue
 import sqlite3
@@ -24,6 +26,9 @@ from treadle.stores.records import RowCache
 __all__ = ["DatabaseThread", "release", "thread_for"]
 
 T = TypeVar("T")
+
+#: A job: the function to run with the connection, and the loop and future awaiting it.
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
 
 #: Most jobs that share one transaction (and one commit) when they queue up together.
 MAX_BATCH = 256
@@ -39,9 +44,7 @@ class DatabaseThread:
         self.users = 0
         self.cache = RowCache()
         """Validated rows of the file's conversations (touched only on this thread)."""
-        self._jobs: queue.SimpleQueue[
-            tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]] | None
-        ] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._serve, args=(ready,), name=f"treadle-sqlite {path.name}", daemon=True
@@ -74,32 +77,27 @@ class DatabaseThread:
             self._run_batch(conn, batch)
         conn.close()
 
-    def _run_batch(
-        self,
-        conn: sqlite3.Connection,
-        batch: list[tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]]],
-    ) -> None:
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
         """Run the jobs in one transaction, each in its own savepoint (a job that raises undoes
-        only its own statements); settle their futures once the transaction is durable."""
-        running = [(fn, f) for fn, f in batch if f.set_running_or_notify_cancel()]
-        if not running:
-            return
+        only its own statements); hand back their outcomes once the transaction is durable.
+
+        Every job runs, even one whose caller stopped waiting: a caller cancelled after it
+        submitted a write never leaves that write half-decided."""
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as err:
-            for _, future in running:
-                future.set_exception(err)
+            _deliver([(job, None, err) for job in batch])
             return
-        outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
-        for fn, future in running:
+        for job in batch:
             conn.execute("SAVEPOINT job")
             try:
-                value = fn(conn)
+                value = job[0](conn)
             except BaseException as err:
                 conn.execute("ROLLBACK TO job")
-                outcomes.append((future, None, err))
+                outcomes.append((job, None, err))
             else:
-                outcomes.append((future, value, None))
+                outcomes.append((job, value, None))
             conn.execute("RELEASE job")
         try:
             conn.execute("COMMIT")
@@ -107,17 +105,15 @@ class DatabaseThread:
             if conn.in_transaction:
                 conn.rollback()
             self.cache.clear()  # it may hold rows of the commits that were just undone
-            outcomes = [(future, None, err) for future, _, _ in outcomes]
-        for future, value, error in outcomes:
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
+            outcomes = [(job, None, err) for job, _, _ in outcomes]
+        _deliver(outcomes)
 
-    def run(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
-        """Run `fn(connection)` on the thread; its future."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((fn, future))
+    def submit(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """Run `fn(connection)` on the thread; a future of the calling event loop settles with
+        its outcome (one wake-up of that loop per batch, not per job)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, future))
         return future
 
     def stop(self) -> None:
@@ -154,3 +150,23 @@ def release(writer: DatabaseThread) -> None:
             return
         del _writers[writer.path]
     writer.stop()
+
+
+def _deliver(outcomes: list[tuple[_Job, Any, BaseException | None]]) -> None:
+    """Settle each job's future on its own loop: one thread-safe call per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, Any]]] = {}
+    for (_, loop, future), value, error in outcomes:
+        by_loop.setdefault(loop, []).append((future, value, error))
+    for loop, settled in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits any more
+            loop.call_soon_threadsafe(_settle, settled)
+
+
+def _settle(settled: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, value, error in settled:
+        if future.done():  # its caller was cancelled (the job still ran)
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
