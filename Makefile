@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install bwrap test test-slow test-all test-ray e2e demo bench bench-quick docs docs-serve clean lint typecheck soak
+.PHONY: install bwrap postgresql test test-slow test-all test-ray e2e demo bench bench-quick docs docs-serve clean lint typecheck soak
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,cli,mcp]"
 	touch $(STAMP)
 
-install: $(STAMP) bwrap
+install: $(STAMP) bwrap postgresql
 
 # bubblewrap for the isolated sandbox (docs/sandbox.md), with apt where apt is available, as root
 # or through passwordless sudo; nothing to do when `bwrap` is on PATH. Elsewhere the isolated
@@ -26,6 +26,20 @@ bwrap:
 	    echo "could not install bubblewrap with apt; the isolated sandbox's tests will skip"; \
 	  else \
 	    echo "no apt: install bubblewrap with your package manager for the isolated sandbox"; \
+	  fi; }
+
+# PostgreSQL for the conversation store tests (docs/stores.md), as bubblewrap is installed: with
+# apt where available; nothing to do when its binaries are there. Elsewhere those tests skip,
+# naming the package (on CI they fail instead).
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    sudo=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	    $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null || \
+	    echo "could not install postgresql with apt; the PostgreSQL store tests will skip"; \
+	  else \
+	    echo "no apt: install postgresql with your package manager for the PostgreSQL store tests"; \
 	  fi; }
 
 # Only the code folders that exist (a fresh tree may not have every one yet).

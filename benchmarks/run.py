@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import goodput, report, sandbox_bench, scenarios
+from benchmarks import goodput, report, sandbox_bench, scenarios, stores_bench
 from benchmarks.harness import Harness
 from benchmarks.server import can_pin
 
@@ -46,6 +46,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "goodput_window": 6.0,
         # The process row: (long passes, their tool rounds, short passes, requests per window).
         "goodput_workers": (16, 60, 600, 600),
+        "store_conversations": 1000,
+        "store_turns": 10,
+        "store_reps": 3,
     },
     "quick": {
         "serial_n": 60,
@@ -70,6 +73,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "goodput_tpm": 66_000,
         "goodput_window": 2.0,
         "goodput_workers": (8, 40, 200, 200),
+        "store_conversations": 300,
+        "store_turns": 5,
+        "store_reps": 1,
     },
     "tiny": {
         "serial_n": 5,
@@ -95,6 +101,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "goodput_tpm": 2000,
         "goodput_window": 1.0,
         "goodput_workers": (2, 3, 6, 10),
+        "store_conversations": 10,
+        "store_turns": 2,
+        "store_reps": 1,
     },
 }
 """Workload sizes: `full` for `make bench`, `quick` for `make bench-quick`, `tiny` for tests."""
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         ("s6", lambda: scenarios.fanout(h, size, stream=True)),
         ("s7", lambda: goodput.goodput(h, size)),
         ("s8", lambda: sandbox_bench.sandbox_overhead(h, size)),
+        ("s9", lambda: stores_bench.store_overhead(h, size)),
         ("s10", lambda: scenarios.first_fanout(h, size)),
     ]
     results = []

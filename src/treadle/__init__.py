@@ -71,6 +71,8 @@ _EXPORTS: dict[str, str] = {
     # persistence
     "load_session": "treadle.persist",
     "LoadedSession": "treadle.persist",
+    # conversation stores
+    "Store": "treadle.stores",
     # errors
     "ToolArgumentsError": "treadle.errors",
     "TreadleError": "treadle.errors",
@@ -92,6 +94,8 @@ _EXPORTS: dict[str, str] = {
     "StructuredOutputError": "treadle.errors",
     "ModelRetry": "treadle.errors",
     "ModelRefusalError": "treadle.errors",
+    "StoreError": "treadle.errors",
+    "ConflictError": "treadle.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -110,6 +114,7 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.errors import AuthenticationError as AuthenticationError
     from treadle.errors import BudgetExceededError as BudgetExceededError
     from treadle.errors import ConfigurationError as ConfigurationError
+    from treadle.errors import ConflictError as ConflictError
     from treadle.errors import ContextLengthError as ContextLengthError
     from treadle.errors import MalformedResponse as MalformedResponse
     from treadle.errors import ModelRefusalError as ModelRefusalError
@@ -122,6 +127,7 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.errors import RateLimitError as RateLimitError
     from treadle.errors import RuntimeLoopError as RuntimeLoopError
     from treadle.errors import SandboxError as SandboxError
+    from treadle.errors import StoreError as StoreError
     from treadle.errors import StructuredOutputError as StructuredOutputError
     from treadle.errors import ToolArgumentsError as ToolArgumentsError
     from treadle.errors import ToolError as ToolError
@@ -161,6 +167,7 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.session import SessionData as SessionData
     from treadle.session import StopReason as StopReason
     from treadle.session import Usage as Usage
+    from treadle.stores import Store as Store
     from treadle.tools import BaseTool as BaseTool
     from treadle.tools import Tool as Tool
     from treadle.tools import ToolContext as ToolContext

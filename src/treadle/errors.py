@@ -30,7 +30,9 @@ TreadleError
 ├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
 ├── PersistenceError                          a session file cannot be read
 │   ├── EvalLogDamagedError                   an eval log line is not a valid record (file:line)
-│   └── EvalLogBusyError                      another run holds the eval log's lock
+│   ├── EvalLogBusyError                      another run holds the eval log's lock
+│   └── StoreError                            a conversation store failed (lost, damaged)
+│       └── ConflictError                     another writer moved the conversation first
 ├── StructuredOutputError                     no valid structured output within `output_retries`
 ├── ModelRefusalError                         the model refused to answer (never retried)
 ├── HookError                                 a lifecycle hook raised or ran over its timeout
@@ -54,6 +56,7 @@ __all__ = [
     "AuthenticationError",
     "BudgetExceededError",
     "ConfigurationError",
+    "ConflictError",
     "ContextLengthError",
     "EvalConfigMismatch",
     "EvalLogBusyError",
@@ -80,6 +83,7 @@ __all__ = [
     "SandboxError",
     "SandboxUnavailable",
     "SessionFailedError",
+    "StoreError",
     "StructuredOutputError",
     "ToolArgumentsError",
     "ToolError",
@@ -286,6 +290,39 @@ class EvalLogDamagedError(PersistenceError):
 
 class EvalLogBusyError(PersistenceError):
     """Another run (named in the message: pid, host, start time) is writing the evaluation log."""
+
+
+class StoreError(PersistenceError):
+    """A conversation store could not be read or written (connection lost, disk full, damage).
+
+    Raised by a pass that uses `store=`: the pass fails and the conversation keeps its last
+    committed version (a pass's rows are committed in one transaction, or not at all).
+    """
+
+
+class ConflictError(StoreError):
+    """Another writer appended to the conversation after this one read it (optimistic
+    versioning): nothing of this write was committed.
+
+    `key` names the conversation, `expected` is the version this writer read and `actual` the
+    version it found; `rows` are the rows that were not written (a pass's new rows), so the
+    caller can run the turn again on the latest version.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str = "",
+        expected: int = 0,
+        actual: int = 0,
+        rows: tuple[object, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+        self.rows = rows
 
 
 class StructuredOutputError(TreadleError):

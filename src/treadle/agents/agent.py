@@ -64,6 +64,7 @@ from treadle.loop.hooks import Hooks
 from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.runtime.streams import produce
 from treadle.session import Session, new_session_id
+from treadle.stores import PendingPass, Store, check_store_arguments
 from treadle.tools import Tool, ToolSet
 from treadle.tools.context import Deps
 
@@ -284,6 +285,8 @@ class Agent(Generic[Deps, Output]):
         deps: Deps | None = None,
         hooks: Hooks | None = None,
         settings: RunSettings | None = None,
+        store: Store | None = None,
+        conversation: str | PendingPass | None = None,
     ) -> Session[Output | None]:
         """Run the agent on the runtime and return its output `Session` at once (lazy).
 
@@ -293,14 +296,23 @@ class Agent(Generic[Deps, Output]):
         finish first. `deps` reach tools, guardrails and callbacks that ask for a `ToolContext`
         (in memory only: never written to the transcript or a file). `hooks` (for this run)
         are called before the answering agent's own; `settings` override the provider,
-        limits or tool rounds of every agent of this run (see `RunSettings`).
+        limits or tool rounds of every agent of this run (see `RunSettings`). With `store=` and
+        `conversation=` the run continues that stored conversation and commits to it (as
+        `run_session_loop` does).
         """
         user = as_session(session)
         check_deps(self, deps)
+        stored = _stored(store, conversation)
         run_id = new_session_id()
         return lazy_session(
             lambda: AgentRun(
-                self, run_id=run_id, lazy=True, hooks=hooks, deps=deps, settings=settings
+                self,
+                run_id=run_id,
+                lazy=True,
+                hooks=hooks,
+                deps=deps,
+                settings=settings,
+                stored=stored,
             ).run(user),
             parents=[user, self.agent_session],
             operator=f"agent:{self.name}",
@@ -314,13 +326,17 @@ class Agent(Generic[Deps, Output]):
         deps: Deps | None = None,
         hooks: Hooks | None = None,
         settings: RunSettings | None = None,
+        store: Store | None = None,
+        conversation: str | PendingPass | None = None,
     ) -> Session[Output | None]:
         """Run the agent on the calling event loop and return the finished output `Session`.
 
         Cancelling the awaiting task cancels the pass (the `CancelledError` propagates).
         Inside a streamed run (an agent used as a tool), its events join that stream.
+        `store=` and `conversation=` continue a stored conversation, as on a call.
         """
         check_deps(self, deps)
+        stored = _stored(store, conversation)
         run = AgentRun(
             self,
             run_id=new_session_id(),
@@ -329,6 +345,7 @@ class Agent(Generic[Deps, Output]):
             emit=current_sink(),
             deps=deps,
             settings=settings,
+            stored=stored,
         )
         return cast("Session[Output | None]", await run.run(as_session(session)))
 
@@ -408,6 +425,7 @@ class Agent(Generic[Deps, Output]):
             "deps": run.deps,
             "tool_use_behavior": self.tool_use_behavior,
             "reset_tool_choice": self.reset_tool_choice,
+            **run.stored,
         }
         agent_session = await self._agent_session_for(user)
         if run.emit is not None:
@@ -484,3 +502,9 @@ class Agent(Generic[Deps, Output]):
             instruction=self.compaction_instruction,
             keep_last=self.compact_keep_last,
         )
+
+
+def _stored(store: Store | None, conversation: str | PendingPass | None) -> dict[str, Any]:
+    """The `store=` / `conversation=` options of a run, checked at the call."""
+    check_store_arguments(store, conversation)
+    return {} if store is None else {"store": store, "conversation": conversation}

@@ -142,8 +142,11 @@ class AgentRun:
         emit: Callable[[AgentEvent], None] | None = None,
         deps: object = None,
         settings: RunSettings | None = None,
+        stored: dict[str, Any] | None = None,
     ) -> None:
         self.agent = agent
+        self.stored = stored or {}
+        """`store=` and `conversation=` for every pass of the run (empty without a store)."""
         self.deps = deps
         self.settings = settings or _NO_SETTINGS
         self.run_id = run_id

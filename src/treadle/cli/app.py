@@ -204,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-model", action="store_true", help="run the demo on a small local model instead"
     )
 
-    show = sub.add_parser("show", help="render a persisted transcript (.jsonl)")
+    show = sub.add_parser("show", help="render a persisted transcript (.jsonl or store:KEY)")
     show.add_argument("file", type=Path)
+    show.add_argument("--store", help="the store of a store:KEY (default: $TREADLE_STORE)")
     show.add_argument(
         "--follow", "-f", action="store_true", help="tail a live file until it closes"
     )
@@ -215,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     sessions = sub.add_parser("sessions", help="list persisted sessions")
     sessions.add_argument("directory", nargs="?", type=Path, help="default: .treadle/sessions")
     sessions.add_argument("--json", action="store_true", help="print the list as JSON")
+    sessions.add_argument(
+        "--store", help="list a conversation store (sqlite:///x.db, postgresql://)"
+    )
+    sessions.add_argument(
+        "--import", dest="imports", action="append", type=Path, default=[],
+        help="with --store: import a .jsonl file (or a directory of them)",
+    )  # fmt: skip
+    sessions.add_argument("--export", type=Path, help="with --store: write each conversation here")
     return parser
 
 
@@ -316,6 +325,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 persist=not args.no_persist,
             )
         )
+    if args.command == "show" and str(args.file).startswith("store:"):
+        from treadle.cli.stores import show_stored
+
+        return show_stored(str(args.file), args.store, console)
     if args.command == "show":
         from treadle.cli.show import show_command
 
@@ -347,6 +360,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from treadle.cli.eval import compare_command
 
         return compare_command(args.before, args.after, console)
+    if args.command == "sessions" and (args.store or args.imports or args.export):
+        from treadle.cli.stores import store_sessions_command
+
+        return store_sessions_command(
+            args.store, console, as_json=args.json, imports=args.imports, export=args.export
+        )
     if args.command == "sessions":
         from treadle.cli.show import sessions_command
 

@@ -27,6 +27,7 @@ from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
 from treadle.session import Session, SessionData, new_session_id
+from treadle.stores import PendingPass, Store, check_store_arguments
 from treadle.telemetry import capture_parent
 from treadle.tools import ToolSet
 from treadle.tools.context import context_parameter
@@ -96,6 +97,10 @@ class PassOptions(TypedDict, total=False):
     """Whether a tool round ends the pass (default `"run_llm_again"`)."""
     reset_tool_choice: bool
     """Reset a forced `tool_choice` to `"auto"` once a tool ran (default True)."""
+    store: Store | None
+    """A conversation store: the pass continues `conversation` there and commits to it."""
+    conversation: str | PendingPass | None
+    """The conversation's key in `store` (or an item of `store.pending()` to resume)."""
 
 
 def _plan(
@@ -120,6 +125,8 @@ def _plan(
     deps: Any = None,
     tool_use_behavior: ToolUseBehavior = "run_llm_again",
     reset_tool_choice: bool = True,
+    store: Store | None = None,
+    conversation: str | PendingPass | None = None,
 ) -> PassPlan:
     if provider is not None:
         if agent_provider is not None:
@@ -160,6 +167,7 @@ def _plan(
         )
     if approvals is not None and not isinstance(approvals, Mapping):
         raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
+    check_store_arguments(store, conversation)
     if agent_provider is not None and not isinstance(agent_provider, Provider):
         raise ConfigurationError(
             f"agent_provider must be a treadle Provider, got {type(agent_provider).__name__}."
@@ -219,6 +227,8 @@ def _plan(
         deps=deps,
         tool_use_behavior=behavior,
         reset_tool_choice=bool(reset_tool_choice),
+        store=store,
+        conversation=conversation,
     )
 
 
@@ -253,6 +263,8 @@ def run_session_loop(
     deps: Any = None,
     tool_use_behavior: ToolUseBehavior = "run_llm_again",
     reset_tool_choice: bool = True,
+    store: Store | None = None,
+    conversation: str | PendingPass | None = None,
     lazy: bool = True,
 ) -> Session:
     """Run one agent pass on the runtime and return its output `Session` at once.
@@ -288,6 +300,12 @@ def run_session_loop(
             ends the pass (`"final_answer"`) with that call's result as `out.output`.
         reset_tool_choice: When the provider forces a tool call (`tool_choice="required"` or
             a named function), ask with `"auto"` once a tool ran, so the pass can answer.
+        store: A conversation store (`Store.sqlite(...)`, `Store.postgres(...)`); with
+            `conversation`, the pass continues the stored conversation (the user session's
+            rows follow it) and commits its new rows in one transaction when it ends
+            (`ConflictError` if another writer committed first).
+        conversation: The conversation's key in `store`, or an item of `store.pending()` to
+            resume (the pass takes it over).
         lazy: Return at once (True) or after the pass ends (False).
     """
     out_id = new_session_id()
@@ -311,6 +329,8 @@ def run_session_loop(
         deps=deps,
         tool_use_behavior=tool_use_behavior,
         reset_tool_choice=reset_tool_choice,
+        store=store,
+        conversation=conversation,
     )
     handle = user_session.sandbox_handle
     if handle is not None:

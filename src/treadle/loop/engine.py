@@ -61,6 +61,7 @@ from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.session.stops import StopReason
+from treadle.stores import ConversationJournal, open_conversation
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
 from treadle.tools import Tool, ToolContext, ToolOutcome, run_tool_calls
@@ -87,6 +88,7 @@ class _Pass:
         self.budget_fired = False
         self.budget_stop = False
         self.writer: SessionWriter | None = None
+        self.journal: ConversationJournal | None = None  # the store's side, with store=
         self.pump = CallbackPump(plan.on_event) if plan.on_event is not None else None
         self.events = Emitter(out_id, plan.emit) if plan.emit is not None else None
         self.control = PassControl(out_id)
@@ -139,6 +141,8 @@ class _Pass:
         self.keep(rows)
         if self.writer is not None:
             await self.writer.rows(rows, turn_boundary=boundary)
+        if self.journal is not None:
+            await self.journal.rows(rows, turn_boundary=boundary)
 
     def keep(self, rows: Sequence[ChunkRow]) -> None:
         """Add rows to the transcript (already persisted, or nothing persists)."""
@@ -341,6 +345,8 @@ class _Pass:
             unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
         if self.writer is not None:  # before any tool runs: a crash leaves its intent behind
             await self.writer.intents([(c.id, c.name) for c in calls if c.id not in denied])
+        if self.journal is not None:
+            await self.journal.intents([(c.id, c.name) for c in calls if c.id not in denied])
         finished: dict[int, ChunkRow] = {}
         output_guards = [g for g in plan.tool_guardrails if g.when == "tool_output"]
         output_trips: list[Tripwire] = []
@@ -356,6 +362,8 @@ class _Pass:
             finished[index] = row
             if self.writer is not None:  # as it finishes: a crash later keeps a known result
                 await self.writer.rows([row], turn_boundary=True)
+            if self.journal is not None:
+                await self.journal.rows([row], turn_boundary=True)
 
         try:
             with self.snapshot() as session:
@@ -437,6 +445,14 @@ async def _run_pass(plan: PassPlan, out_id: str, cancel_as_stop: bool) -> Sessio
         run.agent_rows = agent.table.rows
         run.table = user.table
         run.usage = user.usage
+        if plan.store is not None and plan.conversation is not None:
+            start = await open_conversation(
+                plan.store.backend, plan.conversation, out_id, user.table.rows, run.agent_rows
+            )  # the stored conversation first, then the input (see treadle.stores.journal)
+            run.journal = start.journal
+            run.table, run.usage = ChunkTable(start.rows), start.usage
+            run.user_metadata = start.metadata
+            user = SessionData(run.table, run.usage, None, start.metadata)
         started = True
         run.messages_json = [r.message_json() for r in (*run.agent_rows, *user.table)]
         if run.events is not None:
@@ -464,6 +480,14 @@ async def _run_pass(plan: PassPlan, out_id: str, cancel_as_stop: bool) -> Sessio
             await run.writer.finish(
                 usage=run.usage, stop_reason=stop_reason, metadata=plain_metadata(run.metadata)
             )
+        if run.journal is not None:  # one transaction: the whole pass, or ConflictError
+            run.metadata["version"] = await run.journal.finish(
+                run.table.rows,
+                usage=run.usage,
+                stop_reason=stop_reason,
+                metadata=plain_metadata(run.metadata),
+            )
+            run.metadata["conversation"] = run.journal.key
     except BaseException as err:
         if traced is not None:
             cancelled = isinstance(err, asyncio.CancelledError)
@@ -480,6 +504,8 @@ async def _run_pass(plan: PassPlan, out_id: str, cancel_as_stop: bool) -> Sessio
                 await run.pump.aclose()
             if run.writer is not None:
                 await run.writer.aclose()  # no trailer: readers see the pass did not end cleanly
+            if run.journal is not None:  # nothing committed: the conversation is as it was
+                await run.journal.aclose(err)
         if cancel_as_stop and isinstance(err, asyncio.CancelledError):
             task = asyncio.current_task()
             if task is not None:

@@ -17,6 +17,7 @@ from treadle.loop.request_usage import RequestUsage
 from treadle.loop.soft_stop import StopRequest
 from treadle.loop.tooling import ToolUseBehavior
 from treadle.session import ChunkTable, Session, ToolCall
+from treadle.stores import PendingPass, Store
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
 
@@ -60,6 +61,10 @@ class PassPlan:
     deps: Any = None
     """The caller's dependencies for this pass (`ToolContext.deps`); held in memory only, never
     written to the transcript or a persisted file."""
+    store: Store | None = None
+    """The conversation store the pass continues and commits to (with `conversation`)."""
+    conversation: str | PendingPass | None = None
+    """The conversation's key, or a pending pass of the store to resume."""
 
 
 def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:

@@ -1,0 +1,164 @@
+"""Scenario 9: what a conversation store adds to a chat workload, in the same run.
+
+`conversations` conversations of `turns` turns each run at once against the fake server (the
+`echo` script, no latency: the store's cost is not hidden behind the model's). Each turn is one
+pass; without a store the application keeps each conversation's session in memory and extends
+it, with a store (`sqlite`, and `postgres` on a throwaway local cluster when PostgreSQL is
+installed) each turn reads the conversation from the store and commits its rows. Reports wall
+seconds (median over interleaved repetitions, each in a fresh worker pinned to the client CPU)
+and the ratio to no store. Never asserts on timing.
+
+`python -m benchmarks.stores_bench '<job JSON>'` is the worker: it prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import ROOT, Harness, median
+from benchmarks.scenarios import Result, Target
+from benchmarks.server import CLIENT_CPU, ServerProcess, pin
+
+#: The goal: a store adds under 10% to the wall time of the same run without one.
+STORE_OVERHEAD_GOAL = 1.10
+
+
+async def _workload(url: str, store_url: str | None, conversations: int, turns: int) -> float:
+    from treadle import Provider, Session, arun_session_loop
+    from treadle.stores import Store
+
+    provider = Provider(model="fake-model", base_url=url, api_key="k")
+    agent = Session.from_agent_prompt("Answer briefly.")
+    store = Store.open(store_url) if store_url else None
+
+    async def conversation(i: int) -> None:
+        session: Session | None = None
+        for turn in range(turns):
+            text = f"conversation {i} turn {turn}"
+            if store is not None:
+                await arun_session_loop(
+                    Session.from_user_message(text),
+                    agent,
+                    provider=provider,
+                    store=store,
+                    conversation=f"c{i}",
+                )
+            else:
+                user = (
+                    Session.from_user_message(text)
+                    if session is None
+                    else session.add_user_message(text)
+                )
+                session = await arun_session_loop(user, agent, provider=provider)
+
+    await conversation(-1)  # warm: imports, the HTTP pool, the store's schema
+    started = time.perf_counter()
+    await asyncio.gather(*(conversation(i) for i in range(conversations)))
+    wall = time.perf_counter() - started
+    if store is not None:
+        await store.aclose()
+    return wall
+
+
+def _run_job(job: dict[str, Any], server_url: str) -> float | None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.stores_bench", json.dumps({**job, "url": server_url})],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pin(proc.pid, CLIENT_CPU)
+    out, err = proc.communicate(timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"store benchmark worker failed: {err.strip()[-500:]}")
+    wall: float = json.loads(out.strip().splitlines()[-1])["wall"]
+    return wall
+
+
+def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
+    """Scenario 9: wall time of conversations x turns with no store, SQLite and PostgreSQL."""
+    n, turns, reps = size["store_conversations"], size["store_turns"], size["store_reps"]
+    result = Result(
+        "s9",
+        f"9. Conversation store overhead ({n} conversations x {turns} turns, at once)",
+        ["wall s", "x no store", "ms per turn"],
+    )
+    from treadle.testing.postgres import PostgresCluster, postgres_bin
+
+    with (
+        tempfile.TemporaryDirectory(prefix="treadle-bench-") as tmp,
+        ServerProcess(script="echo") as server,
+    ):
+        cluster = PostgresCluster() if postgres_bin() is not None else None
+        try:
+            stores: dict[str, str | None] = {"no store": None}
+            stores["sqlite"] = f"sqlite:///{Path(tmp) / 'bench.db'}"
+            if cluster is not None:
+                stores["postgres"] = cluster.new_database()
+            else:
+                result.notes.append("PostgreSQL is not installed: postgres not measured")
+            samples: dict[str, list[float]] = {label: [] for label in stores}
+            labels = list(stores)
+            for rep in range(reps):
+                for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
+                    job = {"store": stores[label], "conversations": n, "turns": turns}
+                    if stores[label] is not None:  # a fresh database file / keys per rep
+                        job["store"] = _fresh(stores[label], rep, tmp, cluster)
+                    wall = _run_job(job, server.url)
+                    assert wall is not None
+                    samples[label].append(wall)
+                    h.log(f"    {label:<10} wall {wall:8.3f} s")
+        finally:
+            if cluster is not None:
+                cluster.remove()
+    base = median(samples["no store"])
+    for label in labels:
+        wall = median(samples[label])
+        result.rows.append(
+            {
+                "label": label,
+                "wall s": wall,
+                "x no store": wall / base,
+                "ms per turn": wall * 1000 / (n * turns),
+            }
+        )
+        result.series[label] = wall
+        if label != "no store":
+            ratio = wall / base
+            result.targets.append(
+                Target(f"S9 {label} store: x no store", ratio, f"< {STORE_OVERHEAD_GOAL}",
+                       ratio < STORE_OVERHEAD_GOAL)
+            )  # fmt: skip
+    return result
+
+
+def _fresh(url: str | None, rep: int, tmp: str, cluster: Any) -> str | None:
+    """An empty store for one repetition (a new SQLite file, or a new PostgreSQL database)."""
+    if url is None:
+        return None
+    if url.startswith("sqlite"):
+        return f"sqlite:///{Path(tmp) / f'bench-{rep}.db'}"
+    fresh: str = cluster.new_database()
+    return fresh
+
+
+def main() -> None:
+    """The worker: run one job, print `{"wall": seconds}`."""
+    job = json.loads(sys.argv[1])
+    wall = asyncio.run(_workload(job["url"], job["store"], job["conversations"], job["turns"]))
+    print(json.dumps({"wall": wall}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

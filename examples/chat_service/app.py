@@ -1,0 +1,173 @@
+"""A chat web service on a conversation store: Starlette, served by uvicorn.
+
+    POST /chat/{key}      {"message": "..."}            a pass, streamed as server-sent events
+    POST /approve/{key}   {"approvals": {"<call id>": true}}   resume a pass waiting for approval
+    GET  /conversations/{key}                          the stored conversation, as JSON
+    GET  /                                             a small chat page that uses the above
+
+Each request continues conversation `key` from the store (`Store.sqlite` by default: any app
+server process with the same store can answer any request). The pass runs while the response
+streams; if the client disconnects, Starlette cancels the response and with it the pass (nothing
+is committed; the store lists it as a cancelled pending pass). A tool marked `needs_approval`
+stops the pass with its calls listed in an `approval` event; a later `/approve` request, in this
+process or another, resumes it. Two requests on one conversation at once: the second to finish
+gets a `ConflictError`, sent as an `error` event (nothing of it is written).
+
+Run it against the fake model: `python examples/chat_service/app.py` and open the printed URL.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import AsyncIterator, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from treadle import Provider, Session, stream_session_loop, tool
+from treadle.errors import ConflictError, TreadleError
+from treadle.loop.events import AssistantRowEvent, PassStopped, TextDelta, ToolStarted
+from treadle.stores import PendingPass, Store
+
+PAGE = (Path(__file__).with_name("page.html")).read_text()
+
+#: The longest message the service accepts (a web endpoint bounds what it reads).
+MAX_MESSAGE_CHARS = 16_000
+
+
+@tool(needs_approval=True)
+def deploy(target: str) -> str:
+    """Deploy the service to `target` (an operator approves each call)."""
+    return f"deployed to {target}"
+
+
+def _sse(event: str, data: Mapping[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def create_app(
+    store: Store,
+    provider: Provider,
+    *,
+    instructions: str = "You are a helpful operator. Use tools when asked.",
+    tools: Iterable[Any] = (deploy,),
+) -> Starlette:
+    """The web app: conversations in `store`, the model at `provider`, these `tools`."""
+    agent = Session.from_agent_prompt(instructions)
+    toolset = list(tools)
+
+    async def stream(user: Session, conversation: str | PendingPass, **options: Any) -> Any:
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for event in stream_session_loop(
+                    user,
+                    agent,
+                    provider=provider,
+                    tools=toolset,
+                    store=store,
+                    conversation=conversation,
+                    **options,
+                ):
+                    if isinstance(event, TextDelta):
+                        yield _sse("delta", {"text": event.text})
+                    elif isinstance(event, AssistantRowEvent) and event.row.content:
+                        yield _sse("message", {"text": str(event.row.content)})
+                    elif isinstance(event, ToolStarted):
+                        yield _sse("tool", {"name": event.name, "arguments": event.arguments})
+                    elif isinstance(event, PassStopped):
+                        out = event.session
+                        assert out is not None
+                        if out.pending_approvals:
+                            yield _sse("approval", {"calls": out.pending_approvals})
+                        yield _sse(
+                            "done",
+                            {"stop_reason": event.stop_reason, "version": out.metadata["version"]},
+                        )
+            except ConflictError as err:
+                yield _sse("error", {"kind": "conflict", "message": str(err)})
+            except TreadleError as err:
+                yield _sse("error", {"kind": type(err).__name__, "message": str(err)})
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"cache-control": "no-store"}
+        )
+
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        message = body.get("message") if isinstance(body, dict) else None
+        if not isinstance(message, str) or not message.strip():
+            return JSONResponse({"error": 'send {"message": "..."}'}, status_code=400)
+        if len(message) > MAX_MESSAGE_CHARS:
+            return JSONResponse({"error": "the message is too long"}, status_code=413)
+        key = request.path_params["key"]
+        return await stream(Session.from_user_message(message), key)
+
+    async def approve(request: Request) -> Response:
+        body = await request.json()
+        decisions = body.get("approvals") if isinstance(body, dict) else None
+        if not isinstance(decisions, dict) or not all(
+            isinstance(v, bool | str) for v in decisions.values()
+        ):
+            return JSONResponse({"error": 'send {"approvals": {"<id>": true}}'}, status_code=400)
+        pending = await store.apending(request.path_params["key"])
+        waiting = [p for p in pending if p.pending_approvals]
+        if not waiting:
+            return JSONResponse({"error": "nothing is waiting for approval"}, status_code=409)
+        return await stream(Session(), waiting[-1], approvals=decisions)
+
+    async def conversation(request: Request) -> Response:
+        convo = await store.conversation(request.path_params["key"])
+        return JSONResponse(
+            {
+                "version": convo.metadata["version"],
+                "messages": convo.to_messages(),
+                "pending_approvals": convo.pending_approvals,
+            }
+        )
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse(PAGE)
+
+    return Starlette(
+        routes=[
+            Route("/", page),
+            Route("/chat/{key}", chat, methods=["POST"]),
+            Route("/approve/{key}", approve, methods=["POST"]),
+            Route("/conversations/{key}", conversation),
+        ]
+    )
+
+
+def fake_model(request: dict[str, Any]) -> Any:
+    """The offline model of the demo: "deploy X" calls the deploy tool, anything else echoes."""
+    from treadle.testing import Reply
+
+    last = request["messages"][-1]
+    if last["role"] == "tool":
+        return Reply.text(f"Done: {json.loads(last['content']).get('result', last['content'])}")
+    text = str(last.get("content") or "")
+    if text.startswith("deploy "):
+        return Reply.tool_call("deploy", {"target": text.removeprefix("deploy ").strip()})
+    return Reply.text(f"You said: {text}")
+
+
+def main(argv: list[str]) -> None:
+    """Serve on 127.0.0.1:8000 (or the port given) against the fake model."""
+    import uvicorn
+
+    from treadle.testing import FakeOpenAIServer
+
+    port = int(argv[0]) if argv else 8000
+    with FakeOpenAIServer(script=fake_model) as model, Store.sqlite() as store:
+        provider = Provider(model="fake", base_url=model.base_url, api_key="sk-test")
+        print(f"open http://127.0.0.1:{port}/", flush=True)
+        uvicorn.run(create_app(store, provider), host="127.0.0.1", port=port)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

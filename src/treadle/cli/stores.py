@@ -1,0 +1,129 @@
+"""`treadle sessions --store URL` and `treadle show store:KEY`: conversation stores on the
+command line.
+
+`sessions --store URL` lists the store's conversations and its pending passes; with `--import`
+it imports JSONL session files (each as a new conversation), with `--export DIR` it writes every
+conversation as a JSONL file. `show store:KEY` renders one stored conversation like a session
+file. The store comes from `--store`, else `TREADLE_STORE`, else `.treadle/treadle.db`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from urllib.parse import quote
+
+from treadle.cli.console import Console
+from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.cli.show import TranscriptView
+from treadle.errors import ConflictError, PersistenceError
+from treadle.stores import DEFAULT_SQLITE_PATH, Store
+
+__all__ = ["STORE_ENV", "open_cli_store", "show_stored", "store_sessions_command"]
+
+#: The environment variable naming the store when `--store` is not given.
+STORE_ENV = "TREADLE_STORE"
+
+#: How `treadle show` names a stored conversation instead of a file.
+STORE_PREFIX = "store:"
+
+
+def open_cli_store(url: str | None) -> Store:
+    """The store named by `url`, `TREADLE_STORE` or the default SQLite file."""
+    return Store.open(url or os.environ.get(STORE_ENV) or DEFAULT_SQLITE_PATH)
+
+
+def _when(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch).isoformat(sep=" ", timespec="seconds")
+
+
+def store_sessions_command(
+    url: str | None,
+    console: Console,
+    *,
+    as_json: bool = False,
+    imports: Sequence[Path] = (),
+    export: Path | None = None,
+) -> int:
+    """Run `treadle sessions --store URL`; returns the exit code."""
+    with open_cli_store(url) as store:
+        for path in imports:
+            files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+            for file in files:
+                try:
+                    key, version = store.import_jsonl(file)
+                except (PersistenceError, ConflictError) as err:  # ConflictError: key exists
+                    raise CliFailure(
+                        f"{file} was not imported: {err}", "", EXIT_CODES["usage"]
+                    ) from None
+                console.line(f"imported {file} as {key} ({version} rows)")
+        infos = store.conversations()
+        if export is not None:
+            for info in infos:  # keys may hold any character: quoted into file names
+                target = store.export_jsonl(info.key, export / f"{quote(info.key, safe='')}.jsonl")
+                console.line(f"exported {info.key} to {target}")
+        pending = store.pending()
+        if as_json:
+            console.line(
+                json.dumps(
+                    {
+                        "store": store.url,
+                        "conversations": [
+                            {"key": i.key, "version": i.version, "updated_at": i.updated_at,
+                             "parent_key": i.parent_key}
+                            for i in infos
+                        ],
+                        "pending": [
+                            {"pass_id": p.pass_id, "key": p.key, "status": p.status,
+                             "version": p.version,
+                             "approvals": [a.get("name") for a in p.pending_approvals]}
+                            for p in pending
+                        ],
+                    },
+                    indent=2,
+                )
+            )  # fmt: skip
+            return EXIT_CODES["ok"]
+        if not infos:
+            console.line(f"No conversations in {store.url}.")
+            return EXIT_CODES["ok"]
+        console.table(
+            ["key", "version", "updated", "forked from"],
+            [[i.key, str(i.version), _when(i.updated_at), i.parent_key or "-"] for i in infos],
+        )
+        if pending:
+            console.line("")
+            console.table(
+                ["pending pass", "key", "status", "waiting for"],
+                [
+                    [p.pass_id, p.key, p.status,
+                     ", ".join(str(a.get("name")) for a in p.pending_approvals) or "-"]
+                    for p in pending
+                ],
+            )  # fmt: skip
+    return EXIT_CODES["ok"]
+
+
+def show_stored(target: str, url: str | None, console: Console) -> int:
+    """Run `treadle show store:KEY`; returns the exit code."""
+    key = target.removeprefix(STORE_PREFIX)
+    with open_cli_store(url) as store:
+        convo = store.conversation(key)
+        rows = convo.rows
+        if not rows:
+            raise CliFailure(
+                f"No conversation {key!r} in {store.url}.",
+                "list them with `treadle sessions --store URL`.",
+                EXIT_CODES["usage"],
+            )
+        view = TranscriptView(console)
+        view.header({"session_id": f"{key} (version {len(rows)}, {store.url})"})
+        for row in rows:
+            view.row(row)
+        for call in convo.pending_approvals:
+            console.line(f"waiting for approval: {call.get('name')} ({call.get('id')})", "warn")
+        view.end(closed=True, stop_reason=convo.stop_reason, usage=convo.usage)
+    return EXIT_CODES["ok"]

@@ -1,0 +1,21 @@
+"""Conversation stores: conversations that outlive the process, by key, in SQLite (the default,
+standard library) or PostgreSQL (the `treadle[postgres]` extra, imported only when used)."""
+
+from treadle.stores.backend import SCHEMA_VERSION, StoreBackend
+from treadle.stores.journal import ConversationJournal, ConversationStart, open_conversation
+from treadle.stores.records import ConversationInfo, PendingPass, StoredConversation
+from treadle.stores.store import DEFAULT_SQLITE_PATH, Store, check_store_arguments
+
+__all__ = [
+    "DEFAULT_SQLITE_PATH",
+    "SCHEMA_VERSION",
+    "ConversationInfo",
+    "ConversationJournal",
+    "ConversationStart",
+    "PendingPass",
+    "Store",
+    "StoreBackend",
+    "StoredConversation",
+    "check_store_arguments",
+    "open_conversation",
+]

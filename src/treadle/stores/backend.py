@@ -1,0 +1,111 @@
+"""`StoreBackend`: the small protocol every conversation store backend implements.
+
+A backend keeps four tables: `conversations` (key, version, usage, what the last pass left),
+`rows` (one per committed row, numbered from 0 per conversation: a conversation's version is its
+row count), `passes` (every pass that used the store, with its status) and `journal` (the rows
+and tool-call intents of a pass that has not committed yet: what a crash must not lose). The
+schema is created on first use and versioned (`SCHEMA_VERSION`, `treadle_schema`), and each
+later change is one more entry in the backend's migration list.
+
+Every method is a coroutine and none blocks the event loop it is awaited on. A backend raises
+`StoreError` when the database fails and `ConflictError` when a version check fails; it never
+leaves a half-written commit behind (each method is one transaction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from treadle.session import ChunkRow, Usage
+from treadle.stores.records import ConversationInfo, PassRecord, PendingPass, StoredConversation
+
+__all__ = ["SCHEMA_VERSION", "JournalEntry", "StoreBackend"]
+
+#: The schema version a backend creates and migrates to (see each backend's `MIGRATIONS`).
+SCHEMA_VERSION = 1
+
+#: One journal entry of an uncommitted pass: `("row", row)` or `("intent", (call_id, name))`.
+JournalEntry = tuple[str, Any]
+
+
+@runtime_checkable
+class StoreBackend(Protocol):
+    """What `Store` needs from a database. Implemented by the SQLite and PostgreSQL backends."""
+
+    @property
+    def url(self) -> str:
+        """Where the store lives, for messages (never holds a password)."""
+        ...
+
+    async def load(self, key: str) -> StoredConversation:
+        """The committed conversation (empty at version 0 for a new key)."""
+        ...
+
+    async def record(
+        self,
+        pass_id: str,
+        key: str,
+        version: int,
+        agent_rows: Sequence[ChunkRow],
+        entries: Sequence[JournalEntry],
+    ) -> None:
+        """Make `entries` of a running pass durable (the first call records the pass itself,
+        based on `version`)."""
+        ...
+
+    async def commit(
+        self,
+        pass_id: str,
+        key: str,
+        base: int,
+        rows: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+        agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
+    ) -> int:
+        """Append `rows` at version `base` in one transaction and settle the pass; the new
+        version, or `ConflictError` when the conversation is no longer at `base`. `recorded`
+        False says the pass never called `record` (a pass that ends done then needs no record
+        of its own)."""
+        ...
+
+    async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
+        """Move a pass from status `was` to `status` (no effect from any other status)."""
+        ...
+
+    async def claim(self, pass_id: str) -> PassRecord:
+        """Take over a pending pass for a resume: its journal, or `ConflictError` when another
+        process took it first or the conversation moved on."""
+        ...
+
+    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
+        """Append rows (at the end, or only at version `expected`); the new version."""
+        ...
+
+    async def pending(self, key: str | None) -> list[PendingPass]:
+        """Passes a resume may pick up, oldest first (of one conversation, or all)."""
+        ...
+
+    async def conversations(self) -> list[ConversationInfo]:
+        """Every conversation, most recently changed first."""
+        ...
+
+    async def fork(self, key: str, new_key: str, version: int | None) -> int:
+        """Copy `key` (up to `version`, default all) to the new key `new_key`; its version."""
+        ...
+
+    async def delete(self, key: str) -> bool:
+        """Delete a conversation, its passes and journal; True when it existed."""
+        ...
+
+    async def prune(self, before: float) -> int:
+        """Delete conversations not changed since `before` (epoch seconds); how many."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections and threads (safe to call twice)."""
+        ...

@@ -1,0 +1,204 @@
+"""How a pass keeps a conversation in a store: it starts from the committed rows, makes its
+tool work durable as it goes, and commits its new rows in one transaction when it ends.
+
+`open_conversation` reads the conversation (or takes over a pending pass) and returns a
+`ConversationJournal`, which the pass calls as it calls its JSONL writer. Until the commit the
+pass's rows live in the store's journal, never in the conversation: a crash, a cancellation or a
+lost store leaves the conversation at its last committed version, and the journal lets another
+process resume. The assistant row that asks for tools is made durable together with the intents
+of those calls, before any of them runs, and each tool result as it finishes, so a crash loses
+only a reply the model is asked for again, never a tool outcome. An answer without tool calls is
+written once, by the commit. Never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from treadle.errors import ConfigurationError, ConflictError
+from treadle.session import ChunkRow, Usage
+from treadle.session.rows import in_call_order
+from treadle.stores.backend import JournalEntry, StoreBackend
+from treadle.stores.records import PendingPass, check_key, conflict_error
+
+__all__ = ["ConversationJournal", "ConversationStart", "open_conversation"]
+
+log = logging.getLogger("treadle.stores")
+
+
+@dataclass(slots=True)
+class ConversationStart:
+    """Where a pass on a stored conversation starts."""
+
+    rows: list[ChunkRow]
+    """The rows the pass continues from: the committed conversation, then its new input."""
+    usage: Usage
+    """The conversation's usage so far."""
+    metadata: dict[str, Any]
+    """What the last pass left (pending approvals) and tool calls of unknown outcome."""
+    journal: ConversationJournal
+    """Where the pass records its progress and commits."""
+
+
+@dataclass(slots=True)
+class ConversationJournal:
+    """The pass's side of a stored conversation (the same calls as its JSONL writer)."""
+
+    backend: StoreBackend
+    key: str
+    pass_id: str
+    base: int
+    """The version the pass read: its commit succeeds only if the conversation is still there."""
+    agent_rows: Sequence[ChunkRow]
+    buffered: list[JournalEntry] = field(default_factory=list)
+    """Rows not yet durable: made durable with the next intents or tool result, or the commit."""
+    version: int | None = None
+    """The version the commit made (None until it succeeds)."""
+    recorded: bool = False
+    """True once the pass wrote anything to the store's journal."""
+    claimed: tuple[str, str] | None = None
+    """`(pass id, its status)` of the pending pass this one took over, if any."""
+
+    async def _flush(self, more: Sequence[JournalEntry] = ()) -> None:
+        entries = [*self.buffered, *more]
+        if entries:
+            self.recorded = True
+            await self.backend.record(self.pass_id, self.key, self.base, self.agent_rows, entries)
+        self.buffered.clear()
+
+    async def rows(self, rows: Sequence[ChunkRow], *, turn_boundary: bool = False) -> None:
+        """New rows of the pass: a tool result is made durable at once, others with the next."""
+        entries = [("row", r) for r in rows]
+        if any(r.kind == "tool_result" for r in rows):
+            await self._flush(entries)
+        else:
+            self.buffered.extend(entries)
+
+    async def intents(self, calls: Sequence[tuple[str, str]]) -> None:
+        """Record (durably, with the rows before them) that these calls are about to run."""
+        await self._flush([("intent", call) for call in calls])
+
+    async def finish(
+        self,
+        rows: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+    ) -> int:
+        """Commit the pass's new rows (`rows` is the whole transcript) in one transaction."""
+        self.version = await self.backend.commit(
+            self.pass_id,
+            self.key,
+            self.base,
+            rows[self.base :],
+            usage=usage,
+            stop_reason=stop_reason,
+            metadata=metadata,
+            agent_rows=self.agent_rows,
+            recorded=self.recorded,
+        )
+        self.buffered.clear()
+        return self.version
+
+    async def aclose(self, error: BaseException | None) -> None:
+        """The pass ended without a commit: keep what it had, resumable.
+
+        Its rows so far (input, adopted, made) are made durable and the pass is marked
+        `cancelled` or `failed`, so `Store.pending()` lists it; a pass that took over another and
+        has nothing of its own gives that one back. A lost race (`ConflictError`) keeps nothing:
+        the conversation moved on. Never raises: the pass's own error is what its reader sees.
+        """
+        if self.version is not None or isinstance(error, ConflictError):
+            return
+        status = "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
+        with anyio.CancelScope(shield=True):
+            try:
+                if self.recorded or self.buffered:
+                    await self._flush()
+                    await self.backend.settle(self.pass_id, status)
+                elif self.claimed is not None:
+                    await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
+            except Exception as err:  # the store itself may be what failed
+                log.warning("could not record the end of pass %s: %s", self.pass_id, err)
+
+
+async def open_conversation(
+    backend: StoreBackend,
+    conversation: str | PendingPass,
+    pass_id: str,
+    user_rows: Sequence[ChunkRow],
+    agent_rows: Sequence[ChunkRow],
+) -> ConversationStart:
+    """Read the conversation (or take over a pending pass) a pass continues.
+
+    The input rows are added after the committed ones, unless they already begin with all of
+    them (a session read with `store.conversation(key)` and extended): then only the rows past
+    them are new. Input that begins like the conversation but not with all of it was read from
+    an older version, and is a `ConflictError` (it would repeat rows).
+    """
+    adopted: Sequence[ChunkRow] = ()
+    unknown: list[str] = []
+    if isinstance(conversation, PendingPass):
+        key = conversation.key
+        record = await backend.claim(conversation.pass_id)
+        adopted = in_call_order(record.rows)
+        answered = {str(r.payload.get("tool_call_id")) for r in adopted if r.kind == "tool_result"}
+        unknown = [cid for cid in record.intents if cid not in answered]
+    elif isinstance(conversation, str):
+        key = check_key(conversation)
+    else:
+        raise ConfigurationError(
+            "conversation= takes a key (str) or an item of store.pending(), got "
+            f"{type(conversation).__name__}."
+        )
+    stored = await backend.load(key)
+    waiting = stored.metadata.get("pending_approvals")
+    if waiting and not isinstance(conversation, PendingPass):
+        # A new turn after an assistant row whose calls have no results would be a transcript
+        # no model accepts: the calls must be decided first (approved or denied).
+        names = ", ".join(str(c.get("name")) for c in waiting if isinstance(c, dict))
+        raise ConflictError(
+            f"conversation {key!r} waits for a decision on {names}; resume it first: "
+            "run_session_loop(Session(), agent, store=store, conversation=store.pending(key)[0], "
+            "approvals={call_id: True or False}).",
+            key=key,
+            expected=stored.version,
+            actual=stored.version,
+        )
+    committed = stored.rows
+    new = list(user_rows)
+    if committed:
+        n = len(committed)
+        if len(new) >= n and tuple(new[:n]) == committed:
+            new = new[n:]
+        elif len(new) > 1 and new[0] == committed[0]:
+            raise conflict_error(key, _read_version(new, committed), len(committed), new)
+    metadata: dict[str, Any] = dict(stored.metadata)
+    if unknown:
+        metadata["unknown_outcome_tool_calls"] = unknown
+    journal = ConversationJournal(backend, key, pass_id, len(committed), agent_rows)
+    if isinstance(conversation, PendingPass):
+        journal.claimed = (conversation.pass_id, record.status)
+    fresh = [*adopted, *new]
+    journal.buffered.extend(("row", r) for r in fresh)
+    # Calls of unknown outcome stay so: if this pass stops before it answers them, the next
+    # resume must not take them for calls that never started.
+    journal.buffered.extend(("intent", (cid, "")) for cid in unknown)
+    return ConversationStart([*committed, *fresh], stored.usage, metadata, journal)
+
+
+def _read_version(rows: Sequence[ChunkRow], committed: Sequence[ChunkRow]) -> int:
+    """How many committed rows `rows` begins with (the version it was read at)."""
+    n = 0
+    for mine, theirs in zip(rows, committed, strict=False):
+        if mine != theirs:
+            break
+        n += 1
+    return n

@@ -1,0 +1,468 @@
+"""The PostgreSQL conversation store: psycopg 3, async, pooled (the `treadle[postgres]` extra).
+
+The pool lives on the Treadle runtime's event loop (psycopg's async pool belongs to the loop
+that opened it); a call from another loop awaits the runtime without blocking its own loop.
+The first use connects once with a timeout, so a DSN that does not connect is a
+`ConfigurationError` naming what failed, fast; then it creates or migrates the schema under an
+advisory lock (several processes may start at once). Every write is one transaction holding a
+per-conversation advisory lock, so a version check and its insert are never split by another
+writer. A connection lost later is a `StoreError`; the transaction it was in is rolled back by
+the server, so a conversation is never half-written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from treadle.errors import ConfigurationError, ConflictError, StoreError
+from treadle.runtime import get_runtime
+from treadle.session import ChunkRow, Usage
+from treadle.stores.backend import JournalEntry
+from treadle.stores.postgres_open import display_url, open_pool
+from treadle.stores.records import (
+    KEPT_METADATA,
+    RESUMABLE,
+    ConversationInfo,
+    PassRecord,
+    PendingPass,
+    RowCache,
+    StoredConversation,
+    conflict_error,
+    decode_json,
+    decode_row,
+    decode_usage,
+    encode_json,
+    encode_usage,
+    journal_record,
+    journal_text,
+    pending_from,
+    rows_text,
+)
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+    from psycopg_pool import AsyncConnectionPool
+
+    from treadle.runtime.background import Runtime
+
+__all__ = ["PostgresBackend"]
+
+T = TypeVar("T")
+
+
+class PostgresBackend:
+    """A conversation store in a PostgreSQL database (see the module docstring)."""
+
+    def __init__(self, dsn: str, *, pool_size: int = 10, connect_timeout: float = 5.0) -> None:
+        if not isinstance(dsn, str) or not dsn:
+            raise ConfigurationError("Store.postgres needs a DSN, e.g. postgresql://host/db.")
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ConfigurationError("pool_size must be a positive int.")
+        if not isinstance(connect_timeout, (int, float)) or connect_timeout <= 0:
+            raise ConfigurationError("connect_timeout must be a positive number of seconds.")
+        self._url = display_url(dsn)
+        self._dsn = dsn
+        self._pool_size = pool_size
+        self._connect_timeout = float(connect_timeout)
+        self._pool: AsyncConnectionPool[AsyncConnection[Any]] | None = None
+        self._opening: asyncio.Lock | None = None
+        self._closed = False
+        self._runtime: Runtime | None = None  # where the pool lives, once it does
+        self._cache = RowCache()  # touched only on the runtime loop
+
+    @property
+    def url(self) -> str:
+        """`postgresql://user@host:port/dbname` (never the password)."""
+        return self._url
+
+    # -- the pool, on the runtime loop ---------------------------------------------------------
+    def _home(self) -> Runtime:
+        """The runtime whose loop holds the pool (a stopped one's pool is left behind)."""
+        runtime = self._runtime
+        if runtime is None or not (runtime.alive or runtime.in_loop_thread()):
+            self._pool, self._opening = None, None  # its loop is gone: connect anew
+            runtime = self._runtime = get_runtime()
+        return runtime
+
+    async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
+        # An operation, once started, runs to its end even if its caller is cancelled meanwhile
+        # (a pass recording its own cancellation must not be cut short by it).
+        runtime = self._home()
+        if runtime.in_loop_thread():
+            return await asyncio.shield(asyncio.ensure_future(self._guarded(fn)))
+        return await runtime.submit(self._guarded(fn)).wait(propagate_cancel=False)
+
+    async def _guarded(self, fn: Callable[[], Awaitable[T]]) -> T:
+        import psycopg
+
+        if self._closed:
+            raise StoreError(f"the store {self._url} is closed; open a new Store.")
+        try:
+            return await fn()
+        except psycopg.Error as err:
+            raise StoreError(
+                f"the PostgreSQL store {self._url} failed: {' '.join(str(err).split())}."
+            ) from None
+
+    async def _connection_pool(self) -> AsyncConnectionPool[AsyncConnection[Any]]:
+        if self._pool is not None:
+            return self._pool
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._pool is None:
+                self._pool = await open_pool(
+                    self._dsn, self._url, self._pool_size, self._connect_timeout
+                )
+                # A store never closed still closes its pool when the runtime stops (its
+                # connections and maintenance tasks live on the runtime's loop).
+                self._home().add_shutdown_hook(self.aclose)
+        return self._pool
+
+    async def _run(self, fn: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
+        async def body() -> T:
+            pool = await self._connection_pool()
+            async with pool.connection() as conn:
+                return await fn(conn)
+
+        return await self._on_runtime(body)
+
+    # -- the protocol ---------------------------------------------------------------------------
+    async def load(self, key: str) -> StoredConversation:
+        """The committed conversation (empty for a new key), in one query; only rows not cached
+        are fetched and decoded."""
+        cache = self._cache
+
+        async def do(conn: AsyncConnection[Any]) -> StoredConversation:
+            cur = await conn.execute(
+                "SELECT c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
+                " c.created_at, c.version FROM treadle_conversations c"
+                " WHERE c.key = %s",
+                (key,),
+            )
+            head = await cur.fetchone()
+            if head is None:
+                return StoredConversation(key)
+            known = cache.get(key, head[5], head[6])
+            if len(known) < head[6]:
+                cur = await conn.execute(
+                    "SELECT kind, payload FROM treadle_rows WHERE key = %s AND seq >= %s"
+                    " AND seq < %s ORDER BY seq",
+                    (key, len(known), head[6]),
+                )
+                known += tuple(decode_row(k, p, key) for k, p in await cur.fetchall())
+                cache.put(key, head[5], known)
+            return StoredConversation(
+                key,
+                known,
+                decode_usage(head[0], key),
+                head[1],
+                decode_json(head[2], key),
+                head[3],
+                head[4],
+            )
+
+        return await self._run(do)
+
+    async def record(
+        self,
+        pass_id: str,
+        key: str,
+        version: int,
+        agent_rows: Sequence[ChunkRow],
+        entries: Sequence[JournalEntry],
+    ) -> None:
+        """Make a running pass's journal entries durable (one transaction)."""
+        agents = encode_json([r.to_message() for r in agent_rows])
+
+        async def do(conn: AsyncConnection[Any]) -> None:
+            now = time.time()
+            async with conn.transaction():
+                await conn.execute(
+                    "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
+                    " metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, '{}',"
+                    " %s, %s) ON CONFLICT (pass_id) DO UPDATE SET updated_at = %s",
+                    (pass_id, key, version, agents, now, now, now),
+                )
+                cur = await conn.execute(
+                    "SELECT count(*) FROM treadle_journal WHERE pass_id = %s", (pass_id,)
+                )
+                start = ((await cur.fetchone()) or (0,))[0]
+                async with conn.cursor() as cur:
+                    await cur.executemany(
+                        "INSERT INTO treadle_journal (pass_id, seq, entry, kind, body)"
+                        " VALUES (%s, %s, %s, %s, %s)",
+                        [(pass_id, start + i, *journal_text(e)) for i, e in enumerate(entries)],
+                    )
+
+        await self._run(do)
+
+    async def _lock(self, conn: AsyncConnection[Any], key: str) -> int | None:
+        """Take the conversation's write lock (to the end of the transaction); its version."""
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
+        cur = await conn.execute("SELECT version FROM treadle_conversations WHERE key = %s", (key,))
+        found = await cur.fetchone()
+        return None if found is None else int(found[0])
+
+    async def _write_rows(
+        self,
+        conn: AsyncConnection[Any],
+        key: str,
+        found: int | None,
+        base: int,
+        rows: Sequence[ChunkRow],
+        pass_id: str | None,
+        head: Mapping[str, Any],
+    ) -> int:
+        now = time.time()
+        async with conn.cursor() as cur:
+            await cur.executemany(
+                "INSERT INTO treadle_rows (key, seq, pass_id, kind, payload)"
+                " VALUES (%s, %s, %s, %s, %s)",
+                [(key, base + i, pass_id, k, p) for i, (k, p) in enumerate(rows_text(rows))],
+            )
+        version = base + len(rows)
+        if found is None:
+            await conn.execute(
+                "INSERT INTO treadle_conversations (key, version, usage, stop_reason, metadata,"
+                " parent_key, parent_version, created_at, updated_at)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (
+                    key,
+                    version,
+                    head.get("usage", encode_usage(Usage())),
+                    head.get("stop_reason"),
+                    head.get("metadata", "{}"),
+                    head.get("parent_key"),
+                    head.get("parent_version"),
+                    now,
+                    now,
+                ),
+            )
+        else:
+            sets = "".join(f", {name} = %s" for name in head)
+            await conn.execute(
+                f"UPDATE treadle_conversations SET version = %s, updated_at = %s{sets}"
+                " WHERE key = %s",
+                (version, now, *head.values(), key),
+            )
+        return version
+
+    async def commit(
+        self,
+        pass_id: str,
+        key: str,
+        base: int,
+        rows: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+        agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
+    ) -> int:
+        """Append a pass's rows at version `base` and settle the pass (one server-side call)."""
+        kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
+        status = "interrupted" if stop_reason == "interrupted" else "done"
+        agents = encode_json([r.to_message() for r in agent_rows])
+        encoded = rows_text(rows)
+
+        async def do(conn: AsyncConnection[Any]) -> int:
+            cur = await conn.execute(
+                "SELECT treadle_commit(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (
+                    pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
+                    encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+                ),
+            )  # fmt: skip
+            version = int(((await cur.fetchone()) or (-1,))[0])
+            if version < 0:
+                raise conflict_error(key, base, -1 - version, rows)
+            self._cache.extend(key, base, rows)  # a new key is cached by its first read
+            return version
+
+        return await self._run(do)
+
+    async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
+        """Move a pass from status `was` to `status` (no effect from any other status)."""
+
+        async def do(conn: AsyncConnection[Any]) -> None:
+            await conn.execute(
+                "UPDATE treadle_passes SET status = %s, updated_at = %s WHERE pass_id = %s"
+                " AND status = %s",
+                (status, time.time(), pass_id, was),
+            )
+
+        await self._run(do)
+
+    async def claim(self, pass_id: str) -> PassRecord:
+        """Take over a pending pass: its journal, or `ConflictError`."""
+
+        async def do(conn: AsyncConnection[Any]) -> PassRecord:
+            async with conn.transaction():
+                cur = await conn.execute(
+                    "SELECT key, status, version FROM treadle_passes WHERE pass_id = %s FOR UPDATE",
+                    (pass_id,),
+                )
+                found = await cur.fetchone()
+                if found is None or found[1] not in RESUMABLE:
+                    raise ConflictError(
+                        f"pass {pass_id} is not pending (another process resumed it, or it "
+                        "ended); list what is pending with store.pending().",
+                        key=found[0] if found else "",
+                    )
+                key, status, version = found
+                actual = (await self._lock(conn, key)) or 0
+                if actual != version:
+                    raise conflict_error(key, int(version), actual, ())
+                await conn.execute(
+                    "UPDATE treadle_passes SET status = 'resumed', updated_at = %s"
+                    " WHERE pass_id = %s",
+                    (time.time(), pass_id),
+                )
+                cur = await conn.execute(
+                    "SELECT entry, kind, body FROM treadle_journal WHERE pass_id = %s ORDER BY seq",
+                    (pass_id,),
+                )
+                return journal_record(await cur.fetchall(), key, status)
+
+        return await self._run(do)
+
+    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
+        """Append rows at the end (or only at version `expected`)."""
+
+        async def do(conn: AsyncConnection[Any]) -> int:
+            async with conn.transaction():
+                found = await self._lock(conn, key)
+                base = found or 0
+                if expected is None or expected == base:
+                    return await self._write_rows(conn, key, found, base, rows, None, {})
+            raise conflict_error(key, expected, base, rows)
+
+        return await self._run(do)
+
+    async def pending(self, key: str | None) -> list[PendingPass]:
+        """Passes a resume may pick up, oldest first."""
+
+        async def do(conn: AsyncConnection[Any]) -> list[PendingPass]:
+            where = "AND p.key = %s" if key is not None else ""
+            cur = await conn.execute(
+                "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
+                " p.agent_rows FROM treadle_passes p LEFT JOIN treadle_conversations c"
+                " ON c.key = p.key"
+                " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
+                f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
+                (key,) if key is not None else (),
+            )
+            return [pending_from(*item) for item in await cur.fetchall()]
+
+        return await self._run(do)
+
+    async def conversations(self) -> list[ConversationInfo]:
+        """Every conversation, most recently changed first."""
+
+        async def do(conn: AsyncConnection[Any]) -> list[ConversationInfo]:
+            cur = await conn.execute(
+                "SELECT key, version, updated_at, parent_key FROM treadle_conversations"
+                " ORDER BY updated_at DESC"
+            )
+            return [ConversationInfo(k, int(v), u, p) for k, v, u, p in await cur.fetchall()]
+
+        return await self._run(do)
+
+    async def fork(self, key: str, new_key: str, version: int | None) -> int:
+        """Copy `key` up to `version` to `new_key` (which must be new)."""
+
+        async def do(conn: AsyncConnection[Any]) -> int:
+            async with conn.transaction():
+                at = (await self._lock(conn, key)) or 0
+                if version is not None and not 0 <= version <= at:
+                    raise ConfigurationError(
+                        f"conversation {key!r} has versions 0 to {at}; fork at one of those."
+                    )
+                at = at if version is None else version
+                if await self._lock(conn, new_key) is not None:
+                    raise ConflictError(
+                        f"conversation {new_key!r} already exists; fork to a new key.",
+                        key=new_key,
+                    )
+                cur = await conn.execute(
+                    "SELECT usage FROM treadle_conversations WHERE key = %s", (key,)
+                )
+                usage = await cur.fetchone()
+                await conn.execute(
+                    "INSERT INTO treadle_rows (key, seq, pass_id, kind, payload) SELECT %s, seq,"
+                    " pass_id, kind, payload FROM treadle_rows WHERE key = %s AND seq < %s",
+                    (new_key, key, at),
+                )
+                head = {"parent_key": key, "parent_version": at}
+                if usage is not None:
+                    head["usage"] = usage[0]
+                await self._write_rows(conn, new_key, None, at, (), None, head)
+                return at
+
+        return await self._run(do)
+
+    async def delete(self, key: str) -> bool:
+        """Delete a conversation with its passes and journal."""
+
+        async def do(conn: AsyncConnection[Any]) -> bool:
+            async with conn.transaction():
+                gone = await _delete(conn, [key])
+            self._cache.drop(key)
+            return gone > 0
+
+        return await self._run(do)
+
+    async def prune(self, before: float) -> int:
+        """Delete conversations not changed since `before`."""
+
+        async def do(conn: AsyncConnection[Any]) -> int:
+            async with conn.transaction():
+                cur = await conn.execute(
+                    "SELECT key FROM treadle_conversations WHERE updated_at < %s", (before,)
+                )
+                keys = [k for (k,) in await cur.fetchall()]
+                gone = await _delete(conn, keys)
+            for key in keys:
+                self._cache.drop(key)
+            return gone
+
+        return await self._run(do)
+
+    async def aclose(self) -> None:
+        """Close the pool (safe to call twice)."""
+        if self._closed:
+            return
+
+        async def close() -> None:
+            pool, self._pool = self._pool, None
+            self._closed = True
+            if pool is not None:
+                await pool.close()
+
+        runtime = self._runtime
+        if runtime is not None and runtime.in_loop_thread():
+            await close()  # the runtime's own shutdown hook lands here
+        elif runtime is not None and runtime.alive:
+            await runtime.submit(close()).wait()
+        else:  # never connected, or its loop is gone along with the pool's connections
+            self._closed, self._pool = True, None
+
+
+async def _delete(conn: AsyncConnection[Any], keys: Sequence[str]) -> int:
+    gone = 0
+    for key in keys:
+        await conn.execute(
+            "DELETE FROM treadle_journal WHERE pass_id IN"
+            " (SELECT pass_id FROM treadle_passes WHERE key = %s)",
+            (key,),
+        )
+        await conn.execute("DELETE FROM treadle_passes WHERE key = %s", (key,))
+        await conn.execute("DELETE FROM treadle_rows WHERE key = %s", (key,))
+        cur = await conn.execute("DELETE FROM treadle_conversations WHERE key = %s", (key,))
+        gone += cur.rowcount
+    return gone

@@ -1,0 +1,156 @@
+"""Opening a PostgreSQL store: the DSN checked, one first connection (whose error says what
+failed), the schema created or migrated under an advisory lock, then the pool.
+
+Runs on the Treadle runtime's loop (the pool belongs to the loop that opens it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from treadle.errors import ConfigurationError
+from treadle.stores.backend import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+    from psycopg_pool import AsyncConnectionPool
+
+__all__ = ["MIGRATIONS", "display_url", "open_pool"]
+
+#: A pass's commit as one server-side call (one round trip, one transaction): take the
+#: conversation's lock, check the version (a conflict returns -1 - the version found, and marks
+#: the pass), append the rows, move the head, settle the pass.
+COMMIT_FUNCTION = """
+CREATE FUNCTION treadle_commit(
+    p_pass TEXT, p_key TEXT, p_base BIGINT, p_kinds TEXT[], p_payloads TEXT[], p_usage TEXT,
+    p_stop TEXT, p_meta TEXT, p_status TEXT, p_agents TEXT, p_recorded BOOLEAN,
+    p_now DOUBLE PRECISION
+) RETURNS BIGINT LANGUAGE plpgsql AS $$
+DECLARE
+    found BIGINT;
+    target BIGINT := p_base + cardinality(p_kinds);
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, 0));
+    SELECT version INTO found FROM treadle_conversations WHERE key = p_key;
+    IF coalesce(found, 0) <> p_base THEN
+        UPDATE treadle_passes SET status = 'conflict', updated_at = p_now WHERE pass_id = p_pass;
+        RETURN -1 - coalesce(found, 0);
+    END IF;
+    INSERT INTO treadle_rows (key, seq, pass_id, kind, payload)
+        SELECT p_key, p_base + t.o - 1, p_pass, t.k, t.p
+        FROM unnest(p_kinds, p_payloads) WITH ORDINALITY AS t(k, p, o);
+    IF found IS NULL THEN
+        INSERT INTO treadle_conversations (key, version, usage, stop_reason, metadata,
+            created_at, updated_at) VALUES (p_key, target, p_usage, p_stop, p_meta, p_now, p_now);
+    ELSE
+        UPDATE treadle_conversations SET version = target, usage = p_usage, stop_reason = p_stop,
+            metadata = p_meta, updated_at = p_now WHERE key = p_key;
+    END IF;
+    IF p_recorded OR p_status <> 'done' THEN
+        INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows, metadata,
+            created_at, updated_at) VALUES (p_pass, p_key, p_status, target, p_agents, p_meta,
+            p_now, p_now)
+        ON CONFLICT (pass_id) DO UPDATE SET status = p_status, version = target,
+            metadata = p_meta, updated_at = p_now;
+        DELETE FROM treadle_journal WHERE pass_id = p_pass;
+    END IF;
+    RETURN target;
+END
+$$"""
+
+#: Schema migrations, by the version they reach; each runs once, in one transaction.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        """CREATE TABLE treadle_conversations (
+            key TEXT PRIMARY KEY, version BIGINT NOT NULL, usage TEXT NOT NULL,
+            stop_reason TEXT, metadata TEXT NOT NULL, parent_key TEXT, parent_version BIGINT,
+            created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)""",
+        """CREATE TABLE treadle_rows (
+            key TEXT NOT NULL, seq BIGINT NOT NULL, pass_id TEXT, kind TEXT NOT NULL,
+            payload TEXT NOT NULL, PRIMARY KEY (key, seq))""",
+        """CREATE TABLE treadle_passes (
+            pass_id TEXT PRIMARY KEY, key TEXT NOT NULL, status TEXT NOT NULL,
+            version BIGINT NOT NULL, agent_rows TEXT NOT NULL, metadata TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)""",
+        "CREATE INDEX treadle_passes_by_key ON treadle_passes (key, status)",
+        """CREATE TABLE treadle_journal (
+            pass_id TEXT NOT NULL, seq BIGINT NOT NULL, entry TEXT NOT NULL, kind TEXT NOT NULL,
+            body TEXT NOT NULL, PRIMARY KEY (pass_id, seq))""",
+        COMMIT_FUNCTION,
+    ),
+}
+assert max(MIGRATIONS) == SCHEMA_VERSION
+
+#: The advisory lock key that serialises schema migrations across processes.
+_MIGRATION_LOCK = 0x7472_6561_646C
+
+
+def display_url(dsn: str) -> str:
+    """`postgresql://user@host:port/dbname` (no password) from a DSN, or ConfigurationError."""
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise ConfigurationError(
+            "Store.postgres needs psycopg; install it with pip install 'treadle[postgres]'."
+        ) from None
+    try:
+        parts = conninfo_to_dict(dsn)
+    except Exception as err:  # psycopg.ProgrammingError: the DSN does not parse
+        raise ConfigurationError(f"the PostgreSQL DSN does not parse: {err}.") from None
+    user = f"{parts['user']}@" if parts.get("user") else ""
+    port = f":{parts['port']}" if parts.get("port") else ""
+    return f"postgresql://{user}{parts.get('host', '')}{port}/{parts.get('dbname', '')}"
+
+
+async def open_pool(
+    dsn: str, url: str, pool_size: int, connect_seconds: float
+) -> AsyncConnectionPool[AsyncConnection[Any]]:
+    """Connect once (a clear error if that fails), create or migrate the schema, open the pool."""
+    import psycopg
+    from psycopg_pool import AsyncConnectionPool
+
+    timeout = connect_seconds
+
+    try:  # one plain connection first: its error says what failed (the pool's would not)
+        conn = await asyncio.wait_for(
+            psycopg.AsyncConnection.connect(
+                dsn, connect_timeout=max(1, int(timeout)), autocommit=True
+            ),
+            timeout,
+        )
+    except (psycopg.Error, OSError, TimeoutError) as err:
+        what = " ".join(str(err).split()) or "no answer within the timeout"
+        raise ConfigurationError(
+            f"cannot connect to the PostgreSQL store {url}: {what}; check the DSN "
+            "and that the server is running."
+        ) from None
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS treadle_schema (version INTEGER NOT NULL)"
+            )
+            cur = await conn.execute("SELECT max(version) FROM treadle_schema")
+            found = ((await cur.fetchone()) or (None,))[0] or 0
+            if found > SCHEMA_VERSION:
+                raise ConfigurationError(
+                    f"the store's schema is version {found}, newer than this Treadle's "
+                    f"{SCHEMA_VERSION}; upgrade Treadle."
+                )
+            for version in sorted(v for v in MIGRATIONS if v > found):
+                for statement in MIGRATIONS[version]:
+                    await conn.execute(statement)
+                await conn.execute("INSERT INTO treadle_schema VALUES (%s)", (version,))
+    finally:
+        await conn.close()
+    pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=pool_size,
+        kwargs={"autocommit": True},
+        timeout=max(timeout, 30.0),
+        open=False,
+    )
+    await pool.open(wait=True, timeout=timeout)
+    return pool

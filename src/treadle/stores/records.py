@@ -1,0 +1,283 @@
+"""The values a conversation store hands back, and how rows become database text and back.
+
+Plain frozen dataclasses cross the boundary between a backend and the rest of Treadle; nothing
+here does I/O. Text read back from a database is treated as hostile (it may have been edited or
+damaged): each row is parsed with pydantic-core and validated as a `ChunkRow` before use, and a
+value that does not parse is a `StoreError` naming the conversation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pydantic_core
+
+from treadle.errors import ConfigurationError, ConflictError, StoreError
+from treadle.session import ChunkRow, Usage
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "ConversationInfo",
+    "PassRecord",
+    "PendingPass",
+    "StoredConversation",
+    "check_key",
+    "decode_json",
+    "decode_row",
+    "decode_usage",
+    "encode_json",
+    "encode_row",
+]
+
+#: Longest conversation key accepted (keys are indexed text; a key is a name, not a document).
+MAX_KEY_LENGTH = 512
+
+#: How a pass recorded in a store stands. `running`: it started and has not ended (or its process
+#: died); `interrupted`: it stopped for an approval or an interrupt and was committed; `cancelled`
+#: and `failed`: it was cancelled or raised before it could commit; `done`, `conflict`, `resumed`:
+#: settled.
+PassStatus = Literal["running", "interrupted", "cancelled", "done", "failed", "conflict", "resumed"]
+
+#: Statuses a resume may pick up (`Store.pending()` lists them).
+RESUMABLE: frozenset[str] = frozenset({"running", "interrupted", "cancelled", "failed"})
+
+
+def check_key(key: object, what: str = "conversation key") -> str:
+    """`key` if it is a usable conversation key, else `ConfigurationError`."""
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+        raise ConfigurationError(
+            f"a {what} must be a non-empty str of at most {MAX_KEY_LENGTH} characters, "
+            f"got {key!r:.60}."
+        )
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class StoredConversation:
+    """A conversation as committed: its rows in order and the version they make."""
+
+    key: str
+    """The conversation's key."""
+    rows: tuple[ChunkRow, ...] = ()
+    """Every committed row, in commit order."""
+    usage: Usage = field(default_factory=Usage)
+    """Token usage summed over every committed pass."""
+    stop_reason: str | None = None
+    """The stop reason of the last committed pass."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """What the last committed pass left for the next one (pending approvals, interrupt reason)."""
+    parent_key: str | None = None
+    """The conversation this one was forked from (None for a root)."""
+    parent_version: int | None = None
+    """The version of `parent_key` it was forked at."""
+
+    @property
+    def version(self) -> int:
+        """The version: the number of committed rows (a new key is at version 0)."""
+        return len(self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationInfo:
+    """One line of `Store.conversations()`: a key, its version and when it last changed."""
+
+    key: str
+    version: int
+    updated_at: float
+    """Seconds since the epoch of the last commit."""
+    parent_key: str | None = None
+    """The conversation this one was forked from (None for a root)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPass:
+    """A pass a store holds that another process may resume (see `Store.pending`).
+
+    `status` is `interrupted` (it stopped for an approval or an interrupt, and its rows are
+    committed), `cancelled` (cancelled before it committed) or `running` (it has not ended: it
+    may still be running, or its process died; `updated_at` tells how long it has been quiet).
+    """
+
+    pass_id: str
+    key: str
+    status: str
+    version: int
+    """The conversation version a resume continues from."""
+    updated_at: float
+    pending_approvals: tuple[Mapping[str, Any], ...] = ()
+    """Tool calls waiting for a human decision (`{"id", "name", "arguments"}`)."""
+    interrupt_reason: str | None = None
+    agent_rows: tuple[ChunkRow, ...] = ()
+    """The agent rows (system prompt) the pass ran with."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassRecord:
+    """What an unfinished pass had made durable: its new rows and its tool-call intents."""
+
+    rows: tuple[ChunkRow, ...] = ()
+    intents: tuple[str, ...] = ()
+    """Ids of tool calls recorded as about to run, in order."""
+    status: str = "running"
+    """The status the pass had before it was claimed (a failed resume gives it back)."""
+
+
+def encode_json(value: Any) -> str:
+    """`value` as JSON text."""
+    return pydantic_core.to_json(value).decode()
+
+
+def decode_json(text: str | bytes, key: str) -> Any:
+    """JSON text read from the store; damage is a `StoreError` naming the conversation."""
+    try:
+        return pydantic_core.from_json(text)
+    except ValueError:
+        raise StoreError(
+            f"conversation {key!r} holds a value that is not JSON; the store is damaged "
+            "(delete the conversation or restore it from an export)."
+        ) from None
+
+
+def encode_row(row: ChunkRow) -> tuple[str, str]:
+    """`(kind, payload JSON)` for a row."""
+    return row.kind, encode_json(row.payload)
+
+
+def decode_row(kind: str, payload: str | bytes, key: str) -> ChunkRow:
+    """A validated row from its stored kind and payload."""
+    body = decode_json(payload, key)
+    if not isinstance(body, dict):
+        raise StoreError(f"conversation {key!r} holds a row that is not a JSON object.")
+    try:
+        return ChunkRow(kind, body)
+    except ConfigurationError as err:
+        raise StoreError(f"conversation {key!r} holds an invalid row ({err}).") from None
+
+
+def decode_usage(text: str | bytes | None, key: str) -> Usage:
+    """The `Usage` stored as JSON text (zero when absent)."""
+    if not text:
+        return Usage()
+    u = decode_json(text, key)
+    if not isinstance(u, dict):
+        return Usage()
+    return Usage(
+        int(u.get("prompt_tokens", 0)),
+        int(u.get("completion_tokens", 0)),
+        int(u.get("total_tokens", 0)),
+        int(u.get("requests", 0)),
+    )
+
+
+def encode_usage(usage: Usage) -> str:
+    """`usage` as JSON text."""
+    return encode_json(usage.to_dict())
+
+
+def rows_text(rows: Sequence[ChunkRow]) -> list[tuple[str, str]]:
+    """Every row as `(kind, payload JSON)`."""
+    return [encode_row(r) for r in rows]
+
+
+#: Metadata of a pass that the conversation keeps for the next pass (and `Store.conversation`).
+KEPT_METADATA = ("pending_approvals", "interrupt_reason")
+
+
+def conflict_error(key: str, expected: int, actual: int, rows: Sequence[ChunkRow]) -> ConflictError:
+    return ConflictError(
+        f"conversation {key!r} is at version {actual}, not {expected} as this writer read it: "
+        "another writer appended first, so nothing was written; read the conversation again "
+        "and retry.",
+        key=key,
+        expected=expected,
+        actual=actual,
+        rows=tuple(rows),
+    )
+
+
+def journal_text(entry: tuple[str, Any]) -> tuple[str, str, str]:
+    """`(entry, kind, body)` columns of a journal entry."""
+    what, value = entry
+    if what == "row":
+        assert isinstance(value, ChunkRow)
+        return ("row", *rows_text([value])[0])
+    call_id, name = value
+    return ("intent", str(name), str(call_id))
+
+
+def journal_record(
+    entries: Sequence[tuple[str, str, str]], key: str, status: str = "running"
+) -> PassRecord:
+    rows: list[ChunkRow] = []
+    intents: list[str] = []
+    for entry, kind, body in entries:
+        if entry == "row":
+            rows.append(decode_row(kind, body, key))
+        else:
+            intents.append(body)
+    return PassRecord(tuple(rows), tuple(intents), status)
+
+
+def pending_from(
+    pass_id: str, key: str, status: str, version: int, updated: float, meta: str, agents: str
+) -> PendingPass:
+    metadata = decode_json(meta, key)
+    approvals = metadata.get("pending_approvals") if isinstance(metadata, dict) else None
+    reason = metadata.get("interrupt_reason") if isinstance(metadata, dict) else None
+    messages = decode_json(agents, key)
+    return PendingPass(
+        pass_id,
+        key,
+        status,
+        int(version),
+        float(updated),
+        tuple(a for a in approvals or () if isinstance(a, dict)),
+        reason if isinstance(reason, str) else None,
+        tuple(ChunkRow.from_message(m) for m in messages if isinstance(m, dict)),
+    )
+
+
+#: Conversations whose validated rows a backend keeps in memory (least recently used go first).
+ROW_CACHE_CONVERSATIONS = 4096
+
+
+class RowCache:
+    """Validated rows of recently read conversations, so a read decodes only rows it has not
+    seen. Committed rows never change (a conversation only grows; delete and fork make a new
+    `created_at`), so cached rows stay true; a read still asks the database for the version and
+    fetches the rows past what it holds. Used from one thread (the backend's) only."""
+
+    def __init__(self, size: int = ROW_CACHE_CONVERSATIONS) -> None:
+        self.size = size
+        self._rows: dict[str, tuple[float, tuple[ChunkRow, ...]]] = {}
+
+    def get(self, key: str, created_at: float, version: int) -> tuple[ChunkRow, ...]:
+        """The cached rows of `key` if they belong to this incarnation (else none)."""
+        found = self._rows.pop(key, None)
+        if found is None or found[0] != created_at or len(found[1]) > version:
+            return ()
+        self._rows[key] = found  # most recently used last
+        return found[1]
+
+    def put(self, key: str, created_at: float, rows: tuple[ChunkRow, ...]) -> None:
+        """Remember the rows of `key`."""
+        self._rows.pop(key, None)
+        self._rows[key] = (created_at, rows)
+        if len(self._rows) > self.size:
+            del self._rows[next(iter(self._rows))]
+
+    def extend(self, key: str, base: int, rows: Sequence[ChunkRow]) -> None:
+        """A commit of `rows` at version `base`: cached rows that end at `base` grow by them."""
+        found = self._rows.get(key)
+        if found is not None and len(found[1]) == base:
+            self.put(key, found[0], found[1] + tuple(rows))
+
+    def drop(self, key: str) -> None:
+        """Forget `key` (deleted)."""
+        self._rows.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._rows.clear()

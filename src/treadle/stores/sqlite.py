@@ -1,0 +1,459 @@
+"""The SQLite conversation store: the standard library's `sqlite3`, WAL, one writer thread per
+database file.
+
+Every statement runs on one thread per database file in this process, which owns the file's only
+connection here: commits are serialised without locks in Python, and the event loop only awaits
+a future. Other processes open their own connection; SQLite's file lock and `busy_timeout`
+serialise them, and each transaction takes the lock at its start (`BEGIN IMMEDIATE`) so a version
+check and its insert are never split by another writer. WAL with `synchronous=NORMAL` makes a commit
+survive a crash of the process (a power loss may lose the last commits, never corrupt the file).
+Never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from treadle.errors import ConfigurationError, ConflictError, StoreError
+from treadle.session import ChunkRow, Usage
+from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
+from treadle.stores.records import (
+    KEPT_METADATA,
+    RESUMABLE,
+    ConversationInfo,
+    PassRecord,
+    PendingPass,
+    StoredConversation,
+    conflict_error,
+    decode_json,
+    decode_row,
+    decode_usage,
+    encode_json,
+    encode_usage,
+    journal_record,
+    journal_text,
+    pending_from,
+    rows_text,
+)
+from treadle.stores.sqlite_thread import DatabaseThread, release, thread_for
+
+__all__ = ["MIGRATIONS", "SqliteBackend"]
+
+T = TypeVar("T")
+
+#: How long a write waits for another process's lock on the file before failing.
+BUSY_TIMEOUT_MS = 60_000
+
+#: Schema migrations, by the version they reach; each runs once, in one transaction.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        """CREATE TABLE conversations (
+            key TEXT PRIMARY KEY, version INTEGER NOT NULL, usage TEXT NOT NULL,
+            stop_reason TEXT, metadata TEXT NOT NULL, parent_key TEXT, parent_version INTEGER,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL)""",
+        """CREATE TABLE rows (
+            key TEXT NOT NULL, seq INTEGER NOT NULL, pass_id TEXT, kind TEXT NOT NULL,
+            payload TEXT NOT NULL, PRIMARY KEY (key, seq)) WITHOUT ROWID""",
+        """CREATE TABLE passes (
+            pass_id TEXT PRIMARY KEY, key TEXT NOT NULL, status TEXT NOT NULL,
+            version INTEGER NOT NULL, agent_rows TEXT NOT NULL, metadata TEXT NOT NULL,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL)""",
+        "CREATE INDEX passes_by_key ON passes (key, status)",
+        """CREATE TABLE journal (
+            pass_id TEXT NOT NULL, seq INTEGER NOT NULL, entry TEXT NOT NULL, kind TEXT NOT NULL,
+            body TEXT NOT NULL, PRIMARY KEY (pass_id, seq)) WITHOUT ROWID""",
+    ),
+}
+assert max(MIGRATIONS) == SCHEMA_VERSION
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        _migrate(conn)
+    except (sqlite3.Error, OSError) as err:
+        raise ConfigurationError(
+            f"cannot open the SQLite store {path}: {err}; check the path and its permissions."
+        ) from None
+    return conn
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS treadle_schema (version INTEGER NOT NULL)")
+        found = conn.execute("SELECT max(version) FROM treadle_schema").fetchone()[0] or 0
+        if found > SCHEMA_VERSION:
+            raise ConfigurationError(
+                f"the store's schema is version {found}, newer than this Treadle's "
+                f"{SCHEMA_VERSION}; upgrade Treadle."
+            )
+        for version in sorted(v for v in MIGRATIONS if v > found):
+            for statement in MIGRATIONS[version]:
+                conn.execute(statement)
+            conn.execute("INSERT INTO treadle_schema VALUES (?)", (version,))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _version(conn: sqlite3.Connection, key: str) -> int | None:
+    found = conn.execute("SELECT version FROM conversations WHERE key = ?", (key,)).fetchone()
+    return None if found is None else int(found[0])
+
+
+def _insert_rows(
+    conn: sqlite3.Connection, key: str, start: int, rows: Sequence[ChunkRow], pass_id: str | None
+) -> None:
+    conn.executemany(
+        "INSERT INTO rows (key, seq, pass_id, kind, payload) VALUES (?, ?, ?, ?, ?)",
+        [(key, start + i, pass_id, k, p) for i, (k, p) in enumerate(rows_text(rows))],
+    )
+
+
+def _advance(
+    conn: sqlite3.Connection,
+    key: str,
+    found: int | None,
+    version: int,
+    now: float,
+    **fields: Any,
+) -> None:
+    """Move the conversation row to `version` (creating it at a new key)."""
+    if found is None:
+        conn.execute(
+            "INSERT INTO conversations (key, version, usage, stop_reason, metadata, parent_key,"
+            " parent_version, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                key,
+                version,
+                fields.get("usage", encode_usage(Usage())),
+                fields.get("stop_reason"),
+                fields.get("metadata", "{}"),
+                fields.get("parent_key"),
+                fields.get("parent_version"),
+                now,
+                now,
+            ),
+        )
+        return
+    sets = ", ".join(f"{name} = ?" for name in fields)
+    conn.execute(
+        f"UPDATE conversations SET version = ?, updated_at = ?{', ' if sets else ''}{sets} "
+        "WHERE key = ?",
+        (version, now, *fields.values(), key),
+    )
+
+
+class SqliteBackend:
+    """A conversation store in one SQLite file (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self._writer: DatabaseThread | None = thread_for(self.path, _connect)
+        self._cache = self._writer.cache  # touched only on the database thread
+
+    @property
+    def url(self) -> str:
+        """`sqlite:///<absolute path>`."""
+        return f"sqlite:///{self.path}"
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        writer = self._writer
+        if writer is None:
+            raise StoreError(f"the store {self.url} is closed; open a new Store.")
+        try:
+            # A job handed to the thread always runs to its end, even if this caller is
+            # cancelled meanwhile (a pass recording its own cancellation).
+            return await writer.submit(fn)
+        except sqlite3.Error as err:
+            raise StoreError(f"the SQLite store {self.path} failed: {err}.") from None
+
+    async def load(self, key: str) -> StoredConversation:
+        """The committed conversation (empty for a new key); only rows not cached are decoded."""
+        cache = self._cache
+
+        def do(conn: sqlite3.Connection) -> StoredConversation:
+            head = conn.execute(
+                "SELECT usage, stop_reason, metadata, parent_key, parent_version, created_at,"
+                " version FROM conversations WHERE key = ?",
+                (key,),
+            ).fetchone()
+            if head is None:
+                return StoredConversation(key)
+            known = cache.get(key, head[5], head[6])
+            found = (
+                conn.execute(
+                    "SELECT kind, payload FROM rows WHERE key = ? AND seq >= ? AND seq < ?"
+                    " ORDER BY seq",
+                    (key, len(known), head[6]),
+                ).fetchall()
+                if len(known) < head[6]
+                else []
+            )
+            rows = known + tuple(decode_row(k, p, key) for k, p in found)
+            cache.put(key, head[5], rows)
+            return StoredConversation(
+                key,
+                rows,
+                decode_usage(head[0], key),
+                head[1],
+                decode_json(head[2], key),
+                head[3],
+                head[4],
+            )
+
+        return await self._run(do)
+
+    async def record(
+        self,
+        pass_id: str,
+        key: str,
+        version: int,
+        agent_rows: Sequence[ChunkRow],
+        entries: Sequence[JournalEntry],
+    ) -> None:
+        """Make a running pass's journal entries durable (one transaction)."""
+        agents = encode_json([r.to_message() for r in agent_rows])
+
+        def do(conn: sqlite3.Connection) -> None:
+            now = time.time()
+            conn.execute(
+                "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
+                " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, '{}', ?, ?) "
+                "ON CONFLICT (pass_id) DO UPDATE SET updated_at = excluded.updated_at",
+                (pass_id, key, version, agents, now, now),
+            )
+            start = conn.execute(
+                "SELECT count(*) FROM journal WHERE pass_id = ?", (pass_id,)
+            ).fetchone()[0]
+            conn.executemany(
+                "INSERT INTO journal (pass_id, seq, entry, kind, body) VALUES (?, ?, ?, ?, ?)",
+                [(pass_id, start + i, *journal_text(e)) for i, e in enumerate(entries)],
+            )
+
+        await self._run(do)
+
+    async def commit(
+        self,
+        pass_id: str,
+        key: str,
+        base: int,
+        rows: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+        agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
+    ) -> int:
+        """Append a pass's rows at version `base` and settle the pass (one transaction)."""
+        kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
+        status = "interrupted" if stop_reason == "interrupted" else "done"
+        agents = encode_json([r.to_message() for r in agent_rows])
+
+        def do(conn: sqlite3.Connection) -> int:
+            now = time.time()
+            found = _version(conn, key)
+            if (found or 0) != base:
+                conn.execute(
+                    "UPDATE passes SET status = 'conflict', updated_at = ? WHERE pass_id = ?",
+                    (now, pass_id),
+                )
+                return -1 - (found or 0)  # kept: the pass's conflict status
+            version = base + len(rows)
+            _insert_rows(conn, key, base, rows, pass_id)
+            _advance(
+                conn, key, found, version, now,
+                usage=encode_usage(usage), stop_reason=stop_reason, metadata=kept,
+            )  # fmt: skip
+            if recorded or status != "done":  # a pass that kept nothing pending needs no record
+                conn.execute(
+                    "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
+                    " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT"
+                    " (pass_id) DO UPDATE SET status = excluded.status, version ="
+                    " excluded.version, metadata = excluded.metadata, updated_at ="
+                    " excluded.updated_at",
+                    (pass_id, key, status, version, agents, kept, now, now),
+                )
+                conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
+            if found is None:
+                self._cache.put(key, now, tuple(rows))
+            else:
+                self._cache.extend(key, base, rows)
+            return version
+
+        version = await self._run(do)
+        if version < 0:
+            raise conflict_error(key, base, -1 - version, rows)
+        return version
+
+    async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
+        """Move a pass from status `was` to `status` (no effect from any other status)."""
+
+        def do(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "UPDATE passes SET status = ?, updated_at = ? WHERE pass_id = ? AND status = ?",
+                (status, time.time(), pass_id, was),
+            )
+
+        await self._run(do)
+
+    async def claim(self, pass_id: str) -> PassRecord:
+        """Take over a pending pass: its journal, or `ConflictError`."""
+
+        def do(conn: sqlite3.Connection) -> PassRecord:
+            found = conn.execute(
+                "SELECT key, status, version FROM passes WHERE pass_id = ?", (pass_id,)
+            ).fetchone()
+            if found is None or found[1] not in RESUMABLE:
+                raise ConflictError(
+                    f"pass {pass_id} is not pending (another process resumed it, or it ended); "
+                    "list what is pending with store.pending().",
+                    key=found[0] if found else "",
+                )
+            key, status, version = found
+            actual = _version(conn, key) or 0
+            if actual != version:
+                raise conflict_error(key, version, actual, ())
+            conn.execute(
+                "UPDATE passes SET status = 'resumed', updated_at = ? WHERE pass_id = ?",
+                (time.time(), pass_id),
+            )
+            entries = conn.execute(
+                "SELECT entry, kind, body FROM journal WHERE pass_id = ? ORDER BY seq", (pass_id,)
+            ).fetchall()
+            return journal_record(entries, key, status)
+
+        return await self._run(do)
+
+    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
+        """Append rows at the end (or only at version `expected`)."""
+
+        def do(conn: sqlite3.Connection) -> int:
+            now = time.time()
+            found = _version(conn, key)
+            base = found or 0
+            if expected is not None and expected != base:
+                raise conflict_error(key, expected, base, rows)
+            _insert_rows(conn, key, base, rows, None)
+            _advance(conn, key, found, base + len(rows), now)
+            return base + len(rows)
+
+        return await self._run(do)
+
+    async def pending(self, key: str | None) -> list[PendingPass]:
+        """Passes a resume may pick up, oldest first."""
+
+        def do(conn: sqlite3.Connection) -> list[PendingPass]:
+            where = "AND p.key = ?" if key is not None else ""
+            found = conn.execute(
+                "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
+                " p.agent_rows FROM passes p LEFT JOIN conversations c ON c.key = p.key"
+                " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
+                f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
+                (key,) if key is not None else (),
+            ).fetchall()
+            return [pending_from(*item) for item in found]
+
+        return await self._run(do)
+
+    async def conversations(self) -> list[ConversationInfo]:
+        """Every conversation, most recently changed first."""
+
+        def do(conn: sqlite3.Connection) -> list[ConversationInfo]:
+            found = conn.execute(
+                "SELECT key, version, updated_at, parent_key FROM conversations "
+                "ORDER BY updated_at DESC"
+            ).fetchall()
+            return [ConversationInfo(k, v, u, p) for k, v, u, p in found]
+
+        return await self._run(do)
+
+    async def fork(self, key: str, new_key: str, version: int | None) -> int:
+        """Copy `key` up to `version` to `new_key` (which must be new)."""
+
+        def do(conn: sqlite3.Connection) -> int:
+            head = conn.execute(
+                "SELECT version, usage FROM conversations WHERE key = ?", (key,)
+            ).fetchone()
+            at = head[0] if head is not None else 0
+            if version is not None and not 0 <= version <= at:
+                raise ConfigurationError(
+                    f"conversation {key!r} has versions 0 to {at}; fork at one of those."
+                )
+            at = at if version is None else version
+            if _version(conn, new_key) is not None:
+                raise ConflictError(
+                    f"conversation {new_key!r} already exists; fork to a new key.", key=new_key
+                )
+            conn.execute(
+                "INSERT INTO rows (key, seq, pass_id, kind, payload) SELECT ?, seq, pass_id,"
+                " kind, payload FROM rows WHERE key = ? AND seq < ?",
+                (new_key, key, at),
+            )
+            usage = head[1] if head is not None else encode_usage(Usage())
+            _advance(
+                conn, new_key, None, at, time.time(),
+                usage=usage, parent_key=key, parent_version=at,
+            )  # fmt: skip
+            return int(at)
+
+        return await self._run(do)
+
+    async def delete(self, key: str) -> bool:
+        """Delete a conversation with its passes and journal."""
+
+        def do(conn: sqlite3.Connection) -> bool:
+            gone = _delete(conn, [key])
+            self._cache.drop(key)
+            return gone > 0
+
+        return await self._run(do)
+
+    async def prune(self, before: float) -> int:
+        """Delete conversations not changed since `before`."""
+
+        def do(conn: sqlite3.Connection) -> int:
+            keys = [
+                k
+                for (k,) in conn.execute(
+                    "SELECT key FROM conversations WHERE updated_at < ?", (before,)
+                )
+            ]
+            gone = _delete(conn, keys)
+            for key in keys:
+                self._cache.drop(key)
+            return gone
+
+        return await self._run(do)
+
+    async def aclose(self) -> None:
+        """Let go of the file's writer thread (it stops with its last user)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            await asyncio.to_thread(release, writer)
+
+
+def _delete(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
+    gone = 0
+    for key in keys:
+        conn.execute(
+            "DELETE FROM journal WHERE pass_id IN (SELECT pass_id FROM passes WHERE key = ?)",
+            (key,),
+        )
+        conn.execute("DELETE FROM passes WHERE key = ?", (key,))
+        conn.execute("DELETE FROM rows WHERE key = ?", (key,))
+        gone += conn.execute("DELETE FROM conversations WHERE key = ?", (key,)).rowcount
+    return gone

@@ -1,0 +1,172 @@
+"""One thread per SQLite database file in this process, owning the file's connection.
+
+Statements on a file run on its thread in the order they were submitted, so writes of this
+process never wait on each other's locks in Python, and the event loop awaits only a future.
+Jobs that queue up together run in one transaction, each in its own savepoint (group commit:
+many passes ending at once pay for one commit); a job's future is settled only once that
+transaction has committed.
+A forked child starts its own threads (the parent's are not in it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from treadle.stores.records import RowCache
+
+__all__ = ["DatabaseThread", "release", "thread_for"]
+
+T = TypeVar("T")
+
+#: A job: the function to run with the connection, and the loop and future awaiting it.
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+#: Most jobs that share one transaction (and one commit) when they queue up together.
+MAX_BATCH = 256
+
+
+class DatabaseThread:
+    """The one thread (and connection) of a database file in this process: every statement on
+    the file runs here, in the order submitted."""
+
+    def __init__(self, path: Path, connect: Callable[[Path], sqlite3.Connection]) -> None:
+        self.path = path
+        self._connect = connect
+        self.users = 0
+        self.cache = RowCache()
+        """Validated rows of the file's conversations (touched only on this thread)."""
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._serve, args=(ready,), name=f"treadle-sqlite {path.name}", daemon=True
+        )
+        self._thread.start()
+        ready.result()  # raises the error of a file that cannot be opened
+
+    def _serve(self, ready: concurrent.futures.Future[None]) -> None:
+        try:
+            conn = self._connect(self.path)
+        except BaseException as err:
+            ready.set_exception(err)
+            return
+        ready.set_result(None)
+        stopping = False
+        while not stopping:
+            job = self._jobs.get()
+            if job is None:
+                break
+            batch = [job]
+            while len(batch) < MAX_BATCH:  # what queued meanwhile shares one commit
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batch.append(more)
+            self._run_batch(conn, batch)
+        conn.close()
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
+        """Run the jobs in one transaction, each in its own savepoint (a job that raises undoes
+        only its own statements); hand back their outcomes once the transaction is durable.
+
+        Every job runs, even one whose caller stopped waiting: a caller cancelled after it
+        submitted a write never leaves that write half-decided."""
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as err:
+            _deliver([(job, None, err) for job in batch])
+            return
+        for job in batch:
+            conn.execute("SAVEPOINT job")
+            try:
+                value = job[0](conn)
+            except BaseException as err:
+                conn.execute("ROLLBACK TO job")
+                outcomes.append((job, None, err))
+            else:
+                outcomes.append((job, value, None))
+            conn.execute("RELEASE job")
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as err:
+            if conn.in_transaction:
+                conn.rollback()
+            self.cache.clear()  # it may hold rows of the commits that were just undone
+            outcomes = [(job, None, err) for job, _, _ in outcomes]
+        _deliver(outcomes)
+
+    def submit(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """Run `fn(connection)` on the thread; a future of the calling event loop settles with
+        its outcome (one wake-up of that loop per batch, not per job)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, future))
+        return future
+
+    def stop(self) -> None:
+        """Stop after the jobs already queued (waits unless called on the thread itself)."""
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+
+_writers: dict[Path, DatabaseThread] = {}
+_writers_lock = threading.Lock()
+_writers_pid = os.getpid()
+
+
+def thread_for(path: Path, connect: Callable[[Path], sqlite3.Connection]) -> DatabaseThread:
+    """The thread of the database file at `path`, started on first use (one more user)."""
+    global _writers_pid
+    with _writers_lock:
+        if _writers_pid != os.getpid():  # a forked child: the parent's threads are not here
+            _writers.clear()
+            _writers_pid = os.getpid()
+        writer = _writers.get(path)
+        if writer is None:
+            writer = _writers[path] = DatabaseThread(path, connect)
+        writer.users += 1
+        return writer
+
+
+def release(writer: DatabaseThread) -> None:
+    """One user fewer; the thread stops (closing its connection) with its last user."""
+    with _writers_lock:
+        writer.users -= 1
+        if writer.users > 0 or _writers.get(writer.path) is not writer:
+            return
+        del _writers[writer.path]
+    writer.stop()
+
+
+def _deliver(outcomes: list[tuple[_Job, Any, BaseException | None]]) -> None:
+    """Settle each job's future on its own loop: one thread-safe call per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, Any]]] = {}
+    for (_, loop, future), value, error in outcomes:
+        by_loop.setdefault(loop, []).append((future, value, error))
+    for loop, settled in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits any more
+            loop.call_soon_threadsafe(_settle, settled)
+
+
+def _settle(settled: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, value, error in settled:
+        if future.done():  # its caller was cancelled (the job still ran)
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)

@@ -1,0 +1,288 @@
+"""`Store`: conversations by key, in SQLite (the default) or PostgreSQL.
+
+A conversation is a key in a store; its version is its number of committed rows. A pass given
+`store=` and `conversation=` continues the conversation and commits its new rows in one
+transaction when it ends (see `treadle.stores.journal`); two writers on one conversation never
+interleave: the second commit finds the version moved and raises `ConflictError` (optimistic
+versioning), with nothing of its own written. Reads are lazy like every Treadle read:
+`store.conversation(key)` returns a `Session` at once. Each method has a blocking form (runs on
+the Treadle runtime) and an `a`-prefixed coroutine twin for async code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from treadle.errors import ConfigurationError
+from treadle.runtime import submit
+from treadle.session import ChunkRow, Session, SessionData
+from treadle.session.session import new_session_id
+from treadle.stores.backend import StoreBackend
+from treadle.stores.records import ConversationInfo, PendingPass, check_key
+
+__all__ = ["DEFAULT_SQLITE_PATH", "Store", "check_store_arguments"]
+
+T = TypeVar("T")
+
+#: Where `Store.sqlite()` keeps its database, relative to the working directory.
+DEFAULT_SQLITE_PATH = os.path.join(".treadle", "treadle.db")
+
+_DAY = 86_400.0
+
+
+class Store:
+    """Conversations that outlive the process, by key.
+
+    Open one with `Store.sqlite(path)` (nothing to install or start) or `Store.postgres(dsn)`
+    (the `treadle[postgres]` extra), or `Store.open(url)`; close it with `close()` / `aclose()`
+    or use it as a context manager.
+    """
+
+    def __init__(self, backend: StoreBackend) -> None:
+        if not isinstance(backend, StoreBackend):
+            raise ConfigurationError(
+                f"Store takes a StoreBackend, got {type(backend).__name__}; use Store.sqlite(...) "
+                "or Store.postgres(...)."
+            )
+        self.backend = backend
+
+    # -- opening ---------------------------------------------------------------------------
+    @classmethod
+    def sqlite(cls, path: str | os.PathLike[str] = DEFAULT_SQLITE_PATH) -> Store:
+        """A store in the SQLite file at `path` (created with its schema on first use)."""
+        from treadle.stores.sqlite import SqliteBackend
+
+        return cls(SqliteBackend(path))
+
+    @classmethod
+    def postgres(
+        cls,
+        dsn: str,
+        *,
+        pool_size: int = 10,
+        connect_timeout: float = 5.0,
+    ) -> Store:
+        """A store in the PostgreSQL database `dsn` (schema created on first use).
+
+        Needs `pip install 'treadle[postgres]'`. The first use connects (within
+        `connect_timeout` seconds); a DSN that does not connect is a `ConfigurationError`.
+        """
+        from treadle.stores.postgres import PostgresBackend
+
+        return cls(PostgresBackend(dsn, pool_size=pool_size, connect_timeout=connect_timeout))
+
+    @classmethod
+    def open(cls, url: str | os.PathLike[str]) -> Store:
+        """A store from a URL: `postgresql://...` (or `postgres://`), `sqlite:///path`, or a
+        path to a SQLite file."""
+        text = os.fspath(url)
+        if text.startswith(("postgresql://", "postgres://")):
+            return cls.postgres(text)
+        if text.startswith("sqlite://"):
+            path = text.removeprefix("sqlite://")
+            if not path.startswith("/"):
+                raise ConfigurationError(
+                    f"{text!r} is not a SQLite URL; write sqlite:///relative.db or "
+                    "sqlite:////absolute/path.db."
+                )
+            return cls.sqlite(path[1:] or DEFAULT_SQLITE_PATH)
+        if "://" in text:
+            raise ConfigurationError(
+                f"{text!r} names no store Treadle knows; use sqlite:///path or postgresql://..."
+            )
+        return cls.sqlite(text)
+
+    @property
+    def url(self) -> str:
+        """Where the store lives (without a password)."""
+        return self.backend.url
+
+    def __repr__(self) -> str:
+        return f"<Store {self.url}>"
+
+    # -- reading -----------------------------------------------------------------------------
+    def conversation(self, key: str) -> Session:
+        """The latest committed version of conversation `key`, as a lazy `Session` (returned at
+        once; empty for a new key). Its metadata holds `conversation`, `version` and what the
+        last pass left for the next (`pending_approvals`, `interrupt_reason`)."""
+        check_key(key)
+        return Session._pending(
+            submit(self._conversation_data(key)),
+            id=new_session_id(),
+            operator="store.conversation",
+            kind="user",
+            parents=(),
+            sandbox=None,
+        )
+
+    async def _conversation_data(self, key: str) -> SessionData:
+        stored = await self.backend.load(key)
+        metadata = {**stored.metadata, "conversation": key, "version": stored.version}
+        from treadle.session import ChunkTable
+        from treadle.session.stops import as_stop_reason
+
+        return SessionData(
+            ChunkTable(stored.rows), stored.usage, as_stop_reason(stored.stop_reason), metadata
+        )
+
+    async def aconversations(self) -> list[ConversationInfo]:
+        """Every conversation, most recently changed first."""
+        return await self.backend.conversations()
+
+    def conversations(self) -> list[ConversationInfo]:
+        """Every conversation, most recently changed first (blocks)."""
+        return self._wait(self.aconversations())
+
+    async def apending(self, key: str | None = None) -> list[PendingPass]:
+        """Passes another process may resume, oldest first: stopped for approvals or an
+        interrupt, cancelled, or not ended (running, or their process died)."""
+        return await self.backend.pending(None if key is None else check_key(key))
+
+    def pending(self, key: str | None = None) -> list[PendingPass]:
+        """Passes another process may resume, oldest first (blocks; see `apending`).
+
+        Resume one with `run_session_loop(Session(), agent, store=store, conversation=item,
+        approvals=...)`: the pass takes it over (only one process can), runs the calls left
+        waiting and commits as any pass does.
+        """
+        return self._wait(self.apending(key))
+
+    # -- writing -----------------------------------------------------------------------------
+    async def aappend(
+        self, key: str, rows: Iterable[ChunkRow] | Session, *, expected_version: int | None = None
+    ) -> int:
+        """Append rows to a conversation in one transaction; the new version.
+
+        With `expected_version` the rows are written only if the conversation is still at that
+        version (else `ConflictError`, nothing written); without it they go at the end.
+        """
+        check_key(key)
+        if isinstance(rows, Session):
+            found: Sequence[ChunkRow] = (await rows.wait_ready()).table.rows
+        else:
+            found = list(rows)
+        if not all(isinstance(r, ChunkRow) for r in found):
+            raise ConfigurationError("append takes ChunkRow values or a Session.")
+        if expected_version is not None and (
+            isinstance(expected_version, bool) or not isinstance(expected_version, int)
+        ):
+            raise ConfigurationError("expected_version must be an int (a version read earlier).")
+        return await self.backend.append(key, found, expected_version)
+
+    def append(
+        self, key: str, rows: Iterable[ChunkRow] | Session, *, expected_version: int | None = None
+    ) -> int:
+        """Append rows to a conversation (blocks; see `aappend`)."""
+        return self._wait(self.aappend(key, rows, expected_version=expected_version))
+
+    async def afork(self, key: str, new_key: str, *, version: int | None = None) -> Session:
+        """Branch conversation `key` (at `version`, default its latest) into the new key
+        `new_key`; the branch as a `Session`. Its lineage names the parent conversation."""
+        at = await self.backend.fork(check_key(key), check_key(new_key, "new key"), version)
+        return Session._derive(
+            await self._conversation_data(new_key),
+            operator=f"fork:{key}@{at}",
+            kind="user",
+            parents=(),
+            sandbox=None,
+        )
+
+    def fork(self, key: str, new_key: str, *, version: int | None = None) -> Session:
+        """Branch a conversation into a new key (blocks; see `afork`)."""
+        return self._wait(self.afork(key, new_key, version=version))
+
+    async def adelete(self, key: str) -> bool:
+        """Delete a conversation with its passes; True when it existed."""
+        return await self.backend.delete(check_key(key))
+
+    def delete(self, key: str) -> bool:
+        """Delete a conversation with its passes (blocks)."""
+        return self._wait(self.adelete(key))
+
+    async def aprune(self, *, older_than_days: float) -> int:
+        """Delete conversations not changed for `older_than_days` days; how many."""
+        if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)):
+            raise ConfigurationError("older_than_days must be a number of days.")
+        if older_than_days < 0:
+            raise ConfigurationError("older_than_days cannot be negative.")
+        return await self.backend.prune(time.time() - older_than_days * _DAY)
+
+    def prune(self, *, older_than_days: float) -> int:
+        """Delete conversations not changed for `older_than_days` days (blocks)."""
+        return self._wait(self.aprune(older_than_days=older_than_days))
+
+    # -- files -------------------------------------------------------------------------------
+    async def aimport_jsonl(
+        self, path: str | os.PathLike[str], *, key: str | None = None
+    ) -> tuple[str, int]:
+        """Import a JSONL session file (written with `persist=True`) as the new conversation
+        `key` (default: the file's session id); `(key, version)`."""
+        from treadle.stores.transfer import import_jsonl
+
+        return await import_jsonl(self.backend, path, key)
+
+    def import_jsonl(
+        self, path: str | os.PathLike[str], *, key: str | None = None
+    ) -> tuple[str, int]:
+        """Import a JSONL session file as a new conversation (blocks; see `aimport_jsonl`)."""
+        return self._wait(self.aimport_jsonl(path, key=key))
+
+    async def aexport_jsonl(self, key: str, path: str | os.PathLike[str]) -> Path:
+        """Write conversation `key` as a JSONL session file (`treadle show` and
+        `load_session` read it); the path."""
+        from treadle.stores.transfer import export_jsonl
+
+        return await export_jsonl(self.backend, key, path)
+
+    def export_jsonl(self, key: str, path: str | os.PathLike[str]) -> Path:
+        """Write a conversation as a JSONL session file (blocks; see `aexport_jsonl`)."""
+        return self._wait(self.aexport_jsonl(key, path))
+
+    # -- closing -----------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Release the store's connections (safe to call twice)."""
+        await self.backend.aclose()
+
+    def close(self) -> None:
+        """Release the store's connections (blocks; safe to call twice)."""
+        self._wait(self.aclose())
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @staticmethod
+    def _wait(coro: Coroutine[Any, Any, T]) -> T:
+        return submit(coro).result()
+
+
+def check_store_arguments(store: Store | None, conversation: str | PendingPass | None) -> None:
+    """ConfigurationError unless `store=` and `conversation=` are both absent or both usable."""
+    if store is None and conversation is None:
+        return
+    if store is None or conversation is None:
+        raise ConfigurationError(
+            "store= and conversation= go together: give the Store and the conversation's key."
+        )
+    if not isinstance(store, Store):
+        raise ConfigurationError(
+            f"store must be a treadle Store (Store.sqlite(...)), got {type(store).__name__}."
+        )
+    if isinstance(conversation, PendingPass):
+        return
+    if not isinstance(conversation, str) or not conversation:
+        raise ConfigurationError(
+            "conversation must be a non-empty key (str) or an item of store.pending()."
+        )

@@ -1,0 +1,79 @@
+"""Moving conversations between JSONL session files and a store.
+
+An import reads the file with the persist layer's reader (`load_session`, the one parser of the
+format, which bounds what it accepts) and writes its rows to a new key in one transaction. An
+export writes the session file format (header, one line per row, trailer) to a temporary file
+and renames it into place, so a reader never sees half an export. File I/O runs on the runtime's
+I/O threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from treadle.errors import ConflictError
+from treadle.persist.format import encode_header, encode_row, encode_trailer
+from treadle.persist.reader import load_session
+from treadle.runtime.threads import run_internal_io
+from treadle.stores.backend import StoreBackend
+from treadle.stores.records import check_key
+
+__all__ = ["export_jsonl", "import_jsonl"]
+
+
+async def import_jsonl(
+    backend: StoreBackend, path: str | os.PathLike[str], key: str | None = None
+) -> tuple[str, int]:
+    """Write the rows of the session file at `path` to the new conversation `key` (default: the
+    file's session id); `(key, version)`. An existing key is a `ConflictError`."""
+    loaded = await run_internal_io(lambda: load_session(path, sandbox=False))
+    target = check_key(key if key is not None else loaded.session.id)
+    try:
+        version = await backend.append(target, loaded.session.rows, 0)
+    except ConflictError as err:
+        raise ConflictError(
+            f"conversation {target!r} already exists in the store (version {err.actual}); "
+            "import the file under another key.",
+            key=target,
+            actual=err.actual,
+        ) from None
+    return target, version
+
+
+async def export_jsonl(backend: StoreBackend, key: str, path: str | os.PathLike[str]) -> Path:
+    """Write conversation `key` as a session file at `path` (replacing it); the path."""
+    stored = await backend.load(check_key(key))
+    data = b"".join(
+        [
+            encode_header(
+                session_id=key,
+                parent_ids=[stored.parent_key] if stored.parent_key else [],
+                operator="store.export",
+                placement=None,
+                agent_rows=(),
+            ),
+            *(encode_row(r) for r in stored.rows),
+            encode_trailer(
+                rows=len(stored.rows),
+                usage=stored.usage,
+                stop_reason=stored.stop_reason,
+                metadata={**stored.metadata, "conversation": key, "version": stored.version},
+            ),
+        ]
+    )
+    target = Path(path)
+
+    def write() -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.partial")
+        # 0600: transcripts can hold private data
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+
+    await run_internal_io(write)
+    return target

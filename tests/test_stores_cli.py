@@ -1,0 +1,82 @@
+"""`treadle sessions --store URL` and `treadle show store:KEY`, run as real commands; and the
+JSONL <-> store round trip they use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from treadle import Session, load_session, run_session_loop
+from treadle.errors import ConflictError
+from treadle.stores import Store
+from treadle.testing import ScriptedExecutor
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT = Session.from_agent_prompt("Answer briefly.")
+
+
+def treadle(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TREADLE_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "treadle.cli", *args],
+        cwd=cwd,
+        env={**clean, "PYTHONPATH": str(ROOT / "src"), "NO_COLOR": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_jsonl_round_trips_through_a_store(tmp_path: Path) -> None:
+    out = run_session_loop(
+        Session.from_user_message("hello"),
+        AGENT,
+        executor=ScriptedExecutor(["hi there"]),
+        persist_path=tmp_path / "one.jsonl",
+    )
+    out.synchronize()
+    with Store.sqlite(tmp_path / "s.db") as store:
+        key, version = store.import_jsonl(tmp_path / "one.jsonl", key="imported")
+        assert (key, version) == ("imported", 2)
+        assert store.conversation("imported").rows == out.rows
+        path = store.export_jsonl("imported", tmp_path / "back.jsonl")
+        loaded = load_session(path)
+        assert loaded.closed and loaded.session.rows == out.rows
+        try:
+            store.import_jsonl(tmp_path / "one.jsonl", key="imported")
+        except ConflictError as err:
+            assert "already exists" in str(err)
+        else:
+            raise AssertionError("importing onto an existing key must fail")
+
+
+def test_sessions_and_show_on_a_store(tmp_path: Path) -> None:
+    with Store.sqlite(tmp_path / "s.db") as store:
+        for key, text in (("alice", "one"), ("bob", "two")):
+            run_session_loop(
+                Session.from_user_message(text),
+                AGENT,
+                executor=ScriptedExecutor([f"answer {text}"]),
+                store=store,
+                conversation=key,
+            ).synchronize()
+    listed = treadle("sessions", "--store", "sqlite:///s.db", "--json", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    data = json.loads(listed.stdout)
+    assert sorted(c["key"] for c in data["conversations"]) == ["alice", "bob"]
+    shown = treadle("show", "store:alice", cwd=tmp_path, TREADLE_STORE=str(tmp_path / "s.db"))
+    assert shown.returncode == 0, shown.stderr
+    assert "answer one" in shown.stdout and "2 rows" in shown.stdout
+    missing = treadle("show", "store:carol", "--store", "s.db", cwd=tmp_path)
+    assert missing.returncode != 0 and "No conversation 'carol'" in missing.stderr
+    exported = treadle("sessions", "--store", "s.db", "--export", "out", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["alice.jsonl", "bob.jsonl"]
+    imported = treadle("sessions", "--store", "other.db", "--import", "out", cwd=tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert "imported" in imported.stdout
+    with Store.sqlite(tmp_path / "other.db") as other:
+        assert [r.content for r in other.conversation("bob").rows] == ["two", "answer two"]
