@@ -254,7 +254,7 @@ def _box_processes(workspaces: set[Path]) -> list[int]:
             with open(f"/proc/{entry}/mountinfo", "rb") as f:
                 mounts = f.read()
             zombie = is_zombie(entry)
-        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+        except (OSError, IndexError):  # gone, or exiting (its mountinfo reads as EINVAL)
             continue
         if not zombie and any(name in mounts for name in names):
             found.append(int(entry))
