@@ -149,6 +149,53 @@ async def test_the_system_resolver_failing_is_a_dns_connect_error_as_in_httpx(
             await client.get("https://no-such-host.test/")
 
 
+async def test_unusable_resolver_entries_are_skipped_and_a_good_one_still_connects() -> None:
+    async with serve() as origin:
+        good = (socket.AF_INET, ("127.0.0.1", origin.port))
+        hostile: list[Any] = [
+            (socket.AF_INET, ("127.0.0.1", 70000)),  # OverflowError in connect
+            (socket.AF_UNIX, ("/tmp/nothing",)),  # TypeError in the race (ExceptionGroup)
+            (socket.AF_INET, ("127.0.0.1",)),  # a short sockaddr
+            (socket.AF_INET6, ("127.0.0.1", origin.port)),  # family and address disagree
+            (socket.AF_INET, (b"127.0.0.1", origin.port)),
+            "127.0.0.1",
+            None,
+        ]
+        for bad in hostile:
+
+            async def resolver(host: str, port: int, bad: Any = bad) -> list[Any]:
+                return [bad, good]
+
+            route = route_for(f"http://hostile.test:{origin.port}/", NO_ENV)
+            reply = await exchange(route, NO_ENV, resolver=resolver)
+            assert body(reply) == b"hello from plain", bad
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        [],
+        [(socket.AF_INET, ("127.0.0.1", 70000))],
+        [(socket.AF_INET, ("127.0.0.1",)), (socket.AF_UNIX, ("/tmp/nothing",))],
+        None,
+        RuntimeError("resolver bug"),
+        ValueError("resolver bug"),
+    ],
+)
+async def test_a_resolver_that_fails_or_answers_nothing_usable_is_a_dns_connect_error(
+    answer: Any,
+) -> None:
+    async def resolver(host: str, port: int) -> Any:
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    route = route_for("http://hostile.test:8080/", NO_ENV)
+    with pytest.raises(ConnectError, match=r"hostile\.test") as caught:
+        await exchange(route, NO_ENV, resolver=resolver)
+    assert caught.value.dns
+
+
 def test_addresses_alternate_families_starting_with_the_resolvers_first_choice() -> None:
     from treadle._http.dial import _interleave
 

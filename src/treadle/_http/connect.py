@@ -34,7 +34,7 @@ from treadle._http.errors import (
     OpenFilesExhausted,
     ProxyError,
 )
-from treadle._http.hosts import authority, parse_url
+from treadle._http.hosts import authority, parse_url, redact_url
 from treadle._http.proxy import (
     choose_proxy,
     connect_reader,
@@ -89,6 +89,14 @@ class NetworkOptions:
             raise ConfigurationError("cert= takes a PEM path or a (cert_file, key_file) pair.")
         if self.proxy is not None:
             choose_proxy(parse_url("http://x"), explicit=self.proxy, trust_env=False)
+
+    def __repr__(self) -> str:
+        # The proxy URL may carry a password: show it without its credentials.
+        proxy = None if self.proxy is None else redact_url(self.proxy)
+        return (
+            f"NetworkOptions(proxy={proxy!r}, trust_env={self.trust_env!r}, "
+            f"verify={self.verify!r}, cert={self.cert!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

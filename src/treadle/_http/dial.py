@@ -112,8 +112,19 @@ async def _resolve(key: _Key, origin: str) -> list[Address]:
     except OSError as exc:
         raise_if_out_of_files(exc, origin)
         raise ConnectError(f"Resolving {host!r} failed ({exc}).", url=origin, dns=True) from None
+    except Exception as exc:  # an injected resolver's own bug is still a failed lookup
+        raise ConnectError(
+            f"Resolving {host!r} failed: the resolver raised {type(exc).__name__}; fix the "
+            "resolver passed to the Provider.",
+            url=origin,
+            dns=True,
+        ) from None
     if not addresses:
-        raise ConnectError(f"The host name {host!r} has no address.", url=origin, dns=True)
+        raise ConnectError(
+            f"The host name {host!r} has no usable address; check this machine's DNS.",
+            url=origin,
+            dns=True,
+        )
     if len(_answers) >= MAX_CACHED_NAMES:
         _answers.clear()  # many names: one process talks to a handful of endpoints, not 1,000
     _answers[key] = (loop.time() + DNS_CACHE_SECONDS, addresses)
@@ -122,9 +133,30 @@ async def _resolve(key: _Key, origin: str) -> list[Address]:
 
 async def _lookup(host: str, port: int, resolver: Resolver | None) -> list[Address]:
     if resolver is not None:
-        return await resolver(host, port)
+        answer: object = await resolver(host, port)
+        # An injected resolver may answer anything: keep only entries a TCP connect can use.
+        return [a for a in answer if _usable(a)] if isinstance(answer, list) else []
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return [(info[0], info[4]) for info in infos]
+
+
+def _usable(address: object) -> bool:
+    """True for `(AF_INET, (ipv4, port))` or `(AF_INET6, (ipv6, port[, flowinfo, scope_id]))`."""
+    if not (isinstance(address, tuple) and len(address) == 2):
+        return False
+    family, sockaddr = address
+    version = {socket.AF_INET: (4, (2,)), socket.AF_INET6: (6, (2, 4))}.get(family)
+    if version is None or not isinstance(sockaddr, tuple) or len(sockaddr) not in version[1]:
+        return False
+    ip, port, *rest = sockaddr
+    if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
+        return False
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**32 for n in rest):
+        return False
+    try:
+        return isinstance(ip, str) and ipaddress.ip_address(ip).version == version[0]
+    except ValueError:
+        return False
 
 
 def _forget_lookup(

@@ -17,7 +17,7 @@ import idna
 
 from treadle._http.errors import InvalidURL
 
-__all__ = ["DEFAULT_PORTS", "ParsedURL", "authority", "encode_host", "parse_url"]
+__all__ = ["DEFAULT_PORTS", "ParsedURL", "authority", "encode_host", "parse_url", "redact_url"]
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 """The port each scheme implies when a URL names none."""
@@ -50,14 +50,31 @@ def parse_url(
     """Split `url` and encode its host for the wire; raise `InvalidURL` naming the fault.
 
     Credentials in `url` are returned decoded (for a proxy's Proxy-Authorization) and never put
-    in an error message: messages show the URL's scheme and host only.
+    in an error message: messages show the URL's scheme and host only, and never the splitter's
+    own error text (it quotes the whole `user:password@host`). ASCII control characters (tab,
+    CR, LF included) are refused anywhere, as httpx refuses them, instead of being dropped by
+    `urlsplit` (which would turn `api.example.com<LF>.evil.example` into another host).
     """
+    text = url.strip(" ")
+    if any(c.isascii() and not c.isprintable() for c in text):
+        raise InvalidURL(
+            f"The {what} {_safe(url)} holds a control character (such as a tab or a line "
+            "break); remove it, or percent-encode it in a user name or password."
+        )
     try:
-        parts = urlsplit(url.strip())
-        port = parts.port
+        parts = urlsplit(text)
         raw_host = parts.hostname
-    except ValueError as exc:
-        raise InvalidURL(f"The {what} {_safe(url)} is malformed ({exc}); fix it.") from None
+    except ValueError:
+        raise InvalidURL(
+            f"The {what} {_safe(url)} is malformed; fix it (percent-encode any special "
+            "character in a user name or password)."
+        ) from None
+    try:
+        port = parts.port
+    except ValueError:
+        raise InvalidURL(
+            f"The {what} {_safe(url)} has a port that is not a number in 1-65535; fix it."
+        ) from None
     scheme = parts.scheme.lower()
     if scheme not in schemes:
         allowed = " or ".join(f"{s}://" for s in schemes)
@@ -117,9 +134,21 @@ def authority(host: str, port: int, scheme: str) -> str:
     return shown if DEFAULT_PORTS.get(scheme) == port else f"{shown}:{port}"
 
 
+def redact_url(url: str) -> str:
+    """`url` without its user name and password (`http://***@host:port`), path or query.
+
+    Everything up to the last `@` is taken for credentials, so a password holding an unencoded
+    `/`, `?` or `#` is hidden too.
+    """
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep:
+        scheme, rest = "", scheme
+    _, at, hostpart = rest.rpartition("@")
+    netloc = re.split(r"[/?#]", hostpart, maxsplit=1)[0]
+    shown = f"***@{netloc}" if at else netloc
+    return f"{scheme}://{shown}" if sep else shown or "(empty)"
+
+
 def _safe(url: str) -> str:
     """`url` for a message: scheme and host only, so no credential, path or query leaks."""
-    scheme, sep, rest = url.strip().partition("://")
-    netloc = re.split(r"[/?#]", rest if sep else scheme, maxsplit=1)[0]
-    shown = netloc.rpartition("@")[2]
-    return repr(f"{scheme}://{shown}" if sep else shown or "(empty)")
+    return repr(redact_url(url))

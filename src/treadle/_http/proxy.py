@@ -21,7 +21,7 @@ from urllib.request import getproxies
 import httptools
 
 from treadle._http.errors import InvalidURL, ProxyError
-from treadle._http.hosts import ParsedURL, authority, parse_url
+from treadle._http.hosts import ParsedURL, authority, parse_url, redact_url
 
 __all__ = [
     "ProxyChoice",
@@ -166,6 +166,13 @@ def _proxy_choice(url: str) -> ProxyChoice:
             f"SOCKS proxies ({scheme}://) are not supported; use an HTTP proxy URL "
             "(http://host:port), or pass http_client=httpx.AsyncClient(proxy=...)."
         )
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    if any(c in userinfo for c in "/?#"):
+        # urlsplit would end the host at that character and take part of the password for it.
+        raise InvalidURL(
+            f"The proxy URL {redact_url(url)!r} has '/', '?' or '#' in its user name or "
+            "password; percent-encode them (%2F, %3F, %23)."
+        )
     proxy = parse_url(url, schemes=PROXY_SCHEMES, what="proxy URL")
     headers: tuple[tuple[str, str], ...] = ()
     if proxy.username or proxy.password:
@@ -177,25 +184,47 @@ def _proxy_choice(url: str) -> ProxyChoice:
 
 
 class _ConnectReply(asyncio.Protocol):
-    """Reads the proxy's reply head to CONNECT through llhttp; bytes after it are refused."""
+    """Reads the proxy's reply head to CONNECT through llhttp; bytes after it are refused.
+
+    Interim `1xx` heads (but `101`) are skipped, as httpcore skips them, and the final head's
+    status and reason are the ones reported. The final head ends at its blank line: every byte
+    the proxy sent after it (a body, a second head, TLS bytes of its own) is refused.
+    """
 
     def __init__(self, proxy: str, target: str) -> None:
         self.proxy, self.target = proxy, target
         self._parser = httptools.HttpResponseParser(self)
         self._reason = bytearray()
-        self._seen = 0
+        self._seen = bytearray()
+        self._heads = 0
+        self._final: int | None = None
         self.head: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.early_bytes = False
 
     # llhttp callbacks
+    def on_message_begin(self) -> None:
+        if self._final is None:
+            self._reason.clear()  # each head has its own reason phrase
+        else:
+            self.early_bytes = True
+
     def on_status(self, status: bytes) -> None:
-        self._reason += status[: max(0, 200 - len(self._reason))]
+        if self._final is None:
+            self._reason += status[: max(0, 200 - len(self._reason))]
 
     def on_headers_complete(self) -> None:
-        if not self.head.done():
-            self.head.set_result(self._parser.get_status_code())
+        if self._final is not None:
+            self.early_bytes = True
+            return
+        self._heads += 1
+        status = self._parser.get_status_code()
+        if not (100 <= status < 200 and status != 101):
+            self._final = status
 
     def on_body(self, body: bytes) -> None:
+        self.early_bytes = True
+
+    def on_chunk_header(self) -> None:
         self.early_bytes = True
 
     # asyncio callbacks
@@ -203,14 +232,31 @@ class _ConnectReply(asyncio.Protocol):
         if self.head.done():
             self.early_bytes = True
             return
-        self._seen += len(data)
-        if self._seen > MAX_CONNECT_REPLY_BYTES:
+        self._seen += data
+        if len(self._seen) > MAX_CONNECT_REPLY_BYTES:
             self._fail(f"sent a reply head over {MAX_CONNECT_REPLY_BYTES} bytes")
             return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(f"sent a malformed reply ({type(exc).__name__})")
+            if self._final is None:
+                self._fail(f"sent a malformed reply ({type(exc).__name__})")
+                return
+            self.early_bytes = True  # the bytes after the final head are not HTTP
+        if self._final is not None:
+            # llhttp accepts an empty line between messages silently: count the bytes instead.
+            # A head written with CRLFs holds CRLFCRLF only at its end, so the n-th one ends
+            # the n-th head.
+            end = 0
+            try:
+                for _ in range(self._heads):
+                    end = self._seen.index(b"\r\n\r\n", end) + 4
+            except ValueError:
+                self._fail("sent a reply head not ended by CRLF CRLF")
+                return
+            if len(self._seen) > end:
+                self.early_bytes = True
+            self.head.set_result(self._final)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail("closed the connection before answering")
@@ -245,9 +291,12 @@ async def read_connect_reply(
             if status == 407
             else "ask the proxy's administrator whether this host is allowed"
         )
+        reason = reader.reason()
+        for secret in _secrets(headers):
+            reason = reason.replace(secret, "***")  # a proxy may echo the credentials back
         raise ProxyError(
             f"The proxy {reader.proxy} refused CONNECT {reader.target} with {status} "
-            f"{reader.reason()}; {hint}.",
+            f"{reason}; {hint}.",
             url=reader.proxy,
         )
     if reader.early_bytes:
@@ -261,3 +310,14 @@ async def read_connect_reply(
 def connect_reader(proxy: str, target_host: str, target_port: int) -> _ConnectReply:
     """A protocol that reads one CONNECT reply for `target_host:target_port` via `proxy`."""
     return _ConnectReply(proxy, authority(target_host, target_port, ""))
+
+
+def _secrets(headers: tuple[tuple[str, str], ...]) -> list[str]:
+    """The Basic token and the password inside it, longest first."""
+    found: list[str] = []
+    for name, value in headers:
+        if name.lower() == "proxy-authorization" and value.startswith("Basic "):
+            token = value[len("Basic ") :]
+            password = base64.b64decode(token).decode().partition(":")[2]
+            found += [token, password]
+    return sorted((s for s in found if s), key=len, reverse=True)
