@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -219,7 +220,7 @@ def _raised(
         raise _Escalated(error)
     if callable(policy):
         try:
-            message = str(policy(error))
+            decided = policy(error)
         except BaseException as broken:
             # A broken policy must not lose the call's result: whatever it raises (a re-raised
             # CancelledError, KeyboardInterrupt, SystemExit included) falls back to the default
@@ -227,7 +228,15 @@ def _raised(
             # by `_outcome` after this returns, so it is not swallowed here.
             message = f"{message} (and its on_error function raised {broken!r})"
         else:
-            detail = None  # the policy decided what the model sees
+            if isinstance(decided, str):
+                message, detail = decided, None  # the policy decided what the model sees
+            else:  # None, a dict, an awaitable: not a message; the default is kept
+                if inspect.isawaitable(decided) and hasattr(decided, "close"):
+                    decided.close()  # never awaited: close it so no warning is left behind
+                message = (
+                    f"{message} (and its on_error function returned {type(decided).__name__}, "
+                    "not the str message the model sees)"
+                )
     return _failure(call, "tool_execution_exception", message, detail)
 
 
