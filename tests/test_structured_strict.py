@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import pydantic
 import pytest
@@ -76,3 +77,33 @@ def test_tool_use_behavior_and_output_type_do_not_mix(server: FakeOpenAIServer) 
             "c", "x", provider=_provider(server), output_type=City,
             tool_use_behavior="stop_on_first_tool",
         )  # fmt: skip
+
+
+class Loose(pydantic.BaseModel):
+    answer: str
+    data: Any
+    items: list  # type: ignore[type-arg]
+
+
+@pytest.mark.parametrize("mode", ["native", "tool"])
+def test_typeless_output_fields_keep_structured_output_loose(
+    server: FakeOpenAIServer, mode: Literal["native", "tool"]
+) -> None:
+    value = {"answer": "x", "data": 1, "items": []}
+    reply = (
+        Reply.text(json.dumps(value))
+        if mode == "native"
+        else Reply.tool_call("final_result", value)
+    )
+    server.enqueue(reply)
+    agent = Agent("a", "Answer.", provider=_provider(server), output_type=Loose,
+                  structured_mode=mode)  # fmt: skip
+    assert agent("go").output == Loose(answer="x", data=1, items=[])
+    body = server.requests[-1].body
+    if mode == "native":
+        assert body["response_format"]["json_schema"]["strict"] is False
+    else:
+        assert "strict" not in body["tools"][-1]["function"]
+    with pytest.raises(ConfigurationError, match="output_type Loose cannot be strict: data has no"):
+        Agent("a", "Answer.", provider=_provider(server), output_type=Loose, strict_output=True,
+              structured_mode=mode)  # fmt: skip

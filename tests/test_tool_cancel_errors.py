@@ -114,3 +114,118 @@ def test_cancelling_the_pass_while_a_tool_runs_still_cancels(server: FakeOpenAIS
     assert out.stop_reason == "cancelled"
     assert finished.wait(60)  # the tool's task was cancelled, not abandoned
     assert "late" not in (out.final_text or "")
+
+
+def _reraise_others(error: BaseException) -> str:
+    """A policy handling its own error type and re-raising the rest (CancelledError too)."""
+    if isinstance(error, KeyError):
+        return "handled"
+    raise error
+
+
+def _interrupting(error: BaseException) -> str:
+    raise KeyboardInterrupt("policy interrupted")
+
+
+def _exiting(error: BaseException) -> str:
+    raise SystemExit(3)
+
+
+@pytest.mark.parametrize("policy", [_reraise_others, _interrupting, _exiting])
+@pytest.mark.parametrize("raised", ["cancelled", "value"])
+def test_any_exception_from_an_on_error_policy_falls_back_to_the_default_message(
+    server: FakeOpenAIServer, policy: Any, raised: str
+) -> None:
+    @tool(on_error=policy)
+    async def guarded() -> str:
+        """A tool whose policy breaks."""
+        if raised == "cancelled":
+            raise asyncio.CancelledError("library-internal cancel")
+        raise ValueError("original")
+
+    rounds: list[list[tuple[str, dict[str, Any]]]] = [
+        [("guarded", {})],
+        [("guarded", {}), ("fine", {"x": 3})],
+    ]
+    for calls in rounds:
+        server.enqueue(Reply.tool_calls_of(calls), Reply.text("answered"))
+        out = run_session_loop(
+            Session.from_user_message("go"), AGENT, agent_provider=_provider(server),
+            tools=[guarded, fine],
+        )  # fmt: skip
+        assert out.stop_reason == "final_answer" and out.final_text == "answered"
+        results = _results(out)
+        assert len(results) == len(calls)
+        assert results[0]["error_kind"] == "tool_execution_exception"
+        assert "on_error function raised" in results[0]["message"]
+        if len(calls) == 2:
+            assert results[1] == {"ok": True, "result": 6}
+
+
+@pytest.mark.parametrize("behaviour", ["convert", "swallow"])
+@pytest.mark.parametrize("with_sibling", [False, True])
+def test_cancelling_the_pass_cancels_whatever_the_tool_makes_of_it(
+    server: FakeOpenAIServer, behaviour: str, with_sibling: bool
+) -> None:
+    started = threading.Event()
+    caught = threading.Event()
+
+    @tool
+    async def stubborn() -> str:
+        """Turns the pass's cancellation into its own error, or swallows it."""
+        started.set()
+        try:
+            await anyio.sleep_forever()
+        except asyncio.CancelledError:
+            caught.set()
+            if behaviour == "convert":
+                raise RuntimeError("request aborted") from None
+        return "swallowed"
+
+    calls: list[tuple[str, dict[str, Any]]] = [("stubborn", {})]
+    if with_sibling:
+        calls.append(("fine", {"x": 1}))
+    server.enqueue(Reply.tool_calls_of(calls), Reply.text("answered anyway"))
+    out = run_session_loop(
+        Session.from_user_message("go"), AGENT, agent_provider=_provider(server),
+        tools=[stubborn, fine],
+    )  # fmt: skip
+    assert started.wait(60)
+    out.cancel()
+    assert out.stop_reason == "cancelled"
+    assert caught.is_set()
+    assert "answered anyway" not in (out.final_text or "")
+    assert len(server.requests) == 1  # the model was not asked again
+
+
+def test_cancelling_an_awaiting_task_cancels_a_converting_tool(server: FakeOpenAIServer) -> None:
+    from treadle import arun_session_loop
+
+    async def main() -> str:
+        started = threading.Event()  # the pass may run on the runtime's own loop thread
+
+        @tool
+        async def converting() -> str:
+            """Turns cancellation into RuntimeError."""
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                raise RuntimeError("request aborted") from None
+            return "never"
+
+        server.enqueue(Reply.tool_call("converting", {}), Reply.text("answered anyway"))
+        running = arun_session_loop(
+            Session.from_user_message("go"), AGENT, agent_provider=_provider(server),
+            tools=[converting],
+        )  # fmt: skip
+        task = asyncio.create_task(running)
+        assert await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "not cancelled"
+
+    assert asyncio.run(main()) == "cancelled"

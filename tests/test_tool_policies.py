@@ -276,3 +276,29 @@ def test_a_forced_named_function_is_reset_too(server: FakeOpenAIServer) -> None:
     )  # fmt: skip
     assert out.final_text == "4"
     assert [r.body.get("tool_choice") for r in server.requests] == [forced, "auto"]
+
+
+def test_an_async_on_error_function_is_refused_at_configuration() -> None:
+    async def explain(error: BaseException) -> str:
+        return "never awaited"
+
+    with pytest.raises(ConfigurationError, match="on_error must be a plain"):
+        tool(on_error=explain)(add.fn)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("returned", [None, {"why": "quota"}])
+def test_an_on_error_function_returning_no_str_keeps_the_default_message(
+    server: FakeOpenAIServer, returned: Any
+) -> None:
+    @tool(on_error=lambda error: returned)
+    def fails() -> None:
+        """Fails."""
+        raise ValueError("original")
+
+    server.enqueue(Reply.tool_call("fails", {}), Reply.text("ok"))
+    out = run_session_loop(
+        Session.from_user_message("go"), AGENT, agent_provider=_provider(server), tools=[fails]
+    )
+    [result] = _results(out)
+    assert "ValueError: original" in result["message"]
+    assert f"returned {type(returned).__name__}, not the str message" in result["message"]

@@ -10,7 +10,9 @@ calls the fake model makes.
 
 from __future__ import annotations
 
+import datetime
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -226,3 +228,57 @@ def test_keywords_strict_mode_does_not_support_keep_a_tool_loose() -> None:
     assert "strict" not in tool(name_it).schema()["function"]
     with pytest.raises(ConfigurationError, match="name uses minLength, which strict mode"):
         tool(strict=True)(name_it)
+
+
+class _Loose(pydantic.BaseModel):
+    """A model with a typeless field, reached through `$defs`."""
+
+    anything: Any
+
+
+def _any_value(x: Any) -> str:
+    return "ok"
+
+
+def _an_object(x: object) -> str:
+    return "ok"
+
+
+def _a_bare_list(x: list) -> str:  # type: ignore[type-arg]
+    return "ok"
+
+
+def _a_nested_any(x: _Loose) -> str:
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    "fn", [_any_value, _an_object, _a_bare_list, _a_nested_any], ids=lambda f: f.__name__
+)
+def test_a_typeless_parameter_keeps_a_tool_loose(server: FakeOpenAIServer, fn: Any) -> None:
+    # OpenAI refuses a node without a type in strict mode ("schema must have a 'type' key").
+    loose = tool(fn)
+    server.enqueue(Reply.text("done"))
+    out = run_session_loop(
+        Session.from_user_message("go"), Session.from_agent_prompt("Use tools."),
+        agent_provider=Provider(model="m", base_url=server.base_url, api_key="k"),
+        tools=[loose],
+    )  # fmt: skip
+    assert out.final_text == "done"
+    assert "strict" not in _sent(server, fn.__name__)
+    no_type = r"cannot be strict: (x|_Loose\.anything) has no type"
+    with pytest.raises(ConfigurationError, match=no_type):
+        tool(strict=True)(fn)
+
+
+def test_formats_outside_strict_modes_subset_keep_a_tool_loose() -> None:
+    def upload(data: bytes) -> int:  # bytes: {"format": "binary"}
+        return len(data)
+
+    def stamp(at: datetime.datetime, who: uuid.UUID) -> str:  # date-time, uuid: supported
+        return f"{who} {at}"
+
+    assert "strict" not in tool(upload).schema()["function"]
+    with pytest.raises(ConfigurationError, match="data uses format 'binary'"):
+        tool(strict=True)(upload)
+    assert tool(stamp).schema()["function"]["strict"] is True

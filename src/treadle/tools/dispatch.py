@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import anyio
+import anyio.lowlevel
 
 from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
 from treadle.session import Session, ToolCall
@@ -218,15 +220,62 @@ def _raised(
         raise _Escalated(error)
     if callable(policy):
         try:
-            message = str(policy(error))
-        except Exception as broken:  # a broken policy must not lose the call's result
+            decided = policy(error)
+        except BaseException as broken:
+            # A broken policy must not lose the call's result: whatever it raises (a re-raised
+            # CancelledError, KeyboardInterrupt, SystemExit included) falls back to the default
+            # message, so siblings' rows are never lost. The pass's own cancellation is checked
+            # by `_outcome` after this returns, so it is not swallowed here.
             message = f"{message} (and its on_error function raised {broken!r})"
         else:
-            detail = None  # the policy decided what the model sees
+            if isinstance(decided, str):
+                message, detail = decided, None  # the policy decided what the model sees
+            else:  # None, a dict, an awaitable: not a message; the default is kept
+                if inspect.isawaitable(decided) and hasattr(decided, "close"):
+                    decided.close()  # never awaited: close it so no warning is left behind
+                message = (
+                    f"{message} (and its on_error function returned {type(decided).__name__}, "
+                    "not the str message the model sees)"
+                )
     return _failure(call, "tool_execution_exception", message, detail)
 
 
 async def _outcome(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
+    """The call's outcome; when the pass itself is being cancelled, a cancellation instead,
+    whatever the tool made of it (converted it to its own exception, swallowed it, returned)."""
+    try:
+        outcome = await _attempt(ready, run, context)
+    except anyio.get_cancelled_exc_class():
+        raise
+    except BaseException as error:
+        if _being_cancelled():
+            await _cancel_again(error, ready.tool.name)
+        raise
+    if _being_cancelled():
+        await _cancel_again(None, ready.tool.name)
+    return outcome
+
+
+async def _cancel_again(error: BaseException | None, name: str) -> NoReturn:
+    """Let the pass's cancellation go on after tool `name` turned it into `error` or swallowed it.
+
+    The original `CancelledError`, found in the tool's exception chain, carries the message a
+    cancel scope recognises as its own; when the tool swallowed it, a checkpoint lets an anyio
+    scope deliver it again, and a bare `Task.cancel()` (not delivered again) gets a new one.
+    """
+    cancelled = anyio.get_cancelled_exc_class()
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, cancelled):
+            raise error
+        error = error.__cause__ or error.__context__
+    await anyio.lowlevel.checkpoint()
+    raise cancelled(f"the pass was cancelled while tool {name!r} ran")
+
+
+async def _attempt(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutcome:
+    """Run the call once and turn whatever it raised or returned into its outcome."""
     item, call = ready.tool, ready.call
     context = context.for_call(call)
     limit, by_deadline = _time_limit(item, context)

@@ -203,6 +203,16 @@ _STRICT_KEYWORDS = frozenset(
     )
 )  # fmt: skip
 
+# The `format` values strict mode supports (OpenAI's structured-outputs documentation); any other
+# (`binary` from `bytes`, `uri`, `path`, ...) is refused by the API when strict.
+STRICT_FORMATS = frozenset(
+    ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid")
+)
+
+# A node must say what it holds: strict mode refuses a typeless node (`{}` from `Any`, `object`,
+# a bare `list`'s items) with "schema must have a 'type' key".
+_TYPED_BY = ("type", "anyOf", "$ref")
+
 
 class NotStrict(Exception):
     """A schema that OpenAI's strict mode cannot express; the message says where and why."""
@@ -212,8 +222,9 @@ def strict_schema(schema: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     """`schema` in the form strict mode accepts (every object closed, every property required,
     no `default`), and whether that changed its meaning (some property was optional).
 
-    Raises `NotStrict` for an object whose keys are open (a `dict[str, X]`, `**kwargs`, `Any`)
-    or a keyword strict mode does not support (`minLength`, `oneOf`, ...).
+    Raises `NotStrict` for an object whose keys are open (a `dict[str, X]`, `**kwargs`, `Any`),
+    a node without a type (`Any`, `object`, a bare `list`'s items), a `format` outside
+    `STRICT_FORMATS`, or a keyword strict mode does not support (`minLength`, `oneOf`, ...).
     """
     out = copy.deepcopy(dict(schema))
     changed = False
@@ -232,6 +243,17 @@ def strict_schema(schema: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
             raise NotStrict(
                 f"{path or 'the arguments'} uses {', '.join(unsupported)}, which strict mode "
                 "does not support"
+            )
+        if not any(key in node for key in _TYPED_BY):
+            raise NotStrict(
+                f"{path or 'the arguments'} has no type (Any, object or a bare list/dict); "
+                "strict mode needs every value typed"
+            )
+        fmt = node.get("format")
+        if fmt is not None and fmt not in STRICT_FORMATS:
+            raise NotStrict(
+                f"{path or 'the arguments'} uses format {fmt!r}, which strict mode does not "
+                f"support (only {', '.join(sorted(STRICT_FORMATS))})"
             )
         if node.get("type") == "object":
             extra = node.get("additionalProperties")

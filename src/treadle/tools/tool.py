@@ -17,6 +17,7 @@ This module must never run a tool on the event loop thread when the tool is sync
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
 import re
 import types
@@ -139,6 +140,12 @@ class Tool(abc.ABC):
             raise ConfigurationError(
                 f"tool {self.name!r}: on_error must be 'report', 'raise' or a function of the "
                 "exception returning the message the model sees."
+            )
+        if callable(on_error) and _is_async_callable(on_error):
+            raise ConfigurationError(
+                f"tool {self.name!r}: on_error must be a plain (not async) function of the "
+                "exception returning the message the model sees; compute the message without "
+                "awaiting."
             )
         if on_timeout not in ("report", "raise"):
             raise ConfigurationError(f"tool {self.name!r}: on_timeout must be 'report' or 'raise'.")
@@ -385,3 +392,11 @@ def tool(
         )
 
     return wrap if fn is None else wrap(fn)
+
+
+def _is_async_callable(fn: object) -> bool:
+    """True for an `async def` function, or an object whose `__call__` is one."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+        getattr(target, "__call__", None)  # noqa: B004 - the method itself, not callable()
+    )
