@@ -8,6 +8,8 @@ docs/sandbox.md's escape table names these tests.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import json
 import os
@@ -19,6 +21,7 @@ import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -310,6 +313,93 @@ async def test_export_under_a_rename_exchange_race_copies_only_the_box_files(
         (sandbox.workspace / "stop").touch()
     assert int(swaps[0]) > 0, swaps  # the race really ran
     assert (vault / "secret.txt").read_text() == "HOST-SECRET"
+
+
+_CLAIM_SWAPPER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+pairs = [(f"x{{i}}/d".encode(), f"x{{i}}/l".encode()) for i in range(64)]
+for i in range(64):
+    os.makedirs(f"x{{i}}/d/s", exist_ok=True)
+    os.symlink({target!r}, f"x{{i}}/l")
+open("ready", "w").close()
+n = 0
+while not os.path.exists("stop"):
+    for d, l in pairs:
+        # renameat2 RENAME_EXCHANGE: a directory the hand-over is about to enter becomes a link
+        if libc.syscall(316, -100, d, -100, l, 2) == 0:
+            n += 1
+print(n)
+"""
+
+
+def _watch_opens(path: Path) -> tuple[int, Any]:
+    """An inotify fd that records every open of `path` (by anyone, root included)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(path), 0x20) >= 0  # IN_OPEN
+    return fd, libc
+
+
+def _opens_seen(fd: int) -> int:
+    seen = 0
+    while True:
+        try:
+            seen += len(os.read(fd, 4096)) // 16  # a watch on a file: 16-byte events, no names
+        except BlockingIOError:
+            return seen
+
+
+@needs_bwrap
+@pytest.mark.skipif(
+    os.geteuid() != 0 or os.uname().machine != "x86_64",
+    reason="the hand-over runs as root only; the swapper uses x86_64's renameat2",
+)
+async def test_the_hand_over_after_seeding_never_opens_a_host_file_under_a_race(
+    vault: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "task"
+    source.mkdir()
+    (source / "task.txt").write_text("t")
+    canary = vault / "secret.txt"
+    watch, _ = _watch_opens(canary)
+    swaps: list[str] = []
+    try:
+        for box in open_sandbox("isolated"):
+            await box.write_file("swap.py", _CLAIM_SWAPPER.format(target=str(canary)))
+
+            async def swapper(box: Sandbox = box) -> None:
+                result = await box.run_command("python3 swap.py", timeout=600)
+                swaps.append(result.stdout.strip() or result.stderr)
+
+            opens = 0
+            async with anyio.create_task_group() as group:
+                group.start_soon(swapper)
+                await _until_exists(box.workspace / "ready")
+                for _ in range(RACE_ROUNDS):
+                    with contextlib.suppress(SandboxError):  # a refusal is fine, an open is not
+                        await seed_workspace(box, source)
+                    opens += _opens_seen(watch)
+                (box.workspace / "stop").touch()
+            assert int(swaps[0]) > 0, swaps  # the race really ran
+            assert opens == 0, f"root opened the host file {opens} times"
+    finally:
+        os.close(watch)
+    assert canary.read_text() == "HOST-SECRET" and canary.stat().st_uid == 0
+
+
+@needs_bwrap
+async def test_seeding_hands_over_a_tree_nested_1500_deep(tmp_path: Path) -> None:
+    source = tmp_path / "task"
+    source.mkdir()
+    (source / "task.txt").write_text("t")
+    for box in open_sandbox("isolated"):
+        nest = "import os\nfor i in range(1500): os.mkdir('a'); os.chdir('a')"
+        made = await box.run_command(f'python3 -c "{nest}"')
+        assert made.exit_code == 0, made.stderr
+        assert await seed_workspace(box, source) == 1
+        appended = await box.run_command("echo more >> task.txt && cat task.txt")
+        assert appended.stdout == "tmore\n", appended.stderr  # the box owns the seeded file
 
 
 # -- the file tools' check-then-open race, as an ordinary user -------------------------------
