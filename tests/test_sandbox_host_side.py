@@ -204,6 +204,48 @@ async def test_tar_links_inside_the_tree_and_hard_links_as_copies(
     assert copy.read_text() == "data" and os.stat(copy).st_nlink == 1
 
 
+def _sym(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.SYMTYPE, target
+    return info
+
+
+def _hard(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.LNKTYPE, target
+    return info
+
+
+def _dir(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode = tarfile.DIRTYPE, 0o755
+    return info
+
+
+@pytest.mark.parametrize(
+    ("members", "named"),
+    [
+        ([_sym("s", "s"), _hard("h", "s")], "'h' -> 's'"),  # tarfile: RecursionError
+        ([_sym("p", "q"), _sym("q", "p"), _hard("h", "p")], "'h' -> 'p'"),
+        ([_hard("h", "nope")], "'h' -> 'nope'"),  # tarfile: KeyError
+        ([_dir("a"), _dir("a/b"), _sym("a/b/c", "../.."), _sym("x", "a/b/c/..")], "'x'"),
+        ([_dir("a"), _dir("a/b"), _sym("x", "a/b/c/.."), _sym("a/b/c", "../..")], "'a/b/c'"),
+        ([_dir("d"), _sym("d/l", "."), _sym("up", "d/l/l/l/..")], "'up'"),
+    ],
+    ids=["self-link", "link-loop", "hard-missing", "through-link", "link-after", "dot-chain"],
+)
+@pytest.mark.parametrize("into", [".", "sub"])
+async def test_tar_links_through_links_and_hard_links_to_no_file_are_refused(
+    sandbox: Sandbox, tmp_path: Path, members: list[tarfile.TarInfo], named: str, into: str
+) -> None:
+    crafted = tmp_path / "crafted.tar"
+    with tarfile.open(crafted, "w", format=tarfile.GNU_FORMAT) as archive:
+        for member in members:
+            archive.addfile(member)
+    with pytest.raises(PathViolation, match=named):
+        await seed_workspace(sandbox, crafted, into=into)
+
+
 # -- export ----------------------------------------------------------------------------------
 
 
