@@ -34,6 +34,7 @@ from treadle.sandbox import (
     seed_workspace,
 )
 from treadle.sandbox.beneath import has_openat2, make_dirs_beneath, open_beneath
+from treadle.sandbox.exporting import MAX_EXPORT_ENTRIES
 
 RACE_ROUNDS = 300
 
@@ -310,6 +311,27 @@ async def test_sparse_files_keep_their_holes_and_the_cap_stops_an_export(
     for dest in ("deep", "deep.tar.gz"):
         with pytest.raises(SandboxError, match="nested deeper than 256"):
             await export_workspace(sandbox, tmp_path / dest, max_bytes=10**9)
+
+
+async def test_the_export_caps_entries_that_hold_no_bytes(sandbox: Sandbox, tmp_path: Path) -> None:
+    # Empty files and directories cost no bytes, so only an entry cap stops a box's flood of them
+    # (the default, MAX_EXPORT_ENTRIES, is 100,000; a smaller cap keeps the test quick).
+    made = await sandbox.run_command(
+        "python3 -c \"import os\nfor i in range(1200): open(f'f{i}', 'w').close()\n"
+        "for i in range(300): os.mkdir(f'd{i}')\""
+    )
+    assert made.exit_code == 0, made.stderr
+    for dest in ("many", "many.tar.gz"):
+        with pytest.raises(SandboxError, match="more than 1000 entries"):
+            await export_workspace(sandbox, tmp_path / dest, max_bytes=4096, max_entries=1000)
+    assert len(os.listdir(tmp_path / "many")) <= 1000
+    small = await sandbox.run_command("mkdir -p s && cd s && mkdir d1 d2 && touch a b c")
+    assert small.exit_code == 0, small.stderr
+    with pytest.raises(SandboxError, match="more than 4 entries"):
+        await export_workspace(sandbox, tmp_path / "s", path="s", max_entries=4)
+    out = await export_workspace(sandbox, tmp_path / "s5", path="s", max_entries=5)
+    assert sorted(os.listdir(out)) == ["a", "b", "c", "d1", "d2"]
+    assert MAX_EXPORT_ENTRIES == 100_000  # the documented default
 
 
 _SWAPPER = """
