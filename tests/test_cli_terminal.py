@@ -152,3 +152,60 @@ def test_eval_and_compare_show_hostile_item_ids_visibly(tmp_path: Path) -> None:
     out = b"".join(p.stdout for p in [*runs, compared]).decode()
     _assert_neutralised(out)
     assert "\x1b" not in out and "^[]0;pwned title^G" in compared.stdout.decode()
+
+
+MARKUP_ID = "[link=https://evil.example/steal]ok-session[/link]"
+MARKUP_STOP = "[conceal]HIDDEN[/conceal][blink]final_answer[/blink]"
+#: What rich would print for that markup: an OSC 8 link, SGR 8 (hidden) and SGR 5 (blink).
+MARKUP_EFFECTS = ("\x1b]8;", "\x1b[8m", "\x1b[5m")
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["visible", "raw"])
+def test_styled_tables_print_markup_in_saved_files_as_plain_text(tmp_path: Path, raw: bool) -> None:
+    pytest.importorskip("rich")
+    header = {"type": "header", "schema": 1, "session_id": MARKUP_ID, "parent_ids": [],
+              "operator": "run_session_loop", "created_at": 0.0, "agent_rows": []}  # fmt: skip
+    trailer = {"type": "trailer", "usage": {}, "stop_reason": MARKUP_STOP, "metadata": {}}
+    (tmp_path / "a.jsonl").write_text(json.dumps(header) + "\n" + json.dumps(trailer) + "\n")
+    args = ["--color", "always", *(["--raw"] if raw else []), "sessions", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", *args],
+        env={**_env(), "COLUMNS": "250", "TERM": "xterm-256color"},
+        capture_output=True,
+        timeout=120,
+    )
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, proc.stderr
+    for effect in MARKUP_EFFECTS:
+        assert effect not in out, f"{effect!r} reached the terminal"
+    assert MARKUP_ID in out and "[conceal]HIDDEN[/conceal]" in out  # shown as written
+
+
+def test_console_cells_and_progress_labels_are_never_markup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("rich")
+    monkeypatch.setenv("COLUMNS", "250")  # no folding: the cells are read back whole
+    import io
+
+    from treadle.cli.console import make_console
+
+    out = io.StringIO()
+    console = make_console("always", out)
+    label = "[link=https://evil.example]x[/link]\\"
+    console.table([f"id{MARKUP_ID}", "stop"], [[MARKUP_ID, MARKUP_STOP]])
+    with console.progress(1, label) as progress:
+        progress.describe(label + "[blink]now[/blink]")
+        progress.advance()
+    text = out.getvalue()
+    for effect in MARKUP_EFFECTS:
+        assert effect not in text, f"{effect!r} reached the terminal"
+    assert MARKUP_STOP in text and "[blink]now[/blink]" in text
+
+
+def test_visible_shows_invisible_and_reordering_characters() -> None:
+    hidden = [0x200B, 0x200C, 0x200D, 0x200E, 0x200F, 0x061C, 0x2028, 0x2029, 0x2060, 0xFEFF,
+              0xE0000, 0xE0041, 0xE007F]  # fmt: skip
+    for code in hidden:
+        assert visible(f"a{chr(code)}b") == f"a<U+{code:04X}>b"
+    assert visible("plain ✓ é 日本") == "plain ✓ é 日本"

@@ -35,6 +35,10 @@ ROWS: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
+_DEFAULT_LIMITS: dict[str, Any] = Isolated().to_spec()["limits"]
+_LIMITS = list(_DEFAULT_LIMITS)
+
+
 def _file(tmp_path: Path, header: dict[str, Any], rows: list[dict[str, Any]] = ROWS) -> Path:
     path = tmp_path / "s.jsonl"
     path.write_text("".join(json.dumps(obj) + "\n" for obj in [header, *rows]))
@@ -49,6 +53,17 @@ def _file(tmp_path: Path, header: dict[str, Any], rows: list[dict[str, Any]] = R
         ("isolated", {"writable": ["/etc"]}, "writable host mounts /etc"),
         ("isolated", {"read_only": ["/root"]}, "read-only host mounts /root"),
         ("isolated", {"network": True}, "network access"),
+        (
+            "isolated",
+            {"limits": dict.fromkeys(_LIMITS)},
+            "limits looser than Isolated()'s "
+            "(cpu_seconds=None, memory_bytes=None, max_processes=None",
+        ),
+        (
+            "isolated",
+            {"limits": {**_DEFAULT_LIMITS, "memory_bytes": 10**12}},
+            "(memory_bytes=1000000000000)",
+        ),
     ],
 )
 def test_a_file_cannot_choose_where_code_runs(
@@ -90,6 +105,25 @@ def test_a_file_saved_from_a_box_and_edited_to_local_is_refused(tmp_path: Path) 
     plain.session.close_sandbox()
 
 
+def test_a_file_may_ask_for_limits_as_tight_as_or_tighter_than_the_default(
+    tmp_path: Path,
+) -> None:
+    spec = Isolated().to_spec()
+    spec.pop("env")
+    tighter = {**_DEFAULT_LIMITS, "memory_bytes": 64 * 1024**2, "cpu_seconds": 5}
+    header = {**HEADER, "placement_options": {**spec, "env_names": [], "limits": tighter}}
+    loaded = load_session(_file(tmp_path, header))
+    try:
+        assert loaded.session.placement == "isolated"
+        assert loaded.session.placement_spec == {**spec, "env": {}, "limits": tighter}
+    finally:
+        loaded.session.close_sandbox()
+
+
+def _trailer(**metadata: Any) -> list[dict[str, Any]]:
+    return [ROWS[0], {**ROWS[2], "metadata": metadata}]
+
+
 def _row(**change: Any) -> dict[str, Any]:
     return {**ROWS[0], **change}
 
@@ -113,6 +147,13 @@ def _row(**change: Any) -> dict[str, Any]:
         ({}, [ROWS[0], {**ROWS[2], "usage": [1, 2]}], 3),
         ({}, [ROWS[0], {**ROWS[2], "usage": {"total_tokens": -4}}], 3),
         ({}, [ROWS[0], {**ROWS[2], "stop_reason": 12}], 3),
+        ({}, [ROWS[0], {**ROWS[2], "metadata": [1]}], 3),
+        ({}, _trailer(pending_approvals=5), 3),
+        ({}, _trailer(pending_approvals=[7]), 3),
+        ({}, _trailer(pending_approvals=[{"id": "a", "name": 5, "arguments": "{}"}]), 3),
+        ({}, _trailer(cancelled="yes"), 3),
+        ({}, _trailer(interrupt_reason={"x": 1}), 3),
+        ({}, _trailer(budget_message=3), 3),
     ],
 )
 def test_every_malformed_field_is_a_persistence_error_with_file_and_line(
@@ -128,3 +169,13 @@ def test_a_placement_that_is_not_a_name_is_damage(tmp_path: Path) -> None:
     path = _file(tmp_path, {**HEADER, "placement": ["isolated"]})
     with pytest.raises(PersistenceError, match=r"line 1: the header's placement is list"):
         load_session(path)
+
+
+def test_well_formed_trailer_metadata_comes_back(tmp_path: Path) -> None:
+    call = {"id": "c1", "name": "delete", "arguments": '{"path": "x"}'}
+    rows = _trailer(pending_approvals=[call], interrupt_reason="approval required for delete",
+                    cancelled=False, other="dropped")  # fmt: skip
+    session = load_session(_file(tmp_path, HEADER, rows), sandbox=False).session
+    assert session.pending_approvals == [call]
+    assert session.interrupt_reason == "approval required for delete"
+    assert session.metadata["cancelled"] is False and "other" not in session.metadata

@@ -14,11 +14,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import anyio
 import pytest
 
 from sandbox_support import needs_bwrap, open_sandbox
-from treadle.errors import SandboxUnavailable
-from treadle.sandbox import Isolated, IsolatedBackend, ResourceLimits
+from treadle.errors import SandboxError, SandboxUnavailable
+from treadle.sandbox import Isolated, IsolatedBackend, ResourceLimits, SandboxHandle
 
 
 @needs_bwrap
@@ -59,9 +60,19 @@ async def test_bwrap_gone_after_the_box_was_made_is_sandbox_unavailable(
         shutil.rmtree(bin_dir)
 
 
+DEEP_TREE = """
+import os
+for i in range({depth}):
+    os.mkdir({name!r}); os.chdir({name!r})
+os.mkdir("z"); open("z/f", "w").write("x")
+if {lock}:
+    os.chmod("z", 0)
+"""
+
 _UNWRITABLE_AS_A_USER = """
 import asyncio, json
 from treadle import Session
+from test_sandbox_box_bounds import DEEP_TREE
 
 async def main():
     left = {}
@@ -71,6 +82,10 @@ async def main():
             result = await box.run_command(
                 "mkdir -p a/b/c && touch a/b/c/f a/b/g && chmod 000 a/b/c a/b && chmod 500 a"
             )
+            assert result.exit_code == 0, result.stderr
+            # 400 levels of 30-letter names (past PATH_MAX), a chmod 000 directory at the bottom
+            await box.write_file("deep.py", DEEP_TREE.format(depth=400, name="d" * 30, lock=True))
+            result = await box.run_command("python3 deep.py")
             assert result.exit_code == 0, result.stderr
             workspace = box.workspace
         left[placement] = workspace.exists()
@@ -90,15 +105,59 @@ def test_workspaces_are_removed_whatever_modes_a_command_left() -> None:
     proc = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
          sys.executable, "-c", _UNWRITABLE_AS_A_USER],
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(src), "TMPDIR": "/tmp", "HOME": "/tmp"},
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": f"{src}{os.pathsep}{Path(__file__).parent}",
+             "TMPDIR": "/tmp", "HOME": "/tmp"},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )  # fmt: skip
     if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
         pytest.skip("uid nobody cannot read this checkout's virtualenv")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"local": False, "isolated": False}
+
+
+@needs_bwrap
+def test_a_deep_tree_is_removed_on_close_with_the_memory_group() -> None:
+    handle = SandboxHandle("isolated")
+    box = handle.open()
+    group = box.backend.memory_group if isinstance(box.backend, IsolatedBackend) else None
+
+    async def nest() -> None:
+        await box.write_file("deep.py", DEEP_TREE.format(depth=1500, name="a", lock=False))
+        result = await box.run_command("python3 deep.py", timeout=300)
+        assert result.exit_code == 0, result.stderr
+
+    anyio.run(nest)
+    workspace = box.workspace
+    handle.release()  # off any event loop: the close runs here, so its errors reach us
+    assert handle.wait_closed(60)
+    assert not os.path.lexists(workspace)
+    assert group is None or not group.path.exists()
+
+
+@needs_bwrap
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("chattr") is None, reason="chattr +i needs root"
+)
+def test_a_workspace_that_cannot_be_deleted_is_reported_and_its_memory_group_closed() -> None:
+    handle = SandboxHandle("isolated")
+    box = handle.open()
+    group = box.backend.memory_group if isinstance(box.backend, IsolatedBackend) else None
+    stuck = box.workspace / "a" / "stuck"
+    stuck.parent.mkdir()
+    stuck.write_text("x")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        shutil.rmtree(box.workspace)
+        pytest.skip("this file system has no immutable attribute")
+    try:
+        with pytest.raises(SandboxError, match=r"could not delete the workspace .*stuck"):
+            handle.release()
+        assert stuck.exists()  # left, and said so
+        assert group is None or not group.path.exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+        shutil.rmtree(box.workspace)
 
 
 _MEMFD_HOG = """python3 -c "

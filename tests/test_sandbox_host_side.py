@@ -8,6 +8,8 @@ docs/sandbox.md's escape table names these tests.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import json
 import os
@@ -19,6 +21,7 @@ import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -31,6 +34,7 @@ from treadle.sandbox import (
     seed_workspace,
 )
 from treadle.sandbox.beneath import has_openat2, make_dirs_beneath, open_beneath
+from treadle.sandbox.exporting import MAX_EXPORT_ENTRIES
 
 RACE_ROUNDS = 300
 
@@ -201,6 +205,48 @@ async def test_tar_links_inside_the_tree_and_hard_links_as_copies(
     assert copy.read_text() == "data" and os.stat(copy).st_nlink == 1
 
 
+def _sym(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.SYMTYPE, target
+    return info
+
+
+def _hard(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.LNKTYPE, target
+    return info
+
+
+def _dir(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode = tarfile.DIRTYPE, 0o755
+    return info
+
+
+@pytest.mark.parametrize(
+    ("members", "named"),
+    [
+        ([_sym("s", "s"), _hard("h", "s")], "'h' -> 's'"),  # tarfile: RecursionError
+        ([_sym("p", "q"), _sym("q", "p"), _hard("h", "p")], "'h' -> 'p'"),
+        ([_hard("h", "nope")], "'h' -> 'nope'"),  # tarfile: KeyError
+        ([_dir("a"), _dir("a/b"), _sym("a/b/c", "../.."), _sym("x", "a/b/c/..")], "'x'"),
+        ([_dir("a"), _dir("a/b"), _sym("x", "a/b/c/.."), _sym("a/b/c", "../..")], "'a/b/c'"),
+        ([_dir("d"), _sym("d/l", "."), _sym("up", "d/l/l/l/..")], "'up'"),
+    ],
+    ids=["self-link", "link-loop", "hard-missing", "through-link", "link-after", "dot-chain"],
+)
+@pytest.mark.parametrize("into", [".", "sub"])
+async def test_tar_links_through_links_and_hard_links_to_no_file_are_refused(
+    sandbox: Sandbox, tmp_path: Path, members: list[tarfile.TarInfo], named: str, into: str
+) -> None:
+    crafted = tmp_path / "crafted.tar"
+    with tarfile.open(crafted, "w", format=tarfile.GNU_FORMAT) as archive:
+        for member in members:
+            archive.addfile(member)
+    with pytest.raises(PathViolation, match=named):
+        await seed_workspace(sandbox, crafted, into=into)
+
+
 # -- export ----------------------------------------------------------------------------------
 
 
@@ -267,6 +313,27 @@ async def test_sparse_files_keep_their_holes_and_the_cap_stops_an_export(
             await export_workspace(sandbox, tmp_path / dest, max_bytes=10**9)
 
 
+async def test_the_export_caps_entries_that_hold_no_bytes(sandbox: Sandbox, tmp_path: Path) -> None:
+    # Empty files and directories cost no bytes, so only an entry cap stops a box's flood of them
+    # (the default, MAX_EXPORT_ENTRIES, is 100,000; a smaller cap keeps the test quick).
+    made = await sandbox.run_command(
+        "python3 -c \"import os\nfor i in range(1200): open(f'f{i}', 'w').close()\n"
+        "for i in range(300): os.mkdir(f'd{i}')\""
+    )
+    assert made.exit_code == 0, made.stderr
+    for dest in ("many", "many.tar.gz"):
+        with pytest.raises(SandboxError, match="more than 1000 entries"):
+            await export_workspace(sandbox, tmp_path / dest, max_bytes=4096, max_entries=1000)
+    assert len(os.listdir(tmp_path / "many")) <= 1000
+    small = await sandbox.run_command("mkdir -p s && cd s && mkdir d1 d2 && touch a b c")
+    assert small.exit_code == 0, small.stderr
+    with pytest.raises(SandboxError, match="more than 4 entries"):
+        await export_workspace(sandbox, tmp_path / "s", path="s", max_entries=4)
+    out = await export_workspace(sandbox, tmp_path / "s5", path="s", max_entries=5)
+    assert sorted(os.listdir(out)) == ["a", "b", "c", "d1", "d2"]
+    assert MAX_EXPORT_ENTRIES == 100_000  # the documented default
+
+
 _SWAPPER = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -310,6 +377,93 @@ async def test_export_under_a_rename_exchange_race_copies_only_the_box_files(
         (sandbox.workspace / "stop").touch()
     assert int(swaps[0]) > 0, swaps  # the race really ran
     assert (vault / "secret.txt").read_text() == "HOST-SECRET"
+
+
+_CLAIM_SWAPPER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+pairs = [(f"x{{i}}/d".encode(), f"x{{i}}/l".encode()) for i in range(64)]
+for i in range(64):
+    os.makedirs(f"x{{i}}/d/s", exist_ok=True)
+    os.symlink({target!r}, f"x{{i}}/l")
+open("ready", "w").close()
+n = 0
+while not os.path.exists("stop"):
+    for d, l in pairs:
+        # renameat2 RENAME_EXCHANGE: a directory the hand-over is about to enter becomes a link
+        if libc.syscall(316, -100, d, -100, l, 2) == 0:
+            n += 1
+print(n)
+"""
+
+
+def _watch_opens(path: Path) -> tuple[int, Any]:
+    """An inotify fd that records every open of `path` (by anyone, root included)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(path), 0x20) >= 0  # IN_OPEN
+    return fd, libc
+
+
+def _opens_seen(fd: int) -> int:
+    seen = 0
+    while True:
+        try:
+            seen += len(os.read(fd, 4096)) // 16  # a watch on a file: 16-byte events, no names
+        except BlockingIOError:
+            return seen
+
+
+@needs_bwrap
+@pytest.mark.skipif(
+    os.geteuid() != 0 or os.uname().machine != "x86_64",
+    reason="the hand-over runs as root only; the swapper uses x86_64's renameat2",
+)
+async def test_the_hand_over_after_seeding_never_opens_a_host_file_under_a_race(
+    vault: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "task"
+    source.mkdir()
+    (source / "task.txt").write_text("t")
+    canary = vault / "secret.txt"
+    watch, _ = _watch_opens(canary)
+    swaps: list[str] = []
+    try:
+        for box in open_sandbox("isolated"):
+            await box.write_file("swap.py", _CLAIM_SWAPPER.format(target=str(canary)))
+
+            async def swapper(box: Sandbox = box) -> None:
+                result = await box.run_command("python3 swap.py", timeout=600)
+                swaps.append(result.stdout.strip() or result.stderr)
+
+            opens = 0
+            async with anyio.create_task_group() as group:
+                group.start_soon(swapper)
+                await _until_exists(box.workspace / "ready")
+                for _ in range(RACE_ROUNDS):
+                    with contextlib.suppress(SandboxError):  # a refusal is fine, an open is not
+                        await seed_workspace(box, source)
+                    opens += _opens_seen(watch)
+                (box.workspace / "stop").touch()
+            assert int(swaps[0]) > 0, swaps  # the race really ran
+            assert opens == 0, f"root opened the host file {opens} times"
+    finally:
+        os.close(watch)
+    assert canary.read_text() == "HOST-SECRET" and canary.stat().st_uid == 0
+
+
+@needs_bwrap
+async def test_seeding_hands_over_a_tree_nested_1500_deep(tmp_path: Path) -> None:
+    source = tmp_path / "task"
+    source.mkdir()
+    (source / "task.txt").write_text("t")
+    for box in open_sandbox("isolated"):
+        nest = "import os\nfor i in range(1500): os.mkdir('a'); os.chdir('a')"
+        made = await box.run_command(f'python3 -c "{nest}"')
+        assert made.exit_code == 0, made.stderr
+        assert await seed_workspace(box, source) == 1
+        appended = await box.run_command("echo more >> task.txt && cat task.txt")
+        assert appended.stdout == "tmore\n", appended.stderr  # the box owns the seeded file
 
 
 # -- the file tools' check-then-open race, as an ordinary user -------------------------------

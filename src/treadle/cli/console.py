@@ -42,14 +42,20 @@ def _rich_available() -> bool:
         return False
 
 
+def _markup_escaped(text: str) -> str:
+    """`text` for a rich markup template (the progress label), read as plain text."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
 class ConsoleProgress:
     """A progress display over `total` steps: a rich bar, or a few plain lines."""
 
     def __init__(self, console: Console, total: int, label: str) -> None:
         self._console = console
         self._total = max(total, 1)
-        label = visible(label).replace("[", "\\[")  # rich reads the label as markup
-        self._label = label
+        self._label = visible(label)
         self._done = 0
         self._last_tenth = -1
         self._rich: Any = None
@@ -66,7 +72,7 @@ class ConsoleProgress:
                 console=console.rich,
                 transient=False,
             )
-            self._task = self._rich.add_task(label, total=total)
+            self._task = self._rich.add_task(_markup_escaped(self._label), total=total)
 
     def __enter__(self) -> ConsoleProgress:
         if self._rich is not None:
@@ -79,10 +85,9 @@ class ConsoleProgress:
 
     def describe(self, label: str) -> None:
         """Change the label shown before the bar (e.g. a running pass rate)."""
-        label = visible(label).replace("[", "\\[")  # rich reads the label as markup
-        self._label = label
+        self._label = visible(label)
         if self._rich is not None:
-            self._rich.update(self._task, description=label)
+            self._rich.update(self._task, description=_markup_escaped(self._label))
 
     def advance(self, steps: int = 1) -> None:
         """Record `steps` more finished steps."""
@@ -142,12 +147,16 @@ class Console:
         rows = [[self._safe(c) for c in row] for row in rows]
         if self.rich is not None:
             from rich.table import Table
+            from rich.text import Text
 
+            # Text cells are plain text: rich parses a str cell as markup, so a session id like
+            # "[link=https://...]" would print an OSC 8 link and "[conceal]" hidden text.
             table = Table(box=None, header_style="bold")
             for header in headers:
-                table.add_column(header, no_wrap=header in ("id", "path"), overflow="fold")
+                no_wrap = header in ("id", "path")
+                table.add_column(Text(header), no_wrap=no_wrap, overflow="fold")
             for row in rows:
-                table.add_row(*row)
+                table.add_row(*(Text(cell) for cell in row))
             self.rich.print(table)
             return
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]

@@ -61,15 +61,24 @@ class LoadedSession:
         return dict(value) if isinstance(value, Mapping) else {}
 
 
-#: Trailer metadata a loaded session gets back (what a resume or a human decision needs).
-_RESTORED = ("pending_approvals", "interrupt_reason", "budget_message", "cancelled")
-
-
 def _damaged(p: Path, what: str) -> PersistenceError:
     return PersistenceError(f"{p}: {what}; the file is damaged or from a newer Treadle.")
 
 
-def _asked(p: Path, header: Mapping[str, Any]) -> PersistenceError:
+def _weaker_limits(limits: Any) -> list[str]:
+    """The limits in `limits` looser than `Isolated()`'s defaults, in words ("cpu_seconds=None")."""
+    from treadle.sandbox.bwrap import ResourceLimits
+
+    default = ResourceLimits()
+    looser = []
+    for name in ResourceLimits.__dataclass_fields__:
+        mine, base = getattr(limits, name), getattr(default, name)
+        if base is not None and (mine is None or mine > base):
+            looser.append(f"{name}={mine}")
+    return looser
+
+
+def _asked(p: Path, header: Mapping[str, Any], looser: list[str] | None = None) -> PersistenceError:
     """The refusal of a placement the file chose that the caller did not confirm."""
     placement = header.get("placement")
     saved = header.get("placement_options")
@@ -79,6 +88,8 @@ def _asked(p: Path, header: Mapping[str, Any]) -> PersistenceError:
             paths = saved.get(kind) or []
             if paths:
                 wants.append(f"{kind.replace('_', '-')} host mounts {', '.join(map(str, paths))}")
+        if looser:
+            wants.append(f"limits looser than Isolated()'s ({', '.join(looser)})")
         what = f"an isolated box with {' and '.join(wants)}"
     elif placement == "local":
         what = "the 'local' placement (commands on the host, no box)"
@@ -94,7 +105,8 @@ def _placement(
     p: Path, header: Mapping[str, Any], env: Mapping[str, str], placement: PlacementLike | None
 ) -> SandboxHandle | None:
     """The sandbox handle of the caller's `placement`, else of the file's when it is a box no
-    weaker than `Isolated()` (no host mounts, no network); env values come from `env`."""
+    weaker than `Isolated()` (no host mounts, no network, no limit looser than the default);
+    env values come from `env`."""
     if placement is not None:
         if env:
             raise ConfigurationError(
@@ -150,8 +162,9 @@ def _placement(
         options = Isolated.from_spec(spec)
     except ConfigurationError as err:
         raise _damaged(p, f"the header's placement_options are invalid ({err})") from None
-    if options.network or options.read_only or options.writable:
-        raise _asked(p, header)
+    looser = _weaker_limits(options.limits)
+    if options.network or options.read_only or options.writable or looser:
+        raise _asked(p, header, looser)
     return SandboxHandle(options)
 
 
@@ -247,10 +260,11 @@ def load_session(
     pending = tuple(cid for cid in intents if cid not in answered)
     metadata: dict[str, Any] = {"closed": trailer is not None, "path": str(p)}
     written = trailer.get("metadata") if trailer is not None else None
-    if isinstance(written, dict):
-        for key in _RESTORED:
-            if key in written:
-                metadata[key] = written[key]
+    if written is not None:
+        try:
+            metadata.update(_restored(written))
+        except (TypeError, ValueError) as err:
+            raise _malformed(p, trailer_line, "the trailer's metadata", _reason(err)) from None
     if pending:
         metadata["unknown_outcome_tool_calls"] = list(pending)
     rows = in_call_order(rows)
@@ -303,6 +317,30 @@ def _count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{value!r} is not a token count")
     return value
+
+
+def _restored(written: object) -> dict[str, Any]:
+    """The trailer metadata a loaded session gets back (what a resume or a human decision
+    needs: pending approvals, interrupt reason, budget message, cancelled), each checked to be
+    of the type the loop writes; other keys are dropped."""
+    if not isinstance(written, dict):
+        raise TypeError(f"metadata is {type(written).__name__}, not an object")
+    out: dict[str, Any] = {}
+    for key in ("interrupt_reason", "budget_message"):
+        if written.get(key) is not None:
+            out[key] = _text(written[key])
+    if "cancelled" in written:
+        if not isinstance(written["cancelled"], bool):
+            raise TypeError(f"cancelled is {written['cancelled']!r}, not true or false")
+        out["cancelled"] = written["cancelled"]
+    if "pending_approvals" in written:
+        approvals = []
+        for call in _list_of(written["pending_approvals"]):
+            if not isinstance(call, dict):
+                raise TypeError(f"a pending approval is {type(call).__name__}, not an object")
+            approvals.append({key: _text(call.get(key)) for key in ("id", "name", "arguments")})
+        out["pending_approvals"] = approvals
+    return out
 
 
 def _list_of(value: object) -> list[Any]:

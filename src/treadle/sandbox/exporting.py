@@ -27,7 +27,7 @@ from treadle.sandbox.local import _IO
 from treadle.sandbox.opening import Sandbox
 from treadle.sandbox.paths import workspace_parts
 
-__all__ = ["MAX_EXPORT_BYTES", "MAX_EXPORT_DEPTH", "export_workspace"]
+__all__ = ["MAX_EXPORT_BYTES", "MAX_EXPORT_DEPTH", "MAX_EXPORT_ENTRIES", "export_workspace"]
 
 #: Default cap on what one export copies: data bytes for a directory (holes are free), file
 #: sizes for a tarball (a tarball stores holes as zeros).
@@ -35,6 +35,9 @@ MAX_EXPORT_BYTES = 2 * 1024**3
 #: Deepest directory nesting an export follows (a box can nest directories cheaply; each level
 #: holds two fds and a stack frame here).
 MAX_EXPORT_DEPTH = 256
+#: Default cap on the directory entries one export visits (files, directories, links and the
+#: rest): empty files cost no bytes, but each is an inode and a name on the host.
+MAX_EXPORT_ENTRIES = 100_000
 _CHUNK = 1024 * 1024
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -46,23 +49,42 @@ async def export_workspace(
     *,
     path: str = ".",
     max_bytes: int = MAX_EXPORT_BYTES,
+    max_entries: int = MAX_EXPORT_ENTRIES,
 ) -> Path:
     """Copy the workspace directory (or file) `path` to host directory `dest` (merged into it if
     it exists), or to a gzipped tarball when `dest` ends in `.tar.gz`/`.tgz`; return `dest`.
 
     Regular files and directories are copied (sparse files stay sparse); FIFOs, sockets and
     devices are skipped; links are dropped (kept in a tarball when relative without `..`).
-    `PathViolation` when an entry of `dest` is a link; `SandboxError` past `max_bytes`.
+    `PathViolation` when an entry of `dest` is a link; `SandboxError` past `max_bytes`, or past
+    `max_entries` directory entries.
     """
     out = Path(dest)
-    await _IO.run(_export, sandbox.workspace, path, out, max_bytes)
+    await _IO.run(_export, sandbox.workspace, path, out, _Budget(max_bytes, max_entries))
     return out
 
 
 class _Budget:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_entries: int) -> None:
         self.limit = limit
         self.used = 0
+        self.max_entries = max_entries
+        self.entries = 0
+
+    def names(self, dir_fd: int) -> list[str]:
+        """The entries of `dir_fd`, sorted, each counted (the listing stops at the cap)."""
+        found = []
+        with os.scandir(dir_fd) as entries:
+            for entry in entries:
+                self.entries += 1
+                if self.entries > self.max_entries:
+                    raise SandboxError(
+                        f"the export has more than {self.max_entries} entries (files, "
+                        "directories and links); export a smaller part with path=..., or raise "
+                        "max_entries."
+                    )
+                found.append(entry.name)
+        return sorted(found)
 
     def descend(self, depth: int) -> None:
         if depth > MAX_EXPORT_DEPTH:
@@ -80,7 +102,7 @@ class _Budget:
             )
 
 
-def _export(root: Path, path: str, dest: Path, limit: int) -> None:
+def _export(root: Path, path: str, dest: Path, budget: _Budget) -> None:
     parts = workspace_parts(root, path)
     with opened(os.open(root, _DIR & ~os.O_NOFOLLOW)) as root_fd:
         try:
@@ -93,7 +115,6 @@ def _export(root: Path, path: str, dest: Path, limit: int) -> None:
             raise SandboxError(f"cannot export {path!r} ({e.strerror}).") from None
     with opened(src):
         info = os.fstat(src)
-        budget = _Budget(limit)
         if dest.name.endswith((".tar.gz", ".tgz")):
             _to_tarball(src, info, dest, parts, budget)
         elif stat.S_ISDIR(info.st_mode):
@@ -147,9 +168,7 @@ def _open_entry(dir_fd: int, name: str) -> tuple[int, os.stat_result] | None:
 
 def _copy_tree(src: int, dst: int, where: Path, budget: _Budget, depth: int = 0) -> None:
     budget.descend(depth)
-    with os.scandir(src) as entries:
-        names = sorted(entry.name for entry in entries)
-    for name in names:
+    for name in budget.names(src):
         found = _open_entry(src, name)
         if found is None:
             continue
@@ -268,9 +287,7 @@ def _add_tree(
     entry = tarfile.TarInfo(name)
     entry.type, entry.mode, entry.mtime = tarfile.DIRTYPE, stat.S_IMODE(info.st_mode), info.st_mtime
     archive.addfile(entry)
-    with os.scandir(src) as entries:
-        names = sorted(e.name for e in entries)
-    for child in names:
+    for child in budget.names(src):
         member = f"{name}/{child}"
         try:
             mode = os.lstat(child, dir_fd=src).st_mode

@@ -27,6 +27,7 @@ import anyio
 
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
+from treadle.sandbox.box_tree import give_tree_to
 from treadle.sandbox.bwrap import (
     BOX_ENV,
     BWRAP_INSTALL_HINT,
@@ -151,9 +152,11 @@ class IsolatedBackend(LocalBackend):
 
     def close(self) -> None:
         """Kill running commands, delete the workspace and remove the memory cgroup."""
-        super().close()
-        if self._memory is not None and self._owner_pid == os.getpid():
-            self._memory.close()
+        try:
+            super().close()
+        finally:  # a workspace that could not be deleted still releases its memory group
+            if self._memory is not None and self._owner_pid == os.getpid():
+                self._memory.close()
 
     @property
     def memory_group(self) -> MemoryGroup | None:
@@ -261,16 +264,4 @@ class IsolatedBackend(LocalBackend):
     async def claim(self) -> None:
         """Hand everything in the workspace to the box's uid (after files were put in by hand)."""
         if self._own_uid:
-            await _IO.run(_give_tree_to_box, self._live_root(), self.host_uid)
-
-
-def _give_tree_to_box(root: Path, uid: int) -> None:
-    # fwalk holds each directory open and never follows a link, so a box that swaps a directory
-    # for a link to /etc meanwhile cannot turn this root-powered chown onto host files.
-    # A file with other hard links may be a host file linked in by hand: it is left alone.
-    os.chown(root, uid, uid, follow_symlinks=False)
-    for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
-        for name in dirs + files:
-            if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_nlink > 1 and name in files:
-                continue
-            os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
+            await _IO.run(give_tree_to, self._live_root(), self.host_uid)

@@ -10,10 +10,8 @@ the event loop and never delete a directory it did not create.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import shutil
 import stat
 import tempfile
 import threading
@@ -24,6 +22,7 @@ from typing import Literal
 from treadle.errors import PathViolation, SandboxError
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
 from treadle.sandbox.beneath import is_link_error, make_dirs_beneath, open_beneath, opened
+from treadle.sandbox.box_tree import remove_tree
 from treadle.sandbox.environment import DEFAULT_ENV_ALLOW, scrubbed_environment
 from treadle.sandbox.paths import workspace_parts
 from treadle.sandbox.process import (
@@ -170,21 +169,12 @@ class LocalBackend:
 
 
 def remove_workspace(root: Path) -> None:
-    """Delete a workspace whatever modes its commands left (a `chmod 000` directory included).
+    """Delete a workspace whatever depth and modes its commands left (`chmod 000` included).
 
-    Root ignores modes; an ordinary user needs `u+rwx` on a directory to empty it, so each
-    directory (never a link: the commands are dead by now, and links are skipped) is given them
-    on the way down before the tree is removed.
+    The walk is iterative and fd-relative and never follows a link (see
+    `treadle.sandbox.box_tree`); `SandboxError` says what was left when something could not go.
     """
-    with contextlib.suppress(OSError):
-        os.chmod(root, 0o700)
-    for here, dirs, _ in os.walk(root):
-        for name in dirs:
-            path = os.path.join(here, name)
-            with contextlib.suppress(OSError):
-                if not os.path.islink(path):
-                    os.chmod(path, 0o700)
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)
 
 
 def _link_refused(path: str) -> PathViolation:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import posixpath
 import shutil
 import stat
 import tarfile
@@ -178,15 +177,68 @@ def _member_parts(source: Path, name: str) -> tuple[str, ...]:
         raise PathViolation(f"the archive {source} has a member {name!r} that leaves it.") from None
 
 
-def _link_stays_inside(parts: tuple[str, ...], target: str) -> bool:
-    """True when link `parts` -> `target` names a place inside the seeded tree (by its names)."""
-    if not target or target.startswith("/") or "\0" in target:
-        return False
-    joined = posixpath.normpath(posixpath.join(posixpath.dirname("/".join(parts)), target))
-    return joined != ".." and not joined.startswith("../")
+class _TarLinks:
+    """What the members unpacked so far make of the tree, for checking the next link member.
+
+    A link's target is checked by its names alone, which is only sound when none of the names
+    on its way is itself a link: `a/b/c -> ../..` then `x -> a/b/c/..` looks inside by names
+    and resolves outside. So a target whose way passes through a link member (before or after
+    it in the archive) is refused, and a hard link must name a regular file unpacked before it.
+    """
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.links: set[tuple[str, ...]] = set()
+        self.files: dict[tuple[str, ...], tarfile.TarInfo] = {}
+        self.passed: set[tuple[str, ...]] = set()  # names the accepted links' targets go through
+
+    def placed(self, parts: tuple[str, ...], member: tarfile.TarInfo) -> None:
+        """Record what now sits at `parts` (a later member replaces an earlier one)."""
+        self.links.discard(parts)
+        self.files.pop(parts, None)
+        if member.isreg():
+            self.files[parts] = member
+        elif member.issym():
+            self.links.add(parts)
+
+    def symbolic(self, parts: tuple[str, ...], target: str) -> None:
+        """Check link `parts` -> `target`: inside the seeded tree, through no other link."""
+        refusal = PathViolation(
+            f"the archive {self.source} has a link {'/'.join(parts)!r} -> {target!r} that "
+            "leaves it or passes through another link."
+        )
+        if not target or target.startswith("/") or "\0" in target or parts in self.passed:
+            raise refusal
+        way = list(parts[:-1])
+        steps = [step for step in target.split("/") if step and step != "."]
+        passed = []
+        for i, step in enumerate(steps):
+            if step == "..":
+                if not way:
+                    raise refusal
+                way.pop()
+            else:
+                way.append(step)
+            if i < len(steps) - 1:  # a name the way goes through (the last is where it ends)
+                here = tuple(way)
+                if here in self.links or here == parts:
+                    raise refusal
+                passed.append(here)
+        self.passed.update(passed)
+
+    def hard(self, member: tarfile.TarInfo) -> tarfile.TarInfo:
+        """The regular file member a hard link member names (unpacked before it)."""
+        target = self.files.get(_member_parts(self.source, member.linkname))
+        if target is None:
+            raise PathViolation(
+                f"the archive {self.source} has a hard link {member.name!r} -> "
+                f"{member.linkname!r} that names no regular file unpacked before it."
+            )
+        return target
 
 
 def _untar(source: Path, writer: _Writer) -> None:
+    links = _TarLinks(source)
     try:
         with tarfile.open(source) as archive:
             for member in archive:
@@ -194,25 +246,24 @@ def _untar(source: Path, writer: _Writer) -> None:
                 if member.isdir():
                     writer.directory(parts)
                 elif member.isreg() or member.islnk():
-                    # A hard link member is written as a copy of the data it names: no link is
-                    # made, so none can point anywhere (tarfile finds the data in the archive).
-                    data = archive.extractfile(member)
+                    # A hard link member is written as a copy of the data of the file it names:
+                    # no link is made, so none can point anywhere; and tarfile is never asked
+                    # to find a link's data itself (it follows chains of members, and a loop
+                    # of them is a RecursionError).
+                    data = archive.extractfile(links.hard(member) if member.islnk() else member)
                     if data is None:
                         raise SandboxError(f"cannot read {member.name!r} from {source}.")
                     with data:
                         writer.file(parts, data, member.mode)
                 elif member.issym():
-                    if not _link_stays_inside(parts, member.linkname):
-                        raise PathViolation(
-                            f"the archive {source} has a link {member.name!r} -> "
-                            f"{member.linkname!r} that leaves it."
-                        )
+                    links.symbolic(parts, member.linkname)
                     writer.link(parts, member.linkname)
                 else:
                     raise PathViolation(
                         f"the archive {source} has a device, FIFO or other special member "
                         f"{member.name!r}; only files, directories and links are unpacked."
                     )
+                links.placed(parts, member)
     except (tarfile.TarError, EOFError) as e:
         raise SandboxError(f"cannot unpack {source}: {e}.") from e
 
