@@ -30,7 +30,7 @@ from treadle.agents.compaction import (
     TokenEstimator,
     _compactable,
     arun_session_compress,
-    request_bytes,
+    compaction_guardrail,
 )
 from treadle.agents.handoffs import Handoff, check_handoffs
 from treadle.agents.outcomes import check_error_handlers, check_validators
@@ -51,10 +51,7 @@ from treadle.llm import validate_executor
 from treadle.llm.provider import Provider
 from treadle.loop import (
     DEFAULT_MAX_TOOL_ROUNDS,
-    Guardrail,
-    GuardrailInput,
     Limits,
-    Tripwire,
     arun_session_loop,
     run_session_loop,
 )
@@ -64,7 +61,7 @@ from treadle.loop.hooks import Hooks
 from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
 from treadle.runtime.streams import produce
 from treadle.session import Session, new_session_id
-from treadle.stores import PendingPass, Store, check_store_arguments
+from treadle.stores import PendingPass, Store, store_options
 from treadle.tools import Tool, ToolSet
 from treadle.tools.context import Deps
 
@@ -302,7 +299,7 @@ class Agent(Generic[Deps, Output]):
         """
         user = as_session(session)
         check_deps(self, deps)
-        stored = _stored(store, conversation)
+        stored = store_options(store, conversation)
         run_id = new_session_id()
         return lazy_session(
             lambda: AgentRun(
@@ -336,7 +333,7 @@ class Agent(Generic[Deps, Output]):
         `store=` and `conversation=` continue a stored conversation, as on a call.
         """
         check_deps(self, deps)
-        stored = _stored(store, conversation)
+        stored = store_options(store, conversation)
         run = AgentRun(
             self,
             run_id=new_session_id(),
@@ -408,7 +405,7 @@ class Agent(Generic[Deps, Output]):
     async def _pass(self, user: Session, run: AgentRun) -> Session:
         guards = [g for g in self.guardrails if run.first_pass or getattr(g, "when", "") != "input"]
         if self.compact_at_tokens is not None:
-            guards.insert(0, self._compaction_guard(run))
+            guards.insert(0, compaction_guardrail(self, lambda: run.compactions))
         tools: list[Any] = list(self.tools)
         for target in self.handoffs:
             if await target.enabled(user):
@@ -466,29 +463,6 @@ class Agent(Generic[Deps, Output]):
             return self.agent_session
         return Session.from_agent_prompt(text)
 
-    def _compaction_guard(self, run: AgentRun) -> Guardrail:
-        limit = self.compact_at_tokens
-        assert limit is not None
-        keep = self.compact_keep_last
-
-        async def check(data: GuardrailInput) -> Tripwire | None:
-            if run.compactions >= MAX_COMPACTIONS_PER_RUN:
-                return None
-            request = data.request
-            rows = request.rows
-            nbytes = request_bytes(request.agent_rows, rows, request.tools.schemas_json())
-            estimate = self.estimator.estimate(nbytes)
-            if estimate < limit or not _compactable(rows, keep):
-                return None
-            return Tripwire(
-                reason=f"estimated context of {estimate} tokens reached compact_at_tokens={limit}",
-                guardrail=_COMPACTION_GUARD,
-                when="before",
-                info=estimate,
-            )
-
-        return Guardrail(check, "before", _COMPACTION_GUARD)
-
     async def _compact(self, session: Session) -> Session | None:
         """A compacted copy of `session`, or None when there is nothing to summarise."""
         data = await session.wait_ready()
@@ -502,9 +476,3 @@ class Agent(Generic[Deps, Output]):
             instruction=self.compaction_instruction,
             keep_last=self.compact_keep_last,
         )
-
-
-def _stored(store: Store | None, conversation: str | PendingPass | None) -> dict[str, Any]:
-    """The `store=` / `conversation=` options of a run, checked at the call."""
-    check_store_arguments(store, conversation)
-    return {} if store is None else {"store": store, "conversation": conversation}

@@ -12,14 +12,17 @@ without its call) that was paired in the input, and never mutate its input sessi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from treadle.errors import ConfigurationError
 from treadle.llm.provider import Provider
-from treadle.loop import Limits, arun_session_loop
+from treadle.loop import Guardrail, GuardrailInput, Limits, Tripwire, arun_session_loop
 from treadle.runtime import run_lazy
 from treadle.session import ChunkRow, Session, SessionData, Usage
+
+if TYPE_CHECKING:
+    from treadle.agents.agent import Agent
 
 __all__ = [
     "DEFAULT_COMPACTION_INSTRUCTION",
@@ -269,3 +272,32 @@ class TokenEstimator:
                 sent += base + prefix
             prefix += len(rows[i].message_json())
         self.observe(prompt, sent)
+
+
+def compaction_guardrail(agent: Agent, compactions: Callable[[], int]) -> Guardrail:
+    """The guardrail that asks for a compaction when `agent`'s next request would reach
+    `compact_at_tokens` (at most `MAX_COMPACTIONS_PER_RUN` a run: `compactions()` counts them).
+    """
+    from treadle.agents.agent import _COMPACTION_GUARD, MAX_COMPACTIONS_PER_RUN
+
+    limit = agent.compact_at_tokens
+    assert limit is not None
+    keep = agent.compact_keep_last
+
+    async def check(data: GuardrailInput) -> Tripwire | None:
+        if compactions() >= MAX_COMPACTIONS_PER_RUN:
+            return None
+        request = data.request
+        rows = request.rows
+        nbytes = request_bytes(request.agent_rows, rows, request.tools.schemas_json())
+        estimate = agent.estimator.estimate(nbytes)
+        if estimate < limit or not _compactable(rows, keep):
+            return None
+        return Tripwire(
+            reason=f"estimated context of {estimate} tokens reached compact_at_tokens={limit}",
+            guardrail=_COMPACTION_GUARD,
+            when="before",
+            info=estimate,
+        )
+
+    return Guardrail(check, "before", _COMPACTION_GUARD)

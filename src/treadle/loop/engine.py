@@ -52,16 +52,21 @@ from treadle.loop.guarding import (
     screen_tool_result,
 )
 from treadle.loop.hooks import HookContext, fire
-from treadle.loop.plan import PassPlan, pending_tool_calls, plain_metadata
+from treadle.loop.outputs import (
+    abandon_outputs,
+    finish_outputs,
+    open_conversation_of,
+    open_transcript,
+)
+from treadle.loop.plan import PassPlan, pending_tool_calls
 from treadle.loop.request_usage import request_entries
 from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import forced_tool_choice, gated_tools, offered, stop_after_tools
-from treadle.persist.producer import producer_record
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.session.stops import StopReason
-from treadle.stores import ConversationJournal, open_conversation
+from treadle.stores import ConversationJournal
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
 from treadle.tools import Tool, ToolContext, ToolOutcome, run_tool_calls
@@ -445,49 +450,19 @@ async def _run_pass(plan: PassPlan, out_id: str, cancel_as_stop: bool) -> Sessio
         run.agent_rows = agent.table.rows
         run.table = user.table
         run.usage = user.usage
-        if plan.store is not None and plan.conversation is not None:
-            start = await open_conversation(
-                plan.store.backend, plan.conversation, out_id, user.table.rows, run.agent_rows
-            )  # the stored conversation first, then the input (see treadle.stores.journal)
-            run.journal = start.journal
-            run.table, run.usage = ChunkTable(start.rows), start.usage
-            run.user_metadata = start.metadata
-            user = SessionData(run.table, run.usage, None, start.metadata)
+        user = await open_conversation_of(run, plan, out_id, user)
         started = True
         run.messages_json = [r.message_json() for r in (*run.agent_rows, *user.table)]
         if run.events is not None:
             run.events.emit(PassStarted, rows=len(user.table))
-        if plan.persist_path is not None:
-            run.writer = SessionWriter(plan.persist_path)
-            await run.writer.open(
-                session_id=out_id,
-                parent_ids=(plan.user.id, plan.agent.id),
-                operator="run_session_loop",
-                placement=plan.user.placement,
-                placement_options=plan.user.placement_spec,
-                agent_rows=run.agent_rows,
-                rows=user.table.rows,
-                producer=producer_record(plan.provider),
-            )
-            run.metadata["path"] = str(plan.persist_path)
+        await open_transcript(run, plan, out_id, user.table.rows)
         stop_reason = await run.rounds()
         if plan.limits.final_answer_on_limit and stop_reason in ("max_steps", "budget"):
             await final_answer(run)
         if run.pump is not None:
             await run.pump.drain()
         run.settle()
-        if run.writer is not None:
-            await run.writer.finish(
-                usage=run.usage, stop_reason=stop_reason, metadata=plain_metadata(run.metadata)
-            )
-        if run.journal is not None:  # one transaction: the whole pass, or ConflictError
-            run.metadata["version"] = await run.journal.finish(
-                run.table.rows,
-                usage=run.usage,
-                stop_reason=stop_reason,
-                metadata=plain_metadata(run.metadata),
-            )
-            run.metadata["conversation"] = run.journal.key
+        await finish_outputs(run, stop_reason)
     except BaseException as err:
         if traced is not None:
             cancelled = isinstance(err, asyncio.CancelledError)
@@ -502,10 +477,7 @@ async def _run_pass(plan: PassPlan, out_id: str, cancel_as_stop: bool) -> Sessio
         with anyio.CancelScope(shield=True):
             if run.pump is not None:
                 await run.pump.aclose()
-            if run.writer is not None:
-                await run.writer.aclose()  # no trailer: readers see the pass did not end cleanly
-            if run.journal is not None:  # nothing committed: the conversation is as it was
-                await run.journal.aclose(err)
+            await abandon_outputs(run, err)
         if cancel_as_stop and isinstance(err, asyncio.CancelledError):
             task = asyncio.current_task()
             if task is not None:

@@ -4,7 +4,7 @@ standard library) or PostgreSQL (the `treadle[postgres]` extra, imported only wh
 from treadle.stores.backend import SCHEMA_VERSION, StoreBackend
 from treadle.stores.journal import ConversationJournal, ConversationStart, open_conversation
 from treadle.stores.records import ConversationInfo, PendingPass, StoredConversation
-from treadle.stores.store import DEFAULT_SQLITE_PATH, Store, check_store_arguments
+from treadle.stores.store import DEFAULT_SQLITE_PATH, Store, check_store_arguments, store_options
 
 __all__ = [
     "DEFAULT_SQLITE_PATH",
@@ -18,4 +18,5 @@ __all__ = [
     "StoredConversation",
     "check_store_arguments",
     "open_conversation",
+    "store_options",
 ]

@@ -24,7 +24,7 @@ from treadle.session.session import new_session_id
 from treadle.stores.backend import StoreBackend
 from treadle.stores.records import ConversationInfo, PendingPass, check_key
 
-__all__ = ["DEFAULT_SQLITE_PATH", "Store", "check_store_arguments"]
+__all__ = ["DEFAULT_SQLITE_PATH", "Store", "check_store_arguments", "store_options"]
 
 T = TypeVar("T")
 
@@ -266,6 +266,12 @@ class Store:
     @staticmethod
     def _wait(coro: Coroutine[Any, Any, T]) -> T:
         return submit(coro).result()
+
+
+def store_options(store: Store | None, conversation: str | PendingPass | None) -> dict[str, Any]:
+    """The `store=` / `conversation=` options of an agent run's passes, checked at the call."""
+    check_store_arguments(store, conversation)
+    return {} if store is None else {"store": store, "conversation": conversation}
 
 
 def check_store_arguments(store: Store | None, conversation: str | PendingPass | None) -> None:
