@@ -60,3 +60,32 @@ def test_error_paths_load_nothing_heavy(words: list[str]) -> None:
     assert exit_code == 2, proc.stderr
     assert "treadle" in proc.stderr and "fix:" in proc.stderr
     assert loaded == [], f"{' '.join(words)} loads {loaded} before printing its error"
+
+
+def test_ctrl_c_during_start_up_prints_no_traceback() -> None:
+    # SIGINT as soon as the process exists, while `treadle.cli.app` is still loading (or even
+    # before Python installs its handler): either way no traceback reaches the user.
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from treadle.cli import main; raise SystemExit(main(['--help']))"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+    )  # fmt: skip
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert "Traceback" not in stderr, stderr
+    assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, stderr)
+    if proc.returncode == 130:
+        assert stderr.strip() == "treadle: interrupted."
+
+
+def test_the_entry_point_module_loads_no_command_code() -> None:
+    code = (
+        "import sys, treadle.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('treadle.cli.')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
