@@ -144,6 +144,9 @@ def test_clashing_mcp_tools_name_the_flag_that_fixes_them(tmp_path: Path) -> Non
         assert proc.returncode == 2
         assert "two tools are named 'add'" in proc.stderr
         assert "MCPServer" not in proc.stderr
+        cause = next(line for line in proc.stderr.splitlines() if "error:" in line)
+        assert not cause.endswith("e.g."), cause  # a sentence, not one cut after "e.g."
+        assert "one from MCP server" in cause and cause.endswith("."), cause
         assert "treadle: fix: add --mcp-prefix NAME right after the --mcp" in proc.stderr
         assert fake.request_count == 0
         proc = treadle(*base, "--mcp", stdio, "--mcp", stdio, "--mcp-prefix", "b", cwd=tmp_path)

@@ -60,3 +60,43 @@ def test_error_paths_load_nothing_heavy(words: list[str]) -> None:
     assert exit_code == 2, proc.stderr
     assert "treadle" in proc.stderr and "fix:" in proc.stderr
     assert loaded == [], f"{' '.join(words)} loads {loaded} before printing its error"
+
+
+# A real SIGINT, sent by the process to itself at the moment `treadle.cli.app` starts to load:
+# the Ctrl-C of a user who gives up during start-up, without a race on when it lands.
+_CTRL_C_WHILE_APP_LOADS = """
+import importlib.abc, os, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "treadle.cli.app":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from treadle.cli import main
+sys.exit(main(["--help"]))
+"""
+
+
+def test_ctrl_c_while_the_command_loads_exits_130_without_a_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_APP_LOADS],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "treadle: interrupted."
+    assert proc.stdout == ""  # interrupted before the help was printed
+
+
+def test_the_entry_point_module_loads_no_command_code() -> None:
+    code = (
+        "import sys, treadle.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('treadle.cli.')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

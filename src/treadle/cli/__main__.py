@@ -2,6 +2,6 @@
 
 import sys
 
-from treadle.cli.app import main
+from treadle.cli import main
 
 sys.exit(main())

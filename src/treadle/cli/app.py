@@ -156,7 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--max-steps", type=_positive_int, help="tool rounds before stopping")
     run.add_argument("--retries", type=_count, help="retries of a failed request (default 3)")
-    run.add_argument("--timeout", type=float, help="seconds to wait for the endpoint")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds to wait for the endpoint: to connect, and between two reads of a reply "
+        "(default: 10 to connect, 600 between reads); also bounds an MCP server's start",
+    )
     run.add_argument(
         "--extra-body",
         type=_json_object,
@@ -180,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="URL",
         help="give the model the tools of an MCP server at URL (streamable HTTP; repeatable)",
+    )
+    run.add_argument(
+        "--mcp-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds an MCP server may take to start and list its tools (default: --timeout, "
+        "else 30)",
     )
     run.add_argument(
         "--mcp-prefix",
@@ -273,11 +286,19 @@ def _add_eval_parsers(sub: Any) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        from treadle.cli.preflight import check_endpoint
+        from treadle.cli import preflight
 
         # Configuration errors print before the pass's imports and before rich loads (on a
         # terminal): see the comment at the top of this module.
-        check_endpoint(model=args.model, base_url=args.base_url, api_key=args.api_key)
+        preflight.check_endpoint(model=args.model, base_url=args.base_url, api_key=args.api_key)
+        preflight.check_limits(
+            timeout=args.timeout,
+            retries=args.retries,
+            max_steps=args.max_steps,
+            mcp_timeout=args.mcp_timeout,
+        )
+        preflight.check_mcp_urls(args.mcp_url)
+        preflight.check_sandbox(args.sandbox)
     console = make_console(args.color, raw=args.raw)
     if args.command == "run":
         # Say so before the runtime's imports (most of a second on a busy machine): the screen
@@ -304,6 +325,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             extra_body=args.extra_body,
             mcp=tuple(args.mcp),
             mcp_urls=tuple(args.mcp_url),
+            mcp_timeout=args.mcp_timeout,
             mcp_prefixes=(
                 *(prefixes.get(("mcp", i)) for i in range(len(args.mcp))),
                 *(prefixes.get(("mcp_url", i)) for i in range(len(args.mcp_url))),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from treadle.cli.shown_url import redact_urls
 from treadle.errors import (
     AuthenticationError,
     ConfigurationError,
@@ -55,7 +56,17 @@ class CliFailure(Exception):
 
 def explain(err: BaseException, command: str | None = None) -> CliFailure:
     """The cause, fix and exit code for an error raised while running `command` (`run`,
-    `eval`, ...: named in a fix that can only point at the command's `--help`)."""
+    `eval`, ...: named in a fix that can only point at the command's `--help`).
+
+    Every URL in the cause is cut to `scheme://host[:port]`, and one with user-info or a query
+    in the fix too: a base URL can carry a key (`treadle.cli.shown_url`)."""
+    failure = _explain(err, command)
+    return CliFailure(
+        redact_urls(failure.cause), redact_urls(failure.fix, keep_safe_paths=True), failure.code
+    )
+
+
+def _explain(err: BaseException, command: str | None) -> CliFailure:
     if isinstance(err, CliFailure):
         return err
     message = str(err) or type(err).__name__
@@ -92,7 +103,9 @@ def explain(err: BaseException, command: str | None = None) -> CliFailure:
 # Provider(api_key=...)." or, after a server's own sentence, ". Check ..."). The CLI prints its own
 # fix line in flags, so that last part is dropped from the cause when it names something a
 # command-line user cannot type.
-_SEPARATOR = re.compile(r"; |(?<=[.!?]) ")
+# "e.g. " and "i.e. " end in a full stop but do not end a sentence: cutting there would leave
+# "give one of the servers a prefix, e.g." with nothing after it.
+_SEPARATOR = re.compile(r"; |(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.) ")
 _PYTHON_ADVICE = re.compile(
     r"Provider[.(]|MCPServer|base_url|max_retries|requests_per_minute|@tool\(|prefix="
 )

@@ -8,10 +8,9 @@ only renders: it never starts passes or touches files.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from treadle.cli.console import Console
 from treadle.cli.describe import describe_call, describe_result
+from treadle.cli.shown_url import shown_url
 from treadle.cli.status import StatusLine
 from treadle.loop.events import (
     AssistantRowEvent,
@@ -42,7 +41,8 @@ class LiveView:
         self.status = status
         self.tool_calls = 0
         self.model = model
-        self.host = urlsplit(base_url).netloc if base_url else ""
+        # never `netloc`: it holds the user-info of https://user:password@host
+        self.host = shown_url(base_url).split("://", 1)[-1] if base_url else ""
         self._mid_line = False
         self._running: dict[str, str] = {}
 

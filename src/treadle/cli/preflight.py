@@ -12,15 +12,26 @@ error prints in a few tens of milliseconds. It must never print or put the API k
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.cli.shown_url import has_secret_parts
 from treadle.llm.provider import DEFAULT_BASE_URL, is_loopback_url
 
-__all__ = ["RESOLVE_TIMEOUT", "Endpoint", "check_endpoint", "check_host_resolves"]
+__all__ = [
+    "RESOLVE_TIMEOUT",
+    "Endpoint",
+    "check_endpoint",
+    "check_host_resolves",
+    "check_limits",
+    "check_mcp_urls",
+    "check_sandbox",
+]
 
 #: Seconds the pre-flight DNS lookup may take; a slower resolver is left to the pass itself.
 RESOLVE_TIMEOUT = 5.0
@@ -53,6 +64,13 @@ def check_endpoint(*, model: str | None, base_url: str | None, api_key: str | No
     flag_url = base_url
     url = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
     if urlsplit(url).scheme not in ("http", "https"):
+        if has_secret_parts(url):  # never echo user-info or a query: they can hold a key
+            where = "--base-url" if flag_url else "OPENAI_BASE_URL"
+            raise CliFailure(
+                f"{where} has no http:// or https:// scheme.",
+                f"put http:// (a local server) or https:// (a TLS one) in front of {where}.",
+                EXIT_CODES["usage"],
+            )
         fixed = _with_scheme(url)
         if flag_url:
             raise CliFailure(
@@ -81,6 +99,80 @@ def check_endpoint(*, model: str | None, base_url: str | None, api_key: str | No
             EXIT_CODES["usage"],
         )
     return Endpoint(model=model, base_url=url, api_key=key)
+
+
+#: The placements `--sandbox` names by word; anything else is a directory.
+SANDBOX_WORDS = ("local", "isolated")
+
+
+def check_sandbox(value: str | None) -> None:
+    """Refuse a `--sandbox` value that looks like a misspelt placement.
+
+    A word that is neither `local`/`isolated`, nor an existing directory, nor a path with a `/`
+    would otherwise be created as a new directory and its commands run on the host; the user
+    asks for a new directory by writing it as a path (`./NAME`).
+    """
+    if value is None or value in SANDBOX_WORDS or "/" in value or os.path.isdir(value):
+        return
+    import difflib
+
+    close = difflib.get_close_matches(value, SANDBOX_WORDS, n=1, cutoff=0.5)
+    guess = f"did you mean --sandbox {close[0]}? " if close else ""
+    raise CliFailure(
+        f"--sandbox {value!r} is neither local, isolated nor an existing directory.",
+        f"{guess}pass --sandbox local or --sandbox isolated, or --sandbox ./{value} to create "
+        "a new directory.",
+        EXIT_CODES["usage"],
+    )
+
+
+def check_limits(
+    *,
+    timeout: float | None = None,
+    retries: int | None = None,
+    max_steps: int | None = None,
+    mcp_timeout: float | None = None,
+) -> None:
+    """Refuse a limit flag the pass would reject later, naming the flag (not `Provider`)."""
+    for flag, seconds in (("--timeout", timeout), ("--mcp-timeout", mcp_timeout)):
+        if seconds is not None and not (seconds > 0 and math.isfinite(seconds)):
+            raise CliFailure(
+                f"{flag} {seconds:g} is not a positive number of seconds.",
+                f"pass {flag} SECONDS greater than 0, e.g. {flag} 30 (or leave it out for the "
+                "default).",
+                EXIT_CODES["usage"],
+            )
+    if retries is not None and retries < 0:
+        raise CliFailure(
+            f"--retries {retries} is negative.",
+            "pass --retries 0 for no retries, or a higher --retries N.",
+            EXIT_CODES["usage"],
+        )
+    if max_steps is not None and max_steps < 1:
+        raise CliFailure(
+            f"--max-steps {max_steps} allows no step.",
+            "pass --max-steps 1 or more (or leave it out for the default).",
+            EXIT_CODES["usage"],
+        )
+
+
+def check_mcp_urls(urls: Sequence[str]) -> None:
+    """Refuse an `--mcp-url` without an http:// or https:// scheme before any server starts."""
+    for url in urls:
+        if urlsplit(url).scheme in ("http", "https") and urlsplit(url).hostname:
+            continue
+        if has_secret_parts(url):
+            raise CliFailure(
+                "an --mcp-url has no http:// or https:// scheme.",
+                "put http:// (a local server) or https:// (a TLS one) in front of it.",
+                EXIT_CODES["usage"],
+            )
+        fixed = _with_scheme(url)
+        raise CliFailure(
+            f"--mcp-url {url!r} has no http:// or https:// scheme.",
+            f"pass --mcp-url {fixed} (http:// for a local server, https:// for a TLS one).",
+            EXIT_CODES["usage"],
+        )
 
 
 def _uses_proxy() -> bool:

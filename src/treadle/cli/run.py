@@ -19,7 +19,13 @@ from treadle.cli.console import Console
 from treadle.cli.describe import summary_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.cli.live import LiveView
-from treadle.cli.preflight import check_endpoint, check_host_resolves
+from treadle.cli.preflight import (
+    check_endpoint,
+    check_host_resolves,
+    check_limits,
+    check_mcp_urls,
+    check_sandbox,
+)
 from treadle.cli.status import StatusLine
 from treadle.llm.provider import Provider
 from treadle.loop import Limits, PassStopped, stream_session_loop
@@ -54,6 +60,9 @@ class RunOptions:
     mcp_urls: tuple[str, ...] = ()
     mcp_prefixes: tuple[str | None, ...] = ()
     """Tool-name prefix of each MCP server, in the order of `(*mcp, *mcp_urls)` (None: none)."""
+    mcp_timeout: float | None = None
+    """Seconds an MCP server may take to start and list its tools (None: `timeout`, else the
+    MCP default)."""
 
 
 def provider_for(opts: RunOptions) -> Provider:
@@ -125,6 +134,14 @@ def run_command(opts: RunOptions, console: Console, *, status: StatusLine | None
     treadle is starting (the pass's phases continue on it)."""
     try:
         provider = provider_for(opts)
+        check_limits(
+            timeout=opts.timeout,
+            retries=opts.retries,
+            max_steps=opts.max_steps,
+            mcp_timeout=opts.mcp_timeout,
+        )
+        check_mcp_urls(opts.mcp_urls)
+        check_sandbox(opts.sandbox)
         check_host_resolves(str(provider.base_url))
         if opts.sandbox and opts.sandbox not in ("local", "isolated"):
             # a command-line user expects `--sandbox ./work` to be created
@@ -159,7 +176,12 @@ async def _run(
     if opts.mcp or opts.mcp_urls:
         from treadle.cli.mcp_tools import open_servers
 
-        servers, tools = await open_servers(opts.mcp, opts.mcp_urls, opts.mcp_prefixes)
+        servers, tools = await open_servers(
+            opts.mcp,
+            opts.mcp_urls,
+            opts.mcp_prefixes,
+            connect_timeout=opts.mcp_timeout or opts.timeout,
+        )
     started = time.perf_counter()
     out: Session | None = None
     try:

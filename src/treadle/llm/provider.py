@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from treadle.errors import ConfigurationError
 
@@ -379,8 +379,14 @@ class Provider:
 
     @property
     def chat_completions_url(self) -> str:
-        """`{base_url}/chat/completions`."""
-        return f"{self.endpoint_key[0]}/chat/completions"
+        """`{base_url}/chat/completions`, appended to the path: a query in the base URL
+        (`...?api-version=1`, as Azure's) is kept after it."""
+        base = self.endpoint_key[0]
+        if "?" not in base and "#" not in base:
+            return f"{base}/chat/completions"
+        parts = urlsplit(base)
+        path = f"{parts.path.rstrip('/')}/chat/completions"
+        return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
     def request_headers(self) -> dict[str, str]:
         """Headers of every request: JSON content type and the bearer token when there is one."""

@@ -103,7 +103,7 @@ class Connection(asyncio.Protocol):
         del buf[: end + 4 + length]
         self.close_after = version == "HTTP/1.0" or headers.get("connection") == "close"
         self.busy = True
-        self.server._handle(self, method, target.split("?", 1)[0], headers, body)
+        self.server._handle(self, method, target, headers, body)
 
     def finish(self) -> None:
         """The current response is fully written: serve the next pipelined request, if any."""

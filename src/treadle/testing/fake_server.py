@@ -191,10 +191,11 @@ class FakeOpenAIServer:
     def _handle(
         self, conn: Connection, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> None:
+        path, mark, query = path.partition("?")  # a query (Azure's api-version) is no route
         if path.startswith("/v1/"):
             path = path[3:]
         if method == "POST" and path == "/chat/completions":
-            self._chat(conn, headers, body)
+            self._chat(conn, headers, body, query=mark + query)
         elif method == "GET" and path == "/models":
             models = {"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "treadle"}
@@ -210,13 +211,15 @@ class FakeOpenAIServer:
             error = {"error": {"message": f"No route for {method} {path}", "type": "not_found"}}
             conn.send(404, to_json(error), [("content-type", "application/json")])
 
-    def _chat(self, conn: Connection, headers: dict[str, str], body: bytes) -> None:
+    def _chat(
+        self, conn: Connection, headers: dict[str, str], body: bytes, *, query: str = ""
+    ) -> None:
         try:
             request = from_json(body)
         except ValueError:
             request = None
-        self.requests.append(RecordedRequest("POST", "/v1/chat/completions", headers, request,
-                                             len(body)))  # fmt: skip
+        self.requests.append(RecordedRequest("POST", f"/v1/chat/completions{query}", headers,
+                                             request, len(body)))  # fmt: skip
         self.request_count += 1
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
             error = {
@@ -424,11 +427,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rpm", type=int, default=None, help="requests per rate window")
     parser.add_argument("--tpm", type=int, default=None, help="tokens per rate window")
     parser.add_argument("--rate-window", type=float, default=60.0, help="seconds (60: a minute)")
+    parser.add_argument(
+        "--api-key", default=None, help="answer 401 to chat requests without this bearer token"
+    )
     args = parser.parse_args(argv)
     server = FakeOpenAIServer(args.script, latency_ms=args.latency_ms, host=args.host,
                               port=args.port, rounds=args.rounds, model=args.model,
                               requests_per_minute=args.rpm, tokens_per_minute=args.tpm,
-                              rate_window=args.rate_window)  # fmt: skip
+                              rate_window=args.rate_window, api_key=args.api_key)  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.serve_forever())
 
