@@ -238,3 +238,32 @@ def test_a_trip_wins_over_a_failing_first_call() -> None:
             executor=ScriptedExecutor([]),
             guardrails=[Guardrail(lambda d: None, "input")],
         )("hello").synchronize(HANG_GUARD)
+
+
+def test_a_trip_after_the_first_call_finished_still_counts_its_usage() -> None:
+    from treadle.llm import ChatCompletion, CompletionRequest
+    from treadle.testing.scripted import ScriptedExecutor, text
+
+    finished = threading.Event()
+
+    class Signalling(ScriptedExecutor):
+        async def acomplete(self, request: CompletionRequest) -> ChatCompletion:
+            reply = await super().acomplete(request)
+            finished.set()  # the reply is back (and billed) before the guardrail decides
+            return reply
+
+    async def late_refusal(data: GuardrailInput) -> str:
+        await asyncio.to_thread(finished.wait, HANG_GUARD)
+        return "refused after all"
+
+    executor = Signalling([text("Hello.", usage={"prompt_tokens": 1000, "completion_tokens": 500})])
+    agent = Agent("a", "Help.", executor=executor, guardrails=[Guardrail(late_refusal, "input")])
+    out = agent("hi")
+    out.synchronize(HANG_GUARD)
+    assert finished.is_set()
+    assert out.stop_reason == "blocked"
+    assert out.chunk_table.kinds() == ["user"]  # the reply itself is dropped
+    [entry] = out.metadata["request_usage"]
+    # the totals and the entries agree: the finished call is counted in both
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (1000, 500)
+    assert (entry.input_tokens, entry.output_tokens) == (1000, 500)

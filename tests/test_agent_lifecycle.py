@@ -368,3 +368,41 @@ def test_a_raising_agent_hook_fails_its_run_once_wrapped(server: FakeOpenAIServe
     assert str(info.value).count("raised") == 1
     assert "RuntimeError: broken hook" in str(info.value)
     assert server.request_count == 0
+
+
+def test_soft_cancel_on_a_turn_ending_in_a_transfer_makes_no_handoff(
+    server: FakeOpenAIServer,
+) -> None:
+    started = threading.Event()
+    release = threading.Event()
+
+    @tool
+    def note(text: str) -> str:
+        """Note something.
+
+        Args:
+            text: what to note
+        """
+        started.set()
+        release.wait(HANG_GUARD)
+        return "noted"
+
+    provider = _provider(server)
+    billing = Agent("billing", "Refunds.", provider=provider)
+    triage = Agent("triage", "Route.", provider=provider, tools=[note], handoffs=[billing])
+    server.enqueue(
+        Reply.tool_calls_of([("note", {"text": "r"}), ("transfer_to_billing", {})]),
+        Reply.text("billing answers"),
+    )
+    out = triage("refund please")
+    assert started.wait(HANG_GUARD)
+    out.cancel(after_turn=True)
+    release.set()
+    out.synchronize(HANG_GUARD)
+    assert out.stop_reason == "cancelled"
+    assert out.metadata["cancel_mode"] == "after_turn"
+    assert out.metadata["agent"] == "triage"
+    assert "handoffs" not in out.metadata
+    # the finished turn's rows are kept; the target was never asked
+    assert out.chunk_table.kinds() == ["user", "assistant", "tool_result", "tool_result"]
+    assert server.request_count == 1

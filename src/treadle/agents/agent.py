@@ -409,10 +409,8 @@ class Agent(Generic[Deps, Output]):
         guards = [g for g in self.guardrails if run.first_pass or getattr(g, "when", "") != "input"]
         if self.compact_at_tokens is not None:
             guards.insert(0, self._compaction_guard(run))
-        tools: list[Any] = list(self.tools)
-        for target in self.handoffs:
-            if await target.enabled(user):
-                tools.append(target.tool)
+        offered = [target for target in self.handoffs if await target.enabled(user)]
+        tools: list[Any] = [*self.tools, *(target.tool for target in offered)]
         options: dict[str, Any] = {
             "agent_provider": run.settings.provider_for(self),
             "tools": tools,
@@ -421,7 +419,7 @@ class Agent(Generic[Deps, Output]):
             "limits": run.settings.limits or self.limits,
             "guardrails": guards,
             "hooks": run.hooks,
-            "on_message": run.on_message(),
+            "on_message": run.on_message(offered),
             "deps": run.deps,
             "tool_use_behavior": self.tool_use_behavior,
             "reset_tool_choice": self.reset_tool_choice,
