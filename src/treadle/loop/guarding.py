@@ -10,6 +10,8 @@ trips is cancelled and its usage is never counted. Never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -198,12 +200,20 @@ async def guard_round(
     if not guards:
         return None
     reply = turn.completion if turn is not None else None
-    with run.snapshot() as session:
+    tripwire = None
+    with run.snapshot() as session, _until(run.deadline) as scope:
         data = GuardrailInput(session=session, request=request, reply=reply)
         tripwire = await run_guardrails(
             guards, data, run.guard_results, _context(run, guards, session)
         )
+    if scope.cancelled_caught:
+        return "deadline"
     return run.block(tripwire) if tripwire is not None else None
+
+
+def _until(deadline: float | None) -> anyio.CancelScope:
+    """A scope that ends the guardrails it holds at the pass deadline (none: never)."""
+    return anyio.move_on_after(math.inf if deadline is None else deadline - time.monotonic())
 
 
 async def complete_guarded(
@@ -211,7 +221,8 @@ async def complete_guarded(
 ) -> tuple[AssistantTurn | None, Tripwire | None]:
     """The first request, raced by the input guardrails."""
     guards, run.input_guards = run.input_guards, []  # the first request only
-    with run.snapshot() as session:
+    turn, trip = None, None  # past the deadline: neither (the pass stops with "deadline")
+    with run.snapshot() as session, _until(run.deadline):
         data = GuardrailInput(session=session, request=request)
         context = _context(run, guards, session)
         turn, trip = await GuardedCall(guards, data, run.guard_results, context).run(
