@@ -33,7 +33,7 @@ from treadle.agents.compaction import (
     request_bytes,
 )
 from treadle.agents.handoffs import Handoff, check_handoffs
-from treadle.agents.outcomes import check_error_handlers, check_validators
+from treadle.agents.outcomes import check_error_handlers, check_retries, check_validators
 from treadle.agents.streaming import (
     AgentEvent,
     AgentRunStopped,
@@ -220,7 +220,7 @@ class Agent(Generic[Deps, Output]):
         self.hooks = hooks
         self.validators = check_validators(output_validators)
         self.error_handlers = check_error_handlers(error_handlers)
-        self.output_retries = output_retries
+        self.output_retries = check_retries(output_retries)
         self.name = name
         self.instructions = instructions
         self.description = description
