@@ -406,3 +406,22 @@ def test_soft_cancel_on_a_turn_ending_in_a_transfer_makes_no_handoff(
     # the finished turn's rows are kept; the target was never asked
     assert out.chunk_table.kinds() == ["user", "assistant", "tool_result", "tool_result"]
     assert server.request_count == 1
+
+
+def test_a_hook_raising_cancelled_error_is_a_hook_error(server: FakeOpenAIServer) -> None:
+    from treadle.errors import HookError
+
+    class ToolEnd(Hooks):
+        async def on_tool_end(self, ctx: HookContext, call: ToolCall, row: ChunkRow) -> None:
+            raise asyncio.CancelledError()
+
+    class AgentEnd(Hooks):
+        async def on_agent_end(self, ctx: HookContext, output: Any) -> None:
+            raise asyncio.CancelledError()
+
+    agent = Agent("a", "Talk.", provider=_provider(server), tools=[lookup])
+    for hooks in (ToolEnd(), AgentEnd()):
+        server.enqueue(Reply.tool_call("lookup", {"order": "A1"}), Reply.text("done"))
+        out = agent("hi", hooks=hooks)
+        with pytest.raises(HookError, match="raised CancelledError without being cancelled"):
+            out.synchronize(HANG_GUARD)
