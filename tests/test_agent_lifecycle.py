@@ -425,3 +425,22 @@ def test_a_hook_raising_cancelled_error_is_a_hook_error(server: FakeOpenAIServer
         out = agent("hi", hooks=hooks)
         with pytest.raises(HookError, match="raised CancelledError without being cancelled"):
             out.synchronize(HANG_GUARD)
+
+
+def test_provider_usage_details_are_checked_against_the_totals(server: FakeOpenAIServer) -> None:
+    def raw(cached: Any, reasoning: Any, response_id: str) -> bytes:
+        body = json.loads(_completion_with_details("ok"))
+        body["id"] = response_id
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return json.dumps(body).encode()
+
+    agent = Agent("d", "Talk.", provider=_provider(server, stream=False))
+    cases = [(99_999, 31, "a" * 100_000), (-5, 1.5, "id\x00\r\nX-Evil: 1"), (100, 12, "ok-id")]
+    for cached, reasoning, response_id in cases:
+        server.enqueue(Reply.raw(raw(cached, reasoning, response_id)))
+        [entry] = agent("hi").metadata["request_usage"]
+        assert 0 <= entry.cached_tokens <= entry.input_tokens == 120
+        assert 0 <= entry.reasoning_tokens <= entry.output_tokens == 30
+        assert len(entry.response_id) <= 256 and entry.response_id.isprintable()
+    assert (entry.cached_tokens, entry.reasoning_tokens, entry.response_id) == (100, 12, "ok-id")
