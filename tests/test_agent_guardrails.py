@@ -238,3 +238,83 @@ def test_a_trip_wins_over_a_failing_first_call() -> None:
             executor=ScriptedExecutor([]),
             guardrails=[Guardrail(lambda d: None, "input")],
         )("hello").synchronize(HANG_GUARD)
+
+
+def test_a_trip_after_the_first_call_finished_still_counts_its_usage() -> None:
+    from treadle.llm import ChatCompletion, CompletionRequest
+    from treadle.testing.scripted import ScriptedExecutor, text
+
+    finished = threading.Event()
+
+    class Signalling(ScriptedExecutor):
+        async def acomplete(self, request: CompletionRequest) -> ChatCompletion:
+            reply = await super().acomplete(request)
+            finished.set()  # the reply is back (and billed) before the guardrail decides
+            return reply
+
+    async def late_refusal(data: GuardrailInput) -> str:
+        await asyncio.to_thread(finished.wait, HANG_GUARD)
+        return "refused after all"
+
+    executor = Signalling([text("Hello.", usage={"prompt_tokens": 1000, "completion_tokens": 500})])
+    agent = Agent("a", "Help.", executor=executor, guardrails=[Guardrail(late_refusal, "input")])
+    out = agent("hi")
+    out.synchronize(HANG_GUARD)
+    assert finished.is_set()
+    assert out.stop_reason == "blocked"
+    assert out.chunk_table.kinds() == ["user"]  # the reply itself is dropped
+    [entry] = out.metadata["request_usage"]
+    # the totals and the entries agree: the finished call is counted in both
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (1000, 500)
+    assert (entry.input_tokens, entry.output_tokens) == (1000, 500)
+
+
+def test_a_hanging_guardrail_fails_its_pass_at_its_timeout_and_stops_at_the_deadline() -> None:
+    import anyio
+
+    from treadle.errors import GuardrailError
+    from treadle.loop import Limits
+    from treadle.testing.scripted import ScriptedExecutor, tool_call
+
+    release = threading.Event()
+
+    async def async_hang(data: GuardrailInput) -> None:
+        await anyio.sleep_forever()
+
+    def sync_hang(data: GuardrailInput) -> None:
+        release.wait(HANG_GUARD)  # its thread is abandoned at the timeout, released below
+
+    try:
+        for check in (async_hang, sync_hang):
+            for when in ("input", "before", "output"):
+                guard = Guardrail(check, when, timeout=0.2)  # type: ignore[arg-type]
+                agent = Agent("h", "t", executor=ScriptedExecutor(default="a"), guardrails=[guard])
+                with pytest.raises(GuardrailError, match=f"guardrail {check.__name__} ran over"):
+                    agent("x").synchronize(HANG_GUARD)
+                # the pass deadline bounds a guardrail whose own timeout is longer
+                slow = Guardrail(check, when)  # type: ignore[arg-type]
+                bounded = Agent(
+                    "d",
+                    "t",
+                    executor=ScriptedExecutor(default="a"),
+                    guardrails=[slow],
+                    limits=Limits(deadline_seconds=0.3),
+                )
+                out = bounded("x")
+                assert out.synchronize(HANG_GUARD).stop_reason == "deadline", (check, when)
+        tool_guard = ToolGuardrail(lambda d: release.wait(HANG_GUARD), "tool_input", timeout=0.2)
+        agent = Agent(
+            "t",
+            "t",
+            executor=ScriptedExecutor([tool_call("transfer_money", {"amount": 1})], default="a"),
+            tools=[transfer_money],
+            guardrails=[tool_guard],
+        )
+        with pytest.raises(GuardrailError, match=r"ran over 0\.2 s"):
+            agent("x").synchronize(HANG_GUARD)
+    finally:
+        release.set()
+    with pytest.raises(ConfigurationError, match="timeout must be a positive"):
+        Guardrail(lambda d: None, timeout=0)
+    with pytest.raises(ConfigurationError, match="timeout must be a positive"):
+        ToolGuardrail(lambda d: None, timeout="1")  # type: ignore[arg-type]

@@ -368,3 +368,79 @@ def test_a_raising_agent_hook_fails_its_run_once_wrapped(server: FakeOpenAIServe
     assert str(info.value).count("raised") == 1
     assert "RuntimeError: broken hook" in str(info.value)
     assert server.request_count == 0
+
+
+def test_soft_cancel_on_a_turn_ending_in_a_transfer_makes_no_handoff(
+    server: FakeOpenAIServer,
+) -> None:
+    started = threading.Event()
+    release = threading.Event()
+
+    @tool
+    def note(text: str) -> str:
+        """Note something.
+
+        Args:
+            text: what to note
+        """
+        started.set()
+        release.wait(HANG_GUARD)
+        return "noted"
+
+    provider = _provider(server)
+    billing = Agent("billing", "Refunds.", provider=provider)
+    triage = Agent("triage", "Route.", provider=provider, tools=[note], handoffs=[billing])
+    server.enqueue(
+        Reply.tool_calls_of([("note", {"text": "r"}), ("transfer_to_billing", {})]),
+        Reply.text("billing answers"),
+    )
+    out = triage("refund please")
+    assert started.wait(HANG_GUARD)
+    out.cancel(after_turn=True)
+    release.set()
+    out.synchronize(HANG_GUARD)
+    assert out.stop_reason == "cancelled"
+    assert out.metadata["cancel_mode"] == "after_turn"
+    assert out.metadata["agent"] == "triage"
+    assert "handoffs" not in out.metadata
+    # the finished turn's rows are kept; the target was never asked
+    assert out.chunk_table.kinds() == ["user", "assistant", "tool_result", "tool_result"]
+    assert server.request_count == 1
+
+
+def test_a_hook_raising_cancelled_error_is_a_hook_error(server: FakeOpenAIServer) -> None:
+    from treadle.errors import HookError
+
+    class ToolEnd(Hooks):
+        async def on_tool_end(self, ctx: HookContext, call: ToolCall, row: ChunkRow) -> None:
+            raise asyncio.CancelledError()
+
+    class AgentEnd(Hooks):
+        async def on_agent_end(self, ctx: HookContext, output: Any) -> None:
+            raise asyncio.CancelledError()
+
+    agent = Agent("a", "Talk.", provider=_provider(server), tools=[lookup])
+    for hooks in (ToolEnd(), AgentEnd()):
+        server.enqueue(Reply.tool_call("lookup", {"order": "A1"}), Reply.text("done"))
+        out = agent("hi", hooks=hooks)
+        with pytest.raises(HookError, match="raised CancelledError without being cancelled"):
+            out.synchronize(HANG_GUARD)
+
+
+def test_provider_usage_details_are_checked_against_the_totals(server: FakeOpenAIServer) -> None:
+    def raw(cached: Any, reasoning: Any, response_id: str) -> bytes:
+        body = json.loads(_completion_with_details("ok"))
+        body["id"] = response_id
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return json.dumps(body).encode()
+
+    agent = Agent("d", "Talk.", provider=_provider(server, stream=False))
+    cases = [(99_999, 31, "a" * 100_000), (-5, 1.5, "id\x00\r\nX-Evil: 1"), (100, 12, "ok-id")]
+    for cached, reasoning, response_id in cases:
+        server.enqueue(Reply.raw(raw(cached, reasoning, response_id)))
+        [entry] = agent("hi").metadata["request_usage"]
+        assert 0 <= entry.cached_tokens <= entry.input_tokens == 120
+        assert 0 <= entry.reasoning_tokens <= entry.output_tokens == 30
+        assert len(entry.response_id) <= 256 and entry.response_id.isprintable()
+    assert (entry.cached_tokens, entry.reasoning_tokens, entry.response_id) == (100, 12, "ok-id")

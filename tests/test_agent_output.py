@@ -155,3 +155,33 @@ def test_output_configuration_errors(server: FakeOpenAIServer) -> None:
 
     with pytest.raises(ConfigurationError, match="three"):
         Agent("x", provider=provider, output_validators=[three])
+
+
+class Town(BaseModel):
+    name: str
+
+
+def test_bad_output_retries_and_a_handler_returning_the_wrong_type_are_clear_errors() -> None:
+    from treadle.testing.scripted import ScriptedExecutor
+
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ConfigurationError, match="output_retries must be an int >= 0"):
+            Agent("a", "t", output_retries=bad, executor=ScriptedExecutor(default="x"))  # type: ignore[arg-type]
+
+    def wrong_answer(ctx: AgentErrorContext) -> int:
+        return 42
+
+    def refuse(output: Any) -> Any:
+        raise ModelRetry("again")
+
+    agent = Agent(
+        "a",
+        "t",
+        output_type=Town,
+        output_validators=[refuse],
+        output_retries=0,
+        error_handlers={"invalid_output": wrong_answer},
+        executor=ScriptedExecutor(default='{"name": "x"}'),
+    )
+    with pytest.raises(ConfigurationError, match=r"error handler .*wrong_answer.* returned int"):
+        agent("q").synchronize(120)

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from treadle import ConfigurationError, Session
 from treadle.agents import Agent, handoff, remove_tool_rows
 from treadle.llm import Provider
-from treadle.loop import RequestUsage
+from treadle.loop import RequestUsage, ToolGuardrail, ToolGuardrailInput
 from treadle.testing import FakeOpenAIServer, Reply
 from treadle.tools import tool
 
@@ -176,3 +176,82 @@ def test_sibling_calls_of_the_transfer_run_before_the_handoff(server: FakeOpenAI
     assert results[1]["status"] == "charged twice"  # the lookup ran, like any call of the round
     assert out.metadata["agent"] == "billing"
     assert server.request_count == 2
+
+
+def test_a_guardrail_rejecting_or_replacing_the_transfer_stops_the_handoff(
+    server: FakeOpenAIServer,
+) -> None:
+    provider = _provider(server)
+    billing = Agent("billing", "Refunds.", provider=provider)
+
+    def no_transfers(data: ToolGuardrailInput) -> str | None:
+        return "transfers are closed" if data.call.name.startswith("transfer_to_") else None
+
+    for when in ("tool_input", "tool_output"):
+        triage = Agent(
+            "triage",
+            "Route.",
+            provider=provider,
+            handoffs=[billing],
+            guardrails=[ToolGuardrail(no_transfers, when)],
+        )
+        server.enqueue(Reply.tool_call("transfer_to_billing", {}), Reply.text("triage keeps it"))
+        out = triage("refund")
+        assert out.metadata["agent"] == "triage", when
+        assert "handoffs" not in out.metadata
+        assert out.final_text == "triage keeps it"
+
+
+def test_a_disabled_transfer_the_model_calls_anyway_is_no_handoff(
+    server: FakeOpenAIServer,
+) -> None:
+    provider = _provider(server)
+    ran: list[str] = []
+    humans = Agent("humans", "People.", provider=provider)
+    for enabled in (False, lambda session: False):
+        triage = Agent(
+            "triage",
+            "Route.",
+            provider=provider,
+            handoffs=[handoff(humans, is_enabled=enabled, on_handoff=lambda s: ran.append("x"))],
+        )
+        server.enqueue(Reply.tool_call("transfer_to_humans", {}), Reply.text("triage answers"))
+        out = triage("a person please")
+        assert out.metadata["agent"] == "triage"
+        assert "handoffs" not in out.metadata
+        assert out.final_text == "triage answers"
+        result = next(r for r in out.rows if r.kind == "tool_result")
+        assert "assistant" not in json.loads(result.payload["content"])
+    assert ran == []
+
+
+class Reason(BaseModel):
+    reason: str
+
+
+def test_typed_input_is_validated_once_and_the_result_matches_the_handoff(
+    server: FakeOpenAIServer,
+) -> None:
+    provider = _provider(server)
+    humans = Agent("humans", "People.", provider=provider)
+    seen: list[Reason] = []
+    triage = Agent(
+        "triage",
+        "Route.",
+        provider=provider,
+        handoffs=[
+            handoff(
+                humans,
+                tool_name="escalate",
+                input_type=Reason,
+                on_handoff=lambda s, v: seen.append(v),
+            )
+        ],
+    )
+    # an escaped lone surrogate: json.loads accepts it, model_validate_json would not
+    server.enqueue(Reply.tool_call("escalate", '{"reason": "\\ud800"}'), Reply.text("humans"))
+    out = triage("x")
+    result = next(r for r in out.rows if r.kind == "tool_result")
+    claimed = json.loads(result.payload["content"]).get("assistant")
+    assert claimed == out.metadata["agent"] == "humans"
+    assert len(seen) == 1

@@ -36,6 +36,7 @@ TreadleError
 ├── StructuredOutputError                     no valid structured output within `output_retries`
 ├── ModelRefusalError                         the model refused to answer (never retried)
 ├── HookError                                 a lifecycle hook raised or ran over its timeout
+├── GuardrailError                            a guardrail ran over its timeout
 ├── ModelRetry                                raised by an output validator: ask the model again
 └── WorkerLost                                a distributed worker died or stopped answering
 ```
@@ -61,6 +62,7 @@ __all__ = [
     "EvalConfigMismatch",
     "EvalLogBusyError",
     "EvalLogDamagedError",
+    "GuardrailError",
     "HookError",
     "HostNotFoundError",
     "InvalidRequestError",
@@ -344,6 +346,10 @@ class ModelRefusalError(TreadleError):
 
 class HookError(TreadleError):
     """A lifecycle hook (`Hooks`) raised or ran past its timeout; only its pass fails."""
+
+
+class GuardrailError(TreadleError):
+    """A guardrail ran past its timeout (`Guardrail.timeout`); only its pass fails."""
 
 
 class ModelRetry(TreadleError):

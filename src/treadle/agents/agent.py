@@ -33,7 +33,7 @@ from treadle.agents.compaction import (
     compaction_guardrail,
 )
 from treadle.agents.handoffs import Handoff, check_handoffs
-from treadle.agents.outcomes import check_error_handlers, check_validators
+from treadle.agents.outcomes import check_error_handlers, check_retries, check_validators
 from treadle.agents.streaming import (
     AgentEvent,
     AgentRunStopped,
@@ -217,7 +217,7 @@ class Agent(Generic[Deps, Output]):
         self.hooks = hooks
         self.validators = check_validators(output_validators)
         self.error_handlers = check_error_handlers(error_handlers)
-        self.output_retries = output_retries
+        self.output_retries = check_retries(output_retries)
         self.name = name
         self.instructions = instructions
         self.description = description
@@ -406,10 +406,8 @@ class Agent(Generic[Deps, Output]):
         guards = [g for g in self.guardrails if run.first_pass or getattr(g, "when", "") != "input"]
         if self.compact_at_tokens is not None:
             guards.insert(0, compaction_guardrail(self, lambda: run.compactions))
-        tools: list[Any] = list(self.tools)
-        for target in self.handoffs:
-            if await target.enabled(user):
-                tools.append(target.tool)
+        offered = [target for target in self.handoffs if await target.enabled(user)]
+        tools: list[Any] = [*self.tools, *(target.tool for target in offered)]
         options: dict[str, Any] = {
             "agent_provider": run.settings.provider_for(self),
             "tools": tools,
@@ -418,7 +416,7 @@ class Agent(Generic[Deps, Output]):
             "limits": run.settings.limits or self.limits,
             "guardrails": guards,
             "hooks": run.hooks,
-            "on_message": run.on_message(),
+            "on_message": run.on_message(offered),
             "deps": run.deps,
             "tool_use_behavior": self.tool_use_behavior,
             "reset_tool_choice": self.reset_tool_choice,

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 from treadle.agents.handoffs import (
     HANDOFF_INTERRUPT,
     MAX_HANDOFFS_PER_RUN,
+    Handoff,
     HandoffChoice,
-    find_transfer,
     handoff_rows,
+    transfer_calls,
+    transfer_result,
 )
 from treadle.agents.outcomes import (
     AgentErrorContext,
@@ -187,31 +189,33 @@ class AgentRun:
             await fire(self.hooks, "on_agent_end", self.context(out), answer)
             return out
 
-    def on_message(self) -> Callable[[ChunkRow, PassControl], Any] | None:
-        """The pass's `on_message`: ends it once a transfer call has its result, or on an
-        accepted final result."""
+    def on_message(
+        self, offered: Sequence[Handoff] = ()
+    ) -> Callable[[ChunkRow, PassControl], Any] | None:
+        """The pass's `on_message`: ends it once a transfer offered on this pass (`offered`:
+        the enabled handoffs) has its own successful result, or on an accepted final result."""
         agent = self.agent
         structured = (
             agent.spec.on_message(self.output)
             if agent.spec is not None and agent.spec.mode == "tool"
             else None
         )
-        targets = {h.tool_name: h for h in agent.handoffs}
+        targets = {h.tool_name: h for h in offered}
         if not targets:
             return structured
+        calls: dict[str, tuple[Handoff, str]] = {}
 
         async def hook(row: ChunkRow, control: PassControl) -> None:
+            nonlocal calls
             if row.kind == "assistant":
-                found = find_transfer(row, targets)
-                # The round still runs (sibling calls too); the transfer's result ends the pass.
-                self.choice = HandoffChoice(*found) if found is not None else None
-            elif (
-                row.kind == "tool_result"
-                and self.choice is not None
-                and row.payload.get("tool_call_id") == self.choice.call_id
-            ):
-                control.interrupt(HANDOFF_INTERRUPT)
-                return
+                # The round still runs (sibling calls too); a transfer's result ends the pass.
+                calls = transfer_calls(row, targets)
+                self.choice = None
+            elif row.kind == "tool_result" and calls and self.choice is None:
+                self.choice = transfer_result(row, calls)
+                if self.choice is not None:
+                    control.interrupt(HANDOFF_INTERRUPT)
+                    return
             if structured is not None:
                 await structured(row, control)
 
@@ -252,6 +256,9 @@ class AgentRun:
             if out.stop_reason == "cancelled":
                 return out
             if self.choice is not None and out.interrupt_reason == HANDOFF_INTERRUPT:
+                if self.stop.requested:  # a soft cancel starts no further pass: no handoff
+                    choice, self.choice = self.choice, None
+                    return self.stopped_after_turn(handoff_rows(out, choice))
                 current = await self.hand_off(out)
                 if current.data.stop_reason is not None or self.stop.requested:
                     return self.stopped_after_turn(current)

@@ -25,6 +25,8 @@ from treadle.errors import ConfigurationError, ToolArgumentsError
 from treadle.loop.control import call_user
 from treadle.session import ChunkRow, Session
 from treadle.tools import Tool, ToolContext
+from treadle.tools.dispatch import _parse_arguments
+from treadle.tools.results import success_content
 
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
@@ -105,10 +107,16 @@ class Handoff:
         return bool(await call_user(self.is_enabled, session))
 
     def parse(self, arguments: str) -> pydantic.BaseModel | None:
-        """The typed input from the call's JSON arguments (None without `input_type`)."""
+        """The typed input from the call's JSON arguments (None without `input_type`), read
+        exactly as the tool dispatcher reads them for the transfer tool's own validation."""
         if self.input_type is None:
             return None
-        return self.input_type.model_validate_json(arguments or "{}")
+        return self.input_type.model_validate(_parse_arguments(arguments))
+
+    @property
+    def result_content(self) -> str:
+        """The transfer tool's own successful result row content (what a handoff needs)."""
+        return success_content({"assistant": self.agent.name})
 
     async def run_callback(self, session: Session, value: pydantic.BaseModel | None) -> None:
         """Call `on_handoff` (sync ones off the event loop)."""
@@ -169,21 +177,35 @@ class HandoffChoice:
     value: pydantic.BaseModel | None
 
 
-def find_transfer(
-    row: ChunkRow, handoffs: Mapping[str, Handoff]
-) -> tuple[Handoff, str, pydantic.BaseModel | None] | None:
-    """The first valid transfer call of an assistant row, if any (invalid ones are left to the
-    tool round, which reports the validation error to the model)."""
-    for call in row.calls:
-        target = handoffs.get(call.name)
-        if target is None:
-            continue
-        try:
-            value = target.parse(call.arguments)
-        except pydantic.ValidationError:
-            continue
-        return target, call.id, value
-    return None
+def transfer_calls(row: ChunkRow, offered: Mapping[str, Handoff]) -> dict[str, tuple[Handoff, str]]:
+    """The transfer calls of an assistant row, by call id: `(handoff, arguments)` for each call
+    of a transfer offered on this pass (a disabled one the model names anyway is not a
+    transfer: the tool round reports it as an unknown tool)."""
+    return {
+        call.id: (offered[call.name], call.arguments) for call in row.calls if call.name in offered
+    }
+
+
+def transfer_result(
+    row: ChunkRow, calls: Mapping[str, tuple[Handoff, str]]
+) -> HandoffChoice | None:
+    """The handoff a tool_result row completes, if any: only the transfer tool's own
+    successful result does (a guardrail's rejection or replacement, or a validation error,
+    does not); the input is the one the tool's validation accepted."""
+    call_id = row.payload.get("tool_call_id")
+    found = calls.get(call_id) if isinstance(call_id, str) else None
+    if (
+        found is None
+        or not isinstance(call_id, str)
+        or row.payload.get("content") != found[0].result_content
+    ):
+        return None
+    target, arguments = found
+    try:
+        value = target.parse(arguments)
+    except (pydantic.ValidationError, ToolArgumentsError):
+        return None  # unreachable for a result the tool itself produced: same validation
+    return HandoffChoice(target, call_id, value)
 
 
 def handoff_rows(out: Session, choice: HandoffChoice) -> Session:

@@ -125,6 +125,13 @@ def refusal_error(agent: str, text: str) -> ModelRefusalError:
     )
 
 
+def check_retries(value: Any) -> int:
+    """`output_retries` as given, refused unless an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"output_retries must be an int >= 0, got {value!r}.")
+    return value
+
+
 async def handled(
     handler: Callable[..., Any],
     context: AgentErrorContext,
@@ -134,7 +141,15 @@ async def handled(
     """The run's result chosen by an error handler: its answer as the last assistant row."""
     value = await call_user(handler, context)
     if model is not None and not isinstance(value, model):
-        value = model.model_validate(value)
+        try:
+            value = model.model_validate(value)
+        except pydantic.ValidationError:
+            name = getattr(handler, "__qualname__", None) or repr(handler)
+            raise ConfigurationError(
+                f"the {context.kind!r} error handler {name} of agent {context.agent!r} returned "
+                f"{type(value).__name__}; it must return a {model.__name__} (or a dict that "
+                "validates as one)."
+            ) from None
     text = value if isinstance(value, str) else output_json(value)
     session = context.session
     data = session.data

@@ -9,6 +9,7 @@ from treadle.loop.api import (
     stream_session_loop,
 )
 from treadle.loop.control import (
+    DEFAULT_GUARDRAIL_TIMEOUT,
     Guardrail,
     GuardrailInput,
     GuardrailResult,
@@ -38,6 +39,7 @@ from treadle.loop.request_usage import RequestUsage
 from treadle.loop.tooling import StopAtTools, ToolUseBehavior
 
 __all__ = [
+    "DEFAULT_GUARDRAIL_TIMEOUT",
     "DEFAULT_HOOK_TIMEOUT",
     "DEFAULT_MAX_TOOL_ROUNDS",
     "AssistantRowEvent",

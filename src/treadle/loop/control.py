@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from treadle.errors import ConfigurationError
-from treadle.runtime.threads import run_user_code
+import anyio
+
+from treadle.errors import ConfigurationError, GuardrailError
+from treadle.runtime.threads import _USER_CODE, run_user_code
 from treadle.tools.context import ToolContext, context_parameter
 
 if TYPE_CHECKING:
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from treadle.session import Session, ToolCall
 
 __all__ = [
+    "DEFAULT_GUARDRAIL_TIMEOUT",
     "Guardrail",
     "GuardrailInput",
     "GuardrailResult",
@@ -110,6 +114,29 @@ class GuardrailInput:
 
 
 GuardrailWhen = Literal["before", "after", "input", "output"]
+#: Seconds a guardrail check may run before its pass fails with `GuardrailError`
+#: (`Guardrail(timeout=...)` / `ToolGuardrail(timeout=...)` override; a pass deadline bounds it).
+DEFAULT_GUARDRAIL_TIMEOUT = 60.0
+
+
+def _check_timeout(owner: str, timeout: Any) -> None:
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not ok or not (0 < timeout < math.inf):
+        raise ConfigurationError(f"{owner}.timeout must be a positive number of seconds.")
+
+
+async def _bounded(label: str, limit: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a guardrail check within `limit` seconds (a sync one's thread is abandoned)."""
+    with anyio.move_on_after(limit) as scope:
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+            return await fn(*args)
+        result = await _USER_CODE.run(functools.partial(fn, *args), abandon_on_cancel=True)
+        return (await result) if inspect.isawaitable(result) else result
+    assert scope.cancelled_caught
+    raise GuardrailError(
+        f"guardrail {label} ran over {limit} s, so its pass failed; make it return sooner "
+        "or raise its timeout=."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +159,8 @@ class Guardrail:
     name: str = ""
     parallel: bool = True
     """`"input"` guardrails only: run concurrently with the first model call (False: before)."""
+    timeout: float = DEFAULT_GUARDRAIL_TIMEOUT
+    """Seconds the check may run before the pass fails with `GuardrailError`."""
     context_param: str | None = field(default=None, init=False, repr=False, compare=False)
     """The check's parameter that receives the `ToolContext` (found once, by annotation)."""
 
@@ -142,6 +171,7 @@ class Guardrail:
             raise ConfigurationError(
                 "Guardrail.when must be 'before', 'after', 'input' or 'output'."
             )
+        _check_timeout("Guardrail", self.timeout)
         object.__setattr__(self, "context_param", context_parameter(self.check))
 
     @property
@@ -154,10 +184,10 @@ class Guardrail:
     ) -> Tripwire | None:
         """Run the check (with `context` when it asks for one); return a tripwire when it trips."""
         param = self.context_param
+        check = self.check
         if param is not None and context is not None:
-            verdict = await call_user(self.check, data, **{param: context})
-        else:
-            verdict = await call_user(self.check, data)
+            check = functools.partial(check, **{param: context})
+        verdict = await _bounded(self.label, self.timeout, check, data)
         return _verdict(verdict, self.label, self.when)
 
 
@@ -212,10 +242,13 @@ class ToolGuardrail:
     when: Literal["tool_input", "tool_output"] = "tool_input"
     name: str = ""
     tools: frozenset[str] = frozenset()
+    timeout: float = DEFAULT_GUARDRAIL_TIMEOUT
+    """Seconds the check may run before the pass fails with `GuardrailError`."""
 
     def __post_init__(self) -> None:
         if not callable(self.check):
             raise ConfigurationError("ToolGuardrail.check must be callable.")
+        _check_timeout("ToolGuardrail", self.timeout)
         if self.when not in ("tool_input", "tool_output"):
             raise ConfigurationError("ToolGuardrail.when must be 'tool_input' or 'tool_output'.")
         object.__setattr__(self, "tools", frozenset(self.tools))
@@ -231,7 +264,7 @@ class ToolGuardrail:
 
     async def run(self, data: ToolGuardrailInput) -> str | Tripwire | None:
         """Run the check: None (allow), a rejection message, or a tripwire."""
-        verdict = await call_user(self.check, data)
+        verdict = await _bounded(self.label, self.timeout, self.check, data)
         if verdict is None or verdict is False:
             return None
         if isinstance(verdict, Tripwire):

@@ -10,6 +10,8 @@ trips is cancelled and its usage is never counted. Never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -94,7 +96,8 @@ async def run_guardrails(
 
 
 class GuardedCall:
-    """A model call raced by input guardrails: a trip cancels the call (its usage never counts)."""
+    """A model call raced by input guardrails: a trip cancels a call still in flight (its usage
+    never counts); a call that had already finished is returned beside the trip, to be counted."""
 
     def __init__(
         self,
@@ -109,7 +112,8 @@ class GuardedCall:
         self.context = context
 
     async def run(self, call: Callable[[], Awaitable[T]]) -> tuple[T | None, Tripwire | None]:
-        """`(reply, None)`, or `(None, tripwire)` when a guardrail tripped."""
+        """`(reply, None)`, or `(reply or None, tripwire)` when a guardrail tripped (the reply
+        only when the call had finished first)."""
         serial = [g for g in self.guards if not g.parallel]
         if serial:  # these must pass before the model is called at all
             trip = await run_guardrails(serial, self.data, self.results, self.context)
@@ -150,8 +154,8 @@ class GuardedCall:
             group.start_soon(check)
         if errors:
             raise errors[0]
-        if tripped:
-            return None, tripped[0]
+        if tripped:  # a call that finished first was billed: its reply comes back with the trip
+            return (reply[0] if reply else None), tripped[0]
         if failed:
             raise failed[0]
         if not reply:  # cancelled from outside while both ran
@@ -196,12 +200,20 @@ async def guard_round(
     if not guards:
         return None
     reply = turn.completion if turn is not None else None
-    with run.snapshot() as session:
+    tripwire = None
+    with run.snapshot() as session, _until(run.deadline) as scope:
         data = GuardrailInput(session=session, request=request, reply=reply)
         tripwire = await run_guardrails(
             guards, data, run.guard_results, _context(run, guards, session)
         )
+    if scope.cancelled_caught:
+        return "deadline"
     return run.block(tripwire) if tripwire is not None else None
+
+
+def _until(deadline: float | None) -> anyio.CancelScope:
+    """A scope that ends the guardrails it holds at the pass deadline (none: never)."""
+    return anyio.move_on_after(math.inf if deadline is None else deadline - time.monotonic())
 
 
 async def complete_guarded(
@@ -209,12 +221,17 @@ async def complete_guarded(
 ) -> tuple[AssistantTurn | None, Tripwire | None]:
     """The first request, raced by the input guardrails."""
     guards, run.input_guards = run.input_guards, []  # the first request only
-    with run.snapshot() as session:
+    turn, trip = None, None  # past the deadline: neither (the pass stops with "deadline")
+    with run.snapshot() as session, _until(run.deadline):
         data = GuardrailInput(session=session, request=request)
         context = _context(run, guards, session)
-        return await GuardedCall(guards, data, run.guard_results, context).run(
+        turn, trip = await GuardedCall(guards, data, run.guard_results, context).run(
             lambda: run.complete_in_time(request)
         )
+    if trip is not None and turn is not None:
+        run.count(turn.usage)  # the call finished before the trip: it was billed, so it counts
+        return None, trip
+    return turn, trip
 
 
 def _context(run: _Pass, guards: Sequence[Guardrail], session: Session) -> ToolContext | None:

@@ -104,8 +104,16 @@ async def fire(hooks: Hooks | None, name: str, *args: Any) -> None:
                 result = await _USER_CODE.run(functools.partial(fn, *args), abandon_on_cancel=True)
                 if inspect.isawaitable(result):
                     await result
-    except (asyncio.CancelledError, HookError):
+    except HookError:
         raise
+    except asyncio.CancelledError as err:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise  # a real cancellation of the pass: it must go on
+        raise HookError(  # raised by the hook itself: not a cancel, and never one of its pass
+            f"hook {name} raised CancelledError without being cancelled; its pass failed "
+            "(other passes were not affected); raise another exception to fail it."
+        ) from err
     except BaseException as err:  # SystemExit too: the hook ends its own pass, not others
         raise HookError(
             f"hook {name} raised {type(err).__name__}: {err}; its pass failed (other passes "

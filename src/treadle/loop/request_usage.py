@@ -3,7 +3,9 @@
 A pass appends one entry per completion to `out.metadata["request_usage"]` (a tuple, oldest
 first): input, output, cached and reasoning tokens, the provider's response id and the request's
 latency. Token details come from the reply's `usage.prompt_tokens_details.cached_tokens` and
-`usage.completion_tokens_details.reasoning_tokens` when the provider sends them (0 otherwise).
+`usage.completion_tokens_details.reasoning_tokens` when the provider sends them as ints within
+the request's input (cached) or output (reasoning) tokens (0 otherwise); the response id is cut
+to `MAX_RESPONSE_ID_CHARS` printable characters.
 Pure values; no I/O.
 """
 
@@ -44,6 +46,22 @@ class RequestUsage:
         return self.input_tokens + self.output_tokens
 
 
+#: Characters of a provider's response id kept in an entry (a longer one is cut).
+MAX_RESPONSE_ID_CHARS = 256
+
+
+def _detail(value: Any, whole: int) -> int:
+    """A token detail as sent, kept only when it is an int in `0..whole` (its total)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= whole:
+        return 0
+    return value
+
+
+def _response_id(value: str) -> str:
+    """The id without control characters, capped (it is logged and shown to support)."""
+    return "".join(c for c in value[:MAX_RESPONSE_ID_CHARS] if c.isprintable())
+
+
 def request_usage_of(
     wire: Any, response_id: str, usage: Usage, latency: float, agent: str | None
 ) -> RequestUsage:
@@ -52,9 +70,9 @@ def request_usage_of(
     return RequestUsage(
         usage.prompt_tokens,
         usage.completion_tokens,
-        wire.cached_tokens if wire is not None else 0,
-        wire.reasoning_tokens if wire is not None else 0,
-        response_id,
+        _detail(wire.cached_tokens, usage.prompt_tokens) if wire is not None else 0,
+        _detail(wire.reasoning_tokens, usage.completion_tokens) if wire is not None else 0,
+        _response_id(response_id),
         latency,
         agent,
     )
