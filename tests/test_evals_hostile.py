@@ -313,3 +313,41 @@ def test_the_log_records_what_was_expected(server: FakeOpenAIServer, tmp_path: P
     (line,) = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()[1:]]
     assert line["expected"] == {"city": "Paris"} and line["explanation"] == "wrong city"
     assert result.records[0].expected == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("alias", ["symlink", "hardlink"])
+def test_a_second_writer_through_another_path_to_the_log_is_refused(
+    tmp_path: Path, alias: str
+) -> None:
+    from treadle.evals.log import LogHeader, LogWriter
+
+    log = tmp_path / "run.jsonl"
+    log.touch()
+    other = tmp_path / "alias.jsonl"
+    if alias == "symlink":
+        other.symlink_to(log)
+    else:
+        os.link(log, other)
+    header = LogHeader("h", {}, "ds", 1, 1)
+    first = LogWriter(log, header)
+    try:
+        with pytest.raises(EvalLogBusyError, match="is being written by another run"):
+            LogWriter(other, header)
+    finally:
+        first.close()
+    # once the first is done, the alias may write (it resumes the same log)
+    LogWriter(other, header).close()
+    assert len(log.read_text().splitlines()) == 1
+
+
+def test_a_symlink_planted_at_the_holder_note_is_never_written_through(tmp_path: Path) -> None:
+    from treadle.errors import PersistenceError
+    from treadle.evals.log import LogHeader, LogWriter
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("important data\n")
+    log = tmp_path / "run.jsonl"
+    lock_path(log).symlink_to(victim)
+    with pytest.raises(PersistenceError, match="a symlink is never followed"):
+        LogWriter(log, LogHeader("h", {}, "ds", 1, 1))
+    assert victim.read_text() == "important data\n"

@@ -11,9 +11,11 @@ sample's transcript file first and its log line second, and fsyncs the log whene
 drains: a line on disk means its sample is done. A crash leaves at most a torn last line, which
 `read_log` ignores and `LogWriter` cuts off before appending.
 
-A log has one writer: `LogWriter` holds an exclusive `flock` on `<log>.lock` (beside the log,
-naming its holder: pid, host, start time) from before it reads the log until `close`, and a
-second writer is refused with `EvalLogBusyError` naming the holder. Every line is checked when a
+A log has one writer: `LogWriter` holds an exclusive `flock` on the log file itself (so every
+path to it, a symlink, a hard link or a relative path, meets the same lock) from before it reads
+the log until `close`, notes its holder (pid, host, start time) in `<log>.lock` beside the log's
+real path (opened without following a planted symlink), and a second writer is refused with
+`EvalLogBusyError` naming the holder. Every line is checked when a
 log is read or resumed (known fields only, each of its type, no sample twice): a damaged line is
 an `EvalLogDamagedError` naming the file and line, raised before a resume spends anything. This
 module must never rewrite a line already written.
@@ -27,6 +29,7 @@ import math
 import os
 import queue
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -332,43 +335,68 @@ def read_log(path: str | os.PathLike[str]) -> EvalLog:
 
 
 def lock_path(log: str | os.PathLike[str]) -> Path:
-    """The lock file beside a log (`run.jsonl.lock`), held by the run writing it."""
-    path = Path(log)
+    """The holder note beside a log's real path (`run.jsonl.lock`), naming the run writing it.
+
+    The lock itself is an `flock` on the log file, so a symlink or hard link to the log meets it
+    too; this file only says who holds it."""
+    path = Path(os.path.realpath(log))
     return path.with_name(path.name + ".lock")
 
 
 def _lock(log: Path) -> int:
-    """Take the log's lock and note the holder in it; `EvalLogBusyError` naming the holder."""
-    lock = lock_path(log)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    """Lock the log file itself and note the holder beside it; `EvalLogBusyError` naming the
+    holder. Returns the locked descriptor of the log."""
     try:
+        fd = os.open(log, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        raise PersistenceError(f"cannot open the log {log}: {error}; pick another --log.") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PersistenceError(f"{log} is not a regular file; pick another --log.")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _holder(fd)
         os.close(fd)
         raise EvalLogBusyError(
-            f"{log} is being written by another run ({holder}); wait for it to end, or give "
-            "this run another log."
+            f"{log} is being written by another run ({_holder(lock_path(log))}); wait for it to "
+            "end, or give this run another log."
         ) from None
     except BaseException:
         os.close(fd)
         raise
-    note = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.time(),
-    }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, to_json(note) + b"\n", 0)
+    note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    try:
+        # O_NOFOLLOW: a symlink planted at the note's name is refused, never written through
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        note_fd = os.open(lock_path(log), flags, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(note_fd).st_mode):
+                raise OSError(f"{lock_path(log)} is not a regular file")
+            os.ftruncate(note_fd, 0)
+            os.pwrite(note_fd, to_json(note) + b"\n", 0)
+        finally:
+            os.close(note_fd)
+    except OSError as error:
+        os.close(fd)
+        raise PersistenceError(
+            f"cannot write the holder note {lock_path(log)} ({error}); remove what is at that "
+            "path (a symlink is never followed) and run again."
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
-def _holder(fd: int) -> str:
+def _holder(note: Path) -> str:
     try:
-        data = from_json(os.pread(fd, 4096, 0))
+        fd = os.open(note, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            data = from_json(os.pread(fd, 4096, 0))
+        finally:
+            os.close(fd)
         started = datetime.datetime.fromtimestamp(float(data["started"]), datetime.UTC)
         return f"pid {int(data['pid'])} on {data['host']}, started {started:%Y-%m-%d %H:%M:%S} UTC"
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, OverflowError):
         return "its holder has not written its name yet"
 
 
