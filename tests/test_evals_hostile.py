@@ -351,3 +351,24 @@ def test_a_symlink_planted_at_the_holder_note_is_never_written_through(tmp_path:
     with pytest.raises(PersistenceError, match="a symlink is never followed"):
         LogWriter(log, LogHeader("h", {}, "ds", 1, 1))
     assert victim.read_text() == "important data\n"
+
+
+@pytest.mark.parametrize(
+    ("made", "said"),
+    [
+        (lambda: Score(0.5, "no"), "passed must be True or False"),  # type: ignore[arg-type]
+        (lambda: Score(True, True), "must be a finite number"),
+        (lambda: Score(1.0, True, explanation=123), "explanation must be"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_score_of_the_wrong_types_is_a_scorer_error_and_the_log_stays_readable(
+    server: FakeOpenAIServer, tmp_path: Path, made: Any, said: str
+) -> None:
+    def scorer(sample: ScoreInput) -> Score:
+        return made()  # type: ignore[no-any-return]
+
+    log = tmp_path / "odd.jsonl"
+    result = run_eval(_agent(server), ITEMS[:2], function(scorer), log=log)
+    assert [r.error_kind for r in result.records] == ["scorer_error", "scorer_error"]
+    assert said in (result.records[0].error or "")
+    assert len(read_log(log).records) == 2
