@@ -372,3 +372,31 @@ def test_a_score_of_the_wrong_types_is_a_scorer_error_and_the_log_stays_readable
     assert [r.error_kind for r in result.records] == ["scorer_error", "scorer_error"]
     assert said in (result.records[0].error or "")
     assert len(read_log(log).records) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"item_id": "ghost"}, "item 'ghost' is not in the dataset"),
+        ({"sample": 7}, "sample 7 of item 'q0' is past samples=1"),
+    ],
+)
+def test_a_resumed_line_outside_the_dataset_is_refused_before_any_request(
+    tmp_path: Path, change: dict[str, Any], said: str
+) -> None:
+    requests: list[int] = []
+
+    def script(request: dict[str, Any]) -> Reply:
+        requests.append(1)
+        return Reply.text(request["messages"][-1]["content"])
+
+    with FakeOpenAIServer(script) as fake:
+        log = tmp_path / "crafted.jsonl"
+        run_eval(_agent(fake), ITEMS[:3], log=log)
+        lines = log.read_text().splitlines()
+        stranger = dict(json.loads(lines[1]), transcript=None, **change)
+        log.write_text("\n".join([lines[0], lines[1], lines[2], json.dumps(stranger)]) + "\n")
+        spent = len(requests)
+        with pytest.raises(EvalLogDamagedError, match=f"crafted.jsonl:4: {said}"):
+            run_eval(_agent(fake), ITEMS[:3], log=log)
+        assert len(requests) == spent

@@ -277,7 +277,9 @@ def _header(data: Any, path: Path) -> LogHeader:
     return LogHeader(**values)
 
 
-def _scan(path: Path) -> tuple[LogHeader | None, list[SampleRecord], int]:
+def _scan(
+    path: Path,
+) -> tuple[LogHeader | None, list[SampleRecord], int, dict[tuple[str, int], int]]:
     """Every complete line of a log, checked: its header, its records and the offset past the
     last complete line. `EvalLogDamagedError` names the first damaged line."""
     header: LogHeader | None = None
@@ -311,7 +313,7 @@ def _scan(path: Path) -> tuple[LogHeader | None, list[SampleRecord], int]:
             )
         seen[record.key] = number
         records.append(record)
-    return header, records, end
+    return header, records, end, seen
 
 
 def _damaged(path: Path, number: int, why: str) -> EvalLogDamagedError:
@@ -328,7 +330,7 @@ def read_log(path: str | os.PathLike[str]) -> EvalLog:
     p = Path(path)
     if not p.is_file():
         raise PersistenceError(f"no evaluation log at {p}.")
-    header, records, _ = _scan(p)
+    header, records, _, _ = _scan(p)
     if header is None:
         raise PersistenceError(f"{p} is empty: it has no header line.")
     return EvalLog(p, header, records)
@@ -422,6 +424,8 @@ class LogWriter:
         """This run's header (a resumed log keeps the header it was first written with)."""
         self.done: set[tuple[str, int]] = set()
         """Keys of the samples already in the log when it was opened."""
+        self.done_lines: dict[tuple[str, int], int] = {}
+        """The line of each of those samples (for an error naming file and line)."""
         self._lock = _lock(self.path)
         try:
             fresh = not self.path.exists() or self.path.stat().st_size == 0
@@ -443,8 +447,9 @@ class LogWriter:
         self._thread.start()
 
     def _check_and_trim(self, header: LogHeader) -> None:
-        found, records, end = _scan(self.path)
+        found, records, end, lines = _scan(self.path)
         self.done.update(record.key for record in records)
+        self.done_lines.update(lines)
         if found is None:
             raise PersistenceError(f"{self.path} is not an evaluation log; pick another --log.")
         if found.config_hash != header.config_hash:

@@ -33,7 +33,7 @@ import anyio
 
 from treadle.agents import Agent
 from treadle.distributed import map_iter
-from treadle.errors import ConfigurationError
+from treadle.errors import ConfigurationError, EvalLogDamagedError
 from treadle.evals.config import config_hash, fingerprint_agent
 from treadle.evals.dataset import Dataset, Item
 from treadle.evals.failures import classify, classify_text, retryable
@@ -182,6 +182,7 @@ async def arun_eval(
     run = _Run(agent, scoring, writer, log_path, samples * len(data), progress)
     run.score_timeout = score_timeout or sample_timeout or DEFAULT_SCORE_TIMEOUT
     try:
+        _refuse_strangers(log_path, writer, {item.id for item in data}, samples)
         pending = [
             _Attempt(item, j)
             for item in data
@@ -232,6 +233,24 @@ def _check(
     if backend == "ray" and sandbox:
         # Workspaces are made on this machine; a Ray worker elsewhere would not see them.
         raise ConfigurationError("sandbox=True runs on the local and process backends only.")
+
+
+def _refuse_strangers(log: Path, writer: LogWriter, ids: set[str], samples: int) -> None:
+    """`EvalLogDamagedError` naming file and line for a resumed sample of an item not in the
+    dataset or numbered past `samples` (checked before any request)."""
+    for (item_id, sample), line in sorted(writer.done_lines.items(), key=lambda kv: kv[1]):
+        if item_id not in ids:
+            why = f"item {item_id!r} is not in the dataset"
+        elif not 0 <= sample < samples:
+            why = f"sample {sample} of item {item_id!r} is past samples={samples}"
+        else:
+            continue
+        raise EvalLogDamagedError(
+            f"{log}:{line}: {why}; resume with the dataset and samples it was written with, "
+            "or start a new log.",
+            path=str(log),
+            line=line,
+        )
 
 
 class _Run:
