@@ -400,3 +400,18 @@ def test_a_resumed_line_outside_the_dataset_is_refused_before_any_request(
         with pytest.raises(EvalLogDamagedError, match=f"crafted.jsonl:4: {said}"):
             run_eval(_agent(fake), ITEMS[:3], log=log)
         assert len(requests) == spent
+
+
+class _ScorerQuit(BaseException):
+    """A BaseException a hostile scorer raises."""
+
+
+def test_a_scorer_raising_a_base_exception_re_raises_it_not_a_group(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    def scorer(sample: ScoreInput) -> bool:
+        raise _ScorerQuit("scorer quits")
+
+    with pytest.raises(_ScorerQuit, match="scorer quits"):
+        run_eval(_agent(server), ITEMS[:2], function(scorer), log=tmp_path / "q.jsonl")
+    assert read_log(tmp_path / "q.jsonl").records == []

@@ -235,6 +235,20 @@ def _check(
         raise ConfigurationError("sandbox=True runs on the local and process backends only.")
 
 
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception in `group` (nested groups opened) that is not a cancellation."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        error = stack.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            stack[:0] = list(error.exceptions)
+        else:
+            leaves.append(error)
+    real = [e for e in leaves if not isinstance(e, asyncio.CancelledError)]
+    return (real or leaves or [group])[0]
+
+
 def _refuse_strangers(log: Path, writer: LogWriter, ids: set[str], samples: int) -> None:
     """`EvalLogDamagedError` naming file and line for a resumed sample of an item not in the
     dataset or numbered past `samples` (checked before any request)."""
@@ -363,6 +377,9 @@ class _Run:
                         tg.start_soon(finish, dispatched.pop(index), result)
                 finally:
                     await stream.aclose()
+        except BaseExceptionGroup as group:
+            # a scorer's own exception (a BaseException it raised, say), not the task group's
+            raise _first_leaf(group) from None
         finally:
             if workspace_root is not None:
                 await asyncio.to_thread(shutil.rmtree, workspace_root, True)
