@@ -415,3 +415,24 @@ def test_a_scorer_raising_a_base_exception_re_raises_it_not_a_group(
     with pytest.raises(_ScorerQuit, match="scorer quits"):
         run_eval(_agent(server), ITEMS[:2], function(scorer), log=tmp_path / "q.jsonl")
     assert read_log(tmp_path / "q.jsonl").records == []
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"created_at": "yesterday"}, "'created_at' is not a time"),
+        ({"created_at": 1e300}, "'created_at' is not a time"),
+        ({"config": {"agent": "echo"}}, "'config.agent' is not an object"),
+        ({"config": {"agent": {"provider": "x"}}}, "'config.agent.provider' is not an object"),
+        ({"items": -5}, "'items' and 'samples' must be counts"),
+    ],
+)
+def test_a_header_field_of_the_wrong_type_is_a_damaged_line(
+    tmp_path: Path, change: dict[str, Any], said: str
+) -> None:
+    header = {"type": "header", "schema": 2, "config_hash": "abc", "config": {}, "dataset": "d"}
+    header |= {"items": 1, "samples": 1, "created_at": 1.0, "treadle": "0", "producer": {}}
+    log = tmp_path / "bad.jsonl"
+    log.write_text(json.dumps(header | change) + "\n")
+    with pytest.raises(EvalLogDamagedError, match=f"bad.jsonl:1: .*{said}"):
+        read_log(log)

@@ -233,6 +233,29 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 _HEADER_FIELDS = frozenset(f.name for f in fields(LogHeader))
 
 
+# The latest time `datetime` can show (9999-12-31), so a report can always print `created_at`.
+_LAST_TIME = 253402300799.0
+
+
+def _header_extras(values: Mapping[str, Any]) -> str | None:
+    """Why the header's optional fields (and `config.agent`) are unusable, or None."""
+    created = values.get("created_at", 0.0)
+    if not (_number(created) and 0.0 <= created <= _LAST_TIME):
+        return "field 'created_at' is not a time in seconds since 1970"
+    if not isinstance(values.get("treadle", ""), str):
+        return "field 'treadle' is not a version string"
+    if not isinstance(values.get("producer", {}), dict):
+        return "field 'producer' is not an object"
+    agent = values["config"].get("agent", {})
+    if not isinstance(agent, dict):
+        return "field 'config.agent' is not an object"
+    if not isinstance(agent.get("provider") or {}, dict):
+        return "field 'config.agent.provider' is not an object"
+    if not (_count(values["items"]) and _count(values["samples"])):
+        return "fields 'items' and 'samples' must be counts"
+    return None
+
+
 def _header(data: Any, path: Path) -> LogHeader:
     if not isinstance(data, dict) or data.get("type") != "header":
         raise PersistenceError(f"{path} is not an evaluation log (its first line is no header).")
@@ -268,6 +291,8 @@ def _header(data: Any, path: Path) -> LogHeader:
             None,
         )
     )
+    if bad is None:
+        bad = _header_extras(values)
     if bad is not None:
         raise EvalLogDamagedError(
             f"{path}:1: the header line is damaged ({bad}); this log cannot be read.",
