@@ -436,3 +436,25 @@ def test_a_header_field_of_the_wrong_type_is_a_damaged_line(
     log.write_text(json.dumps(header | change) + "\n")
     with pytest.raises(EvalLogDamagedError, match=f"bad.jsonl:1: .*{said}"):
         read_log(log)
+
+
+def test_the_summary_is_computed_off_the_runtime_loop(
+    server: FakeOpenAIServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import treadle.evals.run as run_module
+
+    threads: list[bool] = []
+    real = run_module.summarize
+
+    def watched(log: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            threads.append(False)  # called on an event loop: a big log would stall it
+        except RuntimeError:
+            threads.append(True)
+        return real(log)
+
+    monkeypatch.setattr(run_module, "summarize", watched)
+    result = run_eval(_agent(server), ITEMS[:2], log=tmp_path / "s.jsonl")
+    assert result.summary.samples == 2
+    assert threads == [True]

@@ -210,7 +210,9 @@ async def arun_eval(
         )
         raise run.progress_error
     read = await asyncio.to_thread(read_log, log_path)
-    return EvalResult(log_path, summarize(read), read.records)
+    # a big (or crafted) log takes long to summarise: off the shared loop
+    summary = await asyncio.to_thread(summarize, read)
+    return EvalResult(log_path, summary, read.records)
 
 
 def _check(
