@@ -23,13 +23,9 @@ module must never rewrite a line already written.
 
 from __future__ import annotations
 
-import datetime
-import fcntl
 import math
 import os
 import queue
-import socket
-import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,11 +38,11 @@ from pydantic_core import from_json, to_json
 from treadle import __version__
 from treadle.errors import (
     EvalConfigMismatch,
-    EvalLogBusyError,
     EvalLogDamagedError,
     PersistenceError,
 )
 from treadle.evals.failures import ERROR_KINDS
+from treadle.evals.loglock import lock_log, lock_path, unlock_log
 
 __all__ = [
     "LOG_SCHEMA",
@@ -361,79 +357,6 @@ def read_log(path: str | os.PathLike[str]) -> EvalLog:
     return EvalLog(p, header, records)
 
 
-def lock_path(log: str | os.PathLike[str]) -> Path:
-    """The holder note beside a log's real path (`run.jsonl.lock`), naming the run writing it.
-
-    The lock itself is an `flock` on the log file, so a symlink or hard link to the log meets it
-    too; this file only says who holds it."""
-    path = Path(os.path.realpath(log))
-    return path.with_name(path.name + ".lock")
-
-
-def _lock(log: Path) -> int:
-    """Lock the log file itself and note the holder beside it; `EvalLogBusyError` naming the
-    holder. Returns the locked descriptor of the log."""
-    try:
-        fd = os.open(log, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as error:
-        raise PersistenceError(f"cannot open the log {log}: {error}; pick another --log.") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise PersistenceError(f"{log} is not a regular file; pick another --log.")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise EvalLogBusyError(
-            f"{log} is being written by another run ({_holder(lock_path(log))}); wait for it to "
-            "end, or give this run another log."
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-    try:
-        # O_NOFOLLOW: a symlink planted at the note's name is refused, never written through
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        note_fd = os.open(lock_path(log), flags, 0o644)
-        try:
-            if not stat.S_ISREG(os.fstat(note_fd).st_mode):
-                raise OSError(f"{lock_path(log)} is not a regular file")
-            os.ftruncate(note_fd, 0)
-            os.pwrite(note_fd, to_json(note) + b"\n", 0)
-        finally:
-            os.close(note_fd)
-    except OSError as error:
-        os.close(fd)
-        raise PersistenceError(
-            f"cannot write the holder note {lock_path(log)} ({error}); remove what is at that "
-            "path (a symlink is never followed) and run again."
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _holder(note: Path) -> str:
-    try:
-        fd = os.open(note, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            data = from_json(os.pread(fd, 4096, 0))
-        finally:
-            os.close(fd)
-        started = datetime.datetime.fromtimestamp(float(data["started"]), datetime.UTC)
-        return f"pid {int(data['pid'])} on {data['host']}, started {started:%Y-%m-%d %H:%M:%S} UTC"
-    except (OSError, ValueError, TypeError, KeyError, OverflowError):
-        return "its holder has not written its name yet"
-
-
-def _unlock(fd: int) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
 class LogWriter:
     """Appends sample lines (and their transcripts) to a log from a background thread.
 
@@ -451,14 +374,14 @@ class LogWriter:
         """Keys of the samples already in the log when it was opened."""
         self.done_lines: dict[tuple[str, int], int] = {}
         """The line of each of those samples (for an error naming file and line)."""
-        self._lock = _lock(self.path)
+        self._lock = lock_log(self.path)
         try:
             fresh = not self.path.exists() or self.path.stat().st_size == 0
             if not fresh:
                 self._check_and_trim(header)
             self._file = self.path.open("ab")
         except BaseException:
-            _unlock(self._lock)
+            unlock_log(self._lock)
             raise
         if fresh:
             self._file.write(to_json(header.to_json()) + b"\n")
@@ -529,6 +452,6 @@ class LogWriter:
             self._thread.join()
         if self._lock >= 0:
             lock, self._lock = self._lock, -1
-            _unlock(lock)
+            unlock_log(lock)
         if self._error is not None:
             raise PersistenceError(f"cannot write {self.path}: {self._error}") from self._error

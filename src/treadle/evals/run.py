@@ -33,10 +33,11 @@ import anyio
 
 from treadle.agents import Agent
 from treadle.distributed import map_iter
-from treadle.errors import ConfigurationError, EvalLogDamagedError
+from treadle.errors import ConfigurationError
 from treadle.evals.config import config_hash, fingerprint_agent
 from treadle.evals.dataset import Dataset, Item
 from treadle.evals.failures import classify, classify_text, retryable
+from treadle.evals.guards import first_leaf, refuse_strangers
 from treadle.evals.log import ANSWER_CAP, LogHeader, LogWriter, SampleRecord, read_log
 from treadle.evals.scorers import Score, ScoreInput, Scorer, ScorerError, as_scorer
 from treadle.evals.summary import Summary, summarize
@@ -182,7 +183,7 @@ async def arun_eval(
     run = _Run(agent, scoring, writer, log_path, samples * len(data), progress)
     run.score_timeout = score_timeout or sample_timeout or DEFAULT_SCORE_TIMEOUT
     try:
-        _refuse_strangers(log_path, writer, {item.id for item in data}, samples)
+        refuse_strangers(log_path, writer, {item.id for item in data}, samples)
         pending = [
             _Attempt(item, j)
             for item in data
@@ -235,38 +236,6 @@ def _check(
     if backend == "ray" and sandbox:
         # Workspaces are made on this machine; a Ray worker elsewhere would not see them.
         raise ConfigurationError("sandbox=True runs on the local and process backends only.")
-
-
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The first exception in `group` (nested groups opened) that is not a cancellation."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        error = stack.pop(0)
-        if isinstance(error, BaseExceptionGroup):
-            stack[:0] = list(error.exceptions)
-        else:
-            leaves.append(error)
-    real = [e for e in leaves if not isinstance(e, asyncio.CancelledError)]
-    return (real or leaves or [group])[0]
-
-
-def _refuse_strangers(log: Path, writer: LogWriter, ids: set[str], samples: int) -> None:
-    """`EvalLogDamagedError` naming file and line for a resumed sample of an item not in the
-    dataset or numbered past `samples` (checked before any request)."""
-    for (item_id, sample), line in sorted(writer.done_lines.items(), key=lambda kv: kv[1]):
-        if item_id not in ids:
-            why = f"item {item_id!r} is not in the dataset"
-        elif not 0 <= sample < samples:
-            why = f"sample {sample} of item {item_id!r} is past samples={samples}"
-        else:
-            continue
-        raise EvalLogDamagedError(
-            f"{log}:{line}: {why}; resume with the dataset and samples it was written with, "
-            "or start a new log.",
-            path=str(log),
-            line=line,
-        )
 
 
 class _Run:
@@ -381,7 +350,7 @@ class _Run:
                     await stream.aclose()
         except BaseExceptionGroup as group:
             # a scorer's own exception (a BaseException it raised, say), not the task group's
-            raise _first_leaf(group) from None
+            raise first_leaf(group) from None
         finally:
             if workspace_root is not None:
                 await asyncio.to_thread(shutil.rmtree, workspace_root, True)
