@@ -43,7 +43,7 @@ def lock_log(log: Path) -> int:
     except BlockingIOError:
         os.close(fd)
         raise EvalLogBusyError(
-            f"{log} is being written by another run ({_holder(lock_path(log))}); wait for it to "
+            f"{log} is being written by another run ({_named_holder(log)}); wait for it to "
             "end, or give this run another log."
         ) from None
     except BaseException:
@@ -71,6 +71,22 @@ def lock_log(log: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+# How long a refused run waits for the holder to write its note (it takes the lock first, then
+# writes the note, so a run refused in between would otherwise name nobody).
+_NOTE_WAIT = 2.0
+
+
+def _named_holder(log: Path) -> str:
+    """The holder note's text, waiting briefly (this runs on a worker thread) for a holder that
+    has just taken the lock to write it."""
+    deadline = time.monotonic() + _NOTE_WAIT
+    while True:
+        said = _holder(lock_path(log))
+        if not said.startswith("its holder") or time.monotonic() > deadline:
+            return said
+        time.sleep(0.02)
 
 
 def _holder(note: Path) -> str:
