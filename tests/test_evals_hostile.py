@@ -313,3 +313,148 @@ def test_the_log_records_what_was_expected(server: FakeOpenAIServer, tmp_path: P
     (line,) = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()[1:]]
     assert line["expected"] == {"city": "Paris"} and line["explanation"] == "wrong city"
     assert result.records[0].expected == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("alias", ["symlink", "hardlink"])
+def test_a_second_writer_through_another_path_to_the_log_is_refused(
+    tmp_path: Path, alias: str
+) -> None:
+    from treadle.evals.log import LogHeader, LogWriter
+
+    log = tmp_path / "run.jsonl"
+    log.touch()
+    other = tmp_path / "alias.jsonl"
+    if alias == "symlink":
+        other.symlink_to(log)
+    else:
+        os.link(log, other)
+    header = LogHeader("h", {}, "ds", 1, 1)
+    first = LogWriter(log, header)
+    try:
+        with pytest.raises(EvalLogBusyError, match="is being written by another run"):
+            LogWriter(other, header)
+    finally:
+        first.close()
+    # once the first is done, the alias may write (it resumes the same log)
+    LogWriter(other, header).close()
+    assert len(log.read_text().splitlines()) == 1
+
+
+def test_a_symlink_planted_at_the_holder_note_is_never_written_through(tmp_path: Path) -> None:
+    from treadle.errors import PersistenceError
+    from treadle.evals.log import LogHeader, LogWriter
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("important data\n")
+    log = tmp_path / "run.jsonl"
+    lock_path(log).symlink_to(victim)
+    with pytest.raises(PersistenceError, match="a symlink is never followed"):
+        LogWriter(log, LogHeader("h", {}, "ds", 1, 1))
+    assert victim.read_text() == "important data\n"
+
+
+@pytest.mark.parametrize(
+    ("made", "said"),
+    [
+        (lambda: Score(0.5, "no"), "passed must be True or False"),  # type: ignore[arg-type]
+        (lambda: Score(True, True), "must be a finite number"),
+        (lambda: Score(1.0, True, explanation=123), "explanation must be"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_score_of_the_wrong_types_is_a_scorer_error_and_the_log_stays_readable(
+    server: FakeOpenAIServer, tmp_path: Path, made: Any, said: str
+) -> None:
+    def scorer(sample: ScoreInput) -> Score:
+        return made()  # type: ignore[no-any-return]
+
+    log = tmp_path / "odd.jsonl"
+    result = run_eval(_agent(server), ITEMS[:2], function(scorer), log=log)
+    assert [r.error_kind for r in result.records] == ["scorer_error", "scorer_error"]
+    assert said in (result.records[0].error or "")
+    assert len(read_log(log).records) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"item_id": "ghost"}, "item 'ghost' is not in the dataset"),
+        ({"sample": 7}, "sample 7 of item 'q0' is past samples=1"),
+    ],
+)
+def test_a_resumed_line_outside_the_dataset_is_refused_before_any_request(
+    tmp_path: Path, change: dict[str, Any], said: str
+) -> None:
+    requests: list[int] = []
+
+    def script(request: dict[str, Any]) -> Reply:
+        requests.append(1)
+        return Reply.text(request["messages"][-1]["content"])
+
+    with FakeOpenAIServer(script) as fake:
+        log = tmp_path / "crafted.jsonl"
+        run_eval(_agent(fake), ITEMS[:3], log=log)
+        lines = log.read_text().splitlines()
+        stranger = dict(json.loads(lines[1]), transcript=None, **change)
+        log.write_text("\n".join([lines[0], lines[1], lines[2], json.dumps(stranger)]) + "\n")
+        spent = len(requests)
+        with pytest.raises(EvalLogDamagedError, match=f"crafted.jsonl:4: {said}"):
+            run_eval(_agent(fake), ITEMS[:3], log=log)
+        assert len(requests) == spent
+
+
+class _ScorerQuit(BaseException):
+    """A BaseException a hostile scorer raises."""
+
+
+def test_a_scorer_raising_a_base_exception_re_raises_it_not_a_group(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    def scorer(sample: ScoreInput) -> bool:
+        raise _ScorerQuit("scorer quits")
+
+    with pytest.raises(_ScorerQuit, match="scorer quits"):
+        run_eval(_agent(server), ITEMS[:2], function(scorer), log=tmp_path / "q.jsonl")
+    assert read_log(tmp_path / "q.jsonl").records == []
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"created_at": "yesterday"}, "'created_at' is not a time"),
+        ({"created_at": 1e300}, "'created_at' is not a time"),
+        ({"config": {"agent": "echo"}}, "'config.agent' is not an object"),
+        ({"config": {"agent": {"provider": "x"}}}, "'config.agent.provider' is not an object"),
+        ({"items": -5}, "'items' and 'samples' must be counts"),
+    ],
+)
+def test_a_header_field_of_the_wrong_type_is_a_damaged_line(
+    tmp_path: Path, change: dict[str, Any], said: str
+) -> None:
+    header = {"type": "header", "schema": 2, "config_hash": "abc", "config": {}, "dataset": "d"}
+    header |= {"items": 1, "samples": 1, "created_at": 1.0, "treadle": "0", "producer": {}}
+    log = tmp_path / "bad.jsonl"
+    log.write_text(json.dumps(header | change) + "\n")
+    with pytest.raises(EvalLogDamagedError, match=f"bad.jsonl:1: .*{said}"):
+        read_log(log)
+
+
+def test_the_summary_is_computed_off_the_runtime_loop(
+    server: FakeOpenAIServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import treadle.evals.run as run_module
+
+    threads: list[bool] = []
+    real = run_module.summarize
+
+    def watched(log: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            threads.append(False)  # called on an event loop: a big log would stall it
+        except RuntimeError:
+            threads.append(True)
+        return real(log)
+
+    monkeypatch.setattr(run_module, "summarize", watched)
+    result = run_eval(_agent(server), ITEMS[:2], log=tmp_path / "s.jsonl")
+    assert result.summary.samples == 2
+    assert threads == [True]

@@ -358,3 +358,91 @@ def test_a_missing_server_is_still_a_clear_start_error() -> None:
     with pytest.raises(MCPServerError, match="could not start MCP server /nonexistent/mcp-server"):
         missing.tools()
     missing.close()
+
+
+def _gzip_bomb_server(mib: int) -> tuple[Any, str]:
+    """A JSON-reply MCP server on 127.0.0.1 whose `boom` reply is gzip: small on the wire,
+    `mib` MiB once inflated; returns the server (to shut down) and its MCP URL."""
+    import json
+    import threading
+    import zlib
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def bomb(mid: int) -> bytes:
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+        head = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[{"type":"text","text":"' % mid
+        parts = [packer.compress(head)]
+        parts += [packer.compress(b"a" * MIB) for _ in range(mib)]
+        parts += [packer.compress(b'"}],"isError":false}}'), packer.flush()]
+        return b"".join(parts)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+        def _send(self, code: int, body: bytes = b"", headers: tuple[Any, ...] = ()) -> None:
+            self.send_response(code)
+            for key, value in headers:
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._send(405)
+
+        def do_DELETE(self) -> None:
+            self._send(200)
+
+        def do_POST(self) -> None:
+            message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            mid, method = message.get("id"), message.get("method")
+            sid = (("mcp-session-id", "s1"),)
+            if mid is None:
+                return self._send(202, b"", sid)
+            result: dict[str, Any] = {}
+            if method == "initialize":
+                result = {
+                    "protocolVersion": message["params"]["protocolVersion"],
+                    "capabilities": {"tools": {}},
+                    "serverInfo": {"name": "bomb", "version": "0"},
+                }
+            elif method == "tools/list":
+                result = {"tools": [{"name": "boom", "inputSchema": {"type": "object"}}]}
+            elif method == "tools/call":
+                kind = ("Content-Type", "application/json")
+                return self._send(200, bomb(mid), (*sid, kind, ("Content-Encoding", "gzip")))
+            body = json.dumps({"jsonrpc": "2.0", "id": mid, "result": result}).encode()
+            return self._send(200, body, (*sid, ("Content-Type", "application/json")))
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}/mcp"
+
+
+def test_a_gzip_reply_is_capped_by_its_inflated_size() -> None:
+    # 32 MiB inflated, a few dozen KiB on the wire: the cap (4 MiB) counts what it inflates to
+    httpd, url = _gzip_bomb_server(32)
+    remote = MCPServer.http(url)
+    try:
+        error = _refused_call(remote, "boom")
+        assert isinstance(error, ToolError), error
+        assert "max_message_bytes cap of 4,194,304" in str(error)
+    finally:
+        remote.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_small_gzip_reply_is_inflated_and_read() -> None:
+    httpd, url = _gzip_bomb_server(1)
+    remote = MCPServer.http(url)
+    try:
+        text = _call(remote, "boom").content[0].text
+        assert text == "a" * MIB
+    finally:
+        remote.close()
+        httpd.shutdown()
+        httpd.server_close()

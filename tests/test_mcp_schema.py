@@ -132,3 +132,51 @@ def test_an_unusable_output_schema_is_refused_too() -> None:
     assert compile_all((fine,), "demo-server")[0][1] is None
     with pytest.raises(MCPSchemaError, match="tool 'loop' with an output schema Treadle refuses"):
         compile_all((fine, looping), "demo-server")
+
+
+def _dag(levels: int) -> dict[str, Any]:
+    """N levels of `anyOf`, each with two `$ref`s to the next: no loop, 2**N subschemas."""
+    defs: dict[str, Any] = {
+        f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]}
+        for i in range(levels)
+    }
+    defs[f"d{levels}"] = {"type": "integer"}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
+def test_refs_that_fan_out_without_a_loop_are_refused_when_counted_over_the_cap() -> None:
+    validator = compile_schema(_dag(6))  # 3 * 2**6 subschemas: fine
+    assert list(validator.iter_errors({"x": 1})) == []
+    with pytest.raises(SchemaRefused, match=r"fan out .* over 1,000 subschemas"):
+        compile_schema(_dag(14))  # 2**14 subschemas for every value of x
+
+    class Server:
+        label = "demo-server"
+
+        async def call(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
+            raise AssertionError("never called")
+
+    with pytest.raises(MCPSchemaError, match=r"lists tool 'deep' .* fan out"):
+        MCPTool(Server(), types.Tool(name="deep", input_schema=_dag(14)))
+
+
+def test_unique_items_is_checked_by_hashing_not_pairwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    import jsonschema._utils  # type: ignore[import-untyped]
+
+    compared = 0
+    real_equal = jsonschema._utils.equal
+
+    def counting(one: Any, two: Any) -> bool:
+        nonlocal compared
+        compared += 1
+        return bool(real_equal(one, two))
+
+    monkeypatch.setattr(jsonschema._utils, "equal", counting)
+    validator = compile_schema({"type": "array", "uniqueItems": True})
+    assert list(validator.iter_errors([{"k": i} for i in range(2000)])) == []
+    assert compared < 2000  # pairwise would be about 2,000,000 comparisons
+    # JSON Schema's equality: 1 == 1.0, key order ignored, true != 1
+    assert list(validator.iter_errors([1, 1.0]))
+    assert list(validator.iter_errors([{"a": 1, "b": [2]}, {"b": [2.0], "a": 1}]))
+    assert not list(validator.iter_errors([1, True]))
+    assert not list(validator.iter_errors([[0], [False], {"a": None}, {"a": 0}]))

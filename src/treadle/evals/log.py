@@ -11,9 +11,11 @@ sample's transcript file first and its log line second, and fsyncs the log whene
 drains: a line on disk means its sample is done. A crash leaves at most a torn last line, which
 `read_log` ignores and `LogWriter` cuts off before appending.
 
-A log has one writer: `LogWriter` holds an exclusive `flock` on `<log>.lock` (beside the log,
-naming its holder: pid, host, start time) from before it reads the log until `close`, and a
-second writer is refused with `EvalLogBusyError` naming the holder. Every line is checked when a
+A log has one writer: `LogWriter` holds an exclusive `flock` on the log file itself (so every
+path to it, a symlink, a hard link or a relative path, meets the same lock) from before it reads
+the log until `close`, notes its holder (pid, host, start time) in `<log>.lock` beside the log's
+real path (opened without following a planted symlink), and a second writer is refused with
+`EvalLogBusyError` naming the holder. Every line is checked when a
 log is read or resumed (known fields only, each of its type, no sample twice): a damaged line is
 an `EvalLogDamagedError` naming the file and line, raised before a resume spends anything. This
 module must never rewrite a line already written.
@@ -21,12 +23,9 @@ module must never rewrite a line already written.
 
 from __future__ import annotations
 
-import datetime
-import fcntl
 import math
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,11 +38,11 @@ from pydantic_core import from_json, to_json
 from treadle import __version__
 from treadle.errors import (
     EvalConfigMismatch,
-    EvalLogBusyError,
     EvalLogDamagedError,
     PersistenceError,
 )
 from treadle.evals.failures import ERROR_KINDS
+from treadle.evals.loglock import lock_log, lock_path, unlock_log
 
 __all__ = [
     "LOG_SCHEMA",
@@ -230,6 +229,29 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 _HEADER_FIELDS = frozenset(f.name for f in fields(LogHeader))
 
 
+# The latest time `datetime` can show (9999-12-31), so a report can always print `created_at`.
+_LAST_TIME = 253402300799.0
+
+
+def _header_extras(values: Mapping[str, Any]) -> str | None:
+    """Why the header's optional fields (and `config.agent`) are unusable, or None."""
+    created = values.get("created_at", 0.0)
+    if not (_number(created) and 0.0 <= created <= _LAST_TIME):
+        return "field 'created_at' is not a time in seconds since 1970"
+    if not isinstance(values.get("treadle", ""), str):
+        return "field 'treadle' is not a version string"
+    if not isinstance(values.get("producer", {}), dict):
+        return "field 'producer' is not an object"
+    agent = values["config"].get("agent", {})
+    if not isinstance(agent, dict):
+        return "field 'config.agent' is not an object"
+    if not isinstance(agent.get("provider") or {}, dict):
+        return "field 'config.agent.provider' is not an object"
+    if not (_count(values["items"]) and _count(values["samples"])):
+        return "fields 'items' and 'samples' must be counts"
+    return None
+
+
 def _header(data: Any, path: Path) -> LogHeader:
     if not isinstance(data, dict) or data.get("type") != "header":
         raise PersistenceError(f"{path} is not an evaluation log (its first line is no header).")
@@ -265,6 +287,8 @@ def _header(data: Any, path: Path) -> LogHeader:
             None,
         )
     )
+    if bad is None:
+        bad = _header_extras(values)
     if bad is not None:
         raise EvalLogDamagedError(
             f"{path}:1: the header line is damaged ({bad}); this log cannot be read.",
@@ -274,7 +298,9 @@ def _header(data: Any, path: Path) -> LogHeader:
     return LogHeader(**values)
 
 
-def _scan(path: Path) -> tuple[LogHeader | None, list[SampleRecord], int]:
+def _scan(
+    path: Path,
+) -> tuple[LogHeader | None, list[SampleRecord], int, dict[tuple[str, int], int]]:
     """Every complete line of a log, checked: its header, its records and the offset past the
     last complete line. `EvalLogDamagedError` names the first damaged line."""
     header: LogHeader | None = None
@@ -308,7 +334,7 @@ def _scan(path: Path) -> tuple[LogHeader | None, list[SampleRecord], int]:
             )
         seen[record.key] = number
         records.append(record)
-    return header, records, end
+    return header, records, end, seen
 
 
 def _damaged(path: Path, number: int, why: str) -> EvalLogDamagedError:
@@ -325,58 +351,10 @@ def read_log(path: str | os.PathLike[str]) -> EvalLog:
     p = Path(path)
     if not p.is_file():
         raise PersistenceError(f"no evaluation log at {p}.")
-    header, records, _ = _scan(p)
+    header, records, _, _ = _scan(p)
     if header is None:
         raise PersistenceError(f"{p} is empty: it has no header line.")
     return EvalLog(p, header, records)
-
-
-def lock_path(log: str | os.PathLike[str]) -> Path:
-    """The lock file beside a log (`run.jsonl.lock`), held by the run writing it."""
-    path = Path(log)
-    return path.with_name(path.name + ".lock")
-
-
-def _lock(log: Path) -> int:
-    """Take the log's lock and note the holder in it; `EvalLogBusyError` naming the holder."""
-    lock = lock_path(log)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise EvalLogBusyError(
-            f"{log} is being written by another run ({holder}); wait for it to end, or give "
-            "this run another log."
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    note = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.time(),
-    }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, to_json(note) + b"\n", 0)
-    return fd
-
-
-def _holder(fd: int) -> str:
-    try:
-        data = from_json(os.pread(fd, 4096, 0))
-        started = datetime.datetime.fromtimestamp(float(data["started"]), datetime.UTC)
-        return f"pid {int(data['pid'])} on {data['host']}, started {started:%Y-%m-%d %H:%M:%S} UTC"
-    except (OSError, ValueError, TypeError, KeyError):
-        return "its holder has not written its name yet"
-
-
-def _unlock(fd: int) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
 
 
 class LogWriter:
@@ -394,14 +372,16 @@ class LogWriter:
         """This run's header (a resumed log keeps the header it was first written with)."""
         self.done: set[tuple[str, int]] = set()
         """Keys of the samples already in the log when it was opened."""
-        self._lock = _lock(self.path)
+        self.done_lines: dict[tuple[str, int], int] = {}
+        """The line of each of those samples (for an error naming file and line)."""
+        self._lock = lock_log(self.path)
         try:
             fresh = not self.path.exists() or self.path.stat().st_size == 0
             if not fresh:
                 self._check_and_trim(header)
             self._file = self.path.open("ab")
         except BaseException:
-            _unlock(self._lock)
+            unlock_log(self._lock)
             raise
         if fresh:
             self._file.write(to_json(header.to_json()) + b"\n")
@@ -415,8 +395,9 @@ class LogWriter:
         self._thread.start()
 
     def _check_and_trim(self, header: LogHeader) -> None:
-        found, records, end = _scan(self.path)
+        found, records, end, lines = _scan(self.path)
         self.done.update(record.key for record in records)
+        self.done_lines.update(lines)
         if found is None:
             raise PersistenceError(f"{self.path} is not an evaluation log; pick another --log.")
         if found.config_hash != header.config_hash:
@@ -471,6 +452,6 @@ class LogWriter:
             self._thread.join()
         if self._lock >= 0:
             lock, self._lock = self._lock, -1
-            _unlock(lock)
+            unlock_log(lock)
         if self._error is not None:
             raise PersistenceError(f"cannot write {self.path}: {self._error}") from self._error

@@ -37,6 +37,7 @@ from treadle.errors import ConfigurationError
 from treadle.evals.config import config_hash, fingerprint_agent
 from treadle.evals.dataset import Dataset, Item
 from treadle.evals.failures import classify, classify_text, retryable
+from treadle.evals.guards import first_leaf, refuse_strangers
 from treadle.evals.log import ANSWER_CAP, LogHeader, LogWriter, SampleRecord, read_log
 from treadle.evals.scorers import Score, ScoreInput, Scorer, ScorerError, as_scorer
 from treadle.evals.summary import Summary, summarize
@@ -182,6 +183,7 @@ async def arun_eval(
     run = _Run(agent, scoring, writer, log_path, samples * len(data), progress)
     run.score_timeout = score_timeout or sample_timeout or DEFAULT_SCORE_TIMEOUT
     try:
+        refuse_strangers(log_path, writer, {item.id for item in data}, samples)
         pending = [
             _Attempt(item, j)
             for item in data
@@ -209,7 +211,9 @@ async def arun_eval(
         )
         raise run.progress_error
     read = await asyncio.to_thread(read_log, log_path)
-    return EvalResult(log_path, summarize(read), read.records)
+    # a big (or crafted) log takes long to summarise: off the shared loop
+    summary = await asyncio.to_thread(summarize, read)
+    return EvalResult(log_path, summary, read.records)
 
 
 def _check(
@@ -344,6 +348,9 @@ class _Run:
                         tg.start_soon(finish, dispatched.pop(index), result)
                 finally:
                     await stream.aclose()
+        except BaseExceptionGroup as group:
+            # a scorer's own exception (a BaseException it raised, say), not the task group's
+            raise first_leaf(group) from None
         finally:
             if workspace_root is not None:
                 await asyncio.to_thread(shutil.rmtree, workspace_root, True)

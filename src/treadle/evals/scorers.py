@@ -61,10 +61,19 @@ class Score:
     """Why, in a sentence (shown in the report)."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.value, int | float) and math.isfinite(self.value)):
+        # checked here, so a bad score is the scorer's error and never reaches the log
+        if isinstance(self.value, bool) or not (
+            isinstance(self.value, int | float) and math.isfinite(self.value)
+        ):
             raise ScorerError(f"a score value must be a finite number, got {self.value!r}.")
         if not 0.0 <= self.value <= 1.0:
             raise ScorerError(f"a score value must be in [0, 1], got {self.value!r}.")
+        if not isinstance(self.passed, bool):
+            raise ScorerError(f"a score's passed must be True or False, got {self.passed!r}.")
+        if self.explanation is not None and not isinstance(self.explanation, str):
+            raise ScorerError(
+                f"a score's explanation must be a string or None, got {self.explanation!r}."
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,12 +5,16 @@ stream event by event. Events it caps itself (`max_sse_event_size`, given the se
 `max_message_bytes`); JSON replies are capped here, by a transport wrapper whose body stream
 stops with an `httpx2.StreamError` (which the SDK turns into an error reply to the call) as soon
 as a reply passes the cap, or before reading any of it when its `Content-Length` says it will.
-This module must never hold more than the cap of one reply.
+The cap counts DECODED bytes: a `gzip` or `deflate` reply is inflated here, a bounded piece at a
+time, and a reply in any other content coding is refused (requests ask only for those two), so a
+small compressed body can never inflate past the cap. This module must never hold more than the
+cap of one reply.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import zlib
+from collections.abc import AsyncIterator, Iterator, Mapping
 
 import httpx2
 
@@ -21,22 +25,73 @@ class ReplyTooLarge(httpx2.StreamError):
     """A server's JSON reply passed the connection's `max_message_bytes`."""
 
 
+# Each inflation step yields at most this many bytes, so a bomb is caught a piece at a time.
+_PIECE = 64 * 1024
+_WBITS = {
+    "gzip": 16 + zlib.MAX_WBITS,
+    "x-gzip": 16 + zlib.MAX_WBITS,
+    "deflate": 32 + zlib.MAX_WBITS,
+}
+
+
+def _codings(header: str) -> list[str]:
+    return [
+        c.strip().lower() for c in header.split(",") if c.strip().lower() not in ("", "identity")
+    ]
+
+
+def _inflate(decoders: list[zlib._Decompress], data: bytes, flush: bool = False) -> Iterator[bytes]:
+    """`data` run through every decoder in turn (outermost coding first), in bounded pieces."""
+    if not decoders:
+        if data:
+            yield data
+        return
+    first, rest = decoders[0], decoders[1:]
+    while data:
+        piece = first.decompress(data, _PIECE)
+        data = first.unconsumed_tail
+        yield from _inflate(rest, piece)
+    if flush:
+        yield from _inflate(rest, first.flush(), flush=True)
+
+
 class _CappedBody(httpx2.AsyncByteStream):
-    def __init__(self, inner: httpx2.AsyncByteStream, cap: int, url: str, declared: int) -> None:
+    def __init__(
+        self, inner: httpx2.AsyncByteStream, cap: int, url: str, declared: int, coding: str
+    ) -> None:
         self._inner = inner
         self._cap = cap
         self._url = url
         self._declared = declared
+        self._coding = coding
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        if self._declared > self._cap:  # refused before a byte of it is read
+        codings = _codings(self._coding)
+        if not codings and self._declared > self._cap:  # refused before a byte of it is read
             raise _too_large(self._url, self._cap, self._declared)
+        unknown = [c for c in codings if c not in _WBITS]
+        if unknown:
+            raise ReplyTooLarge(
+                f"the reply from {self._url} is in the content coding {unknown[0]!r}, which "
+                "cannot be capped while it decodes; serve JSON replies plain, gzip or deflate"
+            )
+        # the outermost coding is listed last, so it is undone first
+        decoders = [zlib.decompressobj(_WBITS[c]) for c in reversed(codings)]
         seen = 0
         async for chunk in self._inner:
-            seen += len(chunk)
+            try:
+                for piece in _inflate(decoders, chunk):
+                    seen += len(piece)
+                    if seen > self._cap:
+                        raise _too_large(self._url, self._cap, seen)
+                    yield piece
+            except zlib.error as error:
+                raise httpx2.DecodingError(f"the reply from {self._url}: {error}") from error
+        for piece in _inflate(decoders, b"", flush=True):
+            seen += len(piece)
             if seen > self._cap:
                 raise _too_large(self._url, self._cap, seen)
-            yield chunk
+            yield piece
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -63,10 +118,13 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         length = response.headers.get("content-length", "")
         declared = int(length) if length.isdigit() else 0
         assert isinstance(response.stream, httpx2.AsyncByteStream)
+        coding = response.headers.get("content-encoding", "")
+        # decoded here (and capped as it decodes), so the client must not decode it again
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() != "content-encoding"]
         return httpx2.Response(
             response.status_code,
-            headers=response.headers,
-            stream=_CappedBody(response.stream, self._cap, str(request.url), declared),
+            headers=headers,
+            stream=_CappedBody(response.stream, self._cap, str(request.url), declared, coding),
             request=request,
             extensions=response.extensions,
         )
@@ -80,7 +138,7 @@ def capped_client(
 ) -> httpx2.AsyncClient:
     """An HTTP client whose JSON replies may not exceed `cap` bytes."""
     return httpx2.AsyncClient(
-        headers=dict(headers),
+        headers={"accept-encoding": "gzip, deflate", **dict(headers)},
         timeout=timeout,
         transport=_CappedTransport(httpx2.AsyncHTTPTransport(), cap),
     )

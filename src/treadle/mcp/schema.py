@@ -8,7 +8,10 @@ cannot express (lookaround, backreferences) is left to the server to check. When
 a tool, its schema is compiled (on a worker thread) and refused with an error naming tool and
 server when it is not a valid JSON Schema, points a `$ref` outside itself or nowhere, or has a
 `$ref` chain that loops back without descending into the arguments (`RecursionError` on every
-call otherwise). This module must never run Python's `re` on a server's pattern.
+call otherwise), or whose `$ref`s fan out without a loop so that one value would be checked
+against more than `MAX_EXPANSION` subschemas (N levels of `anyOf` with two refs to the next
+level cost 2**N). `uniqueItems` is checked by hashing each item's canonical form (linear), not
+pairwise. This module must never run Python's `re` on a server's pattern.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from urllib.parse import unquote
 import re2  # type: ignore[import-untyped]
 from jsonschema import exceptions, validators  # type: ignore[import-untyped]
 
-__all__ = ["SchemaRefused", "compile_schema"]
+__all__ = ["MAX_EXPANSION", "SchemaRefused", "compile_schema"]
+
+#: The most subschemas (counted with multiplicity, following `$ref`s) one value may be checked
+#: against; a schema over it is refused when listed, since checking it costs that much per value.
+MAX_EXPANSION = 1000
 
 # Keywords whose subschemas apply to the same value as their parent (a `$ref` cycle through only
 # these never reaches a smaller value, so it never ends).
@@ -101,6 +108,32 @@ def _additional_properties(validator: Any, extra: Any, instance: Any, schema: An
         )
 
 
+def _canonical(value: Any) -> Any:
+    """A hashable form of a JSON value, equal exactly when JSON Schema calls the values equal
+    (1 == 1.0, key order ignored, true != 1)."""
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, dict):
+        # sorted pairs, not a frozenset: frozenset hashes of near-alike objects collide badly
+        pairs = sorted(value.items(), key=lambda pair: pair[0])
+        return ("object", tuple((k, _canonical(v)) for k, v in pairs))
+    if isinstance(value, list | tuple):
+        return ("array", tuple(_canonical(v) for v in value))
+    return value
+
+
+def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    seen: set[Any] = set()
+    for item in instance:
+        key = _canonical(item)
+        if key in seen:
+            yield exceptions.ValidationError(f"{instance!r} has non-unique elements")
+            return
+        seen.add(key)
+
+
 def _left_to_the_server(validator: Any, value: Any, instance: Any, schema: Any) -> Iterator[Any]:
     return iter(())
 
@@ -126,6 +159,7 @@ def compile_schema(schema: Mapping[str, Any]) -> Any:
         "pattern": _pattern,
         "patternProperties": _pattern_properties,
         "additionalProperties": _additional_properties,
+        "uniqueItems": _unique_items,
     }
     if "unevaluatedProperties" in base.VALIDATORS and _has_key(schema, "patternProperties"):
         # jsonschema would match those patterns with `re`; without them the server checks.
@@ -195,6 +229,32 @@ def _check_refs(schema: Mapping[str, Any]) -> None:
             out.extend(f"{pointer}/dependentSchemas/{k}" for k in node["dependentSchemas"])
         edges[pointer] = [p for p in out if p in by_pointer]
     _refuse_cycles(edges)
+    _refuse_blowup(edges)
+
+
+def _refuse_blowup(edges: Mapping[str, list[str]]) -> None:
+    """`SchemaRefused` when one value would be checked against more than `MAX_EXPANSION`
+    subschemas: each node counts itself and, with multiplicity, what its same-value edges reach
+    (the graph has no cycle by now; counted iteratively, each node once)."""
+    size: dict[str, int] = {}
+    for root in edges:
+        if root in size:
+            continue
+        stack = [root]
+        while stack:
+            node = stack[-1]
+            pending = [n for n in edges.get(node, ()) if n not in size]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            if node not in size:
+                size[node] = min(1 + sum(size[n] for n in edges.get(node, ())), MAX_EXPANSION + 1)
+                if size[node] > MAX_EXPANSION:
+                    raise SchemaRefused(
+                        f"its $refs fan out so that one value is checked against over "
+                        f"{MAX_EXPANSION:,} subschemas (at #{node}); share less, or nest less"
+                    )
 
 
 def _refuse_cycles(edges: Mapping[str, list[str]]) -> None:
