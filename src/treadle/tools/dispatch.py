@@ -218,7 +218,7 @@ def _raised(
     policy = item.on_error
     if policy == "raise":
         raise _Escalated(error)
-    if callable(policy):
+    if callable(policy) and isinstance(error, Exception):
         try:
             decided = policy(error)
         except BaseException as broken:
