@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import pytest
+from pydantic import Field
 
 from treadle import (
     Agent,
@@ -22,6 +23,7 @@ from treadle import (
     Provider,
     Session,
     StopAtTools,
+    ToolArgumentsError,
     ToolContext,
     ToolEnabledError,
     run_session_loop,
@@ -182,3 +184,49 @@ def test_an_on_error_function_of_exception_decides_the_message(server: FakeOpenA
     )
     [row] = [r for r in out.rows if r.kind == "tool_result"]
     assert json.loads(row.payload["content"])["message"] == "explained: boom"
+
+
+def test_kwargs_values_are_validated_against_their_annotation(server: FakeOpenAIServer) -> None:
+    @tool
+    def total(a: int, **more: int) -> int:
+        """Sum the numbers."""
+        return a + sum(more.values())
+
+    assert total.parameters["additionalProperties"] == {"type": "integer"}
+    assert total.validate({"a": 1, "b": "2"}) == {"a": 1, "b": 2}  # lax mode, as named ones
+    with pytest.raises(ToolArgumentsError, match="b"):
+        total.validate({"a": 1, "b": "not a number"})
+    server.enqueue(
+        Reply.tool_calls_of([("total", {"a": 1, "b": 2}), ("total", {"a": 1, "b": "x"})]),
+        Reply.text("ok"),
+    )
+    out = run_session_loop(
+        Session.from_user_message("go"), AGENT, agent_provider=_provider(server), tools=[total]
+    )
+    good, bad = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
+    assert good == {"ok": True, "result": 3}
+    assert bad["error_kind"] == "invalid_tool_arguments"
+
+
+def test_untyped_kwargs_stay_open() -> None:
+    @tool
+    def anything(a: int, **more: Any) -> int:
+        """Take anything."""
+        return a
+
+    assert anything.parameters["additionalProperties"] is True
+    assert anything.validate({"a": 1, "b": [1, "x"]}) == {"a": 1, "b": [1, "x"]}
+
+
+def test_a_field_alias_is_refused_clearly() -> None:
+    def aliased(q: int = Field(alias="query")) -> int:
+        """Aliased."""
+        return q
+
+    def annotated(q: Annotated[int, Field(validation_alias="query")]) -> int:
+        """Annotated alias."""
+        return q
+
+    for fn in (aliased, annotated):
+        with pytest.raises(ConfigurationError, match="parameter 'q' sets Field"):
+            tool(fn)
