@@ -105,8 +105,7 @@ def test_a_hanging_is_enabled_is_cancelled_at_the_pass_deadline(server: FakeOpen
         tools=[gated], limits=Limits(deadline_seconds=0.5),
     )  # fmt: skip
     assert out.stop_reason == "deadline"
-    assert ended == ["cancelled"]
-    assert not server.requests  # the deadline passed before any request could be sent
+    assert ended == ["cancelled"]  # not let run to its end: the pass was not held past it
 
 
 def test_a_raising_is_enabled_fails_the_pass_naming_the_tool(server: FakeOpenAIServer) -> None:
