@@ -53,8 +53,8 @@ Injected = Literal["session", "sandbox", "context"]
 ErrorPolicy = Literal["report", "raise"] | Callable[[Exception], str]
 """What happens when a tool raises: `"report"` (the model gets a `tool_execution_exception`
 body), `"raise"` (the exception fails the pass), or a function of the exception returning the
-message the model sees in that body (`def explain(error: Exception) -> str`; a `BaseException`
-that is not an `Exception` keeps the default message). A `ToolError` the tool raises (such as
+message the model sees in that body (`def explain(error: Exception) -> str`; a tool's own
+`CancelledError` is passed to it too). A `ToolError` the tool raises (such as
 `ToolArgumentsError`) is reported as its own `error_kind` and bypasses `on_error`."""
 
 TimeoutPolicy = Literal["report", "raise"]
