@@ -178,6 +178,36 @@ outs = treadle.map(agent, ["a", "b"])
 passed = [o for o in outs if o.output is not None and o.output.ok]
 wrong = [o.output.okay for o in outs if o.output is not None]  # E: has no attribute "okay"
 """,
+    # A correct program (no `# E:` line): policies typed as users write them must pass.
+    "tool_policies.py": """\
+from dataclasses import dataclass
+from treadle import Agent, Provider, ToolContext, tool
+
+@dataclass
+class Deps:
+    token: str
+
+def explain(error: Exception) -> str:
+    return f"failed: {error}"
+
+def enabled(ctx: ToolContext[Deps]) -> bool:
+    return ctx.deps.token != ""
+
+def instructions(ctx: ToolContext[Deps]) -> str:
+    return f"Use token {ctx.deps.token}."
+
+@tool(on_error=explain)
+def a(q: str) -> str:
+    \"\"\"a\"\"\"
+    return q
+
+@tool(is_enabled=enabled, strict=True, timeout=5, on_timeout="raise")
+def b(q: str) -> str:
+    \"\"\"b\"\"\"
+    return q
+
+agent = Agent("a", instructions, provider=Provider(model="m"), tools=[a, b], deps_type=Deps)
+""",
 }
 
 _MARK = re.compile(r"# E: (.+)$")

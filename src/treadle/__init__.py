@@ -87,6 +87,7 @@ _EXPORTS: dict[str, str] = {
     "MalformedResponse": "treadle.errors",
     "ToolError": "treadle.errors",
     "ToolTimeoutError": "treadle.errors",
+    "ToolEnabledError": "treadle.errors",
     "SandboxError": "treadle.errors",
     "PathViolation": "treadle.errors",
     "BudgetExceededError": "treadle.errors",
@@ -130,6 +131,7 @@ if TYPE_CHECKING:  # explicit re-exports (`X as X`), so `mypy --strict` users ma
     from treadle.errors import StoreError as StoreError
     from treadle.errors import StructuredOutputError as StructuredOutputError
     from treadle.errors import ToolArgumentsError as ToolArgumentsError
+    from treadle.errors import ToolEnabledError as ToolEnabledError
     from treadle.errors import ToolError as ToolError
     from treadle.errors import ToolTimeoutError as ToolTimeoutError
     from treadle.errors import TreadleError as TreadleError

@@ -27,6 +27,7 @@ TreadleError
 ├── SandboxError
 │   ├── PathViolation                         a path leaves the workspace
 │   └── SandboxUnavailable                    the machine lacks what a backend needs (bwrap)
+├── ToolEnabledError                          a tool's is_enabled function raised (fails the pass)
 ├── BudgetExceededError                       raised by `on_budget_exceeded` to stop a pass
 ├── PersistenceError                          a session file cannot be read
 │   ├── EvalLogDamagedError                   an eval log line is not a valid record (file:line)
@@ -88,6 +89,7 @@ __all__ = [
     "StoreError",
     "StructuredOutputError",
     "ToolArgumentsError",
+    "ToolEnabledError",
     "ToolError",
     "ToolTimeoutError",
     "TreadleError",
@@ -237,6 +239,11 @@ class ToolArgumentsError(ToolError):
     """The arguments of a tool call do not match the tool's schema (field paths in the message)."""
 
     error_kind = "invalid_tool_arguments"
+
+
+class ToolEnabledError(TreadleError):
+    """A tool's `is_enabled` function raised; the pass fails with this error (its `__cause__` is
+    the function's exception), since whether the tool may be offered is unknown."""
 
 
 class ToolTimeoutError(ToolError):

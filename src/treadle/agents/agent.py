@@ -63,7 +63,7 @@ from treadle.runtime.streams import produce
 from treadle.session import Session, new_session_id
 from treadle.stores import PendingPass, Store, store_options
 from treadle.tools import Tool, ToolSet
-from treadle.tools.context import Deps
+from treadle.tools.context import Deps, ToolContext, context_parameter
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
 
@@ -109,7 +109,9 @@ class Agent(Generic[Deps, Output]):
     Args:
         name: Shown in lineage, tool names (`as_tool`) and handoffs.
         instructions: The system prompt, or a function of the session a pass starts from
-            (sync or async) returning it: dynamic instructions, computed per pass.
+            (sync or async) returning it: dynamic instructions, computed per pass. A function
+            whose parameter is annotated `ToolContext[Deps]` gets the run's context instead
+            (`ctx.deps`, `ctx.session`).
         tools: Tools offered on every pass (`@tool` functions, `Tool`s, plain callables).
         provider: The model endpoint. Default: `Provider(model=$TREADLE_MODEL)` (endpoint and key
             from `OPENAI_BASE_URL` / `OPENAI_API_KEY`), as the `treadle` command reads them.
@@ -150,7 +152,7 @@ class Agent(Generic[Deps, Output]):
     def __init__(
         self,
         name: str,
-        instructions: str | Callable[[Session], Any] = "",
+        instructions: str | Callable[[Session], Any] | Callable[[ToolContext[Deps]], Any] = "",
         *,
         tools: Iterable[Any] | None = None,
         provider: Provider | None = None,
@@ -178,7 +180,10 @@ class Agent(Generic[Deps, Output]):
         if not isinstance(name, str) or not name.strip():
             raise ConfigurationError("an Agent needs a non-empty name, e.g. Agent('researcher').")
         self.dynamic_instructions = instructions if callable(instructions) else None
+        # Asked once here: a function annotated `ToolContext[...]` gets the run's context.
+        self._instructions_context: str | None = None
         if self.dynamic_instructions is not None:
+            self._instructions_context = context_parameter(self.dynamic_instructions)
             instructions = ""
         if not isinstance(instructions, str):
             raise ConfigurationError(
@@ -422,7 +427,7 @@ class Agent(Generic[Deps, Output]):
             "reset_tool_choice": self.reset_tool_choice,
             **run.stored,
         }
-        agent_session = await self._agent_session_for(user)
+        agent_session = await self._agent_session_for(user, run.deps)
         if run.emit is not None:
             with naming_next_pass(self.name):
                 return await arun_pass_emitting(
@@ -446,12 +451,17 @@ class Agent(Generic[Deps, Output]):
                 task.uncancel()
         return out
 
-    async def _agent_session_for(self, user: Session) -> Session:
-        """The agent rows of a pass from `user`: fixed, or computed by dynamic instructions."""
+    async def _agent_session_for(self, user: Session, deps: object) -> Session:
+        """The agent rows of a pass from `user`: fixed, or computed by dynamic instructions
+        (given a `ToolContext` with the run's `deps` when they ask for one, else the session)."""
         make = self.dynamic_instructions
         if make is None:
             return self.agent_session
-        text = await call_user(make, user)
+        named = self._instructions_context
+        if named is None:
+            text = await call_user(make, user)
+        else:
+            text = await call_user(make, **{named: ToolContext(session=user, deps=deps)})
         if not isinstance(text, str):
             raise ConfigurationError(
                 f"the instructions function of agent {self.name!r} returned "

@@ -210,8 +210,12 @@ class Provider:
         _check_range("top_p", self.top_p, 0.0, 1.0)
         for name in ("max_tokens", "budget_total_tokens", "requests_per_minute"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ConfigurationError(f"Provider.{name} must be a positive integer or None.")
+            # A bool is an int to Python, but True is never a meant count of tokens.
+            bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            if value is not None and bad:
+                raise ConfigurationError(
+                    f"Provider.{name} must be a positive integer or None, got {value!r}."
+                )
         if self.tokens_per_minute is not None and (
             not isinstance(self.tokens_per_minute, int) or self.tokens_per_minute <= 0
         ):

@@ -22,7 +22,7 @@ from treadle.loop.engine import PassPlan, run_pass
 from treadle.loop.events import Event, PassStopped
 from treadle.loop.hooks import Hooks
 from treadle.loop.soft_stop import current_stop
-from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
+from treadle.loop.tooling import ToolUseBehavior, check_stop_names, check_tool_use_behavior
 from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
 from treadle.runtime.streams import produce
@@ -193,6 +193,7 @@ def _plan(
 
         builtins = global_system_tools()
     toolset = ToolSet.build(tools, builtins=builtins)
+    check_stop_names(behavior, toolset)
     path: Path | None = None
     if persist or persist_path is not None:
         target = Path(persist_path) if persist_path is not None else None

@@ -61,7 +61,7 @@ from treadle.loop.outputs import (
 from treadle.loop.plan import PassPlan, pending_tool_calls
 from treadle.loop.request_usage import request_entries
 from treadle.loop.soft_stop import registered
-from treadle.loop.tooling import forced_tool_choice, gated_tools, offered, stop_after_tools
+from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_tools
 from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
@@ -89,7 +89,6 @@ class _Pass:
         self.tool_calls_run = 0
         self.tools = plan.tools  # offered in the next request (less tools disabled now)
         self.gated: tuple[Tool, ...] = ()
-        self.reset_choice = plan.reset_tool_choice and forced_tool_choice(plan.provider)
         self.budget_fired = False
         self.budget_stop = False
         self.writer: SessionWriter | None = None
@@ -156,8 +155,7 @@ class _Pass:
 
     def request(self, extra: Mapping[str, Any] | None = None) -> CompletionRequest:
         plan = self.plan
-        if self.reset_choice and self.tool_calls_run:  # a forced choice once a tool ran: "auto"
-            extra = {"tool_choice": "auto", **(extra or {})}
+        extra = choice_extra(plan, self.tool_calls_run > 0, self.tools, extra)
         return CompletionRequest(
             session_id=self.out_id,
             provider=plan.provider,

@@ -23,6 +23,7 @@ import asyncio
 import functools
 import inspect
 import json
+import typing
 import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -220,7 +221,9 @@ def _raised(
         raise _Escalated(error)
     if callable(policy):
         try:
-            decided = policy(error)
+            # Typed for `Exception` (what users write); a tool's own CancelledError reaches it
+            # too, as the error the call ended with.
+            decided = policy(typing.cast(Exception, error))
         except BaseException as broken:
             # A broken policy must not lose the call's result: whatever it raises (a re-raised
             # CancelledError, KeyboardInterrupt, SystemExit included) falls back to the default

@@ -124,7 +124,7 @@ def _annotated_docs(annotation: Any) -> tuple[bool, str | None]:
     return described, text
 
 
-def _field(param: inspect.Parameter, annotation: Any, doc: str | None) -> FieldInfo:
+def _field(tool_name: str, param: inspect.Parameter, annotation: Any, doc: str | None) -> FieldInfo:
     """The parameter's field: docstring < `Annotated` string < the user's `Field`; always the
     parameter's name as the alias the model uses."""
     field_described, annotated_text = _annotated_docs(annotation)
@@ -133,6 +133,13 @@ def _field(param: inspect.Parameter, annotation: Any, doc: str | None) -> FieldI
     description = annotated_text or doc
     if description and not field_described:
         infos.append(pydantic.Field(description=description))
+    for given in (default, *getattr(annotation, "__metadata__", ())):
+        if isinstance(given, FieldInfo) and (given.alias or given.validation_alias):
+            # The model calls a tool by its parameters' names; an alias would be silently lost.
+            raise ConfigurationError(
+                f"tool {tool_name!r}: parameter {param.name!r} sets Field(alias=...); tools are "
+                "called by parameter name, so rename the parameter to the name the model uses."
+            )
     if isinstance(default, FieldInfo):
         infos.append(default)
     elif default is not inspect.Parameter.empty:
@@ -151,9 +158,11 @@ def build_arguments(
     names: dict[str, str] = {}
     injected: dict[str, Injected] = {}
     extra: Literal["allow", "forbid"] = "forbid"
+    extra_type: Any = Any
     for i, param in enumerate(sig.parameters.values()):
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             extra = "allow"
+            extra_type = hints.get(param.name, Any)  # `**kwargs: int`: each value is an int
             continue
         if param.kind is inspect.Parameter.VAR_POSITIONAL:
             raise ConfigurationError(
@@ -173,12 +182,13 @@ def build_arguments(
         # Internal names avoid clashes with BaseModel attributes (`json`, `copy`, `_x`).
         internal = f"p{i}"
         names[internal] = param.name
-        fields[internal] = (annotation, _field(param, annotation, param_docs.get(param.name)))
+        fields[internal] = (
+            annotation,
+            _field(tool_name, param, annotation, param_docs.get(param.name)),
+        )
     try:
         model: type[pydantic.BaseModel] = pydantic.create_model(
-            f"{tool_name}_arguments",
-            __config__=pydantic.ConfigDict(extra=extra, arbitrary_types_allowed=False),
-            **fields,
+            f"{tool_name}_arguments", __base__=_base(tool_name, extra, extra_type), **fields
         )
         schema = model.model_json_schema(schema_generator=_ToolJsonSchema)
     except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError) as e:
@@ -191,6 +201,19 @@ def build_arguments(
         schema["additionalProperties"] = False
     schema.setdefault("properties", {})
     return ArgumentModel(model, names, injected, schema)
+
+
+def _base(
+    tool_name: str, extra: Literal["allow", "forbid"], extra_type: Any
+) -> type[pydantic.BaseModel]:
+    """The argument model's base: its config, and the type of `**kwargs` values when annotated
+    (pydantic validates extras against `__pydantic_extra__` and puts it in the schema)."""
+    config = pydantic.ConfigDict(extra=extra, arbitrary_types_allowed=False)
+    namespace: dict[str, Any] = {"model_config": config}
+    if extra == "allow" and extra_type is not Any:
+        values: Any = dict[str, extra_type]
+        namespace["__annotations__"] = {"__pydantic_extra__": values}
+    return type(f"{tool_name}_base", (pydantic.BaseModel,), namespace)
 
 
 # The JSON-schema keywords OpenAI's strict mode accepts (its structured-outputs subset); a schema

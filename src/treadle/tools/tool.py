@@ -50,10 +50,12 @@ ResourceKey = str | Callable[[Mapping[str, Any]], str | None] | None
 
 Injected = Literal["session", "sandbox", "context"]
 
-ErrorPolicy = Literal["report", "raise"] | Callable[[BaseException], str]
+ErrorPolicy = Literal["report", "raise"] | Callable[[Exception], str]
 """What happens when a tool raises: `"report"` (the model gets a `tool_execution_exception`
 body), `"raise"` (the exception fails the pass), or a function of the exception returning the
-message the model sees in that body."""
+message the model sees in that body (`def explain(error: Exception) -> str`; a tool's own
+`CancelledError` is passed to it too). A `ToolError` the tool raises (such as
+`ToolArgumentsError`) is reported as its own `error_kind` and bypasses `on_error`."""
 
 TimeoutPolicy = Literal["report", "raise"]
 """What a timed-out call does: `"report"` (the model gets a `timeout` body) or `"raise"` (the
@@ -61,7 +63,8 @@ pass fails with `ToolTimeoutError`)."""
 
 IsEnabled = bool | Callable[[ToolContext[Any]], Any]
 """Whether a tool is offered: a bool, or a function of the pass's `ToolContext` returning one
-(sync or async), asked before each model request."""
+(sync or async), asked before each model request. Its time counts against the pass's deadline;
+a function that raises fails the pass with `ToolEnabledError` naming the tool."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -152,6 +155,11 @@ class Tool(abc.ABC):
         if not isinstance(is_enabled, bool) and not callable(is_enabled):
             raise ConfigurationError(
                 f"tool {self.name!r}: is_enabled must be a bool or a function of the context."
+            )
+        if callable(is_enabled) and not _takes_one(is_enabled):
+            raise ConfigurationError(
+                f"tool {self.name!r}: is_enabled must take one argument (the pass's "
+                "ToolContext), e.g. `def enabled(context: ToolContext) -> bool`."
             )
         if strict not in (None, True, False):
             raise ConfigurationError(f"tool {self.name!r}: strict must be True, False or None.")
@@ -400,3 +408,16 @@ def _is_async_callable(fn: object) -> bool:
     return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
         getattr(target, "__call__", None)  # noqa: B004 - the method itself, not callable()
     )
+
+
+def _takes_one(fn: Callable[..., Any]) -> bool:
+    """True when `fn` can be called with one positional argument (or its signature is unknown)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True  # a builtin without a signature: let the call decide
+    try:
+        signature.bind(None)
+    except TypeError:
+        return False
+    return True
