@@ -15,10 +15,11 @@ import pytest
 from pydantic_core import to_json
 
 from treadle import ConfigurationError, ProviderConnectionError, ProviderError, Session
-from treadle._http.errors import PoolTimeout
+from treadle._http.errors import DecodeError, PoolTimeout
 from treadle._http.pool import Pool
+from treadle._http.protocol import MAX_BODY_BYTES
 from treadle._http.reply import Timeouts
-from treadle.errors import HostNotFoundError, ProviderTimeout
+from treadle.errors import HostNotFoundError, MalformedResponse, ProviderTimeout
 from treadle.llm import Provider, build_request_body, get_client
 from treadle.llm.http_errors import error_from_transport
 from treadle.llm.retry import is_retryable_error
@@ -52,6 +53,43 @@ async def test_a_request_the_server_worked_on_is_not_resent_for_free(stream: boo
         with pytest.raises(ProviderConnectionError):
             await _pass(provider, "worked on")
         assert server.request_count == 1
+
+
+async def test_a_drop_after_the_server_worked_is_a_counted_retry_not_a_free_one() -> None:
+    # Two drops, each 50 ms after the request (far past the stale window): with max_retries=1
+    # the first is the one counted retry, so the second ends it: two sends, not three.
+    with FakeOpenAIServer("echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", max_retries=1,
+                            retry_base_delay=0.001)  # fmt: skip
+        assert await _pass(provider, "warm") == "warm"
+        server.reset_stats()
+        server.enqueue(
+            Reply.dropped_connection().with_latency(50), Reply.dropped_connection().with_latency(50)
+        )
+        with pytest.raises(ProviderConnectionError, match="after 1 retry"):
+            await _pass(provider, "worked on")
+        assert server.request_count == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_that_cannot_be_decoded_is_not_retried(stream: bool) -> None:
+    # A corrupt (or over-cap) compressed body fails the same way every time: one send, and an
+    # error that says so.
+    with FakeOpenAIServer("echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", max_retries=2,
+                            retry_base_delay=0.001, stream=stream)  # fmt: skip
+        server.enqueue(Reply.raw(b"not gzip at all", headers={"content-encoding": "gzip"}))
+        with pytest.raises(MalformedResponse, match="compressed reply is corrupt"):
+            await _pass(provider, "hi")
+        assert server.request_count == 1
+
+
+def test_an_over_cap_body_names_the_cap_and_is_not_retried() -> None:
+    error = error_from_transport(
+        DecodeError(f"The reply body is over {MAX_BODY_BYTES} bytes."), url="http://x/", retries=0
+    )
+    assert isinstance(error, MalformedResponse) and not is_retryable_error(error)
+    assert str(MAX_BODY_BYTES) in str(error)
 
 
 async def test_the_pool_timeout_is_a_typed_error() -> None:

@@ -26,6 +26,7 @@ from treadle._http.errors import (
     ReadTimeout,
     RemoteProtocolError,
     StaleConnection,
+    UnsupportedReply,
 )
 from treadle._http.reply import Headers
 
@@ -57,9 +58,14 @@ PAUSE_BYTES = 1024 * 1024
 READ_BUFFER_BYTES = 64 * 1024
 """Each connection reads into one buffer of this size, reused: no allocation per read (a
 256 KiB `bytes` per read, asyncio's default, costs an mmap and munmap each time)."""
-STALE_WINDOW_SECONDS = 0.1
-"""A reused connection closed with no reply byte this soon after the write was closed by the
-server while idle (it never saw the request): the one case re-sent without counting a retry."""
+STALE_WINDOW_SECONDS = 0.005
+"""A reused connection closed with no reply byte this soon (5 ms) after the write was closed by
+the server while idle (it never saw the request): the one case re-sent without counting a retry
+(and never when `max_retries=0`). Kept to milliseconds: a server that read the request and worked
+on it for even 20 ms before closing may have billed it, so that close is an ordinary failure."""
+
+
+_UPGRADE = "The server answered 101 Switching Protocols, an upgrade this client never asked for."
 
 
 class _Refused(Exception):
@@ -193,6 +199,7 @@ class Connection(asyncio.BufferedProtocol):
         self._quiet = 0  # bytes fed since the parser last made progress
         self._lenient = True
         self._trailer_size = 0
+        self._head_size = 0  # the current head's status and header bytes, across reads
         self._interim = 0
         self._in_head = True
         self._raw: list[tuple[bytes, bytes]] = []
@@ -239,10 +246,21 @@ class Connection(asyncio.BufferedProtocol):
             error = cause.error if isinstance(cause, _Refused) else RemoteProtocolError(str(exc))
         except httptools.HttpParserError as exc:
             error = RemoteProtocolError(f"The reply is not valid HTTP/1.1 ({exc}).")
+        except httptools.HttpParserUpgrade:  # an Exception, not an HttpParserError
+            error = UnsupportedReply(_UPGRADE)
         else:
             if self._quiet > MAX_HEAD_BYTES:
                 where = "head" if self._in_head else "chunk framing or trailers"
                 error = RemoteProtocolError(f"The reply's {where} is over {MAX_HEAD_BYTES} bytes.")
+        if error is not None and ex.complete and ex.error is None:
+            # The reply ended and then junk followed (a stray byte, a 204's body): the server
+            # finished that reply, so it is returned, not re-sent; the connection is not reused.
+            self.exchange = None
+            ex.keep_alive = False
+            self._disarm()
+            self.close()
+            ex.settle()
+            return
         if error is not None:
             error.url = ex.url
             self.exchange = None
@@ -283,14 +301,26 @@ class Connection(asyncio.BufferedProtocol):
             raise _Refused(RemoteProtocolError("The server sent bytes past the reply's end."))
         self._in_head = True
         self._trailer_size = 0
+        self._head_size = 0
         self._raw = []
         if not self._lenient:
             self._lenient = True
             self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
 
+    def on_status(self, reason: bytes) -> None:
+        self._head_size += len(reason)  # the reason phrase, perhaps in pieces
+        if self._head_size > MAX_HEAD_BYTES:
+            raise _Refused(RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes."))
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        # The head's size is bounded by `_quiet` (no progress is counted until it ends).
         if self._in_head:
+            # Counted here, not only by `_quiet`: a head split over reads ends (resetting
+            # `_quiet`) before the check after a read would see its full size.
+            self._head_size += len(name) + len(value) + 4
+            if self._head_size > MAX_HEAD_BYTES:
+                raise _Refused(
+                    RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes.")
+                )
             self._raw.append((name, value))
             return
         self._trailer_size += len(name) + len(value) + 4  # a trailer: bounded, never kept
@@ -308,6 +338,10 @@ class Connection(asyncio.BufferedProtocol):
         self._in_head = False
         self._quiet = 0
         status = parser.get_status_code()
+        if not 100 <= status <= 599:  # llhttp reads `099` as 99: not a status, never a 1xx
+            raise _Refused(UnsupportedReply(f"The reply's status {status:03d} is not 100-599."))
+        if status == 101:
+            raise _Refused(UnsupportedReply(_UPGRADE))
         if status < 200:
             self._interim += 1
             if self._interim > MAX_INTERIM_REPLIES:
@@ -337,9 +371,16 @@ class Connection(asyncio.BufferedProtocol):
             raise _Refused(
                 DecodeError(f"The reply body ({length} bytes) is over {MAX_BODY_BYTES}.")
             )
-        self._until_close = (
-            status not in (204, 304) and length is None and get("transfer-encoding") is None
-        )
+        coding = get("transfer-encoding")
+        if coding is not None and coding.replace(" ", "").replace("\t", "").lower() != "chunked":
+            # As httpx: `chunked, gzip` has no framing we can read and `gzip, chunked` would hand
+            # back still-compressed bytes; only `chunked` alone is a coding we read.
+            raise _Refused(
+                UnsupportedReply(
+                    f"The reply's Transfer-Encoding {coding!r} is not supported (only 'chunked')."
+                )
+            )
+        self._until_close = status not in (204, 304) and length is None and coding is None
         coding = get("content-encoding")
         if coding is not None:
             ex.decoder = _decoder(coding, ex.url)

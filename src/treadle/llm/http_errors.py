@@ -22,6 +22,7 @@ from pydantic_core import from_json
 from treadle._http.errors import (
     ConnectError,
     ConnectTimeout,
+    DecodeError,
     HTTPError,
     InvalidHeader,
     InvalidURL,
@@ -29,6 +30,7 @@ from treadle._http.errors import (
     PoolTimeout,
     ReadTimeout,
     TLSError,
+    UnsupportedReply,
 )
 from treadle.errors import (
     AuthenticationError,
@@ -336,6 +338,16 @@ def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleEr
         return ProtocolMismatchError(
             f"The server at {base} does not speak TLS ({exc}); if it serves plain HTTP, use "
             f"base_url=http:{base[len('https:') :]}."
+        )
+    if isinstance(exc, UnsupportedReply):
+        return MalformedResponse(
+            f"The server at {url} sent a reply this client cannot read{after}: {exc} A retry "
+            "would get the same; check base_url points at an OpenAI-compatible HTTP API."
+        )
+    if isinstance(exc, DecodeError):  # over the size cap or corrupt: a retry fails the same way
+        return MalformedResponse(
+            f"The reply from {url} could not be read{after}: {exc} A retry would fail the same "
+            "way; check the server (or what it compresses)."
         )
     if isinstance(exc, PoolTimeout):
         return ProviderTimeout(
