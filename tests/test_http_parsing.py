@@ -25,6 +25,8 @@ from treadle._http.protocol import (
     Connection,
 )
 from treadle._http.reply import Timeouts
+from treadle.errors import MalformedResponse
+from treadle.llm import Provider, get_client
 
 BODY = b'{"model":"m","messages":[]}'
 HEADERS = {"content-type": "application/json"}
@@ -142,6 +144,21 @@ async def test_unsupported_replies_are_refused_at_once_as_unsupported(case: str)
                 await pool.post(url, BODY, HEADERS, T)
     finally:
         await pool.aclose()
+
+
+async def test_a_101_upgrade_reaches_the_user_once_and_is_not_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # httptools raises HttpParserUpgrade (not an HttpParserError): it used to escape
+    # data_received (asyncio's "Fatal error" log) and be retried as a dropped connection.
+    async with raw_server(MALFORMED["101-upgrade"][0]) as (url, seen):
+        base = url.removesuffix("/chat/completions")
+        provider = Provider(model="m", base_url=base, api_key="k", max_retries=2,
+                            retry_base_delay=0.001)  # fmt: skip
+        with pytest.raises(MalformedResponse, match="101 Switching Protocols"):
+            await get_client(provider).complete(provider, BODY)
+        assert len(seen) == 1
+    assert not [r for r in caplog.records if r.name == "asyncio" and "Fatal" in r.getMessage()]
 
 
 @pytest.mark.parametrize(

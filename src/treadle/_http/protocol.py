@@ -28,7 +28,7 @@ from treadle._http.errors import (
     StaleConnection,
     UnsupportedReply,
 )
-from treadle._http.reply import Headers
+from treadle._http.reply import UPGRADE, Headers, decoder, unsupported
 
 if TYPE_CHECKING:
     from treadle._http.pool import Route
@@ -59,13 +59,9 @@ READ_BUFFER_BYTES = 64 * 1024
 """Each connection reads into one buffer of this size, reused: no allocation per read (a
 256 KiB `bytes` per read, asyncio's default, costs an mmap and munmap each time)."""
 STALE_WINDOW_SECONDS = 0.005
-"""A reused connection closed with no reply byte this soon (5 ms) after the write was closed by
-the server while idle (it never saw the request): the one case re-sent without counting a retry
-(and never when `max_retries=0`). Kept to milliseconds: a server that read the request and worked
-on it for even 20 ms before closing may have billed it, so that close is an ordinary failure."""
-
-
-_UPGRADE = "The server answered 101 Switching Protocols, an upgrade this client never asked for."
+"""A reused connection closed with no reply byte within 5 ms of the write was closed while idle
+(the server never saw the request): re-sent without counting a retry, never with `max_retries=0`.
+Milliseconds only: a server that worked on it for 20 ms before closing may have billed it."""
 
 
 class _Refused(Exception):
@@ -74,20 +70,6 @@ class _Refused(Exception):
     def __init__(self, error: HTTPError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _decoder(coding: str | None, url: str) -> Any:
-    """A zlib decompressor for a `content-encoding` (None: identity)."""
-    coding = (coding or "identity").strip().lower()
-    if coding in ("identity", ""):
-        return None
-    if coding in ("gzip", "x-gzip"):
-        return zlib.decompressobj(16 + zlib.MAX_WBITS)
-    if coding == "deflate":
-        return zlib.decompressobj()
-    raise _Refused(
-        DecodeError(f"The reply's content-encoding {coding!r} was not offered.", url=url)
-    )
 
 
 class Exchange:
@@ -247,14 +229,13 @@ class Connection(asyncio.BufferedProtocol):
         except httptools.HttpParserError as exc:
             error = RemoteProtocolError(f"The reply is not valid HTTP/1.1 ({exc}).")
         except httptools.HttpParserUpgrade:  # an Exception, not an HttpParserError
-            error = UnsupportedReply(_UPGRADE)
+            error = UnsupportedReply(UPGRADE)
         else:
             if self._quiet > MAX_HEAD_BYTES:
                 where = "head" if self._in_head else "chunk framing or trailers"
                 error = RemoteProtocolError(f"The reply's {where} is over {MAX_HEAD_BYTES} bytes.")
         if error is not None and ex.complete and ex.error is None:
-            # The reply ended and then junk followed (a stray byte, a 204's body): the server
-            # finished that reply, so it is returned, not re-sent; the connection is not reused.
+            # Junk after a finished reply (a stray byte, a 204's body): return it, never re-send.
             self.exchange = None
             ex.keep_alive = False
             self._disarm()
@@ -308,19 +289,18 @@ class Connection(asyncio.BufferedProtocol):
             self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
 
     def on_status(self, reason: bytes) -> None:
-        self._head_size += len(reason)  # the reason phrase, perhaps in pieces
+        self._grow_head(len(reason))  # the reason phrase, perhaps in pieces
+
+    def _grow_head(self, size: int) -> None:
+        # Counted here, not only by `_quiet`: a head split over reads ends (resetting `_quiet`)
+        # before the check after a read would see its whole size.
+        self._head_size += size
         if self._head_size > MAX_HEAD_BYTES:
             raise _Refused(RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes."))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._in_head:
-            # Counted here, not only by `_quiet`: a head split over reads ends (resetting
-            # `_quiet`) before the check after a read would see its full size.
-            self._head_size += len(name) + len(value) + 4
-            if self._head_size > MAX_HEAD_BYTES:
-                raise _Refused(
-                    RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes.")
-                )
+            self._grow_head(len(name) + len(value) + 4)
             self._raw.append((name, value))
             return
         self._trailer_size += len(name) + len(value) + 4  # a trailer: bounded, never kept
@@ -338,10 +318,8 @@ class Connection(asyncio.BufferedProtocol):
         self._in_head = False
         self._quiet = 0
         status = parser.get_status_code()
-        if not 100 <= status <= 599:  # llhttp reads `099` as 99: not a status, never a 1xx
-            raise _Refused(UnsupportedReply(f"The reply's status {status:03d} is not 100-599."))
-        if status == 101:
-            raise _Refused(UnsupportedReply(_UPGRADE))
+        if (problem := unsupported(status, None)) is not None:  # before a 1xx is skipped
+            raise _Refused(problem)
         if status < 200:
             self._interim += 1
             if self._interim > MAX_INTERIM_REPLIES:
@@ -372,18 +350,15 @@ class Connection(asyncio.BufferedProtocol):
                 DecodeError(f"The reply body ({length} bytes) is over {MAX_BODY_BYTES}.")
             )
         coding = get("transfer-encoding")
-        if coding is not None and coding.replace(" ", "").replace("\t", "").lower() != "chunked":
-            # As httpx: `chunked, gzip` has no framing we can read and `gzip, chunked` would hand
-            # back still-compressed bytes; only `chunked` alone is a coding we read.
-            raise _Refused(
-                UnsupportedReply(
-                    f"The reply's Transfer-Encoding {coding!r} is not supported (only 'chunked')."
-                )
-            )
+        if (problem := unsupported(status, coding)) is not None:
+            raise _Refused(problem)
         self._until_close = status not in (204, 304) and length is None and coding is None
         coding = get("content-encoding")
         if coding is not None:
-            ex.decoder = _decoder(coding, ex.url)
+            try:
+                ex.decoder = decoder(coding, ex.url)
+            except DecodeError as exc:
+                raise _Refused(exc) from None
 
     def on_body(self, data: bytes) -> None:
         self._quiet = 0
