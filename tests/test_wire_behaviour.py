@@ -155,7 +155,6 @@ def test_running_out_of_file_descriptors_is_a_configuration_error_naming_ulimit(
         script = textwrap.dedent(
             f"""
             import asyncio, resource
-            import anyio._backends._asyncio  # imported late by an error path of the loop
             from treadle import Session
             from treadle.errors import ConfigurationError
             from treadle.llm import Provider
@@ -165,9 +164,8 @@ def test_running_out_of_file_descriptors_is_a_configuration_error_naming_ulimit(
                 provider = Provider(model="m", base_url={server.base_url!r}, api_key="k",
                                     max_retries=3, retry_base_delay=0.001)
                 agent = Session.from_agent_prompt("s")
-                # one pass first, so every module is imported before descriptors run out
-                await arun_session_loop(Session.from_user_message("warm"), agent,
-                                        agent_provider=provider)
+                # No warm-up pass: what a pass's cleanup needs (anyio's asyncio backend) must be
+                # imported by the runtime itself, not first opened once descriptors ran out.
                 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
                 passes = [arun_session_loop(Session.from_user_message(str(i)), agent,
                                             agent_provider=provider) for i in range(100)]
