@@ -15,7 +15,7 @@ import pytest
 from pydantic_core import to_json
 
 from treadle import ConfigurationError, ProviderConnectionError, ProviderError, Session
-from treadle._http.errors import DecodeError, PoolTimeout
+from treadle._http.errors import DecodeError, PoolClosed, PoolTimeout
 from treadle._http.pool import Pool
 from treadle._http.protocol import MAX_BODY_BYTES
 from treadle._http.reply import Timeouts
@@ -144,7 +144,11 @@ async def test_closing_the_pool_never_cancels_waiting_requests() -> None:
         pool.close()
         results = await asyncio.gather(first, waiting, return_exceptions=True)
         assert not any(isinstance(r, asyncio.CancelledError) for r in results), results
-        assert isinstance(results[1], RuntimeError) and "closed" in str(results[1])
+        assert isinstance(results[1], PoolClosed) and "client was closed" in str(results[1])
+        # The reply still arriving is not blamed on the server either.
+        assert isinstance(results[0], PoolClosed) and "client was closed" in str(results[0])
+        error = error_from_transport(results[1], url=url, retries=0)
+        assert isinstance(error, ConfigurationError) and "aclose_clients" in str(error)
 
 
 def test_running_out_of_file_descriptors_is_a_configuration_error_naming_ulimit() -> None:

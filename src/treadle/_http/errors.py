@@ -17,6 +17,7 @@ HTTPError                              any failure of one HTTP exchange
 │                                      write: the server never saw the request (free re-send)
 │   └── UnsupportedReply               a reply this client does not read (101 upgrade, a status
 │                                      outside 100-599, a transfer coding other than chunked)
+├── PoolClosed                         the client closed its pool under the request
 ├── DecodeError                        a compressed body that does not decompress, or over the cap
 └── BodyClosed                         a read from a reply body after it was closed
 ```
@@ -35,6 +36,7 @@ __all__ = [
     "InvalidHeader",
     "InvalidURL",
     "OpenFilesExhausted",
+    "PoolClosed",
     "PoolTimeout",
     "ProxyError",
     "ReadTimeout",
@@ -123,6 +125,11 @@ class UnsupportedReply(RemoteProtocolError):
     """A reply this client does not read: a `101` upgrade, a status outside 100-599, or a
     transfer coding other than `chunked` alone. The server answers the same way every time, so
     it is not retried."""
+
+
+class PoolClosed(HTTPError, RuntimeError):
+    """The client's pool was closed (`aclose_clients()`, `Pool.close()`) under this request: it
+    waited for a connection, or its reply was still arriving. Still a `RuntimeError`, as before."""
 
 
 class DecodeError(HTTPError):

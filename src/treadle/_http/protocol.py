@@ -23,6 +23,7 @@ from treadle._http.errors import (
     BodyClosed,
     DecodeError,
     HTTPError,
+    PoolClosed,
     ReadTimeout,
     RemoteProtocolError,
     StaleConnection,
@@ -181,6 +182,7 @@ class Connection(asyncio.BufferedProtocol):
         self._quiet = 0  # bytes fed since the parser last made progress
         self._lenient = True
         self._trailer_size = 0
+        self._by_client = False
         self._head_size = 0  # the current head's status and header bytes, across reads
         self._interim = 0
         self._in_head = True
@@ -393,6 +395,8 @@ class Connection(asyncio.BufferedProtocol):
     def _lost(self, ex: Exchange, exc: Exception | None) -> HTTPError:
         """The error for a connection closed under an unfinished reply."""
         detail = f" ({exc})" if exc is not None else ""
+        if self._by_client:
+            return PoolClosed("The client was closed while this reply was arriving.", url=ex.url)
         if not ex.got_bytes:
             assert self._loop is not None
             if self.reused and self._loop.time() - self.written_at <= STALE_WINDOW_SECONDS:
@@ -434,8 +438,9 @@ class Connection(asyncio.BufferedProtocol):
             self.last_data = self._loop.time()  # the silence while paused was the reader's
             self.transport.resume_reading()
 
-    def close(self) -> None:
+    def close(self, *, by_client: bool = False) -> None:
         """Close the connection (idempotent); an unfinished exchange fails when it is lost."""
+        self._by_client = self._by_client or by_client  # the pool closed: say so, not "server"
         self.closed = True
         if self.transport is not None:
             self.transport.close()

@@ -27,6 +27,7 @@ from treadle._http.errors import (
     InvalidHeader,
     InvalidURL,
     OpenFilesExhausted,
+    PoolClosed,
     PoolTimeout,
     ReadTimeout,
     TLSError,
@@ -330,6 +331,11 @@ def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleEr
         return ConfigurationError(
             f"The process ran out of file descriptors connecting to {url} ({exc}); raise the "
             "open-files limit (`ulimit -n`) or lower max_concurrent_requests."
+        )
+    if isinstance(exc, PoolClosed):
+        return ConfigurationError(
+            f"The model client for {url} was closed (aclose_clients()) under this request ({exc}); "
+            "close clients only after the passes that use them have finished."
         )
     if isinstance(exc, InvalidHeader | InvalidURL):
         return ConfigurationError(str(exc))
