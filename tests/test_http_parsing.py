@@ -1,7 +1,9 @@
 """The reply-parsing matrix: every malformed head, length and chunk framing, and the request
 smuggling classics, refused by the pool as a typed `RemoteProtocolError` with the connection
-never pooled; bounded heads, 1xx runs and trailers; bare-LF replies read at once; a stray CRLF
-after a complete reply accepted (not re-sent). Each wire is also sent to httpx in the same test,
+never pooled (a status outside 100-599, a 101 upgrade or a transfer coding other than `chunked`
+at once, as `UnsupportedReply`); bounded heads (across reads), 1xx runs and trailers; bare-LF
+replies read at once; a stray CRLF, or junk, after a complete reply: the reply is returned, not
+re-sent. Each wire is also sent to httpx in the same test,
 and where httpx agrees the test says so (it is the reference for what a trusted client does)."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from treadle._http.errors import HTTPError, RemoteProtocolError
+from treadle._http.errors import HTTPError, RemoteProtocolError, UnsupportedReply
 from treadle._http.pool import Pool
 from treadle._http.protocol import (
     MAX_HEAD_BYTES,
@@ -23,6 +25,8 @@ from treadle._http.protocol import (
     Connection,
 )
 from treadle._http.reply import Timeouts
+from treadle.errors import MalformedResponse
+from treadle.llm import Provider, get_client
 
 BODY = b'{"model":"m","messages":[]}'
 HEADERS = {"content-type": "application/json"}
@@ -91,8 +95,14 @@ MALFORMED = {
     ),
     "not-http": (b"SMTP ready\r\n\r\n", True),
     "header-without-colon": (b"HTTP/1.1 200 OK\r\nbroken header\r\n\r\n", True),
-    "body-past-length": (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}extra", False),
-    "204-with-body": (b"HTTP/1.1 204 No Content\r\n\r\n{}", True),
+    "status-099": (b"HTTP/1.1 099 Odd\r\ncontent-length: 2\r\n\r\n{}", True),
+    "101-upgrade": (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n\r\n{}", True),
+    "te-chunked-gzip": (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, gzip\r\n\r\n2\r\n{}\r\n0\r\n\r\n", True
+    ),
+    "te-gzip-chunked": (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", True
+    ),
     "endless-head": (b"HTTP/1.1 200 OK\r\nx-pad: " + b"a" * (MAX_HEAD_BYTES + 10), True),
     "1xx-run": (
         b"HTTP/1.1 100 Continue\r\n\r\n" * 1000 + b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}",
@@ -119,6 +129,82 @@ async def test_malformed_replies_are_remote_protocol_errors_never_pooled(case: s
     finally:
         await pool.aclose()
     assert len(seen) >= 1
+
+
+@pytest.mark.parametrize(
+    "case", ["status-099", "101-upgrade", "te-chunked-gzip", "te-gzip-chunked"]
+)
+async def test_unsupported_replies_are_refused_at_once_as_unsupported(case: str) -> None:
+    # Refused when the head ends (T's 5 s read timeout would make a wait a ReadTimeout), as a
+    # typed UnsupportedReply the client does not retry: the server answers the same every time.
+    pool = Pool()
+    try:
+        async with raw_server(MALFORMED[case][0]) as (url, _):
+            with pytest.raises(UnsupportedReply):
+                await pool.post(url, BODY, HEADERS, T)
+    finally:
+        await pool.aclose()
+
+
+async def test_a_101_upgrade_reaches_the_user_once_and_is_not_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # httptools raises HttpParserUpgrade (not an HttpParserError): it used to escape
+    # data_received (asyncio's "Fatal error" log) and be retried as a dropped connection.
+    async with raw_server(MALFORMED["101-upgrade"][0]) as (url, seen):
+        base = url.removesuffix("/chat/completions")
+        provider = Provider(model="m", base_url=base, api_key="k", max_retries=2,
+                            retry_base_delay=0.001)  # fmt: skip
+        with pytest.raises(MalformedResponse, match="101 Switching Protocols"):
+            await get_client(provider).complete(provider, BODY)
+        assert len(seen) == 1
+    assert not [r for r in caplog.records if r.name == "asyncio" and "Fatal" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}extra",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}x",
+        b"HTTP/1.1 204 No Content\r\n\r\n{}",
+    ],
+    ids=["body-past-length", "one-stray-byte", "204-with-body"],
+)
+async def test_a_complete_reply_followed_by_junk_is_returned_once_and_not_pooled(
+    wire: bytes,
+) -> None:
+    # The server finished the reply (and billed it): it is returned, never re-sent; the junk
+    # after it puts the connection out of step, so the connection is closed, not pooled.
+    pool = Pool()
+    try:
+        async with raw_server(wire) as (url, seen):
+            reply = await pool.post(url, BODY, HEADERS, T)
+            assert reply.status in (200, 204)
+            assert reply.content == (b"{}" if reply.status == 200 else b"")
+            assert pool.idle_connections == 0
+            assert len(seen) == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_a_head_split_over_reads_is_bounded_by_its_whole_size() -> None:
+    # Each read under the bound, the head over it: the bound counts the head across reads.
+    left, right = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.create_connection(lambda: Connection(lambda _: None, None, []), sock=left)  # type: ignore[arg-type]
+    try:
+        ex = conn.begin("http://x/", stream=False, read=None)
+        half = b"a" * (MAX_HEAD_BYTES * 3 // 4)
+        conn.data_received(b"HTTP/1.1 200 OK\r\nx-a: " + half + b"\r\n")
+        assert ex.error is None
+        conn.data_received(b"x-b: " + half + b"\r\ncontent-length: 2\r\n\r\n{}")
+        assert isinstance(ex.error, RemoteProtocolError)
+        assert f"head is over {MAX_HEAD_BYTES}" in str(ex.error)
+        assert conn.closed
+    finally:
+        conn.close()
+        right.close()
+        await asyncio.sleep(0)
 
 
 async def test_a_thousand_interim_heads_in_one_read_are_refused_without_recursion() -> None:

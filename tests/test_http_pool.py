@@ -194,7 +194,6 @@ async def test_error_statuses_are_returned_with_their_body(
         b"HTTP/1.1 200 OK\r\n" + b"x-pad: " + b"a" * (MAX_HEAD_BYTES + 10),
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}",
-        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}extra",
         reply(b"not gzip", "content-encoding: gzip"),
         reply(b"{}", "content-encoding: br"),
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
@@ -206,7 +205,6 @@ async def test_error_statuses_are_returned_with_their_body(
         "endless-head",
         "bad-chunk-size",
         "two-lengths",
-        "bytes-past-end",
         "corrupt-gzip",
         "unoffered-encoding",
         "unknown-transfer-coding",
@@ -214,6 +212,7 @@ async def test_error_statuses_are_returned_with_their_body(
     ],
 )
 async def test_broken_replies_are_typed_errors(lane: Pool, wire: bytes) -> None:
+    # (Bytes past a complete reply are not here: that reply is returned, see test_http_parsing.)
     async with raw_server([wire], close_after=True) as url:
         with pytest.raises((RemoteProtocolError, DecodeError)):
             await post(lane, url, BODY, HEADERS, T)

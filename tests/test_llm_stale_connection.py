@@ -1,7 +1,8 @@
-"""A reused keep-alive connection closed before any response byte (a stale connection) is re-sent
-once, at once, without using up `max_retries` (llama.cpp's server closes connections after
-streaming). A fresh connection closed the same way is not: the server may have processed (and
-billed) that request, so only `max_retries` may send it again."""
+"""A reused keep-alive connection closed before any response byte within milliseconds of the write
+(a stale connection) is re-sent once, at once, without using up `max_retries` (llama.cpp's server
+closes connections after streaming), but never with `max_retries=0`: that always means one send.
+A fresh connection closed the same way is not: the server may have processed (and billed) that
+request, so only `max_retries` may send it again."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ from treadle.testing import FakeOpenAIServer, Reply
 AGENT = Session.from_agent_prompt("sys")
 
 
-def _provider(server: FakeOpenAIServer, *, stream: bool = False) -> Provider:
-    return Provider(model="m", base_url=server.base_url, api_key="k", max_retries=0, stream=stream)
+def _provider(server: FakeOpenAIServer, *, stream: bool = False, retries: int = 0) -> Provider:
+    return Provider(model="m", base_url=server.base_url, api_key="k", max_retries=retries,
+                    retry_base_delay=0.001, stream=stream)  # fmt: skip
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_one_dropped_connection_is_retried_without_counting(stream: bool) -> None:
+async def test_one_dropped_connection_is_retried(stream: bool) -> None:
     with FakeOpenAIServer(script="echo") as server:
-        provider = _provider(server, stream=stream)
+        provider = _provider(server, stream=stream, retries=1)
         first = await arun_session_loop(
             Session.from_user_message("warm the pool"), AGENT, agent_provider=provider
         )
@@ -39,7 +41,7 @@ async def test_one_dropped_connection_is_retried_without_counting(stream: bool) 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_second_drop_is_an_ordinary_connection_error(stream: bool) -> None:
+async def test_a_stale_drop_is_never_resent_with_max_retries_0(stream: bool) -> None:
     with FakeOpenAIServer(script="echo") as server:
         provider = _provider(server, stream=stream)
         body = build_request_body(provider, [b'{"role":"user","content":"x"}'], stream=stream)
@@ -53,7 +55,7 @@ async def test_a_second_drop_is_an_ordinary_connection_error(stream: bool) -> No
                     pass
             else:
                 await client.complete(provider, body)
-        assert server.request_count == 2  # one free retry, then max_retries=0 applies
+        assert server.request_count == 1  # max_retries=0: one send, even on a stale connection
 
 
 @pytest.mark.parametrize("stream", [False, True])

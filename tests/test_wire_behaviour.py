@@ -15,10 +15,11 @@ import pytest
 from pydantic_core import to_json
 
 from treadle import ConfigurationError, ProviderConnectionError, ProviderError, Session
-from treadle._http.errors import PoolTimeout
+from treadle._http.errors import DecodeError, PoolClosed, PoolTimeout
 from treadle._http.pool import Pool
+from treadle._http.protocol import MAX_BODY_BYTES
 from treadle._http.reply import Timeouts
-from treadle.errors import HostNotFoundError, ProviderTimeout
+from treadle.errors import HostNotFoundError, MalformedResponse, ProviderTimeout
 from treadle.llm import Provider, build_request_body, get_client
 from treadle.llm.http_errors import error_from_transport
 from treadle.llm.retry import is_retryable_error
@@ -52,6 +53,43 @@ async def test_a_request_the_server_worked_on_is_not_resent_for_free(stream: boo
         with pytest.raises(ProviderConnectionError):
             await _pass(provider, "worked on")
         assert server.request_count == 1
+
+
+async def test_a_drop_after_the_server_worked_is_a_counted_retry_not_a_free_one() -> None:
+    # Two drops, each 50 ms after the request (far past the stale window): with max_retries=1
+    # the first is the one counted retry, so the second ends it: two sends, not three.
+    with FakeOpenAIServer("echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", max_retries=1,
+                            retry_base_delay=0.001)  # fmt: skip
+        assert await _pass(provider, "warm") == "warm"
+        server.reset_stats()
+        server.enqueue(
+            Reply.dropped_connection().with_latency(50), Reply.dropped_connection().with_latency(50)
+        )
+        with pytest.raises(ProviderConnectionError, match="after 1 retry"):
+            await _pass(provider, "worked on")
+        assert server.request_count == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_that_cannot_be_decoded_is_not_retried(stream: bool) -> None:
+    # A corrupt (or over-cap) compressed body fails the same way every time: one send, and an
+    # error that says so.
+    with FakeOpenAIServer("echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", max_retries=2,
+                            retry_base_delay=0.001, stream=stream)  # fmt: skip
+        server.enqueue(Reply.raw(b"not gzip at all", headers={"content-encoding": "gzip"}))
+        with pytest.raises(MalformedResponse, match="compressed reply is corrupt"):
+            await _pass(provider, "hi")
+        assert server.request_count == 1
+
+
+def test_an_over_cap_body_names_the_cap_and_is_not_retried() -> None:
+    error = error_from_transport(
+        DecodeError(f"The reply body is over {MAX_BODY_BYTES} bytes."), url="http://x/", retries=0
+    )
+    assert isinstance(error, MalformedResponse) and not is_retryable_error(error)
+    assert str(MAX_BODY_BYTES) in str(error)
 
 
 async def test_the_pool_timeout_is_a_typed_error() -> None:
@@ -106,7 +144,11 @@ async def test_closing_the_pool_never_cancels_waiting_requests() -> None:
         pool.close()
         results = await asyncio.gather(first, waiting, return_exceptions=True)
         assert not any(isinstance(r, asyncio.CancelledError) for r in results), results
-        assert isinstance(results[1], RuntimeError) and "closed" in str(results[1])
+        assert isinstance(results[1], PoolClosed) and "client was closed" in str(results[1])
+        # The reply still arriving is not blamed on the server either.
+        assert isinstance(results[0], PoolClosed) and "client was closed" in str(results[0])
+        error = error_from_transport(results[1], url=url, retries=0)
+        assert isinstance(error, ConfigurationError) and "aclose_clients" in str(error)
 
 
 def test_running_out_of_file_descriptors_is_a_configuration_error_naming_ulimit() -> None:
@@ -117,7 +159,6 @@ def test_running_out_of_file_descriptors_is_a_configuration_error_naming_ulimit(
         script = textwrap.dedent(
             f"""
             import asyncio, resource
-            import anyio._backends._asyncio  # imported late by an error path of the loop
             from treadle import Session
             from treadle.errors import ConfigurationError
             from treadle.llm import Provider
@@ -127,9 +168,8 @@ def test_running_out_of_file_descriptors_is_a_configuration_error_naming_ulimit(
                 provider = Provider(model="m", base_url={server.base_url!r}, api_key="k",
                                     max_retries=3, retry_base_delay=0.001)
                 agent = Session.from_agent_prompt("s")
-                # one pass first, so every module is imported before descriptors run out
-                await arun_session_loop(Session.from_user_message("warm"), agent,
-                                        agent_provider=provider)
+                # No warm-up pass: what a pass's cleanup needs (anyio's asyncio backend) must be
+                # imported by the runtime itself, not first opened once descriptors ran out.
                 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
                 passes = [arun_session_loop(Session.from_user_message(str(i)), agent,
                                             agent_provider=provider) for i in range(100)]

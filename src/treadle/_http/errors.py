@@ -15,6 +15,9 @@ HTTPError                              any failure of one HTTP exchange
 ├── RemoteProtocolError                a malformed reply, or the connection closed mid-reply
 │   └── StaleConnection                a reused connection closed, no reply byte, just after the
 │                                      write: the server never saw the request (free re-send)
+│   └── UnsupportedReply               a reply this client does not read (101 upgrade, a status
+│                                      outside 100-599, a transfer coding other than chunked)
+├── PoolClosed                         the client closed its pool under the request
 ├── DecodeError                        a compressed body that does not decompress, or over the cap
 └── BodyClosed                         a read from a reply body after it was closed
 ```
@@ -33,12 +36,14 @@ __all__ = [
     "InvalidHeader",
     "InvalidURL",
     "OpenFilesExhausted",
+    "PoolClosed",
     "PoolTimeout",
     "ProxyError",
     "ReadTimeout",
     "RemoteProtocolError",
     "StaleConnection",
     "TLSError",
+    "UnsupportedReply",
     "WriteError",
 ]
 
@@ -112,8 +117,19 @@ class StaleConnection(RemoteProtocolError):
     """A reused keep-alive connection closed with no reply byte just after the write.
 
     The server closed it while it sat idle, so it never saw the request: one re-send on a new
-    connection is free (it is not a retry), and happens even with `max_retries=0`.
+    connection is free (it is not a retry), but never with `max_retries=0` (that means one send).
     """
+
+
+class UnsupportedReply(RemoteProtocolError):
+    """A reply this client does not read: a `101` upgrade, a status outside 100-599, or a
+    transfer coding other than `chunked` alone. The server answers the same way every time, so
+    it is not retried."""
+
+
+class PoolClosed(HTTPError, RuntimeError):
+    """The client's pool was closed (`aclose_clients()`, `Pool.close()`) under this request: it
+    waited for a connection, or its reply was still arriving. Still a `RuntimeError`, as before."""
 
 
 class DecodeError(HTTPError):

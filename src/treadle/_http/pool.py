@@ -19,7 +19,7 @@ from collections import deque
 from urllib.parse import quote, urlsplit
 
 from treadle._http.connect import NetworkOptions, Route, open_connection, route_for
-from treadle._http.errors import InvalidHeader, PoolTimeout
+from treadle._http.errors import InvalidHeader, PoolClosed, PoolTimeout
 from treadle._http.protocol import Body, Connection, Exchange
 from treadle._http.reply import Reply, StreamReply, Timeouts
 
@@ -178,7 +178,7 @@ class Pool:
 
     async def _acquire(self, target: _Target, timeouts: Timeouts) -> Connection:
         if self.closed:
-            raise RuntimeError("This connection pool is closed; create a new client.")
+            raise PoolClosed("This connection pool is closed; create a new client.")
         loop = asyncio.get_running_loop()
         route, idle = target.route, target.idle
         conn = self._take_idle(idle, loop.time())
@@ -291,13 +291,13 @@ class Pool:
     def close(self) -> None:
         """Close every connection (idempotent; safe when the loop can no longer run).
 
-        Requests waiting for a connection fail with `RuntimeError`; none is cancelled (a task
-        that was not cancelled never sees `CancelledError` from here).
+        Requests waiting for a connection, and replies still arriving, fail with `PoolClosed`;
+        none is cancelled (a task that was not cancelled never sees `CancelledError` from here).
         """
         self.closed = True
         for conn in list(self._all):
             with contextlib.suppress(RuntimeError):  # a closed loop: sockets die with the process
-                conn.close()
+                conn.close(by_client=True)
         for idle in self._idle.values():
             idle.clear()
         self._idle_count = 0
@@ -305,7 +305,7 @@ class Pool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(
-                    RuntimeError("This connection pool is closed; create a new client.")
+                    PoolClosed("The client was closed while this request waited for a connection.")
                 )
 
     async def aclose(self) -> None:

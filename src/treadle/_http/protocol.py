@@ -23,11 +23,13 @@ from treadle._http.errors import (
     BodyClosed,
     DecodeError,
     HTTPError,
+    PoolClosed,
     ReadTimeout,
     RemoteProtocolError,
     StaleConnection,
+    UnsupportedReply,
 )
-from treadle._http.reply import Headers
+from treadle._http.reply import UPGRADE, Headers, decoder, unsupported
 
 if TYPE_CHECKING:
     from treadle._http.pool import Route
@@ -57,9 +59,10 @@ PAUSE_BYTES = 1024 * 1024
 READ_BUFFER_BYTES = 64 * 1024
 """Each connection reads into one buffer of this size, reused: no allocation per read (a
 256 KiB `bytes` per read, asyncio's default, costs an mmap and munmap each time)."""
-STALE_WINDOW_SECONDS = 0.1
-"""A reused connection closed with no reply byte this soon after the write was closed by the
-server while idle (it never saw the request): the one case re-sent without counting a retry."""
+STALE_WINDOW_SECONDS = 0.005
+"""A reused connection closed with no reply byte within 5 ms of the write was closed while idle
+(the server never saw the request): re-sent without counting a retry, never with `max_retries=0`.
+Milliseconds only: a server that worked on it for 20 ms before closing may have billed it."""
 
 
 class _Refused(Exception):
@@ -68,20 +71,6 @@ class _Refused(Exception):
     def __init__(self, error: HTTPError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _decoder(coding: str | None, url: str) -> Any:
-    """A zlib decompressor for a `content-encoding` (None: identity)."""
-    coding = (coding or "identity").strip().lower()
-    if coding in ("identity", ""):
-        return None
-    if coding in ("gzip", "x-gzip"):
-        return zlib.decompressobj(16 + zlib.MAX_WBITS)
-    if coding == "deflate":
-        return zlib.decompressobj()
-    raise _Refused(
-        DecodeError(f"The reply's content-encoding {coding!r} was not offered.", url=url)
-    )
 
 
 class Exchange:
@@ -193,6 +182,8 @@ class Connection(asyncio.BufferedProtocol):
         self._quiet = 0  # bytes fed since the parser last made progress
         self._lenient = True
         self._trailer_size = 0
+        self._by_client = False
+        self._head_size = 0  # the current head's status and header bytes, across reads
         self._interim = 0
         self._in_head = True
         self._raw: list[tuple[bytes, bytes]] = []
@@ -239,10 +230,20 @@ class Connection(asyncio.BufferedProtocol):
             error = cause.error if isinstance(cause, _Refused) else RemoteProtocolError(str(exc))
         except httptools.HttpParserError as exc:
             error = RemoteProtocolError(f"The reply is not valid HTTP/1.1 ({exc}).")
+        except httptools.HttpParserUpgrade:  # an Exception, not an HttpParserError
+            error = UnsupportedReply(UPGRADE)
         else:
             if self._quiet > MAX_HEAD_BYTES:
                 where = "head" if self._in_head else "chunk framing or trailers"
                 error = RemoteProtocolError(f"The reply's {where} is over {MAX_HEAD_BYTES} bytes.")
+        if error is not None and ex.complete and ex.error is None:
+            # Junk after a finished reply (a stray byte, a 204's body): return it, never re-send.
+            self.exchange = None
+            ex.keep_alive = False
+            self._disarm()
+            self.close()
+            ex.settle()
+            return
         if error is not None:
             error.url = ex.url
             self.exchange = None
@@ -283,14 +284,25 @@ class Connection(asyncio.BufferedProtocol):
             raise _Refused(RemoteProtocolError("The server sent bytes past the reply's end."))
         self._in_head = True
         self._trailer_size = 0
+        self._head_size = 0
         self._raw = []
         if not self._lenient:
             self._lenient = True
             self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
 
+    def on_status(self, reason: bytes) -> None:
+        self._grow_head(len(reason))  # the reason phrase, perhaps in pieces
+
+    def _grow_head(self, size: int) -> None:
+        # Counted here, not only by `_quiet`: a head split over reads ends (resetting `_quiet`)
+        # before the check after a read would see its whole size.
+        self._head_size += size
+        if self._head_size > MAX_HEAD_BYTES:
+            raise _Refused(RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes."))
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        # The head's size is bounded by `_quiet` (no progress is counted until it ends).
         if self._in_head:
+            self._grow_head(len(name) + len(value) + 4)
             self._raw.append((name, value))
             return
         self._trailer_size += len(name) + len(value) + 4  # a trailer: bounded, never kept
@@ -308,6 +320,8 @@ class Connection(asyncio.BufferedProtocol):
         self._in_head = False
         self._quiet = 0
         status = parser.get_status_code()
+        if (problem := unsupported(status, None)) is not None:  # before a 1xx is skipped
+            raise _Refused(problem)
         if status < 200:
             self._interim += 1
             if self._interim > MAX_INTERIM_REPLIES:
@@ -337,12 +351,16 @@ class Connection(asyncio.BufferedProtocol):
             raise _Refused(
                 DecodeError(f"The reply body ({length} bytes) is over {MAX_BODY_BYTES}.")
             )
-        self._until_close = (
-            status not in (204, 304) and length is None and get("transfer-encoding") is None
-        )
+        coding = get("transfer-encoding")
+        if (problem := unsupported(status, coding)) is not None:
+            raise _Refused(problem)
+        self._until_close = status not in (204, 304) and length is None and coding is None
         coding = get("content-encoding")
         if coding is not None:
-            ex.decoder = _decoder(coding, ex.url)
+            try:
+                ex.decoder = decoder(coding, ex.url)
+            except DecodeError as exc:
+                raise _Refused(exc) from None
 
     def on_body(self, data: bytes) -> None:
         self._quiet = 0
@@ -377,6 +395,8 @@ class Connection(asyncio.BufferedProtocol):
     def _lost(self, ex: Exchange, exc: Exception | None) -> HTTPError:
         """The error for a connection closed under an unfinished reply."""
         detail = f" ({exc})" if exc is not None else ""
+        if self._by_client:
+            return PoolClosed("The client was closed while this reply was arriving.", url=ex.url)
         if not ex.got_bytes:
             assert self._loop is not None
             if self.reused and self._loop.time() - self.written_at <= STALE_WINDOW_SECONDS:
@@ -418,8 +438,9 @@ class Connection(asyncio.BufferedProtocol):
             self.last_data = self._loop.time()  # the silence while paused was the reader's
             self.transport.resume_reading()
 
-    def close(self) -> None:
+    def close(self, *, by_client: bool = False) -> None:
         """Close the connection (idempotent); an unfinished exchange fails when it is lost."""
+        self._by_client = self._by_client or by_client  # the pool closed: say so, not "server"
         self.closed = True
         if self.transport is not None:
             self.transport.close()

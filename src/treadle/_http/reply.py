@@ -6,11 +6,56 @@ a connection; it lives with the protocol that fills it.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["BodyStream", "Headers", "Reply", "StreamReply", "Timeouts"]
+from treadle._http.errors import DecodeError, UnsupportedReply
+
+__all__ = [
+    "UPGRADE",
+    "BodyStream",
+    "Headers",
+    "Reply",
+    "StreamReply",
+    "Timeouts",
+    "decoder",
+    "unsupported",
+]
+
+UPGRADE = "The server answered 101 Switching Protocols, an upgrade this client never asked for."
+"""The message of a `101` reply (a head, or httptools' `HttpParserUpgrade`)."""
+
+
+def decoder(coding: str | None, url: str) -> Any:
+    """A zlib decompressor for a `content-encoding` (None: identity); `DecodeError` for a coding
+    the request did not offer."""
+    coding = (coding or "identity").strip().lower()
+    if coding in ("identity", ""):
+        return None
+    if coding in ("gzip", "x-gzip"):
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if coding == "deflate":
+        return zlib.decompressobj()
+    raise DecodeError(f"The reply's content-encoding {coding!r} was not offered.", url=url)
+
+
+def unsupported(status: int, transfer_encoding: str | None) -> UnsupportedReply | None:
+    """Why a final head cannot be read, or None: a status outside 100-599 (llhttp reads `099`
+    as 99, which must not pass for a 1xx), a `101` upgrade, or any transfer coding but `chunked`
+    alone (as httpx: `chunked, gzip` has no framing we read, `gzip, chunked` would hand back
+    still-compressed bytes)."""
+    if not 100 <= status <= 599:
+        return UnsupportedReply(f"The reply's status {status:03d} is not 100-599.")
+    if status == 101:
+        return UnsupportedReply(UPGRADE)
+    coding = transfer_encoding
+    if coding is not None and coding.replace(" ", "").replace("\t", "").lower() != "chunked":
+        return UnsupportedReply(
+            f"The reply's Transfer-Encoding {coding!r} is not supported (only 'chunked')."
+        )
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -261,7 +261,8 @@ class ModelClient:
         and the caller releases it once the reply is consumed. Raises the classified error when
         the failure cannot succeed on retry or `max_retries` are used up. A reused keep-alive
         connection the server had closed just as the request was written (`StaleConnection`: it
-        never saw the request) is re-sent once at once, not counted as a retry.
+        never saw the request) is re-sent once at once, not counted as a retry, but only when
+        `max_retries` allows any re-send at all: `max_retries=0` always means one send.
         """
         estimate = estimate_tokens(body)
         trace = current_pass()  # None unless the application traces passes
@@ -280,7 +281,11 @@ class ModelClient:
                 if isinstance(exc, StatusError):  # a 429 pauses every pass on the endpoint
                     limiter.observe(permit, exc.headers, refused=exc.status == 429)
                 limiter.release(permit)
-                if isinstance(exc, StaleConnection) and not stale_resent:
+                if (
+                    isinstance(exc, StaleConnection)
+                    and not stale_resent
+                    and provider.max_retries > 0
+                ):
                     stale_resent = True
                     continue
                 failure: HTTPError | StatusError = exc

@@ -22,13 +22,16 @@ from pydantic_core import from_json
 from treadle._http.errors import (
     ConnectError,
     ConnectTimeout,
+    DecodeError,
     HTTPError,
     InvalidHeader,
     InvalidURL,
     OpenFilesExhausted,
+    PoolClosed,
     PoolTimeout,
     ReadTimeout,
     TLSError,
+    UnsupportedReply,
 )
 from treadle.errors import (
     AuthenticationError,
@@ -329,6 +332,11 @@ def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleEr
             f"The process ran out of file descriptors connecting to {url} ({exc}); raise the "
             "open-files limit (`ulimit -n`) or lower max_concurrent_requests."
         )
+    if isinstance(exc, PoolClosed):
+        return ConfigurationError(
+            f"The model client for {url} was closed (aclose_clients()) under this request ({exc}); "
+            "close clients only after the passes that use them have finished."
+        )
     if isinstance(exc, InvalidHeader | InvalidURL):
         return ConfigurationError(str(exc))
     if isinstance(exc, TLSError) and exc.plaintext_peer:
@@ -336,6 +344,16 @@ def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleEr
         return ProtocolMismatchError(
             f"The server at {base} does not speak TLS ({exc}); if it serves plain HTTP, use "
             f"base_url=http:{base[len('https:') :]}."
+        )
+    if isinstance(exc, UnsupportedReply):
+        return MalformedResponse(
+            f"The server at {url} sent a reply this client cannot read{after}: {exc} A retry "
+            "would get the same; check base_url points at an OpenAI-compatible HTTP API."
+        )
+    if isinstance(exc, DecodeError):  # over the size cap or corrupt: a retry fails the same way
+        return MalformedResponse(
+            f"The reply from {url} could not be read{after}: {exc} A retry would fail the same "
+            "way; check the server (or what it compresses)."
         )
     if isinstance(exc, PoolTimeout):
         return ProviderTimeout(

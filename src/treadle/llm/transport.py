@@ -62,7 +62,7 @@ class PoolTransport:
         if pool is not None and loop is self._loop:
             return pool
         if self._closed:
-            raise RuntimeError("This connection pool is closed; create a new client.")
+            raise http.PoolClosed("This connection pool is closed; create a new client.")
         if pool is not None:
             raise RuntimeError(
                 "This connection pool belongs to another event loop; create one per loop "

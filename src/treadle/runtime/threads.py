@@ -28,7 +28,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
+import anyio._backends._asyncio
 import anyio.to_thread
+
+# Imported now, not on first use: anyio loads its asyncio backend lazily, and the first use can be
+# a pass's shielded cleanup after the process ran out of file descriptors (EMFILE), where that
+# import cannot open its source file and a raw OSError would replace the pass's typed error.
 
 __all__ = [
     "INTERNAL_IO_THREADS",
