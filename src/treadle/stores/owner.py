@@ -67,7 +67,7 @@ def owner_alive(metadata: object, updated_at: float, now: float) -> bool:
     if host != _host():
         return now - updated_at < OWNER_LEASE_SECONDS
     if pid == os.getpid():
-        return start == this_owner()["start"]
+        return bool(start == _start_id(pid))
     if not _pid_exists(pid):
         return False
     return start is None or _start_id(pid) in (None, start)

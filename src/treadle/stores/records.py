@@ -8,11 +8,10 @@ value that does not parse is a `StoreError` naming the conversation.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import time
 
 import pydantic_core
 
