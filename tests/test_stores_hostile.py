@@ -15,7 +15,9 @@ import pytest
 
 from treadle import Provider, Session, run_session_loop
 from treadle import tool as make_tool
-from treadle.errors import ConflictError
+from treadle.errors import ConfigurationError, ConflictError
+from treadle.persist.reader import load_session
+from treadle.session import ChunkRow
 from treadle.stores import Store
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
@@ -71,3 +73,27 @@ def test_a_pass_running_in_a_live_process_cannot_be_taken_over(
         if child.poll() is None:
             child.kill()
             child.communicate(timeout=CHILD_TIMEOUT)
+
+
+def test_export_never_writes_through_a_planted_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("PRECIOUS\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".k.jsonl.partial").symlink_to(victim)  # the old fixed temporary name
+    with Store.sqlite(tmp_path / "e.db") as store:
+        store.append("k", [ChunkRow.user("transcript row")])
+        store.export_jsonl("k", out / "k.jsonl")
+        assert victim.read_text() == "PRECIOUS\n"
+        assert (out / "k.jsonl").is_file() and not (out / "k.jsonl").is_symlink()
+        assert load_session(out / "k.jsonl", sandbox=False).session.rows[0].content == (
+            "transcript row"
+        )
+        linked = out / "linked.jsonl"
+        linked.symlink_to(victim)
+        with pytest.raises(ConfigurationError, match="is a symbolic link"):
+            store.export_jsonl("k", linked)
+        assert victim.read_text() == "PRECIOUS\n"
+        assert sorted(p.name for p in out.iterdir() if p.name.endswith(".partial")) == [
+            ".k.jsonl.partial"  # the planted link only: no partial file left behind
+        ]

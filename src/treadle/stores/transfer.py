@@ -10,9 +10,10 @@ I/O threads, never on the event loop.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
-from treadle.errors import ConflictError
+from treadle.errors import ConfigurationError, ConflictError
 from treadle.persist.format import encode_header, encode_row, encode_trailer
 from treadle.persist.reader import load_session
 from treadle.runtime.threads import run_internal_io
@@ -66,14 +67,23 @@ async def export_jsonl(backend: StoreBackend, key: str, path: str | os.PathLike[
 
     def write() -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.partial")
-        # 0600: transcripts can hold private data
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, target)
+        if target.is_symlink():
+            raise ConfigurationError(
+                f"export destination {target} is a symbolic link; remove it or export elsewhere."
+            )
+        # a unique name opened O_EXCL|O_NOFOLLOW: a file or link planted there is never written
+        partial = target.with_name(f".{target.name[:64]}.{secrets.token_hex(8)}.partial")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(partial, flags, 0o600)  # 0600: transcripts can hold private data
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
 
     await run_internal_io(write)
     return target
