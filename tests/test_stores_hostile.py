@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +16,10 @@ import pytest
 
 from treadle import Provider, Session, run_session_loop
 from treadle import tool as make_tool
-from treadle.errors import ConfigurationError, ConflictError
+from treadle.errors import ConfigurationError, ConflictError, PersistenceError
 from treadle.persist.reader import load_session
 from treadle.session import ChunkRow
-from treadle.stores import Store
+from treadle.stores import Store, transfer
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 
@@ -97,3 +98,43 @@ def test_export_never_writes_through_a_planted_symlink(tmp_path: Path) -> None:
         assert sorted(p.name for p in out.iterdir() if p.name.endswith(".partial")) == [
             ".k.jsonl.partial"  # the planted link only: no partial file left behind
         ]
+
+
+def test_import_refuses_a_fifo_a_device_a_link_and_an_oversized_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fifo = tmp_path / "a.jsonl"
+    os.mkfifo(fifo)
+    (tmp_path / "z.jsonl").symlink_to("/dev/zero")
+    with Store.sqlite(tmp_path / "i.db") as store:
+        failures: list[BaseException] = []
+
+        def attempt() -> None:
+            try:
+                store.import_jsonl(fifo)
+            except BaseException as err:
+                failures.append(err)
+
+        worker = threading.Thread(target=attempt, daemon=True)
+        worker.start()
+        worker.join(CHILD_TIMEOUT)
+        if worker.is_alive():  # it hangs on the FIFO: give it a writer so the thread ends
+            with open(fifo, "wb"):
+                pass
+            worker.join(CHILD_TIMEOUT)
+            pytest.fail("importing a FIFO with no writer hung")
+        assert isinstance(failures[0], PersistenceError)
+        assert "not a regular file" in str(failures[0])
+        with pytest.raises(PersistenceError, match="not a regular file"):
+            store.import_jsonl("/dev/zero")
+        with pytest.raises(PersistenceError, match="symbolic link"):
+            store.import_jsonl(tmp_path / "z.jsonl")
+        good = tmp_path / "good.jsonl"
+        store.append("k", [ChunkRow.user("hello")])
+        store.export_jsonl("k", good)
+        monkeypatch.setattr(transfer, "MAX_IMPORT_BYTES", good.stat().st_size - 1)
+        with pytest.raises(PersistenceError, match="over the import limit"):
+            store.import_jsonl(good, key="big")
+        monkeypatch.setattr(transfer, "MAX_IMPORT_BYTES", good.stat().st_size)
+        assert store.import_jsonl(good, key="fits") == ("fits", 1)
+        assert store.pending() == []
