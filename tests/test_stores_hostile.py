@@ -4,6 +4,7 @@ keys whose file names do not fit. Real files, real child processes (tests/store_
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 
 from treadle import Provider, Session, run_session_loop
 from treadle import tool as make_tool
+from treadle.cli.console import Console
+from treadle.cli.stores import export_file_name, store_sessions_command
 from treadle.errors import ConfigurationError, ConflictError, PersistenceError
 from treadle.persist.reader import load_session
 from treadle.session import ChunkRow
@@ -138,3 +141,16 @@ def test_import_refuses_a_fifo_a_device_a_link_and_an_oversized_file(
         monkeypatch.setattr(transfer, "MAX_IMPORT_BYTES", good.stat().st_size)
         assert store.import_jsonl(good, key="fits") == ("fits", 1)
         assert store.pending() == []
+
+
+def test_export_names_fit_a_file_system_for_a_long_unicode_key(tmp_path: Path) -> None:
+    long_key = "ключ" * 25  # 100 characters, 600 bytes once quoted
+    with Store.sqlite(tmp_path / "s.db") as store:
+        store.append(long_key, [ChunkRow.user("long")])
+        store.append("short", [ChunkRow.user("short")])
+    names = {export_file_name(long_key), export_file_name("short")}
+    assert all(len(n.encode()) <= 255 for n in names)
+    assert export_file_name(long_key) != export_file_name(long_key + "x")
+    console = Console(io.StringIO())
+    assert store_sessions_command(str(tmp_path / "s.db"), console, export=tmp_path / "out") == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(names)
