@@ -9,6 +9,7 @@ file. The store comes from `--store`, else `TREADLE_STORE`, else `.treadle/tread
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from urllib.parse import quote
 from treadle.cli.console import Console
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.cli.show import TranscriptView
-from treadle.errors import ConflictError, PersistenceError
+from treadle.errors import ConfigurationError, ConflictError, PersistenceError, StoreError
 from treadle.stores import DEFAULT_SQLITE_PATH, Store
 
 __all__ = ["STORE_ENV", "open_cli_store", "show_stored", "store_sessions_command"]
@@ -34,6 +35,20 @@ STORE_PREFIX = "store:"
 def open_cli_store(url: str | None) -> Store:
     """The store named by `url`, `TREADLE_STORE` or the default SQLite file."""
     return Store.open(url or os.environ.get(STORE_ENV) or DEFAULT_SQLITE_PATH)
+
+
+#: Longest file name an export writes (bytes; most file systems allow 255).
+MAX_EXPORT_NAME_BYTES = 200
+
+
+def export_file_name(key: str) -> str:
+    """The file name an export gives conversation `key`: the key quoted (keys may hold any
+    character), or, when that is too long for a file name, its start and a hash of the key."""
+    name = quote(key, safe="")
+    if len(name.encode()) + len(".jsonl") <= MAX_EXPORT_NAME_BYTES:
+        return f"{name}.jsonl"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return f"{name[:120].rstrip('%')}-{digest}.jsonl"
 
 
 def _when(epoch: float) -> str:
@@ -62,9 +77,21 @@ def store_sessions_command(
                 console.line(f"imported {file} as {key} ({version} rows)")
         infos = store.conversations()
         if export is not None:
-            for info in infos:  # keys may hold any character: quoted into file names
-                target = store.export_jsonl(info.key, export / f"{quote(info.key, safe='')}.jsonl")
+            failed = []
+            for info in infos:
+                try:
+                    target = store.export_jsonl(info.key, export / export_file_name(info.key))
+                except (OSError, StoreError, ConfigurationError) as err:
+                    failed.append(info.key)  # one key that cannot be written stops no other
+                    console.line(f"could not export {info.key!r}: {err}")
+                    continue
                 console.line(f"exported {info.key} to {target}")
+            if failed:
+                raise CliFailure(
+                    f"{len(failed)} conversation(s) were not exported (see above).",
+                    "",
+                    EXIT_CODES["usage"],
+                )
         pending = store.pending()
         if as_json:
             console.line(

@@ -38,6 +38,8 @@ from treadle.stores.records import (
     encode_usage,
     journal_record,
     journal_text,
+    owner_check,
+    owner_metadata,
     pending_from,
     rows_text,
 )
@@ -183,9 +185,9 @@ class PostgresBackend:
             async with conn.transaction():
                 await conn.execute(
                     "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
-                    " metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, '{}',"
+                    " metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
                     " %s, %s) ON CONFLICT (pass_id) DO UPDATE SET updated_at = %s",
-                    (pass_id, key, version, agents, now, now, now),
+                    (pass_id, key, version, agents, owner_metadata(), now, now, now),
                 )
                 cur = await conn.execute(
                     "SELECT count(*) FROM treadle_journal WHERE pass_id = %s", (pass_id,)
@@ -304,7 +306,8 @@ class PostgresBackend:
         async def do(conn: AsyncConnection[Any]) -> PassRecord:
             async with conn.transaction():
                 cur = await conn.execute(
-                    "SELECT key, status, version FROM treadle_passes WHERE pass_id = %s FOR UPDATE",
+                    "SELECT key, status, version, metadata, updated_at FROM treadle_passes"
+                    " WHERE pass_id = %s FOR UPDATE",
                     (pass_id,),
                 )
                 found = await cur.fetchone()
@@ -314,7 +317,8 @@ class PostgresBackend:
                         "ended); list what is pending with store.pending().",
                         key=found[0] if found else "",
                     )
-                key, status, version = found
+                key, status, version, meta, updated = found
+                owner_check(pass_id, key, status, meta, updated)
                 actual = (await self._lock(conn, key)) or 0
                 if actual != version:
                     raise conflict_error(key, int(version), actual, ())

@@ -8,6 +8,7 @@ value that does not parse is a `StoreError` naming the conversation.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,6 +17,7 @@ import pydantic_core
 
 from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
+from treadle.stores.owner import owner_alive, this_owner
 
 __all__ = [
     "MAX_KEY_LENGTH",
@@ -111,6 +113,9 @@ class PendingPass:
     interrupt_reason: str | None = None
     agent_rows: tuple[ChunkRow, ...] = ()
     """The agent rows (system prompt) the pass ran with."""
+    resumable: bool = True
+    """False for a `running` pass whose process is still alive (same host: its pid runs with the
+    same start id; another host: its lease has not expired): a takeover of it is refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +229,7 @@ def pending_from(
     pass_id: str, key: str, status: str, version: int, updated: float, meta: str, agents: str
 ) -> PendingPass:
     metadata = decode_json(meta, key)
+    alive = status == "running" and owner_alive(metadata, float(updated), time.time())
     approvals = metadata.get("pending_approvals") if isinstance(metadata, dict) else None
     reason = metadata.get("interrupt_reason") if isinstance(metadata, dict) else None
     messages = decode_json(agents, key)
@@ -236,7 +242,23 @@ def pending_from(
         tuple(a for a in approvals or () if isinstance(a, dict)),
         reason if isinstance(reason, str) else None,
         tuple(ChunkRow.from_message(m) for m in messages if isinstance(m, dict)),
+        not alive,
     )
+
+
+def owner_check(pass_id: str, key: str, status: str, meta: str, updated: float) -> None:
+    """`ConflictError` when a claimed `running` pass's owner process is still alive."""
+    if status == "running" and owner_alive(decode_json(meta, key), float(updated), time.time()):
+        raise ConflictError(
+            f"pass {pass_id} is still running in a live process; wait for it to end (or stop "
+            "that process) before resuming it.",
+            key=key,
+        )
+
+
+def owner_metadata() -> str:
+    """The metadata a running pass is recorded with: its owner process."""
+    return encode_json({"owner": this_owner()})
 
 
 #: Conversations whose validated rows a backend keeps in memory (least recently used go first).

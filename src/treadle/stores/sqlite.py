@@ -38,6 +38,8 @@ from treadle.stores.records import (
     encode_usage,
     journal_record,
     journal_text,
+    owner_check,
+    owner_metadata,
     pending_from,
     rows_text,
 )
@@ -231,9 +233,9 @@ class SqliteBackend:
             now = time.time()
             conn.execute(
                 "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
-                " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, '{}', ?, ?) "
+                " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, ?, ?, ?) "
                 "ON CONFLICT (pass_id) DO UPDATE SET updated_at = excluded.updated_at",
-                (pass_id, key, version, agents, now, now),
+                (pass_id, key, version, agents, owner_metadata(), now, now),
             )
             start = conn.execute(
                 "SELECT count(*) FROM journal WHERE pass_id = ?", (pass_id,)
@@ -315,7 +317,8 @@ class SqliteBackend:
 
         def do(conn: sqlite3.Connection) -> PassRecord:
             found = conn.execute(
-                "SELECT key, status, version FROM passes WHERE pass_id = ?", (pass_id,)
+                "SELECT key, status, version, metadata, updated_at FROM passes WHERE pass_id = ?",
+                (pass_id,),
             ).fetchone()
             if found is None or found[1] not in RESUMABLE:
                 raise ConflictError(
@@ -323,7 +326,8 @@ class SqliteBackend:
                     "list what is pending with store.pending().",
                     key=found[0] if found else "",
                 )
-            key, status, version = found
+            key, status, version, meta, updated = found
+            owner_check(pass_id, key, status, meta, updated)
             actual = _version(conn, key) or 0
             if actual != version:
                 raise conflict_error(key, version, actual, ())

@@ -1,0 +1,73 @@
+"""Who runs a pass a store records as `running`, and whether that process is still alive.
+
+A running pass records its owner (host name, pid and a start id: the kernel's boot id with the
+process's start time, so a recycled pid is not mistaken for the owner) in its pass record. On the
+same host the owner is alive while its pid exists with the same start id; on another host the
+pass's last write (`updated_at`) is a lease that holds `OWNER_LEASE_SECONDS`. A pass whose owner
+is alive is listed by `Store.pending()` as not resumable and a takeover of it is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+
+__all__ = ["OWNER_LEASE_SECONDS", "owner_alive", "this_owner"]
+
+#: How long a running pass recorded on another host counts as owned after its last write.
+OWNER_LEASE_SECONDS = 600.0
+
+
+def _start_id(pid: int) -> str | None:
+    """Boot id and start time of process `pid` (None where /proc does not tell)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
+
+
+@cache
+def _host() -> str:
+    return socket.gethostname()
+
+
+def this_owner() -> dict[str, Any]:
+    """The owner record of this process."""
+    pid = os.getpid()
+    return {"pid": pid, "host": _host(), "start": _start_id(pid)}
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def owner_alive(metadata: object, updated_at: float, now: float) -> bool:
+    """True when the owner recorded in a running pass's `metadata` may still run it."""
+    owner = metadata.get("owner") if isinstance(metadata, Mapping) else None
+    if not isinstance(owner, Mapping):
+        return False  # recorded before owners were: resumable, as before
+    pid, host, start = owner.get("pid"), owner.get("host"), owner.get("start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if host != _host():
+        return now - updated_at < OWNER_LEASE_SECONDS
+    if pid == os.getpid():
+        return bool(start == _start_id(pid))
+    if not _pid_exists(pid):
+        return False
+    return start is None or _start_id(pid) in (None, start)
