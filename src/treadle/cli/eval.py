@@ -23,6 +23,7 @@ from treadle.cli.console import Console
 from treadle.cli.describe import counted, producer_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.errors import EvalConfigMismatch
+from treadle.evals.log import config_changes
 from treadle.evals import (
     EvalProgress,
     SampleRecord,
@@ -276,6 +277,10 @@ def compare_command(before: Path, after: Path, console: Console) -> int:
     for label, log in (("before", a), ("after", b)):
         produced = producer_line(log.header.producer)
         console.line(f"{label}: {produced or 'no model recorded (an older log)'}", "dim")
+    # A changed scorer (or sample count, ...) can explain a score change by itself: say so.
+    for what, old, new in config_changes(a.header.config, b.header.config):
+        console.line(f"configuration changed: {what}: {_cell(old, console.styled)} -> "
+                     f"{_cell(new, console.styled)}", "warn")  # fmt: skip
     console.line(
         f"score {diff.before_score:.4f} -> {diff.after_score:.4f}; {len(diff.improved)} items "
         f"improved, {len(diff.regressed)} regressed, {diff.unchanged} unchanged",
