@@ -59,7 +59,7 @@ def test_missing_eval_log_fix_points_at_the_eval_logs_not_sessions(tmp_path: Pat
 
 
 def _eval_log(path: Path, *, scorer: str, score: float) -> Path:
-    config = {"agent": {"name": "echo"}, "dataset": "qa", "scorer": {"scorer": scorer}}
+    config = {"agent": {"name": "echo"}, "dataset": {"hash": "d1"}, "scorer": {"scorer": scorer}}
     header = LogHeader(config_hash=f"h-{scorer}", config=config, dataset="qa", items=1, samples=1)
     record = SampleRecord(item_id="q0", sample=0, score=score, passed=score == 1.0)
     path.write_text(json.dumps(header.to_json()) + "\n" + json.dumps(record.to_json()) + "\n")
