@@ -23,7 +23,6 @@ from treadle.cli.console import Console
 from treadle.cli.describe import counted, producer_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.errors import EvalConfigMismatch
-from treadle.evals.log import config_changes
 from treadle.evals import (
     EvalProgress,
     SampleRecord,
@@ -34,6 +33,7 @@ from treadle.evals import (
     summarize,
     write_report,
 )
+from treadle.evals.log import config_changes
 
 __all__ = ["EvalOptions", "compare_command", "eval_command", "load_object", "report_command"]
 
