@@ -53,7 +53,7 @@ def test_missing_paths_print_before_the_heavy_imports(words: list[str], tmp_path
 def test_missing_eval_log_fix_points_at_the_eval_logs_not_sessions(tmp_path: Path) -> None:
     proc = treadle("eval", "report", "nonexist.jsonl", cwd=tmp_path)
     assert proc.returncode == 2
-    assert "No eval log at nonexist.jsonl." in proc.stderr
+    assert "no evaluation log at nonexist.jsonl." in proc.stderr
     assert "treadle sessions" not in proc.stderr
     assert ".treadle/evals" in proc.stderr
 

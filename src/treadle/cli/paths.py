@@ -70,7 +70,7 @@ def check_eval_log(path: Path) -> None:
     """Refuse an eval log path (of `eval report` / `eval compare`) that is not a file."""
     if not path.is_file():
         raise CliFailure(
-            f"No eval log at {path}.",
+            f"no evaluation log at {path}.",
             f"pass the log `treadle eval` wrote (by default in {EVAL_LOG_DIR}/; "
             f"`ls {EVAL_LOG_DIR}` lists them).",
             EXIT_CODES["usage"],
