@@ -6,6 +6,7 @@ runs as a real subprocess."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,36 @@ def test_busy_and_damaged_eval_logs_get_their_own_fix_lines() -> None:
     busy, damaged = proc.stdout.splitlines()
     assert "pid 4242" in busy and "kill 4242" in busy and "treadle sessions" not in busy
     assert "line 3 of x.jsonl" in damaged and "treadle sessions" not in damaged
+
+
+_AGENT = """
+from treadle import Agent, Provider
+agent = Agent("echo", "Repeat.", provider=Provider(model="m", base_url="http://127.0.0.1:9/v1",
+              api_key="k", max_retries=0))
+"""
+
+
+def test_a_real_busy_log_names_the_holders_pid(tmp_path: Path) -> None:
+    from treadle.evals.log import _lock, _unlock
+
+    (tmp_path / "busy_agent.py").write_text(_AGENT)
+    (tmp_path / "qa.jsonl").write_text('{"id": "q0", "input": "hi", "expected": "hi"}\n')
+    log = tmp_path / "run.jsonl"
+    fd = _lock(log)  # this test process is the other run holding the log
+    try:
+        proc = treadle("eval", "qa.jsonl", "--agent", "busy_agent:agent", "--log", str(log),
+                       cwd=tmp_path)  # fmt: skip
+    finally:
+        _unlock(fd)
+    assert proc.returncode == 2, proc.stderr
+    assert f"kill {os.getpid()}" in proc.stderr and "treadle sessions" not in proc.stderr
+
+
+def test_a_real_damaged_log_names_the_line_to_repair(tmp_path: Path) -> None:
+    log = _eval_log(tmp_path / "run.jsonl", scorer="exact", score=1.0)
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], "{not json", lines[1]]) + "\n")
+    proc = treadle("eval", "report", str(log), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert f"repair or move line 2 of {log}" in proc.stderr
+    assert "treadle sessions" not in proc.stderr
