@@ -287,6 +287,14 @@ def _add_eval_parsers(sub: Any) -> None:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from treadle.cli import preflight
+        from treadle.cli.failures import CliFailure
+
+        if not args.prompt.strip():
+            raise CliFailure(
+                "The prompt is empty.",
+                'pass the message to send, e.g. treadle run "Say hello".',
+                EXIT_CODES["usage"],
+            )
 
         # Configuration errors print before the pass's imports and before rich loads (on a
         # terminal): see the comment at the top of this module.
@@ -299,6 +307,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         preflight.check_mcp_urls(args.mcp_url)
         preflight.check_sandbox(args.sandbox)
+    _check_paths(args)
     console = make_console(args.color, raw=args.raw)
     if args.command == "run":
         # Say so before the runtime's imports (most of a second on a busy machine): the screen
@@ -395,6 +404,24 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """The files and directories a command names, checked before `treadle.evals` (agents and
+    the loop) or the transcript reader load: a missing path prints its line at once."""
+    from treadle.cli import paths
+
+    if args.command == "show" and not str(args.file).startswith("store:"):
+        paths.check_session_file(args.file)
+    elif args.command == "sessions" and not (args.store or args.imports or args.export):
+        paths.check_session_dir(args.directory)
+    elif args.command == "eval":
+        paths.check_eval_dataset(args.dataset, args.agent)
+    elif args.command == "eval-report":
+        paths.check_eval_log(args.log)
+    elif args.command == "eval-compare":
+        paths.check_eval_log(args.before)
+        paths.check_eval_log(args.after)
+
+
 def _rewrite_eval(argv: list[str]) -> list[str]:
     """`eval report ...` / `eval compare ...` as their own commands (a dataset file named
     `report` is still reachable as `./report`)."""
@@ -404,6 +431,18 @@ def _rewrite_eval(argv: list[str]) -> list[str]:
     if argv[i : i + 1] == ["eval"] and i + 1 < len(argv) and argv[i + 1] in _EVAL_SUBCOMMANDS:
         return [*argv[:i], _EVAL_SUBCOMMANDS[argv[i + 1]], *argv[i + 2 :]]
     return argv
+
+
+# `--color` and `--raw` belong to `treadle` itself: after the command they are unknown there.
+_GLOBAL_FLAGS = ("--color", "--raw")
+
+
+def _rewrite_back(command: str) -> str:
+    """`eval-report` as the user typed it (`eval report`)."""
+    for word, internal in _EVAL_SUBCOMMANDS.items():
+        if command == internal:
+            return f"eval {word}"
+    return command
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
@@ -421,6 +460,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(
         _rewrite_eval(list(sys.argv[1:] if argv is None else argv))
     )
+    misplaced = [w.split("=", 1)[0] for w in extra if w.split("=", 1)[0] in _GLOBAL_FLAGS]
+    if misplaced and args.command is not None:
+        flag = misplaced[0]
+        sub = _subparser(parser, args.command)
+        sub.print_usage(sys.stderr)
+        shown = _rewrite_back(args.command)
+        print(
+            f"treadle: error: {flag} is an option of treadle itself, not of {shown}.\n"
+            f"treadle: fix: put it before the command: treadle {flag}"
+            f"{' never' if flag == '--color' else ''} {shown} ...",
+            file=sys.stderr,
+        )
+        return EXIT_CODES["usage"]
     if extra:  # reported by the subcommand's parser, with its usage, not treadle's
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:

@@ -33,6 +33,7 @@ from treadle.evals import (
     summarize,
     write_report,
 )
+from treadle.evals.log import config_changes
 
 __all__ = ["EvalOptions", "compare_command", "eval_command", "load_object", "report_command"]
 
@@ -276,6 +277,10 @@ def compare_command(before: Path, after: Path, console: Console) -> int:
     for label, log in (("before", a), ("after", b)):
         produced = producer_line(log.header.producer)
         console.line(f"{label}: {produced or 'no model recorded (an older log)'}", "dim")
+    # A changed scorer (or sample count, ...) can explain a score change by itself: say so.
+    for what, old, new in config_changes(a.header.config, b.header.config):
+        console.line(f"configuration changed: {what}: {_cell(old, console.styled)} -> "
+                     f"{_cell(new, console.styled)}", "warn")  # fmt: skip
     console.line(
         f"score {diff.before_score:.4f} -> {diff.after_score:.4f}; {len(diff.improved)} items "
         f"improved, {len(diff.regressed)} regressed, {diff.unchanged} unchanged",

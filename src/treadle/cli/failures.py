@@ -14,6 +14,8 @@ from treadle.errors import (
     AuthenticationError,
     ConfigurationError,
     ContextLengthError,
+    EvalLogBusyError,
+    EvalLogDamagedError,
     InvalidRequestError,
     ModelNotFoundError,
     NotOpenAIEndpointError,
@@ -75,6 +77,21 @@ def _explain(err: BaseException, command: str | None) -> CliFailure:
     if isinstance(err, ConfigurationError):
         fix = _configuration_fix(message, command)
         return CliFailure(_without_library_advice(message), fix, EXIT_CODES["usage"])
+    if isinstance(err, EvalLogBusyError):
+        pid = re.search(r"pid (\d+)", message)
+        other = f"the other run (pid {pid[1]})" if pid else "the other run"
+        stop = f" or stop it (`kill {pid[1]}`)" if pid else " or stop it"
+        return CliFailure(
+            message, f"wait for {other} to end,{stop}, or pass --log NEW.jsonl for this run.",
+            EXIT_CODES["usage"],
+        )  # fmt: skip
+    if isinstance(err, EvalLogDamagedError):
+        where = f"line {err.line} of {err.path}" if err.line and err.path else "the damaged line"
+        return CliFailure(
+            message, f"repair or move {where} (a copy of the log without it resumes), or pass "
+            "--log NEW.jsonl to start a new log.",
+            EXIT_CODES["usage"],
+        )  # fmt: skip
     if isinstance(err, PersistenceError):
         return CliFailure(
             message, "check the path; `treadle sessions DIR` lists readable sessions.",

@@ -1,0 +1,94 @@
+"""Checks of the files and directories `show`, `sessions` and `eval` name, before their imports.
+
+`treadle.evals` pulls in the agents and the loop (most of a second on a busy machine), so a
+missing file or a transcript of the wrong kind is reported from here first, with only the
+standard library loaded: one line of cause, one of fix, exit 2. Like `treadle.cli.preflight`
+for `run`, this module imports nothing heavier than `treadle.cli.failures`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from treadle.cli.failures import EXIT_CODES, CliFailure
+
+__all__ = [
+    "EVAL_LOG_DIR",
+    "check_eval_dataset",
+    "check_eval_log",
+    "check_session_dir",
+    "check_session_file",
+    "is_eval_log",
+]
+
+#: Where `treadle eval` writes its logs by default (kept equal to `treadle.cli.eval`'s).
+EVAL_LOG_DIR = Path(".treadle") / "evals"
+# A header line is short; reading a bounded prefix keeps a huge or binary file cheap to test.
+_HEADER_BYTES = 1 << 20
+
+
+def is_eval_log(path: Path) -> bool:
+    """True when the first line of `path` is an eval log's header (it has a `config_hash`)."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline(_HEADER_BYTES)
+    except OSError:
+        return False
+    try:
+        header = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(header, dict) and header.get("type") == "header" and "config_hash" in header
+
+
+def check_session_file(path: Path) -> None:
+    """Refuse a `treadle show` path that is missing or is an eval log, naming what to type."""
+    if not path.is_file():
+        raise CliFailure(
+            f"No session file at {path}.", "list them with `treadle sessions`.", EXIT_CODES["usage"]
+        )
+    if is_eval_log(path):
+        raise CliFailure(
+            f"{path} is an eval log, not a session transcript.",
+            f"this is an eval log: `treadle eval report {path}` writes its HTML report.",
+            EXIT_CODES["usage"],
+        )
+
+
+def check_session_dir(directory: Path | None) -> None:
+    """Refuse a `treadle sessions DIR` that is not a directory."""
+    if directory is not None and not directory.is_dir():
+        raise CliFailure(
+            f"No directory {directory}.",
+            "pass an existing directory, or none for .treadle/sessions.",
+            EXIT_CODES["usage"],
+        )
+
+
+def check_eval_log(path: Path) -> None:
+    """Refuse an eval log path (of `eval report` / `eval compare`) that is not a file."""
+    if not path.is_file():
+        raise CliFailure(
+            f"no evaluation log at {path}.",
+            f"pass the log `treadle eval` wrote (by default in {EVAL_LOG_DIR}/; "
+            f"`ls {EVAL_LOG_DIR}` lists them).",
+            EXIT_CODES["usage"],
+        )
+
+
+def check_eval_dataset(dataset: Path, agent: str) -> None:
+    """Refuse a missing dataset or an `--agent` that is not `module:attribute`."""
+    if not dataset.is_file():
+        raise CliFailure(
+            f"no dataset file at {dataset}.",
+            "pass a JSONL file with one {id, input, expected} object per line.",
+            EXIT_CODES["usage"],
+        )
+    module_name, sep, attr = agent.partition(":")
+    if not (module_name and sep and attr):
+        raise CliFailure(
+            f"agent {agent!r} is not module:attribute.",
+            f"name it like mypkg.agents:solver (a module importable from {Path.cwd()}).",
+            EXIT_CODES["usage"],
+        )
