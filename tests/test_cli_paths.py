@@ -139,17 +139,17 @@ agent = Agent("echo", "Repeat.", provider=Provider(model="m", base_url="http://1
 
 
 def test_a_real_busy_log_names_the_holders_pid(tmp_path: Path) -> None:
-    from treadle.evals.log import _lock, _unlock
+    from treadle.evals.loglock import lock_log, unlock_log
 
     (tmp_path / "busy_agent.py").write_text(_AGENT)
     (tmp_path / "qa.jsonl").write_text('{"id": "q0", "input": "hi", "expected": "hi"}\n')
     log = tmp_path / "run.jsonl"
-    fd = _lock(log)  # this test process is the other run holding the log
+    fd = lock_log(log)  # this test process is the other run holding the log
     try:
         proc = treadle("eval", "qa.jsonl", "--agent", "busy_agent:agent", "--log", str(log),
                        cwd=tmp_path)  # fmt: skip
     finally:
-        _unlock(fd)
+        unlock_log(fd)
     assert proc.returncode == 2, proc.stderr
     assert f"kill {os.getpid()}" in proc.stderr and "treadle sessions" not in proc.stderr
 
