@@ -162,3 +162,25 @@ def test_a_real_damaged_log_names_the_line_to_repair(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert f"repair or move line 2 of {log}" in proc.stderr
     assert "treadle sessions" not in proc.stderr
+
+
+def test_a_reader_that_goes_away_is_not_a_bug(tmp_path: Path) -> None:
+    # `treadle sessions DIR | head -1`: the pipe closes before treadle has written everything.
+    sessions = tmp_path / "s"
+    sessions.mkdir()
+    for i in range(400):
+        header = {"type": "header", "schema": 1, "session_id": f"id{i}", "created_at": 1.0}
+        (sessions / f"id{i}.jsonl").write_text(json.dumps(header) + "\n")
+    code = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'treadle.cli', 'sessions', sys.argv[1]],\n"
+        "    stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
+        "p.stdout.readline(); p.stdout.close()\n"
+        "err = p.stderr.read().decode(); p.wait()\n"
+        "print(p.returncode); print(err)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(sessions)], capture_output=True, text=True, timeout=120,
+        env=_env(),
+    )  # fmt: skip
+    assert "bug in Treadle" not in proc.stdout and "BrokenPipeError" not in proc.stdout

@@ -117,6 +117,7 @@ async def test_retryable_faults_are_retried(
     assert server.request_count == 3  # two faults seen by the server, then success
 
 
+@pytest.mark.slow  # waits out real retries, 23 s: `make test-slow`
 async def test_retries_exhausted_raise_typed_errors(server: FakeOpenAIServer) -> None:
     server.add_fault(Reply.rate_limited(0))
     with pytest.raises(RateLimitError) as info:

@@ -419,6 +419,7 @@ def _opens_seen(fd: int) -> int:
     os.geteuid() != 0 or os.uname().machine != "x86_64",
     reason="the hand-over runs as root only; the swapper uses x86_64's renameat2",
 )
+@pytest.mark.slow  # a 300-round race loop: `make test-slow`
 async def test_the_hand_over_after_seeding_never_opens_a_host_file_under_a_race(
     vault: Path, tmp_path: Path
 ) -> None:

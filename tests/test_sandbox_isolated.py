@@ -211,6 +211,7 @@ async def test_archives_that_climb_out_are_refused(box: Sandbox, tmp_path: Path)
         await seed_workspace(box, tmp_path / "notes.txt")
 
 
+@pytest.mark.slow  # a load test, 200 boxes: `make test-slow`
 def test_map_over_200_items_each_in_its_own_box_leaves_no_box() -> None:
     with FakeOpenAIServer(script="file_worker") as server:
         agent = Agent(

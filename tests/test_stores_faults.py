@@ -57,6 +57,7 @@ def test_damaged_rows_are_a_store_error(tmp_path: Path) -> None:
             store.conversation("k").synchronize()
 
 
+@pytest.mark.slow  # stops and restarts a PostgreSQL cluster, 30 s: `make test-slow`
 def test_a_store_lost_mid_pass_fails_the_pass_and_writes_nothing() -> None:
     require_postgres()
     cluster = Cluster()

@@ -221,3 +221,21 @@ def test_the_producer_line_shows_no_terminal_escapes_from_a_file() -> None:
     assert line is not None and "\x1b" not in line and "\x07" not in line
     assert line.startswith("model m?[2J at http://h")
     assert producer_line(None) is None and producer_line({}) is None
+
+
+def test_nested_credentials_in_extra_body_are_masked() -> None:
+    from treadle.llm import Provider
+    from treadle.persist.producer import producer_record
+
+    provider = Provider(
+        model="m",
+        base_url="http://127.0.0.1:1/v1",
+        api_key="k",
+        extra_body={
+            "headers": {"Authorization": "Bearer SEKRET2"},
+            "extra_headers": [{"X-Api-Key": "S7"}],
+            "top_k": 20,
+        },
+    )
+    text = str(producer_record(provider))
+    assert "SEKRET2" not in text and "S7" not in text and "20" in text

@@ -483,6 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("treadle: interrupted.", file=sys.stderr)
         return EXIT_CODES["interrupted"]
+    except BrokenPipeError:
+        # The reader went away (`treadle show FILE | head -1`): nothing is wrong with the
+        # command. Point stdout at /dev/null so the interpreter's final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_CODES["ok"]
     except Exception as err:
         if os.environ.get("TREADLE_DEBUG"):
             import traceback

@@ -68,11 +68,17 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def _masked(body: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        str(k): "***" if any(w in str(k).lower() for w in _SECRET_WORDS) else _plain(v)
-        for k, v in body.items()
-    }
+def _masked(value: Any) -> Any:
+    """`value` with every credential-looking key masked, at any depth (`extra_body` may nest
+    headers: `{"headers": {"Authorization": ...}}`)."""
+    if isinstance(value, Mapping):
+        return {
+            str(k): "***" if any(w in str(k).lower() for w in _SECRET_WORDS) else _masked(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_masked(v) for v in value]
+    return _plain(value)
 
 
 def producer_record(provider: Provider | None, *, version: str | None = None) -> dict[str, Any]:
