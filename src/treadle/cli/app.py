@@ -484,8 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("treadle: interrupted.", file=sys.stderr)
         return EXIT_CODES["interrupted"]
     except BrokenPipeError:
-        # The reader went away (`treadle show FILE | head -1`): nothing is wrong with the
-        # command. Point stdout at /dev/null so the interpreter's final flush cannot fail again.
+        # The reader went away (`show F | head`): not an error; /dev/null takes the last flush.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_CODES["ok"]
