@@ -31,9 +31,7 @@ from treadle.stores.records import (
     RowCache,
     StoredConversation,
     conflict_error,
-    decode_json,
     decode_row,
-    decode_usage,
     encode_json,
     encode_usage,
     journal_record,
@@ -42,6 +40,7 @@ from treadle.stores.records import (
     owner_metadata,
     pending_from,
     rows_text,
+    stored_from_head,
 )
 
 if TYPE_CHECKING:
@@ -157,15 +156,7 @@ class PostgresBackend:
                 )
                 known += tuple(decode_row(k, p, key) for k, p in await cur.fetchall())
                 cache.put(key, head[5], known)
-            return StoredConversation(
-                key,
-                known,
-                decode_usage(head[0], key),
-                head[1],
-                decode_json(head[2], key),
-                head[3],
-                head[4],
-            )
+            return stored_from_head(key, known, head)
 
         return await self._run(do)
 

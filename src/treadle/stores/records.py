@@ -31,6 +31,7 @@ __all__ = [
     "decode_usage",
     "encode_json",
     "encode_row",
+    "stored_from_head",
 ]
 
 #: Longest conversation key accepted (keys are indexed text; a key is a name, not a document).
@@ -303,3 +304,13 @@ class RowCache:
     def clear(self) -> None:
         """Forget everything."""
         self._rows.clear()
+
+
+def stored_from_head(
+    key: str, rows: tuple[ChunkRow, ...], head: Sequence[Any]
+) -> StoredConversation:
+    """A conversation from its rows and its head row as both backends select it: (usage,
+    stop_reason, metadata, version, parent_key, ...)."""
+    return StoredConversation(
+        key, rows, decode_usage(head[0], key), head[1], decode_json(head[2], key), head[3], head[4]
+    )

@@ -31,9 +31,7 @@ from treadle.stores.records import (
     PendingPass,
     StoredConversation,
     conflict_error,
-    decode_json,
     decode_row,
-    decode_usage,
     encode_json,
     encode_usage,
     journal_record,
@@ -42,6 +40,7 @@ from treadle.stores.records import (
     owner_metadata,
     pending_from,
     rows_text,
+    stored_from_head,
 )
 from treadle.stores.sqlite_thread import DatabaseThread, release, thread_for
 
@@ -206,15 +205,7 @@ class SqliteBackend:
             )
             rows = known + tuple(decode_row(k, p, key) for k, p in found)
             cache.put(key, head[5], rows)
-            return StoredConversation(
-                key,
-                rows,
-                decode_usage(head[0], key),
-                head[1],
-                decode_json(head[2], key),
-                head[3],
-                head[4],
-            )
+            return stored_from_head(key, rows, head)
 
         return await self._run(do)
 
