@@ -64,6 +64,8 @@ def _children() -> dict[int, str]:
     for pid, cmd in commands.items():
         if "mcp_sdk_server.py" not in cmd and "mcp_server_time" not in cmd:
             continue
+        if "mcp/reaper.py" in cmd:  # the supervisor a stdio server runs under, not the server
+            continue
         ancestor = parents.get(pid)
         for _ in range(8):
             if ancestor == me:

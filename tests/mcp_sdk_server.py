@@ -3,7 +3,8 @@
 Run it as `python mcp_sdk_server.py` (stdio) or `python mcp_sdk_server.py --http` (streamable HTTP
 on 127.0.0.1, an ephemeral port, printed as `PORT <n>` on stdout once listening). `--collide`
 adds two tools whose names clash once made model-safe; `--cyclic` lists a tool whose input schema
-is a `$ref` loop; `--json` makes the HTTP server answer with JSON bodies instead of SSE. The
+is a `$ref` loop; `--escape FILE` leaves a grandchild that double-forks, calls `setsid()`, ignores
+SIGTERM and writes its pid to FILE; `--ignore-term` makes the server ignore SIGTERM; `--json` makes the HTTP server answer with JSON bodies instead of SSE. The
 hostile tools (`match`, `spell`, `storm`, `big`, `chatty`) serve
 tests/test_mcp_hostile.py.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import sys
 import time
@@ -173,6 +175,21 @@ def _cyclic() -> None:
     }
 
 
+def _escape(pid_file: str) -> None:
+    """Leave a grandchild outside our process group that ignores SIGTERM (the hardest orphan)."""
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            with open(pid_file + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(pid_file + ".tmp", pid_file)
+            while True:
+                time.sleep(3600)
+        os._exit(0)
+    os.wait()
+
+
 def _collide() -> None:
     app.add_tool(lambda: "dot", name="read.file", description="clashes with read_file")
     app.add_tool(lambda: "underscore", name="read_file", description="clashes with read.file")
@@ -197,10 +214,16 @@ def main() -> None:
     parser.add_argument("--http", action="store_true")
     parser.add_argument("--collide", action="store_true")
     parser.add_argument("--cyclic", action="store_true")
+    parser.add_argument("--escape", metavar="PID_FILE")
+    parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--json", action="store_true", help="HTTP replies as JSON, not SSE")
     args = parser.parse_args()
     if args.collide:
         _collide()
+    if args.escape:
+        _escape(args.escape)
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.cyclic:
         _cyclic()
     if args.http:

@@ -7,7 +7,10 @@ stdout is read in chunks, each scanned once for a newline, and a message is kept
 ends with a `MessageTooLarge` fault (the link reports it to the call and restarts the server on
 the next one). The server's stderr goes where the caller says, or, with `subprocess.PIPE`, to a
 bounded reader that logs each line and keeps the last few for error messages; no pipe of the
-server is ever left unread.
+server is ever left unread. On Linux the server runs under a small supervisor
+(`treadle.mcp.reaper`, a child subreaper), so closing also stops descendants that left the
+server's process group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
+worker thread: parsing a message near the cap takes seconds of pure Python.
 
 This module must never hold more than the cap of one message, never block the event loop, and
 never leave its server process running once its context has exited (closing is shielded from
@@ -21,6 +24,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,8 +38,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp.client.stdio import get_default_environment
 from mcp.shared.message import SessionMessage
 
+from treadle.runtime.threads import run_internal_io
+
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "PARSE_OFF_LOOP_BYTES",
     "MessageTooLarge",
     "StdioTransport",
     "TransportFault",
@@ -47,6 +54,9 @@ log = logging.getLogger("treadle.mcp")
 #: result reaches the model capped at a few thousand characters, so anything near this size is a
 #: server's mistake; parsing it is work on the shared loop, so the cap also bounds that work.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: A message longer than this is parsed on a worker thread (a shorter one parses in about a
+#: millisecond, less than the hand-over costs).
+PARSE_OFF_LOOP_BYTES = 64 * 1024
 #: Bytes read from a pipe at once.
 _CHUNK = 64 * 1024
 #: Characters kept of one stderr line, and lines kept for error messages.
@@ -86,7 +96,7 @@ class StdioTransport:
         max_message_bytes: int,
         label: str,
     ) -> None:
-        self._argv = [command, *args]
+        self._argv = _supervised([command, *args])
         self._env = get_default_environment() | dict(env or {})
         self._cwd = Path(cwd) if cwd is not None else None
         self._stderr = stderr
@@ -174,7 +184,9 @@ class StdioTransport:
                         parts.clear()
                         size = 0
                         start = end + 1
-                        if line.strip():
+                        if len(line) > PARSE_OFF_LOOP_BYTES:
+                            await sink.send(await run_internal_io(_parse, line, self._label))
+                        elif line.strip():
                             await sink.send(_parse(line, self._label))
                     size += len(chunk) - start
                     if size > self._cap:
@@ -235,6 +247,16 @@ class StdioTransport:
                     log.debug("MCP server %s stderr: %s", self._label, text)
                     if count % _STDERR_LINES_PER_STEP == _STDERR_LINES_PER_STEP - 1:
                         await anyio.lowlevel.checkpoint()  # handlers may be slow: share the loop
+
+
+_REAPER = Path(__file__).with_name("reaper.py")
+
+
+def _supervised(argv: list[str]) -> list[str]:
+    """`argv` run under the subreaper supervisor where it works (Linux with /proc), else as is."""
+    if sys.platform != "linux" or not os.path.isdir("/proc/self") or not sys.executable:
+        return argv
+    return [sys.executable, "-I", "-S", str(_REAPER), *argv]
 
 
 def _parse(line: bytes, label: str) -> SessionMessage | Exception:

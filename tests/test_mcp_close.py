@@ -1,0 +1,101 @@
+"""No stdio MCP server process outlives `aclose`: not a grandchild that left the server's process
+group with `setsid()` (after a double fork, ignoring SIGTERM), not a server that ignores SIGTERM.
+
+The server runs under `treadle.mcp.reaper`, a child subreaper: orphans are re-parented to it and
+it kills every descendant when the server is closed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from mcp_helpers import GUARD_SECONDS, SERVER_SCRIPT, alive, gone, server_children
+from treadle.mcp import MCPServer
+from treadle.runtime import get_runtime
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the subreaper is Linux-only")
+
+
+def _wait_for_pid(path: Path) -> int:
+    """The pid the escaped grandchild wrote (it writes after its double fork)."""
+    import time
+
+    deadline = time.monotonic() + GUARD_SECONDS
+    while not path.exists():
+        assert time.monotonic() < deadline, "the grandchild never wrote its pid"
+        time.sleep(0.02)
+    return int(path.read_text())
+
+
+def _session_id(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[-1].split()[3])
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_a_setsid_grandchild_does_not_outlive_aclose(tmp_path: Path, ignore_term: bool) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    extra = ["--ignore-term"] if ignore_term else []
+    server = MCPServer.stdio(
+        sys.executable,
+        [SERVER_SCRIPT, "--escape", str(pid_file), *extra],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        server.tools()
+        result = get_runtime().run(server.call("pid", {}), timeout=GUARD_SECONDS)
+        server_pid = result.structured_content["result"]  # type: ignore[index]
+        grandchild = _wait_for_pid(pid_file)
+        assert alive(grandchild)
+        # It really left: its own session, not the server's group.
+        assert _session_id(grandchild) != _session_id(server_pid)
+    finally:
+        server.close()
+    assert gone(server_pid)
+    assert gone(grandchild)
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_the_supervisor_passes_the_servers_exit_code_and_reaps_its_orphans(
+    tmp_path: Path,
+) -> None:
+    # The supervisor alone, as a script: an orphan left behind by a command that exits is
+    # killed before the supervisor exits, and the command's code comes back.
+    reaper = Path(__import__("treadle.mcp.reaper").mcp.reaper.__file__)
+    pid_file = tmp_path / "orphan.pid"
+    script = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(3600)\n"
+        "time.sleep(0.2)\n"
+        "sys.exit(7)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(reaper), sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=GUARD_SECONDS,
+    )
+    assert done.returncode == 7, done.stderr
+    assert gone(int(pid_file.read_text()))
+
+
+def test_a_missing_command_under_the_supervisor_says_so() -> None:
+    reaper = Path(__import__("treadle.mcp.reaper").mcp.reaper.__file__)
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(reaper), "/nonexistent/server"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=GUARD_SECONDS,
+    )
+    assert done.returncode == 127
+    assert "could not run /nonexistent/server" in done.stderr
