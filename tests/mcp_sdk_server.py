@@ -3,10 +3,10 @@
 Run it as `python mcp_sdk_server.py` (stdio) or `python mcp_sdk_server.py --http` (streamable HTTP
 on 127.0.0.1, an ephemeral port, printed as `PORT <n>` on stdout once listening). `--collide`
 adds two tools whose names clash once made model-safe; `--cyclic` lists a tool whose input schema
-is a `$ref` loop; `--escape FILE` leaves a grandchild that double-forks, calls `setsid()`, ignores
-SIGTERM and writes its pid to FILE; `--ignore-term` makes the server ignore SIGTERM; `--json` makes the HTTP server answer with JSON bodies instead of SSE. The
-hostile tools (`match`, `spell`, `storm`, `big`, `chatty`) serve
-tests/test_mcp_hostile.py.
+is a `$ref` loop; `--escape FILE` leaves a grandchild that double-forks, calls `setsid()`,
+ignores SIGTERM and writes its pid to FILE; `--ignore-term` makes the server ignore SIGTERM;
+`--json` makes the HTTP server answer with JSON bodies instead of SSE. The hostile tools
+(`match`, `spell`, `storm`, `big`, `blocks`, `chatty`) serve tests/test_mcp_hostile.py.
 """
 
 from __future__ import annotations
@@ -154,6 +154,12 @@ async def storm(ctx: Context, count: int) -> str:
 def big(mib: int) -> str:
     """A text result of `mib` MiB."""
     return "x" * (mib * 1024 * 1024)
+
+
+@app.tool(structured_output=False)
+def blocks(count: int) -> list[str]:
+    """A result of `count` small text blocks (a message that is costly to parse, not to read)."""
+    return ["b"] * count
 
 
 @app.tool()

@@ -50,7 +50,7 @@ def test_a_setsid_grandchild_does_not_outlive_aclose(tmp_path: Path, ignore_term
     try:
         server.tools()
         result = get_runtime().run(server.call("pid", {}), timeout=GUARD_SECONDS)
-        server_pid = result.structured_content["result"]  # type: ignore[index]
+        server_pid = result.structured_content["result"]
         grandchild = _wait_for_pid(pid_file)
         assert alive(grandchild)
         # It really left: its own session, not the server's group.

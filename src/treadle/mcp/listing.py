@@ -4,23 +4,31 @@ A server's listing is peer data: its pages are capped (`MAX_LIST_PAGES`), its sc
 on a worker thread by the caller (`compile_all` refuses a tool whose schema cannot be used, see
 `treadle.mcp.schema`; `CheckedSession` checks results against the compiled output schemas), and
 its `notifications/tools/list_changed` announcements are folded so a
-storm of them costs a listing every few seconds at most (`until_quiet`). This module must never
-block the event loop.
+storm of them costs a listing every few seconds at most (`until_quiet`). A bulky result (more
+than `OFF_LOOP_ITEMS` content blocks or tools) is typed on a worker thread: the SDK's own typing
+of 130,000 content blocks takes seconds of pure Python. This module must never block the event
+loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import mcp_types as types
 from mcp import ClientSession
+from mcp_types import methods as result_rows
+from pydantic import TypeAdapter
 
 from treadle.mcp.tool import checked_validator, object_schema
+from treadle.runtime.threads import run_internal_io
 
 __all__ = [
     "MAX_LIST_PAGES",
+    "OFF_LOOP_ITEMS",
     "REFRESH_MAX_WAIT",
     "REFRESH_QUIET",
     "CheckedSession",
@@ -36,6 +44,49 @@ MAX_LIST_PAGES = 100
 #: `notifications/tools/list_changed` costs a listing every few seconds at most.
 REFRESH_QUIET = 0.25
 REFRESH_MAX_WAIT = 5.0
+#: A result with more content blocks (or tools) than this is typed on a worker thread.
+OFF_LOOP_ITEMS = 500
+
+# What each bulky result's placeholder is (an empty result the SDK types in no time on the loop,
+# then swapped for the real one typed on a worker): by method, the list key emptied.
+_BULKY = {"tools/call": "content", "tools/list": "tools"}
+# The request being sent by this task: its result type, and the typed result once a bulky one
+# was typed off the loop.
+_typing: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("treadle_mcp_typing")
+
+
+def _typed(session: Any, method: str, raw: dict[str, Any], result_type: Any) -> Any:
+    """`raw` checked and typed as the SDK does it (blocking: on a worker thread)."""
+    version = getattr(session, "_negotiated_version", None) or "2025-11-25"
+    # KeyError: a method or version without a row, which the SDK skips too
+    with contextlib.suppress(KeyError):
+        result_rows.validate_server_result(method, version, raw)
+    if isinstance(result_type, TypeAdapter):
+        return result_type.validate_python(raw, by_name=False)
+    return result_type.model_validate(raw, by_name=False)
+
+
+class _Tap:
+    """The session's dispatcher, handing a bulky result's typing to a worker thread."""
+
+    def __init__(self, inner: Any, session: Any) -> None:
+        self._inner = inner
+        self._session = session
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def send_raw_request(self, method: str, params: Any, opts: Any = None) -> Any:
+        raw = await self._inner.send_raw_request(method, params, opts)
+        key = _BULKY.get(method)
+        pending = _typing.get(None)
+        if key is None or pending is None or not isinstance(raw, dict):
+            return raw
+        items = raw.get(key)
+        if not isinstance(items, list) or len(items) <= OFF_LOOP_ITEMS:
+            return raw
+        pending.append(await run_internal_io(_typed, self._session, method, raw, pending[0]))
+        return {key: []}
 
 
 async def list_all(session: ClientSession) -> tuple[types.Tool, ...]:
@@ -74,6 +125,20 @@ class CheckedSession(ClientSession):
 
     output_validators: Mapping[str, Any] = {}
     """The compiled output schema of each listed tool that has one, by its name."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._dispatcher = _Tap(self._dispatcher, self)
+
+    async def send_request(self, request: Any, result_type: Any, *args: Any, **kwargs: Any) -> Any:
+        """The SDK's `send_request`, with a bulky result typed on a worker thread."""
+        pending: list[Any] = [result_type]
+        token = _typing.set(pending)
+        try:
+            result = await super().send_request(request, result_type, *args, **kwargs)
+        finally:
+            _typing.reset(token)
+        return pending[1] if len(pending) > 1 else result
 
     async def validate_tool_result(self, name: str, result: types.CallToolResult) -> None:
         """Raise `RuntimeError` (a tool error to the caller) when a result does not match its

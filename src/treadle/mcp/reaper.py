@@ -16,6 +16,7 @@ imported) and must never exit while a descendant it could see is still running.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -57,10 +58,8 @@ def _signal_all(sig: int) -> int:
     """Send `sig` to every descendant; how many there were."""
     pids = _descendants(os.getpid())
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
     return len(pids)
 
 

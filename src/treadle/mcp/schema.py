@@ -10,21 +10,26 @@ server when it is not a valid JSON Schema, points a `$ref` outside itself or now
 `$ref` chain that loops back without descending into the arguments (`RecursionError` on every
 call otherwise), or whose `$ref`s fan out without a loop so that one value would be checked
 against more than `MAX_EXPANSION` subschemas (N levels of `anyOf` with two refs to the next
-level cost 2**N). `uniqueItems` is checked by hashing each item's canonical form (linear), not
-pairwise. This module must never run Python's `re` on a server's pattern.
+level cost 2**N). `$ref`s resolve against the `$id` of the schema resource they sit in, as
+jsonschema resolves them, so a loop hidden behind an embedded `$id` is refused too. `uniqueItems`
+is checked by hashing each item's canonical form (linear), not pairwise. A check runs under a time
+budget (`Compiled.errors`): every keyword checks the deadline, and one past it raises
+`BudgetExceeded`. This module must never run Python's `re` on a server's pattern.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urldefrag, urljoin
 
 import re2  # type: ignore[import-untyped]
 from jsonschema import exceptions, validators  # type: ignore[import-untyped]
 
-__all__ = ["MAX_EXPANSION", "SchemaRefused", "compile_schema"]
+__all__ = ["MAX_EXPANSION", "BudgetExceeded", "Compiled", "SchemaRefused", "compile_schema"]
 
 #: The most subschemas (counted with multiplicity, following `$ref`s) one value may be checked
 #: against; a schema over it is refused when listed, since checking it costs that much per value.
@@ -40,6 +45,51 @@ _PATTERN_CACHE = 512
 
 class SchemaRefused(ValueError):
     """A tool's input schema cannot be used; the message says why."""
+
+
+class BudgetExceeded(Exception):
+    """A check ran past its time budget (raised from inside the validator, then reported)."""
+
+
+# The deadline of the check running on this thread (checks run on the loop or on workers).
+_deadline = threading.local()
+
+
+def _timed(keyword: Callable[..., Any]) -> Callable[..., Any]:
+    """`keyword` checking the running check's deadline first: every subschema applied to every
+    value passes through a keyword, so no check runs far past its budget."""
+
+    def check(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        deadline = getattr(_deadline, "at", None)
+        if deadline is not None and time.monotonic() > deadline:
+            raise BudgetExceeded
+        return keyword(validator, value, instance, schema)
+
+    return check
+
+
+class Compiled:
+    """A compiled schema: its validator, and `cost`, the most subschemas one value is checked
+    against (at most `MAX_EXPANSION`), to judge whether a check is cheap."""
+
+    __slots__ = ("cost", "validator")
+
+    def __init__(self, validator: Any, cost: int) -> None:
+        self.validator = validator
+        self.cost = cost
+
+    def iter_errors(self, instance: Any) -> Iterator[Any]:
+        """The validation errors of `instance`, without a budget."""
+        return self.validator.iter_errors(instance)  # type: ignore[no-any-return]
+
+    def errors(self, instance: Any, budget: float) -> list[Any]:
+        """All validation errors of `instance`; `BudgetExceeded` once the check has taken more
+        than `budget` seconds (`RecursionError` for too deep a value)."""
+        _deadline.at = time.monotonic() + budget
+        try:
+            return list(self.validator.iter_errors(instance))
+        finally:
+            _deadline.at = None
 
 
 def _options() -> Any:
@@ -138,7 +188,7 @@ def _left_to_the_server(validator: Any, value: Any, instance: Any, schema: Any) 
     return iter(())
 
 
-def compile_schema(schema: Mapping[str, Any]) -> Any:
+def compile_schema(schema: Mapping[str, Any]) -> Compiled:
     """A validator for `schema` whose regexes run on RE2; `SchemaRefused` saying what is wrong.
 
     Pure Python and proportional to the schema's size: call it off the event loop for a schema
@@ -150,7 +200,7 @@ def compile_schema(schema: Mapping[str, Any]) -> Any:
         if dialect is None:
             raise SchemaRefused(f"its dialect ({schema.get('$schema')}) is not supported")
         base.check_schema(schema)
-        _check_refs(schema)
+        cost = _check_refs(schema)
     except exceptions.SchemaError as error:
         raise SchemaRefused(f"it is not a valid JSON Schema ({error.message})") from None
     except RecursionError:
@@ -164,8 +214,8 @@ def compile_schema(schema: Mapping[str, Any]) -> Any:
     if "unevaluatedProperties" in base.VALIDATORS and _has_key(schema, "patternProperties"):
         # jsonschema would match those patterns with `re`; without them the server checks.
         overrides["unevaluatedProperties"] = _left_to_the_server
-    keywords = {k: v for k, v in overrides.items() if k in base.VALIDATORS}
-    return validators.extend(base, keywords)(schema)
+    keywords = {k: _timed(overrides.get(k, v)) for k, v in base.VALIDATORS.items()}
+    return Compiled(validators.extend(base, keywords)(schema), cost)
 
 
 def _nodes(schema: Any) -> Iterator[tuple[str, Any]]:
@@ -190,26 +240,64 @@ def _has_key(schema: Any, key: str) -> bool:
     return any(key in node for _, node in _nodes(schema))
 
 
-def _target(ref: str, by_pointer: Mapping[str, Any], anchors: Mapping[str, str]) -> str:
-    """The pointer a local `$ref` names; `SchemaRefused` for any other."""
-    if not ref.startswith("#"):
-        raise SchemaRefused(f"its $ref {ref!r} points outside the schema")
-    fragment = unquote(ref[1:])
-    pointer = fragment if fragment.startswith("/") or not fragment else anchors.get(fragment)
-    if pointer is None or pointer not in by_pointer:
-        raise SchemaRefused(f"its $ref {ref!r} points nowhere")
-    return pointer
+class _Resources:
+    """Where each schema resource (the root and every embedded `$id`) sits, each node's base URI,
+    and the anchors of each resource, so a `$ref` resolves as jsonschema resolves it."""
+
+    def __init__(self, schema: Mapping[str, Any]) -> None:
+        self.base: dict[str, str] = {}  # node pointer -> its base URI
+        self.home: dict[str, str] = {}  # node pointer -> pointer of its resource
+        self.ids: dict[str, str] = {}  # resource URI -> its pointer
+        self.anchors: dict[tuple[str, str], str] = {}  # (resource pointer, name) -> pointer
+        stack: list[tuple[str, Any, str, str]] = [("", schema, "", "")]
+        while stack:
+            pointer, node, base, home = stack.pop()
+            if isinstance(node, dict):
+                ident = node.get("$id")
+                if isinstance(ident, str) and ident.startswith("#"):  # draft 6/7 anchor form
+                    self.anchors[(home, ident[1:])] = pointer
+                elif isinstance(ident, str):
+                    base, home = urldefrag(urljoin(base, ident))[0], pointer
+                    self.ids.setdefault(base, pointer)
+                if pointer == "":
+                    self.ids.setdefault(base, "")
+                    self.ids.setdefault("", "")
+                anchor = node.get("$anchor")
+                if isinstance(anchor, str):
+                    self.anchors[(home, anchor)] = pointer
+                self.base[pointer], self.home[pointer] = base, home
+                items: Any = node.items()
+            elif isinstance(node, list):
+                items = enumerate(node)
+            else:
+                continue
+            for key, value in items:
+                if isinstance(value, dict | list):
+                    escaped = str(key).replace("~", "~0").replace("/", "~1")
+                    stack.append((f"{pointer}/{escaped}", value, base, home))
+
+    def target(self, ref: str, at: str, by_pointer: Mapping[str, Any]) -> str:
+        """The pointer the `$ref` of node `at` names; `SchemaRefused` when it leaves the schema
+        or names nothing."""
+        uri, fragment = urldefrag(urljoin(self.base.get(at, ""), ref))
+        home = self.ids.get(uri)
+        if home is None:
+            raise SchemaRefused(f"its $ref {ref!r} points outside the schema")
+        fragment = unquote(fragment)
+        if fragment.startswith("/") or not fragment:
+            pointer: str | None = home + fragment
+        else:
+            pointer = self.anchors.get((home, fragment))
+        if pointer is None or pointer not in by_pointer:
+            raise SchemaRefused(f"its $ref {ref!r} points nowhere")
+        return pointer
 
 
-def _check_refs(schema: Mapping[str, Any]) -> None:
+def _check_refs(schema: Mapping[str, Any]) -> int:
     """Refuse `$ref`s that leave the schema or point nowhere, and `$ref` loops that apply to the
-    same value forever."""
+    same value forever; the schema's cost (see `Compiled.cost`)."""
     by_pointer = dict(_nodes(schema))
-    anchors = {
-        node["$anchor"]: pointer
-        for pointer, node in by_pointer.items()
-        if isinstance(node.get("$anchor"), str)
-    }
+    resources = _Resources(schema)
     edges: dict[str, list[str]] = {}
     for pointer, node in by_pointer.items():
         for keyword in ("$dynamicRef", "$recursiveRef"):
@@ -218,7 +306,7 @@ def _check_refs(schema: Mapping[str, Any]) -> None:
         out: list[str] = []
         ref = node.get("$ref")
         if isinstance(ref, str):
-            out.append(_target(ref, by_pointer, anchors))
+            out.append(resources.target(ref, pointer, by_pointer))
         for keyword in _SAME_VALUE_LISTS:
             if isinstance(node.get(keyword), list):
                 out.extend(f"{pointer}/{keyword}/{i}" for i in range(len(node[keyword])))
@@ -229,10 +317,10 @@ def _check_refs(schema: Mapping[str, Any]) -> None:
             out.extend(f"{pointer}/dependentSchemas/{k}" for k in node["dependentSchemas"])
         edges[pointer] = [p for p in out if p in by_pointer]
     _refuse_cycles(edges)
-    _refuse_blowup(edges)
+    return _refuse_blowup(edges)
 
 
-def _refuse_blowup(edges: Mapping[str, list[str]]) -> None:
+def _refuse_blowup(edges: Mapping[str, list[str]]) -> int:
     """`SchemaRefused` when one value would be checked against more than `MAX_EXPANSION`
     subschemas: each node counts itself and, with multiplicity, what its same-value edges reach
     (the graph has no cycle by now; counted iteratively, each node once)."""
@@ -255,6 +343,7 @@ def _refuse_blowup(edges: Mapping[str, list[str]]) -> None:
                         f"its $refs fan out so that one value is checked against over "
                         f"{MAX_EXPANSION:,} subschemas (at #{node}); share less, or nest less"
                     )
+    return max(size.values(), default=1)
 
 
 def _refuse_cycles(edges: Mapping[str, list[str]]) -> None:

@@ -3,7 +3,10 @@
 The server's input schema is passed to the model as it is, and the model's arguments are checked
 against it (JSON Schema, through the `jsonschema` package the SDK depends on, its regexes on RE2:
 see `treadle.mcp.schema`) before the call, so a bad call is answered with the field paths at fault
-without a round trip. Results become the
+without a round trip. Small arguments against a cheap schema are checked at once, on the loop;
+larger ones, or any against a schema whose `$ref`s fan out, are checked on a worker thread just
+before the call. Either way a check has `CHECK_BUDGET_SECONDS`; one that runs past it fails that
+call (a tool error naming tool and server), never the pass. Results become the
 JSON body the model reads: structured content under `structured` when the server sent any (its
 text twin is then left out, as the MCP spec makes that text a copy), otherwise the text blocks
 under `content`; images, audio and binary resources become a marker naming their type and size,
@@ -24,10 +27,12 @@ from typing import Any, Protocol
 import mcp_types as types
 
 from treadle.errors import MCPSchemaError, ToolArgumentsError, ToolError
-from treadle.mcp.schema import SchemaRefused, compile_schema
+from treadle.mcp.schema import BudgetExceeded, Compiled, SchemaRefused, compile_schema
+from treadle.runtime.threads import run_internal_io
 from treadle.tools import Tool, ToolContext
 
 __all__ = [
+    "CHECK_BUDGET_SECONDS",
     "MAX_REPORTED_ERRORS",
     "MCPTool",
     "checked_validator",
@@ -39,7 +44,38 @@ __all__ = [
 #: Schema violations listed in one `invalid_tool_arguments` message (the rest are counted).
 MAX_REPORTED_ERRORS = 5
 
+#: Seconds one check of a call's arguments may take before that call fails as a tool error.
+CHECK_BUDGET_SECONDS = 2.0
+#: Arguments checked on the loop have at most this many JSON values and string characters, and
+#: their schema checks a value against at most `CHEAP_SCHEMA_COST` subschemas; all others are
+#: checked on a worker thread (a check costs about values x subschemas keyword steps).
+ON_LOOP_VALUES = 1000
+ON_LOOP_CHARACTERS = 64 * 1024
+CHEAP_SCHEMA_COST = 50
+
 _INVALID = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _small(value: Any) -> bool:
+    """Whether `value` has at most `ON_LOOP_VALUES` JSON values and `ON_LOOP_CHARACTERS`
+    characters of strings and keys (the walk stops as soon as it knows: bounded on the loop)."""
+    stack = [value]
+    values = characters = 0
+    while stack:
+        item = stack.pop()
+        values += 1
+        if values > ON_LOOP_VALUES or characters > ON_LOOP_CHARACTERS:
+            return False
+        if isinstance(item, dict | list | tuple) and len(item) > ON_LOOP_VALUES:
+            return False
+        if isinstance(item, str):
+            characters += len(item)
+        elif isinstance(item, dict):
+            characters += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return characters <= ON_LOOP_CHARACTERS
 
 
 class _Caller(Protocol):
@@ -96,12 +132,27 @@ class MCPTool(Tool):
         self._validator = validator or checked_validator(self.parameters, remote.name, server.label)
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        """Check `arguments` against the input schema; `ToolArgumentsError` naming the paths."""
+        """Check small `arguments` against a cheap input schema now (the rest are checked by
+        `invoke`, off the loop); `ToolArgumentsError` naming the paths at fault."""
         values = dict(arguments)
+        if self._on_loop(values):
+            self._report(self._errors(values))
+        return values
+
+    def _on_loop(self, values: dict[str, Any]) -> bool:
+        return self._validator.cost <= CHEAP_SCHEMA_COST and _small(values)
+
+    def _errors(self, values: dict[str, Any]) -> list[Any]:
+        """The schema's complaints about `values`, within the budget (run on any thread)."""
         try:
-            errors = sorted(
-                self._validator.iter_errors(values), key=lambda e: [str(p) for p in e.absolute_path]
-            )
+            return self._validator.errors(values, CHECK_BUDGET_SECONDS)
+        except BudgetExceeded:
+            raise ToolError(
+                f"checking the arguments for tool {self.name!r} against the schema of MCP server "
+                f"{self.server.label} took over {CHECK_BUDGET_SECONDS:g} s and was stopped; the "
+                "tool was not called",
+                detail="send smaller arguments, or ask the server's owner for a simpler schema",
+            ) from None
         except RecursionError:
             raise ToolArgumentsError(
                 f"invalid arguments for tool {self.name!r}: they are nested too deeply to check",
@@ -112,8 +163,11 @@ class MCPTool(Tool):
                 f"the arguments for tool {self.name!r} could not be checked against its schema "
                 f"from {self.server.label} ({type(failure).__name__}: {failure})"
             ) from None
+
+    def _report(self, errors: list[Any]) -> None:
         if not errors:
-            return values
+            return
+        errors.sort(key=lambda e: [str(p) for p in e.absolute_path])
         parts = []
         for error in errors[:MAX_REPORTED_ERRORS]:
             path = ".".join(str(p) for p in error.absolute_path) or "(arguments)"
@@ -126,12 +180,18 @@ class MCPTool(Tool):
         )
 
     async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
-        """Call the server's tool and turn its result into the body the model reads."""
-        result = await self.server.call(self.remote_name, dict(arguments))
+        """Check arguments `validate` left (on a worker thread), call the server's tool and turn
+        its result into the body the model reads."""
+        values = dict(arguments)
+        if not self._on_loop(values):
+            self._report(await run_internal_io(self._errors, values))
+        result = await self.server.call(self.remote_name, values)
         return result_body(result, self.name)
 
 
-def checked_validator(schema: dict[str, Any], tool: str, server: str, which: str = "input") -> Any:
+def checked_validator(
+    schema: dict[str, Any], tool: str, server: str, which: str = "input"
+) -> Compiled:
     """The compiled validator of a tool's `which` ("input" or "output") schema; `MCPSchemaError`
     naming tool and server when the schema is refused."""
     try:
