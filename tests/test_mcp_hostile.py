@@ -210,12 +210,14 @@ def test_an_http_reply_over_the_cap_is_a_tool_error(
         remote = MCPServer.http(url)
         try:
             error, stall = beside_bystanders(lambda: _refused_call(remote, "big", mib=64), quiet)
-            assert isinstance(error, MCPServerError if shape == "sse" else ToolError), error
+            assert isinstance(error, MCPServerError), error
             wanted = "byte limit" if shape == "sse" else "max_message_bytes cap of 4,194,304"
             assert wanted in str(error)
+            assert "closed" in str(error)
             assert stall.blocked < STALL_LIMIT, stall
-            # the server still serves (over SSE the connection was started again)
+            # the server still serves, on a fresh connection (the capped one was closed)
             assert _call(remote, "add", a=1, b=2).structured_content == {"result": 3}
+            assert remote.restarts == 1
         finally:
             remote.close()
 
@@ -430,6 +432,9 @@ def test_a_gzip_reply_is_capped_by_its_inflated_size() -> None:
         error = _refused_call(remote, "boom")
         assert isinstance(error, ToolError), error
         assert "max_message_bytes cap of 4,194,304" in str(error)
+        # the next call works, on a new connection
+        assert _refused_call(remote, "boom") is not None
+        assert remote.restarts == 1
     finally:
         remote.close()
         httpd.shutdown()

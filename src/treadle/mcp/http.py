@@ -7,18 +7,61 @@ stops with an `httpx2.StreamError` (which the SDK turns into an error reply to t
 as a reply passes the cap, or before reading any of it when its `Content-Length` says it will.
 The cap counts DECODED bytes: a `gzip` or `deflate` reply is inflated here, a bounded piece at a
 time, and a reply in any other content coding is refused (requests ask only for those two), so a
-small compressed body can never inflate past the cap. This module must never hold more than the
-cap of one reply.
+small compressed body can never inflate past the cap. A reply over the cap also trips the client
+(`capped_client(..., tripped=...)`): the connection's read stream (`TrippedStream`) then ends with
+a `TransportFault`, so the call fails saying why and the next call starts a fresh connection
+rather than reuse one whose reply was cut off. This module must never hold more than the cap of
+one reply.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
 
 import httpx2
 
-__all__ = ["ReplyTooLarge", "capped_client"]
+from treadle.mcp.stdio import MessageTooLarge
+
+__all__ = ["ReplyTooLarge", "Trip", "TrippedStream", "capped_client"]
+
+
+class Trip:
+    """Set once a reply of the connection went over the cap; says which."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+
+class TrippedStream:
+    """A streamable HTTP connection's read stream that ends, with a `MessageTooLarge` fault as
+    its last item, at the first item after its client was tripped (that item is the SDK's error
+    reply for the capped call; the fault tells the call why instead)."""
+
+    def __init__(self, inner: Any, trip: Trip) -> None:
+        self._inner = inner
+        self._trip = trip
+
+    @property
+    def last_context(self) -> Any:
+        return getattr(self._inner, "last_context", None)
+
+    async def receive(self) -> Any:
+        """The next message, or the fault once the client was tripped."""
+        if self._trip.reason is None:
+            item = await self._inner.receive()
+            if self._trip.reason is None:
+                return item
+        return MessageTooLarge(
+            f"{self._trip.reason}. The connection was closed; the next call opens a new one."
+        )
+
+    async def aclose(self) -> None:
+        """Close the inner stream."""
+        await self._inner.aclose()
 
 
 class ReplyTooLarge(httpx2.StreamError):
@@ -57,8 +100,15 @@ def _inflate(decoders: list[zlib._Decompress], data: bytes, flush: bool = False)
 
 class _CappedBody(httpx2.AsyncByteStream):
     def __init__(
-        self, inner: httpx2.AsyncByteStream, cap: int, url: str, declared: int, coding: str
+        self,
+        inner: httpx2.AsyncByteStream,
+        cap: int,
+        url: str,
+        declared: int,
+        coding: str,
+        trip: Trip,
     ) -> None:
+        self._trip = trip
         self._inner = inner
         self._cap = cap
         self._url = url
@@ -66,6 +116,14 @@ class _CappedBody(httpx2.AsyncByteStream):
         self._coding = coding
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for piece in self._pieces():
+                yield piece
+        except ReplyTooLarge as error:
+            self._trip.reason = str(error)
+            raise
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
         codings = _codings(self._coding)
         if not codings and self._declared > self._cap:  # refused before a byte of it is read
             raise _too_large(self._url, self._cap, self._declared)
@@ -106,9 +164,10 @@ def _too_large(url: str, cap: int, seen: int) -> ReplyTooLarge:
 
 
 class _CappedTransport(httpx2.AsyncBaseTransport):
-    def __init__(self, inner: httpx2.AsyncBaseTransport, cap: int) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport, cap: int, trip: Trip) -> None:
         self._inner = inner
         self._cap = cap
+        self._trip = trip
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response = await self._inner.handle_async_request(request)
@@ -124,7 +183,9 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         return httpx2.Response(
             response.status_code,
             headers=headers,
-            stream=_CappedBody(response.stream, self._cap, str(request.url), declared, coding),
+            stream=_CappedBody(
+                response.stream, self._cap, str(request.url), declared, coding, self._trip
+            ),
             request=request,
             extensions=response.extensions,
         )
@@ -134,11 +195,12 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
 
 
 def capped_client(
-    headers: Mapping[str, str], timeout: httpx2.Timeout, cap: int
+    headers: Mapping[str, str], timeout: httpx2.Timeout, cap: int, trip: Trip | None = None
 ) -> httpx2.AsyncClient:
-    """An HTTP client whose JSON replies may not exceed `cap` bytes."""
+    """An HTTP client whose JSON replies may not exceed `cap` bytes; the first that does sets
+    `trip` (see `TrippedStream`)."""
     return httpx2.AsyncClient(
         headers={"accept-encoding": "gzip, deflate", **dict(headers)},
         timeout=timeout,
-        transport=_CappedTransport(httpx2.AsyncHTTPTransport(), cap),
+        transport=_CappedTransport(httpx2.AsyncHTTPTransport(), cap, trip or Trip()),
     )

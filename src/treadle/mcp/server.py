@@ -201,7 +201,7 @@ class MCPServer:
             url: The MCP endpoint.
             headers: Sent with every request (an `Authorization` header, say).
             max_message_bytes: Largest reply (or server-sent event) the server may send; a bigger
-                one fails the call it answers (a tool error).
+                one fails the call it answers (a tool error) and the connection is started again.
             **options: `prefix`, `timeout`, `connect_timeout`, `ping_timeout`, `max_concurrency`.
         """
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -214,16 +214,17 @@ class MCPServer:
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 
-            from treadle.mcp.http import capped_client
+            from treadle.mcp.http import Trip, TrippedStream, capped_client
 
             timeout = httpx2.Timeout(_HTTP_CONNECT_SECONDS, read=_HTTP_READ_SECONDS)
+            trip = Trip()  # a reply over the cap ends this connection (a fresh one next call)
             async with (
-                capped_client(fixed_headers, timeout, max_message_bytes) as client,
+                capped_client(fixed_headers, timeout, max_message_bytes, trip) as client,
                 streamable_http_client(
                     url, http_client=client, max_sse_event_size=max_message_bytes
-                ) as streams,
+                ) as (read, write),
             ):
-                yield streams
+                yield TrippedStream(read, trip), write
 
         return cls(opener, label=url, **options)
 
