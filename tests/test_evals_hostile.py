@@ -279,6 +279,10 @@ def test_slow_sync_scorers_run_on_threads(
         ({"a\0b": "x"}, "NUL byte"),
         ({"a": "x", "./a": "y"}, "names the same file as 'a'"),
         ({"n" * 300: "x"}, "longer than 255 bytes"),
+        ({"é" * 128: "x"}, "longer than 255 bytes"),  # 256 bytes in UTF-8
+        ({"/".join(["d" * 200] * 25): "x"}, "longer than 3,584"),  # past PATH_MAX
+        ({"a\udc80": "x"}, "the path holds a lone surrogate"),
+        ({"a": "text \ud800"}, "its text holds a lone surrogate"),
     ],
 )
 def test_files_that_cannot_be_laid_out_fail_before_any_request(
@@ -300,6 +304,23 @@ def test_files_that_cannot_be_laid_out_fail_before_any_request(
         Item("bad", "x", files=files)
     assert server.request_count == 0
     assert not (tmp_path / "i.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"id": "s\udc80", "input": "x"}, "its id holds a lone surrogate"),
+        ({"id": "s", "input": "x \ud800"}, "its input holds a lone surrogate"),
+        ({"id": "s", "input": "x", "expected": "\udfff"}, "its expected cannot be logged"),
+    ],
+)
+def test_items_that_cannot_be_sent_or_logged_fail_before_any_request(
+    server: FakeOpenAIServer, tmp_path: Path, bad: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        run_eval(_agent(server), [*ITEMS[:3], bad], log=tmp_path / "s.jsonl")
+    assert server.request_count == 0
+    assert not (tmp_path / "s.jsonl").exists()
 
 
 def test_the_log_records_what_was_expected(server: FakeOpenAIServer, tmp_path: Path) -> None:

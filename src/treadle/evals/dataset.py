@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
-from pydantic_core import from_json, to_json
+from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from treadle.errors import ConfigurationError
 
@@ -44,7 +44,20 @@ class Item:
             raise ConfigurationError(f"an item id must be a non-empty str, got {self.id!r}.")
         if not isinstance(self.input, str):
             raise ConfigurationError(f"item {self.id!r}: input must be a str (the user message).")
+        for what, value in (("id", self.id), ("input", self.input)):
+            if not _encodes(value):
+                raise ConfigurationError(
+                    f"item {self.id!r}: its {what} holds a lone surrogate (not valid Unicode), "
+                    "so it cannot be sent or logged."
+                )
         _check_files(self.id, self.files)
+        for what, value in (("expected", self.expected), ("metadata", self.metadata)):
+            try:
+                to_json(value)
+            except PydanticSerializationError as error:
+                raise ConfigurationError(
+                    f"item {self.id!r}: its {what} cannot be logged as JSON ({error})."
+                ) from None
         tags = self.metadata.get("tags", [])
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             raise ConfigurationError(f"item {self.id!r}: metadata['tags'] must be a list of str.")
@@ -92,13 +105,26 @@ class Item:
 
 #: Bytes of one path component most file systems accept.
 _NAME_MAX = 255
+#: Longest workspace file path (bytes): Linux's PATH_MAX less room for the workspace folder the
+#: sandbox puts it under (a longer path fails at the first sample, after requests are spent).
+_PATH_MAX = 4096 - 512
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` is valid Unicode for a file (no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_files(item_id: str, files: Mapping[str, Any]) -> None:
     """Refuse workspace files that cannot all be laid out in one directory: a path that is not
-    relative, leaves the workspace, names the workspace itself (`.`), holds a NUL byte or an
-    over-long name, names the same file as another (`a` and `./a`), or is both a file and a
-    directory (`a` and `a/b`)."""
+    relative, leaves the workspace, names the workspace itself (`.`), holds a NUL byte, a lone
+    surrogate or an over-long name, is longer than `_PATH_MAX` bytes, names the same file as
+    another (`a` and `./a`), or is both a file and a directory (`a` and `a/b`); or whose text
+    holds a lone surrogate (it cannot be written as UTF-8)."""
     laid: dict[tuple[str, ...], str] = {}
     for path, text in files.items():
         pure = PurePosixPath(path) if isinstance(path, str) else None
@@ -107,6 +133,12 @@ def _check_files(item_id: str, files: Mapping[str, Any]) -> None:
             why = "files maps relative paths inside the workspace to text"
         elif "\0" in path:
             why = "the path holds a NUL byte"
+        elif not _encodes(path):
+            why = "the path holds a lone surrogate (not valid Unicode)"
+        elif not _encodes(text):
+            why = "its text holds a lone surrogate (not valid Unicode), so it cannot be written"
+        elif len(path.encode()) > _PATH_MAX:
+            why = f"the path is {len(path.encode()):,} bytes, longer than {_PATH_MAX:,}"
         elif pure.is_absolute() or ".." in pure.parts:
             why = "the path leaves the workspace"
         elif not pure.parts:

@@ -247,6 +247,11 @@ def _header_extras(values: Mapping[str, Any]) -> str | None:
         return "field 'config.agent' is not an object"
     if not isinstance(agent.get("provider") or {}, dict):
         return "field 'config.agent.provider' is not an object"
+    dataset = values["config"].get("dataset", {})
+    if not isinstance(dataset, dict):
+        return "field 'config.dataset' is not an object"
+    if not isinstance(dataset.get("hash", ""), str):
+        return "field 'config.dataset.hash' is not a string"
     if not (_count(values["items"]) and _count(values["samples"])):
         return "fields 'items' and 'samples' must be counts"
     return None
@@ -255,6 +260,11 @@ def _header_extras(values: Mapping[str, Any]) -> str | None:
 def _header(data: Any, path: Path) -> LogHeader:
     if not isinstance(data, dict) or data.get("type") != "header":
         raise PersistenceError(f"{path} is not an evaluation log (its first line is no header).")
+    if "session_id" in data and "config_hash" not in data:
+        raise PersistenceError(
+            f"{path} is a session transcript, not an evaluation log; "
+            f"see it with `treadle show {path}`."
+        )
     schema = data.get("schema", 0)
     if not _count(schema):
         raise EvalLogDamagedError(
