@@ -51,9 +51,13 @@ class Item:
                     "so it cannot be sent or logged."
                 )
         _check_files(self.id, self.files)
-        for what, value in (("expected", self.expected), ("metadata", self.metadata)):
+        logged: tuple[tuple[str, Any], ...] = (
+            ("expected", self.expected),
+            ("metadata", self.metadata),
+        )
+        for what, data in logged:
             try:
-                to_json(value)
+                to_json(data)
             except PydanticSerializationError as error:
                 raise ConfigurationError(
                     f"item {self.id!r}: its {what} cannot be logged as JSON ({error})."
