@@ -7,6 +7,8 @@ it kills every descendant when the server is closed.
 
 from __future__ import annotations
 
+import asyncio
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 pytest.importorskip("mcp")
 
 from mcp_helpers import GUARD_SECONDS, SERVER_SCRIPT, alive, gone, server_children
+from treadle.errors import MCPServerError
 from treadle.mcp import MCPServer
 from treadle.runtime import get_runtime
 
@@ -99,3 +102,35 @@ def test_a_missing_command_under_the_supervisor_says_so() -> None:
     )
     assert done.returncode == 127
     assert "could not run /nonexistent/server" in done.stderr
+
+
+def test_a_server_that_never_answers_is_stopped_without_the_exit_grace() -> None:
+    # It reads nothing and says nothing: the start times out, and closing goes straight to
+    # SIGTERM rather than first waiting for it to exit on its own (which would add seconds
+    # past the timeout the caller asked for).
+    silent = MCPServer.stdio(
+        sys.executable, ["-c", "import time; time.sleep(3600)"], connect_timeout=0.5
+    )
+    with pytest.raises(MCPServerError, match="TimeoutError"):
+        silent.tools()
+    link = silent._link
+    silent.close()
+    assert link is not None and link.stop_phases == [("SIGTERM",)]
+    polite = MCPServer.stdio(sys.executable, [SERVER_SCRIPT], stderr=subprocess.DEVNULL)
+    polite.tools()
+    link = polite._link
+    polite.close()
+    assert link is not None and link.stop_phases == [("stdin",)]  # it exited on its own
+
+
+def test_the_cli_counts_loading_the_sdk_against_the_mcp_timeout() -> None:
+    from treadle.cli.mcp_tools import _LEAST_SECONDS, close_servers, open_servers
+
+    async def opened() -> list[float]:
+        command = shlex.join([sys.executable, SERVER_SCRIPT])
+        servers, _ = await open_servers([command], [], connect_timeout=GUARD_SECONDS)
+        await close_servers(servers)
+        return [s.limits.connect_timeout for s in servers]
+
+    (given,) = asyncio.run(opened())
+    assert _LEAST_SECONDS <= given <= GUARD_SECONDS

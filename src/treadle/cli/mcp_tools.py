@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
 
 __all__ = ["close_servers", "open_servers"]
 
+
+#: Seconds every server gets to start however long loading the SDK took (the rest of the
+#: --mcp-timeout, counted from when the servers are opened, when that is longer).
+_LEAST_SECONDS = 1.0
+
+# Start failures that mean "could not be reached" (exit 4), by the type name the link reports.
+_UNREACHABLE = ("ConnectError", "ConnectTimeout", "ConnectionRefusedError", "HostNotFoundError")
 
 # The library's advice to a Python caller ("..., then call again."): a CLI user reruns instead.
 _CALL_AGAIN = re.compile(r"; [^;]*?then call again\.")
@@ -35,20 +43,26 @@ async def open_servers(
 
     `prefixes[i]` (`--mcp-prefix`) names the tools of server i, counted over `commands` then
     `urls`; a missing or None entry leaves that server's tool names as they are.
-    `connect_timeout` bounds each server's start and first tool listing (None: the MCP default).
+    `connect_timeout` bounds the whole wait, loading the MCP SDK included, from the call to each
+    server's first tool listing (None: the MCP default); each server gets at least
+    `_LEAST_SECONDS` of it.
     """
     named = list(prefixes) + [None] * (len(commands) + len(urls) - len(prefixes))
-    limits: dict[str, Any] = {}
-    if connect_timeout is not None:
-        limits["connect_timeout"] = connect_timeout
+    started = time.monotonic()
     try:
         from treadle.mcp import MCPServer, atools_from
+        from treadle.mcp.server import DEFAULT_CONNECT_TIMEOUT
     except ImportError:
         raise CliFailure(
             "--mcp and --mcp-url need the MCP SDK, which is not installed.",
             "install it with: pip install 'treadle[mcp]'",
             EXIT_CODES["usage"],
         ) from None
+    # The wait the user asked for starts now: loading the SDK (a second or more) counts against
+    # it, but the servers themselves always get at least `_LEAST_SECONDS` of it.
+    asked = connect_timeout if connect_timeout is not None else DEFAULT_CONNECT_TIMEOUT
+    loading = time.monotonic() - started
+    limits: dict[str, Any] = {"connect_timeout": max(asked - loading, min(asked, _LEAST_SECONDS))}
     servers: list[MCPServer] = []
     for command, prefix in zip(commands, named, strict=False):
         try:
@@ -73,15 +87,21 @@ async def open_servers(
     except MCPServerError as error:
         await close_servers(servers)
         cause = _CALL_AGAIN.sub(".", str(error))
-        # The link reports its own start timeout by the error's type name: a server that does
-        # not answer could not be reached (4), one that cannot start is misconfigured (2).
-        if "(TimeoutError" in cause:
-            from treadle.mcp.server import DEFAULT_CONNECT_TIMEOUT
-
-            seconds = connect_timeout or DEFAULT_CONNECT_TIMEOUT
-            server = cause.split(" (TimeoutError", 1)[0]
+        # The link reports what ended a start by the error's type name: a server that cannot be
+        # reached or does not answer exits 4 (as an unreachable endpoint does), one that cannot
+        # start or does not speak MCP is misconfigured (2).
+        if any(f"({name}" in cause for name in _UNREACHABLE):
             raise CliFailure(
-                f"{server}: no answer within {seconds:g} s.",
+                cause,
+                "check that the server runs and the --mcp-url (host and port) is right.",
+                EXIT_CODES["connection"],
+            ) from None
+        if "(TimeoutError" in cause:
+            server = cause.split(" (TimeoutError", 1)[0]
+            waited = time.monotonic() - started
+            said = f" ({loading:.1f} s of it loading the MCP SDK)" if loading >= 0.1 else ""
+            raise CliFailure(
+                f"{server}: no answer within {waited:.1f} s{said}.",
                 "check that the --mcp command or --mcp-url is an MCP server, or give a slow one "
                 "longer with --mcp-timeout SECONDS.",
                 EXIT_CODES["connection"],

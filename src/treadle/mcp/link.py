@@ -186,6 +186,8 @@ class Link:
         """How many times the tool list was fetched (first listings and refreshes)."""
         self.starts = 0
         """How many connections were opened so far (1 + restarts)."""
+        self.stop_phases: list[tuple[str, ...]] = []
+        """How each closed stdio connection's process was stopped (see `StdioTransport`)."""
         _register(self)
 
     @property
@@ -259,6 +261,8 @@ class Link:
     async def _own(self, live: _Live, ready: asyncio.Future[None]) -> None:
         """The owner task: enter the transport and session, serve until retired, then exit."""
         transport = self._opener()
+        # One deadline for the whole start: spawning and connecting count against it too.
+        deadline = anyio.current_time() + self.limits.connect_timeout
         try:
             async with contextlib.AsyncExitStack() as stack:
                 read, write = await stack.enter_async_context(transport)
@@ -272,9 +276,14 @@ class Link:
                 )
                 async with anyio.create_task_group() as group:
                     live.group = group
-                    with anyio.fail_after(self.limits.connect_timeout):
-                        await session.initialize()
-                        await self._list(session)
+                    try:
+                        with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+                            await session.initialize()
+                            await self._list(session)
+                    except BaseException:
+                        if isinstance(transport, StdioTransport):
+                            transport.abrupt = True  # it did not answer: no grace on closing
+                        raise
                     live.session = session
                     if not ready.done():
                         ready.set_result(None)
@@ -299,6 +308,8 @@ class Link:
                 log.warning("MCP server %s: connection ended (%s)", self.label, describe(error))
         finally:
             live.finished.set()
+            if isinstance(transport, StdioTransport):
+                self.stop_phases.append(tuple(transport.stop_phases))
             if not ready.done():
                 ready.set_exception(
                     MCPServerError(f"MCP server {self.label} was closed while it started.")

@@ -106,6 +106,11 @@ class StdioTransport:
         self._group: anyio.abc.TaskGroup | None = None
         self._streams: list[Any] = []
         self._stderr_read = anyio.Event()
+        self.abrupt = False
+        """Set when the server failed to start: closing then skips the wait for it to exit
+        after its stdin closes (it did not answer; the wait would only add to the timeout)."""
+        self.stop_phases: list[str] = []
+        """How closing went: `stdin` (closed, then waited), `SIGTERM`, `SIGKILL`, in order."""
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         """The last lines the server wrote to stderr (when it goes to a pipe we read), quoted
         when the server fails to start."""
@@ -128,7 +133,7 @@ class StdioTransport:
             await group.__aenter__()
         except BaseException:  # cancelled right after the spawn: the process must not live on
             with anyio.CancelScope(shield=True):
-                await _stop(process, self._label)
+                await _stop(process, self._label, True, self.stop_phases)
             raise
         self._group = group
         group.start_soon(self._read_stdout, process, incoming_send)
@@ -142,7 +147,7 @@ class StdioTransport:
         with anyio.CancelScope(shield=True):
             try:
                 if process is not None:
-                    await _stop(process, self._label)
+                    await _stop(process, self._label, self.abrupt, self.stop_phases)
                     if process.stderr is not None:
                         # What it said last, read to the end (bounded: a child may keep it open).
                         with anyio.move_on_after(_STDERR_DRAIN_SECONDS):
@@ -280,12 +285,15 @@ async def _drain(stream: anyio.abc.ByteReceiveStream) -> None:
             await stream.receive(_CHUNK)
 
 
-async def _stop(process: anyio.abc.Process, label: str) -> None:
-    """Close stdin, then SIGTERM the process group, then SIGKILL it, each with a bounded wait."""
+async def _stop(process: anyio.abc.Process, label: str, abrupt: bool, phases: list[str]) -> None:
+    """Close stdin, then SIGTERM the process group, then SIGKILL it, each with a bounded wait
+    (`abrupt`: SIGTERM at once, for a server that never answered); `phases` gets each step."""
     if process.stdin is not None:
         with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
             await process.stdin.aclose()
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    steps = (signal.SIGTERM, signal.SIGKILL) if abrupt else (None, signal.SIGTERM, signal.SIGKILL)
+    for sig in steps:
+        phases.append("stdin" if sig is None else sig.name)
         if sig is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, sig)
