@@ -135,3 +135,38 @@ def test_the_home_page_links_every_top_level_page() -> None:
     pages = sorted(p for p in DOCS.glob("*.md") if p.name != "index.md")
     missing = [p.name for p in pages if p.resolve() not in linked]
     assert not missing, f"docs/index.md does not link {missing}: add a line for each"
+
+
+def _exit_code_table(page: Path) -> dict[int, str]:
+    """The `| exit code | meaning | example |` table of `page`: code -> its row."""
+    text = page.read_text()
+    start = text.index("| exit code | meaning |")
+    end = text.find("\n\n", start)
+    rows = text[start : end if end != -1 else None].splitlines()[2:]
+    return {int(row.split("|")[1]): row for row in rows}
+
+
+def test_the_exit_code_table_matches_the_cli() -> None:
+    from treadle.cli.failures import EXIT_CODES
+
+    table = _exit_code_table(CLI_PAGE)
+    assert sorted(table) == sorted(EXIT_CODES.values())
+    # An MCP server that cannot be reached or does not answer is 4, one that cannot start is 2
+    # (treadle/cli/mcp_tools.py): every page that gives an MCP exit code says the same.
+    assert "MCP server" in table[EXIT_CODES["connection"]]
+    mcp_lines = [
+        (page.name, line)
+        for page in sorted(DOCS.glob("*.md"))
+        for line in page.read_text().split("\n\n")
+        if "MCP" in line and re.search(r"(exit|exits with) code", line)
+    ]
+    checked = 0
+    for name, paragraph in mcp_lines:
+        flat = " ".join(paragraph.split())
+        for said in re.finditer(
+            r"(cannot start|not answer|cannot be reached)[^.|]*?code (\d)", flat
+        ):
+            wanted = EXIT_CODES["usage"] if said[1] == "cannot start" else EXIT_CODES["connection"]
+            assert int(said[2]) == wanted, f"{name}: {said[0]!r}"
+            checked += 1
+    assert checked >= 4  # both pages, both cases

@@ -92,6 +92,17 @@ def _explain(err: BaseException, command: str | None) -> CliFailure:
             "--log NEW.jsonl to start a new log.",
             EXIT_CODES["usage"],
         )  # fmt: skip
+    if (
+        isinstance(err, PersistenceError)
+        and "is a session transcript, not an evaluation" in message
+    ):
+        shown = re.search(r"see it with `(treadle show .+)`\.$", message)
+        return CliFailure(
+            message.split("; see it with", 1)[0] + ".",
+            f"render it with `{shown[1] if shown else 'treadle show FILE'}`; eval logs are in "
+            "`.treadle/evals/` by default.",
+            EXIT_CODES["usage"],
+        )
     if isinstance(err, PersistenceError):
         return CliFailure(
             message, "check the path; `treadle sessions DIR` lists readable sessions.",
