@@ -173,3 +173,19 @@ def test_a_ref_loop_behind_an_embedded_id_is_refused() -> None:
     assert tool.validate({"tree": [[], [[]]]}) == {"tree": [[], [[]]]}
     with pytest.raises(Exception, match="is not of type 'array'"):
         tool.validate({"tree": [[], [1]]})
+
+
+def test_a_bulky_listing_is_typed_in_steps_as_the_sdk_types_it() -> None:
+    # 600 tools: over OFF_LOOP_ITEMS, so typed on a worker in steps; the result must equal what
+    # the SDK's own one-call typing gives.
+    raw = {
+        "tools": [
+            {"name": f"t{i}", "inputSchema": {"type": "object"}, "description": f"tool {i}"}
+            for i in range(600)
+        ],
+        "nextCursor": "more",
+    }
+    assert len(raw["tools"]) > listing_module.OFF_LOOP_ITEMS
+    stepped = listing_module._typed(None, "tools/list", raw, types.ListToolsResult)
+    whole = types.ListToolsResult.model_validate(raw, by_name=False)
+    assert stepped == whole and stepped.next_cursor == "more"

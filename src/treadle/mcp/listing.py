@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,20 +51,39 @@ OFF_LOOP_ITEMS = 500
 # What each bulky result's placeholder is (an empty result the SDK types in no time on the loop,
 # then swapped for the real one typed on a worker): by method, the list key emptied.
 _BULKY = {"tools/call": "content", "tools/list": "tools"}
+# The type of one item of each bulky list, and how many are typed in one pydantic call.
+_ITEM_TYPES: dict[str, TypeAdapter[Any]] = {
+    "tools/call": TypeAdapter(list[types.ContentBlock]),
+    "tools/list": TypeAdapter(list[types.Tool]),
+}
+_TYPED_PER_STEP = 2000
 # The request being sent by this task: its result type, and the typed result once a bulky one
 # was typed off the loop.
 _typing: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("treadle_mcp_typing")
 
 
 def _typed(session: Any, method: str, raw: dict[str, Any], result_type: Any) -> Any:
-    """`raw` checked and typed as the SDK does it (blocking: on a worker thread)."""
+    """`raw` checked and typed as the SDK does it (blocking: on a worker thread), its long list
+    `_TYPED_PER_STEP` items at a time: each pydantic call holds the GIL throughout, so one call
+    over 130,000 blocks would keep the runtime loop from running for a second or more even from
+    another thread; between steps the loop gets its turn."""
     version = getattr(session, "_negotiated_version", None) or "2025-11-25"
-    # KeyError: a method or version without a row, which the SDK skips too
-    with contextlib.suppress(KeyError):
-        result_rows.validate_server_result(method, version, raw)
+    key = _BULKY[method]
+    items = raw[key]
+    rest = {k: v for k, v in raw.items() if k != key}
+    typed: list[Any] = []
+    adapter = _ITEM_TYPES[method]
+    for start in range(0, len(items), _TYPED_PER_STEP):
+        step = items[start : start + _TYPED_PER_STEP]
+        # KeyError: a method or version without a row, which the SDK skips too
+        with contextlib.suppress(KeyError):
+            result_rows.validate_server_result(method, version, {**rest, key: step})
+        typed.extend(adapter.validate_python(step, by_name=False))
+        time.sleep(0)  # let the loop thread take the GIL
+    whole = {**rest, key: typed}  # typed items pass through unchecked again
     if isinstance(result_type, TypeAdapter):
-        return result_type.validate_python(raw, by_name=False)
-    return result_type.model_validate(raw, by_name=False)
+        return result_type.validate_python(whole, by_name=False)
+    return result_type.model_validate(whole, by_name=False)
 
 
 class _Tap:
