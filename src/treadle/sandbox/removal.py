@@ -20,7 +20,6 @@ import sys
 import threading
 from pathlib import Path
 
-import treadle
 from treadle.errors import SandboxError
 from treadle.sandbox.box_tree import RemovalStopped, remove_tree
 
@@ -63,7 +62,7 @@ def stop_removals() -> int:
 
 
 def _hand_off(root: Path) -> None:
-    package_parent = str(Path(treadle.__file__).resolve().parent.parent)
+    package_parent = str(Path(__file__).resolve().parents[2])  # the dir holding treadle/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     try:
