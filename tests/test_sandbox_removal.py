@@ -1,6 +1,7 @@
 """Workspace removal: many files unlinked in batches from one checked directory fd (never
 through a link), stoppable between entries, and handed to a detached process at exit so a
-workspace is never left half-deleted silently. docs/sandbox.md ("Closing") names these tests.
+workspace is never left half-deleted silently. docs/sandbox.md ("Placements and lifetime",
+the escape table) names these tests.
 """
 
 from __future__ import annotations
