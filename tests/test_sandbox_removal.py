@@ -141,3 +141,32 @@ def test_exit_never_leaves_a_workspace_half_deleted_silently() -> None:
             break
         time.sleep(0.5)
     assert not os.path.lexists(root)
+
+
+_AT_EXIT = """
+import atexit, sys, tempfile
+from pathlib import Path
+from treadle.sandbox.box_tree import remove_tree
+
+root = Path(tempfile.mkdtemp(prefix="treadle-rm-"))
+for i in range(300):  # past the batch threshold: the parallel path is asked for
+    (root / f"f{i}").write_bytes(b"x")
+
+def remove() -> None:  # atexit runs after concurrent.futures refuses new work
+    remove_tree(root)
+    print(root, root.exists())
+
+atexit.register(remove)
+"""
+
+
+def test_removal_at_interpreter_exit_falls_back_to_one_unlink_at_a_time() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT],
+        env={**os.environ, "PYTHONPATH": str(_SRC)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(" False"), proc.stdout + proc.stderr

@@ -182,7 +182,11 @@ class _Unlinker:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_UNLINK_THREADS, thread_name_prefix="treadle-rm")
         chunks = [files[i : i + _CHUNK] for i in range(0, len(files), _CHUNK)]
-        for more in self._pool.map(self._unlink, [fd] * len(chunks), chunks):
+        try:
+            done = list(self._pool.map(self._unlink, [fd] * len(chunks), chunks))
+        except RuntimeError:  # interpreter exit began: no new pool work, so one at a time
+            done = [self._unlink(fd, files)]
+        for more in done:
             subdirs += more
         self._check_stop()
         return subdirs
