@@ -167,7 +167,10 @@ def test_every_malformed_field_is_a_persistence_error_with_file_and_line(
 
 def test_a_placement_that_is_not_a_name_is_damage(tmp_path: Path) -> None:
     path = _file(tmp_path, {**HEADER, "placement": ["isolated"]})
-    with pytest.raises(PersistenceError, match=r"line 1: the header's placement is list"):
+    with pytest.raises(
+        PersistenceError,
+        match=r"line 1: the header's placement is malformed \(\['isolated'\] is list",
+    ):
         load_session(path)
 
 

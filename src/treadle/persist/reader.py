@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pydantic_core
 
 from treadle.errors import ConfigurationError, PersistenceError
+from treadle.persist.checks import FieldError, check_count, check_header
 from treadle.persist.format import SCHEMA_VERSION
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, Usage
 from treadle.session.placement import SandboxHandle
@@ -211,9 +212,11 @@ def load_session(
     if not objs or objs[0][1].get("type") != "header":
         raise PersistenceError(f"{p} is not a Treadle session file (no header line).")
     header_line, header = objs[0]
+    try:
+        check_header(header, SCHEMA_VERSION)
+    except FieldError as err:
+        raise _malformed(p, header_line, f"the header's {err.field}", str(err)) from None
     schema = header.get("schema", 0)
-    if isinstance(schema, bool) or not isinstance(schema, int):
-        raise _malformed(p, header_line, "the header's schema", f"{schema!r} is not a number")
     if schema > SCHEMA_VERSION:
         raise PersistenceError(
             f"{p} was written by a newer Treadle (schema {schema}); upgrade Treadle."
@@ -235,8 +238,13 @@ def load_session(
                 intents[_text(obj["tool_call_id"])] = _text(obj.get("name", ""))
             elif kind == "trailer":
                 trailer, trailer_line = obj, number
+                if obj.get("rows") is not None:
+                    check_count("rows", obj["rows"])
         except (KeyError, TypeError, ValueError) as err:  # ConfigurationError is a ValueError
-            raise _malformed(p, number, f"the {kind} line", _reason(err)) from None
+            what = (
+                f"the trailer's {err.field}" if isinstance(err, FieldError) else f"the {kind} line"
+            )
+            raise _malformed(p, number, what, _reason(err)) from None
     try:
         agent_rows = [ChunkRow.from_message(m) for m in _list_of(header.get("agent_rows", []))]
     except (KeyError, TypeError, ValueError) as err:
@@ -314,9 +322,7 @@ def _text(value: object) -> str:
 
 
 def _count(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{value!r} is not a token count")
-    return value
+    return check_count("usage", value)
 
 
 def _restored(written: object) -> dict[str, Any]:

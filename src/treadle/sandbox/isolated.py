@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import signal
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from treadle.sandbox.bwrap import (
     find_executable,
 )
 from treadle.sandbox.local import _IO, LocalBackend, _list, _read, _write
-from treadle.sandbox.memory_group import MemoryGroup
+from treadle.sandbox.memory_group import MemoryGroup, make_memory_group
 from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
 
 __all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
@@ -47,6 +48,7 @@ BOX_UID_BASE = 2_100_000_000
 BOX_UID_COUNT = 1_000_000
 
 _next_uid = itertools.count()
+log = logging.getLogger("treadle.sandbox")
 _ASK = 0xFFFFFFFF  # setfsuid((uid_t)-1) changes nothing and returns the current value
 T = TypeVar("T")
 
@@ -93,6 +95,17 @@ async def _takes_size(bwrap: str) -> bool:
     return known
 
 
+_warned_memory = False
+
+
+def _warn_memory_once(bound: str) -> None:
+    """Say once per process that `memory_bytes` is a per-process limit here (and why)."""
+    global _warned_memory
+    if not _warned_memory:
+        _warned_memory = True
+        log.warning("treadle: the isolated box's memory_bytes is %s", bound)
+
+
 def _allocate_uid() -> int:
     # Spread by pid so two Treadle processes on one machine rarely share a uid.
     return BOX_UID_BASE + (os.getpid() * 7919 + next(_next_uid)) % BOX_UID_COUNT
@@ -135,19 +148,26 @@ class IsolatedBackend(LocalBackend):
         """The host uid every process of this box runs as."""
         self._env = {**BOX_ENV, **self.options.env}
         self._memory: MemoryGroup | None = None
+        self.memory_bound: str | None = None
+        """How `limits.memory_bytes` is enforced, in words, once the box is open: a cgroup (v2
+        or v1) for all its processes together, or "per process only" and why (see
+        docs/sandbox.md); None before `open` or without a memory limit."""
 
     def open(self) -> Path:
         """Create the temporary workspace and hand it to the box's uid; return its root.
 
-        As root, with a cgroup v1 memory controller, the box also gets a memory cgroup of
-        `limits.memory_bytes` for all its processes together (see `treadle.sandbox.memory_group`).
+        Where the machine lets it (cgroup v2 with the memory controller delegated, or v1 as
+        root), the box also gets a memory cgroup of `limits.memory_bytes` for all its processes
+        together (see `treadle.sandbox.memory_group`); `memory_bound` says which, or why not.
         """
         root = super().open()
         if self._own_uid:
             os.chown(root, self.host_uid, self.host_uid)
-            limit = self.options.limits.memory_bytes
-            if limit is not None and self._memory is None:
-                self._memory = MemoryGroup.create(root.name, limit, self.host_uid)
+        limit = self.options.limits.memory_bytes
+        if limit is not None and self._memory is None and self.memory_bound is None:
+            self._memory, self.memory_bound = make_memory_group(root.name, limit, self.host_uid)
+            if self._memory is None:
+                _warn_memory_once(self.memory_bound)
         return root
 
     def close(self) -> None:
@@ -192,8 +212,13 @@ class IsolatedBackend(LocalBackend):
         )
         memory = self._memory
         oom_before = 0
+        as_uid = self.host_uid if self._own_uid else None
         if memory is not None:
-            launcher = [*memory.join_argv(), *launcher]
+            if memory.version == 2 and as_uid is not None:  # only root may move it (see there)
+                launcher = [*memory.join_argv(as_uid=as_uid), *launcher]
+                as_uid = None
+            else:
+                launcher = [*memory.join_argv(), *launcher]
             oom_before = memory.oom_kills()
         result = await run_command(
             command,
@@ -204,7 +229,7 @@ class IsolatedBackend(LocalBackend):
             on_start=self._started,
             on_exit=self._exited,
             launcher=launcher,
-            as_uid=self.host_uid if self._own_uid else None,
+            as_uid=as_uid,
         )
         # The kernel's OOM killer may kill the shell (137) or bwrap itself (-9).
         killed = result.exit_code in (128 + signal.SIGKILL, -signal.SIGKILL)

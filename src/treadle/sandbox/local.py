@@ -22,7 +22,6 @@ from typing import Literal
 from treadle.errors import PathViolation, SandboxError
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
 from treadle.sandbox.beneath import is_link_error, make_dirs_beneath, open_beneath, opened
-from treadle.sandbox.box_tree import remove_tree
 from treadle.sandbox.environment import DEFAULT_ENV_ALLOW, scrubbed_environment
 from treadle.sandbox.paths import workspace_parts
 from treadle.sandbox.process import (
@@ -31,6 +30,7 @@ from treadle.sandbox.process import (
     kill_process_group,
     run_command,
 )
+from treadle.sandbox.removal import remove_workspace
 from treadle.tools.threads import LoopThreadLimiter
 
 __all__ = ["MAX_LIST_ENTRIES", "MAX_READ_BYTES", "SANDBOX_IO_THREADS", "LocalBackend"]
@@ -166,15 +166,6 @@ class LocalBackend:
         """The entries of a workspace directory, sorted by name (at most `MAX_LIST_ENTRIES`)."""
         root = self._live_root()
         return await _IO.run(_list, root, path)
-
-
-def remove_workspace(root: Path) -> None:
-    """Delete a workspace whatever depth and modes its commands left (`chmod 000` included).
-
-    The walk is iterative and fd-relative and never follows a link (see
-    `treadle.sandbox.box_tree`); `SandboxError` says what was left when something could not go.
-    """
-    remove_tree(root)
 
 
 def _link_refused(path: str) -> PathViolation:

@@ -13,12 +13,14 @@ import asyncio
 import atexit
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
 from treadle.errors import ConfigurationError
 from treadle.runtime.threads import run_internal_io
+from treadle.sandbox import removal
 from treadle.sandbox.backend import Backend, CommandResult, DirEntry, FileContent
 from treadle.sandbox.placements import PlacementLike, backend_for
 from treadle.session.ports import install_opener, install_preparer
@@ -29,12 +31,21 @@ _closers: set[threading.Thread] = set()
 _closers_lock = threading.Lock()
 
 
+#: Seconds a close handed off at exit still gets to finish (kill the box, drop its cgroup).
+_HAND_OFF_WAIT_SECONDS = 5.0
+
+
 def _join_closers() -> None:
-    """At exit, let background closes finish so temporary workspaces are deleted."""
+    """At exit, let background closes finish for `EXIT_WAIT_SECONDS` in all; then the workspace
+    removals still running hand their trees to a detached process (`treadle.sandbox.removal`)."""
     with _closers_lock:
         pending = list(_closers)
+    deadline = time.monotonic() + removal.EXIT_WAIT_SECONDS
     for thread in pending:
-        thread.join(timeout=5)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in pending) and removal.stop_removals():
+        for thread in pending:  # each stops within one batch of unlinks, then hands off
+            thread.join(timeout=_HAND_OFF_WAIT_SECONDS)
 
 
 atexit.register(_join_closers)

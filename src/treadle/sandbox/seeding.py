@@ -6,7 +6,9 @@ through `treadle.sandbox.beneath` from the workspace's directory fd: a link a co
 earlier pass is refused, never written through. Archives are never handed to `extractall`: each
 member is checked here (type, name, link target) and written by the same code, because
 `tarfile`'s `filter="data"` alone is bypassed on some supported Pythons (CVE-2025-4517 on
-3.11.7). This module must never write outside the workspace or follow a link there.
+3.11.7). A seed is all-or-nothing: it is unpacked into a staging directory and moved into place
+only once all of it was accepted (`treadle.sandbox.seed_staging`). This module must never
+write outside the workspace or follow a link there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from treadle.sandbox.isolated import IsolatedBackend
 from treadle.sandbox.local import _IO
 from treadle.sandbox.opening import Sandbox
 from treadle.sandbox.paths import workspace_parts
+from treadle.sandbox.seed_staging import staged
 
 __all__ = ["ARCHIVE_SUFFIXES", "seed_workspace"]
 
@@ -120,30 +123,24 @@ def _seed(root: Path, source: Path, into: str) -> int:
     label = f"seeding from {source}"
     with opened(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root_fd:
         place = workspace_parts(root, into)
-        try:
-            top = make_dirs_beneath(root_fd, place)
-        except OSError as e:
-            if is_link_error(e) or e.errno == errno.ENOTDIR:
-                raise PathViolation(
-                    f"cannot seed into {into!r}: it is or passes through a symbolic link or a file."
-                ) from None
-            raise SandboxError(f"cannot make {into!r} in the workspace ({e.strerror}).") from None
-    with opened(top):
-        writer = _Writer(top, label)
-        name = source.name.lower()
-        if source.is_dir():
-            _copy_directory(source, writer)
-        elif name.endswith(".zip"):
-            _unzip(source, writer)
-        elif name.endswith(ARCHIVE_SUFFIXES):
-            _untar(source, writer)
-        elif not source.exists():
-            raise SandboxError(f"cannot seed the workspace: {source} does not exist.")
-        else:
-            raise SandboxError(
-                f"cannot seed the workspace from {source}: give a directory or an archive "
-                f"({', '.join(ARCHIVE_SUFFIXES)})."
-            )
+        # Unpacked into a staging directory first, moved into place only when all of it was
+        # accepted: a refused archive leaves nothing behind (see `seed_staging`).
+        with staged(root, root_fd, place, into) as top:
+            writer = _Writer(top, label)
+            name = source.name.lower()
+            if source.is_dir():
+                _copy_directory(source, writer)
+            elif name.endswith(".zip"):
+                _unzip(source, writer)
+            elif name.endswith(ARCHIVE_SUFFIXES):
+                _untar(source, writer)
+            elif not source.exists():
+                raise SandboxError(f"cannot seed the workspace: {source} does not exist.")
+            else:
+                raise SandboxError(
+                    f"cannot seed the workspace from {source}: give a directory or an archive "
+                    f"({', '.join(ARCHIVE_SUFFIXES)})."
+                )
         return writer.files
 
 
