@@ -35,7 +35,9 @@ __all__ = [
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Schemas are built on first use, not at import: a process that never calls a model (or
+    # not yet) does not pay for them.
+    model_config = ConfigDict(extra="allow", defer_build=True)
 
 
 class FunctionCall(_Wire):
