@@ -101,31 +101,6 @@ def test_accumulator_replaces_identity_fields_and_keeps_unknown_ones() -> None:
     ]
 
 
-_MIXED_STREAMS = [
-    b'data: {"a":1}\n\ndata: {"b":2}\n\n\n\ndata: [DONE]\n\n',
-    b': keep-alive\n\ndata: x\ndata: y\n\nevent: error\ndata: {"m":1}\n\ndata: z\n\n',
-    b'data: a\r\n\r\ndata: b\n\ndata:c\n\nerror: {"message":"down"}\n\ndata: d',
-    b"id: 7\nretry: 10\ndata: one\n\ndata: two\n\n\ndata: three\n",
-]
-
-
-def _line_parsed(stream: bytes) -> list[bytes]:
-    """The payloads the line parser alone gives (every line through `_lines`)."""
-    decoder, out = SSEDecoder(), []
-    decoder._lines(stream.split(b"\n"), out)
-    decoder._lines([b""], out)  # the end of the stream ends a last event
-    return out
-
-
-@pytest.mark.parametrize("stream", _MIXED_STREAMS)
-def test_sse_fast_path_matches_the_line_parser_in_every_two_piece_split(stream: bytes) -> None:
-    expected = _line_parsed(stream)
-    for cut in range(len(stream) + 1):
-        decoder = SSEDecoder()
-        got = decoder.feed(stream[:cut]) + decoder.feed(stream[cut:]) + decoder.flush()
-        assert got == expected, cut
-
-
 @pytest.mark.parametrize(
     "payload",
     [

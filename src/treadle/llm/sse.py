@@ -33,29 +33,9 @@ class SSEDecoder:
         if b"\n" not in chunk:
             self._tail += chunk
             return []
-        buffer = self._tail + chunk if self._tail else chunk
-        if b"\r" in buffer or self._data or self._error:
-            lines = buffer.split(b"\n")
-            self._tail = lines.pop()
-            out: list[bytes] = []
-            self._lines(lines, out)
-            return out
-        # The common stream: `\n`-ended lines, one `data: {...}` line per event. Split at the
-        # blank lines ending events; only an event of another shape goes through the line
-        # parser. The unfinished rest (whole lines included) waits whole for the next read.
-        events = buffer.split(b"\n\n")
-        self._tail = events.pop()
-        out = []
-        for event in events:
-            if event.startswith(b"data: ") and b"\n" not in event:
-                out.append(event[6:])
-            elif event:
-                self._lines(event.split(b"\n"), out)
-                self._lines([b""], out)  # the blank line that ended it
-        return out
-
-    def _lines(self, lines: list[bytes], out: list[bytes]) -> None:
-        """Parse whole lines (without their `\\n`), appending completed payloads to `out`."""
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        out: list[bytes] = []
         data = self._data
         for line in lines:
             if line.endswith(b"\r"):
@@ -77,6 +57,7 @@ class SSEDecoder:
                 # message is the provider's answer, so it is handed on as an error payload.
                 out.append(_as_error(line[6:].strip()))
             # Comments (":...") and other fields (id, retry) carry nothing we use.
+        return out
 
     def flush(self) -> list[bytes]:
         """At end of stream: the payload of a last event not followed by a blank line."""
