@@ -15,10 +15,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast, get_args, overload
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from treadle.errors import ConfigurationError
 from treadle.session.calls import ToolCall, tool_calls_of
+from treadle.session.deferred import DeferredModel
 
 __all__ = [
     "ROLE_OF_KIND",
@@ -68,10 +69,10 @@ def text_of_content(content: object) -> str | None:
 _KEPT = frozenset({"developer"})
 
 
-class _Open(BaseModel):
+class _Open(DeferredModel):
     # Unknown provider fields (reasoning content, annotations) are kept, never rejected. The
     # schema is built on the first validation, not at import (`import treadle` stays fast).
-    model_config = ConfigDict(extra="allow", defer_build=True)
+    pass
 
 
 class _TextPayload(_Open):
