@@ -17,7 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import goodput, report, sandbox_bench, scenarios, stores_bench
+from benchmarks import (
+    goodput,
+    imports_bench,
+    report,
+    sandbox_bench,
+    scenarios,
+    stores_bench,
+    ttft_bench,
+    workers_bench,
+)
 from benchmarks.harness import Harness
 from benchmarks.server import can_pin
 
@@ -157,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         ("s8", lambda: sandbox_bench.sandbox_overhead(h, size)),
         ("s9", lambda: stores_bench.store_overhead(h, size)),
         ("s10", lambda: scenarios.first_fanout(h, size)),
+        ("s12", lambda: ttft_bench.ttft(h, size)),
+        ("s13", lambda: workers_bench.many_cores(h, size)),
+        ("s14", lambda: imports_bench.imports(h, size)),
     ]
     results = []
     for key, run in plan:

@@ -124,6 +124,11 @@ def per_round(h: Harness, size: dict[str, Any], *, stream: bool) -> Result:
         result.targets.append(
             Target("S1 CPU/round vs aiohttp floor", ratio, "<= 1.3x", ratio <= 1.3)
         )
+    if mine is not None and stream:  # issue 33: streamed rounds at the floor's streamed loop
+        ratio = mine["x floor (CPU)"]
+        result.targets.append(
+            Target("S6a streamed CPU/round vs aiohttp floor", ratio, "<= 1.0x", ratio <= 1.0)
+        )
     return result
 
 

@@ -55,7 +55,8 @@ class Meter:
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run `job` (contestant, kind and parameters) and return its measurements."""
-    module = importlib.import_module(CONTESTANTS[job["contestant"]])
+    # A scenario with its own workload module names it (`module`); the kind is a function there.
+    module = importlib.import_module(job.get("module") or CONTESTANTS[job["contestant"]])
     if job.get("gc") == "freeze":
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's view: fewer, cheaper collections

@@ -29,12 +29,19 @@ def test_tiny_benchmark_run_writes_results(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").read_text().count("### ") >= 9
     keys = [s["key"] for s in data["scenarios"]]
-    assert keys == ["s1", "s2", "s3", "s4", "s5", "s6a", "s6b", "s7", "s8", "s9", "s10"]
+    assert keys == [
+        "s1", "s2", "s3", "s4", "s5", "s6a", "s6b", "s7", "s8", "s9", "s10", "s12", "s13", "s14"
+    ]  # fmt: skip
     goodput = next(s for s in data["scenarios"] if s["key"] == "s7")
     assert {t["name"] for t in goodput["targets"]} == {
         "S7 goodput, no configuration: x ideal",
         "S7 goodput, no configuration: % answered 429",
     }
+    targets = {t["name"] for s in data["scenarios"] for t in s["targets"]}
+    assert "S6a streamed CPU/round vs aiohttp floor" in targets
+    assert "S14 import treadle.mcp: CPU s" in targets
+    assert any(name.startswith("S12 time to first token") for name in targets)
+    assert sum(name.startswith("S13 ") for name in targets) == 2
     for scenario in data["scenarios"]:
         assert scenario["rows"], scenario["key"]
         for row in scenario["rows"]:

@@ -42,3 +42,45 @@ def test_passes_never_load_aiohttp() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_importing_treadle_mcp_waits_for_a_name_to_load_the_sdk() -> None:
+    # The SDK costs most of a second to import: `import treadle.mcp` leaves it to the first use.
+    code = (
+        "import sys\n"
+        "import treadle.mcp\n"
+        "before = sorted(m for m in sys.modules if m.split('.')[0] in ('mcp', 'mcp_types'))\n"
+        "server = treadle.mcp.MCPServer\n"
+        "print(before, 'mcp' in sys.modules, server.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "True", "treadle.mcp.server"], out.stdout
+
+
+def test_deferred_schemas_build_once_when_threads_race_to_first_use() -> None:
+    # Wire and row models build their schemas on first use (not at import); eight threads that
+    # validate at once in a fresh process must all get the built validators, none an error.
+    code = (
+        "import threading\n"
+        "from treadle.llm.wire import ChatCompletion, ChatCompletionChunk\n"
+        "from treadle.session.rows import ChunkRow\n"
+        "gate, errors = threading.Barrier(8), []\n"
+        "reply = {'choices': [{'index': 0, 'message': {'role': 'assistant', 'content': 'hi',"
+        " 'tool_calls': [{'id': 'c', 'type': 'function', 'function': {'name': 'f',"
+        " 'arguments': '{}'}}]}, 'finish_reason': 'stop'}]}\n"
+        "def work():\n"
+        "    gate.wait()\n"
+        "    try:\n"
+        "        assert ChatCompletion.model_validate(reply).message.content == 'hi'\n"
+        "        ChatCompletionChunk.model_validate_json(b'{\"choices\": []}')\n"
+        "        ChunkRow('assistant', {'content': None, 'tool_calls': [{'id': 'c',"
+        " 'function': {'name': 'f', 'arguments': '{}'}}]})\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=work) for _ in range(8)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "print(errors)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

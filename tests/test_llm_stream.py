@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from treadle.errors import MalformedResponse
 from treadle.llm import ChatCompletion, ChatCompletionChunk, SSEDecoder, StreamAccumulator
 from treadle.llm.chunk_parse import parse_event
 from treadle.llm.sse import DONE
@@ -97,3 +99,42 @@ def test_accumulator_replaces_identity_fields_and_keeps_unknown_ones() -> None:
         ("a", "f", '{"x":1}'),
         ("b", "g", "{}"),
     ]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"id":"c","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"hi"}}]}',
+        b'{"choices":[{"index":"0","delta":{"tool_calls":[{"index":"1","function":{}}]}}]}',
+        b'{"created":1.0,"choices":[],"usage":{"prompt_tokens":1,"total_tokens":"3"}}',
+        b'{"choices":[{"delta":{"content":[{"type":"text","text":"a"}]},"finish_reason":"stop"}]}',
+        b'{"choices":[{"delta":{"role":"assistant"}}],"x_extra":{"kept":true}}',
+        b'{"choices":[{"index":true,"delta":{}}]}',
+    ],
+)
+def test_parse_event_gives_what_the_schema_gives(payload: bytes) -> None:
+    # Exact events skip the validator, others are coerced by it: the result is the same.
+    from treadle.llm.chunk_parse import _EVENT
+
+    event, total, finished = parse_event(payload, None, None)
+    assert event == _EVENT.validate_json(payload)
+    usage = event.get("usage")
+    assert total == (usage.get("total_tokens", 0) if usage is not None else None)
+    assert finished == any(c.get("finish_reason") for c in event.get("choices", ()))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"choices":null}',
+        b'{"choices":[{"delta":null}]}',
+        b'{"choices":[{"delta":{"content":5}}]}',
+        b'{"choices":[{"delta":{"tool_calls":[{"function":{"arguments":{"a":1}}}]}}]}',
+        b'{"id":null,"choices":[]}',
+        b"[1, 2]",
+        b"not json",
+    ],
+)
+def test_parse_event_rejects_what_the_schema_rejects(payload: bytes) -> None:
+    with pytest.raises(MalformedResponse):
+        parse_event(payload, None, None)

@@ -95,17 +95,103 @@ def parse_chunk(
 def parse_event(
     data: bytes, api_key: str | None, request_id: str | None
 ) -> tuple[ChunkEvent, int | None, bool]:
-    """`(event, usage total or None, finished)` of one payload, as a validated dict."""
+    """`(event, usage total or None, finished)` of one payload, as a validated dict.
+
+    An event that already has the schema's exact types (what real servers send) is taken as
+    parsed (`_exact`, a few type checks against a validator run per event); any other one goes
+    through the schema, which coerces or rejects it as before.
+    """
     try:
-        event = _EVENT.validate_json(data)
-    except ValidationError as exc:
-        raise _bad_event(data, api_key, request_id) from exc
+        parsed = from_json(data)
+    except ValueError:
+        parsed = None
+    event: Any = parsed if type(parsed) is dict and _exact(parsed) else None
+    if event is None:
+        try:
+            event = _EVENT.validate_json(data)
+        except ValidationError as exc:
+            raise _bad_event(data, api_key, request_id) from exc
     usage = event.get("usage")
     finished = False
     for choice in event.get("choices", ()):
         if choice.get("finish_reason") is not None:
             finished = True
     return event, (usage.get("total_tokens", 0) if usage is not None else None), finished
+
+
+_TOP_TYPES: dict[str, type] = {"id": str, "object": str, "created": int, "model": str}
+_NULLABLE_TEXT = (str, type(None))
+
+
+def _exact(event: dict[str, Any]) -> bool:
+    """True when `event` needs no coercion: every field the schema types has its exact type.
+
+    Fields the schema leaves open (extra ones) are kept either way. `bool` is not an `int`
+    here (the validator would refuse it), hence `type(...) is`, not `isinstance`.
+    """
+    for key, kind in _TOP_TYPES.items():
+        value = event.get(key, kind)
+        if value is not kind and type(value) is not kind:
+            return False
+    usage = event.get("usage")
+    if usage is not None and (
+        type(usage) is not dict
+        or any(type(v) is not int for k, v in usage.items() if k in _USAGE_INTS)
+    ):
+        return False
+    choices = event.get("choices", ())
+    if type(choices) is not list and choices != ():
+        return False
+    for choice in choices:
+        if type(choice) is not dict:
+            return False
+        if type(choice.get("index", 0)) is not int or type(choice.get("delta", {})) is not dict:
+            return False
+        if type(choice.get("finish_reason")) not in _NULLABLE_TEXT:
+            return False
+        delta = choice.get("delta")
+        if delta and not _exact_delta(delta):
+            return False
+    return True
+
+
+_USAGE_INTS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"})
+
+
+def _exact_delta(delta: dict[str, Any]) -> bool:
+    if type(delta.get("role")) not in _NULLABLE_TEXT:
+        return False
+    content = delta.get("content")
+    if (
+        content is not None
+        and type(content) is not str
+        and (type(content) is not list or any(type(part) is not dict for part in content))
+    ):
+        return False
+    calls = delta.get("tool_calls")
+    if calls is None:
+        return True
+    if type(calls) is not list:
+        return False
+    for call in calls:
+        if type(call) is not dict:
+            return False
+        index = call.get("index")
+        if index is not None and type(index) is not int:
+            return False
+        if (
+            type(call.get("id")) not in _NULLABLE_TEXT
+            or type(call.get("type")) not in _NULLABLE_TEXT
+        ):
+            return False
+        fn = call.get("function")
+        if fn is not None and (
+            type(fn) is not dict
+            or type(fn.get("name")) not in _NULLABLE_TEXT
+            or type(fn.get("arguments")) not in _NULLABLE_TEXT
+        ):
+            return False
+    return True
 
 
 def _bad_event(data: bytes, api_key: str | None, request_id: str | None) -> ProviderError:

@@ -11,7 +11,6 @@ reached the server). Waits use full-jitter exponential backoff, or the server's 
 
 from __future__ import annotations
 
-import email.utils
 import math
 import random
 import time
@@ -92,6 +91,8 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> f
     try:
         value = float(raw)
     except ValueError:
+        import email.utils  # an HTTP date is rare: not worth 20 ms of every import
+
         try:
             when = email.utils.parsedate_to_datetime(raw)
         except (TypeError, ValueError, IndexError):

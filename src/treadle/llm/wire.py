@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from pydantic_core import to_json
 
 from treadle.llm.provider import RESERVED_BODY_KEYS, Provider
+from treadle.session.deferred import DeferredModel
 from treadle.session.rows import text_of_content
 
 __all__ = [
@@ -34,8 +35,9 @@ __all__ = [
 ]
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Wire(DeferredModel):
+    # Unknown provider fields are kept; schemas build on first use, not at import.
+    pass
 
 
 class FunctionCall(_Wire):

@@ -63,6 +63,7 @@ from treadle.loop.request_usage import request_entries
 from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_tools
 from treadle.persist.writer import SessionWriter
+from treadle.runtime.threads import load_async_backend
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.session.stops import StopReason
@@ -420,6 +421,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
     With `cancel_as_stop` (the lazy path, where the runtime owns the task) a cancellation ends
     the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
     """
+    load_async_backend()
     with registered(out_id, plan.stop):
         return await _run_pass(plan, out_id, cancel_as_stop)
 

@@ -59,7 +59,10 @@ def _detail(value: Any, whole: int) -> int:
 
 def _response_id(value: str) -> str:
     """The id without control characters, capped (it is logged and shown to support)."""
-    return "".join(c for c in value[:MAX_RESPONSE_ID_CHARS] if c.isprintable())
+    value = value[:MAX_RESPONSE_ID_CHARS]
+    if value.isprintable():  # every well-behaved id: one C call, not a generator per character
+        return value
+    return "".join(c for c in value if c.isprintable())
 
 
 def request_usage_of(

@@ -28,12 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
-import anyio._backends._asyncio
 import anyio.to_thread
-
-# Imported now, not on first use: anyio loads its asyncio backend lazily, and the first use can be
-# a pass's shielded cleanup after the process ran out of file descriptors (EMFILE), where that
-# import cannot open its source file and a raw OSError would replace the pass's typed error.
 
 __all__ = [
     "INTERNAL_IO_THREADS",
@@ -41,10 +36,30 @@ __all__ = [
     "LoopThreadLimiter",
     "internal_io",
     "lending_slot",
+    "load_async_backend",
     "run_internal_io",
     "run_user_code",
     "thread_stats",
 ]
+
+
+_backend_loaded = False
+
+
+def load_async_backend() -> None:
+    """Import anyio's asyncio backend (once; every pass calls this as it starts).
+
+    Not at import (20 ms of every program's first import), and not on anyio's own first use
+    either: that can be a pass's shielded cleanup after the process ran out of file descriptors
+    (EMFILE), where the import cannot open its source file and a raw OSError would replace the
+    pass's typed error. A pass starting is before it opened anything.
+    """
+    global _backend_loaded
+    if not _backend_loaded:
+        import anyio._backends._asyncio  # noqa: F401
+
+        _backend_loaded = True
+
 
 T = TypeVar("T")
 log = logging.getLogger("treadle.runtime")

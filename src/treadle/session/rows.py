@@ -15,10 +15,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast, get_args, overload
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from treadle.errors import ConfigurationError
 from treadle.session.calls import ToolCall, tool_calls_of
+from treadle.session.deferred import DeferredModel
 
 __all__ = [
     "ROLE_OF_KIND",
@@ -68,9 +69,10 @@ def text_of_content(content: object) -> str | None:
 _KEPT = frozenset({"developer"})
 
 
-class _Open(BaseModel):
-    # Unknown provider fields (reasoning content, annotations) are kept, never rejected.
-    model_config = ConfigDict(extra="allow")
+class _Open(DeferredModel):
+    # Unknown provider fields (reasoning content, annotations) are kept, never rejected. The
+    # schema is built on the first validation, not at import (`import treadle` stays fast).
+    pass
 
 
 class _TextPayload(_Open):
@@ -105,11 +107,11 @@ class _ToolResultPayload(_Open):
     content: str | list[dict[str, Any]]
 
 
-_VALIDATORS: Mapping[str, TypeAdapter[Any]] = {
-    "system": TypeAdapter(_TextPayload),
-    "user": TypeAdapter(_TextPayload),
-    "assistant": TypeAdapter(_AssistantPayload),
-    "tool_result": TypeAdapter(_ToolResultPayload),
+_VALIDATORS: Mapping[str, type[_Open]] = {
+    "system": _TextPayload,
+    "user": _TextPayload,
+    "assistant": _AssistantPayload,
+    "tool_result": _ToolResultPayload,
 }
 
 
@@ -153,7 +155,7 @@ class ChunkRow:
             k: v for k, v in payload.items() if k != "role" or (kind == "system" and v in _KEPT)
         }
         try:
-            _VALIDATORS[kind].validate_python(body)
+            _VALIDATORS[kind].model_validate(body)
         except ValidationError as err:
             raise ConfigurationError(f"invalid {kind} row: {_describe(err)}") from None
         self.kind = cast(RowKind, kind)

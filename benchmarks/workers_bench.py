@@ -1,0 +1,74 @@
+"""Scenario 13: many cores. One CPU-bound fan-out (0 ms latency, passes of 3 tool rounds) in a
+single process (`treadle.map`, local backend) and on 1 and 2 worker processes (what
+`backend="process"` runs), reporting completions per second and the client CPU each completion
+costs, every process that did the work counted. The target: the workers add no CPU of their own
+(per-completion CPU within 1.1x of the single process's). Never asserts on timing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.harness import Harness, Job, median
+from benchmarks.scenarios import COMPLETIONS_PER_PASS, Result, Target
+from benchmarks.server import ServerProcess
+
+CPU_GOAL = 1.1
+"""Per-completion client CPU on workers at most this times the single process's."""
+SINGLE = "single process (treadle.map)"
+
+
+def many_cores(h: Harness, size: dict[str, Any]) -> Result:
+    """Run scenario 13: five times the serial scenario's passes (1,000 in `make bench`)."""
+    n = size["serial_n"] * 5
+    module = {"n": n, "module": "benchmarks.workers_loops"}
+    jobs = [Job(SINGLE, "treadle", "single", module)]
+    jobs += [
+        Job(
+            f"{w} worker process{'es' if w > 1 else ''}",
+            "treadle",
+            "process",
+            {**module, "workers": w},
+        )
+        for w in (1, 2)
+    ]
+    with ServerProcess("tool_loop", rounds=3) as server:
+        data = h.measure(server, jobs, size["serial_reps"])
+    completions = n * COMPLETIONS_PER_PASS
+    result = Result(
+        "s13",
+        f"13. Many cores: {n:,} CPU-bound passes (0 ms latency) on 1 process or worker processes",
+        ["completions/s", "client CPU µs/completion", "x single (CPU)", "workers' CPU s", "errors"],
+    )
+    cpu: dict[str, float] = {}
+    for label, samples in data.items():
+        cpu[label] = median([s.cpu + float(s.extra["worker_cpu"]) for s in samples]) / completions
+        wall = median([s.wall for s in samples])
+        result.rows.append(
+            {
+                "label": label,
+                "completions/s": completions / wall,
+                "client CPU µs/completion": cpu[label] * 1e6,
+                "workers' CPU s": median([float(s.extra["worker_cpu"]) for s in samples]),
+                "errors": sum(s.errors for s in samples),
+            }
+        )
+        result.series[label] = completions / wall
+    single = cpu.get(SINGLE, float("nan"))
+    for row in result.rows:
+        row["x single (CPU)"] = cpu[row["label"]] / single
+        if row["label"] != SINGLE:
+            ratio = row["x single (CPU)"]
+            result.targets.append(
+                Target(
+                    f"S13 {row['label']}: CPU per completion vs single process",
+                    ratio,
+                    f"<= {CPU_GOAL}x",
+                    ratio <= CPU_GOAL,
+                )
+            )
+    result.notes.append(
+        "the driver runs on the client CPU, the workers on any CPU, the fake server on its own: "
+        "on a 2-CPU machine two workers share a CPU with the server"
+    )
+    return result

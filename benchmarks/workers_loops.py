@@ -1,0 +1,80 @@
+"""Many cores, worker side: one CPU-bound fan-out (0 ms latency, 3 tool rounds a pass) run in
+this process, or on a pool of worker processes (scenario 13, `benchmarks/workers_bench.py`).
+
+Client CPU counts every process that did the work: this one, plus each pool worker's user and
+system time from /proc over the timed section (worker start-up is not timed: a pool is started
+once and serves many maps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from benchmarks.server import can_pin, proc_cpu_seconds
+from benchmarks.worker import Meter
+from benchmarks.workload import API_KEY, SYSTEM_PROMPT
+
+CONCURRENCY = 64
+"""Passes in flight (in this process, or across the pool's workers)."""
+
+
+def _agent(job: dict[str, Any]) -> Any:
+    from benchmarks.contestants.treadle_loop import _provider, noop
+    from treadle.agents import Agent
+
+    return Agent("cpu-bound", SYSTEM_PROMPT, tools=[noop], provider=_provider(job))
+
+
+def single(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
+    """`treadle.map` on the local backend: every pass on this process's one event loop."""
+    import treadle
+
+    agent = _agent(job)
+    inputs = [f"item {i}" for i in range(job["n"])]
+    treadle.map(agent, inputs[:CONCURRENCY], concurrency=CONCURRENCY)  # warm the pool and code
+    meter.start()
+    outs = treadle.map(agent, inputs, concurrency=CONCURRENCY, return_exceptions=True)
+    meter.stop()
+    errors = sum(1 for o in outs if isinstance(o, BaseException) or o.stop_reason != "final_answer")
+    return {"errors": errors, "worker_cpu": 0.0}
+
+
+def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
+    """The same map on `workers` worker processes (what `backend="process"` runs), each free to
+    use any CPU; the reported CPU adds the workers' to this driver's."""
+    import treadle.distributed.process as pool_module
+    from treadle.distributed import AgentSpec
+    from treadle.distributed.driver import drive
+
+    spec = AgentSpec.from_agent(_agent(job), api_key_env="TREADLE_BENCH_KEY")
+    inputs = [f"item {i}" for i in range(job["n"])]
+
+    async def main() -> tuple[int, float]:
+        pool = pool_module.ProcessPool(spec.to_json(), size=job["workers"], api_key=API_KEY)
+        await pool.start()  # start-up is not timed
+        pids = [pid for pid in pool.pids() if pid is not None]
+        for pid in pids:  # the harness pins this driver to one CPU; the workers may use all
+            if can_pin():
+                os.sched_setaffinity(pid, range(os.cpu_count() or 1))
+        try:
+            warm = drive(pool, inputs[:CONCURRENCY], concurrency=CONCURRENCY, max_attempts=1,
+                         call_timeout=None)  # fmt: skip
+            _ = [o async for o in warm]
+            before = sum(proc_cpu_seconds(pid) for pid in pids)
+            meter.start()
+            outcomes = [
+                o
+                async for o in drive(
+                    pool, inputs, concurrency=CONCURRENCY, max_attempts=1, call_timeout=None
+                )
+            ]
+            meter.stop()
+            worker_cpu = sum(proc_cpu_seconds(pid) for pid in pids) - before
+        finally:
+            await pool.close()
+        return sum(o.status != "ok" for o in outcomes), worker_cpu
+
+    errors, worker_cpu = asyncio.run(main())
+    return {"errors": errors, "worker_cpu": worker_cpu}
