@@ -79,9 +79,10 @@ class PreloadedPython:
 
     def close(self) -> None:
         """Stop the process (it exits when its stdin closes)."""
-        assert self._proc.stdin is not None
+        assert self._proc.stdin is not None and self._proc.stdout is not None
         self._proc.stdin.close()
         self._proc.wait(timeout=60)
+        self._proc.stdout.close()
 
 
 @pytest.fixture(scope="session")
