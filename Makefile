@@ -53,11 +53,18 @@ typecheck: $(STAMP)
 	$(BIN)/mypy --strict
 
 # The suite runs in 6 pytest-xdist workers: most tests wait on subprocesses, sockets and sandboxes,
-# so more workers than cores pay (2 cores, idle: 192 s with 4 workers, 175 s with 6). Soak-like and benchmark-like tests (marked
-# `slow`) form their own tier: `make test` + `make test-slow` = every test (`make test-all`).
+# so more workers than cores pay (2 cores, idle: 192 s with 4 workers, 175 s with 6). Soak-like
+# and benchmark-like tests (marked `slow`) form their own tier: `make test` + `make test-slow` =
+# every test (`make test-all`). ruff and mypy (cold on a fresh clone: ~7 CPU-seconds) run beside
+# the tests, in the gaps where tests wait; their output follows the tests', and either failing
+# fails `make test`.
 PYTEST_WORKERS ?= 6
-test: lint typecheck
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+test: $(STAMP)
+	@static=$$(mktemp -d); \
+	{ $(MAKE) -k --no-print-directory lint typecheck >$$static/log 2>&1; echo $$? >$$static/rc; } & \
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"; tests=$$?; \
+	wait; echo "--- make lint typecheck:"; cat $$static/log; checks=$$(cat $$static/rc); \
+	rm -rf $$static; [ $$tests -eq 0 ] && [ $$checks -eq 0 ]
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m slow

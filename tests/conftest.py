@@ -45,3 +45,20 @@ def marker() -> str:
 def survivors() -> Callable[[str], list[int]]:
     """`survivors(marker)`: host pids still running a command that contains `marker`."""
     return processes_with
+
+
+@pytest.fixture(scope="session")
+def user_mypy(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    """`user_mypy(directory, *files)`: `mypy` with a user's strict configuration (MYPY_INI in
+    tests/user_mypy.py) on `files` in `directory`, as a CompletedProcess.
+
+    Type-checking Treadle and its dependencies from cold costs several CPU-seconds a run; the
+    suite's user-code checks share one cache (across xdist workers too) and take turns, so only
+    the first pays it and each later run reads the cache."""
+    from user_mypy import run_user_mypy
+
+    # The base temp of one xdist worker sits in the run's shared directory: the cache and its
+    # lock go there, one for the whole run.
+    shared = tmp_path_factory.getbasetemp().parent / "user-mypy"
+    shared.mkdir(exist_ok=True)
+    return lambda directory, *files: run_user_mypy(shared, directory, *files)

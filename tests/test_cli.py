@@ -215,7 +215,10 @@ def test_demo_local_model_missing(tmp_path: Path) -> None:
         timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "not available yet: see issue 11 / docs/providers.md" in proc.stderr
+    assert "--local-model needs treadle.testing.local_model, which this install lacks" in (
+        proc.stderr
+    )
+    assert "fix: reinstall Treadle from its checkout (make install)" in proc.stderr
 
 
 def test_show_renders_a_closed_transcript(persisted: Path) -> None:

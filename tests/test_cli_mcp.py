@@ -26,74 +26,50 @@ def _messages_of(proc: subprocess.CompletedProcess[str]) -> list[dict[str, objec
     return messages
 
 
-def test_run_with_stdio_and_http_servers(tmp_path: Path) -> None:
-    script = calls_then_answer(("add", {"a": 40, "b": 2}), ("echo", {"text": "echoed"}))
-    with FakeOpenAIServer(script=script) as fake, http_server() as url:
-        proc = treadle(
-            "run",
-            "add and echo",
-            "--model",
-            "fake-model",
-            "--base-url",
-            fake.base_url,
-            "--mcp",
-            f"{sys.executable} {SERVER_SCRIPT} --collide",  # lists read.file and read_file
-            "--json",
-            cwd=tmp_path,
-            env=_env(),
-        )
+def _run(fake: FakeOpenAIServer, cwd: Path, *servers: str) -> subprocess.CompletedProcess[str]:
+    return treadle(
+        "run", "add and echo", "--model", "fake-model", "--base-url", fake.base_url, *servers,
+        "--json", cwd=cwd, env=_env(),
+    )  # fmt: skip
+
+
+# One test per server setup (not one for all four), so xdist runs them side by side.
+def test_tools_whose_names_collide_once_made_safe_are_refused(tmp_path: Path) -> None:
+    with FakeOpenAIServer(script="echo") as fake:
+        # lists read.file and read_file
+        proc = _run(fake, tmp_path, "--mcp", f"{sys.executable} {SERVER_SCRIPT} --collide")
         assert proc.returncode == 2
         assert "'read.file' and 'read_file'" in proc.stderr
-        proc = treadle(
-            "run",
-            "add and echo",
-            "--model",
-            "fake-model",
-            "--base-url",
-            fake.base_url,
-            "--mcp",
-            _STDIO,
-            "--mcp-url",
-            url,
-            "--json",
-            cwd=tmp_path,
-            env=_env(),
-        )
+        assert fake.request_count == 0
+    assert server_children() == {}
+
+
+def test_two_servers_listing_one_name_are_refused(tmp_path: Path) -> None:
+    with FakeOpenAIServer(script="echo") as fake, http_server() as url:
+        proc = _run(fake, tmp_path, "--mcp", _STDIO, "--mcp-url", url)
         # both servers list `add`: a clear error before any model request
         assert proc.returncode == 2, proc.stderr
         assert "two tools are named 'add'" in proc.stderr and "prefix" in proc.stderr
         assert fake.request_count == 0
-        proc = treadle(
-            "run",
-            "add",
-            "--model",
-            "fake-model",
-            "--base-url",
-            fake.base_url,
-            "--mcp",
-            _STDIO,
-            "--json",
-            cwd=tmp_path,
-            env=_env(),
-        )
+    assert server_children() == {}
+
+
+def test_run_with_a_stdio_server(tmp_path: Path) -> None:
+    script = calls_then_answer(("add", {"a": 40, "b": 2}), ("echo", {"text": "echoed"}))
+    with FakeOpenAIServer(script=script) as fake:
+        proc = _run(fake, tmp_path, "--mcp", _STDIO)
         tools = [m for m in _messages_of(proc) if m["role"] == "tool"]
         assert json.loads(str(tools[0]["content"]))["structured"] == {"result": 42}
         assert json.loads(str(tools[1]["content"]))["structured"] == {"result": "echoed"}
         sent = {t["function"]["name"] for t in fake.requests[0].body["tools"]}
         assert {"add", "echo", "hang"} <= sent
-        proc = treadle(
-            "run",
-            "add",
-            "--model",
-            "fake-model",
-            "--base-url",
-            fake.base_url,
-            "--mcp-url",
-            url,
-            "--json",
-            cwd=tmp_path,
-            env=_env(),
-        )
+    assert server_children() == {}
+
+
+def test_run_with_an_http_server(tmp_path: Path) -> None:
+    script = calls_then_answer(("add", {"a": 40, "b": 2}), ("echo", {"text": "echoed"}))
+    with FakeOpenAIServer(script=script) as fake, http_server() as url:
+        proc = _run(fake, tmp_path, "--mcp-url", url)
         tools = [m for m in _messages_of(proc) if m["role"] == "tool"]
         assert json.loads(str(tools[0]["content"]))["structured"] == {"result": 42}
     assert server_children() == {}

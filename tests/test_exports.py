@@ -11,7 +11,7 @@ import ast
 import importlib
 import re
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,19 +84,15 @@ def _readme_block(title: str) -> str:
     return match.group(1)
 
 
-def test_readme_program_passes_mypy_strict(tmp_path: Path) -> None:
+def test_readme_program_passes_mypy_strict(
+    tmp_path: Path, user_mypy: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
     """A user's program with the README's imports type-checks against the installed package."""
     pytest.importorskip("mypy")
     program = tmp_path / "user_program.py"
     program.write_text(_readme_block("Fifteen lines"))
-    # Outside the repository, so neither the project's mypy config nor its sources are used.
-    command = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache")]
-    proc = subprocess.run(
-        [*command, program.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    # Outside the repository, so neither the project's mypy config nor its sources are used
+    # (tests/user_mypy.py: a user's strict configuration, a cache shared with the other checks).
+    proc = user_mypy(tmp_path, program.name)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Success" in proc.stdout

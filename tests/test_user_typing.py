@@ -11,23 +11,20 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+# conftest.py's `user_mypy` fixture: mypy as a user runs it, with a shared cache.
+UserMypy = Callable[..., subprocess.CompletedProcess[str]]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
-# A user's strict configuration: no exception for `treadle`, so this test also guards that
-# every top-level name the docs use is an explicit re-export.
-MYPY_INI = """\
-[mypy]
-strict = True
-warn_unused_ignores = True
-"""
+# The user's strict configuration (tests/user_mypy.py) makes no exception for `treadle`, so these
+# tests also guard that every top-level name the docs use is an explicit re-export.
 
 
 def _modules(target: Path) -> list[str]:
@@ -44,38 +41,21 @@ def _modules(target: Path) -> list[str]:
     return names
 
 
-def test_docs_blocks_and_examples_pass_mypy_strict_as_user_code(tmp_path: Path) -> None:
+def test_docs_blocks_and_examples_pass_mypy_strict_as_user_code(
+    tmp_path: Path, user_mypy: UserMypy
+) -> None:
     pytest.importorskip("mypy")
-    code = tmp_path / "user_code"
-    code.mkdir()
-    names = _modules(code)
+    names = _modules(tmp_path)
     assert len(names) > 40, names  # the docs and examples are really there
-    (tmp_path / "mypy.ini").write_text(MYPY_INI)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--config-file",
-            str(tmp_path / "mypy.ini"),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            *names,
-        ],
-        cwd=code,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = user_mypy(tmp_path, *names)
     assert proc.returncode == 0, (
         "user code does not type-check (file names: doc_<page>_<block number>.py, "
         f"example_<file>.py):\n{proc.stdout}\n{proc.stderr}"
     )
 
 
-def test_map_keeps_the_session_type(tmp_path: Path) -> None:
+def test_map_keeps_the_session_type(tmp_path: Path, user_mypy: UserMypy) -> None:
     # `treadle.map` used to return `list[Any]`: a typo on a result went unnoticed by mypy.
-    (tmp_path / "mypy.ini").write_text(MYPY_INI)
     (tmp_path / "user_map.py").write_text(
         "import treadle\n"
         "from treadle import Agent, Provider\n\n"
@@ -85,13 +65,7 @@ def test_map_keeps_the_session_type(tmp_path: Path) -> None:
         'mixed = treadle.map(agent, ["x"], return_exceptions=True)\n'
         "reveal_type(mixed)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "user_map.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = user_mypy(tmp_path, "user_map.py")
     # An agent without an output_type: sessions whose `output` is None or untyped.
     assert 'Revealed type is "list[treadle.session.session.Session[Any | None]]"' in proc.stdout, (
         proc.stdout
@@ -213,9 +187,8 @@ agent = Agent("a", instructions, provider=Provider(model="m"), tools=[a, b], dep
 _MARK = re.compile(r"# E: (.+)$")
 
 
-def test_mypy_strict_rejects_wrong_user_programs(tmp_path: Path) -> None:
+def test_mypy_strict_rejects_wrong_user_programs(tmp_path: Path, user_mypy: UserMypy) -> None:
     pytest.importorskip("mypy")
-    (tmp_path / "mypy.ini").write_text(MYPY_INI)
     expected: dict[tuple[str, int], str] = {}
     for name, text in WRONG_PROGRAMS.items():
         (tmp_path / name).write_text(text)
@@ -223,13 +196,7 @@ def test_mypy_strict_rejects_wrong_user_programs(tmp_path: Path) -> None:
             mark = _MARK.search(line)
             if mark:
                 expected[(name, number)] = mark.group(1)
-    proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", *WRONG_PROGRAMS],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = user_mypy(tmp_path, *WRONG_PROGRAMS)
     errors: dict[tuple[str, int], list[str]] = {}
     for line in proc.stdout.splitlines():
         found = re.match(r"^(\S+\.py):(\d+): error: (.*)$", line)

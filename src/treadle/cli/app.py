@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from treadle import __version__
 from treadle.cli.console import make_console
 from treadle.cli.failures import EXIT_CODES, explain
+from treadle.cli.flag_hints import unknown_flag_fix
 from treadle.cli.status import StatusLine
 
 __all__ = ["build_parser", "main"]
@@ -32,17 +33,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        fix = f"`{self.prog} --help` lists every flag."
-        if message.startswith("unrecognized arguments:"):
-            import difflib
-
-            known = [s for a in self._actions for s in a.option_strings]
-            for word in message.split(":", 1)[1].split():
-                flag = word.split("=", 1)[0]
-                close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("-") else []
-                if close:
-                    fix = f"did you mean {close[0]}? {fix}"
-                    break
+        known = [s for a in self._actions for s in a.option_strings]
+        fix = unknown_flag_fix(self.prog, message, known)
         self.exit(EXIT_CODES["usage"], f"{self.prog}: error: {message}\n{self.prog}: fix: {fix}\n")
 
 

@@ -227,8 +227,9 @@ def local_model_command(console: Console) -> int:
         found = False
     if not found:
         raise CliFailure(
-            "treadle demo --local-model is not available yet: see issue 11 / docs/providers.md.",
-            "run `treadle demo` for the offline demo on the fake server.",
+            f"treadle demo --local-model needs {LOCAL_MODEL_MODULE}, which this install lacks.",
+            "reinstall Treadle from its checkout (make install), or run `treadle demo` for the "
+            "offline demo on the fake server.",
             EXIT_CODES["usage"],
         )
     module: Any = importlib.import_module(LOCAL_MODEL_MODULE)

@@ -8,11 +8,9 @@ directory on the path, as `python -m` would. This module only parses, prints and
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import shlex
-import sys
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from typing import Any
 from treadle.cli.console import Console
 from treadle.cli.describe import counted, producer_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.cli.user_code import call_user_code, load_object
 from treadle.errors import EvalConfigMismatch
 from treadle.evals import (
     EvalProgress,
@@ -61,30 +60,6 @@ class EvalOptions:
     workers: int | None = None
 
 
-def load_object(spec: str, what: str) -> Any:
-    """The object named by `module:attribute` (dots allowed in both parts)."""
-    module_name, sep, attr = spec.partition(":")
-    if not (module_name and sep and attr):
-        raise CliFailure(
-            f"{what} {spec!r} is not module:attribute",
-            f"name it like mypkg.agents:solver (a module importable from {Path.cwd()}).",
-            EXIT_CODES["usage"],
-        )
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as err:
-        raise CliFailure(
-            f"cannot load {what} {spec!r}: {err}",
-            "check the module path and that it imports cleanly.",
-            EXIT_CODES["usage"],
-        ) from None
-    return obj
-
-
 def _agent(spec: str) -> Any:
     obj = load_object(spec, "agent")
     if hasattr(obj, "instructions") and hasattr(obj, "run"):
@@ -96,7 +71,7 @@ def _agent(spec: str) -> Any:
             return obj
         if not any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                    for p in params):  # fmt: skip
-            return obj()  # a factory: build the agent
+            return call_user_code(obj, f"agent factory {spec!r}")  # build the agent
         return obj
     raise CliFailure(
         f"agent {spec!r} is a {type(obj).__name__}, not an Agent",

@@ -115,7 +115,12 @@ def _explain(err: BaseException, command: str | None) -> CliFailure:
             EXIT_CODES["usage"],
         )
     if isinstance(err, SandboxError):
-        return CliFailure(message, "check the --sandbox directory.", EXIT_CODES["error"])
+        return CliFailure(
+            message,
+            "check that the --sandbox directory exists and is writable (ls -ld DIR), or pass "
+            "--sandbox local for a temporary one.",
+            EXIT_CODES["error"],
+        )
     if isinstance(err, TreadleError):
         return CliFailure(
             message, "rerun with TREADLE_DEBUG=1 to see where it was raised.", EXIT_CODES["error"]

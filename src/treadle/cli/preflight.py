@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,9 +111,19 @@ def check_sandbox(value: str | None) -> None:
 
     A word that is neither `local`/`isolated`, nor an existing directory, nor a path with a `/`
     would otherwise be created as a new directory and its commands run on the host; the user
-    asks for a new directory by writing it as a path (`./NAME`).
+    asks for a new directory by writing it as a path (`./NAME`), whose parent must exist.
     """
-    if value is None or value in SANDBOX_WORDS or "/" in value or os.path.isdir(value):
+    if value is None or value in SANDBOX_WORDS or os.path.isdir(value):
+        return
+    if "/" in value:
+        # Only the last part is created: a mistyped parent (`/tmp/wrok/box`) is not made.
+        parent = os.path.dirname(os.path.abspath(value))
+        if not os.path.isdir(parent):
+            raise CliFailure(
+                f"--sandbox {value!r}: its parent directory {parent} does not exist.",
+                f"check the path, or create it first: mkdir -p {shlex.quote(value)}",
+                EXIT_CODES["usage"],
+            )
         return
     import difflib
 

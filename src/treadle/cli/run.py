@@ -125,7 +125,11 @@ async def run_pass(
             if view is not None:
                 view.finish()
     if out is None:  # pragma: no cover - stream_session_loop always ends with PassStopped
-        raise CliFailure("The pass ended without a result.", "", EXIT_CODES["error"])
+        raise CliFailure(
+            "The pass ended without a result.",
+            "rerun the same command with TREADLE_DEBUG=1 in front to see why.",
+            EXIT_CODES["error"],
+        )
     return out
 
 
@@ -144,8 +148,9 @@ def run_command(opts: RunOptions, console: Console, *, status: StatusLine | None
         check_sandbox(opts.sandbox)
         check_host_resolves(str(provider.base_url))
         if opts.sandbox and opts.sandbox not in ("local", "isolated"):
-            # a command-line user expects `--sandbox ./work` to be created
-            Path(opts.sandbox).mkdir(parents=True, exist_ok=True)
+            # a command-line user expects `--sandbox ./work` to be created (its parent exists:
+            # check_sandbox refused a missing one)
+            Path(opts.sandbox).mkdir(exist_ok=True)
     except BaseException:
         if status is not None:
             status.set(None)  # the error is printed on a clean line
