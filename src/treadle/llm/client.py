@@ -28,7 +28,15 @@ from pydantic_core import from_json
 from treadle._http.errors import HTTPError, StaleConnection
 from treadle._http.reply import Timeouts
 from treadle.errors import MalformedResponse, ProviderError
-from treadle.llm.attempt import OpenStream, StatusError, classify, named_status, wire_timeouts
+from treadle.llm.attempt import (
+    OpenStream,
+    StatusError,
+    TornStream,
+    Tries,
+    classify,
+    named_status,
+    wire_timeouts,
+)
 from treadle.llm.chunk_parse import parse_chunk
 from treadle.llm.http_errors import (
     error_from_payload,
@@ -119,9 +127,15 @@ class ModelClient:
             )
         return prepared
 
-    async def complete(self, provider: Provider, body: bytes) -> ChatCompletion:
-        """POST `body` (non-streaming) and return the parsed completion, retrying per policy."""
+    async def complete(
+        self, provider: Provider, body: bytes, tries: Tries | None = None
+    ) -> ChatCompletion:
+        """POST `body` (non-streaming) and return the parsed completion, retrying per policy.
+
+        `tries` (optional) receives the retries spent and the reply's `x-request-id`.
+        """
         _, provider, url, headers, timeouts, limiter = self._prepare(provider)
+        tries = Tries() if tries is None else tries
         (result, reply_headers), permit = await self._send(
             provider,
             limiter,
@@ -129,8 +143,10 @@ class ModelClient:
             self._complete_once,
             (url, body, headers, timeouts),
             "chat completion",
+            tries,
         )
         used: int | None = None
+        tries.request_id = reply_headers.get("x-request-id")
         try:
             limiter.observe(permit, reply_headers)
             if result.usage is not None:
@@ -174,21 +190,28 @@ class ModelClient:
         stop early.
         """
         batches = self.stream_batches(provider, body, parse_chunk)
-        async with contextlib.aclosing(batches):
-            async for batch in batches:
-                for chunk in batch:
-                    yield chunk
+        try:
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    for chunk in batch:
+                        yield chunk
+        except TornStream as torn:  # only a turn restarts a torn stream; here it is final
+            raise torn.error from torn.__cause__
 
     async def stream_batches(
-        self, provider: Provider, body: bytes, parse: _Parse[_T]
+        self, provider: Provider, body: bytes, parse: _Parse[_T], tries: Tries | None = None
     ) -> AsyncGenerator[list[_T]]:
         """`stream`, yielding the events of each network read at once, parsed by `parse`.
 
         `parse` is `chunk_parse.parse_chunk` (typed chunks) or `parse_event` (validated dicts,
         what the turn folds in); one yield per read, not per event, saves a generator step per
-        event. Same retries, errors and limiter accounting as `stream`.
+        event. Same retries, errors and limiter accounting as `stream`, except that a failure
+        after the first events (a lost connection, an in-band error) raises `TornStream`, which
+        the turn may restart with the same `tries`.
         """
         _, provider, url, headers, timeouts, limiter = self._prepare(provider)
+        api_key = provider.api_key
+        tries = Tries() if tries is None else tries
         opened, permit = await self._send(
             provider,
             limiter,
@@ -196,15 +219,29 @@ class ModelClient:
             self._open_stream,
             (url, body, headers, timeouts),
             "streamed chat completion",
+            tries,
+            (parse, api_key),
         )
-        used: int | None = None
+        used, done, finished = opened.used, opened.done, opened.finished
+        tries.request_id = request_id = opened.request_id
         try:
             limiter.observe(permit, opened.headers)
-            request_id, api_key = opened.request_id, provider.api_key
             chunks, decoder = opened.chunks, opened.decoder
-            done = finished = False
-            events = opened.first
-            while True:
+            first: list[_T] = opened.parsed
+            if first:
+                yield first
+            if opened.failure is not None:  # the events before a bad one reached the caller
+                raise opened.failure
+            while not (done or opened.ended):
+                try:  # inline, not a helper: this runs once per network read
+                    raw = await chunks.__anext__()
+                except StopAsyncIteration:
+                    opened.ended = True
+                    events = decoder.flush()
+                except HTTPError as exc:
+                    raise opened.torn(exc, url) from exc
+                else:
+                    events = decoder.feed(raw)
                 batch: list[_T] = []
                 for data in events:
                     if data == DONE:
@@ -212,27 +249,16 @@ class ModelClient:
                         break
                     try:
                         item, total, ends = parse(data, api_key, request_id)
-                    except ProviderError:
+                    except ProviderError as exc:
                         if batch:  # the events before a bad one still reach the caller first
                             yield batch
-                        raise
+                        raise TornStream(exc, retryable=is_retryable_error(exc)) from None
                     if total is not None:
                         used = total
                     finished = finished or ends
                     batch.append(item)
                 if batch:
                     yield batch
-                if done or opened.ended:
-                    break
-                try:  # inline, not a helper: this runs once per network read
-                    raw = await chunks.__anext__()
-                except StopAsyncIteration:
-                    opened.ended = True
-                    events = decoder.flush()
-                    continue
-                except HTTPError as exc:
-                    raise opened.torn(exc, url) from exc
-                events = decoder.feed(raw)
             if not done and not finished:
                 page = html_reply_error(url, opened.headers)
                 if page is not None:
@@ -251,9 +277,11 @@ class ModelClient:
         provider: Provider,
         limiter: EndpointLimiter,
         body: bytes,
-        attempt: Callable[[str, bytes, dict[str, str], Timeouts], Awaitable[_T]],
+        attempt: Callable[..., Awaitable[_T]],
         args: tuple[str, bytes, dict[str, str], Timeouts],
         what: str,
+        tries: Tries,
+        extra: tuple[Any, ...] = (),
     ) -> tuple[_T, Permit]:
         """The one retry loop of whole and streamed completions: `attempt(*args)` until it succeeds.
 
@@ -263,10 +291,10 @@ class ModelClient:
         connection the server had closed just as the request was written (`StaleConnection`: it
         never saw the request) is re-sent once at once, not counted as a retry, but only when
         `max_retries` allows any re-send at all: `max_retries=0` always means one send.
+        Retries are counted in `tries`, shared with the turn that may restart a torn stream.
         """
         estimate = estimate_tokens(body)
         trace = current_pass()  # None unless the application traces passes
-        tries = 0
         stale_resent = False
         while True:
             if trace is None:
@@ -276,7 +304,7 @@ class ModelClient:
                 permit = await limiter.acquire(estimate)
                 trace.note_limiter_wait(time.monotonic() - waited)
             try:
-                return await attempt(*args), permit
+                return await attempt(*args, *extra), permit
             except (HTTPError, StatusError) as exc:
                 if isinstance(exc, StatusError):  # a 429 pauses every pass on the endpoint
                     limiter.observe(permit, exc.headers, refused=exc.status == 429)
@@ -292,23 +320,24 @@ class ModelClient:
             except BaseException:
                 limiter.release(permit)
                 raise
+            spent = tries.spent
             error, retry_after = classify(provider, failure, 0)
             if (
                 not isinstance(error, ProviderError)
                 or not is_retryable_error(error)
                 or (isinstance(failure, HTTPError) and is_certificate_failure(failure))
-                or tries >= provider.max_retries
+                or spent >= provider.max_retries
             ):
-                if tries:  # the final error says how many retries were spent
-                    error, _ = classify(provider, failure, tries)
+                if spent:  # the final error says how many retries were spent
+                    error, _ = classify(provider, failure, spent)
                 raise error from (failure if isinstance(failure, HTTPError) else None)
-            delay = backoff_delay(tries, provider.retry_base_delay, retry_after)
+            delay = backoff_delay(spent, provider.retry_base_delay, retry_after)
             logger.info("retrying %s (%s) in %.2fs, attempt %d/%d", what, error.message, delay,
-                        tries + 1, provider.max_retries)  # fmt: skip
+                        spent + 1, provider.max_retries)  # fmt: skip
             if trace is not None:
-                trace.note_retry(tries + 1, error.message, delay)
+                trace.note_retry(spent + 1, error.message, delay)
             await asyncio.sleep(delay)
-            tries += 1
+            tries.spent = spent + 1
 
     async def _post_whole(
         self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
@@ -320,15 +349,28 @@ class ModelClient:
         return reply.content, reply.headers
 
     async def _open_stream(
-        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeouts: Timeouts,
+        parse: _Parse[Any],
+        api_key: str | None,
     ) -> OpenStream:
-        """One streamed POST, read until its first SSE events (or its end) arrived.
+        """One streamed POST, read and parsed until its first SSE events (or its end) arrived.
 
-        A non-200 reply is read whole and raised as `StatusError`.
+        A non-200 reply is read whole and raised as `StatusError`; so is an in-band error among
+        the first events that names a status: nothing was handed on yet, so the request loop
+        retries it like the same status in the reply's head.
         """
         reply = await self.transport.post_stream(url, body, headers, timeouts)
         opened = OpenStream(reply.body.__aiter__(), reply.body.aclose, reply.headers)
         await opened.start(reply.status)
+        try:
+            opened.parse_first(parse, api_key)
+        except BaseException:
+            await opened.aclose()
+            raise
         return opened
 
     def _headers_for(self, headers: dict[str, str]) -> dict[str, str]:
