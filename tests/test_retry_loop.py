@@ -38,9 +38,9 @@ TEAR = b"<tear>"  # in a script: drop the connection here
 
 def error_event(code: int, message: str) -> bytes:
     """OpenRouter's in-band failure: a chunk carrying `error` (recorded shape)."""
+    choice = {"index": 0, "delta": {"content": ""}, "finish_reason": None}
     payload = {"id": "gen-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
-               "error": {"code": code, "message": message},
-               "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]}  # fmt: skip
+               "error": {"code": code, "message": message}, "choices": [choice]}  # fmt: skip
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
