@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 from treadle import ProviderError, RateLimitError, Session
-from treadle.errors import MalformedResponse
-from treadle.llm import Provider
+from treadle.errors import ConfigurationError, MalformedResponse
+from treadle.llm import Provider, aclose_clients
+from treadle.loop import arun_session_loop
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import HttpExecutor, TurnDelta, request_turn
 from treadle.tools import ToolSet
@@ -208,3 +209,26 @@ async def test_a_custom_executor_inband_error_is_typed_and_not_retried() -> None
     with pytest.raises(ProviderError, match="overloaded") as caught:
         await request_turn(executor, _request(retries=3))
     assert (caught.value.status_code, executor.calls) == (503, 1)
+
+
+async def test_a_stream_being_read_when_aclose_clients_runs_ends_client_closed() -> None:
+    # The server holds the rest of the stream; the first delta closes the loop's clients.
+    async with wire([event("Par"), GATE, event("is", "stop"), DONE]) as served:
+        provider = Provider(model="m", base_url=served.url, api_key="k", max_retries=3,
+                            retry_base_delay=0.0, stream=True)  # fmt: skip
+        closing: list[asyncio.Task[None]] = []
+        loop = asyncio.get_running_loop()
+
+        def start_closing() -> None:
+            if not closing:
+                closing.append(loop.create_task(aclose_clients()))
+
+        def close_clients(_: object) -> None:  # on_event may run off the loop: hand it over
+            loop.call_soon_threadsafe(start_closing)
+
+        with pytest.raises(ConfigurationError, match=r"closed \(aclose_clients\(\)\)") as caught:
+            await arun_session_loop(Session.from_user_message("hello"), AGENT,
+                                    agent_provider=provider, on_event=close_clients)  # fmt: skip
+        await closing[0]
+    assert "torn" not in str(caught.value)
+    assert served.requests == 1  # a closed client is not restarted
