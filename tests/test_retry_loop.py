@@ -24,9 +24,9 @@ import pytest
 from treadle import ProviderError, RateLimitError, Session
 from treadle.errors import ConfigurationError, MalformedResponse
 from treadle.llm import Provider, aclose_clients
-from treadle.loop import arun_session_loop
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import HttpExecutor, TurnDelta, request_turn
+from treadle.loop import arun_session_loop
 from treadle.tools import ToolSet
 from wire_helpers import chunk, event
 

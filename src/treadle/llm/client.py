@@ -6,9 +6,11 @@ Requests go through one `Transport` (`treadle.llm.transport`): Treadle's own poo
 
 `get_client(provider)` returns the pooled client of the running event loop for the provider's
 endpoint; every pass on that loop shares it (keep-alive connections, one limiter per endpoint and
-limits). This is the only retry layer in Treadle. It never blocks the event loop, never logs or
-raises the API key, and closes its connections when the loop shuts down (`aclose_clients`, or
-automatically when `loop.shutdown_asyncgens()` runs, as `asyncio.run` and runners do).
+limits). This is the only retry loop in Treadle (a turn restarts only a stream torn after its
+first events, on the same budget: `treadle.llm.turn.request_turn`). It never blocks the event
+loop, never logs or raises the API key, and closes its connections when the loop shuts down
+(`aclose_clients`, or automatically when `loop.shutdown_asyncgens()` runs, as `asyncio.run` and
+runners do).
 """
 
 from __future__ import annotations
