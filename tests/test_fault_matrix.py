@@ -85,11 +85,11 @@ FAULTS = [
     Fault("connection dropped before a reply", Reply.dropped_connection()),
     Fault("connection dropped every time", Reply.dropped_connection(), None,
           outcome=ProviderConnectionError),
-    # Non-streamed: half the body, then the socket closes (retried). Streamed: two events, then
-    # the close: chunks were already delivered, so it is not retried.
-    Fault("reset mid-response", Reply.text("all done").torn(2), streamed_outcome=MalformedResponse),
+    # Non-streamed: half the body, then the socket closes (retried as a request). Streamed: two
+    # events, then the close: chunks were already delivered, so the turn restarts (same budget).
+    Fault("reset mid-response", Reply.text("all done").torn(2)),
     Fault("stream torn after tool-call deltas", Reply.tool_call("probe", {"x": 12345678}).torn(3),
-          when=first_request, streamed_outcome=MalformedResponse),
+          when=first_request),
     Fault("invalid JSON", Reply.invalid_json(), None, outcome=MalformedResponse),
     Fault("empty choices", Reply.no_choices(), None, outcome=MalformedResponse,
           streamed_outcome=MalformedResponse),

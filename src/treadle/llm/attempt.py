@@ -3,29 +3,71 @@
 A non-200 reply is a `StatusError` carrying status, headers and body; `classify` turns it, or an
 HTTP-layer error (`treadle._http.errors`), into the typed error and the server's `Retry-After`:
 the one place a failure is classified. `OpenStream` is a streamed 200 reply read up to its first
-SSE events: the point after which a stream is never retried. Nothing here sleeps or retries.
+SSE events: the point after which the request is never retried; a stream that fails later is a
+`TornStream`, which only the turn may restart. `Tries` is what one request has spent: the request
+loop and the turn's restart share it, so together they send at most `max_retries + 1` times.
+Nothing here sleeps or retries.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic_core import from_json
 
-from treadle._http.errors import HTTPError
+from treadle._http.errors import HTTPError, PoolClosed
 from treadle._http.reply import Timeouts
 from treadle.errors import ProviderError, TreadleError
 from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
 from treadle.llm.inband import status_in
 from treadle.llm.provider import DEFAULT_POOL_TIMEOUT
-from treadle.llm.retry import parse_retry_after
-from treadle.llm.sse import SSEDecoder
+from treadle.llm.retry import is_retryable_error, parse_retry_after
+from treadle.llm.sse import DONE, SSEDecoder
 
 if TYPE_CHECKING:
     from treadle.llm.provider import Provider
 
-__all__ = ["OpenStream", "StatusError", "classify", "named_status", "wire_timeouts"]
+__all__ = [
+    "OpenStream",
+    "StatusError",
+    "TornStream",
+    "Tries",
+    "classify",
+    "named_status",
+    "wire_timeouts",
+]
+
+
+class Tries:
+    """What one model request has spent: retries, and the reply's `x-request-id`.
+
+    `ModelClient`'s retry loop counts its retries here and the turn's restart of a torn stream
+    counts on from there, so a turn sends at most `max_retries + 1` requests (a free re-send of
+    a stale connection aside).
+    """
+
+    __slots__ = ("request_id", "spent")
+
+    def __init__(self) -> None:
+        self.spent = 0
+        """Retries spent so far (sends after the first)."""
+        self.request_id: str | None = None
+        """The `x-request-id` header of the reply that was used (None when it had none)."""
+
+
+class TornStream(Exception):
+    """A streamed 200 reply failed after its first events were handed on.
+
+    Never retried as a request (its events already reached the caller); the turn may restart
+    when `retryable` (a lost connection, a read timeout, an in-band 429 or 5xx). `error` is the
+    typed error to raise otherwise.
+    """
+
+    def __init__(self, error: TreadleError, *, retryable: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.retryable = retryable
 
 
 class StatusError(Exception):
@@ -59,7 +101,20 @@ class OpenStream:
     Always `aclose` it: closing before the end closes the connection rather than pooling it.
     """
 
-    __slots__ = ("_close", "chunks", "decoder", "ended", "first", "headers", "request_id")
+    __slots__ = (
+        "_close",
+        "chunks",
+        "decoder",
+        "done",
+        "ended",
+        "failure",
+        "finished",
+        "first",
+        "headers",
+        "parsed",
+        "request_id",
+        "used",
+    )
 
     def __init__(
         self,
@@ -78,6 +133,12 @@ class OpenStream:
         """The first event payloads (empty only when the body ended without any)."""
         self.ended = False
         """True once the body has been read to its end."""
+        self.parsed: list[Any] = []
+        """The first events, parsed (`parse_first`)."""
+        self.failure: ProviderError | None = None
+        """A bad first event that names no status: raised after the events before it."""
+        self.used: int | None = None
+        self.done = self.finished = False
 
     async def start(self, status: int) -> None:
         """Read a non-200 reply whole (raising `StatusError`), or a 200 up to its first events.
@@ -94,6 +155,33 @@ class OpenStream:
             await self.aclose()
             raise
 
+    def parse_first(
+        self,
+        parse: Callable[[bytes, str | None, str | None], tuple[Any, int | None, bool]],
+        api_key: str | None,
+    ) -> None:
+        """Parse the first events; an in-band error naming a status raises `StatusError`.
+
+        Nothing was handed on yet, so such an error is retried by the request loop like the same
+        status in the head. Another bad event is kept in `failure`, raised after the events
+        before it reached the caller (a retry would not help).
+        """
+        for data in self.first:
+            if data == DONE:
+                self.done = True
+                return
+            try:
+                item, total, ends = parse(data, api_key, self.request_id)
+            except ProviderError as exc:
+                if exc.status_code is not None:
+                    raise StatusError(exc.status_code, self.headers, data) from None
+                self.failure = exc
+                return
+            if total is not None:
+                self.used = total
+            self.finished = self.finished or ends
+            self.parsed.append(item)
+
     async def _read(self) -> list[bytes]:
         try:
             raw = await anext(self.chunks)
@@ -102,11 +190,19 @@ class OpenStream:
             return self.decoder.flush()
         return self.decoder.feed(raw)
 
-    def torn(self, exc: HTTPError, url: str) -> ProviderError:
-        """The error for a connection lost after the first events (never retried)."""
+    def torn(self, exc: HTTPError, url: str) -> TornStream:
+        """The failure of a connection lost after the first events (never retried as a request).
+
+        A pool closed under the stream (`aclose_clients()`) is that `ConfigurationError`, not a
+        torn stream: nothing on the wire went wrong and no restart would succeed.
+        """
         error = error_from_transport(exc, url=url, retries=0)
+        if isinstance(exc, PoolClosed):
+            return TornStream(error, retryable=False)
+        retryable = isinstance(error, ProviderError) and is_retryable_error(error)
         text = error.message if isinstance(error, ProviderError) else str(error)
-        return malformed(f"the stream was torn ({text})", request_id=self.request_id)
+        torn = malformed(f"the stream was torn ({text})", request_id=self.request_id)
+        return TornStream(torn, retryable=retryable)
 
     async def aclose(self) -> None:
         """Close the body stream (idempotent)."""

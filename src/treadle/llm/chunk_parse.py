@@ -3,9 +3,11 @@
 Two forms with the same checks: `parse_chunk` gives a typed `ChatCompletionChunk` (what
 `ModelClient.stream` yields), `parse_event` a plain dict validated by the same schema (fields of
 the same types, unknown fields kept), which the turn folds in without building models per event.
-A payload that is not JSON or does not match the schema raises `MalformedResponse`; an
-`{"error": ...}` event raises the typed `ProviderError` it reports. Each parser also returns the
-event's `usage.total_tokens` (None when absent) and whether a choice reported a finish reason.
+A payload that is not JSON or does not match the schema raises `MalformedResponse`; an event
+carrying `error` (a bare `{"error": ...}`, or OpenRouter's chunk with an `error` field) raises the
+typed `ProviderError` it reports, with the status it names (`ProviderError.status_code`).
+Each parser also returns the event's `usage.total_tokens` (None when absent) and whether a
+choice reported a finish reason.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing_extensions import TypedDict
 
 from treadle.errors import ProviderError
 from treadle.llm.http_errors import error_from_payload, malformed
+from treadle.llm.inband import error_in, status_in
 from treadle.llm.wire import ChatCompletionChunk
 
 __all__ = ["ChunkEvent", "parse_chunk", "parse_event"]
@@ -84,6 +87,11 @@ def parse_chunk(
         chunk = ChatCompletionChunk.model_validate_json(data)
     except ValidationError as exc:
         raise _bad_event(data, api_key, request_id) from exc
+    extra = chunk.model_extra
+    if extra and "error" in extra:
+        error = error_in(extra, request_id=chunk.id or request_id, api_key=api_key)
+        if error is not None:
+            raise error
     usage = chunk.usage
     finished = False
     for choice in chunk.choices:
@@ -111,6 +119,10 @@ def parse_event(
             event = _EVENT.validate_json(data)
         except ValidationError as exc:
             raise _bad_event(data, api_key, request_id) from exc
+    if "error" in event:
+        error = error_in(event, request_id=event.get("id") or request_id, api_key=api_key)
+        if error is not None:
+            raise error
     usage = event.get("usage")
     finished = False
     for choice in event.get("choices", ()):
@@ -202,5 +214,6 @@ def _bad_event(data: bytes, api_key: str | None, request_id: str | None) -> Prov
         return malformed("a stream event is not JSON", data, request_id=request_id)
     if isinstance(payload, dict) and "error" in payload:
         # vLLM and OpenAI report mid-stream failures as an `{"error": ...}` event.
-        return error_from_payload(None, payload, data, request_id=request_id, api_key=api_key)
+        status = status_in(payload["error"])
+        return error_from_payload(status, payload, data, request_id=request_id, api_key=api_key)
     return malformed("a stream event does not match the schema", data)

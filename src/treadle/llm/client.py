@@ -6,20 +6,20 @@ Requests go through one `Transport` (`treadle.llm.transport`): Treadle's own poo
 
 `get_client(provider)` returns the pooled client of the running event loop for the provider's
 endpoint; every pass on that loop shares it (keep-alive connections, one limiter per endpoint and
-limits). This is the only retry layer in Treadle. It never blocks the event loop, never logs or
-raises the API key, and closes its connections when the loop shuts down (`aclose_clients`, or
-automatically when `loop.shutdown_asyncgens()` runs, as `asyncio.run` and runners do).
+limits). This is the only retry loop in Treadle (a turn restarts only a stream torn after its
+first events, on the same budget: `treadle.llm.turn.request_turn`). It never blocks the event
+loop, never logs or raises the API key, and closes its connections when the loop shuts down
+(`aclose_clients`, or automatically when `loop.shutdown_asyncgens()` runs, as `asyncio.run` and
+runners do).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import time
-import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
@@ -28,7 +28,15 @@ from pydantic_core import from_json
 from treadle._http.errors import HTTPError, StaleConnection
 from treadle._http.reply import Timeouts
 from treadle.errors import MalformedResponse, ProviderError
-from treadle.llm.attempt import OpenStream, StatusError, classify, named_status, wire_timeouts
+from treadle.llm.attempt import (
+    OpenStream,
+    StatusError,
+    TornStream,
+    Tries,
+    classify,
+    named_status,
+    wire_timeouts,
+)
 from treadle.llm.chunk_parse import parse_chunk
 from treadle.llm.http_errors import (
     error_from_payload,
@@ -39,6 +47,7 @@ from treadle.llm.http_errors import (
 from treadle.llm.inband import status_in
 from treadle.llm.limiter import EndpointLimiter, Permit, estimate_tokens
 from treadle.llm.provider import Provider
+from treadle.llm.registry import aclose_clients, close_all_clients_for_loop, get_client
 from treadle.llm.retry import backoff_delay, is_retryable_error
 from treadle.llm.sse import DONE
 from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
@@ -52,8 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["ModelClient", "aclose_clients", "close_all_clients_for_loop", "get_client"]
 
 logger = logging.getLogger("treadle.llm")
-
-_CLOSE_TIMEOUT_SECONDS = 10.0
 
 
 _T = TypeVar("_T")
@@ -119,9 +126,15 @@ class ModelClient:
             )
         return prepared
 
-    async def complete(self, provider: Provider, body: bytes) -> ChatCompletion:
-        """POST `body` (non-streaming) and return the parsed completion, retrying per policy."""
+    async def complete(
+        self, provider: Provider, body: bytes, tries: Tries | None = None
+    ) -> ChatCompletion:
+        """POST `body` (non-streaming) and return the parsed completion, retrying per policy.
+
+        `tries` (optional) receives the retries spent and the reply's `x-request-id`.
+        """
         _, provider, url, headers, timeouts, limiter = self._prepare(provider)
+        tries = Tries() if tries is None else tries
         (result, reply_headers), permit = await self._send(
             provider,
             limiter,
@@ -129,8 +142,10 @@ class ModelClient:
             self._complete_once,
             (url, body, headers, timeouts),
             "chat completion",
+            tries,
         )
         used: int | None = None
+        tries.request_id = reply_headers.get("x-request-id")
         try:
             limiter.observe(permit, reply_headers)
             if result.usage is not None:
@@ -174,21 +189,28 @@ class ModelClient:
         stop early.
         """
         batches = self.stream_batches(provider, body, parse_chunk)
-        async with contextlib.aclosing(batches):
-            async for batch in batches:
-                for chunk in batch:
-                    yield chunk
+        try:
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    for chunk in batch:
+                        yield chunk
+        except TornStream as torn:  # only a turn restarts a torn stream; here it is final
+            raise torn.error from torn.__cause__
 
     async def stream_batches(
-        self, provider: Provider, body: bytes, parse: _Parse[_T]
+        self, provider: Provider, body: bytes, parse: _Parse[_T], tries: Tries | None = None
     ) -> AsyncGenerator[list[_T]]:
         """`stream`, yielding the events of each network read at once, parsed by `parse`.
 
         `parse` is `chunk_parse.parse_chunk` (typed chunks) or `parse_event` (validated dicts,
         what the turn folds in); one yield per read, not per event, saves a generator step per
-        event. Same retries, errors and limiter accounting as `stream`.
+        event. Same retries, errors and limiter accounting as `stream`, except that a failure
+        after the first events (a lost connection, an in-band error) raises `TornStream`, which
+        the turn may restart with the same `tries`.
         """
         _, provider, url, headers, timeouts, limiter = self._prepare(provider)
+        api_key = provider.api_key
+        tries = Tries() if tries is None else tries
         opened, permit = await self._send(
             provider,
             limiter,
@@ -196,15 +218,29 @@ class ModelClient:
             self._open_stream,
             (url, body, headers, timeouts),
             "streamed chat completion",
+            tries,
+            (parse, api_key),
         )
-        used: int | None = None
+        used, done, finished = opened.used, opened.done, opened.finished
+        tries.request_id = request_id = opened.request_id
         try:
             limiter.observe(permit, opened.headers)
-            request_id, api_key = opened.request_id, provider.api_key
             chunks, decoder = opened.chunks, opened.decoder
-            done = finished = False
-            events = opened.first
-            while True:
+            first: list[_T] = opened.parsed
+            if first:
+                yield first
+            if opened.failure is not None:  # the events before a bad one reached the caller
+                raise opened.failure
+            while not (done or opened.ended):
+                try:  # inline, not a helper: this runs once per network read
+                    raw = await chunks.__anext__()
+                except StopAsyncIteration:
+                    opened.ended = True
+                    events = decoder.flush()
+                except HTTPError as exc:
+                    raise opened.torn(exc, url) from exc
+                else:
+                    events = decoder.feed(raw)
                 batch: list[_T] = []
                 for data in events:
                     if data == DONE:
@@ -212,27 +248,16 @@ class ModelClient:
                         break
                     try:
                         item, total, ends = parse(data, api_key, request_id)
-                    except ProviderError:
+                    except ProviderError as exc:
                         if batch:  # the events before a bad one still reach the caller first
                             yield batch
-                        raise
+                        raise TornStream(exc, retryable=is_retryable_error(exc)) from None
                     if total is not None:
                         used = total
                     finished = finished or ends
                     batch.append(item)
                 if batch:
                     yield batch
-                if done or opened.ended:
-                    break
-                try:  # inline, not a helper: this runs once per network read
-                    raw = await chunks.__anext__()
-                except StopAsyncIteration:
-                    opened.ended = True
-                    events = decoder.flush()
-                    continue
-                except HTTPError as exc:
-                    raise opened.torn(exc, url) from exc
-                events = decoder.feed(raw)
             if not done and not finished:
                 page = html_reply_error(url, opened.headers)
                 if page is not None:
@@ -251,9 +276,11 @@ class ModelClient:
         provider: Provider,
         limiter: EndpointLimiter,
         body: bytes,
-        attempt: Callable[[str, bytes, dict[str, str], Timeouts], Awaitable[_T]],
+        attempt: Callable[..., Awaitable[_T]],
         args: tuple[str, bytes, dict[str, str], Timeouts],
         what: str,
+        tries: Tries,
+        extra: tuple[Any, ...] = (),
     ) -> tuple[_T, Permit]:
         """The one retry loop of whole and streamed completions: `attempt(*args)` until it succeeds.
 
@@ -263,10 +290,10 @@ class ModelClient:
         connection the server had closed just as the request was written (`StaleConnection`: it
         never saw the request) is re-sent once at once, not counted as a retry, but only when
         `max_retries` allows any re-send at all: `max_retries=0` always means one send.
+        Retries are counted in `tries`, shared with the turn that may restart a torn stream.
         """
         estimate = estimate_tokens(body)
         trace = current_pass()  # None unless the application traces passes
-        tries = 0
         stale_resent = False
         while True:
             if trace is None:
@@ -276,7 +303,7 @@ class ModelClient:
                 permit = await limiter.acquire(estimate)
                 trace.note_limiter_wait(time.monotonic() - waited)
             try:
-                return await attempt(*args), permit
+                return await attempt(*args, *extra), permit
             except (HTTPError, StatusError) as exc:
                 if isinstance(exc, StatusError):  # a 429 pauses every pass on the endpoint
                     limiter.observe(permit, exc.headers, refused=exc.status == 429)
@@ -292,23 +319,24 @@ class ModelClient:
             except BaseException:
                 limiter.release(permit)
                 raise
+            spent = tries.spent
             error, retry_after = classify(provider, failure, 0)
             if (
                 not isinstance(error, ProviderError)
                 or not is_retryable_error(error)
                 or (isinstance(failure, HTTPError) and is_certificate_failure(failure))
-                or tries >= provider.max_retries
+                or spent >= provider.max_retries
             ):
-                if tries:  # the final error says how many retries were spent
-                    error, _ = classify(provider, failure, tries)
+                if spent:  # the final error says how many retries were spent
+                    error, _ = classify(provider, failure, spent)
                 raise error from (failure if isinstance(failure, HTTPError) else None)
-            delay = backoff_delay(tries, provider.retry_base_delay, retry_after)
+            delay = backoff_delay(spent, provider.retry_base_delay, retry_after)
             logger.info("retrying %s (%s) in %.2fs, attempt %d/%d", what, error.message, delay,
-                        tries + 1, provider.max_retries)  # fmt: skip
+                        spent + 1, provider.max_retries)  # fmt: skip
             if trace is not None:
-                trace.note_retry(tries + 1, error.message, delay)
+                trace.note_retry(spent + 1, error.message, delay)
             await asyncio.sleep(delay)
-            tries += 1
+            tries.spent = spent + 1
 
     async def _post_whole(
         self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
@@ -320,15 +348,28 @@ class ModelClient:
         return reply.content, reply.headers
 
     async def _open_stream(
-        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeouts: Timeouts,
+        parse: _Parse[Any],
+        api_key: str | None,
     ) -> OpenStream:
-        """One streamed POST, read until its first SSE events (or its end) arrived.
+        """One streamed POST, read and parsed until its first SSE events (or its end) arrived.
 
-        A non-200 reply is read whole and raised as `StatusError`.
+        A non-200 reply is read whole and raised as `StatusError`; so is an in-band error among
+        the first events that names a status: nothing was handed on yet, so the request loop
+        retries it like the same status in the reply's head.
         """
         reply = await self.transport.post_stream(url, body, headers, timeouts)
         opened = OpenStream(reply.body.__aiter__(), reply.body.aclose, reply.headers)
         await opened.start(reply.status)
+        try:
+            opened.parse_first(parse, api_key)
+        except BaseException:
+            await opened.aclose()
+            raise
         return opened
 
     def _headers_for(self, headers: dict[str, str]) -> dict[str, str]:
@@ -372,126 +413,3 @@ def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
     if not result.choices:
         raise malformed("the choices list is empty", content, request_id=request_id)
     return result
-
-
-# --- the per-loop registry -------------------------------------------------------------------
-
-_ClientKey = tuple[str, str, int, object]
-
-
-class _LoopClients:
-    """The clients of one event loop, closed together when that loop shuts down."""
-
-    def __init__(self) -> None:
-        self.clients: dict[_ClientKey, ModelClient] = {}
-        self.closer: Any = None  # an async generator the loop finalises at shutdown_asyncgens()
-
-
-_registry: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClients] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-async def _closer(loop_clients: _LoopClients) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        await _aclose_all(loop_clients)
-
-
-async def _aclose_all(loop_clients: _LoopClients) -> None:
-    clients = list(loop_clients.clients.values())
-    loop_clients.clients.clear()
-    for client in clients:
-        await client.aclose()
-
-
-def _new_client(provider: Provider) -> ModelClient:
-    from treadle._http.pool import DEFAULT_MAX_CONNECTIONS
-    from treadle.llm.transport import HttpxTransport, PoolTransport
-
-    user_http = provider.http_client
-    if user_http is not None:
-        return ModelClient(HttpxTransport(user_http), http=user_http)
-    # The endpoint limiter gates requests first; the pool must not be the narrower gate.
-    limit = max(DEFAULT_MAX_CONNECTIONS, provider.max_concurrent_requests)
-    return ModelClient(PoolTransport(provider.network_options, max_connections=limit))
-
-
-def get_client(provider: Provider) -> ModelClient:
-    """The running loop's pooled `ModelClient` for `provider`'s endpoint (created on first use).
-
-    Must be called inside a running event loop. When `provider.http_client` is set, that client
-    carries the requests (Treadle never closes it).
-    """
-    loop = asyncio.get_running_loop()
-    cached = provider._cache.get("client")  # (loop, client) weakly: the last one used
-    if cached is not None and cached[0]() is loop:
-        client: ModelClient | None = cached[1]()
-        if client is not None and not client.closed:
-            return client
-    client = _registered_client(loop, provider)
-    provider._cache["client"] = (weakref.ref(loop), weakref.ref(client))
-    return client
-
-
-def _registered_client(loop: asyncio.AbstractEventLoop, provider: Provider) -> ModelClient:
-    loop_clients = _registry.get(loop)
-    if loop_clients is None:
-        loop_clients = _registry[loop] = _LoopClients()
-    resolved = provider.resolve()
-    base_url, key_digest = resolved.endpoint_key
-    user_http = resolved.http_client
-    network = resolved.network_options if user_http is None else None
-    key = (base_url, key_digest, id(user_http) if user_http is not None else 0, network)
-    client = loop_clients.clients.get(key)
-    if client is None or client.closed:
-        client = _new_client(resolved)
-        loop_clients.clients[key] = client
-        if loop_clients.closer is None:
-            # The loop's asyncgen hooks track this generator; shutdown_asyncgens() finalises it,
-            # which closes the clients before the loop closes (no unclosed-session warnings).
-            closer = _closer(loop_clients)
-            loop_clients.closer = closer
-            first: Any = closer.__anext__()
-            with contextlib.suppress(StopIteration):
-                first.send(None)
-    return client
-
-
-async def aclose_clients() -> None:
-    """Close every pooled client of the running loop (new ones are created on next use)."""
-    loop_clients = _registry.get(asyncio.get_running_loop())
-    if loop_clients is not None:
-        await _aclose_all(loop_clients)
-
-
-def close_all_clients_for_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """Close `loop`'s pooled clients from outside it (e.g. a runtime shutdown hook).
-
-    Runs the close on `loop` when it is running in another thread or can still run; if the loop
-    is already closed, drops the connections without awaiting. Never call it from inside `loop`
-    (await `aclose_clients()` there).
-    """
-    loop_clients = _registry.get(loop)
-    if loop_clients is None or not loop_clients.clients:
-        return
-    if loop.is_closed():
-        for client in loop_clients.clients.values():
-            client.close_now()
-        loop_clients.clients.clear()
-        return
-    if loop.is_running():
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            raise RuntimeError("close_all_clients_for_loop() was called inside its own loop.")
-        future = asyncio.run_coroutine_threadsafe(_aclose_all(loop_clients), loop)
-        try:
-            future.result(_CLOSE_TIMEOUT_SECONDS)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-        return
-    loop.run_until_complete(_aclose_all(loop_clients))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from treadle._http import errors as http
 from treadle._http.pool import NetworkOptions, Pool
-from treadle._http.reply import Headers, Reply, StreamReply, Timeouts
+from treadle._http.reply import UPGRADE, Headers, Reply, StreamReply, Timeouts, unsupported
 
 if TYPE_CHECKING:
     import httpx
@@ -116,7 +116,8 @@ class HttpxTransport:
             response = await self.client.post(
                 url, content=body, headers=headers, timeout=_httpx_timeout(timeouts)
             )
-            return Reply(response.status_code, _headers(response.headers), response.content)
+        _refuse_unsupported(response.status_code, url)
+        return Reply(response.status_code, _headers(response.headers), response.content)
 
     async def post_stream(
         self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
@@ -127,6 +128,11 @@ class HttpxTransport:
                 "POST", url, content=body, headers=headers, timeout=_httpx_timeout(timeouts)
             )
             response = await self.client.send(request, stream=True)
+        try:
+            _refuse_unsupported(response.status_code, url)
+        except http.UnsupportedReply:
+            await response.aclose()
+            raise
         return StreamReply(
             response.status_code, _headers(response.headers), _HttpxBody(response, url)
         )
@@ -218,9 +224,46 @@ class _mapped:
             mapped = http.DecodeError(message, url=url)
         elif isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
             mapped = http.InvalidURL(message, url=url)
-        else:  # RemoteProtocolError, ReadError, other transport failures
+        elif isinstance(exc, httpx.LocalProtocolError):
+            # The request was refused before it left (h11: a header name or value that is not
+            # valid HTTP), as the pool refuses it: never retried. httpx's message may quote the
+            # value (an API key), so it is not repeated.
+            mapped = http.InvalidHeader(
+                "The request has a header name or value that is not valid HTTP (httpx "
+                "LocalProtocolError); check the Provider's api_key and headers.",
+                url=url,
+            )
+        elif isinstance(exc, httpx.RemoteProtocolError):
+            mapped = _remote_protocol(message, url)
+        else:  # ReadError, CloseError, other transport failures: the connection was lost
             mapped = http.RemoteProtocolError(f"{type(exc).__name__}: {message}", url=url)
         raise mapped from exc
+
+
+# h11's words for replies the pool refuses as `UnsupportedReply` (never retried): the same reply
+# through either transport gets the same typed error and the same retry decision.
+_UNSUPPORTED = (
+    ("_SWITCH_UPGRADE", UPGRADE),
+    ("Only Transfer-Encoding: chunked", "The reply's Transfer-Encoding is not supported"),
+    ("status_code should be in range", "The reply's status is not 100-599"),
+)
+
+
+def _remote_protocol(message: str, url: str) -> http.RemoteProtocolError:
+    """httpx's `RemoteProtocolError` as the pool's error for the same reply."""
+    for marker, said in _UNSUPPORTED:
+        if marker in message:
+            return http.UnsupportedReply(f"{said} (httpx: {message}).", url=url)
+    return http.RemoteProtocolError(f"RemoteProtocolError: {message}", url=url)
+
+
+def _refuse_unsupported(status: int, url: str) -> None:
+    """A final status the pool refuses (outside 100-599, a 101) refused here too."""
+    if not 200 <= status <= 599:
+        problem = unsupported(status, None)
+        if problem is not None:
+            problem.url = url
+            raise problem
 
 
 def _plaintext(text: str) -> bool:

@@ -28,10 +28,11 @@ from pydantic import ValidationError
 
 from treadle.errors import ConfigurationError, MalformedResponse, ProviderError
 from treadle.llm.accumulate import StreamAccumulator
+from treadle.llm.attempt import TornStream, Tries
 from treadle.llm.inband import error_in, provider_usage, with_status_from_body
 from treadle.llm.provider import Provider
 from treadle.llm.request import CompletionRequest
-from treadle.llm.retry import backoff_delay, is_retryable_status
+from treadle.llm.retry import backoff_delay
 from treadle.llm.wire import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -43,6 +44,7 @@ from treadle.llm.wire import (
 from treadle.runtime.threads import run_user_code
 from treadle.session import Usage
 from treadle.session.rows import text_of_content
+from treadle.telemetry import current_pass
 
 __all__ = [
     "AssistantTurn",
@@ -114,6 +116,9 @@ class HttpExecutor:
         except RuntimeError as err:
             _raise_if_foreign_loop(provider, err)
             raise
+
+
+_HTTP_ACOMPLETE = HttpExecutor.acomplete
 
 
 def _raise_if_foreign_loop(provider: Provider, err: RuntimeError) -> None:
@@ -227,17 +232,11 @@ class AssistantTurn:
     """The provider's finish reason (`stop`, `tool_calls`, `length`, ...)."""
     completion: ChatCompletion
     """The reply as received (what `after` guardrails inspect)."""
+    request_id: str | None = None
+    """The reply's `x-request-id` header, when Treadle's client carried it and it had one."""
 
 
 DeltaSink = Callable[[TurnDelta], None]
-
-
-class _InBand(Exception):
-    """Internal: the provider reported an error inside a 200 reply."""
-
-    def __init__(self, error: ProviderError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 async def request_turn(
@@ -247,74 +246,95 @@ async def request_turn(
 
     An error the provider reports inside a 200 reply (an `event: error`, a chunk carrying
     `error`, a whole `{"error": ...}` body) raises the typed `ProviderError` its status would
-    have given. Treadle's client retries a whole reply's error in its one retry loop; what is
-    restarted here is only a stream whose events already went out (and a custom executor's
-    reply): when the status is retryable (429, 5xx) the turn is asked for again, up to
-    `Provider.max_retries` times, so `on_delta` may see the beginning of a turn twice.
+    have given. Retries happen in one place, Treadle's client (`ModelClient`), per request: a
+    failed status, a lost connection, an in-band error before any event was handed on. The one
+    restart here is of a stream torn after its first events went out (a lost connection, a read
+    timeout, an in-band 429 or 5xx mid-stream): the turn is asked for again with the same retry
+    budget, so a turn sends at most `Provider.max_retries + 1` requests and `on_delta` may see
+    the beginning of a turn twice. A custom executor's reply is never retried here: it owns its
+    transport (its errors are typed by the status they name, once).
     """
     provider = request.provider
-    attempt = 0
+    tries = Tries()
     while True:
         try:
-            return await _turn(executor, request, on_delta)
-        except _InBand as inband:
-            error = inband.error
-            status = error.status_code
-            if (
-                provider is None
-                or status is None
-                or not is_retryable_status(status)
-                or attempt >= provider.max_retries
-            ):
-                raise error from None
-            delay = backoff_delay(attempt, provider.retry_base_delay)
-            log.info("retrying the turn (%s) in %.2fs", error.message, delay)
+            return await _turn(executor, request, on_delta, tries)
+        except TornStream as torn:
+            error = torn.error
+            if provider is None or not torn.retryable or tries.spent >= provider.max_retries:
+                raise error from torn.__cause__
+            delay = backoff_delay(tries.spent, provider.retry_base_delay)
+            log.info("restarting the turn (%s) in %.2fs, attempt %d/%d", error, delay,
+                     tries.spent + 1, provider.max_retries)  # fmt: skip
+            trace = current_pass()
+            if trace is not None:
+                trace.note_retry(tries.spent + 1, str(error), delay)
         await anyio.sleep(delay)
-        attempt += 1
+        tries.spent += 1
 
 
 async def _turn(
-    executor: ModelExecutor, request: CompletionRequest, on_delta: DeltaSink | None
+    executor: ModelExecutor,
+    request: CompletionRequest,
+    on_delta: DeltaSink | None,
+    tries: Tries,
 ) -> AssistantTurn:
     api_key = request.provider.api_key if request.provider is not None else None
     if request.stream and isinstance(executor, HttpExecutor):
         if type(executor).astream is HttpExecutor.astream:  # not a subclass's own astream
-            return turn_of(await _fold_stream(request, api_key, on_delta))
+            completion = await _fold_stream(request, on_delta, tries)
+            return turn_of(completion, tries.request_id)
         acc = StreamAccumulator()
         async with contextlib.aclosing(executor.astream(request)) as chunks:
             async for chunk in chunks:
                 error = error_in(chunk.model_extra, request_id=chunk.id or None, api_key=api_key)
                 if error is not None:
-                    raise _InBand(error)  # closing the stream releases its connection
+                    raise error  # closing the stream releases its connection
                 acc.add(chunk)
                 if on_delta is not None:
                     on_delta(_delta_of(chunk))
         completion = acc.result()
     else:
-        try:
-            completion = await call_complete(executor, request)
-        except ProviderError as err:
-            retyped = with_status_from_body(err, api_key)
-            if retyped is err:
-                raise
-            raise _InBand(retyped) from None
+        if isinstance(executor, HttpExecutor) and type(executor).acomplete is _HTTP_ACOMPLETE:
+            completion = await _complete(request, tries)  # keeps the reply's request id
+        else:
+            try:
+                completion = await call_complete(executor, request)
+            except ProviderError as err:
+                retyped = with_status_from_body(err, api_key)
+                if retyped is err:
+                    raise
+                raise retyped from None
         error = error_in(completion.model_extra, request_id=completion.id or None, api_key=api_key)
         if error is not None:
-            raise _InBand(error)
+            raise error
         if on_delta is not None:
             on_delta(_delta_of(_as_chunk(completion)))
-    return turn_of(completion)
+    return turn_of(completion, tries.request_id)
+
+
+async def _complete(request: CompletionRequest, tries: Tries) -> ChatCompletion:
+    """`HttpExecutor.acomplete`, noting the retries and the request id in `tries`."""
+    from treadle.llm.client import get_client
+
+    provider = _require_provider(request)
+    try:
+        return await get_client(provider).complete(provider, request.body(), tries)
+    except RuntimeError as err:
+        _raise_if_foreign_loop(provider, err)
+        raise
 
 
 async def _fold_stream(
-    request: CompletionRequest, api_key: str | None, on_delta: DeltaSink | None
+    request: CompletionRequest, on_delta: DeltaSink | None, tries: Tries
 ) -> ChatCompletion:
     """A streamed reply from the pooled client folded into its completion.
 
     The fast form of the streamed branch of `_turn` (same errors and deltas), reading the events
     of each network read at once. Without a callback to feed the events stay dicts checked
     against the chunk schema (no `ChatCompletionChunk` per event); the whole is validated at the
-    end either way.
+    end either way. In-band errors are raised by the client's parser; a stream torn after its
+    first events raises `TornStream` for `request_turn` to restart.
     """
     from treadle.llm.chunk_parse import parse_chunk, parse_event
     from treadle.llm.client import get_client
@@ -324,25 +344,16 @@ async def _fold_stream(
     try:
         client = get_client(provider)
         if on_delta is None:
-            events = client.stream_batches(provider, request.body(), parse_event)
+            events = client.stream_batches(provider, request.body(), parse_event, tries)
             async with contextlib.aclosing(events):
                 async for batch in events:
                     for event in batch:
-                        if "error" in event:
-                            request_id = event.get("id") or None
-                            error = error_in(event, request_id=request_id, api_key=api_key)
-                            if error is not None:
-                                raise _InBand(error)  # closing the stream releases its connection
                         acc.add_event(event)
         else:
-            chunks = client.stream_batches(provider, request.body(), parse_chunk)
+            chunks = client.stream_batches(provider, request.body(), parse_chunk, tries)
             async with contextlib.aclosing(chunks):
                 async for typed in chunks:
                     for chunk in typed:
-                        extra, request_id = chunk.model_extra, chunk.id or None
-                        error = error_in(extra, request_id=request_id, api_key=api_key)
-                        if error is not None:
-                            raise _InBand(error)
                         acc.add(chunk)
                         on_delta(_delta_of(chunk))
     except RuntimeError as err:
@@ -351,8 +362,8 @@ async def _fold_stream(
     return acc.result()
 
 
-def turn_of(completion: ChatCompletion) -> AssistantTurn:
-    """The `AssistantTurn` of one whole completion."""
+def turn_of(completion: ChatCompletion, request_id: str | None = None) -> AssistantTurn:
+    """The `AssistantTurn` of one whole completion (`request_id`: the reply's `x-request-id`)."""
     message = completion.message
     payload: dict[str, Any] = {"content": message.content}
     if message.tool_calls:
@@ -380,7 +391,9 @@ def turn_of(completion: ChatCompletion) -> AssistantTurn:
     wire_usage = usage.model_dump() if usage is not None else None
     if not wire_usage or not any(wire_usage.get(k) for k in ("prompt_tokens", "total_tokens")):
         wire_usage = provider_usage(completion.model_extra) or wire_usage
-    return AssistantTurn(payload, Usage.from_wire(wire_usage), completion.finish_reason, completion)
+    return AssistantTurn(
+        payload, Usage.from_wire(wire_usage), completion.finish_reason, completion, request_id
+    )
 
 
 def _delta_of(chunk: ChatCompletionChunk) -> TurnDelta:
