@@ -33,6 +33,7 @@ STORE_OVERHEAD_GOAL = 1.10
 
 async def _workload(url: str, store_url: str | None, conversations: int, turns: int) -> float:
     from treadle import Provider, Session, arun_session_loop
+    from treadle.session import ChunkRow
     from treadle.stores import Store
 
     provider = Provider(model="fake-model", base_url=url, api_key="k")
@@ -40,24 +41,23 @@ async def _workload(url: str, store_url: str | None, conversations: int, turns: 
     store = Store.open(store_url) if store_url else None
 
     async def conversation(i: int) -> None:
-        session: Session | None = None
+        # Both runs take the same path: each turn passes only the new user message, and the
+        # pass reads the conversation before it and keeps its new rows after. Without a store
+        # the application keeps those rows in memory (`history`) and hands them over as the
+        # session's first rows: the same rows reach the engine, the model and the output, and
+        # the store run differs only by the store's read, journal and commit.
+        history: list[ChunkRow] = []
         for turn in range(turns):
-            text = f"conversation {i} turn {turn}"
+            user = Session.from_user_message(f"conversation {i} turn {turn}")
             if store is not None:
                 await arun_session_loop(
-                    Session.from_user_message(text),
-                    agent,
-                    provider=provider,
-                    store=store,
-                    conversation=f"c{i}",
+                    user, agent, provider=provider, store=store, conversation=f"c{i}"
                 )
             else:
-                user = (
-                    Session.from_user_message(text)
-                    if session is None
-                    else session.add_user_message(text)
+                out = await arun_session_loop(
+                    Session([*history, *user.rows]), agent, provider=provider
                 )
-                session = await arun_session_loop(user, agent, provider=provider)
+                history = list(out.rows)
 
     await conversation(-1)  # warm: imports, the HTTP pool, the store's schema
     started = time.perf_counter()
@@ -68,8 +68,9 @@ async def _workload(url: str, store_url: str | None, conversations: int, turns: 
     return wall
 
 
-def _run_job(job: dict[str, Any], server_url: str) -> float | None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+def _run_job(job: dict[str, Any], server_url: str, src: str | None = None) -> float | None:
+    code = src or str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([code, str(ROOT)])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.stores_bench", json.dumps({**job, "url": server_url})],
         cwd=ROOT,
@@ -108,6 +109,13 @@ def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
                 stores["postgres"] = cluster.new_database()
             else:
                 result.notes.append("PostgreSQL is not installed: postgres not measured")
+            # --baseline-src: the same store runs with another checkout's treadle, in this run
+            before = size.get("baseline_src")
+            srcs: dict[str, str | None] = {label: None for label in stores}
+            if before:
+                for label in [k for k in stores if stores[k] is not None]:
+                    stores[f"{label} before"] = stores[label]
+                    srcs[f"{label} before"] = str(before)
             samples: dict[str, list[float]] = {label: [] for label in stores}
             labels = list(stores)
             for rep in range(reps):
@@ -115,7 +123,7 @@ def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
                     job = {"store": stores[label], "conversations": n, "turns": turns}
                     if stores[label] is not None:  # a fresh database file / keys per rep
                         job["store"] = _fresh(stores[label], rep, tmp, cluster)
-                    wall = _run_job(job, server.url)
+                    wall = _run_job(job, server.url, srcs[label])
                     assert wall is not None
                     samples[label].append(wall)
                     h.log(f"    {label:<10} wall {wall:8.3f} s")
@@ -134,7 +142,7 @@ def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
             }
         )
         result.series[label] = wall
-        if label != "no store":
+        if label != "no store" and not label.endswith(" before"):
             ratio = wall / base
             result.targets.append(
                 Target(f"S9 {label} store: x no store", ratio, f"< {STORE_OVERHEAD_GOAL}",
