@@ -188,19 +188,17 @@ def _big_rows() -> list[ChunkRow]:
 def test_a_large_conversation_is_encoded_and_decoded_off_the_loop(
     url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import treadle.stores.batching as batching
-    import treadle.stores.sqlite as sqlite_backend
-    import treadle.stores.transfer as transfer
+    from treadle.persist.format import encode_row
+    from treadle.stores.records import decode_row, rows_text
 
     ticks = [0, 0]  # the caller's loop, the runtime's loop
-    encode = _Spy(batching.rows_text, ticks)
-    decode = _Spy(batching.decode_row, ticks)
-    export = _Spy(transfer.encode_row, ticks)
-    monkeypatch.setattr(batching, "rows_text", encode)
-    monkeypatch.setattr(batching, "decode_row", decode)
-    monkeypatch.setattr(sqlite_backend, "rows_text", encode)
-    monkeypatch.setattr(sqlite_backend, "decode_row", decode)
-    monkeypatch.setattr(transfer, "encode_row", export)
+    encode = _Spy(rows_text, ticks)
+    decode = _Spy(decode_row, ticks)
+    export = _Spy(encode_row, ticks)
+    for where in ("treadle.stores.batching", "treadle.stores.sqlite"):
+        monkeypatch.setattr(f"{where}.rows_text", encode)
+        monkeypatch.setattr(f"{where}.decode_row", decode)
+    monkeypatch.setattr("treadle.stores.transfer.encode_row", export)
 
     async def main() -> None:
         stop = asyncio.Event()
