@@ -14,12 +14,11 @@ written once, by the commit. Never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import anyio
 
 from treadle.errors import ConfigurationError, ConflictError
 from treadle.session import ChunkRow, Usage
@@ -118,15 +117,30 @@ class ConversationJournal:
         if self.version is not None or isinstance(error, ConflictError):
             return
         status = "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
-        with anyio.CancelScope(shield=True):
-            try:
-                if self.recorded or self.buffered:
-                    await self._flush()
-                    await self.backend.settle(self.pass_id, status)
-                elif self.claimed is not None:
-                    await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
-            except Exception as err:  # the store itself may be what failed
-                log.warning("could not record the end of pass %s: %s", self.pass_id, err)
+        # The end is recorded by a task of its own, awaited through every further cancellation:
+        # a pass is often cancelled more than once (its reader leaves, then its scope closes),
+        # and an asyncio cancellation goes through anyio's shields. Cut between the flush and
+        # the settle, the pass would stay `running` in the store for good.
+        end = asyncio.ensure_future(self._record_end(status))
+        _ENDING.add(end)
+        end.add_done_callback(_ENDING.discard)
+        while not end.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(end)
+
+    async def _record_end(self, status: str) -> None:
+        try:
+            if self.recorded or self.buffered:
+                await self._flush()
+                await self.backend.settle(self.pass_id, status)
+            elif self.claimed is not None:
+                await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
+        except Exception as err:  # the store itself may be what failed
+            log.warning("could not record the end of pass %s: %s", self.pass_id, err)
+
+
+#: Ends of passes being recorded (strong references while their tasks run).
+_ENDING: set[asyncio.Future[None]] = set()
 
 
 async def open_conversation(
