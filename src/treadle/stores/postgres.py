@@ -288,6 +288,18 @@ class PostgresBackend:
 
         await self._run(do)
 
+    async def renew(self, pass_id: str) -> None:
+        """Renew a running pass's owner lease (its `updated_at`)."""
+
+        async def do(conn: AsyncConnection[Any]) -> None:
+            await conn.execute(
+                "UPDATE treadle_passes SET updated_at = %s WHERE pass_id = %s"
+                " AND status = 'running'",
+                (time.time(), pass_id),
+            )
+
+        await self._run(do)
+
     async def claim(self, pass_id: str) -> PassRecord:
         """Take over a pending pass: its journal, or `ConflictError`."""
 
