@@ -2,9 +2,10 @@
 that end them, many at a time on one connection (see `treadle.stores.batching.Batcher`).
 
 A batch of reads is two queries whatever its size: the heads of every conversation asked for,
-then the rows not yet cached. A batch of commits is one pipelined transaction of
-`treadle_commit` calls (one round trip and one server commit for all of them), taken in key
-order so two processes' batches take their conversations' locks in the same order. Each call
+then the rows not yet cached. A batch of commits is one statement calling `treadle_commit` once
+per pass over arrays of their parameters (one round trip, one server commit, and one set of
+parameters to send instead of one per pass), in key order so two processes' batches take their
+conversations' locks in the same order. Each call
 still checks its own conversation's version, so a batch changes no outcome: a conflict is that
 pass's `ConflictError` alone. If a commit fails otherwise (the transaction is then rolled back
 for all), the batch is committed again one pass at a time, so only that pass sees the error.
@@ -26,6 +27,17 @@ __all__ = ["COMMIT_CALL", "commit_many", "load_many"]
 #: One pass's commit (see `postgres_open.COMMIT_FUNCTION`): the new version, or -1 - the
 #: version found when the conversation moved.
 COMMIT_CALL = "SELECT treadle_commit(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+
+#: Every pass of a batch: its parameters as arrays (a pass's rows are the slice `lo:hi` of the
+#: flat kinds and payloads arrays), evaluated in the arrays' order (sorted by key).
+_COMMIT_MANY = (
+    "SELECT u.i, treadle_commit(u.pass, u.key, u.base, (%s::text[])[u.lo:u.hi],"
+    " (%s::text[])[u.lo:u.hi], u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
+    " FROM unnest(%s::int[], %s::text[], %s::text[], %s::bigint[], %s::int[], %s::int[],"
+    " %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bool[],"
+    " %s::float8[]) AS u(i, pass, key, base, lo, hi, usage, stop, meta, status, agents,"
+    " recorded, now)"
+)
 
 _HEADS = (
     "SELECT c.key, c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
@@ -74,12 +86,22 @@ async def commit_many(
     if len(calls) == 1:
         return [await _commit_one(conn, calls[0])]
     order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))  # by key: lock order
+    kinds: list[str] = []
+    payloads: list[str] = []
+    columns: list[list[Any]] = [[] for _ in range(13)]
+    for i in order:
+        call = calls[i]
+        lo = len(kinds) + 1  # PostgreSQL arrays count from 1; a slice includes both ends
+        kinds += call[3]
+        payloads += call[4]
+        fields = (i, call[0], call[1], call[2], lo, len(kinds), *call[5:])
+        for column, value in zip(columns, fields, strict=True):
+            column.append(value)
     try:
-        async with conn.pipeline(), conn.transaction():
-            cursors = [(i, await conn.execute(COMMIT_CALL, calls[i])) for i in order]
+        cur = await conn.execute(_COMMIT_MANY, (kinds, payloads, *columns))
         results: list[int | BaseException] = [0] * len(calls)
-        for i, cur in cursors:
-            results[i] = int(((await cur.fetchone()) or (-1,))[0])
+        for i, version in await cur.fetchall():
+            results[int(i)] = int(version)
         return results
     except psycopg.Error:
         if conn.broken or conn.closed:
