@@ -278,9 +278,7 @@ class Store:
 def _check_location(where: object, what: str) -> str:
     """`where` as text, or a `ConfigurationError` for what no store can open (not text, NUL)."""
     if isinstance(where, bytes) or not isinstance(where, str | os.PathLike):
-        raise ConfigurationError(
-            f"a {what} must be a str or a path, got {type(where).__name__}."
-        )
+        raise ConfigurationError(f"a {what} must be a str or a path, got {type(where).__name__}.")
     text = os.fspath(where)
     if not isinstance(text, str):
         raise ConfigurationError(f"a {what} must be text, not bytes.")
