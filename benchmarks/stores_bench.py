@@ -6,7 +6,10 @@ pass; without a store the application keeps each conversation's session in memor
 it, with a store (`sqlite`, and `postgres` on a throwaway local cluster when PostgreSQL is
 installed) each turn reads the conversation from the store and commits its rows. Reports wall
 seconds (median over interleaved repetitions, each in a fresh worker pinned to the client CPU)
-and the ratio to no store. Never asserts on timing.
+and the ratio to no store, with the worker's CPU seconds and the PostgreSQL server's (its
+processes' CPU over the run: on a loaded machine the CPU figures move less than the wall).
+With `--baseline-src`, each store also runs with that checkout's treadle ("before"), in the same
+run. Never asserts on timing.
 
 `python -m benchmarks.stores_bench '<job JSON>'` is the worker: it prints one JSON line.
 """
@@ -25,14 +28,17 @@ from typing import Any
 
 from benchmarks.harness import ROOT, Harness, median
 from benchmarks.scenarios import Result, Target
-from benchmarks.server import CLIENT_CPU, ServerProcess, pin
+from benchmarks.server import _TICKS, CLIENT_CPU, ServerProcess, pin, proc_cpu_seconds
 
 #: The goal: a store adds under 10% to the wall time of the same run without one.
 STORE_OVERHEAD_GOAL = 1.10
 
 
-async def _workload(url: str, store_url: str | None, conversations: int, turns: int) -> float:
+async def _workload(
+    url: str, store_url: str | None, conversations: int, turns: int
+) -> tuple[float, float]:
     from treadle import Provider, Session, arun_session_loop
+    from treadle.session import ChunkRow
     from treadle.stores import Store
 
     provider = Provider(model="fake-model", base_url=url, api_key="k")
@@ -40,36 +46,62 @@ async def _workload(url: str, store_url: str | None, conversations: int, turns: 
     store = Store.open(store_url) if store_url else None
 
     async def conversation(i: int) -> None:
-        session: Session | None = None
+        # Both runs take the same path: each turn passes only the new user message, and the
+        # pass reads the conversation before it and keeps its new rows after. Without a store
+        # the application keeps those rows in memory (`history`) and hands them over as the
+        # session's first rows: the same rows reach the engine, the model and the output, and
+        # the store run differs only by the store's read, journal and commit.
+        history: list[ChunkRow] = []
         for turn in range(turns):
-            text = f"conversation {i} turn {turn}"
+            user = Session.from_user_message(f"conversation {i} turn {turn}")
             if store is not None:
                 await arun_session_loop(
-                    Session.from_user_message(text),
-                    agent,
-                    provider=provider,
-                    store=store,
-                    conversation=f"c{i}",
+                    user, agent, provider=provider, store=store, conversation=f"c{i}"
                 )
             else:
-                user = (
-                    Session.from_user_message(text)
-                    if session is None
-                    else session.add_user_message(text)
+                out = await arun_session_loop(
+                    Session([*history, *user.rows]), agent, provider=provider
                 )
-                session = await arun_session_loop(user, agent, provider=provider)
+                history = list(out.rows)
 
     await conversation(-1)  # warm: imports, the HTTP pool, the store's schema
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(conversation(i) for i in range(conversations)))
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     if store is not None:
         await store.aclose()
-    return wall
+    return wall, cpu
 
 
-def _run_job(job: dict[str, Any], server_url: str) -> float | None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of `pid`, its children that ended, and its live children (the PostgreSQL
+    server: its connections are child processes)."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += sum(int(x) for x in fields[11:15]) / _TICKS
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return total
+    return total + sum(proc_cpu_seconds(c) for c in children)
+
+
+def _server_pid(cluster: Any) -> int | None:
+    """The PostgreSQL server's pid (first line of postmaster.pid), or None."""
+    if cluster is None:
+        return None
+    try:
+        return int((Path(cluster.data) / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _run_job(job: dict[str, Any], server_url: str, src: str | None = None) -> tuple[float, float]:
+    """Run one job in a fresh pinned worker: `(wall seconds, the worker's CPU seconds)`."""
+    code = src or str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([code, str(ROOT)])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.stores_bench", json.dumps({**job, "url": server_url})],
         cwd=ROOT,
@@ -82,8 +114,8 @@ def _run_job(job: dict[str, Any], server_url: str) -> float | None:
     out, err = proc.communicate(timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"store benchmark worker failed: {err.strip()[-500:]}")
-    wall: float = json.loads(out.strip().splitlines()[-1])["wall"]
-    return wall
+    found = json.loads(out.strip().splitlines()[-1])
+    return float(found["wall"]), float(found["cpu"])
 
 
 def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
@@ -92,7 +124,7 @@ def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
     result = Result(
         "s9",
         f"9. Conversation store overhead ({n} conversations x {turns} turns, at once)",
-        ["wall s", "x no store", "ms per turn"],
+        ["wall s", "x no store", "ms per turn", "client cpu s", "db cpu s"],
     )
     from treadle.testing.postgres import PostgresCluster, postgres_bin
 
@@ -108,17 +140,30 @@ def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
                 stores["postgres"] = cluster.new_database()
             else:
                 result.notes.append("PostgreSQL is not installed: postgres not measured")
+            # --baseline-src: the same store runs with another checkout's treadle, in this run
+            before = size.get("baseline_src")
+            srcs: dict[str, str | None] = {label: None for label in stores}
+            if before:
+                for label in [k for k in stores if stores[k] is not None]:
+                    stores[f"{label} before"] = stores[label]
+                    srcs[f"{label} before"] = str(before)
             samples: dict[str, list[float]] = {label: [] for label in stores}
+            cpus: dict[str, list[float]] = {label: [] for label in stores}
+            db_cpus: dict[str, list[float]] = {label: [] for label in stores}
+            db_pid = _server_pid(cluster)
             labels = list(stores)
             for rep in range(reps):
                 for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
                     job = {"store": stores[label], "conversations": n, "turns": turns}
                     if stores[label] is not None:  # a fresh database file / keys per rep
                         job["store"] = _fresh(stores[label], rep, tmp, cluster)
-                    wall = _run_job(job, server.url)
-                    assert wall is not None
+                    db_before = _tree_cpu(db_pid) if db_pid else 0.0
+                    wall, cpu = _run_job(job, server.url, srcs[label])
+                    db = (_tree_cpu(db_pid) - db_before) if db_pid else 0.0
                     samples[label].append(wall)
-                    h.log(f"    {label:<10} wall {wall:8.3f} s")
+                    cpus[label].append(cpu)
+                    db_cpus[label].append(db)
+                    h.log(f"    {label:<15} wall {wall:8.3f} s  cpu {cpu:7.3f} s  db {db:7.3f} s")
         finally:
             if cluster is not None:
                 cluster.remove()
@@ -131,10 +176,12 @@ def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
                 "wall s": wall,
                 "x no store": wall / base,
                 "ms per turn": wall * 1000 / (n * turns),
+                "client cpu s": median(cpus[label]),
+                "db cpu s": median(db_cpus[label]),
             }
         )
         result.series[label] = wall
-        if label != "no store":
+        if label != "no store" and not label.endswith(" before"):
             ratio = wall / base
             result.targets.append(
                 Target(f"S9 {label} store: x no store", ratio, f"< {STORE_OVERHEAD_GOAL}",
@@ -156,8 +203,8 @@ def _fresh(url: str | None, rep: int, tmp: str, cluster: Any) -> str | None:
 def main() -> None:
     """The worker: run one job, print `{"wall": seconds}`."""
     job = json.loads(sys.argv[1])
-    wall = asyncio.run(_workload(job["url"], job["store"], job["conversations"], job["turns"]))
-    print(json.dumps({"wall": wall}), flush=True)
+    wall, cpu = asyncio.run(_workload(job["url"], job["store"], job["conversations"], job["turns"]))
+    print(json.dumps({"wall": wall, "cpu": cpu}), flush=True)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ def model(request: dict[str, Any]) -> Any:
     last = request["messages"][-1]
     if last["role"] == "user" and last["content"] == "wait":
         return Reply.tool_call("wait_for_operator", {})
+    if last["role"] == "user" and last["content"] == "stall":
+        # the first words stream at once, then the model goes quiet for ten minutes
+        return Reply.text("Let me think about it for a long while.", chunk_chars=8).stalled(600_000)
     return chat_app.fake_model(request)
 
 
@@ -169,6 +172,91 @@ def test_a_client_disconnect_cancels_the_pass_and_commits_nothing(
         assert time.monotonic() < deadline, store.pending("bob")
         time.sleep(0.05)
     assert store.conversation("bob").rows == ()
+
+
+def test_a_disconnect_while_the_model_streams_cancels_the_pass(
+    service: tuple[Served, Store],
+) -> None:
+    """No tool runs here: the pass waits on the model's stream when the client hangs up. The
+    pass must end `cancelled` (not stay `running`), with nothing committed."""
+    served, store = service
+    with httpx.stream(
+        "POST", f"{served.url}/chat/carol", json={"message": "stall"}, timeout=TIMEOUT
+    ) as reply:
+        assert reply.status_code == 200  # the pass runs and waits on the model: hang up
+    deadline = time.monotonic() + TIMEOUT
+    while [p.status for p in store.pending("carol")] != ["cancelled"]:
+        assert time.monotonic() < deadline, store.pending("carol")
+        time.sleep(0.05)
+    assert store.conversation("carol").rows == ()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [(b"{not json", "not JSON"), (b"\xff\xfe", "not JSON"), (b"", "not JSON")],
+)
+def test_a_malformed_body_is_a_400_that_says_why(
+    service: tuple[Served, Store], body: bytes, says: str
+) -> None:
+    served, _ = service
+    for path in ("/chat/dave", "/approve/dave"):
+        reply = httpx.post(
+            f"{served.url}{path}",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=TIMEOUT,
+        )
+        assert reply.status_code == 400, reply.text
+        assert says in reply.json()["error"]
+
+
+def _raw(url: str, head: str, body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """Send a raw request (what httpx will not send: a lying or unfinished body) and read the
+    reply; the socket timeout only guards against a hang."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(head.encode() + body)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(
+    service: tuple[Served, Store],
+) -> None:
+    served, _ = service
+    limit = chat_app.MAX_BODY_BYTES
+    # Content-Length says 1 GB and no byte follows: only the header can have been checked.
+    status, reply = _raw(
+        served.url,
+        "POST /chat/erin HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        "content-length: 1000000000\r\n\r\n",
+    )
+    assert status == 413 and str(limit) in reply["error"]
+    # A chunked body (no Content-Length) past the limit whose end never comes: the service
+    # answers once it has counted more than the limit, without waiting for the rest.
+    chunk = b"x" * 8192
+    framed = (f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") * (limit // len(chunk) + 2)
+    status, reply = _raw(
+        served.url,
+        "POST /chat/erin HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        "transfer-encoding: chunked\r\n\r\n",
+        framed,
+    )
+    assert status == 413 and str(limit) in reply["error"]
+    big = httpx.post(f"{served.url}/chat/erin", content=b"x" * (limit + 1), timeout=TIMEOUT)
+    assert big.status_code == 413
+    assert store_untouched(service[1], "erin")
+
+
+def store_untouched(store: Store, key: str) -> bool:
+    """Nothing of `key` is stored: no rows, no pass."""
+    return store.conversation(key).rows == () and store.pending(key) == []
 
 
 def _in_chromium(url: str, expression: str, profile: Path) -> Any:

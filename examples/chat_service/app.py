@@ -21,9 +21,11 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -38,6 +40,57 @@ PAGE = (Path(__file__).with_name("page.html")).read_text()
 
 #: The longest message the service accepts (a web endpoint bounds what it reads).
 MAX_MESSAGE_CHARS = 16_000
+#: The largest request body it reads: checked against Content-Length before reading, and
+#: counted while reading (a chunked body has no Content-Length), so it never holds more.
+MAX_BODY_BYTES = 64 * 1024
+
+
+class BadRequest(Exception):
+    """A request the service answers with an error status and message (400, 413)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def response(self) -> JSONResponse:
+        """The error as a JSON response."""
+        return JSONResponse({"error": str(self)}, status_code=self.status)
+
+
+async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> Any:
+    """The request's JSON body, read up to `limit` bytes; `BadRequest` (413 too large, 400 not
+    JSON) otherwise."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise BadRequest(400, f"Content-Length {length[:40]!r} is not a number of bytes")
+        if int(length) > limit:
+            raise BadRequest(413, f"the body is {length} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:  # stop reading: the rest is never buffered
+            raise BadRequest(413, f"the body is over the limit of {limit} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
+        raise BadRequest(400, f"the body is not JSON: {err}") from None
+
+
+class PassResponse(StreamingResponse):
+    """A pass streamed as server-sent events whose generator is always closed when the
+    response ends, however it ends: a client that disconnects while an event is being written
+    cancels the pass at once (it is recorded as `cancelled`, not left `running` until the
+    garbage collector finds the abandoned generator)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            body = self.body_iterator
+            if hasattr(body, "aclose"):
+                with anyio.CancelScope(shield=True):  # the request task may be cancelled too
+                    await body.aclose()
 
 
 @tool(needs_approval=True)
@@ -56,49 +109,61 @@ def create_app(
     *,
     instructions: str = "You are a helpful operator. Use tools when asked.",
     tools: Iterable[Any] = (deploy,),
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Starlette:
-    """The web app: conversations in `store`, the model at `provider`, these `tools`."""
+    """The web app: conversations in `store`, the model at `provider`, these `tools`; request
+    bodies over `max_body_bytes` are refused (413) without being read whole."""
     agent = Session.from_agent_prompt(instructions)
     toolset = list(tools)
 
-    async def stream(user: Session, conversation: str | PendingPass, **options: Any) -> Any:
+    async def stream(user: Session, conversation: str | PendingPass, **options: Any) -> Response:
         async def events() -> AsyncIterator[bytes]:
+            passes = stream_session_loop(
+                user,
+                agent,
+                provider=provider,
+                tools=toolset,
+                store=store,
+                conversation=conversation,
+                **options,
+            )
             try:
-                async for event in stream_session_loop(
-                    user,
-                    agent,
-                    provider=provider,
-                    tools=toolset,
-                    store=store,
-                    conversation=conversation,
-                    **options,
-                ):
-                    if isinstance(event, TextDelta):
-                        yield _sse("delta", {"text": event.text})
-                    elif isinstance(event, AssistantRowEvent) and event.row.content:
-                        yield _sse("message", {"text": str(event.row.content)})
-                    elif isinstance(event, ToolStarted):
-                        yield _sse("tool", {"name": event.name, "arguments": event.arguments})
-                    elif isinstance(event, PassStopped):
-                        out = event.session
-                        assert out is not None
-                        if out.pending_approvals:
-                            yield _sse("approval", {"calls": out.pending_approvals})
-                        yield _sse(
-                            "done",
-                            {"stop_reason": event.stop_reason, "version": out.metadata["version"]},
-                        )
+                # aclosing: closing this generator (PassResponse does) closes the pass's
+                # stream, which cancels the pass and records it as cancelled.
+                async with aclosing(passes):
+                    async for event in passes:
+                        if isinstance(event, TextDelta):
+                            yield _sse("delta", {"text": event.text})
+                        elif isinstance(event, AssistantRowEvent) and event.row.content:
+                            yield _sse("message", {"text": str(event.row.content)})
+                        elif isinstance(event, ToolStarted):
+                            yield _sse("tool", {"name": event.name, "arguments": event.arguments})
+                        elif isinstance(event, PassStopped):
+                            out = event.session
+                            assert out is not None
+                            if out.pending_approvals:
+                                yield _sse("approval", {"calls": out.pending_approvals})
+                            yield _sse(
+                                "done",
+                                {
+                                    "stop_reason": event.stop_reason,
+                                    "version": out.metadata["version"],
+                                },
+                            )
             except ConflictError as err:
                 yield _sse("error", {"kind": "conflict", "message": str(err)})
             except TreadleError as err:
                 yield _sse("error", {"kind": type(err).__name__, "message": str(err)})
 
-        return StreamingResponse(
+        return PassResponse(
             events(), media_type="text/event-stream", headers={"cache-control": "no-store"}
         )
 
     async def chat(request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = await read_json(request, max_body_bytes)
+        except BadRequest as err:
+            return err.response()
         message = body.get("message") if isinstance(body, dict) else None
         if not isinstance(message, str) or not message.strip():
             return JSONResponse({"error": 'send {"message": "..."}'}, status_code=400)
@@ -108,7 +173,10 @@ def create_app(
         return await stream(Session.from_user_message(message), key)
 
     async def approve(request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = await read_json(request, max_body_bytes)
+        except BadRequest as err:
+            return err.response()
         decisions = body.get("approvals") if isinstance(body, dict) else None
         if not isinstance(decisions, dict) or not all(
             isinstance(v, bool | str) for v in decisions.values()

@@ -8,7 +8,7 @@ submits the pass to the runtime and returns a `Session` facade at once.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -383,7 +383,7 @@ async def arun_pass_emitting(
 
 async def stream_session_loop(
     user_session: Session, agent_session: Session, **options: Unpack[PassOptions]
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Run one agent pass and yield its typed events as they happen.
 
     Takes the same keyword arguments as `run_session_loop`. The last event is `PassStopped`,

@@ -77,6 +77,10 @@ class StoreBackend(Protocol):
         """Move a pass from status `was` to `status` (no effect from any other status)."""
         ...
 
+    async def renew(self, pass_id: str) -> None:
+        """Renew a running pass's owner lease (its `updated_at`); no effect once it ended."""
+        ...
+
     async def claim(self, pass_id: str) -> PassRecord:
         """Take over a pending pass for a resume: its journal, or `ConflictError` when another
         process took it first or the conversation moved on."""

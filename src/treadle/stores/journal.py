@@ -14,17 +14,17 @@ written once, by the commit. Never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
 from treadle.errors import ConfigurationError, ConflictError
 from treadle.session import ChunkRow, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import JournalEntry, StoreBackend
+from treadle.stores.owner import lease_seconds
 from treadle.stores.records import PendingPass, check_key, conflict_error
 
 __all__ = ["ConversationJournal", "ConversationStart", "open_conversation"]
@@ -64,13 +64,32 @@ class ConversationJournal:
     """True once the pass wrote anything to the store's journal."""
     claimed: tuple[str, str] | None = None
     """`(pass id, its status)` of the pending pass this one took over, if any."""
+    heartbeat: asyncio.Task[None] | None = None
+    """Renews the pass's owner lease while it is recorded as running (see `owner`)."""
 
-    async def _flush(self, more: Sequence[JournalEntry] = ()) -> None:
+    async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
         entries = [*self.buffered, *more]
         if entries:
             self.recorded = True
             await self.backend.record(self.pass_id, self.key, self.base, self.agent_rows, entries)
+            if lease and self.heartbeat is None:
+                self.heartbeat = asyncio.ensure_future(self._renew_lease())
         self.buffered.clear()
+
+    async def _renew_lease(self) -> None:
+        """Every third of the lease, renew it: a long tool call on another host must not look
+        like a dead owner (its pass would be resumed, and run twice)."""
+        every = lease_seconds() / 3
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.backend.renew(self.pass_id)
+            except Exception as err:  # the pass's own next write reports a lost store
+                log.warning("could not renew the lease of pass %s: %s", self.pass_id, err)
+
+    def _stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
 
     async def rows(self, rows: Sequence[ChunkRow], *, turn_boundary: bool = False) -> None:
         """New rows of the pass: a tool result is made durable at once, others with the next."""
@@ -93,6 +112,7 @@ class ConversationJournal:
         metadata: Mapping[str, Any],
     ) -> int:
         """Commit the pass's new rows (`rows` is the whole transcript) in one transaction."""
+        self._stop_heartbeat()
         self.version = await self.backend.commit(
             self.pass_id,
             self.key,
@@ -115,18 +135,34 @@ class ConversationJournal:
         has nothing of its own gives that one back. A lost race (`ConflictError`) keeps nothing:
         the conversation moved on. Never raises: the pass's own error is what its reader sees.
         """
+        self._stop_heartbeat()
         if self.version is not None or isinstance(error, ConflictError):
             return
         status = "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
-        with anyio.CancelScope(shield=True):
-            try:
-                if self.recorded or self.buffered:
-                    await self._flush()
-                    await self.backend.settle(self.pass_id, status)
-                elif self.claimed is not None:
-                    await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
-            except Exception as err:  # the store itself may be what failed
-                log.warning("could not record the end of pass %s: %s", self.pass_id, err)
+        # The end is recorded by a task of its own, awaited through every further cancellation:
+        # a pass is often cancelled more than once (its reader leaves, then its scope closes),
+        # and an asyncio cancellation goes through anyio's shields. Cut between the flush and
+        # the settle, the pass would stay `running` in the store for good.
+        end = asyncio.ensure_future(self._record_end(status))
+        _ENDING.add(end)
+        end.add_done_callback(_ENDING.discard)
+        while not end.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(end)
+
+    async def _record_end(self, status: str) -> None:
+        try:
+            if self.recorded or self.buffered:
+                await self._flush(lease=False)  # the pass is ending: no lease to renew
+                await self.backend.settle(self.pass_id, status)
+            elif self.claimed is not None:
+                await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
+        except Exception as err:  # the store itself may be what failed
+            log.warning("could not record the end of pass %s: %s", self.pass_id, err)
+
+
+#: Ends of passes being recorded (strong references while their tasks run).
+_ENDING: set[asyncio.Future[None]] = set()
 
 
 async def open_conversation(

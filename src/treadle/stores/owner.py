@@ -3,8 +3,11 @@
 A running pass records its owner (host name, pid and a start id: the kernel's boot id with the
 process's start time, so a recycled pid is not mistaken for the owner) in its pass record. On the
 same host the owner is alive while its pid exists with the same start id; on another host the
-pass's last write (`updated_at`) is a lease that holds `OWNER_LEASE_SECONDS`. A pass whose owner
-is alive is listed by `Store.pending()` as not resumable and a takeover of it is refused.
+pass's last write (`updated_at`) is a lease that holds for the owner's lease seconds (recorded with
+it: `OWNER_LEASE_SECONDS`, or `TREADLE_OWNER_LEASE_SECONDS` in the owner's environment). The owner
+renews the lease (a heartbeat every third of it) while the pass runs, so a long pass stays owned
+for as long as its process lives, and a dead owner's lease runs out. A pass whose owner is alive
+is listed by `Store.pending()` as not resumable and a takeover of it is refused.
 """
 
 from __future__ import annotations
@@ -15,10 +18,23 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
-__all__ = ["OWNER_LEASE_SECONDS", "owner_alive", "this_owner"]
+__all__ = ["OWNER_LEASE_SECONDS", "lease_seconds", "owner_alive", "this_owner"]
 
-#: How long a running pass recorded on another host counts as owned after its last write.
+#: How long a running pass recorded on another host counts as owned after its last write (or
+#: heartbeat) by default.
 OWNER_LEASE_SECONDS = 600.0
+#: The environment variable that sets this process's lease (seconds) instead.
+LEASE_ENV = "TREADLE_OWNER_LEASE_SECONDS"
+
+
+def lease_seconds() -> float:
+    """This process's lease: `TREADLE_OWNER_LEASE_SECONDS` when it is a positive number, else
+    `OWNER_LEASE_SECONDS`."""
+    try:
+        value = float(os.environ.get(LEASE_ENV, ""))
+    except ValueError:
+        return OWNER_LEASE_SECONDS
+    return value if 0 < value < float("inf") else OWNER_LEASE_SECONDS
 
 
 def _start_id(pid: int) -> str | None:
@@ -43,7 +59,7 @@ def _host() -> str:
 def this_owner() -> dict[str, Any]:
     """The owner record of this process."""
     pid = os.getpid()
-    return {"pid": pid, "host": _host(), "start": _start_id(pid)}
+    return {"pid": pid, "host": _host(), "start": _start_id(pid), "lease": lease_seconds()}
 
 
 def _pid_exists(pid: int) -> bool:
@@ -65,7 +81,10 @@ def owner_alive(metadata: object, updated_at: float, now: float) -> bool:
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     if host != _host():
-        return now - updated_at < OWNER_LEASE_SECONDS
+        lease = owner.get("lease")
+        if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease > 0:
+            lease = OWNER_LEASE_SECONDS  # recorded before leases were
+        return now - updated_at < lease
     if pid == os.getpid():
         return bool(start == _start_id(pid))
     if not _pid_exists(pid):

@@ -21,6 +21,8 @@ from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.runtime import get_runtime
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import JournalEntry
+from treadle.stores.batching import Batcher, encode_rows
+from treadle.stores.postgres_batch import commit_many, load_many
 from treadle.stores.postgres_open import display_url, open_pool
 from treadle.stores.records import (
     KEPT_METADATA,
@@ -31,7 +33,6 @@ from treadle.stores.records import (
     RowCache,
     StoredConversation,
     conflict_error,
-    decode_row,
     encode_json,
     encode_usage,
     journal_record,
@@ -39,8 +40,6 @@ from treadle.stores.records import (
     owner_check,
     owner_metadata,
     pending_from,
-    rows_text,
-    stored_from_head,
 )
 
 if TYPE_CHECKING:
@@ -73,6 +72,8 @@ class PostgresBackend:
         self._closed = False
         self._runtime: Runtime | None = None  # where the pool lives, once it does
         self._cache = RowCache()  # touched only on the runtime loop
+        self._loads: Batcher[str, StoredConversation] | None = None  # on the runtime loop
+        self._commits: Batcher[tuple[Any, ...], int] | None = None
 
     @property
     def url(self) -> str:
@@ -85,6 +86,7 @@ class PostgresBackend:
         runtime = self._runtime
         if runtime is None or not (runtime.alive or runtime.in_loop_thread()):
             self._pool, self._opening = None, None  # its loop is gone: connect anew
+            self._loads = self._commits = None
             runtime = self._runtime = get_runtime()
         return runtime
 
@@ -133,32 +135,25 @@ class PostgresBackend:
 
     # -- the protocol ---------------------------------------------------------------------------
     async def load(self, key: str) -> StoredConversation:
-        """The committed conversation (empty for a new key), in one query; only rows not cached
-        are fetched and decoded."""
-        cache = self._cache
+        """The committed conversation (empty for a new key). Reads made at once share their
+        queries (`postgres_batch.load_many`); only rows not cached are fetched and decoded."""
 
-        async def do(conn: AsyncConnection[Any]) -> StoredConversation:
-            cur = await conn.execute(
-                "SELECT c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
-                " c.created_at, c.version FROM treadle_conversations c"
-                " WHERE c.key = %s",
-                (key,),
-            )
-            head = await cur.fetchone()
-            if head is None:
-                return StoredConversation(key)
-            known = cache.get(key, head[5], head[6])
-            if len(known) < head[6]:
-                cur = await conn.execute(
-                    "SELECT kind, payload FROM treadle_rows WHERE key = %s AND seq >= %s"
-                    " AND seq < %s ORDER BY seq",
-                    (key, len(known), head[6]),
-                )
-                known += tuple(decode_row(k, p, key) for k, p in await cur.fetchall())
-                cache.put(key, head[5], known)
-            return stored_from_head(key, known, head)
+        async def body() -> StoredConversation:
+            if self._loads is None:
+                self._loads = Batcher(self._load_many)
+            return await self._loads(key)
 
-        return await self._run(do)
+        return await self._on_runtime(body)
+
+    async def _load_many(self, keys: list[str]) -> list[StoredConversation]:
+        pool = await self._connection_pool()
+        async with pool.connection() as conn:
+            return await load_many(conn, keys, self._cache)
+
+    async def _commit_many(self, calls: list[tuple[Any, ...]]) -> list[int | BaseException]:
+        pool = await self._connection_pool()
+        async with pool.connection() as conn:
+            return await commit_many(conn, calls)
 
     async def record(
         self,
@@ -206,16 +201,17 @@ class PostgresBackend:
         key: str,
         found: int | None,
         base: int,
-        rows: Sequence[ChunkRow],
+        rows: Sequence[tuple[str, str]],
         pass_id: str | None,
         head: Mapping[str, Any],
     ) -> int:
+        """Insert encoded `(kind, payload)` rows at `base` and move the head."""
         now = time.time()
         async with conn.cursor() as cur:
             await cur.executemany(
                 "INSERT INTO treadle_rows (key, seq, pass_id, kind, payload)"
                 " VALUES (%s, %s, %s, %s, %s)",
-                [(key, base + i, pass_id, k, p) for i, (k, p) in enumerate(rows_text(rows))],
+                [(key, base + i, pass_id, k, p) for i, (k, p) in enumerate(rows)],
             )
         version = base + len(rows)
         if found is None:
@@ -261,23 +257,24 @@ class PostgresBackend:
         kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
         status = "interrupted" if stop_reason == "interrupted" else "done"
         agents = encode_json([r.to_message() for r in agent_rows])
-        encoded = rows_text(rows)
+        encoded = await encode_rows(rows)
+        call = (
+            pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
+            encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+        )  # fmt: skip
 
-        async def do(conn: AsyncConnection[Any]) -> int:
-            cur = await conn.execute(
-                "SELECT treadle_commit(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (
-                    pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
-                    encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
-                ),
-            )  # fmt: skip
-            version = int(((await cur.fetchone()) or (-1,))[0])
+        async def body() -> int:
+            # Passes ending at once commit together (one round trip, one server commit), each
+            # with its own version check (see treadle.stores.postgres_batch).
+            if self._commits is None:
+                self._commits = Batcher(self._commit_many)
+            version = await self._commits(call)
             if version < 0:
                 raise conflict_error(key, base, -1 - version, rows)
             self._cache.extend(key, base, rows)  # a new key is cached by its first read
             return version
 
-        return await self._run(do)
+        return await self._on_runtime(body)
 
     async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
         """Move a pass from status `was` to `status` (no effect from any other status)."""
@@ -287,6 +284,18 @@ class PostgresBackend:
                 "UPDATE treadle_passes SET status = %s, updated_at = %s WHERE pass_id = %s"
                 " AND status = %s",
                 (status, time.time(), pass_id, was),
+            )
+
+        await self._run(do)
+
+    async def renew(self, pass_id: str) -> None:
+        """Renew a running pass's owner lease (its `updated_at`)."""
+
+        async def do(conn: AsyncConnection[Any]) -> None:
+            await conn.execute(
+                "UPDATE treadle_passes SET updated_at = %s WHERE pass_id = %s"
+                " AND status = 'running'",
+                (time.time(), pass_id),
             )
 
         await self._run(do)
@@ -328,13 +337,14 @@ class PostgresBackend:
 
     async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
         """Append rows at the end (or only at version `expected`)."""
+        encoded = await encode_rows(rows)  # a large import is encoded off the loop
 
         async def do(conn: AsyncConnection[Any]) -> int:
             async with conn.transaction():
                 found = await self._lock(conn, key)
                 base = found or 0
                 if expected is None or expected == base:
-                    return await self._write_rows(conn, key, found, base, rows, None, {})
+                    return await self._write_rows(conn, key, found, base, encoded, None, {})
             raise conflict_error(key, expected, base, rows)
 
         return await self._run(do)

@@ -54,6 +54,14 @@ def check_key(key: object, what: str = "conversation key") -> str:
             f"a {what} must be a non-empty str of at most {MAX_KEY_LENGTH} characters, "
             f"got {key!r:.60}."
         )
+    if "\x00" in key:  # PostgreSQL text cannot hold NUL and SQLite would cut the key there
+        raise ConfigurationError(f"a {what} cannot contain a NUL character, got {key!r:.60}.")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no database can store it as text
+        raise ConfigurationError(
+            f"a {what} must be valid Unicode text (it holds a lone surrogate), got {key!r:.60}."
+        ) from None
     return key
 
 

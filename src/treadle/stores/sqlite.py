@@ -303,6 +303,17 @@ class SqliteBackend:
 
         await self._run(do)
 
+    async def renew(self, pass_id: str) -> None:
+        """Renew a running pass's owner lease (its `updated_at`)."""
+
+        def do(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "UPDATE passes SET updated_at = ? WHERE pass_id = ? AND status = 'running'",
+                (time.time(), pass_id),
+            )
+
+        await self._run(do)
+
     async def claim(self, pass_id: str) -> PassRecord:
         """Take over a pending pass: its journal, or `ConflictError`."""
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from treadle.errors import StoreError
 from treadle.stores.records import RowCache
 
 __all__ = ["DatabaseThread", "release", "thread_for"]
@@ -29,6 +30,9 @@ T = TypeVar("T")
 
 #: A job: the function to run with the connection, and the loop and future awaiting it.
 _Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+#: The first 16 bytes of every SQLite database file.
+_HEADER = b"SQLite format 3\x00"
 
 #: Most jobs that share one transaction (and one commit) when they queue up together.
 MAX_BATCH = 256
@@ -44,6 +48,11 @@ class DatabaseThread:
         self.users = 0
         self.cache = RowCache()
         """Validated rows of the file's conversations (touched only on this thread)."""
+        self.lost: str | None = None
+        """Why the file this thread opened is no longer at its path (deleted, replaced)."""
+        self._identity: tuple[int, int] | None = None
+        self._wal: tuple[int, int] | None = None  # the -wal file's identity once it exists
+        self._fd: int | None = None  # the database file, read-only: its header is checked
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -58,6 +67,10 @@ class DatabaseThread:
         except BaseException as err:
             ready.set_exception(err)
             return
+        with contextlib.suppress(OSError):
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            found = os.fstat(self._fd)
+            self._identity = (found.st_dev, found.st_ino)
         ready.set_result(None)
         stopping = False
         while not stopping:
@@ -76,6 +89,8 @@ class DatabaseThread:
                 batch.append(more)
             self._run_batch(conn, batch)
         conn.close()
+        if self._fd is not None:
+            os.close(self._fd)
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
         """Run the jobs in one transaction, each in its own savepoint (a job that raises undoes
@@ -84,6 +99,10 @@ class DatabaseThread:
         Every job runs, even one whose caller stopped waiting: a caller cancelled after it
         submitted a write never leaves that write half-decided."""
         outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        lost = self._check_file()
+        if lost is not None:
+            _deliver([(job, None, lost) for job in batch])
+            return
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as err:
@@ -107,6 +126,52 @@ class DatabaseThread:
             self.cache.clear()  # it may hold rows of the commits that were just undone
             outcomes = [(job, None, err) for job, _, _ in outcomes]
         _deliver(outcomes)
+
+    def _check_file(self) -> StoreError | None:
+        """A `StoreError` when the file at the path is not the one this thread opened.
+
+        SQLite keeps writing to the inode it opened: a file deleted (or replaced by another)
+        while in use would take this process's commits where no other process, and no later
+        open, ever sees them. One stat per transaction catches it first.
+        """
+        if self.lost is None and self._identity is not None:
+            try:
+                found = os.stat(self.path)
+            except FileNotFoundError:
+                self.lost = "was deleted"
+            except OSError as err:
+                self.lost = f"cannot be checked ({err.strerror})"
+            else:
+                if (found.st_dev, found.st_ino) != self._identity:
+                    self.lost = "was replaced by another file"
+                else:
+                    self.lost = self._check_contents()
+            if self.lost is not None:
+                self.cache.clear()
+        if self.lost is None:
+            return None
+        return StoreError(
+            f"the SQLite store {self.path} {self.lost} while this process had it open; "
+            "nothing was written. Open the store again (Store.sqlite(path)) to use the file "
+            "now at that path."
+        )
+
+    def _check_contents(self) -> str | None:
+        """Why the (same) file is unusable: its header overwritten, or its -wal file (which
+        this connection keeps open while it lives) deleted."""
+        if self._fd is not None and os.pread(self._fd, 16, 0) not in (_HEADER, b""):
+            return "was overwritten (it no longer starts as a SQLite database: corrupted)"
+        try:
+            wal = os.stat(f"{self.path}-wal")
+        except FileNotFoundError:
+            return None if self._wal is None else "lost its write-ahead log (-wal deleted)"
+        except OSError:
+            return None
+        if self._wal is None:
+            self._wal = (wal.st_dev, wal.st_ino)
+        elif self._wal != (wal.st_dev, wal.st_ino):
+            return "had its write-ahead log (-wal) replaced"
+        return None
 
     def submit(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         """Run `fn(connection)` on the thread; a future of the calling event loop settles with
@@ -136,6 +201,9 @@ def thread_for(path: Path, connect: Callable[[Path], sqlite3.Connection]) -> Dat
             _writers.clear()
             _writers_pid = os.getpid()
         writer = _writers.get(path)
+        if writer is not None and writer.lost is not None:  # its file is gone: a new one
+            del _writers[path]
+            writer = None
         if writer is None:
             writer = _writers[path] = DatabaseThread(path, connect)
         writer.users += 1
@@ -146,9 +214,12 @@ def release(writer: DatabaseThread) -> None:
     """One user fewer; the thread stops (closing its connection) with its last user."""
     with _writers_lock:
         writer.users -= 1
-        if writer.users > 0 or _writers.get(writer.path) is not writer:
+        if writer.users > 0:
             return
-        del _writers[writer.path]
+        if _writers.get(writer.path) is writer:
+            del _writers[writer.path]
+        elif writer.lost is None:  # a forked parent's thread, which is not in this process
+            return
     writer.stop()
 
 

@@ -56,7 +56,7 @@ class Store:
         """A store in the SQLite file at `path` (created with its schema on first use)."""
         from treadle.stores.sqlite import SqliteBackend
 
-        return cls(SqliteBackend(path))
+        return cls(SqliteBackend(_check_location(path, "SQLite store path")))
 
     @classmethod
     def postgres(
@@ -73,13 +73,14 @@ class Store:
         """
         from treadle.stores.postgres import PostgresBackend
 
+        _check_location(dsn, "PostgreSQL DSN")
         return cls(PostgresBackend(dsn, pool_size=pool_size, connect_timeout=connect_timeout))
 
     @classmethod
     def open(cls, url: str | os.PathLike[str]) -> Store:
         """A store from a URL: `postgresql://...` (or `postgres://`), `sqlite:///path`, or a
         path to a SQLite file."""
-        text = os.fspath(url)
+        text = _check_location(url, "store URL")
         if text.startswith(("postgresql://", "postgres://")):
             return cls.postgres(text)
         if text.startswith("sqlite://"):
@@ -88,6 +89,12 @@ class Store:
                 raise ConfigurationError(
                     f"{text!r} is not a SQLite URL; write sqlite:///relative.db or "
                     "sqlite:////absolute/path.db."
+                )
+            if "?" in path or "#" in path:
+                raise ConfigurationError(
+                    f"{text!r}: a SQLite store URL takes no query or fragment (such as "
+                    "?mode=ro); Treadle opens the file read-write with its own settings. "
+                    "Write sqlite:///path.db."
                 )
             return cls.sqlite(path[1:] or DEFAULT_SQLITE_PATH)
         if "://" in text:
@@ -266,6 +273,18 @@ class Store:
     @staticmethod
     def _wait(coro: Coroutine[Any, Any, T]) -> T:
         return submit(coro).result()
+
+
+def _check_location(where: object, what: str) -> str:
+    """`where` as text, or a `ConfigurationError` for what no store can open (not text, NUL)."""
+    if isinstance(where, bytes) or not isinstance(where, str | os.PathLike):
+        raise ConfigurationError(f"a {what} must be a str or a path, got {type(where).__name__}.")
+    text = os.fspath(where)
+    if not isinstance(text, str):
+        raise ConfigurationError(f"a {what} must be text, not bytes.")
+    if "\x00" in text:
+        raise ConfigurationError(f"the {what} {text!r:.80} contains a NUL character.")
+    return text
 
 
 def store_options(store: Store | None, conversation: str | PendingPass | None) -> dict[str, Any]:

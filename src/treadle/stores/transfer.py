@@ -3,8 +3,8 @@
 An import reads the file with the persist layer's reader (`load_session`, the one parser of the
 format, which bounds what it accepts) and writes its rows to a new key in one transaction. An
 export writes the session file format (header, one line per row, trailer) to a temporary file
-and renames it into place, so a reader never sees half an export. File I/O runs on the runtime's
-I/O threads, never on the event loop.
+and renames it into place, so a reader never sees half an export. File I/O, and the encoding
+of the rows, run on the runtime's I/O threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -91,27 +91,31 @@ async def import_jsonl(
 async def export_jsonl(backend: StoreBackend, key: str, path: str | os.PathLike[str]) -> Path:
     """Write conversation `key` as a session file at `path` (replacing it); the path."""
     stored = await backend.load(check_key(key))
-    data = b"".join(
-        [
-            encode_header(
-                session_id=key,
-                parent_ids=[stored.parent_key] if stored.parent_key else [],
-                operator="store.export",
-                placement=None,
-                agent_rows=(),
-            ),
-            *(encode_row(r) for r in stored.rows),
-            encode_trailer(
-                rows=len(stored.rows),
-                usage=stored.usage,
-                stop_reason=stored.stop_reason,
-                metadata={**stored.metadata, "conversation": key, "version": stored.version},
-            ),
-        ]
-    )
+
+    def encode() -> bytes:  # on the I/O thread: 50,000 rows take a while to encode
+        return b"".join(
+            [
+                encode_header(
+                    session_id=key,
+                    parent_ids=[stored.parent_key] if stored.parent_key else [],
+                    operator="store.export",
+                    placement=None,
+                    agent_rows=(),
+                ),
+                *(encode_row(r) for r in stored.rows),
+                encode_trailer(
+                    rows=len(stored.rows),
+                    usage=stored.usage,
+                    stop_reason=stored.stop_reason,
+                    metadata={**stored.metadata, "conversation": key, "version": stored.version},
+                ),
+            ]
+        )
+
     target = Path(path)
 
     def write() -> None:
+        data = encode()
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_symlink():
             raise ConfigurationError(

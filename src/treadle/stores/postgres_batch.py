@@ -1,0 +1,122 @@
+"""The PostgreSQL store's hot path in batches: the reads that start passes and the commits
+that end them, many at a time on one connection (see `treadle.stores.batching.Batcher`).
+
+A batch of reads is two queries whatever its size: the heads of every conversation asked for,
+then the rows not yet cached. A batch of commits is one statement calling `treadle_commit` once
+per pass over arrays of their parameters (one round trip, one server commit, and one set of
+parameters to send instead of one per pass), in key order so two processes' batches take their
+conversations' locks in the same order. Each call
+still checks its own conversation's version, so a batch changes no outcome: a conflict is that
+pass's `ConflictError` alone. If a commit fails otherwise (the transaction is then rolled back
+for all), the batch is committed again one pass at a time, so only that pass sees the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from treadle.stores.batching import decode_rows
+from treadle.stores.records import RowCache, StoredConversation, stored_from_head
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+
+__all__ = ["COMMIT_CALL", "commit_many", "load_many"]
+
+#: One pass's commit (see `postgres_open.COMMIT_FUNCTION`): the new version, or -1 - the
+#: version found when the conversation moved.
+COMMIT_CALL = "SELECT treadle_commit(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+
+#: Every pass of a batch: its parameters as arrays (a pass's rows are the slice `lo:hi` of the
+#: flat kinds and payloads arrays), evaluated in the arrays' order (sorted by key).
+_COMMIT_MANY = (
+    "SELECT u.i, treadle_commit(u.pass, u.key, u.base, (%s::text[])[u.lo:u.hi],"
+    " (%s::text[])[u.lo:u.hi], u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
+    " FROM unnest(%s::int[], %s::text[], %s::text[], %s::bigint[], %s::int[], %s::int[],"
+    " %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bool[],"
+    " %s::float8[]) AS u(i, pass, key, base, lo, hi, usage, stop, meta, status, agents,"
+    " recorded, now)"
+)
+
+_HEADS = (
+    "SELECT c.key, c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
+    " c.created_at, c.version FROM treadle_conversations c WHERE c.key = ANY(%s)"
+)
+_ROWS = (
+    "SELECT r.key, r.kind, r.payload FROM unnest(%s::text[], %s::bigint[], %s::bigint[])"
+    " AS t(key, lo, hi) JOIN treadle_rows r ON r.key = t.key AND r.seq >= t.lo"
+    " AND r.seq < t.hi ORDER BY r.key, r.seq"
+)
+
+
+async def load_many(
+    conn: AsyncConnection[Any], keys: Sequence[str], cache: RowCache
+) -> list[StoredConversation]:
+    """The committed conversations `keys` (empty for new keys), in two queries; only rows not
+    in `cache` are fetched and decoded (off the loop when there are many)."""
+    asked = list(dict.fromkeys(keys))
+    cur = await conn.execute(_HEADS, (asked,))
+    heads = {str(h[0]): tuple(h[1:]) for h in await cur.fetchall()}
+    known = {key: cache.get(key, head[5], head[6]) for key, head in heads.items()}
+    short = [key for key, head in heads.items() if len(known[key]) < head[6]]
+    if short:
+        cur = await conn.execute(
+            _ROWS, (short, [len(known[k]) for k in short], [heads[k][6] for k in short])
+        )
+        fetched: dict[str, list[tuple[str, str]]] = {key: [] for key in short}
+        for key, kind, payload in await cur.fetchall():
+            fetched[key].append((kind, payload))
+        for key in short:
+            known[key] += await decode_rows(fetched[key], key)
+            cache.put(key, heads[key][5], known[key])
+    return [
+        stored_from_head(key, known[key], heads[key]) if key in heads else StoredConversation(key)
+        for key in keys
+    ]
+
+
+async def commit_many(
+    conn: AsyncConnection[Any], calls: Sequence[tuple[Any, ...]]
+) -> list[int | BaseException]:
+    """Run the `treadle_commit` calls (their parameters) in one transaction; each one's result,
+    or its error when the batch had to be committed one by one."""
+    import psycopg
+
+    if len(calls) == 1:
+        return [await _commit_one(conn, calls[0])]
+    order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))  # by key: lock order
+    kinds: list[str] = []
+    payloads: list[str] = []
+    columns: list[list[Any]] = [[] for _ in range(13)]
+    for i in order:
+        call = calls[i]
+        lo = len(kinds) + 1  # PostgreSQL arrays count from 1; a slice includes both ends
+        kinds += call[3]
+        payloads += call[4]
+        fields = (i, call[0], call[1], call[2], lo, len(kinds), *call[5:])
+        for column, value in zip(columns, fields, strict=True):
+            column.append(value)
+    try:
+        cur = await conn.execute(_COMMIT_MANY, (kinds, payloads, *columns))
+        results: list[int | BaseException] = [0] * len(calls)
+        for i, version in await cur.fetchall():
+            results[int(i)] = int(version)
+        return results
+    except psycopg.Error:
+        if conn.broken or conn.closed:
+            raise  # the connection is gone: every commit of the batch failed with it
+    results = []
+    for call in calls:  # one commit failed and rolled back all: each alone, in order
+        try:
+            results.append(await _commit_one(conn, call))
+        except psycopg.Error as err:
+            if conn.broken or conn.closed:
+                raise
+            results.append(err)
+    return results
+
+
+async def _commit_one(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int:
+    cur = await conn.execute(COMMIT_CALL, call)
+    return int(((await cur.fetchone()) or (-1,))[0])

@@ -1,0 +1,238 @@
+"""Batched store work: passes ending together share one commit (each with its own version
+check), and the JSON work of a large conversation (50,000 rows) runs off the event loop.
+
+Real parts: a SQLite file, a throwaway PostgreSQL cluster (tests/pg_cluster.py), the fake
+OpenAI server over HTTP. The off-loop tests wrap the store's own encode/decode functions with a
+spy that still calls them: it notes whether each call ran on an event loop's thread, and holds
+the first large call until bystander tickers on the caller's loop and on the runtime's loop
+have both ticked, which they can only do if that call is not running on either loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pg_cluster import Cluster, cluster
+from treadle import Provider, Session, arun_session_loop
+from treadle.errors import ConflictError
+from treadle.runtime import get_runtime
+from treadle.session import ChunkRow
+from treadle.stores import Store
+from treadle.stores.batching import Batcher
+from treadle.testing import FakeOpenAIServer
+
+AGENT = Session.from_agent_prompt("Answer briefly.")
+#: A deadlock guard for the spy's wait, never a timing assertion.
+GUARD_SECONDS = 120.0
+BIG = 50_000
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Cluster]:
+    yield from cluster()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    running: Cluster = request.getfixturevalue("pg")
+    return running.new_database()
+
+
+def test_requests_that_queue_while_a_batch_runs_go_together_into_the_next() -> None:
+    sizes: list[int] = []
+
+    async def main() -> list[int]:
+        gate = asyncio.Event()
+
+        async def run(requests: list[int]) -> list[int | BaseException]:
+            sizes.append(len(requests))
+            await gate.wait()
+            return [r * 2 if r != 7 else ValueError("seven") for r in requests]
+
+        batcher: Batcher[int, int] = Batcher(run, concurrency=1)
+        calls = [asyncio.ensure_future(batcher(0))]
+        while not sizes:  # the first batch is in flight: the other 19 queue behind it
+            await asyncio.sleep(0)
+        calls += [asyncio.ensure_future(batcher(i)) for i in range(1, 20)]
+        await asyncio.sleep(0)
+        gate.set()
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(done[7], ValueError)  # one request's error is its own
+        return [d for d in done if isinstance(d, int)]
+
+    results = asyncio.run(main())
+    assert sizes == [1, 19]
+    assert results == [i * 2 for i in range(20) if i != 7]
+
+
+def test_passes_ending_together_keep_their_own_version_checks(url: str) -> None:
+    """40 passes at once on 20 conversations, two per conversation from the same version: on
+    each conversation exactly one commits, the other is a ConflictError, nothing interleaves."""
+
+    async def main(base_url: str) -> list[Any]:
+        provider = Provider(model="fake-model", base_url=base_url, api_key="k")
+        async with Store.open(url) as store:
+            for i in range(20):
+                await store.aappend(f"c{i}", [ChunkRow.user("start")])
+            outcomes = await asyncio.gather(
+                *(
+                    arun_session_loop(
+                        Session.from_user_message(f"turn {i} {side}"),
+                        AGENT,
+                        provider=provider,
+                        store=store,
+                        conversation=f"c{i}",
+                    )
+                    for i in range(20)
+                    for side in "ab"
+                ),
+                return_exceptions=True,
+            )
+            for i in range(20):
+                convo = await store.conversation(f"c{i}")
+                assert convo.metadata["version"] == 3
+                texts = [str(r.content) for r in convo.rows]
+                assert texts[0] == "start" and texts[1] in (f"turn {i} a", f"turn {i} b")
+                assert texts[2].endswith(texts[1])  # its own reply right after it
+            return outcomes
+
+    with FakeOpenAIServer(script="echo") as server:
+        outcomes = asyncio.run(main(server.base_url))
+    for i in range(20):
+        pair = outcomes[2 * i : 2 * i + 2]
+        assert sum(isinstance(o, ConflictError) for o in pair) == 1, pair
+        assert sum(isinstance(o, Session) for o in pair) == 1, pair
+
+
+def test_a_commit_that_fails_in_a_batch_fails_alone(pg: Cluster) -> None:
+    import psycopg
+
+    from treadle.stores.postgres_batch import commit_many
+
+    dsn = pg.new_database()
+    with Store.postgres(dsn) as store:
+        store.append("schema", [])  # creates the schema
+
+    def call(pass_id: str, key: str, base: Any) -> tuple[Any, ...]:
+        return (pass_id, key, base, ["user"], ['{"content":"hi"}'], "{}", None, "{}", "done",
+                "[]", False, time.time())  # fmt: skip
+
+    async def main() -> list[int | BaseException]:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            return await commit_many(
+                conn, [call("p1", "a", 0), call("p2", "b", "not a version"), call("p3", "c", 0)]
+            )
+
+    results = asyncio.run(main())
+    assert results[0] == 1 and results[2] == 1
+    assert isinstance(results[1], psycopg.Error)
+    with Store.postgres(dsn) as store:
+        assert {i.key: i.version for i in store.conversations()} == {"a": 1, "c": 1, "schema": 0}
+
+
+class _Spy:
+    """Wraps a store function: notes where each call runs, holds the first one until both
+    bystander tickers ticked (possible only while the call is off both loops)."""
+
+    def __init__(self, fn: Callable[..., Any], ticks: list[int]) -> None:
+        self.fn, self.ticks = fn, ticks
+        self.calls = 0
+        self.on_loop = 0
+        self.ticked_during: bool | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self.calls += 1
+            first = self.ticked_during is None
+            if first:
+                self.ticked_during = False
+        try:
+            asyncio.get_running_loop()
+            self.on_loop += 1
+        except RuntimeError:  # no loop runs on this thread: off the loop
+            if first:
+                seen = list(self.ticks)
+                deadline = time.monotonic() + GUARD_SECONDS
+                while not all(now > then for now, then in zip(self.ticks, seen, strict=True)):
+                    if time.monotonic() > deadline:
+                        return self.fn(*args, **kwargs)  # ticked_during stays False
+                    time.sleep(0.001)
+                self.ticked_during = True
+        return self.fn(*args, **kwargs)
+
+
+async def _ticker(ticks: list[int], slot: int, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        ticks[slot] += 1
+        await asyncio.sleep(0.001)
+
+
+def _big_rows() -> list[ChunkRow]:
+    return [
+        ChunkRow.user(f"row {i}") if i % 2 == 0 else ChunkRow("assistant", {"content": f"a{i}"})
+        for i in range(BIG)
+    ]
+
+
+@pytest.mark.slow  # 50,000 rows written, read, exported and imported: several seconds
+def test_a_large_conversation_is_encoded_and_decoded_off_the_loop(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from treadle.persist.format import encode_row
+    from treadle.stores.records import decode_row, rows_text
+
+    ticks = [0, 0]  # the caller's loop, the runtime's loop
+    encode = _Spy(rows_text, ticks)
+    decode = _Spy(decode_row, ticks)
+    export = _Spy(encode_row, ticks)
+    for where in ("treadle.stores.batching", "treadle.stores.sqlite"):
+        monkeypatch.setattr(f"{where}.rows_text", encode)
+        monkeypatch.setattr(f"{where}.decode_row", decode)
+    monkeypatch.setattr("treadle.stores.transfer.encode_row", export)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        runtime_stop = threading.Event()
+
+        async def runtime_ticker() -> None:
+            while not runtime_stop.is_set():
+                ticks[1] += 1
+                await asyncio.sleep(0.001)
+
+        here = asyncio.ensure_future(_ticker(ticks, 0, stop))
+        there = get_runtime().submit(runtime_ticker())
+        try:
+            async with Store.open(url) as store:
+                await store.aappend("big", _big_rows())  # the rows encoded
+                assert encode.ticked_during and encode.on_loop == 0
+                other = Store.open(url)  # a fresh cache: every row is decoded
+                try:
+                    assert (await other.conversation("big")).metadata["version"] == BIG
+                finally:
+                    await other.aclose()
+                assert decode.ticked_during and decode.on_loop == 0
+                await store.aexport_jsonl("big", tmp_path / "big.jsonl")
+                assert export.ticked_during and export.on_loop == 0
+                encode.ticked_during = None  # the import writes the rows again
+                assert await store.aimport_jsonl(tmp_path / "big.jsonl", key="copy") == (
+                    "copy",
+                    BIG,
+                )
+                assert encode.ticked_during and encode.on_loop == 0
+        finally:
+            stop.set()
+            runtime_stop.set()
+            await here
+            await there.wait()
+
+    asyncio.run(main())
