@@ -255,3 +255,74 @@ def test_typed_input_is_validated_once_and_the_result_matches_the_handoff(
     claimed = json.loads(result.payload["content"]).get("assistant")
     assert claimed == out.metadata["agent"] == "humans"
     assert len(seen) == 1
+
+
+def test_only_the_first_of_two_transfers_in_one_reply_takes_effect(
+    server: FakeOpenAIServer,
+) -> None:
+    provider = _provider(server)
+    called: list[str] = []
+    billing = Agent("billing", "Refunds.", provider=provider)
+    support = Agent("support", "Help.", provider=provider)
+    triage = Agent(
+        "triage",
+        "Route.",
+        provider=provider,
+        tools=[lookup],
+        handoffs=[
+            handoff(billing, on_handoff=lambda s: called.append("billing")),
+            handoff(support, on_handoff=lambda s: called.append("support")),
+        ],
+    )
+    server.enqueue(
+        Reply.tool_calls_of(
+            [
+                ("lookup", {"order": "D4"}),
+                ("transfer_to_billing", {}),
+                ("transfer_to_support", {}),
+                ("transfer_to_billing", {}),
+            ]
+        ),
+        Reply.text("billing here"),
+    )
+    out = triage("refund D4")
+    results = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
+    assert results[0]["status"] == "charged twice"  # an ordinary sibling call runs as usual
+    assert results[1]["assistant"] == "billing"  # the first transfer takes over
+    for ignored, name in ((results[2], "transfer_to_support"), (results[3], "transfer_to_billing")):
+        assert ignored["ok"] is False
+        assert ignored["error_kind"] == "handoff_ignored"
+        assert ignored["message"].startswith("Multiple handoffs detected, ignoring this one")
+        assert name in ignored["message"] and "transfer_to_billing" in ignored["message"]
+    assert called == ["billing"]
+    assert out.metadata["agent"] == "billing"
+    assert [h["to"] for h in out.metadata["handoffs"]] == ["billing"]
+    assert out.final_text == "billing here"
+    # the target's request carries every result, the ignored ones too
+    last = _bodies(server)[-1]["messages"]
+    assert [m["role"] for m in last].count("tool") == 4
+
+
+def test_an_invalid_first_transfer_means_no_transfer_in_that_reply(
+    server: FakeOpenAIServer,
+) -> None:
+    provider = _provider(server)
+    humans = Agent("humans", "People.", provider=provider)
+    billing = Agent("billing", "Refunds.", provider=provider)
+    triage = Agent(
+        "triage",
+        "Route.",
+        provider=provider,
+        handoffs=[handoff(humans, tool_name="escalate", input_type=Reason), billing],
+    )
+    server.enqueue(
+        Reply.tool_calls_of([("escalate", {"why": 1}), ("transfer_to_billing", {})]),
+        Reply.text("triage still here"),
+    )
+    out = triage("help")
+    results = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
+    assert results[0]["error_kind"] == "invalid_tool_arguments"
+    assert results[1]["error_kind"] == "handoff_ignored"
+    assert out.metadata["agent"] == "triage"
+    assert "handoffs" not in out.metadata
+    assert out.final_text == "triage still here"

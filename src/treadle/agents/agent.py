@@ -32,7 +32,7 @@ from treadle.agents.compaction import (
     arun_session_compress,
     compaction_guardrail,
 )
-from treadle.agents.handoffs import Handoff, check_handoffs
+from treadle.agents.handoffs import Handoff, check_handoffs, transfer_tools
 from treadle.agents.outcomes import check_error_handlers, check_retries, check_validators
 from treadle.agents.streaming import (
     AgentEvent,
@@ -412,7 +412,7 @@ class Agent(Generic[Deps, Output]):
         if self.compact_at_tokens is not None:
             guards.insert(0, compaction_guardrail(self, lambda: run.compactions))
         offered = [target for target in self.handoffs if await target.enabled(user)]
-        tools: list[Any] = [*self.tools, *(target.tool for target in offered)]
+        tools: list[Any] = [*self.tools, *transfer_tools(offered)]
         options: dict[str, Any] = {
             "agent_provider": run.settings.provider_for(self),
             "tools": tools,
