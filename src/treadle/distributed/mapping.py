@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from treadle.agents.progress import Progress, known_length, settle_results
 from treadle.distributed.driver import WorkerPool, drive
-from treadle.distributed.outcome import PassFailed, PassOutcome
+from treadle.distributed.outcome import PassFailed, PassOutcome, pass_failure
 from treadle.distributed.results import ResultsWriter
 from treadle.distributed.spec import (
     DEFAULT_API_KEY_ENV,
@@ -185,7 +185,7 @@ def _as_pool(pool: Any) -> WorkerPool:
 
 def _result(outcome: PassOutcome, output_type: Any) -> Session | PassFailed:
     if not outcome.ok:
-        return PassFailed(outcome)
+        return pass_failure(outcome)
     session = outcome.session()
     value = outcome.metadata.get("output")
     if output_type is not None and isinstance(value, dict):

@@ -13,15 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from treadle.errors import ConfigurationError, PassFailed
+from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.session import Session, Usage
 
 __all__ = [
     "OUTCOME_METADATA_KEY",
     "PassFailed",
     "PassItem",
+    "PassLost",
     "PassOutcome",
     "PassStatus",
+    "pass_failure",
     "portable_metadata",
 ]
 
@@ -110,9 +112,10 @@ class PassOutcome:
         return self.status == "ok"
 
     def session(self) -> Session:
-        """The output session rebuilt from the outcome (raises `PassFailed` if it failed)."""
+        """The output session rebuilt from the outcome (raises `PassFailed` if it failed,
+        `PassLost` when its workers were lost)."""
         if self.status != "ok" or self.messages is None:
-            raise PassFailed(self)
+            raise pass_failure(self)
         base = Session.from_messages(self.messages)
         info = {
             "status": self.status,
@@ -169,3 +172,9 @@ def _plain(value: Any) -> dict[str, Any]:
         for k, v in data.items()
         if k != "info"
     }
+
+
+def pass_failure(outcome: PassOutcome) -> PassFailed:
+    """The typed error of a failed outcome: `PassLost` (also a `WorkerLost`) when its workers
+    were lost under it, else `PassFailed`."""
+    return PassLost(outcome) if outcome.status == "lost" else PassFailed(outcome)
