@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from treadle import ConfigurationError
-from treadle.agents import Agent
-from treadle.distributed import AgentSpec, amap, map
+from treadle import ConfigurationError, Session
+from treadle.agents import Agent, handoff
+from treadle.distributed import AgentSpec, PassLost, amap, map
 from treadle.distributed.backends import local_concurrency
+from treadle.errors import WorkerLost
 from treadle.llm import Provider
-from treadle.loop import Guardrail
+from treadle.loop import Guardrail, Hooks
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.sample_agents import Capital, geographer, geographer_script, librarian
 
@@ -50,7 +54,9 @@ def test_a_typed_agent_is_found_through_the_generic_alias() -> None:
 def test_what_cannot_cross_is_refused_by_name() -> None:
     provider = Provider(model="fake", base_url="http://127.0.0.1:1/v1")
     local = Agent("local", provider=provider, guardrails=[Guardrail(lambda data: None)])
-    with pytest.raises(ConfigurationError, match=r"'local' cannot cross.*<lambda>"):
+    with pytest.raises(
+        ConfigurationError, match=r"'local' cannot cross.*agent.guardrails\[0\].check is a lambda"
+    ):
         AgentSpec.from_agent(local)
     with pytest.raises(ConfigurationError, match="cannot cross"):
         map(local, ["x"], backend="process")
@@ -88,6 +94,80 @@ async def test_structured_output_validator_guardrail_hooks_and_handoff_in_proces
     assert sum(1 for line in lines if line.endswith("start geographer")) == 3
 
 
+def _refusal(agent: Agent) -> str:
+    with pytest.raises(ConfigurationError) as caught:
+        AgentSpec.from_agent(agent)
+    message = str(caught.value)
+    assert "cannot cross to a worker" in message
+    assert "Fix: define the agent and those parts at the top level of an importable" in message
+    return message
+
+
+def test_the_refusal_names_each_part_that_cannot_be_imported_by_attribute_path() -> None:
+    provider = Provider(model="fake", base_url="http://127.0.0.1:1/v1")
+
+    def make_check() -> Any:
+        def check(data: Any) -> None:
+            return None
+
+        return check
+
+    class LocalHooks(Hooks):
+        pass
+
+    gated = Agent("gated", provider=provider, handoffs=[handoff(librarian, is_enabled=lambda s: 1)])
+    assert "agent.handoffs[0].is_enabled is a lambda" in _refusal(gated)
+    assert "not a top-level name of an importable module" in _refusal(gated)
+    guarded = Agent("guarded", provider=provider, guardrails=[Guardrail(make_check(), "input")])
+    assert "agent.guardrails[0].check is a function 'check' defined inside make_check()" in (
+        _refusal(guarded)
+    )
+    hooked = Agent("hooked", provider=provider, hooks=LocalHooks())
+    assert "agent.hooks is an instance of class 'LocalHooks' defined inside" in _refusal(hooked)
+    # a part of a handoff target is named through the target
+    inner = Agent("inner", provider=provider, handoffs=[handoff(librarian, on_handoff=print)])
+    outer = Agent(
+        "outer",
+        provider=provider,
+        handoffs=[handoff(inner, input_filter=lambda s: s)],
+        output_validators=[lambda v: v],
+    )
+    message = _refusal(outer)
+    assert "agent.handoffs[0].input_filter is a lambda" in message
+    assert "agent.handoffs[0].agent is Agent 'inner', built inside a function" in message
+    assert "agent.validators[0] is a lambda" in message
+    assert "librarian" not in message  # importable parts are not blamed
+    assert "print" not in message
+
+
+def test_an_agent_and_hooks_defined_in_main_are_refused_by_name(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from treadle.agents import Agent\n"
+        "from treadle.distributed import AgentSpec\n"
+        "from treadle.llm import Provider\n"
+        "from treadle.loop import Hooks\n"
+        "class Audit(Hooks):\n"
+        "    pass\n"
+        "agent = Agent('scripted', provider=Provider(model='m'), hooks=Audit())\n"
+        "try:\n"
+        "    AgentSpec.from_agent(agent)\n"
+        "except Exception as err:\n"
+        "    print(type(err).__name__, err)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ConfigurationError Agent 'scripted' cannot cross")
+    assert "it is defined in __main__ (your script), which workers never run" in done.stdout
+    assert (
+        "agent.hooks is an instance of class 'Audit' defined in __main__, which workers never run"
+        in done.stdout
+    )
+
+
 def test_local_backend_takes_workers() -> None:
     assert local_concurrency(3, None) == 3
     assert local_concurrency(3, 2) == 6
@@ -100,3 +180,37 @@ def test_local_backend_takes_workers() -> None:
         assert server.max_in_flight <= 2
     with pytest.raises(ConfigurationError, match="workers must be"):
         map(agent, ["x"], workers=0)
+
+
+@pytest.mark.slow  # five worker processes start (two, then one per loss): several seconds
+def test_a_hook_exiting_its_worker_fails_only_its_own_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    inputs = [f"item {i}" for i in range(8)]
+    inputs[2] = "poison"
+    # Replies take a while, so the poisoned pass's worker has other passes in flight when it
+    # dies; they are retried (alone) and finish.
+    with FakeOpenAIServer(script="echo", latency_ms=300) as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        outs = map(
+            "exiting_agents:poisoned",
+            inputs,
+            backend="process",
+            workers=2,
+            max_attempts=2,
+            return_exceptions=True,
+        )
+    lost = outs[2]
+    assert isinstance(lost, PassLost) and isinstance(lost, WorkerLost)
+    assert lost.outcome.status == "lost" and lost.outcome.attempts == 2
+    assert [h["status"] for h in lost.outcome.history] == ["lost", "lost"]
+    assert "WorkerLost" in str(lost)
+    others = [o for i, o in enumerate(outs) if i != 2]
+    assert all(isinstance(o, Session) for o in others), others
+    assert [o.final_text for o in others] == [t for t in inputs if t != "poison"]
+    # some bystanders were on the worker when it died: lost once, then finished elsewhere
+    retried = [o for o in others if o.metadata["treadle.distributed"]["attempts"] == 2]
+    assert retried
+    with pytest.raises(PassLost, match="status 'lost'"):
+        map("exiting_agents:poisoned", ["poison"], backend="process", workers=1, max_attempts=1)
