@@ -239,20 +239,35 @@ def _context(run: _Pass, guards: Sequence[Guardrail], session: Session) -> ToolC
     return run.context(session) if any(g.context_param is not None for g in guards) else None
 
 
+#: What the model hears for a call whose tool guardrails were still running at the pass deadline.
+_UNSCREENED_CALL = (
+    "the pass's deadline came while this call's input guardrails ran, so it was not run"
+)
+_UNSCREENED_RESULT = (
+    "the pass's deadline came while this call's output guardrails ran, so its result is withheld"
+)
+
+
 async def screen_tool_calls(
     run: _Pass, calls: Sequence[ToolCall], denied: dict[str, str]
 ) -> dict[str, str] | Tripwire:
-    """Tool input guardrails over a round's calls: rejection messages by call id, or a tripwire."""
+    """Tool input guardrails over a round's calls: the content the model sees instead of each
+    rejected call's result, by call id, or a tripwire. The pass deadline bounds them: a call
+    still being screened then (and every later one) is not run and reports `timeout`."""
     guards = [g for g in run.plan.tool_guardrails if g.when == "tool_input"]
     rejected: dict[str, str] = {}
     for c in calls:
         if c.id in denied or not guards:
             continue
-        verdict = await run_tool_guardrails(guards, c, None, run.guard_results)
-        if isinstance(verdict, Tripwire):
+        verdict: str | Tripwire | None = None
+        with _until(run.deadline) as scope:
+            verdict = await run_tool_guardrails(guards, c, None, run.guard_results)
+        if scope.cancelled_caught:
+            rejected[c.id] = error_content("timeout", _UNSCREENED_CALL)
+        elif isinstance(verdict, Tripwire):
             return verdict
-        if verdict is not None:
-            rejected[c.id] = verdict
+        elif verdict is not None:
+            rejected[c.id] = error_content("guardrail_rejected", verdict)
     return rejected
 
 
@@ -260,11 +275,16 @@ async def screen_tool_result(
     run: _Pass, call: ToolCall, content: str, rejected: dict[str, str], trips: list[Tripwire]
 ) -> str:
     """The content the model sees for `call`: a rejection, or the result past the tool output
-    guardrails (a tripwire is added to `trips`, and the round then stops the pass)."""
+    guardrails (a tripwire is added to `trips`, and the round then stops the pass). Output
+    guardrails still running at the pass deadline withhold the result (`timeout`)."""
     if call.id in rejected:
-        return error_content("guardrail_rejected", rejected[call.id])
+        return rejected[call.id]
     guards = [g for g in run.plan.tool_guardrails if g.when == "tool_output"]
-    verdict = await run_tool_guardrails(guards, call, content, run.guard_results)
+    verdict: str | Tripwire | None = None
+    with _until(run.deadline) as scope:
+        verdict = await run_tool_guardrails(guards, call, content, run.guard_results)
+    if scope.cancelled_caught:
+        return error_content("timeout", _UNSCREENED_RESULT)
     if isinstance(verdict, Tripwire):
         trips.append(verdict)
     elif verdict is not None:
