@@ -40,7 +40,11 @@ def test_an_agent_with_code_parts_crosses_by_its_import_path() -> None:
     rebuilt = spec.build_agent(share=0.5)
     assert rebuilt is not geographer
     assert rebuilt.output_type is Capital
-    assert rebuilt.handoffs == geographer.handoffs
+    # the handoff target, defined on the same provider, moves to the worker's one with it
+    [moved] = rebuilt.handoffs
+    assert moved.tool_name == geographer.handoffs[0].tool_name
+    assert moved.agent is not librarian and moved.agent.provider is rebuilt.provider
+    assert moved.agent.output_type is Capital
     assert rebuilt.validators == geographer.validators
     assert rebuilt.provider.model == "fake"
 

@@ -15,6 +15,7 @@ This module builds values and rows; it never calls a model and never blocks the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from treadle.tools.results import success_content
 
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
+    from treadle.llm.provider import Provider
 
 __all__ = [
     "HANDOFF_IGNORED",
@@ -294,6 +296,22 @@ def check_handoffs(owner: str, items: Sequence[Any]) -> tuple[Handoff, ...]:
             f"Agent {owner!r} has two handoffs with one tool name; set tool_name= on one."
         )
     return out
+
+
+def worker_handoffs(
+    owner: Agent, provider: Provider, guardrails: Sequence[Any], done: dict[int, Agent]
+) -> tuple[Handoff, ...]:
+    """`owner`'s handoffs on a distributed worker (`Agent.on_worker`): a target defined on
+    the owner's provider moves to the worker's `provider` too (`done`: the agents already
+    moved, so agents handing back to each other end); any other target keeps its own."""
+    out = []
+    for target in owner.handoffs:
+        agent = target.agent
+        if agent.provider == owner.provider and agent.executor is None:
+            moved = done.get(id(agent)) or agent.on_worker(provider, guardrails, _done=done)
+            target = dataclasses.replace(target, agent=moved)
+        out.append(target)
+    return tuple(out)
 
 
 def handoff(

@@ -196,6 +196,10 @@ def _result(outcome: PassOutcome, output_type: Any) -> Session | PassFailed:
 
 
 def _output_type(agent: Any) -> Any:
+    """The output type outputs are rebuilt as here: the agent's, also when it is named by
+    its path or given as a spec that crosses by path."""
+    if isinstance(agent, AgentSpec):
+        agent = agent.agent_path
     if isinstance(agent, str):
         agent = resolve_tool(import_path(agent, "agent"))
     return getattr(agent, "output_type", None)
