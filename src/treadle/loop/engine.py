@@ -102,7 +102,7 @@ class _Pass:
         self.guarded = bool(plan.guardrails)
         self.input_guards = [g for g in plan.guardrails if g.when == "input"]
         self.guard_results: list[GuardrailResult] = []
-        self.entries: list[tuple[Any, str, Usage, float]] = []
+        self.entries: list[tuple[Any, str, Usage, float, str | None]] = []
         limits = plan.limits
         self.max_steps = limits.max_steps or plan.max_tool_rounds
         self.deadline = (
@@ -175,7 +175,8 @@ class _Pass:
         started = time.monotonic()
         turn = await self.complete_traced(request)
         done = turn.completion  # the entry is built when the pass ends: a round keeps 4 values
-        self.entries.append((done.usage, done.id, turn.usage, time.monotonic() - started))
+        # The request id stays None until the client hands the `x-request-id` header over.
+        self.entries.append((done.usage, done.id, turn.usage, time.monotonic() - started, None))
         return turn
 
     async def complete_traced(self, request: CompletionRequest) -> AssistantTurn:

@@ -103,4 +103,5 @@ def _plain_entry(entry: RequestUsage) -> dict[str, Any]:
         "response_id": entry.response_id,
         "latency_seconds": entry.latency_seconds,
         "agent": entry.agent,
+        "request_id": entry.request_id,
     }

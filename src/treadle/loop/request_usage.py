@@ -1,11 +1,12 @@
 """`RequestUsage`: one entry per model request, beside the session's summed `Usage`.
 
 A pass appends one entry per completion to `out.metadata["request_usage"]` (a tuple, oldest
-first): input, output, cached and reasoning tokens, the provider's response id and the request's
-latency. Token details come from the reply's `usage.prompt_tokens_details.cached_tokens` and
-`usage.completion_tokens_details.reasoning_tokens` when the provider sends them as ints within
-the request's input (cached) or output (reasoning) tokens (0 otherwise); the response id is cut
-to `MAX_RESPONSE_ID_CHARS` printable characters.
+first): input, output, cached and reasoning tokens, the provider's response id, its request id
+(the `x-request-id` header) and the request's latency. Token details come from the reply's
+`usage.prompt_tokens_details.cached_tokens` and `usage.completion_tokens_details.reasoning_tokens`
+when the provider sends them as ints within
+the request's input (cached) or output (reasoning) tokens (0 otherwise); both ids are cut to
+`MAX_RESPONSE_ID_CHARS` printable characters.
 Pure values; no I/O.
 """
 
@@ -39,6 +40,9 @@ class RequestUsage:
     """Seconds from sending the request to the finished reply."""
     agent: str | None = None
     """The agent whose pass made the request (None for a bare pass)."""
+    request_id: str = ""
+    """The provider's `x-request-id` header for the request, what its support asks for ("" when
+    it sent none)."""
 
     @property
     def total_tokens(self) -> int:
@@ -63,10 +67,15 @@ def _response_id(value: str) -> str:
 
 
 def request_usage_of(
-    wire: Any, response_id: str, usage: Usage, latency: float, agent: str | None
+    wire: Any,
+    response_id: str,
+    usage: Usage,
+    latency: float,
+    agent: str | None,
+    request_id: str | None = None,
 ) -> RequestUsage:
     """The entry for one completion: its `CompletionUsage` as received (or None), its id, the
-    counted `Usage`, the latency and the agent's name."""
+    counted `Usage`, the latency, the agent's name and the request id header (None: none)."""
     return RequestUsage(
         usage.prompt_tokens,
         usage.completion_tokens,
@@ -75,11 +84,13 @@ def request_usage_of(
         _response_id(response_id),
         latency,
         agent,
+        _response_id(request_id or ""),
     )
 
 
 def request_entries(
-    entries: Sequence[tuple[Any, str, Usage, float]], agent: str | None
+    entries: Sequence[tuple[Any, str, Usage, float, str | None]], agent: str | None
 ) -> tuple[RequestUsage, ...]:
-    """The entries of a pass from what each round kept: `(wire usage, id, usage, latency)`."""
-    return tuple(request_usage_of(*entry, agent) for entry in entries)
+    """The entries of a pass from what each round kept: `(wire usage, id, usage, latency,
+    request id)`."""
+    return tuple(request_usage_of(w, i, u, t, agent, r) for w, i, u, t, r in entries)
