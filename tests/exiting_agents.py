@@ -1,6 +1,7 @@
 """An importable agent whose hook ends its worker process (`os._exit`) on a poisoned input, for
 the process backend's tests: workers import it by path (`exiting_agents:poisoned`), as the
-driver's `sys.path` (with tests/) crosses to them. Never imported outside a worker to run."""
+driver's `sys.path` (with tests/) crosses to them. The driver imports it too, only to read the
+agent's definition: the pass, and so the hook, runs in a worker."""
 
 from __future__ import annotations
 
