@@ -5,6 +5,7 @@ crosses by its import path; what cannot cross is refused at the call, named. And
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,11 +17,13 @@ import pytest
 
 from treadle import ConfigurationError, Session
 from treadle.agents import Agent, handoff
-from treadle.distributed import AgentSpec, PassLost, amap, map
+from treadle.distributed import AgentSpec, PassFailed, PassLost, amap, map
 from treadle.distributed.backends import local_concurrency
+from treadle.distributed.mapping import _result
+from treadle.distributed.outcome import PassOutcome
 from treadle.errors import WorkerLost
 from treadle.llm import Provider
-from treadle.loop import Guardrail, Hooks
+from treadle.loop import Guardrail, GuardrailResult, Hooks, RequestUsage, Tripwire
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.sample_agents import Capital, geographer, geographer_script, librarian
 
@@ -85,17 +88,61 @@ async def test_structured_output_validator_guardrail_hooks_and_handoff_in_proces
     assert capital.usage.requests == 2
     # the input guardrail ran in the worker and tripped
     assert blocked.stop_reason == "blocked"
-    assert blocked.metadata["tripwire"]["reason"] == "forbidden topic"
-    assert blocked.metadata["guardrail_results"][0]["tripped"] is True
+    assert blocked.tripwire == Tripwire("forbidden topic", "no_forbidden", "input")
+    [result] = blocked.metadata["guardrail_results"]
+    assert isinstance(result, GuardrailResult) and result.tripped
     # the handoff happened in the worker, on the same transcript
     assert handed.metadata["agent"] == librarian.name
     assert [h["to"] for h in handed.metadata["handoffs"]] == ["librarian"]
     assert handed.output == Capital(country="Italy", city="Paris")
-    assert len(handed.metadata["request_usage"]) == 2
+    entries = handed.metadata["request_usage"]
+    assert [type(e) for e in entries] == [RequestUsage, RequestUsage]
+    assert [e.agent for e in entries] == ["geographer", "librarian"]
+    assert all(e.input_tokens > 0 for e in entries)
     # the hooks ran in the worker process, not here
     lines = log.read_text().splitlines()
     assert {line.split()[0] for line in lines} != {str(os.getpid())}
     assert sum(1 for line in lines if line.endswith("start geographer")) == 3
+
+
+def test_a_handoff_targets_output_comes_back_as_its_own_type(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import typed_handoff_agents as agents
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    with FakeOpenAIServer(script=agents.script) as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        local = agents.routed("judge this")
+        local.synchronize()
+        judged, kept = map(agents.routed, ["judge this", "plain"], backend="process", workers=1)
+        [untyped] = map(agents.untyped, ["judge this"], backend="process", workers=1)
+    assert local.output == agents.Verdict(who="B", score=0.5)
+    # as locally: the judge answered, so its type, not the router's
+    assert judged.metadata["agent"] == "judge" and judged.output == local.output
+    assert kept.metadata["agent"] == "routed" and kept.output == agents.Label(label="kept")
+    assert untyped.output == local.output
+
+
+def test_an_output_that_cannot_be_rebuilt_fails_only_its_item() -> None:
+    # What a worker sends when its type differs from the caller's (another version of it).
+    outcome = PassOutcome(
+        0,
+        "s0",
+        "ok",
+        1,
+        "host:1",
+        messages=[{"role": "user", "content": "x"}],
+        metadata={"agent": "typed", "output": {"town": "Paris"}},
+    )
+    failed = _result(outcome, typed)
+    assert isinstance(failed, PassFailed)
+    assert failed.outcome.status == "error" and failed.outcome.metadata == outcome.metadata
+    assert "could not be rebuilt here as Capital" in str(failed)
+    assert "country" in str(failed)
+    fits = dataclasses.replace(outcome, metadata={"output": {"country": "F", "city": "P"}})
+    rebuilt = _result(fits, typed)
+    assert isinstance(rebuilt, Session) and rebuilt.output == Capital(country="F", city="P")
 
 
 def _refusal(agent: Agent) -> str:
