@@ -14,7 +14,9 @@ from treadle import ConfigurationError, Session
 from treadle.agents import Agent, handoff, remove_tool_rows
 from treadle.llm import Provider
 from treadle.loop import RequestUsage, ToolGuardrail, ToolGuardrailInput
+from treadle.loop.plan import unique_call_ids
 from treadle.testing import FakeOpenAIServer, Reply
+from treadle.testing.fake_replies import ToolCallSpec
 from treadle.tools import tool
 
 
@@ -326,3 +328,45 @@ def test_an_invalid_first_transfer_means_no_transfer_in_that_reply(
     assert out.metadata["agent"] == "triage"
     assert "handoffs" not in out.metadata
     assert out.final_text == "triage still here"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_transfers_sharing_a_call_id_hand_off_to_the_first_only(
+    server: FakeOpenAIServer, stream: bool
+) -> None:
+    provider = Provider(
+        model="fake-model", base_url=server.base_url, api_key="sk-test", stream=stream
+    )
+    billing = Agent("billing", "Refunds.", provider=provider)
+    support = Agent("support", "Help.", provider=provider)
+    triage = Agent("triage", "Route.", provider=provider, handoffs=[billing, support])
+    twice = (
+        ToolCallSpec("transfer_to_billing", "{}", "call_0"),
+        ToolCallSpec("transfer_to_support", "{}", "call_0"),
+    )
+    server.enqueue(Reply(tool_calls=twice), Reply.text("billing here"))
+    out = triage("refund")
+    assert out.metadata["agent"] == "billing"
+    assert out.metadata["handoffs"] == [
+        {"from": "triage", "to": "billing", "tool_call_id": "call_0"}
+    ]
+    assert out.final_text == "billing here"
+    # the second call got its own id, so each call has exactly one result row
+    [assistant] = [r for r in out.rows if r.kind == "assistant" and r.calls]
+    assert [c.id for c in assistant.calls] == ["call_0", "call_0_1"]
+    results = {r.payload["tool_call_id"]: r for r in out.rows if r.kind == "tool_result"}
+    assert json.loads(results["call_0"].payload["content"]) == {"ok": True, "assistant": "billing"}
+    ignored = json.loads(results["call_0_1"].payload["content"])
+    assert ignored["error_kind"] == "handoff_ignored"
+    last = _bodies(server)[-1]["messages"]
+    assert [m["tool_call_id"] for m in last if m["role"] == "tool"] == ["call_0", "call_0_1"]
+
+
+def test_call_ids_are_made_distinct_and_non_empty() -> None:
+    same = {"tool_calls": [{"id": "a"}, {"id": "b"}]}
+    assert unique_call_ids(same) is same  # nothing to fix: no copy
+    assert unique_call_ids({"content": "hi"}) == {"content": "hi"}
+    fixed = unique_call_ids(
+        {"tool_calls": [{"id": "x"}, {"id": ""}, {"id": "x"}, {"id": "call_1"}]}
+    )
+    assert [c["id"] for c in fixed["tool_calls"]] == ["x", "call_1_", "x_2", "call_1"]
