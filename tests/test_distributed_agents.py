@@ -6,6 +6,7 @@ crosses by its import path; what cannot cross is refused at the call, named. And
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from treadle.llm import Provider
 from treadle.loop import Guardrail, GuardrailResult, Hooks, RequestUsage, Tripwire
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.sample_agents import Capital, geographer, geographer_script, librarian
+from treadle.tools import tool
 
 PATH = "treadle.testing.sample_agents:geographer"
 
@@ -189,6 +191,23 @@ def test_the_refusal_names_each_part_that_cannot_be_imported_by_attribute_path()
     assert "agent.validators[0] is a lambda" in message
     assert "librarian" not in message  # importable parts are not blamed
     assert "print" not in message
+    # tools of handoff targets, a partial, and an agent tool's own parts (not library code)
+    local_tool = tool(make_check())
+    target = Agent("target", provider=provider, tools=[local_tool])
+    asker = Agent("asker", provider=provider)
+    wide = Agent(
+        "wide",
+        provider=provider,
+        guardrails=[Guardrail(functools.partial(print, "x"))],
+        tools=[asker.as_tool(output_extractor=lambda s: s.final_text)],
+        handoffs=[target],
+    )
+    message = _refusal(wide)
+    assert "agent.handoffs[0].agent.tools[0] is a function 'check' defined inside" in message
+    assert "agent.guardrails[0].check is a functools.partial of 'print'" in message
+    assert "agent.tools[0].output_extractor is a lambda" in message
+    assert "agent.tools[0].agent is Agent 'asker', built inside a function" in message
+    assert "delegate" not in message and "agent_tool" not in message
 
 
 def test_an_agent_and_hooks_defined_in_main_are_refused_by_name(tmp_path: Path) -> None:

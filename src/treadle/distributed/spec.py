@@ -15,6 +15,7 @@ a spec and never import a tool before a worker builds the agent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -95,14 +96,27 @@ def resolve_tool(path: str) -> Any:
 
 
 def _code_parts(
-    agent: Any, at: str = "agent", seen: set[int] | None = None
+    agent: Any, at: str = "agent", seen: set[int] | None = None, tools: bool = False
 ) -> list[tuple[str, Any]]:
     """The parts of an agent that are code (they cross only with the agent's import path), as
     `(attribute path, object)`: `("agent.handoffs[0].is_enabled", <lambda>)`; handoff targets'
-    own parts too (each agent once, so agents handing back to each other end)."""
+    own parts too (each agent once, so agents handing back to each other end). With `tools`,
+    also every tool, an agent tool as its agent's parts and its `output_extractor`."""
+    from treadle.agents.agent_tool import AgentTool, DelegateTool
+
     seen = set() if seen is None else seen
     seen.add(id(agent))
     parts: list[tuple[str, Any]] = []
+    for i, t in enumerate(agent.tools if tools else ()):
+        inner = getattr(t, "agent", None)
+        if not isinstance(t, (AgentTool, DelegateTool)) or inner is None:
+            parts.append((f"{at}.tools[{i}]", t))
+            continue
+        parts.append((f"{at}.tools[{i}].agent", inner))
+        if t.extractor is not None:
+            parts.append((f"{at}.tools[{i}].output_extractor", t.extractor))
+        if id(inner) not in seen:
+            parts += _code_parts(inner, f"{at}.tools[{i}].agent", seen, tools)
     for i, g in enumerate(agent.guardrails):
         check = getattr(g, "check", None)
         parts.append(
@@ -118,7 +132,7 @@ def _code_parts(
             if callable(value):
                 parts.append((f"{here}.{name}", value))
         if id(target.agent) not in seen:
-            parts += _code_parts(target.agent, f"{here}.agent", seen)
+            parts += _code_parts(target.agent, f"{here}.agent", seen, tools)
     if agent.hooks is not None:
         parts.append((f"{at}.hooks", agent.hooks))
     if agent.output_type is not None:
@@ -163,6 +177,8 @@ def _not_importable(obj: Any) -> str | None:
         return f"is Agent {obj.name!r}, built {place}"
     what = "function"
     target = getattr(obj, "fn", obj)  # a @tool object: its function
+    if isinstance(target, functools.partial):
+        return f"is a functools.partial of {_callable_name(target.func)}, which has no import path"
     if not (isinstance(target, type) or (callable(target) and hasattr(target, "__qualname__"))):
         target, what = type(obj), "instance of class"
     elif isinstance(target, type):
@@ -181,6 +197,10 @@ def _not_importable(obj: Any) -> str | None:
     except ConfigurationError:
         return f"is {_a(what)} {qualname!r} that {module}:{qualname} does not lead back to"
     return None
+
+
+def _callable_name(fn: Any) -> str:
+    return repr(str(getattr(fn, "__qualname__", type(fn).__name__)))
 
 
 def _a(what: str) -> str:
@@ -205,13 +225,8 @@ def agent_path(agent: Any) -> str:
         built = "it is not a top-level name of an importable module (built inside a function?)"
     named = [
         f"{attr} {why}"
-        for attr, obj in _code_parts(agent)
+        for attr, obj in _code_parts(agent, tools=True)
         if (why := _not_importable(obj)) is not None
-    ]
-    named += [
-        f"agent.tools[{i}] {why}"
-        for i, t in enumerate(agent.tools)
-        if (why := _not_importable(t)) is not None
     ]
     parts = f" What cannot be imported: {'; '.join(named)}." if named else ""
     raise ConfigurationError(
