@@ -11,7 +11,8 @@ import pytest
 from pydantic import BaseModel
 
 from treadle import ConfigurationError, Session
-from treadle.agents import Agent, handoff, remove_tool_rows
+from treadle.agents import Agent, AgentErrorContext, handoff, remove_tool_rows
+from treadle.agents.handoffs import MAX_HANDOFFS_PER_RUN
 from treadle.llm import Provider
 from treadle.loop import RequestUsage, ToolGuardrail, ToolGuardrailInput
 from treadle.loop.plan import unique_call_ids
@@ -370,3 +371,33 @@ def test_call_ids_are_made_distinct_and_non_empty() -> None:
         {"tool_calls": [{"id": "x"}, {"id": ""}, {"id": "x"}, {"id": "call_1"}]}
     )
     assert [c["id"] for c in fixed["tool_calls"]] == ["x", "call_1_", "x_2", "call_1"]
+
+
+def test_the_handoff_cap_calls_the_max_turns_handler() -> None:
+    def script(request: dict[str, Any]) -> Reply:
+        step = int(request["messages"][0]["content"].removeprefix("Step "))
+        return Reply.tool_call(f"transfer_to_s{step + 1}", {})
+
+    contexts: list[AgentErrorContext] = []
+
+    def out_of_turns(ctx: AgentErrorContext) -> str:
+        contexts.append(ctx)
+        return "too many transfers"
+
+    with FakeOpenAIServer(script=script) as server:
+        provider = _provider(server)
+        chain = Agent(f"s{MAX_HANDOFFS_PER_RUN + 2}", "Last.", provider=provider)
+        for step in range(MAX_HANDOFFS_PER_RUN + 1, -1, -1):  # each hands off to the next
+            chain = Agent(
+                f"s{step}",
+                f"Step {step}",
+                provider=provider,
+                handoffs=[chain],
+                error_handlers={"max_turns": out_of_turns},
+            )
+        out = chain("go").synchronize()
+    assert len(out.metadata["handoffs"]) == MAX_HANDOFFS_PER_RUN
+    assert out.stop_reason == "max_steps"
+    assert out.final_text == "too many transfers"
+    assert out.metadata["handled_error"] == "max_turns"
+    assert [c.agent for c in contexts] == [f"s{MAX_HANDOFFS_PER_RUN}"]
