@@ -21,7 +21,8 @@ from treadle.agents import Agent, handoff
 from treadle.distributed import AgentSpec, PassFailed, PassLost, amap, map
 from treadle.distributed.backends import local_concurrency
 from treadle.distributed.mapping import _result
-from treadle.distributed.outcome import PassOutcome
+from treadle.distributed.outcome import PassItem, PassOutcome
+from treadle.distributed.process import ProcessPool
 from treadle.errors import WorkerLost
 from treadle.llm import Provider
 from treadle.loop import Guardrail, GuardrailResult, Hooks, RequestUsage, Tripwire
@@ -284,3 +285,26 @@ def test_a_hook_exiting_its_worker_fails_only_its_own_pass(
     assert retried
     with pytest.raises(PassLost, match="status 'lost'"):
         map("exiting_agents:poisoned", ["poison"], backend="process", workers=1, max_attempts=1)
+
+
+@pytest.mark.slow  # a worker process starts: about 3 s on this machine
+async def test_a_worker_exits_at_once_past_a_hook_still_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import exiting_agents
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    with FakeOpenAIServer(script="echo") as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        pool = ProcessPool(AgentSpec.from_agent(exiting_agents.hanging).to_json(), size=1)
+        await pool.start()
+        [worker] = pool._workers
+        assert worker is not None
+        try:
+            outcome = await pool.run(0, PassItem.from_input(0, "hang"))
+        finally:
+            await pool.close()
+    assert outcome.status == "ok" and outcome.stop_reason == "deadline"
+    # It left by itself once asked to stop (exit code 0), without joining the hook's thread
+    # (asleep for HANG_SECONDS) until the driver's stop grace ran out and it was killed (-9).
+    assert worker.process.returncode == 0
