@@ -318,3 +318,58 @@ def test_a_hanging_guardrail_fails_its_pass_at_its_timeout_and_stops_at_the_dead
         Guardrail(lambda d: None, timeout=0)
     with pytest.raises(ConfigurationError, match="timeout must be a positive"):
         ToolGuardrail(lambda d: None, timeout="1")  # type: ignore[arg-type]
+
+
+def test_a_hanging_tool_guardrail_ends_at_the_pass_deadline() -> None:
+    import anyio
+
+    from treadle.loop import Limits
+    from treadle.testing.scripted import ScriptedExecutor, tool_call
+
+    release = threading.Event()
+    ran: list[int] = []
+
+    @tool
+    def pay(amount: int) -> dict[str, Any]:
+        """Pay.
+
+        Args:
+            amount: how much
+        """
+        ran.append(amount)
+        return {"paid": amount}
+
+    async def async_hang(data: ToolGuardrailInput) -> None:
+        await anyio.sleep_forever()
+
+    def sync_hang(data: ToolGuardrailInput) -> None:
+        release.wait(HANG_GUARD)  # its thread is abandoned at the deadline, released below
+
+    try:
+        for check in (async_hang, sync_hang):
+            for when in ("tool_input", "tool_output"):
+                ran.clear()
+                agent = Agent(
+                    "d",
+                    "t",
+                    executor=ScriptedExecutor(
+                        [tool_call("pay", {"amount": 1}), tool_call("pay", {"amount": 2})],
+                        default="never reached",
+                    ),
+                    tools=[pay],
+                    # its own timeout (60 s) is far longer: the deadline is what ends it
+                    guardrails=[ToolGuardrail(check, when)],  # type: ignore[arg-type]
+                    limits=Limits(deadline_seconds=0.3),
+                )
+                out = agent("x").synchronize(HANG_GUARD)
+                assert out.stop_reason == "deadline", (check, when)
+                assert out.chunk_table.kinds() == ["user", "assistant", "tool_result"]
+                result = json.loads(out.rows[-1].payload["content"])
+                assert result["ok"] is False and result["error_kind"] == "timeout"
+                if when == "tool_input":
+                    assert "not run" in result["message"] and ran == []
+                else:  # the tool ran, but the model never sees an unscreened result
+                    assert "withheld" in result["message"] and ran == [1]
+                    assert "paid" not in out.rows[-1].payload["content"]
+    finally:
+        release.set()

@@ -444,3 +444,17 @@ def test_provider_usage_details_are_checked_against_the_totals(server: FakeOpenA
         assert 0 <= entry.reasoning_tokens <= entry.output_tokens == 30
         assert len(entry.response_id) <= 256 and entry.response_id.isprintable()
     assert (entry.cached_tokens, entry.reasoning_tokens, entry.response_id) == (100, 12, "ok-id")
+
+
+def test_an_entry_keeps_the_request_id_printable_and_capped() -> None:
+    from treadle.loop.plan import plain_metadata
+    from treadle.loop.request_usage import request_usage_of
+    from treadle.session import Usage
+
+    usage = Usage(prompt_tokens=10, completion_tokens=2, requests=1)
+    entry = request_usage_of(None, "chatcmpl-1", usage, 0.5, "req_abc\r\nX-Evil: 1", "clerk")
+    assert entry.request_id == "req_abcX-Evil: 1" and entry.response_id == "chatcmpl-1"
+    assert len(request_usage_of(None, "", usage, 0, "r" * 10_000, None).request_id) == 256
+    assert request_usage_of(None, "", usage, 0, "", None).request_id == ""  # no id at all
+    [plain] = plain_metadata({"request_usage": (entry,)})["request_usage"]
+    assert plain["request_id"] == "req_abcX-Evil: 1"  # the trailer keeps it too

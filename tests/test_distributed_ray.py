@@ -7,6 +7,7 @@ loopback.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,11 +22,15 @@ from typing import Any
 import pytest
 
 from treadle import Session, amap
-from treadle.distributed import PassOutcome, map_outcomes
+from treadle.distributed import AgentSpec, PassOutcome, map, map_outcomes
 from treadle.testing import FakeOpenAIServer, Reply
+from treadle.testing.sample_agents import Capital, geographer, geographer_script, librarian
 from treadle.testing.sample_tools import shout_inputs, shout_script, shouter
 
 pytestmark = pytest.mark.ray
+
+#: The variable naming the file `treadle.testing.sample_agents`' hooks append to.
+HOOK_LOG = "TREADLE_SAMPLE_HOOK_LOG"
 
 ray = pytest.importorskip(
     "ray", reason="Ray is not installed: run `make test-ray` (installs the treadle[ray] extra)"
@@ -41,9 +46,10 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind to 127.0.0.1, not a routable address
         "RAY_AUTH_MODE": "disabled",  # no token file written to ~/.ray
     }
-    saved = {k: os.environ.get(k) for k in (*settings, "RAY_TMPDIR")}
+    saved = {k: os.environ.get(k) for k in (*settings, "RAY_TMPDIR", HOOK_LOG)}
     with tempfile.TemporaryDirectory(prefix="treadle-ray-") as tmp:
-        os.environ.update(settings, RAY_TMPDIR=tmp)
+        # Workers inherit the environment Ray starts with: where the sample agents' hooks log.
+        os.environ.update(settings, RAY_TMPDIR=tmp, **{HOOK_LOG: str(Path(tmp) / "hooks.log")})
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             yield
@@ -200,3 +206,34 @@ async def test_ray_workers_share_the_learned_limit_under_uneven_load(tmp_path: P
     assert sent >= CONCURRENCY * LONG_ROUNDS + 24
     assert limits.rejected <= sent // 100  # under 1% answered 429
     assert 0 < stats["leases"] < sent / 2  # leased from the named actor, in batches
+
+
+def test_an_agent_with_code_parts_runs_on_actors_by_its_import_path() -> None:
+    # The agent crosses by its path; its endpoint (the fake server here) travels in the spec.
+    spec = AgentSpec.from_agent(geographer)
+    assert spec.agent_path == "treadle.testing.sample_agents:geographer"
+    log = Path(os.environ[HOOK_LOG])
+    log.unlink(missing_ok=True)
+    inputs = ["capital of France", "forbidden capital of Spain", "books about Italy"] * 2
+    with FakeOpenAIServer(script=geographer_script) as server:
+        spec = dataclasses.replace(spec, base_url=server.base_url)
+        outs = map(spec, inputs, backend="ray", workers=2)
+    for capital, blocked, handed in (outs[:3], outs[3:]):
+        # structured output, after the validator sent the model back once, as the caller's type
+        assert capital.output == Capital(country="France", city="Paris")
+        assert capital.metadata["agent"] == "geographer"
+        assert capital.usage.requests == 2
+        # the input guardrail ran on the actor and tripped; its result came back
+        assert blocked.stop_reason == "blocked"
+        assert blocked.tripwire is not None and blocked.tripwire.reason == "forbidden topic"
+        assert blocked.metadata["guardrail_results"][0].tripped is True
+        # the handoff, on the same transcript
+        assert handed.metadata["agent"] == librarian.name
+        assert [h["to"] for h in handed.metadata["handoffs"]] == ["librarian"]
+        assert handed.output == Capital(country="Italy", city="Paris")
+        assert [e.agent for e in handed.metadata["request_usage"]] == ["geographer", "librarian"]
+    assert all(s.metadata["treadle.distributed"]["status"] == "ok" for s in outs)
+    # the hooks ran in the actors' processes, not here
+    lines = log.read_text().splitlines()
+    assert str(os.getpid()) not in {line.split()[0] for line in lines}
+    assert sum(1 for line in lines if line.endswith("start geographer")) == 6

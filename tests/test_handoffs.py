@@ -11,10 +11,13 @@ import pytest
 from pydantic import BaseModel
 
 from treadle import ConfigurationError, Session
-from treadle.agents import Agent, handoff, remove_tool_rows
+from treadle.agents import Agent, AgentErrorContext, handoff, remove_tool_rows
+from treadle.agents.handoffs import MAX_HANDOFFS_PER_RUN
 from treadle.llm import Provider
 from treadle.loop import RequestUsage, ToolGuardrail, ToolGuardrailInput
+from treadle.loop.plan import unique_call_ids
 from treadle.testing import FakeOpenAIServer, Reply
+from treadle.testing.fake_replies import ToolCallSpec
 from treadle.tools import tool
 
 
@@ -255,3 +258,146 @@ def test_typed_input_is_validated_once_and_the_result_matches_the_handoff(
     claimed = json.loads(result.payload["content"]).get("assistant")
     assert claimed == out.metadata["agent"] == "humans"
     assert len(seen) == 1
+
+
+def test_only_the_first_of_two_transfers_in_one_reply_takes_effect(
+    server: FakeOpenAIServer,
+) -> None:
+    provider = _provider(server)
+    called: list[str] = []
+    billing = Agent("billing", "Refunds.", provider=provider)
+    support = Agent("support", "Help.", provider=provider)
+    triage = Agent(
+        "triage",
+        "Route.",
+        provider=provider,
+        tools=[lookup],
+        handoffs=[
+            handoff(billing, on_handoff=lambda s: called.append("billing")),
+            handoff(support, on_handoff=lambda s: called.append("support")),
+        ],
+    )
+    server.enqueue(
+        Reply.tool_calls_of(
+            [
+                ("lookup", {"order": "D4"}),
+                ("transfer_to_billing", {}),
+                ("transfer_to_support", {}),
+                ("transfer_to_billing", {}),
+            ]
+        ),
+        Reply.text("billing here"),
+    )
+    out = triage("refund D4")
+    results = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
+    assert results[0]["status"] == "charged twice"  # an ordinary sibling call runs as usual
+    assert results[1]["assistant"] == "billing"  # the first transfer takes over
+    for ignored, name in ((results[2], "transfer_to_support"), (results[3], "transfer_to_billing")):
+        assert ignored["ok"] is False
+        assert ignored["error_kind"] == "handoff_ignored"
+        assert ignored["message"].startswith("Multiple handoffs detected, ignoring this one")
+        assert name in ignored["message"] and "transfer_to_billing" in ignored["message"]
+    assert called == ["billing"]
+    assert out.metadata["agent"] == "billing"
+    assert [h["to"] for h in out.metadata["handoffs"]] == ["billing"]
+    assert out.final_text == "billing here"
+    # the target's request carries every result, the ignored ones too
+    last = _bodies(server)[-1]["messages"]
+    assert [m["role"] for m in last].count("tool") == 4
+
+
+def test_an_invalid_first_transfer_means_no_transfer_in_that_reply(
+    server: FakeOpenAIServer,
+) -> None:
+    provider = _provider(server)
+    humans = Agent("humans", "People.", provider=provider)
+    billing = Agent("billing", "Refunds.", provider=provider)
+    triage = Agent(
+        "triage",
+        "Route.",
+        provider=provider,
+        handoffs=[handoff(humans, tool_name="escalate", input_type=Reason), billing],
+    )
+    server.enqueue(
+        Reply.tool_calls_of([("escalate", {"why": 1}), ("transfer_to_billing", {})]),
+        Reply.text("triage still here"),
+    )
+    out = triage("help")
+    results = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
+    assert results[0]["error_kind"] == "invalid_tool_arguments"
+    assert results[1]["error_kind"] == "handoff_ignored"
+    assert out.metadata["agent"] == "triage"
+    assert "handoffs" not in out.metadata
+    assert out.final_text == "triage still here"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_transfers_sharing_a_call_id_hand_off_to_the_first_only(
+    server: FakeOpenAIServer, stream: bool
+) -> None:
+    provider = Provider(
+        model="fake-model", base_url=server.base_url, api_key="sk-test", stream=stream
+    )
+    billing = Agent("billing", "Refunds.", provider=provider)
+    support = Agent("support", "Help.", provider=provider)
+    triage = Agent("triage", "Route.", provider=provider, handoffs=[billing, support])
+    twice = (
+        ToolCallSpec("transfer_to_billing", "{}", "call_0"),
+        ToolCallSpec("transfer_to_support", "{}", "call_0"),
+    )
+    server.enqueue(Reply(tool_calls=twice), Reply.text("billing here"))
+    out = triage("refund")
+    assert out.metadata["agent"] == "billing"
+    assert out.metadata["handoffs"] == [
+        {"from": "triage", "to": "billing", "tool_call_id": "call_0"}
+    ]
+    assert out.final_text == "billing here"
+    # the second call got its own id, so each call has exactly one result row
+    [assistant] = [r for r in out.rows if r.kind == "assistant" and r.calls]
+    assert [c.id for c in assistant.calls] == ["call_0", "call_0_1"]
+    results = {r.payload["tool_call_id"]: r for r in out.rows if r.kind == "tool_result"}
+    assert json.loads(results["call_0"].payload["content"]) == {"ok": True, "assistant": "billing"}
+    ignored = json.loads(results["call_0_1"].payload["content"])
+    assert ignored["error_kind"] == "handoff_ignored"
+    last = _bodies(server)[-1]["messages"]
+    assert [m["tool_call_id"] for m in last if m["role"] == "tool"] == ["call_0", "call_0_1"]
+
+
+def test_call_ids_are_made_distinct_and_non_empty() -> None:
+    same = {"tool_calls": [{"id": "a"}, {"id": "b"}]}
+    assert unique_call_ids(same) is same  # nothing to fix: no copy
+    assert unique_call_ids({"content": "hi"}) == {"content": "hi"}
+    fixed = unique_call_ids(
+        {"tool_calls": [{"id": "x"}, {"id": ""}, {"id": "x"}, {"id": "call_1"}]}
+    )
+    assert [c["id"] for c in fixed["tool_calls"]] == ["x", "call_1_", "x_2", "call_1"]
+
+
+def test_the_handoff_cap_calls_the_max_turns_handler() -> None:
+    def script(request: dict[str, Any]) -> Reply:
+        step = int(request["messages"][0]["content"].removeprefix("Step "))
+        return Reply.tool_call(f"transfer_to_s{step + 1}", {})
+
+    contexts: list[AgentErrorContext] = []
+
+    def out_of_turns(ctx: AgentErrorContext) -> str:
+        contexts.append(ctx)
+        return "too many transfers"
+
+    with FakeOpenAIServer(script=script) as server:
+        provider = _provider(server)
+        chain = Agent(f"s{MAX_HANDOFFS_PER_RUN + 2}", "Last.", provider=provider)
+        for step in range(MAX_HANDOFFS_PER_RUN + 1, -1, -1):  # each hands off to the next
+            chain = Agent(
+                f"s{step}",
+                f"Step {step}",
+                provider=provider,
+                handoffs=[chain],
+                error_handlers={"max_turns": out_of_turns},
+            )
+        out = chain("go").synchronize()
+    assert len(out.metadata["handoffs"]) == MAX_HANDOFFS_PER_RUN
+    assert out.stop_reason == "max_steps"
+    assert out.final_text == "too many transfers"
+    assert out.metadata["handled_error"] == "max_turns"
+    assert [c.agent for c in contexts] == [f"s{MAX_HANDOFFS_PER_RUN}"]

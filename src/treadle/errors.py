@@ -7,6 +7,7 @@ TreadleError
 ├── RuntimeLoopError (also RuntimeError)      a blocking read on the runtime's own loop thread
 ├── SessionFailedError                        reserved: a pass failed (the original error is raised)
 │   └── PassFailed                            a distributed pass raised, timed out or was lost
+│       └── PassLost (also WorkerLost)        its workers died under it on every attempt
 ├── ProviderError                             the model endpoint answered with an error
 │   ├── AuthenticationError                   401 / 403
 │   ├── RateLimitError                        429 after all retries
@@ -75,6 +76,7 @@ __all__ = [
     "ModelRetry",
     "NotOpenAIEndpointError",
     "PassFailed",
+    "PassLost",
     "PathViolation",
     "PersistenceError",
     "ProtocolMismatchError",
@@ -340,6 +342,11 @@ class StructuredOutputError(TreadleError):
 
 class WorkerLost(TreadleError):
     """The worker running a distributed pass died or stopped answering (the pass may be retried)."""
+
+
+class PassLost(PassFailed, WorkerLost):
+    """A distributed pass whose worker died (or stopped answering) under it on every attempt:
+    `except WorkerLost` catches it as well as `except PassFailed`."""
 
 
 class ModelRefusalError(TreadleError):

@@ -32,7 +32,7 @@ from treadle.agents.compaction import (
     arun_session_compress,
     compaction_guardrail,
 )
-from treadle.agents.handoffs import Handoff, check_handoffs
+from treadle.agents.handoffs import Handoff, check_handoffs, transfer_tools, worker_handoffs
 from treadle.agents.outcomes import check_error_handlers, check_retries, check_validators
 from treadle.agents.streaming import (
     AgentEvent,
@@ -269,14 +269,24 @@ class Agent(Generic[Deps, Output]):
     def __repr__(self) -> str:
         return f"<Agent {self.name!r}>"
 
-    def on_worker(self, provider: Provider, guardrails: Sequence[Any] = ()) -> Agent:
+    def on_worker(
+        self,
+        provider: Provider,
+        guardrails: Sequence[Any] = (),
+        *,
+        _done: dict[int, Agent] | None = None,
+    ) -> Agent:
         """This agent with a worker's `provider` (its share of the limits, its key) and extra
-        `guardrails` (the worker's shared rate gate); everything else is the same definition."""
-        clone = copy.copy(self)
+        `guardrails` (the worker's shared rate gate); everything else is the same definition.
+        Handoff targets defined on the same provider get the worker's one too (they send to
+        the same endpoint, within the same share); targets on another provider keep theirs."""
+        done = {} if _done is None else _done
+        clone = done[id(self)] = copy.copy(self)
         clone.provider = provider
         clone._provider = self.spec.provider_for(provider) if self.spec else provider
         clone.guardrails = (*guardrails, *self.guardrails)
         clone.estimator = TokenEstimator()
+        clone.handoffs = worker_handoffs(self, provider, guardrails, done)
         return clone
 
     # -- entry points ------------------------------------------------------------------------
@@ -412,7 +422,7 @@ class Agent(Generic[Deps, Output]):
         if self.compact_at_tokens is not None:
             guards.insert(0, compaction_guardrail(self, lambda: run.compactions))
         offered = [target for target in self.handoffs if await target.enabled(user)]
-        tools: list[Any] = [*self.tools, *(target.tool for target in offered)]
+        tools: list[Any] = [*self.tools, *transfer_tools(offered)]
         options: dict[str, Any] = {
             "agent_provider": run.settings.provider_for(self),
             "tools": tools,

@@ -260,6 +260,8 @@ class AgentRun:
                     choice, self.choice = self.choice, None
                     return self.stopped_after_turn(handoff_rows(out, choice))
                 current = await self.hand_off(out)
+                if current.data.stop_reason == "max_steps" and "max_turns" in agent.error_handlers:
+                    return await self.fail("max_turns", current, None)  # the handoff cap
                 if current.data.stop_reason is not None or self.stop.requested:
                     return self.stopped_after_turn(current)
                 continue

@@ -24,7 +24,7 @@ from treadle.tools import FunctionTool, Tool, ToolContext
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
 
-__all__ = ["AgentTool", "agent_tool", "tool_answer"]
+__all__ = ["AgentTool", "DelegateTool", "agent_tool", "tool_answer"]
 
 _TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -77,6 +77,25 @@ class AgentTool(Tool):
         return await tool_answer(out, self.extractor)
 
 
+class DelegateTool(FunctionTool[..., Any]):
+    """An agent as a tool taking `task: str` (`Agent.as_tool()` without `input_type`). It keeps
+    its agent and extractor, as `AgentTool` does, so that what cannot cross to a worker is
+    named by the user's own parts rather than this module's function."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        agent: Agent,
+        extractor: Callable[[Session], Any] | None,
+        *,
+        name: str,
+        description: str,
+    ) -> None:
+        super().__init__(fn, name=name, description=description)
+        self.agent = agent
+        self.extractor = extractor
+
+
 def agent_tool(
     agent: Agent,
     name: str | None,
@@ -99,4 +118,4 @@ def agent_tool(
         out = await agent.run(Session.from_user_message(task), **inherited(agent))
         return await tool_answer(out, output_extractor)
 
-    return FunctionTool(delegate, name=tool_name, description=text)
+    return DelegateTool(delegate, agent, output_extractor, name=tool_name, description=text)

@@ -3,16 +3,19 @@
 `Agent("triage", handoffs=[billing, handoff(tech, input_type=Reason, on_handoff=log)])` offers
 the model one tool per target (`transfer_to_billing`, ...). When the model calls one, the round
 runs as usual (other calls of the same reply too), the transfer's result row says who takes over
-(`{"assistant": "billing"}`), and the pass ends there; the transcript passes through the
-handoff's `input_filter`, `on_handoff` runs, and the target agent continues the SAME transcript
-under its own instructions. The output records who answered (`metadata["agent"]`) and every transfer
-(`metadata["handoffs"]`).
+(`{"assistant": "billing"}`), and the pass ends there. Only the first transfer call of a reply
+can take effect: any other gets `HANDOFF_IGNORED` as its result, as in the OpenAI Agents SDK.
+The transcript passes through the handoff's `input_filter`, `on_handoff` runs, and the target
+agent continues the SAME transcript under its own instructions. The output records who answered
+(`metadata["agent"]`) and every transfer (`metadata["handoffs"]`).
 
 This module builds values and rows; it never calls a model and never blocks the event loop.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -21,17 +24,19 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from treadle.errors import ConfigurationError, ToolArgumentsError
+from treadle.errors import ConfigurationError, ToolArgumentsError, ToolError
 from treadle.loop.control import call_user
-from treadle.session import ChunkRow, Session
+from treadle.session import ChunkRow, Session, ToolCall
 from treadle.tools import Tool, ToolContext
 from treadle.tools.dispatch import _parse_arguments
 from treadle.tools.results import success_content
 
 if TYPE_CHECKING:
     from treadle.agents.agent import Agent
+    from treadle.llm.provider import Provider
 
 __all__ = [
+    "HANDOFF_IGNORED",
     "HANDOFF_INTERRUPT",
     "MAX_HANDOFFS_PER_RUN",
     "Handoff",
@@ -45,6 +50,8 @@ __all__ = [
 MAX_HANDOFFS_PER_RUN = 16
 #: The interrupt reason a transfer call ends its pass with (never shown to users).
 HANDOFF_INTERRUPT = "treadle:handoff"
+#: What the model hears for a transfer call that is not its reply's first (not performed).
+HANDOFF_IGNORED = "Multiple handoffs detected, ignoring this one"
 
 _TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -128,8 +135,22 @@ class Handoff:
             await call_user(self.on_handoff, session)
 
 
+class _HandoffIgnored(ToolError):
+    """A transfer call after the first one of its reply: not performed."""
+
+    error_kind = "handoff_ignored"
+
+
 class _TransferTool(Tool):
-    """The transfer as a tool: its arguments are validated; the call itself ends the pass."""
+    """The transfer as a tool: its arguments are validated; the call itself ends the pass.
+
+    Bound to a pass (`bound`), it knows the names of every transfer offered there, so a call
+    that is not the first transfer call of its reply reports `HANDOFF_IGNORED` instead of
+    claiming the conversation (only the first can take effect; siblings that are ordinary
+    tools run as usual).
+    """
+
+    _siblings: frozenset[str] = frozenset()
 
     def __init__(self, target: Handoff) -> None:
         self.name = target.tool_name
@@ -155,10 +176,40 @@ class _TransferTool(Tool):
                 ) from None
         return dict(arguments)
 
+    def bound(self, siblings: frozenset[str]) -> _TransferTool:
+        """This tool for one pass whose offered transfers are named `siblings`."""
+        tool = copy.copy(self)
+        tool._siblings = siblings
+        return tool
+
     async def invoke(self, arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
         """The transfer's result row: the agent that takes over (an `Agent` run then ends the
         pass and hands over; in a bare pass nothing else happens)."""
+        first = first_transfer(context, self._siblings)
+        if first is not None and first.id != context.tool_call_id:
+            raise _HandoffIgnored(
+                f"{HANDOFF_IGNORED}: only the first transfer of a reply can take effect "
+                f"({first.name}), so this call to {self.name} was not performed."
+            )
         return {"assistant": self._target.agent.name}
+
+
+def first_transfer(context: ToolContext, names: frozenset[str]) -> ToolCall | None:
+    """The first call, in the reply that made `context`'s call, to one of the transfers
+    `names` (None outside a pass or when no sibling list is known)."""
+    call, session = context.call, context.session
+    if not names or call is None or session is None:
+        return None
+    for row in reversed(session.rows):  # the reply is the last assistant row, or close to it
+        if row.kind == "assistant" and any(c.id == call.id for c in row.calls):
+            return next((c for c in row.calls if c.name in names), None)
+    return None
+
+
+def transfer_tools(offered: Sequence[Handoff]) -> list[Tool]:
+    """The transfer tools of one pass offering `offered` (each knows the others)."""
+    names = frozenset(h.tool_name for h in offered)
+    return [h.tool.bound(names) if isinstance(h.tool, _TransferTool) else h.tool for h in offered]
 
 
 def as_handoff(item: Any) -> Handoff:
@@ -245,6 +296,22 @@ def check_handoffs(owner: str, items: Sequence[Any]) -> tuple[Handoff, ...]:
             f"Agent {owner!r} has two handoffs with one tool name; set tool_name= on one."
         )
     return out
+
+
+def worker_handoffs(
+    owner: Agent, provider: Provider, guardrails: Sequence[Any], done: dict[int, Agent]
+) -> tuple[Handoff, ...]:
+    """`owner`'s handoffs on a distributed worker (`Agent.on_worker`): a target defined on
+    the owner's provider moves to the worker's `provider` too (`done`: the agents already
+    moved, so agents handing back to each other end); any other target keeps its own."""
+    out = []
+    for target in owner.handoffs:
+        agent = target.agent
+        if agent.provider == owner.provider and agent.executor is None:
+            moved = done.get(id(agent)) or agent.on_worker(provider, guardrails, _done=done)
+            target = dataclasses.replace(target, agent=moved)
+        out.append(target)
+    return tuple(out)
 
 
 def handoff(

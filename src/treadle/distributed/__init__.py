@@ -20,6 +20,7 @@ from treadle.distributed.outcome import (
     OUTCOME_METADATA_KEY,
     PassFailed,
     PassItem,
+    PassLost,
     PassOutcome,
     PassStatus,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "AgentSpec",
     "PassFailed",
     "PassItem",
+    "PassLost",
     "PassOutcome",
     "PassStatus",
     "PassWorker",

@@ -4,6 +4,9 @@
 most `concurrency` passes in flight per worker, streams outcomes back as they finish, and when a
 worker is lost (its process died, or a call outlived `call_timeout`) restarts that worker and
 puts its in-flight passes back in the queue for any worker, up to `max_attempts` attempts each.
+Which of those passes killed the worker is unknown (a hook calling `os._exit`, a tool leaking
+memory), so each retried pass runs alone on its worker: a pass that kills its worker again takes
+no other pass with it, and only it ends `lost`.
 This module must never hold more than the in-flight passes plus the undelivered outcomes (both
 bounded), never stop the map because one pass failed, and never block the event loop.
 """
@@ -13,7 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+)
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from treadle.distributed.outcome import PassItem, PassOutcome
@@ -43,6 +53,40 @@ class WorkerPool(Protocol):
 
 
 _DONE = object()
+
+
+class _SlotGate:
+    """Admission to one worker slot: first attempts share the worker; a pass retried after a
+    worker died under it (a suspect) waits until the worker is idle and then runs alone."""
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Condition()
+        self.sharing = 0
+        self.alone = False
+        self.waiting_alone = 0
+
+    @asynccontextmanager
+    async def enter(self, alone: bool) -> AsyncIterator[None]:
+        async with self.changed:
+            if alone:
+                self.waiting_alone += 1
+                try:
+                    await self.changed.wait_for(lambda: not self.alone and self.sharing == 0)
+                finally:
+                    self.waiting_alone -= 1
+                self.alone = True
+            else:  # a waiting suspect goes first, or it could wait for ever behind new passes
+                await self.changed.wait_for(lambda: not self.alone and not self.waiting_alone)
+                self.sharing += 1
+        try:
+            yield
+        finally:
+            async with self.changed:
+                if alone:
+                    self.alone = False
+                else:
+                    self.sharing -= 1
+                self.changed.notify_all()
 
 
 async def drive(
@@ -78,6 +122,7 @@ async def drive(
     state = {"next": 0, "in_flight": 0, "exhausted": False}
     generation = [0] * pool.size
     ready = [asyncio.Event() for _ in range(pool.size)]
+    gates = [_SlotGate() for _ in range(pool.size)]
     for event in ready:
         event.set()
 
@@ -167,19 +212,20 @@ async def drive(
                 send(item)
                 continue
             try:
-                await ready[slot].wait()
-                seen = generation[slot]
-                worker = pool.worker_name(slot)
-                try:
-                    outcome = await asyncio.wait_for(pool.run(slot, item), call_timeout)
-                except (WorkerLost, TimeoutError) as err:
-                    await lost(worker, item, err, send)
-                    await restart(slot, seen)
-                else:
-                    earlier = history.pop(item.index, None)
-                    if earlier:
-                        outcome = dataclasses.replace(outcome, history=(*earlier, *outcome.history))
-                    send(outcome)
+                async with gates[slot].enter(alone=item.attempt > 1):
+                    await ready[slot].wait()
+                    seen = generation[slot]
+                    worker = pool.worker_name(slot)
+                    try:
+                        outcome = await asyncio.wait_for(pool.run(slot, item), call_timeout)
+                    except (WorkerLost, TimeoutError) as err:
+                        await lost(worker, item, err, send)
+                        await restart(slot, seen)
+                        continue
+                earlier = history.pop(item.index, None)
+                if earlier:
+                    outcome = dataclasses.replace(outcome, history=(*earlier, *outcome.history))
+                send(outcome)
             finally:
                 async with changed:
                     state["in_flight"] -= 1

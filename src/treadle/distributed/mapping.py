@@ -10,12 +10,15 @@ pull more inputs than the workers have room for, and never ship an API key.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable
 from typing import Any, Literal
 
+import pydantic
+
 from treadle.agents.progress import Progress, known_length, settle_results
 from treadle.distributed.driver import WorkerPool, drive
-from treadle.distributed.outcome import PassFailed, PassOutcome
+from treadle.distributed.outcome import PassFailed, PassOutcome, pass_failure
 from treadle.distributed.results import ResultsWriter
 from treadle.distributed.spec import (
     DEFAULT_API_KEY_ENV,
@@ -183,22 +186,48 @@ def _as_pool(pool: Any) -> WorkerPool:
     return pool  # type: ignore[no-any-return]
 
 
-def _result(outcome: PassOutcome, output_type: Any) -> Session | PassFailed:
+def _result(outcome: PassOutcome, agent: Any) -> Session | PassFailed:
     if not outcome.ok:
-        return PassFailed(outcome)
+        return pass_failure(outcome)
     session = outcome.session()
     value = outcome.metadata.get("output")
-    if output_type is not None and isinstance(value, dict):
-        # The worker's validated output crossed as JSON; here it is the caller's type again.
-        metadata = {**session.data.metadata, "output": output_type.model_validate(value)}
-        session = session.with_data(metadata=metadata)
-    return session
+    output_type = _answering_type(agent, outcome.metadata)
+    if output_type is None or not isinstance(value, dict):
+        return session
+    # The worker's validated output crossed as JSON; here it is the answering agent's type
+    # again. A rebuild that fails (the caller's type differs from the worker's) fails this
+    # item alone, with the outcome, rather than the whole map.
+    try:
+        output = output_type.model_validate(value)
+    except pydantic.ValidationError as error:
+        name = getattr(output_type, "__name__", repr(output_type))
+        reason = f"OutputRebuildError: the output could not be rebuilt here as {name}: {error}"
+        return PassFailed(dataclasses.replace(outcome, status="error", error=reason))
+    return session.with_data(metadata={**session.data.metadata, "output": output})
 
 
-def _output_type(agent: Any) -> Any:
+def _answering_type(agent: Any, metadata: dict[str, Any]) -> Any:
+    """The output type of the agent that answered: the top agent's, or the one reached by
+    following the recorded transfers (`metadata["handoffs"]`) through the handoffs' targets."""
+    if agent is None:
+        return None
+    for transfer in metadata.get("handoffs") or ():
+        to = transfer.get("to") if isinstance(transfer, dict) else None
+        nxt = next((h.agent for h in getattr(agent, "handoffs", ()) if h.agent.name == to), None)
+        if nxt is None:
+            return None  # not this agent's graph (another version): leave the output as data
+        agent = nxt
+    return getattr(agent, "output_type", None)
+
+
+def _local_agent(agent: Any) -> Any:
+    """The agent whose types outputs are rebuilt as here, also when it is named by its path or
+    given as a spec that crosses by path (None for a spec without one)."""
+    if isinstance(agent, AgentSpec):
+        agent = agent.agent_path
     if isinstance(agent, str):
         agent = resolve_tool(import_path(agent, "agent"))
-    return getattr(agent, "output_type", None)
+    return agent
 
 
 async def remote_map_iter(
@@ -206,11 +235,11 @@ async def remote_map_iter(
 ) -> AsyncGenerator[tuple[int, Session | BaseException], None]:
     """`treadle.map_iter` on a distributed backend: `(index, output session or
     PassFailed)` as each pass ends (options as for `map_outcomes`)."""
-    output_type = _output_type(agent)
+    local = _local_agent(agent)
     stream = map_outcomes(agent, sessions, **options)
     try:
         async for outcome in stream:
-            yield outcome.index, _result(outcome, output_type)
+            yield outcome.index, _result(outcome, local)
     finally:
         await stream.aclose()
 

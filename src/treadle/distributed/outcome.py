@@ -13,15 +13,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from treadle.errors import ConfigurationError, PassFailed
+from treadle.errors import ConfigurationError, PassFailed, PassLost
+from treadle.loop.control import GuardrailResult, Tripwire
+from treadle.loop.request_usage import RequestUsage
 from treadle.session import Session, Usage
 
 __all__ = [
     "OUTCOME_METADATA_KEY",
     "PassFailed",
     "PassItem",
+    "PassLost",
     "PassOutcome",
     "PassStatus",
+    "local_metadata",
+    "pass_failure",
     "portable_metadata",
 ]
 
@@ -110,9 +115,10 @@ class PassOutcome:
         return self.status == "ok"
 
     def session(self) -> Session:
-        """The output session rebuilt from the outcome (raises `PassFailed` if it failed)."""
+        """The output session rebuilt from the outcome (raises `PassFailed` if it failed,
+        `PassLost` when its workers were lost)."""
         if self.status != "ok" or self.messages is None:
-            raise PassFailed(self)
+            raise pass_failure(self)
         base = Session.from_messages(self.messages)
         info = {
             "status": self.status,
@@ -123,7 +129,7 @@ class PassOutcome:
         return base.with_data(
             usage=Usage(**self.usage) if self.usage else Usage(),
             stop_reason=self.stop_reason,
-            metadata={**self.metadata, OUTCOME_METADATA_KEY: info},
+            metadata={**local_metadata(self.metadata), OUTCOME_METADATA_KEY: info},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -194,3 +200,50 @@ def _plain(value: Any) -> dict[str, Any]:
         for k, v in data.items()
         if k != "info"
     }
+
+
+def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `portable_metadata` for the run's records: the tripwire, guardrail
+    results and per-request usage as the `Tripwire`, `GuardrailResult` and `RequestUsage`
+    values a local pass holds (what does not fit those types, e.g. a record written by another
+    version, stays as data)."""
+    out = dict(metadata)
+    trip = metadata.get("tripwire")
+    if isinstance(trip, Mapping):
+        out["tripwire"] = _rebuilt(_tripwire, trip)
+    results = metadata.get("guardrail_results")
+    if isinstance(results, (list, tuple)):
+        out["guardrail_results"] = tuple(_rebuilt(_guardrail_result, r) for r in results)
+    entries = metadata.get("request_usage")
+    if isinstance(entries, (list, tuple)):
+        out["request_usage"] = tuple(_rebuilt(_request_usage, e) for e in entries)
+    return out
+
+
+def _rebuilt(build: Any, data: Any) -> Any:
+    if not isinstance(data, Mapping):
+        return data
+    try:
+        return build(data)
+    except (KeyError, TypeError, ValueError):
+        return data
+
+
+def _tripwire(data: Mapping[str, Any]) -> Tripwire:
+    return Tripwire(**data)
+
+
+def _guardrail_result(data: Mapping[str, Any]) -> GuardrailResult:
+    trip = data.get("tripwire")
+    tripwire = _tripwire(trip) if isinstance(trip, Mapping) else None
+    return GuardrailResult(str(data["guardrail"]), str(data["when"]), tripwire)
+
+
+def _request_usage(data: Mapping[str, Any]) -> RequestUsage:
+    return RequestUsage(**data)
+
+
+def pass_failure(outcome: PassOutcome) -> PassFailed:
+    """The typed error of a failed outcome: `PassLost` (also a `WorkerLost`) when its workers
+    were lost under it, else `PassFailed`."""
+    return PassLost(outcome) if outcome.status == "lost" else PassFailed(outcome)

@@ -62,6 +62,14 @@ def _worker_main(fd: int) -> None:
         return
     sys.path[:] = path  # the driver's import path, so tools import here as they do there
     asyncio.run(_serve(conn, spec, options))
+    # Every outcome is sent and telemetry flushed: exit now. A normal exit would first join
+    # the threads of abandoned user code (a hook or tool still sleeping past its pass's
+    # deadline), keeping the driver's map waiting for nothing until it kills this process.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]) -> None:

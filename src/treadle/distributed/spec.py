@@ -15,6 +15,7 @@ a spec and never import a tool before a worker builds the agent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -94,20 +95,50 @@ def resolve_tool(path: str) -> Any:
     return obj
 
 
-def _code_parts(agent: Any) -> list[tuple[str, Any]]:
-    """The parts of an agent that are code (they cross only with the agent's import path)."""
-    parts: list[tuple[str, Any]] = [("guardrail", getattr(g, "check", g)) for g in agent.guardrails]
-    parts += [("output validator", fn) for fn, _count in agent.validators]
-    parts += [(f"error handler {kind!r}", fn) for kind, fn in agent.error_handlers.items()]
-    for target in agent.handoffs:
-        parts += [("handoff", target.agent)]
-        parts += [("handoff callback", f) for f in (target.on_handoff, target.input_filter) if f]
+def _code_parts(
+    agent: Any, at: str = "agent", seen: set[int] | None = None, tools: bool = False
+) -> list[tuple[str, Any]]:
+    """The parts of an agent that are code (they cross only with the agent's import path), as
+    `(attribute path, object)`: `("agent.handoffs[0].is_enabled", <lambda>)`; handoff targets'
+    own parts too (each agent once, so agents handing back to each other end). With `tools`,
+    also every tool, an agent tool as its agent's parts and its `output_extractor`."""
+    from treadle.agents.agent_tool import AgentTool, DelegateTool
+
+    seen = set() if seen is None else seen
+    seen.add(id(agent))
+    parts: list[tuple[str, Any]] = []
+    for i, t in enumerate(agent.tools if tools else ()):
+        inner = getattr(t, "agent", None)
+        if not isinstance(t, (AgentTool, DelegateTool)) or inner is None:
+            parts.append((f"{at}.tools[{i}]", t))
+            continue
+        parts.append((f"{at}.tools[{i}].agent", inner))
+        if t.extractor is not None:
+            parts.append((f"{at}.tools[{i}].output_extractor", t.extractor))
+        if id(inner) not in seen:
+            parts += _code_parts(inner, f"{at}.tools[{i}].agent", seen, tools)
+    for i, g in enumerate(agent.guardrails):
+        check = getattr(g, "check", None)
+        parts.append(
+            (f"{at}.guardrails[{i}].check", check) if check else (f"{at}.guardrails[{i}]", g)
+        )
+    parts += [(f"{at}.validators[{i}]", fn) for i, (fn, _count) in enumerate(agent.validators)]
+    parts += [(f"{at}.error_handlers[{k!r}]", fn) for k, fn in agent.error_handlers.items()]
+    for i, target in enumerate(agent.handoffs):
+        here = f"{at}.handoffs[{i}]"
+        parts.append((f"{here}.agent", target.agent))
+        for name in ("on_handoff", "input_filter", "is_enabled"):
+            value = getattr(target, name)
+            if callable(value):
+                parts.append((f"{here}.{name}", value))
+        if id(target.agent) not in seen:
+            parts += _code_parts(target.agent, f"{here}.agent", seen, tools)
     if agent.hooks is not None:
-        parts.append(("hooks", type(agent.hooks)))
+        parts.append((f"{at}.hooks", agent.hooks))
     if agent.output_type is not None:
-        parts.append(("output_type", agent.output_type))
+        parts.append((f"{at}.output_type", agent.output_type))
     if agent.dynamic_instructions is not None:
-        parts.append(("instructions function", agent.dynamic_instructions))
+        parts.append((f"{at}.dynamic_instructions", agent.dynamic_instructions))
     return parts
 
 
@@ -122,35 +153,87 @@ def _needs_path(agent: Any) -> bool:
     return False
 
 
-def _label(obj: Any) -> str:
-    return str(getattr(obj, "__qualname__", None) or getattr(obj, "name", None) or repr(obj))
-
-
-def agent_path(agent: Any) -> str:
-    """The import path `package.module:name` of an `Agent` defined at the top level of a module.
-
-    Raises `ConfigurationError` naming what cannot cross: an agent built inside a function or in
-    `__main__`, and the first part of it that is a lambda or a local function.
-    """
+def _found_at_top_level(agent: Any) -> str | None:
+    """`module:name` of an agent that is a top-level name of an importable module."""
     module_name = getattr(agent, "_defined_in", None)
     module = sys.modules.get(module_name) if isinstance(module_name, str) else None
     if module is not None and module_name != "__main__":
         for attr, value in vars(module).items():
             if value is agent:
                 return f"{module_name}:{attr}"
-    local = [
-        (what, obj)
-        for what, obj in _code_parts(agent)
-        if "<" in _label(obj) or _label(obj) == "<lambda>"
+    return None
+
+
+def _not_importable(obj: Any) -> str | None:
+    """Why `obj` (a function, class, instance or Agent) cannot be imported by a worker on its
+    own, or None when it can."""
+    from treadle.agents import Agent
+
+    if isinstance(obj, Agent):
+        if _found_at_top_level(obj) is not None:
+            return None
+        where = getattr(obj, "_defined_in", None)
+        place = "in __main__" if where == "__main__" else "inside a function"
+        return f"is Agent {obj.name!r}, built {place}"
+    what = "function"
+    target = getattr(obj, "fn", obj)  # a @tool object: its function
+    if isinstance(target, functools.partial):
+        return f"is a functools.partial of {_callable_name(target.func)}, which has no import path"
+    if not (isinstance(target, type) or (callable(target) and hasattr(target, "__qualname__"))):
+        target, what = type(obj), "instance of class"
+    elif isinstance(target, type):
+        what = "class"
+    qualname = str(getattr(target, "__qualname__", ""))
+    module = getattr(target, "__module__", None)
+    if qualname == "<lambda>" or qualname.endswith(".<lambda>"):
+        return "is a lambda"
+    if "<locals>" in qualname:
+        outer = qualname.rsplit(".<locals>", 1)[0].rsplit(".", 1)[-1]  # the enclosing function
+        return f"is {_a(what)} {qualname.rsplit('.', 1)[-1]!r} defined inside {outer}()"
+    if module == "__main__":
+        return f"is {_a(what)} {qualname!r} defined in __main__, which workers never run"
+    try:
+        import_path(target, what)
+    except ConfigurationError:
+        return f"is {_a(what)} {qualname!r} that {module}:{qualname} does not lead back to"
+    return None
+
+
+def _callable_name(fn: Any) -> str:
+    return repr(str(getattr(fn, "__qualname__", type(fn).__name__)))
+
+
+def _a(what: str) -> str:
+    return f"an {what}" if what[0] in "aeiou" else f"a {what}"
+
+
+def agent_path(agent: Any) -> str:
+    """The import path `package.module:name` of an `Agent` defined at the top level of a module.
+
+    Raises `ConfigurationError` naming what cannot cross: where the agent was built (inside a
+    function, in `__main__`), and each of its code parts that cannot be imported on its own (a
+    lambda, a local function, a class defined in `__main__`), by attribute path
+    (`agent.handoffs[0].is_enabled`), with the fix.
+    """
+    found = _found_at_top_level(agent)
+    if found is not None:
+        return found
+    where = getattr(agent, "_defined_in", None)
+    if where == "__main__":
+        built = "it is defined in __main__ (your script), which workers never run"
+    else:
+        built = "it is not a top-level name of an importable module (built inside a function?)"
+    named = [
+        f"{attr} {why}"
+        for attr, obj in _code_parts(agent, tools=True)
+        if (why := _not_importable(obj)) is not None
     ]
-    detail = ""
-    if local:
-        what, obj = local[0]
-        detail = f"; its {what} {_label(obj)!r} is defined inside a function or is a lambda"
+    parts = f" What cannot be imported: {'; '.join(named)}." if named else ""
     raise ConfigurationError(
-        f"Agent {agent.name!r} cannot cross to a worker: workers import it by path, so define it "
-        f"at the top level of an importable module (not __main__){detail}, then pass it or "
-        "'package.module:agent'."
+        f"Agent {agent.name!r} cannot cross to a worker: workers import an agent with code parts "
+        f"(output type, guardrails, validators, hooks, handoffs) by its path, and {built}."
+        f"{parts} Fix: define the agent and those parts at the top level of an importable "
+        "module (e.g. myapp/agents.py), then pass it or 'myapp.agents:agent'."
     )
 
 

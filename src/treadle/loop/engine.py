@@ -58,7 +58,7 @@ from treadle.loop.outputs import (
     open_conversation_of,
     open_transcript,
 )
-from treadle.loop.plan import PassPlan, pending_tool_calls
+from treadle.loop.plan import PassPlan, pending_tool_calls, unique_call_ids
 from treadle.loop.request_usage import request_entries
 from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_tools
@@ -284,7 +284,7 @@ class _Pass:
             tripped = await guard_round(self, "after", request, turn) if self.guarded else None
             if tripped is not None:
                 return tripped
-            row = ChunkRow._trusted("assistant", turn.payload)
+            row = ChunkRow._trusted("assistant", unique_call_ids(turn.payload))
             if self.pump is not None:
                 await self.pump.drain()  # deltas reach the callback before the row they build
             calls = row.calls

@@ -25,7 +25,8 @@ from treadle.loop.control import (
     ToolGuardrailInput,
     Tripwire,
 )
-from treadle.session import Session, StopReason, ToolCall
+from treadle.loop.events import ToolResultEvent
+from treadle.session import ChunkRow, Session, StopReason, ToolCall
 from treadle.tools.context import ToolContext
 from treadle.tools.results import error_content
 
@@ -206,7 +207,7 @@ async def guard_round(
         tripwire = await run_guardrails(
             guards, data, run.guard_results, _context(run, guards, session)
         )
-    if scope.cancelled_caught:
+    if scope.cancel_called and tripwire is None:  # also a check that swallowed the cancel
         return "deadline"
     return run.block(tripwire) if tripwire is not None else None
 
@@ -239,34 +240,112 @@ def _context(run: _Pass, guards: Sequence[Guardrail], session: Session) -> ToolC
     return run.context(session) if any(g.context_param is not None for g in guards) else None
 
 
+#: What the model hears for a call whose tool guardrails were still running at the pass deadline.
+_UNSCREENED_CALL = (
+    "the pass's deadline came while this call's input guardrails ran, so it was not run"
+)
+_UNSCREENED_RESULT = (
+    "the pass's deadline came while this call's output guardrails ran, so its result is withheld"
+)
+
+
 async def screen_tool_calls(
     run: _Pass, calls: Sequence[ToolCall], denied: dict[str, str]
 ) -> dict[str, str] | Tripwire:
-    """Tool input guardrails over a round's calls: rejection messages by call id, or a tripwire."""
+    """Tool input guardrails over a round's calls, all calls screened concurrently: the content
+    the model sees instead of each rejected call's result, by call id, or a tripwire. On a
+    tripwire no call runs, and every call of the round still gets its result row (blocked, or
+    not run) so the transcript stays valid for the model when the conversation continues. The
+    pass deadline bounds the screening: a call not cleared by then is not run (`timeout`)."""
     guards = [g for g in run.plan.tool_guardrails if g.when == "tool_input"]
+    todo = [c for c in calls if c.id not in denied] if guards else []
+    if not todo:
+        return {}
+    screened = await _all([lambda c=c: _screen(run, guards, c, None) for c in todo])  # type: ignore[misc]
     rejected: dict[str, str] = {}
+    tripped: tuple[ToolCall, Tripwire] | None = None
+    for c, (results, verdict, late) in zip(todo, screened, strict=True):
+        run.guard_results.extend(results)  # in call order, however the checks interleaved
+        if late:
+            rejected[c.id] = error_content("timeout", _UNSCREENED_CALL)
+        elif isinstance(verdict, Tripwire):
+            tripped = tripped or (c, verdict)
+        elif verdict is not None:
+            rejected[c.id] = error_content("guardrail_rejected", verdict)
+    if tripped is None:
+        return rejected
+    await _answer_blocked(run, calls, {**denied, **rejected}, *tripped)
+    return tripped[1]
+
+
+async def _screen(
+    run: _Pass, guards: Sequence[ToolGuardrail], call: ToolCall, content: str | None
+) -> tuple[list[GuardrailResult], str | Tripwire | None, bool]:
+    """One call's (or result's) tool guardrails within the pass deadline: their results, the
+    verdict, and whether it came too late. A check that outlives the deadline, also one that
+    swallows its cancellation and then lets the call pass, never counts as passed."""
+    results: list[GuardrailResult] = []
+    verdict: str | Tripwire | None = None
+    with _until(run.deadline) as scope:
+        verdict = await run_tool_guardrails(guards, call, content, results)
+    if scope.cancel_called and verdict is None:
+        return [], None, True
+    return results, verdict, False
+
+
+async def _answer_blocked(
+    run: _Pass, calls: Sequence[ToolCall], decided: dict[str, str], call: ToolCall, trip: Tripwire
+) -> None:
+    """A result row for every call of a round that a tool input guardrail stopped (none ran):
+    an assistant message whose tool calls go unanswered is refused by OpenAI-style endpoints
+    when the conversation continues."""
+    rows = []
     for c in calls:
-        if c.id in denied or not guards:
-            continue
-        verdict = await run_tool_guardrails(guards, c, None, run.guard_results)
-        if isinstance(verdict, Tripwire):
-            return verdict
-        if verdict is not None:
-            rejected[c.id] = verdict
-    return rejected
+        if c.id == call.id:
+            content = error_content(
+                "guardrail_tripped",
+                f"blocked by guardrail {trip.guardrail!r}: this call was not run and the pass "
+                "stopped",
+            )
+        elif c.id in decided:
+            content = decided[c.id]
+        else:
+            content = error_content(
+                "not_run",
+                f"not run: guardrail {trip.guardrail!r} blocked the call to {call.name!r} of "
+                "this reply and the pass stopped",
+            )
+        rows.append(
+            ChunkRow._trusted(
+                "tool_result", {"tool_call_id": c.id, "name": c.name, "content": content}
+            )
+        )
+    await run.append(rows, boundary=True)
+    if run.events is not None:
+        for row in rows:
+            run.events.emit(ToolResultEvent, row=row)
 
 
 async def screen_tool_result(
     run: _Pass, call: ToolCall, content: str, rejected: dict[str, str], trips: list[Tripwire]
 ) -> str:
     """The content the model sees for `call`: a rejection, or the result past the tool output
-    guardrails (a tripwire is added to `trips`, and the round then stops the pass)."""
+    guardrails. A tripwire is added to `trips` (the round then stops the pass) and the result
+    it tripped on is withheld, so continuing the conversation never shows it to the model.
+    Output guardrails not done by the pass deadline withhold the result too (`timeout`)."""
     if call.id in rejected:
-        return error_content("guardrail_rejected", rejected[call.id])
+        return rejected[call.id]
     guards = [g for g in run.plan.tool_guardrails if g.when == "tool_output"]
-    verdict = await run_tool_guardrails(guards, call, content, run.guard_results)
+    results, verdict, late = await _screen(run, guards, call, content)
+    run.guard_results.extend(results)
+    if late:
+        return error_content("timeout", _UNSCREENED_RESULT)
     if isinstance(verdict, Tripwire):
         trips.append(verdict)
-    elif verdict is not None:
+        return error_content(
+            "guardrail_tripped",
+            f"guardrail {verdict.guardrail!r} stopped the pass on this result, so it is withheld",
+        )
+    if verdict is not None:
         return error_content("guardrail_rejected", verdict)
     return content

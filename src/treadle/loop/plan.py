@@ -21,7 +21,7 @@ from treadle.stores import PendingPass, Store
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
 
-__all__ = ["PassPlan", "pending_tool_calls", "plain_metadata"]
+__all__ = ["PassPlan", "pending_tool_calls", "plain_metadata", "unique_call_ids"]
 
 
 @dataclass(slots=True)
@@ -81,6 +81,33 @@ def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:
     return []
 
 
+def unique_call_ids(payload: dict[str, Any]) -> dict[str, Any]:
+    """An assistant payload whose tool calls have distinct, non-empty ids: a repeated id gets
+    `<id>_<position>` and an empty one `call_<position>` (as `turn_of` names them), so each
+    call gets its own result row and only the first of two transfers sharing an id takes
+    effect. The payload itself when every id is already distinct (the usual case, no copy)."""
+    calls = payload.get("tool_calls")
+    if not calls:
+        return payload
+    ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+    if all(ids) and len(set(ids)) == len(ids):
+        return payload
+    given_ids = {i for i in ids if isinstance(i, str) and i}
+    seen: set[str] = set()
+    fixed = []
+    for i, call in enumerate(calls):
+        given = ids[i]
+        if isinstance(given, str) and given and given not in seen:
+            new = given  # the first call with an id keeps it
+        else:
+            new = f"{given}_{i}" if isinstance(given, str) and given else f"call_{i}"
+            while new in seen or new in given_ids:
+                new += "_"
+        seen.add(new)
+        fixed.append(call if new == given or not isinstance(call, dict) else {**call, "id": new})
+    return {**payload, "tool_calls": fixed}
+
+
 def plain_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """Metadata as JSON-friendly values for the trailer."""
     out: dict[str, Any] = {}
@@ -103,4 +130,5 @@ def _plain_entry(entry: RequestUsage) -> dict[str, Any]:
         "response_id": entry.response_id,
         "latency_seconds": entry.latency_seconds,
         "agent": entry.agent,
+        "request_id": entry.request_id,
     }
