@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import goodput, report, sandbox_bench, scenarios, stores_bench
+from benchmarks import goodput, report, sandbox_bench, scale_bench, scenarios, stores_bench
 from benchmarks.harness import Harness
 from benchmarks.server import can_pin
 
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         ("s8", lambda: sandbox_bench.sandbox_overhead(h, size)),
         ("s9", lambda: stores_bench.store_overhead(h, size)),
         ("s10", lambda: scenarios.first_fanout(h, size)),
+        ("s11", lambda: scale_bench.scale(h, size, size_name)),
     ]
     results = []
     for key, run in plan:
