@@ -147,3 +147,35 @@ def test_a_forked_child_draws_other_session_ids() -> None:
     os.waitpid(pid, 0)
     os.close(read)
     assert theirs and theirs != mine
+
+
+def test_a_sub_pass_from_a_worker_thread_does_not_wait_behind_the_queue(runtime: Runtime) -> None:
+    # The gate is full with passes whose sync tool (on a worker thread) runs and reads a
+    # sub-pass; ordinary passes queued behind them block until released. The parents still
+    # finish first: their sub-passes start at once instead of queueing behind the others.
+    from treadle.runtime.threads import in_worker_thread, run_user_code
+
+    release = threading.Event()
+    flagged: list[bool] = []
+
+    async def sub(i: int) -> int:
+        return i
+
+    def sync_tool(i: int) -> int:
+        flagged.append(in_worker_thread())
+        return runtime.submit(sub(i)).result(timeout=60)
+
+    async def parent(i: int) -> int:
+        return await run_user_code(sync_tool, i)
+
+    async def blocked(i: int) -> int:
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return i
+
+    parents = [runtime.submit(parent(i)) for i in range(3)]
+    others = [runtime.submit(blocked(i)) for i in range(10)]
+    assert [lv.result(timeout=60) for lv in parents] == [0, 1, 2]
+    assert flagged == [True, True, True] and not in_worker_thread()
+    release.set()
+    assert [lv.result(timeout=60) for lv in others] == list(range(10))

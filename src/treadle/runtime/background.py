@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from treadle.errors import SessionFailedError
 from treadle.runtime.lazy import LazyValue
-from treadle.runtime.threads import thread_stats
+from treadle.runtime.threads import in_worker_thread, thread_stats
 
 __all__ = [
     "DEFAULT_DRAIN_SECONDS",
@@ -48,8 +48,9 @@ log = logging.getLogger("treadle.runtime")
 DEFAULT_DRAIN_SECONDS = 10.0
 
 ShutdownHook = Callable[[], Awaitable[None]]
-_Item = tuple[Coroutine[Any, Any, Any], LazyValue[Any], contextvars.Context]
-"""A pass submitted from another thread: its coroutine, its value, its caller's context."""
+_Item = tuple[Coroutine[Any, Any, Any], LazyValue[Any], contextvars.Context, bool]
+"""A pass submitted from another thread: its coroutine, its value, its caller's context, and
+whether a pass's own worker thread submitted it (a sync tool running a sub-agent)."""
 
 INBOX_LINGER_SECONDS = 0.002
 """While passes arrive in a burst, how often the loop looks for more without being woken."""
@@ -61,7 +62,8 @@ busy while passes run their tools, few enough that a hundred thousand submitted 
 each hold a started coroutine chain (memory, and the garbage collector walking it)."""
 STALL_SECONDS = 0.5
 """With passes waiting to start and none of the started ones ending for this long, more start
-anyway: passes that wait on later passes (a sync tool reading a nested pass) cannot deadlock."""
+anyway: passes that wait on later passes cannot deadlock. (Passes submitted by a pass's own worker
+thread, a sync tool running a sub-agent, never wait: they start at once.)"""
 
 
 class Runtime:
@@ -91,6 +93,7 @@ class Runtime:
         self._max_started = _max_started() if max_started is None else max_started
         self._ended = 0  # passes ended so far (the stall check compares it between looks)
         self._stall_seen: int | None = None  # `_ended` at the last look (None: no look armed)
+        self._allowance = 0  # starts let past the cap by stall checks (until no pass waits)
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
@@ -196,7 +199,7 @@ class Runtime:
         # Passes submitted from other threads start in batches (one wake-up of the loop for many
         # submits); each starts in a copy of its own caller's contextvars, so the caller's
         # tracing context is what its pass sees (otel scenarios in tests).
-        item = (coro, lazy, contextvars.copy_context())
+        item = (coro, lazy, contextvars.copy_context(), in_worker_thread())
         self._inbox.append(item)
         if not self._inbox_armed:  # else a wake-up is on its way and will see this one too
             self._inbox_armed = True
@@ -224,30 +227,39 @@ class Runtime:
             self.loop.call_later(INBOX_LINGER_SECONDS, self._start_inbox)
         else:
             self._inbox_armed = False
-        self._waiting.extend(inbox)
-        inbox.clear()
+        waiting = self._waiting
+        while inbox:
+            item = inbox.popleft()
+            if item[3]:  # a pass's sub-pass: its parent holds a start already, waiting for it
+                item[2].run(self._start, item[0], item[1])
+            else:
+                waiting.append(item)
         self._start_waiting()
 
-    def _start_waiting(self, extra: int = 0) -> None:
-        """Start waiting passes while fewer than the cap (plus `extra`) run."""
+    def _start_waiting(self) -> None:
+        """Start waiting passes while fewer than the cap (plus the stall allowance) run."""
         waiting = self._waiting
         room = (
             len(waiting)
             if self._max_started <= 0 or self._closed
-            else self._max_started + extra - len(self._tasks)
+            else self._max_started + self._allowance - len(self._tasks)
         )
         while waiting and room > 0:
-            coro, lazy, context = waiting.popleft()
+            coro, lazy, context, _ = waiting.popleft()
             context.run(self._start, coro, lazy)
             room -= 1
-        if waiting and self._stall_seen is None:
+        if not waiting:
+            self._allowance = 0
+        elif self._stall_seen is None:
             self._stall_seen = self._ended
             self.loop.call_later(STALL_SECONDS, self._check_stall)
 
     def _check_stall(self) -> None:
         seen, self._stall_seen = self._stall_seen, None
-        # No started pass ended since the last look: let another batch start (see STALL_SECONDS).
-        self._start_waiting(extra=max(1, self._max_started // 4) if seen == self._ended else 0)
+        if seen == self._ended and self._waiting:
+            # No started pass ended since the last look: another batch starts (STALL_SECONDS).
+            self._allowance += max(1, self._max_started // 4)
+        self._start_waiting()
 
     def _start(self, coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> None:
         with self._state:
