@@ -29,7 +29,7 @@ def test_tiny_benchmark_run_writes_results(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").read_text().count("### ") >= 9
     keys = [s["key"] for s in data["scenarios"]]
-    assert keys == ["s1", "s2", "s3", "s4", "s5", "s6a", "s6b", "s7", "s8", "s9", "s10"]
+    assert keys[:12] == ["s1", "s2", "s3", "s4", "s5", "s6a", "s6b", "s7", "s8", "s9", "s10", "s11"]
     goodput = next(s for s in data["scenarios"] if s["key"] == "s7")
     assert {t["name"] for t in goodput["targets"]} == {
         "S7 goodput, no configuration: x ideal",
