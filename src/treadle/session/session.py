@@ -12,7 +12,6 @@ Deriving from a pending session (`append`, `add_user_message`, `fork`, `to`, `wi
 from __future__ import annotations
 
 import os
-import random
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -24,6 +23,7 @@ from typing_extensions import TypeVar
 from treadle.errors import ConfigurationError
 from treadle.session import ports
 from treadle.session.combine import check_data_fields, merged_rows_and_usage, require_text
+from treadle.session.ids import new_session_id
 from treadle.session.lineage import LineageNode, record_usage
 from treadle.session.placement import SandboxHandle
 from treadle.session.rows import ChunkRow, ChunkTable, text_of_content
@@ -41,23 +41,6 @@ Output = TypeVar("Output", default=Any)
 """The type of `Session.output` (an `Agent[Deps, Output]` returns `Session[Output | None]`)."""
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
-
-
-# Seeded from os.urandom; a private instance, so `random.seed()` cannot make ids repeat.
-_ids = random.Random()
-# A forked child must not repeat its parent's ids (the global `random` reseeds the same way).
-os.register_at_fork(after_in_child=_ids.seed)
-
-
-def new_session_id() -> str:
-    """A fresh session id (32 hex characters, 128 random bits).
-
-    Drawn from a private generator seeded from `os.urandom`, not `uuid.uuid4()`: that reads
-    `os.urandom` on every call, a system call that lets go of the GIL, and a thread submitting
-    passes while the runtime's loop is busy then waits a whole switch interval (5 ms) to get it
-    back (10,000 lazy submissions: 1.4 s, mostly that wait; see docs/performance.md).
-    """
-    return f"{_ids.getrandbits(128):032x}"
 
 
 @dataclass(frozen=True, slots=True)
