@@ -45,6 +45,8 @@ class Job:
     """Repetitions for this job (None: the scenario's)."""
     src: str | None = None
     """Another checkout's `src/` to measure instead of this one (`--baseline-src`)."""
+    timeout: float | None = None
+    """Seconds the worker may take (None: `WORKER_TIMEOUT_SECONDS`)."""
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Harness:
                     continue
                 cpu0 = server.cpu()
                 started = time.perf_counter()
-                result = run_worker(job, server.url)
+                result = run_worker(job, server.url, job.timeout or WORKER_TIMEOUT_SECONDS)
                 elapsed = time.perf_counter() - started
                 if "skipped" in result or "failed" in result:
                     skipped.add(job.label)

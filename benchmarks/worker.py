@@ -22,6 +22,7 @@ CONTESTANTS = {
     "httpx": "benchmarks.reference.httpx_loop",
     "aiohttp": "benchmarks.reference.aiohttp_loop",
     "raw": "benchmarks.reference.raw_loop",
+    "treadle-scale": "benchmarks.contestants.treadle_scale",
     "openai-agents": "benchmarks.peers.openai_agents_loop",
     "pydantic-ai": "benchmarks.peers.pydantic_ai_loop",
     "openrath": "benchmarks.peers.openrath_loop",

@@ -30,7 +30,8 @@ def test_tiny_benchmark_run_writes_results(tmp_path: Path) -> None:
     assert (tmp_path / "results.md").read_text().count("### ") >= 9
     keys = [s["key"] for s in data["scenarios"]]
     assert keys == [
-        "s1", "s2", "s3", "s4", "s5", "s6a", "s6b", "s7", "s8", "s9", "s10", "s12", "s13", "s14"
+        "s1", "s2", "s3", "s4", "s5", "s6a", "s6b", "s7", "s8", "s9", "s10", "s11", "s12", "s13",
+        "s14",
     ]  # fmt: skip
     goodput = next(s for s in data["scenarios"] if s["key"] == "s7")
     assert {t["name"] for t in goodput["targets"]} == {

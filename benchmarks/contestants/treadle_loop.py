@@ -160,8 +160,12 @@ def fanout(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
 
         return {"errors": asyncio.run(main())}
 
-    if not job.get("cold"):  # a first fan-out (s9) meets the endpoint new
+    if not job.get("cold"):  # a first fan-out (s10) meets the endpoint new
         _ok(run_session_loop(user, agent, agent_provider=provider, tools=tools))  # warm the pool
+    else:  # new endpoint, warm process: the HTTP stack's first import is scenario 5's subject
+        import treadle._http.pool
+        import treadle.llm.client
+        import treadle.llm.transport  # noqa: F401
     meter.start()
     outs = [
         run_session_loop(user, agent, agent_provider=provider, tools=tools) for _ in range(job["n"])

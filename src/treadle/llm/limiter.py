@@ -33,6 +33,12 @@ BYTES_PER_TOKEN = 4
 """Rough bytes of request JSON per prompt token, for the tokens-per-minute estimate."""
 MAX_NAP = 0.25
 """Longest sleep between looks at the learned limits while waiting for room."""
+WAVE_GROWTH = 4
+"""The first wave grows to this many times `first_wave` once the endpoint stayed silent for
+`WAVE_SILENCE` seconds after it: no refusal came back, and a refusal comes back within a round
+trip (servers check limits on arrival), while a completion takes the model's time."""
+WAVE_SILENCE = 0.05
+"""Seconds without any reply after the first wave filled before it grows (see `WAVE_GROWTH`)."""
 
 
 def estimate_tokens(body: bytes) -> int:
@@ -111,6 +117,7 @@ class EndpointLimiter:
         # mirror leases permits without knowing of other workers' unanswered first requests.
         self._first_wave = 1 if self._shared is not None else max(1, first_wave)
         self._waiting = 0  # callers in the slow path (a shared lease asks for that many)
+        self._growth: asyncio.Task[None] | None = None  # the wave's silence watch (once)
         self.peak_active = 0
         """Highest number of requests in flight seen (for tests and metrics)."""
 
@@ -141,6 +148,8 @@ class EndpointLimiter:
     async def _acquire_slow(self, tokens: int) -> Permit:
         async with self._gate:
             while self._active >= self.max_concurrent or self._probes_out >= self._first_wave:
+                if self._probing and self._growth is None and self._first_wave > 1:
+                    self._growth = asyncio.ensure_future(self._grow_after_silence())
                 self._freed.clear()
                 await self._freed.wait()
             if self._rated:
@@ -180,6 +189,24 @@ class EndpointLimiter:
             self._count_probe(permit)
             return permit
 
+    async def _grow_after_silence(self) -> None:
+        """Let the first wave grow once the endpoint stayed silent after it (`WAVE_GROWTH`)."""
+        loop = asyncio.get_running_loop()
+        while self._probing:
+            armed = loop.time()
+            await asyncio.sleep(WAVE_SILENCE)
+            for _ in range(3):  # replies already read reach `observe` first
+                await asyncio.sleep(0)
+            if not self._probing:
+                return
+            if loop.time() - armed > WAVE_SILENCE * 1.5:
+                # This loop lags (a starved machine): a reply may be waiting unread, and silence
+                # proves nothing. Watch again.
+                continue
+            self._first_wave *= WAVE_GROWTH
+            self._freed.set()
+            return
+
     def _count_probe(self, permit: Permit) -> None:
         if self._probing:
             permit.probe = True
@@ -201,6 +228,8 @@ class EndpointLimiter:
         if self._probing:  # the first reply: learning is settled, the others may go
             self._probing = False
             self._probes_out = 0
+            if self._growth is not None:  # the silence watch has nothing left to do
+                self._growth.cancel()
             self._freed.set()
         if not (learned.known or refused or "x-ratelimit-remaining-requests" in headers
                 or "x-ratelimit-remaining-tokens" in headers):  # fmt: skip

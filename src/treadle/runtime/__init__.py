@@ -3,6 +3,7 @@
 
 from treadle.runtime.background import (
     DEFAULT_DRAIN_SECONDS,
+    DEFAULT_MAX_STARTED,
     Runtime,
     add_shutdown_hook,
     get_runtime,
@@ -16,6 +17,7 @@ from treadle.runtime.threads import thread_stats
 
 __all__ = [
     "DEFAULT_DRAIN_SECONDS",
+    "DEFAULT_MAX_STARTED",
     "LazyValue",
     "Runtime",
     "add_shutdown_hook",

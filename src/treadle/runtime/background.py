@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from treadle.errors import SessionFailedError
 from treadle.runtime.lazy import LazyValue
-from treadle.runtime.threads import thread_stats
+from treadle.runtime.threads import in_worker_thread, thread_stats
 
 __all__ = [
     "DEFAULT_DRAIN_SECONDS",
@@ -48,12 +48,30 @@ log = logging.getLogger("treadle.runtime")
 DEFAULT_DRAIN_SECONDS = 10.0
 
 ShutdownHook = Callable[[], Awaitable[None]]
+_Item = tuple[Coroutine[Any, Any, Any], LazyValue[Any], contextvars.Context, bool]
+"""A pass submitted from another thread: its coroutine, its value, its caller's context, and
+whether a pass's own worker thread submitted it (a sync tool running a sub-agent)."""
+
+INBOX_LINGER_SECONDS = 0.002
+"""While passes arrive in a burst, how often the loop looks for more without being woken."""
+DEFAULT_MAX_STARTED = 4096
+"""Passes submitted from other threads that run at once (override with the
+TREADLE_MAX_STARTED_PASSES environment variable, 0 for no cap); the rest wait, not yet started,
+until one ends. Four times the default cap on requests in flight: enough to keep every connection
+busy while passes run their tools, few enough that a hundred thousand submitted passes do not
+each hold a started coroutine chain (memory, and the garbage collector walking it)."""
+STALL_SECONDS = 0.5
+"""With passes waiting to start and none of the started ones ending for this long, more start
+anyway: passes that wait on later passes cannot deadlock. (Passes submitted by a pass's own worker
+thread, a sync tool running a sub-agent, never wait: they start at once.)"""
 
 
 class Runtime:
     """A background asyncio event loop on a daemon thread, owning every task submitted to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_started: int | None = None) -> None:
+        """`max_started`: passes from other threads running at once (None: the
+        `TREADLE_MAX_STARTED_PASSES` environment variable or `DEFAULT_MAX_STARTED`; 0: no cap)."""
         self.loop = asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lazies: dict[asyncio.Task[Any], concurrent.futures.Future[Any]] = {}
@@ -68,10 +86,14 @@ class Runtime:
         # Passes submitted from other threads wait here; one wake-up of the loop starts every
         # one queued by then (a fan-out of thousands is not thousands of self-pipe writes and
         # thread switches).
-        self._inbox: deque[tuple[Coroutine[Any, Any, Any], LazyValue[Any], contextvars.Context]] = (
-            deque()
-        )
+        self._inbox: deque[_Item] = deque()
         self._inbox_armed = False
+        # Moved from the inbox, waiting for a start (see `DEFAULT_MAX_STARTED`); loop thread only.
+        self._waiting: deque[_Item] = deque()
+        self._max_started = _max_started() if max_started is None else max_started
+        self._ended = 0  # passes ended so far (the stall check compares it between looks)
+        self._stall_seen: int | None = None  # `_ended` at the last look (None: no look armed)
+        self._allowance = 0  # starts let past the cap by stall checks (until no pass waits)
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
@@ -177,7 +199,7 @@ class Runtime:
         # Passes submitted from other threads start in batches (one wake-up of the loop for many
         # submits); each starts in a copy of its own caller's contextvars, so the caller's
         # tracing context is what its pass sees (otel scenarios in tests).
-        item = (coro, lazy, contextvars.copy_context())
+        item = (coro, lazy, contextvars.copy_context(), in_worker_thread())
         self._inbox.append(item)
         if not self._inbox_armed:  # else a wake-up is on its way and will see this one too
             self._inbox_armed = True
@@ -194,11 +216,50 @@ class Runtime:
         return lazy
 
     def _start_inbox(self) -> None:
-        self._inbox_armed = False  # before draining: a later submit arms a new wake-up
         inbox = self._inbox
+        if len(inbox) < 2:
+            self._inbox_armed = False  # before draining: a later submit arms a new wake-up
+        elif not self._closed:
+            # A burst is being submitted: stay armed and look again shortly, so the submitting
+            # thread does not write the self-pipe for every pass. Each write lets go of the GIL,
+            # and while the loop is busy the submitter then waits a whole switch interval (5 ms)
+            # to get it back (see docs/performance.md).
+            self.loop.call_later(INBOX_LINGER_SECONDS, self._start_inbox)
+        else:
+            self._inbox_armed = False
+        waiting = self._waiting
         while inbox:
-            coro, lazy, context = inbox.popleft()
+            item = inbox.popleft()
+            if item[3]:  # a pass's sub-pass: its parent holds a start already, waiting for it
+                item[2].run(self._start, item[0], item[1])
+            else:
+                waiting.append(item)
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """Start waiting passes while fewer than the cap (plus the stall allowance) run."""
+        waiting = self._waiting
+        room = (
+            len(waiting)
+            if self._max_started <= 0 or self._closed
+            else self._max_started + self._allowance - len(self._tasks)
+        )
+        while waiting and room > 0:
+            coro, lazy, context, _ = waiting.popleft()
             context.run(self._start, coro, lazy)
+            room -= 1
+        if not waiting:
+            self._allowance = 0
+        elif self._stall_seen is None:
+            self._stall_seen = self._ended
+            self.loop.call_later(STALL_SECONDS, self._check_stall)
+
+    def _check_stall(self) -> None:
+        seen, self._stall_seen = self._stall_seen, None
+        if seen == self._ended and self._waiting:
+            # No started pass ended since the last look: another batch starts (STALL_SECONDS).
+            self._allowance += max(1, self._max_started // 4)
+        self._start_waiting()
 
     def _start(self, coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> None:
         with self._state:
@@ -207,6 +268,8 @@ class Runtime:
                 return
         task = self.loop.create_task(_started(coro, lazy))
         lazy._task = task
+        if lazy._cancel_asked:  # cancelled while it waited to start
+            self.loop.call_soon(lazy._cancel_task)
         self._tasks.add(task)
         self._lazies[task] = lazy._future
         task.add_done_callback(lambda t: self._settle(t, lazy._future))
@@ -214,6 +277,9 @@ class Runtime:
     def _settle(self, task: asyncio.Task[T], future: concurrent.futures.Future[T]) -> None:
         self._tasks.discard(task)
         self._lazies.pop(task, None)
+        self._ended += 1
+        if self._waiting:
+            self._start_waiting()
         if future.done():  # failed already by `_died`
             return
         if task.cancelled():
@@ -235,8 +301,8 @@ class Runtime:
 
     @property
     def pending(self) -> int:
-        """Number of submitted tasks still running."""
-        return len(self._tasks)
+        """Number of submitted tasks not ended yet (running, or waiting to start)."""
+        return len(self._tasks) + len(self._waiting) + len(self._inbox)
 
     def shutdown(self, drain_seconds: float = DEFAULT_DRAIN_SECONDS) -> None:
         """Let running tasks finish for up to `drain_seconds`, cancel the rest, stop the loop."""
@@ -255,6 +321,7 @@ class Runtime:
             self.loop.close()
 
     async def _drain(self, drain_seconds: float) -> None:
+        self._start_inbox()  # closed: every waiting pass starts now (and drains like the others)
         tasks = set(self._tasks)
         if tasks:
             _, still = await asyncio.wait(tasks, timeout=drain_seconds)
@@ -282,6 +349,16 @@ async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> T:
             f"user code raised {type(err).__name__}({err}) inside this pass, which ended it; "
             "other passes were not affected."
         ) from err
+
+
+def _max_started() -> int:
+    value = os.environ.get("TREADLE_MAX_STARTED_PASSES", "")
+    try:
+        return int(value) if value.strip() else DEFAULT_MAX_STARTED
+    except ValueError:
+        log.warning("TREADLE_MAX_STARTED_PASSES=%r is not an integer; using %d", value,
+                    DEFAULT_MAX_STARTED)  # fmt: skip
+        return DEFAULT_MAX_STARTED
 
 
 _lock = threading.Lock()

@@ -33,13 +33,17 @@ V = TypeVar("V")
 class LazyValue(Generic[T]):
     """The future result of a coroutine submitted to the runtime."""
 
-    __slots__ = ("__weakref__", "_also", "_future", "_runtime", "_source", "_started", "_task")
+    __slots__ = (
+        "__weakref__", "_also", "_cancel_asked", "_future", "_runtime", "_source", "_started",
+        "_task",
+    )  # fmt: skip
 
     def __init__(self, future: concurrent.futures.Future[T], runtime: Runtime) -> None:
         self._future = future
         self._runtime = runtime
         self._task: asyncio.Task[T] | None = None
         self._started = False
+        self._cancel_asked = False  # cancelled before the runtime started it (a full start gate)
         self._source: LazyValue[Any] | None = None
         self._also: LazyValue[Any] | None = None  # a join's second source
 
@@ -173,7 +177,10 @@ class LazyValue(Generic[T]):
 
     def _cancel_task(self) -> None:
         task = self._task
-        if task is None or task.done():
+        if task is None:  # not started yet: the runtime cancels it as it starts
+            self._cancel_asked = True
+            return
+        if task.done():
             return
         if not self._started:
             # A task cancelled before its first step never runs its body, so the coroutine could

@@ -183,6 +183,11 @@ def _resize(limiter: anyio.CapacityLimiter, delta: int) -> None:
     limiter.total_tokens = max(1, int(limiter.total_tokens) + delta)
 
 
+def in_worker_thread() -> bool:
+    """True on a worker thread running user code for a pass (a sync tool, callback, guardrail)."""
+    return getattr(_local, "slot", None) is not None
+
+
 @contextlib.contextmanager
 def lending_slot() -> Iterator[None]:
     """Around a blocking wait on a worker thread: lend this thread's limiter slot to others.

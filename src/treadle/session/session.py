@@ -12,7 +12,6 @@ Deriving from a pending session (`append`, `add_user_message`, `fork`, `to`, `wi
 from __future__ import annotations
 
 import os
-import uuid
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -24,6 +23,7 @@ from typing_extensions import TypeVar
 from treadle.errors import ConfigurationError
 from treadle.session import ports
 from treadle.session.combine import check_data_fields, merged_rows_and_usage, require_text
+from treadle.session.ids import new_session_id
 from treadle.session.lineage import LineageNode, record_usage
 from treadle.session.placement import SandboxHandle
 from treadle.session.rows import ChunkRow, ChunkTable, text_of_content
@@ -41,11 +41,6 @@ Output = TypeVar("Output", default=Any)
 """The type of `Session.output` (an `Agent[Deps, Output]` returns `Session[Output | None]`)."""
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
-
-
-def new_session_id() -> str:
-    """A fresh session id (32 hex characters)."""
-    return uuid.uuid4().hex
 
 
 @dataclass(frozen=True, slots=True)
