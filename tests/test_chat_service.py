@@ -54,11 +54,16 @@ async def wait_for_operator() -> str:
     return "never"
 
 
+stall_asked = threading.Event()
+"""Set when the model is asked the stalling question: the pass has opened its conversation."""
+
+
 def model(request: dict[str, Any]) -> Any:
     last = request["messages"][-1]
     if last["role"] == "user" and last["content"] == "wait":
         return Reply.tool_call("wait_for_operator", {})
     if last["role"] == "user" and last["content"] == "stall":
+        stall_asked.set()
         # the first words stream at once, then the model goes quiet for ten minutes
         return Reply.text("Let me think about it for a long while.", chunk_chars=8).stalled(600_000)
     return chat_app.fake_model(request)
@@ -180,10 +185,14 @@ def test_a_disconnect_while_the_model_streams_cancels_the_pass(
     """No tool runs here: the pass waits on the model's stream when the client hangs up. The
     pass must end `cancelled` (not stay `running`), with nothing committed."""
     served, store = service
+    stall_asked.clear()
     with httpx.stream(
         "POST", f"{served.url}/chat/carol", json={"message": "stall"}, timeout=TIMEOUT
     ) as reply:
-        assert reply.status_code == 200  # the pass runs and waits on the model: hang up
+        assert reply.status_code == 200
+        # Hang up once the pass waits on the model (before that, under load, the pass may not
+        # have opened its conversation yet: cancelled then, it has nothing to record).
+        assert stall_asked.wait(TIMEOUT)
     deadline = time.monotonic() + TIMEOUT
     while [p.status for p in store.pending("carol")] != ["cancelled"]:
         assert time.monotonic() < deadline, store.pending("carol")
