@@ -1,8 +1,8 @@
 """No stdio MCP server process outlives `aclose`: not a grandchild that left the server's process
 group with `setsid()` (after a double fork, ignoring SIGTERM), not a server that ignores SIGTERM.
 
-The server runs under `treadle.mcp.reaper`, a child subreaper: orphans are re-parented to it and
-it kills every descendant when the server is closed.
+The server runs under `treadle.mcp.reaper` (the init of a PID namespace, or a child subreaper):
+orphans are re-parented to it and it kills every descendant when the server is closed.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_the_supervisor_passes_the_servers_exit_code_and_reaps_its_orphans(
         "import os, sys, time\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
-        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        f"    open({str(pid_file)!r}, 'w').write(os.readlink('/proc/self'))\n"
         "    time.sleep(3600)\n"
         "time.sleep(0.2)\n"
         "sys.exit(7)\n"

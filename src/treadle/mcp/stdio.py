@@ -8,8 +8,9 @@ ends with a `MessageTooLarge` fault (the link reports it to the call and restart
 the next one). The server's stderr goes where the caller says, or, with `subprocess.PIPE`, to a
 bounded reader that logs each line and keeps the last few for error messages; no pipe of the
 server is ever left unread. On Linux the server runs under a small supervisor
-(`treadle.mcp.reaper`, a child subreaper), so closing also stops descendants that left the
-server's process group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
+(`treadle.mcp.reaper`: the init of a PID namespace of its own, or a child subreaper where
+namespaces are not allowed), so closing also stops descendants that left the server's process
+group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
 worker thread: parsing a message near the cap takes seconds of pure Python.
 
 This module must never hold more than the cap of one message, never block the event loop, and
@@ -258,7 +259,7 @@ _REAPER = Path(__file__).with_name("reaper.py")
 
 
 def _supervised(argv: list[str]) -> list[str]:
-    """`argv` run under the subreaper supervisor where it works (Linux with /proc), else as is."""
+    """`argv` run under the supervisor where it works (Linux with /proc), else as is."""
     if sys.platform != "linux" or not os.path.isdir("/proc/self") or not sys.executable:
         return argv
     return [sys.executable, "-I", "-S", str(_REAPER), *argv]
