@@ -359,10 +359,13 @@ def test_a_second_writer_through_another_path_to_the_log_is_refused(
     header = LogHeader("h", {}, "ds", 1, 1)
     first = LogWriter(log, header)
     try:
-        with pytest.raises(EvalLogBusyError, match="is being written by another run"):
+        with pytest.raises(EvalLogBusyError, match="is being written by another run") as refused:
             LogWriter(other, header)
     finally:
         first.close()
+    # The holder is named whichever path reached the file (its note sits beside the other one).
+    assert f"pid {os.getpid()} on " in str(refused.value), refused.value
+    assert "has not written its name" not in str(refused.value)
     # once the first is done, the alias may write (it resumes the same log)
     LogWriter(other, header).close()
     assert len(log.read_text().splitlines()) == 1
