@@ -134,3 +134,24 @@ def test_the_cli_counts_loading_the_sdk_against_the_mcp_timeout() -> None:
 
     (given,) = asyncio.run(opened())
     assert _LEAST_SECONDS <= given <= GUARD_SECONDS
+
+
+def test_the_cli_says_the_wait_it_gave_not_the_time_stopping_took() -> None:
+    # A server that neither answers nor stops on SIGTERM: stopping it takes seconds past the
+    # timeout, which the message must not count as time it was given to answer.
+    import re
+
+    from treadle.cli.failures import CliFailure
+    from treadle.cli.mcp_tools import open_servers
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    command = shlex.join([sys.executable, "-c", stubborn])
+    with pytest.raises(CliFailure) as failed:
+        asyncio.run(open_servers([command], [], connect_timeout=0.5))
+    said = re.search(
+        r"no answer within (\d+\.\d) s(?: \((\d+\.\d) s of it loading)?", str(failed.value)
+    )
+    assert said is not None, failed.value
+    loading = float(said.group(2) or 0.0)
+    # Rounded figures of loading + the 0.5 s granted (stopping took 2 s more: SIGTERM ignored).
+    assert abs(float(said.group(1)) - loading - 0.5) <= 0.15, failed.value
