@@ -36,6 +36,12 @@ _PNG = bytes.fromhex(
 )
 
 
+def host_pid() -> int:
+    """This process's pid outside the supervisor's PID namespace (`os.getpid()` gives the one
+    inside it): /proc is the host's mount, so /proc/self names the host pid."""
+    return int(os.readlink("/proc/self"))
+
+
 @app.tool()
 def add(a: int, b: int) -> int:
     """Add two integers."""
@@ -50,8 +56,8 @@ def echo(text: str) -> str:
 
 @app.tool()
 def pid() -> int:
-    """The server's process id."""
-    return os.getpid()
+    """The server's process id, as the test process sees it."""
+    return host_pid()
 
 
 @app.tool()
@@ -188,7 +194,7 @@ def _escape(pid_file: str) -> None:
         if os.fork() == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             with open(pid_file + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
+                f.write(str(host_pid()))
             os.replace(pid_file + ".tmp", pid_file)
             while True:
                 time.sleep(3600)

@@ -1,8 +1,8 @@
 """No stdio MCP server process outlives `aclose`: not a grandchild that left the server's process
 group with `setsid()` (after a double fork, ignoring SIGTERM), not a server that ignores SIGTERM.
 
-The server runs under `treadle.mcp.reaper`, a child subreaper: orphans are re-parented to it and
-it kills every descendant when the server is closed.
+The server runs under `treadle.mcp.reaper` (the init of a PID namespace, or a child subreaper):
+orphans are re-parented to it and it kills every descendant when the server is closed.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_the_supervisor_passes_the_servers_exit_code_and_reaps_its_orphans(
         "import os, sys, time\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
-        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        f"    open({str(pid_file)!r}, 'w').write(os.readlink('/proc/self'))\n"
         "    time.sleep(3600)\n"
         "time.sleep(0.2)\n"
         "sys.exit(7)\n"
@@ -134,3 +134,24 @@ def test_the_cli_counts_loading_the_sdk_against_the_mcp_timeout() -> None:
 
     (given,) = asyncio.run(opened())
     assert _LEAST_SECONDS <= given <= GUARD_SECONDS
+
+
+def test_the_cli_says_the_wait_it_gave_not_the_time_stopping_took() -> None:
+    # A server that neither answers nor stops on SIGTERM: stopping it takes seconds past the
+    # timeout, which the message must not count as time it was given to answer.
+    import re
+
+    from treadle.cli.failures import CliFailure
+    from treadle.cli.mcp_tools import open_servers
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    command = shlex.join([sys.executable, "-c", stubborn])
+    with pytest.raises(CliFailure) as failed:
+        asyncio.run(open_servers([command], [], connect_timeout=0.5))
+    said = re.search(
+        r"no answer within (\d+\.\d) s(?: \((\d+\.\d) s of it loading)?", str(failed.value)
+    )
+    assert said is not None, failed.value
+    loading = float(said.group(2) or 0.0)
+    # Rounded figures of loading + the 0.5 s granted (stopping took 2 s more: SIGTERM ignored).
+    assert abs(float(said.group(1)) - loading - 0.5) <= 0.15, failed.value

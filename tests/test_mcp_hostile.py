@@ -3,8 +3,10 @@
 A schema regex that backtracks for minutes in Python's `re`, a `$ref` loop, 20,000 tool-list
 announcements, a 64 MiB reply, a server that writes its stderr without end: each must end as a
 tool error (or a clear refusal) for its own pass only, while the bystanders' transcripts come out
-as in a quiet run and the runtime loop is never kept busy longer than `STALL_LIMIT`
-(tests/loop_watch.py measures it). Every test ends with no server process left.
+as in a quiet run and the runtime loop thread never spends more than `STALL_LIMIT` of CPU time
+between two heartbeats (tests/loop_watch.py measures it; CPU time, unlike the wall-clock gap it
+also prints, does not stretch when the shared machine is loaded). Every test ends with no server
+process left.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def test_a_backtracking_pattern_costs_the_loop_nothing(
     bad = results["match"]
     assert bad["ok"] is False and bad["error_kind"] == "invalid_tool_arguments"
     assert "does not match '^(a+)+$'" in bad["message"]
-    assert stall.blocked < STALL_LIMIT, stall
+    assert stall.cpu < STALL_LIMIT, stall
     assert _pass(server, ("match", {"text": "a" * 28}))["match"]["structured"] == {
         "result": "matched 28"
     }
@@ -114,7 +116,7 @@ def test_a_backtracking_output_pattern_costs_the_loop_nothing(
     text = "a" * 28 + "b"
     error, stall = beside_bystanders(lambda: _refused_call(server, "spell", text=text), quiet)
     assert isinstance(error, ToolError) and "does not match '^(a+)+$'" in str(error)
-    assert stall.blocked < STALL_LIMIT, stall
+    assert stall.cpu < STALL_LIMIT, stall
     assert _call(server, "spell", text="aaaa").structured_content == {"result": "aaaa"}
 
 
@@ -134,7 +136,7 @@ def test_a_cyclic_schema_is_refused_when_listed(quiet: list[list[dict[str, Any]]
         message = str(error)
         assert "tool 'loop'" in message and SERVER_SCRIPT in message
         assert "$ref chain loops without descending" in message
-        assert stall.blocked < STALL_LIMIT, stall
+        assert stall.cpu < STALL_LIMIT, stall
         # a pass given the server fails with the same error, not with RecursionError
         with FakeOpenAIServer(script=calls_then_answer(("loop", {"x": 1}))) as fake:
             provider = Provider(model="fake-model", base_url=fake.base_url, api_key="k")
@@ -165,7 +167,7 @@ def test_twenty_thousand_list_changed_cause_a_handful_of_listings(
     assert server.listings <= 3 + storm / REFRESH_MAX_WAIT
     assert server.restarts == 0
     assert grown < 64
-    assert stall.blocked < STALL_LIMIT, stall
+    assert stall.cpu < STALL_LIMIT, stall
 
 
 def test_closing_during_a_notification_storm_stops_the_server() -> None:
@@ -195,7 +197,7 @@ def test_a_reply_over_the_cap_is_a_tool_error_and_restarts(
     refused = results["big"]
     assert refused["ok"] is False and refused["error_kind"] == "tool_execution_exception"
     assert f"max_message_bytes cap of {DEFAULT_MAX_MESSAGE_BYTES:,} bytes" in refused["message"]
-    assert stall.blocked < STALL_LIMIT, stall
+    assert stall.cpu < STALL_LIMIT, stall
     # the connection was closed with its process; the next call starts a new one
     assert _call(server, "pid").structured_content["result"] != first
     assert server.restarts == 1
@@ -214,7 +216,7 @@ def test_an_http_reply_over_the_cap_is_a_tool_error(
             wanted = "byte limit" if shape == "sse" else "max_message_bytes cap of 4,194,304"
             assert wanted in str(error)
             assert "closed" in str(error)
-            assert stall.blocked < STALL_LIMIT, stall
+            assert stall.cpu < STALL_LIMIT, stall
             # the server still serves, on a fresh connection (the capped one was closed)
             assert _call(remote, "add", a=1, b=2).structured_content == {"result": 3}
             assert remote.restarts == 1
@@ -323,7 +325,7 @@ def test_a_chatty_stderr_pipe_is_read_and_logged(quiet: list[list[dict[str, Any]
         while handler.lines < 200_000 and time.monotonic() < deadline:
             time.sleep(0.05)  # the last lines may still be in the pipe when the reply is read
         assert handler.lines == 200_000 and "stderr: 199999 chatter" in handler.last
-        assert stall.blocked < STALL_LIMIT, stall
+        assert stall.cpu < STALL_LIMIT, stall
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

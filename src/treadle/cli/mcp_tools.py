@@ -22,7 +22,8 @@ __all__ = ["close_servers", "open_servers"]
 
 
 #: Seconds every server gets to start however long loading the SDK took (the rest of the
-#: --mcp-timeout, counted from when the servers are opened, when that is longer).
+#: --mcp-timeout, counted from when the servers are opened, when that is longer; the whole
+#: --mcp-timeout when that is shorter: the user's bound is never exceeded for a start).
 _LEAST_SECONDS = 1.0
 
 # Start failures that mean "could not be reached" (exit 4), by the type name the link reports.
@@ -45,7 +46,7 @@ async def open_servers(
     `urls`; a missing or None entry leaves that server's tool names as they are.
     `connect_timeout` bounds the whole wait, loading the MCP SDK included, from the call to each
     server's first tool listing (None: the MCP default); each server gets at least
-    `_LEAST_SECONDS` of it.
+    `_LEAST_SECONDS` of it, or all of it when it is shorter.
     """
     named = list(prefixes) + [None] * (len(commands) + len(urls) - len(prefixes))
     started = time.monotonic()
@@ -59,7 +60,8 @@ async def open_servers(
             EXIT_CODES["usage"],
         ) from None
     # The wait the user asked for starts now: loading the SDK (a second or more) counts against
-    # it, but the servers themselves always get at least `_LEAST_SECONDS` of it.
+    # it, but the servers themselves always get at least `_LEAST_SECONDS` of it (all of it
+    # when the user asked for less).
     asked = connect_timeout if connect_timeout is not None else DEFAULT_CONNECT_TIMEOUT
     loading = time.monotonic() - started
     limits: dict[str, Any] = {"connect_timeout": max(asked - loading, min(asked, _LEAST_SECONDS))}
@@ -98,7 +100,9 @@ async def open_servers(
             ) from None
         if "(TimeoutError" in cause:
             server = cause.split(" (TimeoutError", 1)[0]
-            waited = time.monotonic() - started
+            # The wait for an answer as granted, not the clock now: stopping a server that
+            # ignores SIGTERM takes seconds more, which is not time it was given to answer.
+            waited = loading + limits["connect_timeout"]
             said = f" ({loading:.1f} s of it loading the MCP SDK)" if loading >= 0.1 else ""
             raise CliFailure(
                 f"{server}: no answer within {waited:.1f} s{said}.",

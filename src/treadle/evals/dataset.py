@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -123,6 +124,15 @@ def _encodes(text: str) -> bool:
     return True
 
 
+def _fs_encodes(path: str) -> bool:
+    """Whether `path` can be a file name here (a non-UTF-8 locale cannot name `café.txt`)."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_files(item_id: str, files: Mapping[str, Any]) -> None:
     """Refuse workspace files that cannot all be laid out in one directory: a path that is not
     relative, leaves the workspace, names the workspace itself (`.`), holds a NUL byte, a lone
@@ -141,6 +151,11 @@ def _check_files(item_id: str, files: Mapping[str, Any]) -> None:
             why = "the path holds a lone surrogate (not valid Unicode)"
         elif not _encodes(text):
             why = "its text holds a lone surrogate (not valid Unicode), so it cannot be written"
+        elif not _fs_encodes(path):
+            why = (
+                f"the path cannot be a file name in this process's file system encoding "
+                f"({sys.getfilesystemencoding()}; run with PYTHONUTF8=1 or a UTF-8 locale)"
+            )
         elif len(path.encode()) > _PATH_MAX:
             why = f"the path is {len(path.encode()):,} bytes, longer than {_PATH_MAX:,}"
         elif pure.is_absolute() or ".." in pure.parts:

@@ -5,6 +5,7 @@ following a planted symlink. This module must never write through a symlink it d
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import os
@@ -80,16 +81,42 @@ _NOTE_WAIT = 2.0
 
 def _named_holder(log: Path) -> str:
     """The holder note's text, waiting briefly (this runs on a worker thread) for a holder that
-    has just taken the lock to write it."""
+    has just taken the lock to write it. The note sits beside the path its holder used, so a run
+    reaching the log through another path (a hard link) may find no note, or another run's: the
+    lock's owner by the file's identity (`/proc/locks` on Linux) decides which is true."""
+    owner = _flock_owner(log)
     deadline = time.monotonic() + _NOTE_WAIT
     while True:
-        said = _holder(lock_path(log))
-        if not said.startswith("its holder") or time.monotonic() > deadline:
+        said, pid = _holder(lock_path(log))
+        if owner is not None and pid != owner:
+            # No note here, or one left by another run: say who holds the file's lock.
+            return f"pid {owner} on {socket.gethostname()} (its holder note is beside another path)"
+        if pid is not None or time.monotonic() > deadline:
             return said
         time.sleep(0.02)
 
 
-def _holder(note: Path) -> str:
+def _flock_owner(log: Path) -> int | None:
+    """The pid holding an exclusive `flock` on the file `log` names, found by its device and
+    inode in `/proc/locks` (None where Linux does not say, or when nobody holds it)."""
+    try:
+        st = os.stat(log)
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            table = locks.read()
+    except OSError:
+        return None
+    identity = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 12801 fe:00:2146371 0 EOF" (blocked waiters start "->")
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == identity:
+            with contextlib.suppress(ValueError):
+                return int(fields[4])
+    return None
+
+
+def _holder(note: Path) -> tuple[str, int | None]:
+    """What the holder note says, and the pid it names (None: no readable note)."""
     try:
         fd = os.open(note, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -97,9 +124,10 @@ def _holder(note: Path) -> str:
         finally:
             os.close(fd)
         started = datetime.datetime.fromtimestamp(float(data["started"]), datetime.UTC)
-        return f"pid {int(data['pid'])} on {data['host']}, started {started:%Y-%m-%d %H:%M:%S} UTC"
+        pid = int(data["pid"])
+        return f"pid {pid} on {data['host']}, started {started:%Y-%m-%d %H:%M:%S} UTC", pid
     except (OSError, ValueError, TypeError, KeyError, OverflowError):
-        return "its holder has not written its name yet"
+        return "its holder has not written its name yet", None
 
 
 def unlock_log(fd: int) -> None:

@@ -491,5 +491,5 @@ def _make_workspace(root: Path, attempt: _Attempt) -> Path:
     for relative, text in attempt.item.files.items():
         target = path / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
+        target.write_text(text, encoding="utf-8")  # whatever the locale says
     return path

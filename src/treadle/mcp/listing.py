@@ -57,6 +57,9 @@ _ITEM_TYPES: dict[str, TypeAdapter[Any]] = {
     "tools/list": TypeAdapter(list[types.Tool]),
 }
 _TYPED_PER_STEP = 2000
+# A result's fields of free-form JSON: such a result is always typed on a worker thread, and the
+# fields are kept as plain data rather than checked in one long call.
+_FREE_FORM = ("_meta", "structuredContent")
 # The request being sent by this task: its result type, and the typed result once a bulky one
 # was typed off the loop.
 _typing: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("treadle_mcp_typing")
@@ -66,21 +69,30 @@ def _typed(session: Any, method: str, raw: dict[str, Any], result_type: Any) -> 
     """`raw` checked and typed as the SDK does it (blocking: on a worker thread), its long list
     `_TYPED_PER_STEP` items at a time: each pydantic call holds the GIL throughout, so one call
     over 130,000 blocks would keep the runtime loop from running for a second or more even from
-    another thread; between steps the loop gets its turn."""
+    another thread; between steps the loop gets its turn. Free-form extra data (`_meta`,
+    `structuredContent`) is kept as the plain JSON it was parsed into: the SDK's check walks it
+    as JSON values in one call (a 4 MiB `_meta` holds the GIL for most of 100 ms), so the check
+    sees an empty value of the same kind instead and the real one is put back untouched."""
     version = getattr(session, "_negotiated_version", None) or "2025-11-25"
     key = _BULKY[method]
-    items = raw[key]
+    items = raw.get(key)
+    items = items if isinstance(items, list) else []
+    free = {k: raw[k] for k in _FREE_FORM if k in raw}
     rest = {k: v for k, v in raw.items() if k != key}
+    # Checked as an empty value of the same kind: a dict must stay a dict, and so on.
+    rest.update({k: type(v)() if isinstance(v, dict | list) else v for k, v in free.items()})
     typed: list[Any] = []
     adapter = _ITEM_TYPES[method]
-    for start in range(0, len(items), _TYPED_PER_STEP):
+    for start in range(0, max(len(items), 1), _TYPED_PER_STEP):
         step = items[start : start + _TYPED_PER_STEP]
         # KeyError: a method or version without a row, which the SDK skips too
         with contextlib.suppress(KeyError):
             result_rows.validate_server_result(method, version, {**rest, key: step})
         typed.extend(adapter.validate_python(step, by_name=False))
         time.sleep(0)  # let the loop thread take the GIL
-    whole = {**rest, key: typed}  # typed items pass through unchecked again
+    # Typed items pass through unchecked again; free-form fields are `Any` or `dict[str, Any]`
+    # in the result type, taken as they are without a walk.
+    whole = {**rest, **free, key: typed}
     if isinstance(result_type, TypeAdapter):
         return result_type.validate_python(whole, by_name=False)
     return result_type.model_validate(whole, by_name=False)
@@ -103,7 +115,8 @@ class _Tap:
         if key is None or pending is None or not isinstance(raw, dict):
             return raw
         items = raw.get(key)
-        if not isinstance(items, list) or len(items) <= OFF_LOOP_ITEMS:
+        bulky = isinstance(items, list) and len(items) > OFF_LOOP_ITEMS
+        if not bulky and not any(field in raw for field in _FREE_FORM):
             return raw
         pending.append(await run_internal_io(_typed, self._session, method, raw, pending[0]))
         return {key: []}

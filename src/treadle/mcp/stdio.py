@@ -8,8 +8,9 @@ ends with a `MessageTooLarge` fault (the link reports it to the call and restart
 the next one). The server's stderr goes where the caller says, or, with `subprocess.PIPE`, to a
 bounded reader that logs each line and keeps the last few for error messages; no pipe of the
 server is ever left unread. On Linux the server runs under a small supervisor
-(`treadle.mcp.reaper`, a child subreaper), so closing also stops descendants that left the
-server's process group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
+(`treadle.mcp.reaper`: the init of a PID namespace of its own, or a child subreaper where
+namespaces are not allowed), so closing also stops descendants that left the server's process
+group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
 worker thread: parsing a message near the cap takes seconds of pure Python.
 
 This module must never hold more than the cap of one message, never block the event loop, and
@@ -20,6 +21,7 @@ cancellation and every wait in it is bounded).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -43,6 +45,7 @@ from treadle.runtime.threads import run_internal_io
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "PARSE_OFF_LOOP_BYTES",
+    "MalformedMessage",
     "MessageTooLarge",
     "StdioTransport",
     "TransportFault",
@@ -77,6 +80,12 @@ class TransportFault(Exception):
 
 class MessageTooLarge(TransportFault):
     """The server sent a message over the size cap."""
+
+
+class MalformedMessage(TransportFault):
+    """The server sent a line that is not a JSON-RPC message (not JSON, nested too deeply, or not
+    shaped as a request, notification or response): the connection ends at once, since the
+    reply a call waits for may have been that line."""
 
 
 class StdioTransport:
@@ -190,9 +199,14 @@ class StdioTransport:
                         size = 0
                         start = end + 1
                         if len(line) > PARSE_OFF_LOOP_BYTES:
-                            await sink.send(await run_internal_io(_parse, line, self._label))
+                            message = await run_internal_io(_parse, line, self._label)
                         elif line.strip():
-                            await sink.send(_parse(line, self._label))
+                            message = _parse(line, self._label)
+                        else:
+                            continue
+                        await sink.send(message)
+                        if isinstance(message, TransportFault):
+                            return  # its reply may have been that line: nothing waits for it
                     size += len(chunk) - start
                     if size > self._cap:
                         # Said at once, not at the line's end: a line may never end.
@@ -258,18 +272,33 @@ _REAPER = Path(__file__).with_name("reaper.py")
 
 
 def _supervised(argv: list[str]) -> list[str]:
-    """`argv` run under the subreaper supervisor where it works (Linux with /proc), else as is."""
+    """`argv` run under the supervisor where it works (Linux with /proc), else as is."""
     if sys.platform != "linux" or not os.path.isdir("/proc/self") or not sys.executable:
         return argv
     return [sys.executable, "-I", "-S", str(_REAPER), *argv]
 
 
-def _parse(line: bytes, label: str) -> SessionMessage | Exception:
+def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
+    """One line as a JSON-RPC message, or a `MalformedMessage` fault for one that is not.
+
+    `json.loads` (C) builds the plain data, then pydantic types only the envelope: a result
+    stays a plain dict here (typed later in small steps, see `treadle.mcp.listing`), so no single
+    call holds the GIL for long even for a message near the cap."""
     try:
-        return SessionMessage(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
-    except ValueError as error:
-        log.warning("MCP server %s sent a line that is not JSON-RPC (%s)", label, error)
-        return error
+        data = json.loads(line)
+        return SessionMessage(types.jsonrpc_message_adapter.validate_python(data, by_name=False))
+    except (ValueError, RecursionError) as error:
+        why = "nested too deeply" if isinstance(error, RecursionError) else _first_line(error)
+        log.warning("MCP server %s sent a line that is not JSON-RPC (%s)", label, why)
+        return MalformedMessage(
+            f"MCP server {label} sent a line that is not a JSON-RPC message ({why}); a reply "
+            "may have been lost in it."
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
 
 
 async def _drain(stream: anyio.abc.ByteReceiveStream) -> None:
