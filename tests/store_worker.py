@@ -2,8 +2,10 @@
 
 `append URL KEY I BASE_URL`: one turn ("msg I") on conversation KEY through the fake server,
    run again on the latest version after each `ConflictError` until it commits.
-`fanout URL KEY BASE_URL N`: fork N processes (after the imports, before any thread starts),
-   each doing `append` with its own I; exits 0 when every one did.
+`fanout URL KEY BASE_URL N [queue]`: fork N processes (after the imports, before any thread
+   starts), each doing `append` with its own I; exits 0 when every one did. With `queue` the
+   store is opened with `on_conflict="queue"`: each turn runs once (a `ConflictError` fails the
+   child) and prints `I VERSION`, the version its commit made.
 `spin URL KEY`: append 20-row batches forever, printing each committed version (to be killed).
 `hang URL KEY BASE_URL`: a pass whose tool prints "tool started" then waits forever.
 `resume URL KEY BASE_URL`: resume the conversation's pending pass, approving every call.
@@ -43,10 +45,21 @@ def wait_forever() -> str:
     return "never"
 
 
-def append(url: str, key: str, index: str, base_url: str) -> None:
-    """One turn, run again on the latest version until it commits."""
-    store = Store.open(url)
+def append(url: str, key: str, index: str, base_url: str, queue: bool = False) -> None:
+    """One turn, run again on the latest version until it commits (queued: run once)."""
     provider = Provider(model="fake-model", base_url=base_url, api_key="k")
+    if queue:
+        with Store.open(url, on_conflict="queue") as store:
+            out = run_session_loop(
+                Session.from_user_message(f"msg {index}"),
+                AGENT,
+                provider=provider,
+                store=store,
+                conversation=key,
+            )
+            print(index, out.metadata["version"], flush=True)
+        return
+    store = Store.open(url)
     while True:
         try:
             run_session_loop(
@@ -62,7 +75,7 @@ def append(url: str, key: str, index: str, base_url: str) -> None:
     store.close()
 
 
-def fanout(url: str, key: str, base_url: str, n: int) -> int:
+def fanout(url: str, key: str, base_url: str, n: int, queue: bool = False) -> int:
     """Fork `n` appenders (this process has imported everything and started no thread yet)."""
     if url.startswith("postgres"):
         import psycopg_pool  # noqa: F401  (imported once here, not in each child)
@@ -72,7 +85,7 @@ def fanout(url: str, key: str, base_url: str, n: int) -> int:
         if pid == 0:
             code = 1
             try:
-                append(url, key, str(i), base_url)
+                append(url, key, str(i), base_url, queue)
                 code = 0
             finally:
                 os._exit(code)
@@ -90,7 +103,8 @@ def main(argv: list[str]) -> None:
         append(url, key, argv[3], argv[4])
         return
     if command == "fanout":
-        sys.exit(1 if fanout(url, key, argv[3], int(argv[4])) else 0)
+        queue = argv[5:] == ["queue"]
+        sys.exit(1 if fanout(url, key, argv[3], int(argv[4]), queue) else 0)
     store = Store.open(url)
     if command == "spin":
         rows = [ChunkRow.user(f"row {i} " + "x" * 2000) for i in range(20)]

@@ -31,7 +31,12 @@ async def open_conversation_of(
     if plan.store is None or plan.conversation is None:
         return user
     start = await open_conversation(
-        plan.store.backend, plan.conversation, out_id, user.table.rows, run.agent_rows
+        plan.store.backend,
+        plan.conversation,
+        out_id,
+        user.table.rows,
+        run.agent_rows,
+        queue=plan.store.on_conflict == "queue",
     )
     run.journal = start.journal
     run.table, run.usage = ChunkTable(start.rows), start.usage

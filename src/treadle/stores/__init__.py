@@ -3,6 +3,7 @@ standard library) or PostgreSQL (the `treadle[postgres]` extra, imported only wh
 
 from treadle.stores.backend import SCHEMA_VERSION, StoreBackend
 from treadle.stores.journal import ConversationJournal, ConversationStart, open_conversation
+from treadle.stores.queueing import OnConflict
 from treadle.stores.records import ConversationInfo, PendingPass, StoredConversation
 from treadle.stores.store import DEFAULT_SQLITE_PATH, Store, check_store_arguments, store_options
 
@@ -12,6 +13,7 @@ __all__ = [
     "ConversationInfo",
     "ConversationJournal",
     "ConversationStart",
+    "OnConflict",
     "PendingPass",
     "Store",
     "StoreBackend",

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from treadle.session import ChunkRow, Usage
+from treadle.stores.queueing import KeyLock
 from treadle.stores.records import ConversationInfo, PassRecord, PendingPass, StoredConversation
 
 __all__ = ["SCHEMA_VERSION", "JournalEntry", "StoreBackend"]
@@ -36,6 +37,11 @@ class StoreBackend(Protocol):
     @property
     def url(self) -> str:
         """Where the store lives, for messages (never holds a password)."""
+        ...
+
+    async def lock(self, key: str) -> KeyLock:
+        """Wait until this caller holds conversation `key`'s lock, across processes (the
+        queue-per-conversation mode: see `treadle.stores.queueing`)."""
         ...
 
     async def load(self, key: str) -> StoredConversation:

@@ -25,6 +25,7 @@ from treadle.session import ChunkRow, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import JournalEntry, StoreBackend
 from treadle.stores.owner import lease_seconds
+from treadle.stores.queueing import KeyLock
 from treadle.stores.records import PendingPass, check_key, conflict_error
 
 __all__ = ["ConversationJournal", "ConversationStart", "open_conversation"]
@@ -66,6 +67,8 @@ class ConversationJournal:
     """`(pass id, its status)` of the pending pass this one took over, if any."""
     heartbeat: asyncio.Task[None] | None = None
     """Renews the pass's owner lease while it is recorded as running (see `owner`)."""
+    held: KeyLock | None = None
+    """The conversation's lock, in queue mode: given back when the pass has ended."""
 
     async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
         entries = [*self.buffered, *more]
@@ -113,19 +116,28 @@ class ConversationJournal:
     ) -> int:
         """Commit the pass's new rows (`rows` is the whole transcript) in one transaction."""
         self._stop_heartbeat()
-        self.version = await self.backend.commit(
-            self.pass_id,
-            self.key,
-            self.base,
-            rows[self.base :],
-            usage=usage,
-            stop_reason=stop_reason,
-            metadata=metadata,
-            agent_rows=self.agent_rows,
-            recorded=self.recorded,
-        )
+        try:
+            self.version = await self.backend.commit(
+                self.pass_id,
+                self.key,
+                self.base,
+                rows[self.base :],
+                usage=usage,
+                stop_reason=stop_reason,
+                metadata=metadata,
+                agent_rows=self.agent_rows,
+                recorded=self.recorded,
+            )
+        finally:
+            if self.version is not None:  # committed: the next pass in the queue may start
+                await self._release()
         self.buffered.clear()
         return self.version
+
+    async def _release(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            await held.release()
 
     async def aclose(self, error: BaseException | None) -> None:
         """The pass ended without a commit: keep what it had, resumable.
@@ -137,6 +149,7 @@ class ConversationJournal:
         """
         self._stop_heartbeat()
         if self.version is not None or isinstance(error, ConflictError):
+            await self._release()
             return
         status = "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
         # The end is recorded by a task of its own, awaited through every further cancellation:
@@ -159,6 +172,8 @@ class ConversationJournal:
                 await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
         except Exception as err:  # the store itself may be what failed
             log.warning("could not record the end of pass %s: %s", self.pass_id, err)
+        finally:  # recorded (or not): the next pass in the queue starts from the same rows
+            await self._release()
 
 
 #: Ends of passes being recorded (strong references while their tasks run).
@@ -171,22 +186,21 @@ async def open_conversation(
     pass_id: str,
     user_rows: Sequence[ChunkRow],
     agent_rows: Sequence[ChunkRow],
+    *,
+    queue: bool = False,
 ) -> ConversationStart:
     """Read the conversation (or take over a pending pass) a pass continues.
+
+    With `queue` the pass first waits for the conversation's lock and holds it until it ends
+    (the store's `on_conflict="queue"` mode), so it reads the rows the previous pass committed.
 
     The input rows are added after the committed ones, unless they already begin with all of
     them (a session read with `store.conversation(key)` and extended): then only the rows past
     them are new. Input that begins like the conversation but not with all of it was read from
     an older version, and is a `ConflictError` (it would repeat rows).
     """
-    adopted: Sequence[ChunkRow] = ()
-    unknown: list[str] = []
     if isinstance(conversation, PendingPass):
         key = conversation.key
-        record = await backend.claim(conversation.pass_id)
-        adopted = in_call_order(record.rows)
-        answered = {str(r.payload.get("tool_call_id")) for r in adopted if r.kind == "tool_result"}
-        unknown = [cid for cid in record.intents if cid not in answered]
     elif isinstance(conversation, str):
         key = check_key(conversation)
     else:
@@ -194,6 +208,32 @@ async def open_conversation(
             "conversation= takes a key (str) or an item of store.pending(), got "
             f"{type(conversation).__name__}."
         )
+    held = await backend.lock(key) if queue else None
+    try:
+        start = await _start(backend, conversation, key, pass_id, user_rows, agent_rows)
+    except BaseException:
+        if held is not None:
+            await held.release()
+        raise
+    start.journal.held = held
+    return start
+
+
+async def _start(
+    backend: StoreBackend,
+    conversation: str | PendingPass,
+    key: str,
+    pass_id: str,
+    user_rows: Sequence[ChunkRow],
+    agent_rows: Sequence[ChunkRow],
+) -> ConversationStart:
+    adopted: Sequence[ChunkRow] = ()
+    unknown: list[str] = []
+    if isinstance(conversation, PendingPass):
+        record = await backend.claim(conversation.pass_id)
+        adopted = in_call_order(record.rows)
+        answered = {str(r.payload.get("tool_call_id")) for r in adopted if r.kind == "tool_result"}
+        unknown = [cid for cid in record.intents if cid not in answered]
     stored = await backend.load(key)
     waiting = stored.metadata.get("pending_approvals")
     if waiting and not isinstance(conversation, PendingPass):

@@ -22,8 +22,10 @@ from treadle.runtime import get_runtime
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import JournalEntry
 from treadle.stores.batching import Batcher, encode_rows
+from treadle.stores.hop import LoopHop
 from treadle.stores.postgres_batch import commit_many, load_many
 from treadle.stores.postgres_open import display_url, open_pool
+from treadle.stores.queueing import PostgresKeyLock
 from treadle.stores.records import (
     KEPT_METADATA,
     RESUMABLE,
@@ -74,6 +76,7 @@ class PostgresBackend:
         self._cache = RowCache()  # touched only on the runtime loop
         self._loads: Batcher[str, StoredConversation] | None = None  # on the runtime loop
         self._commits: Batcher[tuple[Any, ...], int] | None = None
+        self._hop: LoopHop | None = None  # how callers on other loops reach the runtime's
 
     @property
     def url(self) -> str:
@@ -96,7 +99,25 @@ class PostgresBackend:
         runtime = self._home()
         if runtime.in_loop_thread():
             return await asyncio.shield(asyncio.ensure_future(self._guarded(fn)))
-        return await runtime.submit(self._guarded(fn)).wait(propagate_cancel=False)
+        hop = self._hop
+        if hop is None or hop.home is not runtime.loop:
+            hop = self._hop = LoopHop(runtime.loop)
+        return await hop.run(lambda: self._guarded(fn))
+
+    async def _on_home(self, fn: Callable[[], Awaitable[T]], cancellable: bool) -> T:
+        # A conversation lock: waiting for it is cancelled with its caller; anything else (a
+        # release) runs to its end like every operation.
+        if not cancellable:
+            return await self._on_runtime(fn)
+        runtime = self._home()
+        if runtime.in_loop_thread():
+            return await self._guarded(fn)
+        return await runtime.submit(self._guarded(fn)).wait()
+
+    async def lock(self, key: str) -> PostgresKeyLock:
+        """Hold `key`'s conversation lock (queue mode; see `treadle.stores.queueing`)."""
+        await self._on_runtime(self._connection_pool)  # the schema exists, the DSN connects
+        return await PostgresKeyLock.acquire(self._dsn, key, self._connect_timeout, self._on_home)
 
     async def _guarded(self, fn: Callable[[], Awaitable[T]]) -> T:
         import psycopg

@@ -24,27 +24,30 @@ if TYPE_CHECKING:
 
 __all__ = ["COMMIT_CALL", "commit_many", "load_many"]
 
+# Parameters go in binary (`%b`): JSON payloads sent as a text-format array literal would be
+# quoted and backslash-escaped by the client and parsed back by the server.
+
 #: One pass's commit (see `postgres_open.COMMIT_FUNCTION`): the new version, or -1 - the
 #: version found when the conversation moved.
-COMMIT_CALL = "SELECT treadle_commit(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+COMMIT_CALL = "SELECT treadle_commit(%b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b)"
 
 #: Every pass of a batch: its parameters as arrays (a pass's rows are the slice `lo:hi` of the
 #: flat kinds and payloads arrays), evaluated in the arrays' order (sorted by key).
 _COMMIT_MANY = (
-    "SELECT u.i, treadle_commit(u.pass, u.key, u.base, (%s::text[])[u.lo:u.hi],"
-    " (%s::text[])[u.lo:u.hi], u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
-    " FROM unnest(%s::int[], %s::text[], %s::text[], %s::bigint[], %s::int[], %s::int[],"
-    " %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bool[],"
-    " %s::float8[]) AS u(i, pass, key, base, lo, hi, usage, stop, meta, status, agents,"
+    "SELECT u.i, treadle_commit(u.pass, u.key, u.base, (%b::text[])[u.lo:u.hi],"
+    " (%b::text[])[u.lo:u.hi], u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
+    " FROM unnest(%b::int[], %b::text[], %b::text[], %b::bigint[], %b::int[], %b::int[],"
+    " %b::text[], %b::text[], %b::text[], %b::text[], %b::text[], %b::bool[],"
+    " %b::float8[]) AS u(i, pass, key, base, lo, hi, usage, stop, meta, status, agents,"
     " recorded, now)"
 )
 
 _HEADS = (
     "SELECT c.key, c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
-    " c.created_at, c.version FROM treadle_conversations c WHERE c.key = ANY(%s)"
+    " c.created_at, c.version FROM treadle_conversations c WHERE c.key = ANY(%b)"
 )
 _ROWS = (
-    "SELECT r.key, r.kind, r.payload FROM unnest(%s::text[], %s::bigint[], %s::bigint[])"
+    "SELECT r.key, r.kind, r.payload FROM unnest(%b::text[], %b::bigint[], %b::bigint[])"
     " AS t(key, lo, hi) JOIN treadle_rows r ON r.key = t.key AND r.seq >= t.lo"
     " AND r.seq < t.hi ORDER BY r.key, r.seq"
 )

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
+from treadle.stores.queueing import FileKeyLock
 from treadle.stores.records import (
     KEPT_METADATA,
     RESUMABLE,
@@ -180,6 +181,13 @@ class SqliteBackend:
             return await writer.submit(fn)
         except sqlite3.Error as err:
             raise StoreError(f"the SQLite store {self.path} failed: {err}.") from None
+
+    async def lock(self, key: str) -> FileKeyLock:
+        """Hold `key`'s conversation lock (queue mode; see `treadle.stores.queueing`): a file
+        under `<db>.locks/`."""
+        if self._writer is None:
+            raise StoreError(f"the store {self.url} is closed; open a new Store.")
+        return await FileKeyLock.acquire(self.path.with_name(self.path.name + ".locks"), key)
 
     async def load(self, key: str) -> StoredConversation:
         """The committed conversation (empty for a new key); only rows not cached are decoded."""

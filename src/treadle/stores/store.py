@@ -4,7 +4,8 @@ A conversation is a key in a store; its version is its number of committed rows.
 `store=` and `conversation=` continues the conversation and commits its new rows in one
 transaction when it ends (see `treadle.stores.journal`); two writers on one conversation never
 interleave: the second commit finds the version moved and raises `ConflictError` (optimistic
-versioning), with nothing of its own written. Reads are lazy like every Treadle read:
+versioning), with nothing of its own written; a store opened with `on_conflict="queue"` makes
+them wait their turn instead (`treadle.stores.queueing`). Reads are lazy like every Treadle read:
 `store.conversation(key)` returns a `Session` at once. Each method has a blocking form (runs on
 the Treadle runtime) and an `a`-prefixed coroutine twin for async code.
 """
@@ -22,6 +23,7 @@ from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData
 from treadle.session.session import new_session_id
 from treadle.stores.backend import StoreBackend
+from treadle.stores.queueing import OnConflict, check_on_conflict
 from treadle.stores.records import ConversationInfo, PendingPass, check_key
 
 __all__ = ["DEFAULT_SQLITE_PATH", "Store", "check_store_arguments", "store_options"]
@@ -40,23 +42,35 @@ class Store:
     Open one with `Store.sqlite(path)` (nothing to install or start) or `Store.postgres(dsn)`
     (the `treadle[postgres]` extra), or `Store.open(url)`; close it with `close()` / `aclose()`
     or use it as a context manager.
+
+    `on_conflict` says what a pass does when another pass on its conversation is running:
+    `"raise"` (the default: optimistic versioning, the later commit is a `ConflictError`) or
+    `"queue"` (it waits for the other to end, then starts from its committed rows).
     """
 
-    def __init__(self, backend: StoreBackend) -> None:
+    def __init__(self, backend: StoreBackend, *, on_conflict: OnConflict = "raise") -> None:
         if not isinstance(backend, StoreBackend):
             raise ConfigurationError(
                 f"Store takes a StoreBackend, got {type(backend).__name__}; use Store.sqlite(...) "
                 "or Store.postgres(...)."
             )
         self.backend = backend
+        self.on_conflict: OnConflict = check_on_conflict(on_conflict)
+        """`"raise"` or `"queue"` (see the class)."""
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
-    def sqlite(cls, path: str | os.PathLike[str] = DEFAULT_SQLITE_PATH) -> Store:
+    def sqlite(
+        cls,
+        path: str | os.PathLike[str] = DEFAULT_SQLITE_PATH,
+        *,
+        on_conflict: OnConflict = "raise",
+    ) -> Store:
         """A store in the SQLite file at `path` (created with its schema on first use)."""
         from treadle.stores.sqlite import SqliteBackend
 
-        return cls(SqliteBackend(_check_location(path, "SQLite store path")))
+        mode = check_on_conflict(on_conflict)
+        return cls(SqliteBackend(_check_location(path, "SQLite store path")), on_conflict=mode)
 
     @classmethod
     def postgres(
@@ -65,6 +79,7 @@ class Store:
         *,
         pool_size: int = 10,
         connect_timeout: float = 5.0,
+        on_conflict: OnConflict = "raise",
     ) -> Store:
         """A store in the PostgreSQL database `dsn` (schema created on first use).
 
@@ -74,15 +89,18 @@ class Store:
         from treadle.stores.postgres import PostgresBackend
 
         _check_location(dsn, "PostgreSQL DSN")
-        return cls(PostgresBackend(dsn, pool_size=pool_size, connect_timeout=connect_timeout))
+        mode = check_on_conflict(on_conflict)
+        backend = PostgresBackend(dsn, pool_size=pool_size, connect_timeout=connect_timeout)
+        return cls(backend, on_conflict=mode)
 
     @classmethod
-    def open(cls, url: str | os.PathLike[str]) -> Store:
+    def open(cls, url: str | os.PathLike[str], *, on_conflict: OnConflict = "raise") -> Store:
         """A store from a URL: `postgresql://...` (or `postgres://`), `sqlite:///path`, or a
         path to a SQLite file."""
         text = _check_location(url, "store URL")
+        mode = check_on_conflict(on_conflict)
         if text.startswith(("postgresql://", "postgres://")):
-            return cls.postgres(text)
+            return cls.postgres(text, on_conflict=mode)
         if text.startswith("sqlite://"):
             path = text.removeprefix("sqlite://")
             if not path.startswith("/"):
@@ -96,12 +114,12 @@ class Store:
                     "?mode=ro); Treadle opens the file read-write with its own settings. "
                     "Write sqlite:///path.db."
                 )
-            return cls.sqlite(path[1:] or DEFAULT_SQLITE_PATH)
+            return cls.sqlite(path[1:] or DEFAULT_SQLITE_PATH, on_conflict=mode)
         if "://" in text:
             raise ConfigurationError(
                 f"{text!r} names no store Treadle knows; use sqlite:///path or postgresql://..."
             )
-        return cls.sqlite(text)
+        return cls.sqlite(text, on_conflict=mode)
 
     @property
     def url(self) -> str:
@@ -165,7 +183,8 @@ class Store:
         """Append rows to a conversation in one transaction; the new version.
 
         With `expected_version` the rows are written only if the conversation is still at that
-        version (else `ConflictError`, nothing written); without it they go at the end.
+        version (else `ConflictError`, nothing written); without it they go at the end (in
+        queue mode, after the running pass on the conversation, if any, has ended).
         """
         check_key(key)
         if isinstance(rows, Session):
@@ -178,7 +197,13 @@ class Store:
             isinstance(expected_version, bool) or not isinstance(expected_version, int)
         ):
             raise ConfigurationError("expected_version must be an int (a version read earlier).")
-        return await self.backend.append(key, found, expected_version)
+        if self.on_conflict != "queue":
+            return await self.backend.append(key, found, expected_version)
+        held = await self.backend.lock(key)
+        try:
+            return await self.backend.append(key, found, expected_version)
+        finally:
+            await held.release()
 
     def append(
         self, key: str, rows: Iterable[ChunkRow] | Session, *, expected_version: int | None = None
