@@ -18,6 +18,7 @@ from treadle import __version__
 from treadle.cli.console import make_console
 from treadle.cli.failures import EXIT_CODES, explain
 from treadle.cli.status import StatusLine
+from treadle.cli.terminal_text import visible
 
 __all__ = ["build_parser", "main"]
 
@@ -494,7 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             traceback.print_exc()
         failure = explain(err, args.command)
-        print(f"treadle: error: {failure.cause}", file=sys.stderr)
+        # A cause can quote a server's or a model's text (an error body, a tool's name): shown
+        # with control characters visible, as model text is, never reaching the terminal raw.
+        print(f"treadle: error: {visible(failure.cause)}", file=sys.stderr)
         if failure.fix:
-            print(f"treadle: fix: {failure.fix}", file=sys.stderr)
+            print(f"treadle: fix: {visible(failure.fix)}", file=sys.stderr)
         return failure.code
