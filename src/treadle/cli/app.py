@@ -16,9 +16,8 @@ from typing import Any, NoReturn
 
 from treadle import __version__
 from treadle.cli.console import make_console
-from treadle.cli.failures import EXIT_CODES, explain
+from treadle.cli.failures import EXIT_CODES, explain, print_failure
 from treadle.cli.status import StatusLine
-from treadle.cli.terminal_text import visible
 
 __all__ = ["build_parser", "main"]
 
@@ -495,9 +494,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             traceback.print_exc()
         failure = explain(err, args.command)
-        # A cause can quote a server's or a model's text (an error body, a tool's name): shown
-        # with control characters visible, as model text is, never reaching the terminal raw.
-        print(f"treadle: error: {visible(failure.cause)}", file=sys.stderr)
-        if failure.fix:
-            print(f"treadle: fix: {visible(failure.fix)}", file=sys.stderr)
+        print_failure(failure)  # control characters shown visibly
         return failure.code
