@@ -209,3 +209,24 @@ def test_visible_shows_invisible_and_reordering_characters() -> None:
     for code in hidden:
         assert visible(f"a{chr(code)}b") == f"a<U+{code:04X}>b"
     assert visible("plain ✓ é 日本") == "plain ✓ é 日本"
+
+
+def test_a_server_error_message_reaches_the_terminal_visibly(tmp_path: Path) -> None:
+    """`treadle run`'s failure line quotes the server's error body: shown, never obeyed."""
+    with FakeOpenAIServer(replies=[Reply.bad_request(f"bad {TITLE}{CLEAR}")]) as server:
+        proc = treadle(
+            "run", "go", "--model", "fake-model", "--base-url", server.base_url,
+            "--sandbox", "local", cwd=tmp_path,
+        )  # fmt: skip
+    assert proc.returncode != 0
+    err = proc.stderr.decode()
+    assert "\x1b" not in err and "\x07" not in err
+    assert "^[]0;pwned title^G^[[2J^[[H" in err
+
+
+def test_eval_failure_cells_show_controls_instead_of_dropping_them() -> None:
+    from treadle.cli.eval import _cell
+
+    shown = _cell(f"ans{TITLE}\r\x1c{BIDI}", styled=False)
+    assert shown == "ans^[]0;pwned title^G^M^\\<U+202E>evil"
+    assert _cell("two\n\tlines  here", styled=False) == "two lines here"

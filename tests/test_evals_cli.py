@@ -91,7 +91,8 @@ def test_failure_rows_are_terminal_safe() -> None:
     record = SampleRecord("q\x1b[31m1", 0, 0.0, False, answer=hostile, expected=["a\nb"])
     (plain,) = failure_rows([record])
     assert all("\x1b" not in cell and "\x07" not in cell and "\u202e" not in cell for cell in plain)
-    assert plain[1].startswith("[2J]0;pwned[bold red]boom[/] gnp.exe")
+    # shown as `show` shows them (issue 29 round 2: dropping them hid what the model sent)
+    assert plain[1].startswith("^[[2J^[]0;pwned^G[bold red]boom[/] <U+202E>gnp.exe")
     assert plain[2] == '["a\\nb"]'
     (styled,) = failure_rows([record], styled=True)
     assert "\\[bold red]" in styled[1]  # rich markup escaped, shown as text

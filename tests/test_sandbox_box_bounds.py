@@ -223,3 +223,34 @@ async def test_a_bwrap_without_size_fails_clearly_unless_tmp_is_unbounded(
             assert result.stdout.startswith("usage: bwrap"), result
     finally:
         shutil.rmtree(bin_dir)
+
+
+_LOWERED_NOFILE = """
+import asyncio, json, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # as a shell's `ulimit -n 64` would
+from treadle.sandbox import SandboxHandle
+async def main():
+    handle = SandboxHandle("isolated"); box = handle.open()
+    result = await box.run_command("echo hi; ulimit -n")
+    handle.release(); handle.wait_closed(60)
+    print(json.dumps([result.exit_code, result.stdout, result.stderr]))
+asyncio.run(main())
+"""
+
+
+@needs_bwrap
+def test_a_hard_limit_below_open_files_is_clamped_with_a_warning() -> None:
+    """A harness started with a lowered hard `RLIMIT_NOFILE` (below `open_files`, 1024) still
+    runs commands: the box gets the lower limit, a warning says so, and prlimit's refusal is
+    never shown as a command's output."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOWERED_NOFILE],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    exit_code, stdout, stderr = json.loads(proc.stdout.splitlines()[-1])
+    assert (exit_code, stdout, stderr) == (0, "hi\n64\n", "")
+    assert "limits.open_files is 1024, above this process's hard limit 64" in proc.stderr

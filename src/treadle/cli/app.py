@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from treadle import __version__
 from treadle.cli.console import make_console
-from treadle.cli.failures import EXIT_CODES, explain
+from treadle.cli.failures import EXIT_CODES, explain, print_failure
 from treadle.cli.flag_hints import unknown_flag_fix
 from treadle.cli.status import StatusLine
 
@@ -486,7 +486,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             traceback.print_exc()
         failure = explain(err, args.command)
-        print(f"treadle: error: {failure.cause}", file=sys.stderr)
-        if failure.fix:
-            print(f"treadle: fix: {failure.fix}", file=sys.stderr)
+        print_failure(failure)  # control characters shown visibly
         return failure.code

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import shlex
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from treadle.cli.console import Console
 from treadle.cli.describe import counted, producer_line
 from treadle.cli.failures import EXIT_CODES, CliFailure
+from treadle.cli.terminal_text import visible
 from treadle.cli.user_code import call_user_code, load_object
 from treadle.errors import EvalConfigMismatch
 from treadle.evals import (
@@ -116,10 +116,10 @@ def summary_rows(summary: Summary) -> list[list[str]]:
 
 def _cell(value: Any, styled: bool) -> str:
     """Log text made safe for a terminal: control and format characters (escapes, bidi
-    overrides) dropped, whitespace runs collapsed, cut short, rich markup escaped."""
+    overrides) shown visibly as `show` shows them (never dropped: what the model sent is what
+    the reader sees), whitespace runs collapsed, cut short, rich markup escaped."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    text = "".join(c for c in text if not unicodedata.category(c).startswith("C") or c in " \t\n")
-    text = " ".join(text.split())
+    text = " ".join(visible(text).split())  # after `visible`: only real whitespace is left
     text = text if len(text) <= _CELL_CHARS else text[: _CELL_CHARS - 1] + "…"
     if styled:
         from rich.markup import escape

@@ -7,9 +7,11 @@ Every failure becomes one line of cause and one line of fix on stderr, never a t
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 from treadle.cli.shown_url import redact_urls
+from treadle.cli.terminal_text import visible
 from treadle.errors import (
     AuthenticationError,
     ConfigurationError,
@@ -30,7 +32,7 @@ from treadle.errors import (
     TreadleError,
 )
 
-__all__ = ["EXIT_CODES", "CliFailure", "explain"]
+__all__ = ["EXIT_CODES", "CliFailure", "explain", "print_failure"]
 
 #: Exit codes of the `treadle` command (documented in docs/getting-started.md).
 EXIT_CODES: dict[str, int] = {
@@ -66,6 +68,15 @@ def explain(err: BaseException, command: str | None = None) -> CliFailure:
     return CliFailure(
         redact_urls(failure.cause), redact_urls(failure.fix, keep_safe_paths=True), failure.code
     )
+
+
+def print_failure(failure: CliFailure) -> None:
+    """The `treadle: error:` (and `fix:`) lines on stderr. A cause can quote a server's or a
+    model's text (an error body, a tool's name): control characters are shown, as model text
+    is, never reaching the terminal raw."""
+    print(f"treadle: error: {visible(failure.cause)}", file=sys.stderr)
+    if failure.fix:
+        print(f"treadle: fix: {visible(failure.fix)}", file=sys.stderr)
 
 
 def _explain(err: BaseException, command: str | None) -> CliFailure:

@@ -1,7 +1,8 @@
 """`ProcessPool`: the `backend="process"` workers, one fresh Python process per core here.
 
-Each worker process (`python -m treadle.distributed.process FD`, a fresh interpreter that never
-re-runs the caller's `__main__`) runs a `PassWorker` on its own event loop, many passes at once;
+Each worker process (`python -I -c` calling `_worker_entry([FD])`, a fresh interpreter that never
+re-runs the caller's `__main__` and never imports Treadle from its working directory, see
+`treadle.runtime.child_python`) runs a `PassWorker` on its own event loop, many passes at once;
 the driver talks to it over a socket pair wrapped in a `multiprocessing` `Connection` (items out,
 outcomes back, as JSON-able dicts). Reads
 and writes of the pipe happen on threads, so the driver's event loop never waits on a pipe. When
@@ -34,6 +35,7 @@ from treadle.distributed.driver import WorkerLost
 from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.errors import ConfigurationError
 from treadle.llm.limit_broker import LimitBroker
+from treadle.runtime.child_python import python_child_argv
 
 __all__ = ["LEASE_TIMEOUT", "SHARE_LEARNED_LIMITS", "WORKER_START_TIMEOUT", "ProcessPool"]
 
@@ -70,6 +72,11 @@ def _worker_main(fd: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
+
+
+def _worker_entry(argv: list[str]) -> None:
+    """`python_child_argv` entry point: argv is the socket's fd."""
+    _worker_main(int(argv[0]))
 
 
 async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]) -> None:
@@ -296,7 +303,10 @@ class ProcessPool:
         with child:
             process = await asyncio.to_thread(
                 subprocess.Popen,
-                [sys.executable, "-m", "treadle.distributed.process", str(child.fileno())],
+                # Isolated: the driver's cwd must not shadow Treadle; its sys.path comes in "init".
+                python_child_argv(
+                    "treadle.distributed.process", "_worker_entry", str(child.fileno())
+                ),
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
             )

@@ -10,7 +10,9 @@ only computes values and looks executables up on `PATH`: it must never start a p
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from treadle.errors import ConfigurationError, SandboxUnavailable
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BOX_ENV",
@@ -223,20 +227,45 @@ def _prlimit_args(limits: ResourceLimits, processes_already: int) -> list[str]:
     args: list[str] = []
     if limits.cpu_seconds is not None:
         # The hard limit a second later: SIGXCPU (which says why) comes before SIGKILL.
-        args.append(f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}")
+        soft = _within_hard("cpu_seconds", resource.RLIMIT_CPU, limits.cpu_seconds)
+        hard = _within_hard("cpu_seconds", resource.RLIMIT_CPU, limits.cpu_seconds + 1)
+        args.append(f"--cpu={min(soft, hard)}:{hard}")
     pairs = (
-        ("as", limits.memory_bytes),
-        ("fsize", limits.file_size_bytes),
-        ("nofile", limits.open_files),
+        ("as", "memory_bytes", resource.RLIMIT_AS, limits.memory_bytes),
+        ("fsize", "file_size_bytes", resource.RLIMIT_FSIZE, limits.file_size_bytes),
+        ("nofile", "open_files", resource.RLIMIT_NOFILE, limits.open_files),
     )
-    for name, value in pairs:
+    for flag, name, which, value in pairs:
         if value is not None:
-            args.append(f"--{name}={value}:{value}")
+            value = _within_hard(name, which, value)
+            args.append(f"--{flag}={value}:{value}")
     if limits.max_processes is not None:
         # RLIMIT_NPROC counts every process of the box's host uid, bubblewrap's own included.
         n = limits.max_processes + _BWRAP_OWN_PROCESSES + processes_already
+        n = _within_hard("max_processes", resource.RLIMIT_NPROC, n)
         args.append(f"--nproc={n}:{n}")
     return args
+
+
+_warned: set[tuple[str, int, int]] = set()
+
+
+def _within_hard(name: str, which: int, value: int) -> int:
+    """`value`, or this process's hard limit when that is lower: a process cannot raise a hard
+    limit without CAP_SYS_RESOURCE, and `prlimit` would then fail every command with its own
+    error as the command's output (a shell's `ulimit -n 64` before starting the harness).
+    The box gets the lower limit and a warning says so, once."""
+    hard = resource.getrlimit(which)[1]
+    if hard == resource.RLIM_INFINITY or value <= hard:
+        return value
+    if (name, value, hard) not in _warned:
+        _warned.add((name, value, hard))
+        log.warning(
+            "treadle: the isolated box's limits.%s is %d, above this process's hard limit %d; "
+            "the box gets %d (raise the hard limit, e.g. `ulimit -H`, to give it more)",
+            name, value, hard, hard,
+        )  # fmt: skip
+    return hard
 
 
 def box_command(

@@ -4,8 +4,10 @@ A close deletes its temporary workspace with `treadle.sandbox.box_tree.remove_tr
 take seconds for a tree of 100,000 files (each unlink of a file with data waits for the disk).
 Closes on an event loop's thread run on a separate thread (`treadle.sandbox.opening`), and at
 interpreter exit those get `EXIT_WAIT_SECONDS` in all. A removal still running then is stopped
-between two entries and handed to a detached process (`python -m treadle.sandbox.removal DIR`,
-its own session so the terminal's Ctrl-C does not reach it), which finishes it; a line on
+between two entries and handed to a detached process (`python -I -c` calling this module's
+`_main`, see `treadle.runtime.child_python`: it never imports from the working directory or
+`PYTHONPATH`; its own session so the terminal's Ctrl-C does not reach it; working directory
+`/` and a minimal environment), which finishes it; a line on
 stderr says which directory and which process. So a workspace is never left half-deleted
 silently: either it is gone, a process is finishing it (and says on stderr if it cannot), or
 the close raised `SandboxError` naming it. This module never deletes anything but the trees
@@ -21,12 +23,16 @@ import threading
 from pathlib import Path
 
 from treadle.errors import SandboxError
+from treadle.runtime.child_python import python_child_argv
 from treadle.sandbox.box_tree import RemovalStopped, remove_tree
 
 __all__ = ["EXIT_WAIT_SECONDS", "remove_workspace", "stop_removals"]
 
 #: Seconds interpreter exit waits in all for workspace removals before handing them off.
 EXIT_WAIT_SECONDS = 2.0
+
+#: The environment the detached removal keeps: locale for its messages, nothing that steers Python.
+_KEPT_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "PATH")
 
 _running: dict[Path, threading.Event] = {}
 _lock = threading.Lock()
@@ -62,14 +68,15 @@ def stop_removals() -> int:
 
 
 def _hand_off(root: Path) -> None:
-    package_parent = str(Path(__file__).resolve().parents[2])  # the dir holding treadle/
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    # Isolated (`-I`, cwd "/", a minimal environment): the exiting process's working directory
+    # may hold files a box wrote, and this child often runs as root.
+    env = {name: os.environ[name] for name in _KEPT_ENV if name in os.environ}
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "treadle.sandbox.removal", str(root)],
+            python_child_argv("treadle.sandbox.removal", "_main", str(root)),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
+            cwd="/",
             env=env,
             start_new_session=True,
             close_fds=True,
@@ -87,7 +94,7 @@ def _hand_off(root: Path) -> None:
 
 def _main(argv: list[str]) -> int:
     if len(argv) != 1 or not os.path.isabs(argv[0]):
-        sys.stderr.write("usage: python -m treadle.sandbox.removal /absolute/workspace\n")
+        sys.stderr.write("usage: treadle.sandbox.removal._main /absolute/workspace\n")
         return 2
     try:
         remove_tree(Path(argv[0]))

@@ -27,7 +27,7 @@ from treadle.sandbox.isolated import IsolatedBackend
 from treadle.sandbox.local import _IO
 from treadle.sandbox.opening import Sandbox
 from treadle.sandbox.paths import workspace_parts
-from treadle.sandbox.seed_staging import staged
+from treadle.sandbox.seed_staging import _unwritable, staged
 
 __all__ = ["ARCHIVE_SUFFIXES", "seed_workspace"]
 
@@ -45,10 +45,12 @@ async def seed_workspace(
     `PathViolation` when `into`, or a member's path, would leave the workspace or pass through a
     link (one a command left there included), or an archive member is a device or a link out.
     """
-    count = await _IO.run(_seed, sandbox.workspace, Path(source), into)
-    if isinstance(sandbox.backend, IsolatedBackend):
-        await sandbox.backend.claim()  # the box's uid must be able to change what was put in
-    return count
+    try:
+        return await _IO.run(_seed, sandbox.workspace, Path(source), into)
+    finally:
+        # Also after a failure: whatever a failed move left in place is the box's to change.
+        if isinstance(sandbox.backend, IsolatedBackend):
+            await sandbox.backend.claim()  # the box's uid must be able to change what was put in
 
 
 class _Writer:
@@ -121,7 +123,11 @@ class _Writer:
 
 def _seed(root: Path, source: Path, into: str) -> int:
     label = f"seeding from {source}"
-    with opened(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root_fd:
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError as e:  # a command ran `chmod 000 .`
+        raise _unwritable(root, e) from None
+    with opened(root_fd):
         place = workspace_parts(root, into)
         # Unpacked into a staging directory first, moved into place only when all of it was
         # accepted: a refused archive leaves nothing behind (see `seed_staging`).

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from treadle.runtime.child_python import python_child_argv
 from treadle.testing.local_model_install import (
     PACKAGES,
     assemble_model,
@@ -226,10 +227,9 @@ class LocalModelServer:
             self.port = _free_port()
         fd, log_name = tempfile.mkstemp(prefix="treadle-llama-server-", suffix=".log")
         self._log_path = Path(log_name)
-        command = [
-            sys.executable,
-            "-m",
+        command = python_child_argv(
             "treadle.testing.local_model",
+            "main",
             "serve",
             "--port",
             str(self.port),
@@ -237,7 +237,7 @@ class LocalModelServer:
             str(self.model_path),
             "--context",
             str(self.context_tokens),
-        ]
+        )  # isolated (`-I`): the caller's cwd cannot shadow Treadle
         started = time.monotonic()
         with os.fdopen(fd, "wb") as log:
             # Its own session: a Ctrl-C in the terminal reaches us, and we stop the server.
