@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -232,3 +233,37 @@ async def test_a_stream_being_read_when_aclose_clients_runs_ends_client_closed()
         await closing[0]
     assert "torn" not in str(caught.value)
     assert served.requests == 1  # a closed client is not restarted
+
+
+class _CloseOnRestart(logging.Handler):
+    """Starts `aclose_clients()` when the turn logs that it will restart a torn stream: the close
+    runs at the loop's next step, inside the turn's backoff sleep (whatever its length)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.closing: list[asyncio.Task[None]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("restarting the turn") and not self.closing:
+            self.closing.append(asyncio.get_running_loop().create_task(aclose_clients()))
+
+
+async def test_aclose_clients_while_a_turn_waits_to_restart_ends_client_closed() -> None:
+    # The first stream is torn after its first event (an in-band 503, budget left): the turn
+    # sleeps before restarting, and the clients are closed meanwhile. The restart must go through
+    # the closed client, as a retry of the request loop does (the client-closed error), not take
+    # a fresh client and open new connections.
+    handler = _CloseOnRestart()
+    logger = logging.getLogger("treadle.llm")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        async with wire([event("Par"), GATE, error_event(503, "overloaded"), DONE]) as served:
+            with pytest.raises(ConfigurationError, match=r"closed \(aclose_clients\(\)\)"):
+                await turn_on(served, retries=3)
+            await handler.closing[0]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert served.requests == 1  # no request after the close

@@ -26,6 +26,7 @@ from treadle.llm.retry import is_retryable_error, parse_retry_after
 from treadle.llm.sse import DONE, SSEDecoder
 
 if TYPE_CHECKING:
+    from treadle.llm.client import ModelClient
     from treadle.llm.provider import Provider
 
 __all__ = [
@@ -40,20 +41,24 @@ __all__ = [
 
 
 class Tries:
-    """What one model request has spent: retries, and the reply's `x-request-id`.
+    """What one model request has spent: retries, the client, and the reply's `x-request-id`.
 
     `ModelClient`'s retry loop counts its retries here and the turn's restart of a torn stream
     counts on from there, so a turn sends at most `max_retries + 1` requests (a free re-send of
-    a stale connection aside).
+    a stale connection aside). The restart goes through the same `client` as the first attempt,
+    as a retry of the request loop does: a client closed meanwhile (`aclose_clients()`) ends the
+    turn with its `ConfigurationError` instead of opening new connections on a fresh client.
     """
 
-    __slots__ = ("request_id", "spent")
+    __slots__ = ("client", "request_id", "spent")
 
     def __init__(self) -> None:
         self.spent = 0
         """Retries spent so far (sends after the first)."""
         self.request_id: str | None = None
         """The `x-request-id` header of the reply that was used (None when it had none)."""
+        self.client: ModelClient | None = None
+        """The client of the first attempt (None until a turn picked one)."""
 
 
 class TornStream(Exception):

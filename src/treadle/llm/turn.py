@@ -342,7 +342,9 @@ async def _fold_stream(
     provider = _require_provider(request)
     acc = StreamAccumulator()
     try:
-        client = get_client(provider)
+        client = tries.client  # a restart: the first attempt's client, even if closed since
+        if client is None:
+            client = tries.client = get_client(provider)
         if on_delta is None:
             events = client.stream_batches(provider, request.body(), parse_event, tries)
             async with contextlib.aclosing(events):
