@@ -2,9 +2,11 @@
 (`HttpxTransport`) gets the same typed error after the same number of requests: httpx's own
 protocol errors are mapped to what the pool raises for that reply, so a reply the pool refuses at
 once (a 101 upgrade, a status outside 100-599, a transfer coding other than `chunked`) is not
-retried as a lost connection through httpx either. Where httpx reads a reply the pool refuses
-(Content-Length beside chunked, a run of 1xx heads, unbounded heads and trailers) the two differ;
-those cases are in `test_http_parsing.py`, against httpx, and left out here."""
+retried as a lost connection through httpx either. Every malformed reply costs one request through
+either client: a reply llhttp or h11 refuses to parse is never retried as a lost connection. Where
+httpx reads a reply the pool refuses (Content-Length beside chunked, a run of 1xx heads, unbounded
+heads and trailers, a folded header line, `Content-Length: 2, 2`) the two differ; those cases are
+in `test_http_parsing.py`, against httpx, and the last two below."""
 
 from __future__ import annotations
 
@@ -22,7 +24,14 @@ from treadle.llm import transport as transport_module
 from treadle.testing import FakeOpenAIServer
 
 # httpx reads these (or, for a head past the pool's cap, waits for its end: a read timeout).
-ACCEPTED_BY_HTTPX = {"length-with-chunked", "1xx-run", "trailer-flood", "endless-head"}
+ACCEPTED_BY_HTTPX = {
+    "length-with-chunked",
+    "1xx-run",
+    "trailer-flood",
+    "endless-head",
+    "obs-fold",
+    "same-lengths-listed",
+}
 WIRES = {name: wire for name, (wire, _) in MALFORMED.items() if name not in ACCEPTED_BY_HTTPX}
 WIRES.update({
     "gzip-corrupt": b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 5\r\n\r\nabcde",
@@ -62,6 +71,30 @@ async def test_a_malformed_reply_gets_the_same_error_and_retries_through_both(
                                     http_client=client)  # fmt: skip
                 outcomes.append((await _outcome(provider, stream), len(seen)))
     assert outcomes[0] == outcomes[1], outcomes
+    # The server would send the same bytes again: one request, never retried as a lost
+    # connection (max_retries=2 would make it 3).
+    assert outcomes[0] == (MalformedResponse, 1), outcomes
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("case", ["obs-fold", "same-lengths-listed"])
+async def test_a_reply_httpx_reads_and_llhttp_refuses_is_refused_once(
+    case: str, stream: bool
+) -> None:
+    # A folded header line (RFC 9112 5.2 asks a user agent to unfold it) and `Content-Length:
+    # N, N` (RFC 9110 8.6 allows reading it as N): httpx reads both; the pool refuses them as
+    # llhttp does, with a MalformedResponse after one request, never a retried lost connection.
+    # The decision is documented in docs/providers.md (HTTP transport).
+    wire = MALFORMED[case][0]
+    async with raw_server(wire) as (url, seen):
+        base = url.removesuffix("/chat/completions")
+        provider = Provider(model="m", base_url=base, api_key="k", max_retries=2,
+                            retry_base_delay=0.001, timeout=(5.0, 5.0))  # fmt: skip
+        assert await _outcome(provider, stream) is MalformedResponse
+        assert len(seen) == 1
+        async with httpx.AsyncClient() as users:
+            response = await users.post(url, content=b"{}")
+            assert (response.status_code, response.content) == (200, b"{}")
 
 
 async def test_a_header_httpx_refuses_to_send_is_the_pools_configuration_error() -> None:

@@ -26,12 +26,12 @@ from treadle._http.errors import (
     HTTPError,
     InvalidHeader,
     InvalidURL,
+    MalformedReply,
     OpenFilesExhausted,
     PoolClosed,
     PoolTimeout,
     ReadTimeout,
     TLSError,
-    UnsupportedReply,
 )
 from treadle.errors import (
     AuthenticationError,
@@ -345,7 +345,7 @@ def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleEr
             f"The server at {base} does not speak TLS ({exc}); if it serves plain HTTP, use "
             f"base_url=http:{base[len('https:') :]}."
         )
-    if isinstance(exc, UnsupportedReply):
+    if isinstance(exc, MalformedReply):  # not valid HTTP/1.1, or not read: the same next time
         return MalformedResponse(
             f"The server at {url} sent a reply this client cannot read{after}: {exc} A retry "
             "would get the same; check base_url points at an OpenAI-compatible HTTP API."

@@ -269,12 +269,27 @@ _UNSUPPORTED = (
 )
 
 
+# Every way h11 and httpcore say the connection ended under the reply (their sources raise
+# `RemoteProtocolError` for these and for malformed replies alike): a lost connection, retried.
+_CONNECTION_LOST = (
+    "Server disconnected",  # httpcore: closed before any reply byte
+    "peer closed connection",  # h11: a body cut short (by length or chunks)
+    "peer unexpectedly closed",  # h11: a head cut short
+    "peer state is ERROR",  # h11: a read after one of the above
+    "ConnectionClosed",  # httpcore: h11 saw the close in a state that has no reply yet
+)
+
+
 def _remote_protocol(message: str, url: str) -> http.RemoteProtocolError:
-    """httpx's `RemoteProtocolError` as the pool's error for the same reply."""
+    """httpx's `RemoteProtocolError` as the pool's error for the same reply: a reply h11 refuses
+    to parse is a `MalformedReply` (never retried, as llhttp's refusals in the pool); only a
+    connection lost under the reply stays a plain `RemoteProtocolError` (retried)."""
     for marker, said in _UNSUPPORTED:
         if marker in message:
             return http.UnsupportedReply(f"{said} (httpx: {message}).", url=url)
-    return http.RemoteProtocolError(f"RemoteProtocolError: {message}", url=url)
+    if any(marker in message for marker in _CONNECTION_LOST):
+        return http.RemoteProtocolError(f"RemoteProtocolError: {message}", url=url)
+    return http.MalformedReply(f"The reply is not valid HTTP/1.1 (httpx: {message}).", url=url)
 
 
 def _refuse_length(length: str | None, url: str) -> None:
