@@ -30,7 +30,7 @@ from treadle._http.errors import (
     StaleConnection,
     UnsupportedReply,
 )
-from treadle._http.reply import UPGRADE, Headers, decoder, unsupported
+from treadle._http.reply import UPGRADE, Headers, decoder, headers_of, unsupported
 
 if TYPE_CHECKING:
     from treadle._http.pool import Route
@@ -334,16 +334,7 @@ class Connection(asyncio.BufferedProtocol):
         assert ex is not None
         raw = self._raw
         self._raw = []
-        headers = ex.headers
-        headers.update(
-            {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw}
-        )
-        if len(headers) < len(raw):  # a repeated header: its values joined, in order
-            dict.clear(headers)
-            for raw_name, raw_value in raw:
-                name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
-                old = dict.get(headers, name)
-                dict.__setitem__(headers, name, value if old is None else f"{old}, {value}")
+        headers = ex.headers = headers_of(raw)
         ex.status = status
         ex.keep_alive = parser.should_keep_alive()
         get = headers.get

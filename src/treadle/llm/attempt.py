@@ -18,7 +18,7 @@ from pydantic_core import from_json
 
 from treadle._http.errors import HTTPError, PoolClosed
 from treadle._http.reply import Timeouts
-from treadle.errors import ProviderError, TreadleError
+from treadle.errors import ProviderError, TreadleError, clean_id
 from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
 from treadle.llm.inband import status_in
 from treadle.llm.provider import DEFAULT_POOL_TIMEOUT
@@ -56,7 +56,8 @@ class Tries:
         self.spent = 0
         """Retries spent so far (sends after the first)."""
         self.request_id: str | None = None
-        """The `x-request-id` header of the reply that was used (None when it had none)."""
+        """The `x-request-id` header of the reply that was used, cleaned (`clean_id`; None when
+        it had none, or nothing printable)."""
         self.client: ModelClient | None = None
         """The client of the first attempt (None until a turn picked one)."""
 
@@ -130,7 +131,7 @@ class OpenStream:
         self.chunks = chunks
         """The body's byte chunks (read on by `ModelClient.stream` after `start`)."""
         self._close = close
-        self.request_id = headers.get("x-request-id")
+        self.request_id = clean_id(headers.get("x-request-id")) or None
         self.headers = headers
         """The reply's headers."""
         self.decoder = SSEDecoder()

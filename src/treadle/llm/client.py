@@ -27,7 +27,7 @@ from pydantic_core import from_json
 
 from treadle._http.errors import HTTPError, StaleConnection
 from treadle._http.reply import Timeouts
-from treadle.errors import MalformedResponse, ProviderError
+from treadle.errors import MalformedResponse, ProviderError, clean_id
 from treadle.llm.attempt import (
     OpenStream,
     StatusError,
@@ -145,7 +145,7 @@ class ModelClient:
             tries,
         )
         used: int | None = None
-        tries.request_id = reply_headers.get("x-request-id")
+        tries.request_id = clean_id(reply_headers.get("x-request-id")) or None
         try:
             limiter.observe(permit, reply_headers)
             if result.usage is not None:

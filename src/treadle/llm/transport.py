@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Protocol
 from treadle._http import errors as http
 from treadle._http.pool import NetworkOptions, Pool
 from treadle._http.protocol import MAX_BODY_BYTES
-from treadle._http.reply import UPGRADE, Headers, Reply, StreamReply, Timeouts, unsupported
+from treadle._http.reply import (
+    UPGRADE,
+    Headers,
+    Reply,
+    StreamReply,
+    Timeouts,
+    headers_of,
+    unsupported,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -191,13 +199,9 @@ class _HttpxBody:
 
 
 def _headers(headers: httpx.Headers) -> Headers:
-    out = Headers()
-    for name, value in headers.multi_items():
-        name = name.lower()
-        if name in out:
-            value = f"{dict.__getitem__(out, name)}, {value}"
-        dict.__setitem__(out, name, value)
-    return out
+    """httpx's headers as the pool reads them (`headers_of` of their bytes), not decoded by
+    httpx's guess of the encoding: an id reads the same through either transport."""
+    return headers_of(headers.raw)
 
 
 def _httpx_timeout(timeouts: Timeouts) -> httpx.Timeout:
