@@ -267,3 +267,22 @@ async def test_aclose_clients_while_a_turn_waits_to_restart_ends_client_closed()
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert served.requests == 1  # no request after the close
+
+
+async def test_a_turn_that_spent_its_restarts_says_how_many_retries() -> None:
+    # As the request loop's final errors say "after N retries", so does a turn's: torn twice
+    # and an in-band 503 twice, each with one restart allowed.
+    torn = [event("Par"), GATE, TEAR]
+    async with wire(torn, torn) as served:
+        with pytest.raises(MalformedResponse, match="torn after 1 retry"):
+            await turn_on(served, retries=1)
+    assert served.requests == 2
+    inband = [event("Par"), GATE, error_event(503, "overloaded"), DONE]
+    async with wire(inband, inband) as served:
+        with pytest.raises(ProviderError, match="server error after 1 retry: overloaded") as caught:
+            await turn_on(served, retries=1)
+    assert (caught.value.status_code, served.requests) == (503, 2)
+    async with wire(inband) as served:  # no retry spent: nothing to say
+        with pytest.raises(ProviderError) as caught:
+            await turn_on(served, retries=0)
+    assert "after" not in str(caught.value)

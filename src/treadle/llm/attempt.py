@@ -19,7 +19,12 @@ from pydantic_core import from_json
 from treadle._http.errors import HTTPError, PoolClosed
 from treadle._http.reply import Timeouts
 from treadle.errors import ProviderError, TreadleError, clean_id
-from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
+from treadle.llm.http_errors import (
+    after_retries,
+    error_from_status,
+    error_from_transport,
+    malformed,
+)
 from treadle.llm.inband import status_in
 from treadle.llm.provider import DEFAULT_POOL_TIMEOUT
 from treadle.llm.retry import is_retryable_error, parse_retry_after
@@ -67,13 +72,27 @@ class TornStream(Exception):
 
     Never retried as a request (its events already reached the caller); the turn may restart
     when `retryable` (a lost connection, a read timeout, an in-band 429 or 5xx). `error` is the
-    typed error to raise otherwise.
+    typed error to raise otherwise; `final(retries)` the same error saying how many retries the
+    turn spent (`remake` builds it), as the request loop's final errors say.
     """
 
-    def __init__(self, error: TreadleError, *, retryable: bool) -> None:
+    def __init__(
+        self,
+        error: TreadleError,
+        *,
+        retryable: bool,
+        remake: Callable[[int], TreadleError] | None = None,
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.retryable = retryable
+        self._remake = remake
+
+    def final(self, retries: int) -> TreadleError:
+        """The error to raise once the turn spent `retries` retries ("after N retries")."""
+        if not retries or self._remake is None:
+            return self.error
+        return self._remake(retries)
 
 
 class StatusError(Exception):
@@ -207,8 +226,13 @@ class OpenStream:
             return TornStream(error, retryable=False)
         retryable = isinstance(error, ProviderError) and is_retryable_error(error)
         text = error.message if isinstance(error, ProviderError) else str(error)
-        torn = malformed(f"the stream was torn ({text})", request_id=self.request_id)
-        return TornStream(torn, retryable=retryable)
+        request_id = self.request_id
+
+        def remake(retries: int) -> TreadleError:
+            said = f"the stream was torn{after_retries(retries)} ({text})"
+            return malformed(said, request_id=request_id)
+
+        return TornStream(remake(0), retryable=retryable, remake=remake)
 
     async def aclose(self) -> None:
         """Close the body stream (idempotent)."""

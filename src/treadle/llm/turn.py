@@ -262,7 +262,8 @@ async def request_turn(
         except TornStream as torn:
             error = torn.error
             if provider is None or not torn.retryable or tries.spent >= provider.max_retries:
-                raise error from torn.__cause__
+                # "after N retries", as the request loop's final errors say
+                raise torn.final(tries.spent) from torn.__cause__
             delay = backoff_delay(tries.spent, provider.retry_base_delay)
             log.info("restarting the turn (%s) in %.2fs, attempt %d/%d", error, delay,
                      tries.spent + 1, provider.max_retries)  # fmt: skip
