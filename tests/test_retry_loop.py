@@ -25,6 +25,7 @@ import pytest
 from treadle import ProviderError, RateLimitError, Session
 from treadle.errors import ConfigurationError, MalformedResponse
 from treadle.llm import Provider, aclose_clients
+from treadle.llm.attempt import TornStream
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import HttpExecutor, TurnDelta, request_turn
 from treadle.loop import arun_session_loop
@@ -286,3 +287,40 @@ async def test_a_turn_that_spent_its_restarts_says_how_many_retries() -> None:
         with pytest.raises(ProviderError) as caught:
             await turn_on(served, retries=0)
     assert "after" not in str(caught.value)
+
+
+class _TornExecutor:
+    """A custom executor raising Treadle's internal TornStream (retryable): still called once."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def acomplete(self, request: CompletionRequest) -> dict[str, Any]:
+        self.calls += 1
+        raise TornStream(MalformedResponse("torn upstream"), retryable=True)
+
+
+class _TornSubclass(HttpExecutor):
+    """An HttpExecutor subclass whose own astream raises TornStream: its stream, called once."""
+
+    calls = 0
+
+    async def astream(self, request: CompletionRequest) -> AsyncIterator[Any]:
+        type(self).calls += 1
+        raise TornStream(MalformedResponse("torn upstream"), retryable=True)
+        yield  # an async generator, as astream is
+
+
+async def test_a_custom_executor_raising_torn_stream_is_called_once() -> None:
+    executor = _TornExecutor()
+    with pytest.raises(MalformedResponse, match="torn upstream"):
+        await request_turn(executor, _request(retries=3))
+    assert executor.calls == 1
+    provider = Provider(model="m", base_url="http://127.0.0.1:9/v1", api_key="k",
+                        max_retries=3, retry_base_delay=0.0, stream=True)  # fmt: skip
+    user = Session.from_user_message("hello")
+    request = CompletionRequest("s", provider, AGENT.rows, user.rows, ToolSet.build([]),
+                                stream=True)  # fmt: skip
+    with pytest.raises(MalformedResponse, match="torn upstream"):
+        await request_turn(_TornSubclass(), request, lambda _: None)
+    assert _TornSubclass.calls == 1

@@ -256,11 +256,20 @@ async def request_turn(
     """
     provider = request.provider
     tries = Tries()
+    # Only Treadle's own stream is restarted: a custom executor (or a subclass's own astream)
+    # is called once, whatever it raises, even the internal TornStream.
+    own_stream = (
+        request.stream
+        and isinstance(executor, HttpExecutor)
+        and type(executor).astream is HttpExecutor.astream
+    )
     while True:
         try:
             return await _turn(executor, request, on_delta, tries)
         except TornStream as torn:
             error = torn.error
+            if not own_stream:
+                raise error from torn.__cause__
             if provider is None or not torn.retryable or tries.spent >= provider.max_retries:
                 # "after N retries", as the request loop's final errors say
                 raise torn.final(tries.spent) from torn.__cause__
