@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 from treadle import ProviderError, RateLimitError, Session
 from treadle.errors import ConfigurationError, MalformedResponse
 from treadle.llm import Provider, aclose_clients
+from treadle.llm.attempt import TornStream
 from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import HttpExecutor, TurnDelta, request_turn
 from treadle.loop import arun_session_loop
@@ -232,3 +234,93 @@ async def test_a_stream_being_read_when_aclose_clients_runs_ends_client_closed()
         await closing[0]
     assert "torn" not in str(caught.value)
     assert served.requests == 1  # a closed client is not restarted
+
+
+class _CloseOnRestart(logging.Handler):
+    """Starts `aclose_clients()` when the turn logs that it will restart a torn stream: the close
+    runs at the loop's next step, inside the turn's backoff sleep (whatever its length)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.closing: list[asyncio.Task[None]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("restarting the turn") and not self.closing:
+            self.closing.append(asyncio.get_running_loop().create_task(aclose_clients()))
+
+
+async def test_aclose_clients_while_a_turn_waits_to_restart_ends_client_closed() -> None:
+    # The first stream is torn after its first event (an in-band 503, budget left): the turn
+    # sleeps before restarting, and the clients are closed meanwhile. The restart must go through
+    # the closed client, as a retry of the request loop does (the client-closed error), not take
+    # a fresh client and open new connections.
+    handler = _CloseOnRestart()
+    logger = logging.getLogger("treadle.llm")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        async with wire([event("Par"), GATE, error_event(503, "overloaded"), DONE]) as served:
+            with pytest.raises(ConfigurationError, match=r"closed \(aclose_clients\(\)\)"):
+                await turn_on(served, retries=3)
+            await handler.closing[0]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert served.requests == 1  # no request after the close
+
+
+async def test_a_turn_that_spent_its_restarts_says_how_many_retries() -> None:
+    # As the request loop's final errors say "after N retries", so does a turn's: torn twice
+    # and an in-band 503 twice, each with one restart allowed.
+    torn = [event("Par"), GATE, TEAR]
+    async with wire(torn, torn) as served:
+        with pytest.raises(MalformedResponse, match="torn after 1 retry"):
+            await turn_on(served, retries=1)
+    assert served.requests == 2
+    inband = [event("Par"), GATE, error_event(503, "overloaded"), DONE]
+    async with wire(inband, inband) as served:
+        with pytest.raises(ProviderError, match="server error after 1 retry: overloaded") as caught:
+            await turn_on(served, retries=1)
+    assert (caught.value.status_code, served.requests) == (503, 2)
+    async with wire(inband) as served:  # no retry spent: nothing to say
+        with pytest.raises(ProviderError) as caught:
+            await turn_on(served, retries=0)
+    assert "after" not in str(caught.value)
+
+
+class _TornExecutor:
+    """A custom executor raising Treadle's internal TornStream (retryable): still called once."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def acomplete(self, request: CompletionRequest) -> dict[str, Any]:
+        self.calls += 1
+        raise TornStream(MalformedResponse("torn upstream"), retryable=True)
+
+
+class _TornSubclass(HttpExecutor):
+    """An HttpExecutor subclass whose own astream raises TornStream: its stream, called once."""
+
+    calls = 0
+
+    async def astream(self, request: CompletionRequest) -> AsyncIterator[Any]:
+        type(self).calls += 1
+        raise TornStream(MalformedResponse("torn upstream"), retryable=True)
+        yield  # an async generator, as astream is
+
+
+async def test_a_custom_executor_raising_torn_stream_is_called_once() -> None:
+    executor = _TornExecutor()
+    with pytest.raises(MalformedResponse, match="torn upstream"):
+        await request_turn(executor, _request(retries=3))
+    assert executor.calls == 1
+    provider = Provider(model="m", base_url="http://127.0.0.1:9/v1", api_key="k",
+                        max_retries=3, retry_base_delay=0.0, stream=True)  # fmt: skip
+    user = Session.from_user_message("hello")
+    request = CompletionRequest("s", provider, AGENT.rows, user.rows, ToolSet.build([]),
+                                stream=True)  # fmt: skip
+    with pytest.raises(MalformedResponse, match="torn upstream"):
+        await request_turn(_TornSubclass(), request, lambda _: None)
+    assert _TornSubclass.calls == 1

@@ -99,6 +99,23 @@ __all__ = [
 ]
 
 
+MAX_ID_CHARS = 256
+"""Characters of a provider's id (a request id, a completion id) kept where it is shown."""
+
+
+def clean_id(value: str | None) -> str:
+    """A provider's id as Treadle shows and keeps it: cut to `MAX_ID_CHARS`, printable
+    characters only (no escape sequences, C1 controls, tabs or bidi overrides), trimmed; `""`
+    when nothing is left but spaces and U+FFFD (bytes that were not UTF-8: no id to look up).
+    The one rule for `ProviderError.request_id` and `RequestUsage`."""
+    if not value:
+        return ""
+    if len(value) > MAX_ID_CHARS or not value.isprintable():
+        value = "".join(c for c in value[:MAX_ID_CHARS] if c.isprintable())
+    value = value.strip()
+    return value if value.replace("\ufffd", "").strip() else ""
+
+
 class TreadleError(Exception):
     """Base class of every error Treadle raises on purpose."""
 
@@ -160,7 +177,8 @@ class ProviderError(TreadleError):
         self.message = message
         self.status_code = status_code
         self.body = body
-        self.request_id = request_id
+        # A server's header, shown in messages and logs: capped and cleaned (`clean_id`).
+        self.request_id = clean_id(request_id) or None
 
     def __str__(self) -> str:
         parts = [self.message]

@@ -13,9 +13,12 @@ HTTPError                              any failure of one HTTP exchange
 ├── ReadTimeout                        no byte of the reply within the read timeout
 ├── WriteError                         the request could not be written
 ├── RemoteProtocolError                a malformed reply, or the connection closed mid-reply
-│   └── StaleConnection                a reused connection closed, no reply byte, just after the
-│                                      write: the server never saw the request (free re-send)
-│   └── UnsupportedReply               a reply this client does not read (101 upgrade, a status
+│   ├── StaleConnection                a reused connection closed, no reply byte, just after the
+│   │                                  write: the server never saw the request (free re-send)
+│   └── MalformedReply                 a reply that is not valid HTTP/1.1 or breaks a bound (a
+│       │                              parse error, a framing conflict, an endless head): the
+│       │                              server answers the same again, so it is never retried
+│       └── UnsupportedReply           a reply this client does not read (101 upgrade, a status
 │                                      outside 100-599, a transfer coding other than chunked)
 ├── PoolClosed                         the client closed its pool under the request
 ├── DecodeError                        a compressed body that does not decompress, or over the cap
@@ -35,6 +38,7 @@ __all__ = [
     "HTTPError",
     "InvalidHeader",
     "InvalidURL",
+    "MalformedReply",
     "OpenFilesExhausted",
     "PoolClosed",
     "PoolTimeout",
@@ -121,7 +125,14 @@ class StaleConnection(RemoteProtocolError):
     """
 
 
-class UnsupportedReply(RemoteProtocolError):
+class MalformedReply(RemoteProtocolError):
+    """The bytes the server sent are not a reply this client reads: llhttp refused them (a bad
+    status line or chunk size, `Content-Length` beside `Transfer-Encoding`, differing or listed
+    lengths, a folded header line), or they broke a bound (head, 1xx run, trailers). Nothing
+    went wrong on the way: the server answers the same way again, so it is not retried."""
+
+
+class UnsupportedReply(MalformedReply):
     """A reply this client does not read: a `101` upgrade, a status outside 100-599, or a
     transfer coding other than `chunked` alone. The server answers the same way every time, so
     it is not retried."""

@@ -23,13 +23,14 @@ from treadle._http.errors import (
     BodyClosed,
     DecodeError,
     HTTPError,
+    MalformedReply,
     PoolClosed,
     ReadTimeout,
     RemoteProtocolError,
     StaleConnection,
     UnsupportedReply,
 )
-from treadle._http.reply import UPGRADE, Headers, decoder, unsupported
+from treadle._http.reply import UPGRADE, Headers, decoder, headers_of, unsupported
 
 if TYPE_CHECKING:
     from treadle._http.pool import Route
@@ -227,15 +228,15 @@ class Connection(asyncio.BufferedProtocol):
             error = exc.error
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            error = cause.error if isinstance(cause, _Refused) else RemoteProtocolError(str(exc))
+            error = cause.error if isinstance(cause, _Refused) else MalformedReply(str(exc))
         except httptools.HttpParserError as exc:
-            error = RemoteProtocolError(f"The reply is not valid HTTP/1.1 ({exc}).")
+            error = MalformedReply(f"The reply is not valid HTTP/1.1 ({exc}).")
         except httptools.HttpParserUpgrade:  # an Exception, not an HttpParserError
             error = UnsupportedReply(UPGRADE)
         else:
             if self._quiet > MAX_HEAD_BYTES:
                 where = "head" if self._in_head else "chunk framing or trailers"
-                error = RemoteProtocolError(f"The reply's {where} is over {MAX_HEAD_BYTES} bytes.")
+                error = MalformedReply(f"The reply's {where} is over {MAX_HEAD_BYTES} bytes.")
         if error is not None and ex.complete and ex.error is None:
             # Junk after a finished reply (a stray byte, a 204's body): return it, never re-send.
             self.exchange = None
@@ -281,7 +282,7 @@ class Connection(asyncio.BufferedProtocol):
     def on_message_begin(self) -> None:
         ex = self.exchange
         if ex is None or ex.complete:
-            raise _Refused(RemoteProtocolError("The server sent bytes past the reply's end."))
+            raise _Refused(MalformedReply("The server sent bytes past the reply's end."))
         self._in_head = True
         self._trailer_size = 0
         self._head_size = 0
@@ -298,7 +299,7 @@ class Connection(asyncio.BufferedProtocol):
         # before the check after a read would see its whole size.
         self._head_size += size
         if self._head_size > MAX_HEAD_BYTES:
-            raise _Refused(RemoteProtocolError(f"The reply's head is over {MAX_HEAD_BYTES} bytes."))
+            raise _Refused(MalformedReply(f"The reply's head is over {MAX_HEAD_BYTES} bytes."))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._in_head:
@@ -308,7 +309,7 @@ class Connection(asyncio.BufferedProtocol):
         self._trailer_size += len(name) + len(value) + 4  # a trailer: bounded, never kept
         if self._trailer_size > MAX_TRAILER_BYTES:
             raise _Refused(
-                RemoteProtocolError(f"The reply's trailers are over {MAX_TRAILER_BYTES} bytes.")
+                MalformedReply(f"The reply's trailers are over {MAX_TRAILER_BYTES} bytes.")
             )
 
     def on_headers_complete(self) -> None:
@@ -326,23 +327,14 @@ class Connection(asyncio.BufferedProtocol):
             self._interim += 1
             if self._interim > MAX_INTERIM_REPLIES:
                 raise _Refused(
-                    RemoteProtocolError(f"The server sent over {MAX_INTERIM_REPLIES} 1xx replies.")
+                    MalformedReply(f"The server sent over {MAX_INTERIM_REPLIES} 1xx replies.")
                 )
             return
         ex = self.exchange
         assert ex is not None
         raw = self._raw
         self._raw = []
-        headers = ex.headers
-        headers.update(
-            {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw}
-        )
-        if len(headers) < len(raw):  # a repeated header: its values joined, in order
-            dict.clear(headers)
-            for raw_name, raw_value in raw:
-                name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
-                old = dict.get(headers, name)
-                dict.__setitem__(headers, name, value if old is None else f"{old}, {value}")
+        headers = ex.headers = headers_of(raw)
         ex.status = status
         ex.keep_alive = parser.should_keep_alive()
         get = headers.get

@@ -21,6 +21,7 @@ __all__ = [
     "StreamReply",
     "Timeouts",
     "decoder",
+    "headers_of",
     "unsupported",
 ]
 
@@ -71,7 +72,8 @@ class Timeouts:
 
 
 class Headers(dict[str, str]):
-    """A reply's headers by lower-case name (repeated headers joined with `, `).
+    """A reply's headers by lower-case name (repeated headers joined with `, `), values decoded
+    as UTF-8 with a bad byte as U+FFFD (both transports: one id reads the same through either).
 
     Lookups are case-insensitive: `headers["Content-Type"]` and `headers.get("x-request-id")`.
     """
@@ -88,6 +90,22 @@ class Headers(dict[str, str]):
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and super().__contains__(name.lower())
+
+
+def headers_of(raw: list[tuple[bytes, bytes]]) -> Headers:
+    """`Headers` from a head's `(name, value)` byte pairs, as both transports read them: names
+    lower-cased, values decoded as UTF-8 (a bad byte as U+FFFD, not Latin-1 mojibake), a repeated
+    header's values joined with `, ` in order."""
+    headers = Headers(
+        {name.decode("latin-1").lower(): value.decode("utf-8", "replace") for name, value in raw}
+    )
+    if len(headers) < len(raw):  # a repeated header
+        dict.clear(headers)
+        for raw_name, raw_value in raw:
+            name, value = raw_name.decode("latin-1").lower(), raw_value.decode("utf-8", "replace")
+            old = dict.get(headers, name)
+            dict.__setitem__(headers, name, value if old is None else f"{old}, {value}")
+    return headers
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,14 +18,20 @@ from pydantic_core import from_json
 
 from treadle._http.errors import HTTPError, PoolClosed
 from treadle._http.reply import Timeouts
-from treadle.errors import ProviderError, TreadleError
-from treadle.llm.http_errors import error_from_status, error_from_transport, malformed
+from treadle.errors import ProviderError, TreadleError, clean_id
+from treadle.llm.http_errors import (
+    after_retries,
+    error_from_status,
+    error_from_transport,
+    malformed,
+)
 from treadle.llm.inband import status_in
 from treadle.llm.provider import DEFAULT_POOL_TIMEOUT
 from treadle.llm.retry import is_retryable_error, parse_retry_after
 from treadle.llm.sse import DONE, SSEDecoder
 
 if TYPE_CHECKING:
+    from treadle.llm.client import ModelClient
     from treadle.llm.provider import Provider
 
 __all__ = [
@@ -40,20 +46,25 @@ __all__ = [
 
 
 class Tries:
-    """What one model request has spent: retries, and the reply's `x-request-id`.
+    """What one model request has spent: retries, the client, and the reply's `x-request-id`.
 
     `ModelClient`'s retry loop counts its retries here and the turn's restart of a torn stream
     counts on from there, so a turn sends at most `max_retries + 1` requests (a free re-send of
-    a stale connection aside).
+    a stale connection aside). The restart goes through the same `client` as the first attempt,
+    as a retry of the request loop does: a client closed meanwhile (`aclose_clients()`) ends the
+    turn with its `ConfigurationError` instead of opening new connections on a fresh client.
     """
 
-    __slots__ = ("request_id", "spent")
+    __slots__ = ("client", "request_id", "spent")
 
     def __init__(self) -> None:
         self.spent = 0
         """Retries spent so far (sends after the first)."""
         self.request_id: str | None = None
-        """The `x-request-id` header of the reply that was used (None when it had none)."""
+        """The `x-request-id` header of the reply that was used, cleaned (`clean_id`; None when
+        it had none, or nothing printable)."""
+        self.client: ModelClient | None = None
+        """The client of the first attempt (None until a turn picked one)."""
 
 
 class TornStream(Exception):
@@ -61,13 +72,27 @@ class TornStream(Exception):
 
     Never retried as a request (its events already reached the caller); the turn may restart
     when `retryable` (a lost connection, a read timeout, an in-band 429 or 5xx). `error` is the
-    typed error to raise otherwise.
+    typed error to raise otherwise; `final(retries)` the same error saying how many retries the
+    turn spent (`remake` builds it), as the request loop's final errors say.
     """
 
-    def __init__(self, error: TreadleError, *, retryable: bool) -> None:
+    def __init__(
+        self,
+        error: TreadleError,
+        *,
+        retryable: bool,
+        remake: Callable[[int], TreadleError] | None = None,
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.retryable = retryable
+        self._remake = remake
+
+    def final(self, retries: int) -> TreadleError:
+        """The error to raise once the turn spent `retries` retries ("after N retries")."""
+        if not retries or self._remake is None:
+            return self.error
+        return self._remake(retries)
 
 
 class StatusError(Exception):
@@ -125,7 +150,7 @@ class OpenStream:
         self.chunks = chunks
         """The body's byte chunks (read on by `ModelClient.stream` after `start`)."""
         self._close = close
-        self.request_id = headers.get("x-request-id")
+        self.request_id = clean_id(headers.get("x-request-id")) or None
         self.headers = headers
         """The reply's headers."""
         self.decoder = SSEDecoder()
@@ -201,8 +226,13 @@ class OpenStream:
             return TornStream(error, retryable=False)
         retryable = isinstance(error, ProviderError) and is_retryable_error(error)
         text = error.message if isinstance(error, ProviderError) else str(error)
-        torn = malformed(f"the stream was torn ({text})", request_id=self.request_id)
-        return TornStream(torn, retryable=retryable)
+        request_id = self.request_id
+
+        def remake(retries: int) -> TreadleError:
+            said = f"the stream was torn{after_retries(retries)} ({text})"
+            return malformed(said, request_id=request_id)
+
+        return TornStream(remake(0), retryable=retryable, remake=remake)
 
     async def aclose(self) -> None:
         """Close the body stream (idempotent)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -27,7 +28,7 @@ from pydantic_core import from_json
 
 from treadle._http.errors import HTTPError, StaleConnection
 from treadle._http.reply import Timeouts
-from treadle.errors import MalformedResponse, ProviderError
+from treadle.errors import MalformedResponse, ProviderError, clean_id
 from treadle.llm.attempt import (
     OpenStream,
     StatusError,
@@ -44,7 +45,7 @@ from treadle.llm.http_errors import (
     is_certificate_failure,
     malformed,
 )
-from treadle.llm.inband import status_in
+from treadle.llm.inband import status_in, with_retries
 from treadle.llm.limiter import EndpointLimiter, Permit, estimate_tokens
 from treadle.llm.provider import Provider
 from treadle.llm.registry import aclose_clients, close_all_clients_for_loop, get_client
@@ -145,7 +146,7 @@ class ModelClient:
             tries,
         )
         used: int | None = None
-        tries.request_id = reply_headers.get("x-request-id")
+        tries.request_id = clean_id(reply_headers.get("x-request-id")) or None
         try:
             limiter.observe(permit, reply_headers)
             if result.usage is not None:
@@ -251,7 +252,11 @@ class ModelClient:
                     except ProviderError as exc:
                         if batch:  # the events before a bad one still reach the caller first
                             yield batch
-                        raise TornStream(exc, retryable=is_retryable_error(exc)) from None
+                        raise TornStream(
+                            exc,
+                            retryable=is_retryable_error(exc),
+                            remake=functools.partial(with_retries, exc, api_key=api_key),
+                        ) from None
                     if total is not None:
                         used = total
                     finished = finished or ends

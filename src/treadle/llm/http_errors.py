@@ -26,12 +26,12 @@ from treadle._http.errors import (
     HTTPError,
     InvalidHeader,
     InvalidURL,
+    MalformedReply,
     OpenFilesExhausted,
     PoolClosed,
     PoolTimeout,
     ReadTimeout,
     TLSError,
-    UnsupportedReply,
 )
 from treadle.errors import (
     AuthenticationError,
@@ -53,6 +53,7 @@ from treadle.errors import (
 __all__ = [
     "BODY_EXCERPT_CHARS",
     "MIN_SECRET_CHARS",
+    "after_retries",
     "error_from_payload",
     "error_from_status",
     "error_from_transport",
@@ -115,7 +116,7 @@ def excerpt(body: bytes | str, api_key: str | None = None, limit: int = BODY_EXC
     return text
 
 
-def _after_retries(retries: int) -> str:
+def after_retries(retries: int) -> str:
     """` after 1 retry` / ` after 3 retries`, or nothing before the first retry."""
     if not retries:
         return ""
@@ -216,7 +217,7 @@ def _classify_payload(
         "body": excerpt(body, api_key),
         "request_id": request_id,
     }
-    after = _after_retries(retries)
+    after = after_retries(retries)
     lowered = f"{code} {type_} {message}".lower()
     if status in (401, 403):
         return AuthenticationError(
@@ -326,7 +327,7 @@ def error_from_status(
 def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleError:
     """The typed error for a request that got no usable reply: the one table from the HTTP
     layer's errors to what users see (`ConfigurationError` for what no retry can fix)."""
-    after = _after_retries(retries)
+    after = after_retries(retries)
     if isinstance(exc, OpenFilesExhausted):
         return ConfigurationError(
             f"The process ran out of file descriptors connecting to {url} ({exc}); raise the "
@@ -345,7 +346,7 @@ def error_from_transport(exc: HTTPError, *, url: str, retries: int) -> TreadleEr
             f"The server at {base} does not speak TLS ({exc}); if it serves plain HTTP, use "
             f"base_url=http:{base[len('https:') :]}."
         )
-    if isinstance(exc, UnsupportedReply):
+    if isinstance(exc, MalformedReply):  # not valid HTTP/1.1, or not read: the same next time
         return MalformedResponse(
             f"The server at {url} sent a reply this client cannot read{after}: {exc} A retry "
             "would get the same; check base_url points at an OpenAI-compatible HTTP API."

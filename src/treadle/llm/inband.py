@@ -19,7 +19,7 @@ from pydantic_core import from_json, to_json
 
 from treadle.errors import ProviderError
 
-__all__ = ["error_in", "provider_usage", "status_in", "with_status_from_body"]
+__all__ = ["error_in", "provider_usage", "status_in", "with_retries", "with_status_from_body"]
 
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
@@ -77,6 +77,30 @@ def with_status_from_body(error: ProviderError, api_key: str | None) -> Provider
     return error_from_payload(
         status, payload, error.body, request_id=error.request_id, api_key=api_key
     )
+
+
+def with_retries(error: ProviderError, retries: int, *, api_key: str | None) -> ProviderError:
+    """An in-band `error` as the final error of a turn that spent `retries` retries: its message
+    says "after N retries" where the same status in a reply's head would. Unchanged when its
+    body is not an error object (a malformed event) or no longer parses (cut to an excerpt)."""
+    if not retries or not error.body:
+        return error
+    try:
+        payload = from_json(error.body)
+    except ValueError:
+        return error
+    if not isinstance(payload, Mapping) or "error" not in payload:
+        return error
+    from treadle.llm.http_errors import error_from_payload
+
+    again = error_from_payload(
+        error.status_code, payload, error.body,
+        request_id=error.request_id, api_key=api_key, retries=retries,
+    )  # fmt: skip
+    if type(again) is not type(error):  # not the same classification: keep the original
+        return error
+    again.body = error.body
+    return again
 
 
 def provider_usage(extra: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from treadle._http import errors as http
 from treadle._http.pool import NetworkOptions, Pool
-from treadle._http.reply import UPGRADE, Headers, Reply, StreamReply, Timeouts, unsupported
+from treadle._http.protocol import MAX_BODY_BYTES
+from treadle._http.reply import (
+    UPGRADE,
+    Headers,
+    Reply,
+    StreamReply,
+    Timeouts,
+    headers_of,
+    unsupported,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -112,17 +121,19 @@ class HttpxTransport:
         self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
     ) -> Reply:
         """POST `body` through the user's client and read the whole reply."""
-        with _mapped(url):
-            response = await self.client.post(
-                url, content=body, headers=headers, timeout=_httpx_timeout(timeouts)
-            )
-        _refuse_unsupported(response.status_code, url)
-        return Reply(response.status_code, _headers(response.headers), response.content)
+        response = await self._send(url, body, headers, timeouts)
+        try:
+            # Read as a stream, never `response.content`: the pool's cap on the decompressed
+            # size holds here too (a small gzip bomb must not grow to gigabytes in memory).
+            parts = [piece async for piece in _HttpxBody(response, url)]
+        finally:
+            await response.aclose()
+        return Reply(response.status_code, _headers(response.headers), b"".join(parts))
 
-    async def post_stream(
+    async def _send(
         self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
-    ) -> StreamReply:
-        """POST `body` through the user's client; the reply once its head arrived."""
+    ) -> httpx.Response:
+        """POST `body`; the response once its head arrived (its body still to read)."""
         with _mapped(url):
             request = self.client.build_request(
                 "POST", url, content=body, headers=headers, timeout=_httpx_timeout(timeouts)
@@ -130,9 +141,17 @@ class HttpxTransport:
             response = await self.client.send(request, stream=True)
         try:
             _refuse_unsupported(response.status_code, url)
-        except http.UnsupportedReply:
+            _refuse_length(response.headers.get("content-length"), url)
+        except http.HTTPError:
             await response.aclose()
             raise
+        return response
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+    ) -> StreamReply:
+        """POST `body` through the user's client; the reply once its head arrived."""
+        response = await self._send(url, body, headers, timeouts)
         return StreamReply(
             response.status_code, _headers(response.headers), _HttpxBody(response, url)
         )
@@ -145,13 +164,18 @@ class HttpxTransport:
 
 
 class _HttpxBody:
-    """An httpx streamed response as a `BodyStream` (errors mapped as the pool's are)."""
+    """An httpx streamed response as a `BodyStream` (errors mapped as the pool's are).
+
+    httpx decodes the content coding it offered; the decoded size is bounded by the pool's
+    `MAX_BODY_BYTES`, with the pool's error, counted as the pieces arrive.
+    """
 
     def __init__(self, response: httpx.Response, url: str) -> None:
         self._response = response
         self._url = url
         self._chunks: AsyncIterator[bytes] | None = None
         self._closed = False
+        self._size = 0
 
     def __aiter__(self) -> _HttpxBody:
         return self
@@ -162,7 +186,11 @@ class _HttpxBody:
         if self._chunks is None:
             self._chunks = self._response.aiter_bytes()
         with _mapped(self._url):
-            return await anext(self._chunks)
+            piece = await anext(self._chunks)
+        self._size += len(piece)
+        if self._size > MAX_BODY_BYTES:
+            raise http.DecodeError(f"The reply body is over {MAX_BODY_BYTES} bytes.", url=self._url)
+        return piece
 
     async def aclose(self) -> None:
         """Close the response (httpx closes its connection unless it was read to the end)."""
@@ -171,13 +199,9 @@ class _HttpxBody:
 
 
 def _headers(headers: httpx.Headers) -> Headers:
-    out = Headers()
-    for name, value in headers.multi_items():
-        name = name.lower()
-        if name in out:
-            value = f"{dict.__getitem__(out, name)}, {value}"
-        dict.__setitem__(out, name, value)
-    return out
+    """httpx's headers as the pool reads them (`headers_of` of their bytes), not decoded by
+    httpx's guess of the encoding: an id reads the same through either transport."""
+    return headers_of(headers.raw)
 
 
 def _httpx_timeout(timeouts: Timeouts) -> httpx.Timeout:
@@ -249,12 +273,35 @@ _UNSUPPORTED = (
 )
 
 
+# Every way h11 and httpcore say the connection ended under the reply (their sources raise
+# `RemoteProtocolError` for these and for malformed replies alike): a lost connection, retried.
+_CONNECTION_LOST = (
+    "Server disconnected",  # httpcore: closed before any reply byte
+    "peer closed connection",  # h11: a body cut short (by length or chunks)
+    "peer unexpectedly closed",  # h11: a head cut short
+    "peer state is ERROR",  # h11: a read after one of the above
+    "ConnectionClosed",  # httpcore: h11 saw the close in a state that has no reply yet
+)
+
+
 def _remote_protocol(message: str, url: str) -> http.RemoteProtocolError:
-    """httpx's `RemoteProtocolError` as the pool's error for the same reply."""
+    """httpx's `RemoteProtocolError` as the pool's error for the same reply: a reply h11 refuses
+    to parse is a `MalformedReply` (never retried, as llhttp's refusals in the pool); only a
+    connection lost under the reply stays a plain `RemoteProtocolError` (retried)."""
     for marker, said in _UNSUPPORTED:
         if marker in message:
             return http.UnsupportedReply(f"{said} (httpx: {message}).", url=url)
-    return http.RemoteProtocolError(f"RemoteProtocolError: {message}", url=url)
+    if any(marker in message for marker in _CONNECTION_LOST):
+        return http.RemoteProtocolError(f"RemoteProtocolError: {message}", url=url)
+    return http.MalformedReply(f"The reply is not valid HTTP/1.1 (httpx: {message}).", url=url)
+
+
+def _refuse_length(length: str | None, url: str) -> None:
+    """A `Content-Length` over the cap refused before the body is read, as the pool does."""
+    if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
+        raise http.DecodeError(
+            f"The reply body ({length} bytes) is over {MAX_BODY_BYTES}.", url=url
+        )
 
 
 def _refuse_unsupported(status: int, url: str) -> None:

@@ -256,13 +256,23 @@ async def request_turn(
     """
     provider = request.provider
     tries = Tries()
+    # Only Treadle's own stream is restarted: a custom executor (or a subclass's own astream)
+    # is called once, whatever it raises, even the internal TornStream.
+    own_stream = (
+        request.stream
+        and isinstance(executor, HttpExecutor)
+        and type(executor).astream is HttpExecutor.astream
+    )
     while True:
         try:
             return await _turn(executor, request, on_delta, tries)
         except TornStream as torn:
             error = torn.error
-            if provider is None or not torn.retryable or tries.spent >= provider.max_retries:
+            if not own_stream:
                 raise error from torn.__cause__
+            if provider is None or not torn.retryable or tries.spent >= provider.max_retries:
+                # "after N retries", as the request loop's final errors say
+                raise torn.final(tries.spent) from torn.__cause__
             delay = backoff_delay(tries.spent, provider.retry_base_delay)
             log.info("restarting the turn (%s) in %.2fs, attempt %d/%d", error, delay,
                      tries.spent + 1, provider.max_retries)  # fmt: skip
@@ -342,7 +352,9 @@ async def _fold_stream(
     provider = _require_provider(request)
     acc = StreamAccumulator()
     try:
-        client = get_client(provider)
+        client = tries.client  # a restart: the first attempt's client, even if closed since
+        if client is None:
+            client = tries.client = get_client(provider)
         if on_delta is None:
             events = client.stream_batches(provider, request.body(), parse_event, tries)
             async with contextlib.aclosing(events):

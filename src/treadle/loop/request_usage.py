@@ -5,8 +5,9 @@ first): input, output, cached and reasoning tokens, the provider's response id, 
 latency and its request id (the reply's `x-request-id` header, else the response id). Token
 details come from the reply's `usage.prompt_tokens_details.cached_tokens` and
 `usage.completion_tokens_details.reasoning_tokens` when the provider sends them as ints within
-the request's input (cached) or output (reasoning) tokens (0 otherwise); the response id is cut
-to `MAX_RESPONSE_ID_CHARS` printable characters.
+the request's input (cached) or output (reasoning) tokens (0 otherwise); both ids are cut to
+`MAX_RESPONSE_ID_CHARS` printable characters (`treadle.errors.clean_id`, as error messages show
+them), and a request id with nothing printable left falls back to the response id.
 Pure values; no I/O.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from treadle.errors import MAX_ID_CHARS, clean_id
 
 if TYPE_CHECKING:
     from treadle.session import Usage
@@ -51,7 +54,7 @@ class RequestUsage:
 
 
 #: Characters of a provider's response id kept in an entry (a longer one is cut).
-MAX_RESPONSE_ID_CHARS = 256
+MAX_RESPONSE_ID_CHARS = MAX_ID_CHARS
 
 
 def _detail(value: Any, whole: int) -> int:
@@ -59,14 +62,6 @@ def _detail(value: Any, whole: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= whole:
         return 0
     return value
-
-
-def _response_id(value: str) -> str:
-    """The id without control characters, capped (it is logged and shown to support)."""
-    value = value[:MAX_RESPONSE_ID_CHARS]
-    if value.isprintable():  # every well-behaved id: one C call, not a generator per character
-        return value
-    return "".join(c for c in value if c.isprintable())
 
 
 def request_usage_of(
@@ -78,16 +73,19 @@ def request_usage_of(
     agent: str | None,
 ) -> RequestUsage:
     """The entry for one completion: its `CompletionUsage` as received (or None), its id, the
-    counted `Usage`, the latency, its request id and the agent's name."""
+    counted `Usage`, the latency, its request id and the agent's name. Ids are cleaned as
+    errors clean them (`treadle.errors.clean_id`); a request id with nothing printable left
+    falls back to the response id."""
+    response = clean_id(response_id)
     return RequestUsage(
         usage.prompt_tokens,
         usage.completion_tokens,
         _detail(wire.cached_tokens, usage.prompt_tokens) if wire is not None else 0,
         _detail(wire.reasoning_tokens, usage.completion_tokens) if wire is not None else 0,
-        _response_id(response_id),
+        response,
         latency,
         agent,
-        _response_id(request_id),
+        clean_id(request_id) or response,
     )
 
 
