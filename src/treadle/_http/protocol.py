@@ -57,6 +57,8 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 PAUSE_BYTES = 1024 * 1024
 """A streamed body buffered past this pauses reading until its reader catches up."""
 READ_BUFFER_BYTES = 64 * 1024
+# A lost connection's: its own parser's callbacks are a cycle holding its 64 KiB (issue 33).
+_SPENT_PARSER, _SPENT_BUFFER = httptools.HttpResponseParser(object()), memoryview(bytearray(0))
 """Each connection reads into one buffer of this size, reused: no allocation per read (a
 256 KiB `bytes` per read, asyncio's default, costs an mmap and munmap each time)."""
 STALE_WINDOW_SECONDS = 0.005
@@ -275,6 +277,7 @@ class Connection(asyncio.BufferedProtocol):
             else:
                 ex.fail(self._lost(ex, exc))
         self._on_lost(self)
+        self._parser, self._buffer = _SPENT_PARSER, _SPENT_BUFFER  # freed without the collector
 
     # -- llhttp's callbacks -------------------------------------------------------------------
 
