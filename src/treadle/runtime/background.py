@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from treadle.errors import SessionFailedError
 from treadle.runtime import progress
+from treadle.runtime.busy_gc import BusyCollector
 from treadle.runtime.lazy import LazyValue
 from treadle.runtime.threads import in_worker_thread, thread_stats
 
@@ -98,6 +99,7 @@ class Runtime:
         # `_ended` plus `progress.steps()` at the last look (None: no look armed).
         self._stall_seen: int | None = None
         self._allowance = 0  # starts let past the cap by stall checks (until no pass waits)
+        self._collector = BusyCollector()  # the collector's threshold under load (`busy_gc`)
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
@@ -239,6 +241,7 @@ class Runtime:
             else:
                 waiting.append(item)
         self._start_waiting()
+        self._collector.update(len(self._tasks) + len(waiting))
 
     def _start_waiting(self) -> None:
         """Start waiting passes while fewer than the cap (plus the stall allowance) run."""
@@ -285,6 +288,8 @@ class Runtime:
         self._ended += 1
         if self._waiting:
             self._start_waiting()
+        if self._collector.raised is not None:
+            self._collector.update(len(self._tasks) + len(self._waiting))
         if future.done():  # failed already by `_died`
             return
         if task.cancelled():
@@ -339,6 +344,7 @@ class Runtime:
                 await hook()
             except Exception:  # a failing hook must not stop the others from closing
                 log.exception("a Treadle shutdown hook failed")
+        self._collector.update(0)  # the program's own thresholds back
         await self.loop.shutdown_asyncgens()
         await self.loop.shutdown_default_executor()
 
