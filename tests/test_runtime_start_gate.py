@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from treadle.runtime.background import DEFAULT_MAX_STARTED, Runtime
+from treadle.runtime.background import DEFAULT_MAX_STARTED, STALL_SECONDS, Runtime
 from treadle.session.session import new_session_id
 
 
@@ -80,6 +80,44 @@ def test_a_pass_waiting_on_a_later_pass_does_not_deadlock(runtime: Runtime) -> N
     last = runtime.submit(later())
     assert last.result(timeout=60) == "set"
     assert [lv.result(timeout=60) for lv in first] == ["waited"] * 3
+
+
+def test_passes_whose_replies_keep_coming_hold_the_gate() -> None:
+    # Issue 33: passes that each read many replies (real HTTP, the fake server) take longer than
+    # STALL_SECONDS to end. Replies arriving are progress, not a stall: no extra pass starts
+    # while they come (before, every 0.5 s without a pass ending let more start, and 10,000
+    # submitted passes all ran at once).
+    from treadle._http.pool import Pool
+    from treadle._http.reply import Timeouts
+    from treadle.testing import FakeOpenAIServer
+
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    headers = {"content-type": "application/json", "authorization": "Bearer k"}
+    requests_per_pass = int(2 * STALL_SECONDS / 0.02)  # a pass outlasts a stall check
+    counter = Counter()
+    rt = Runtime(max_started=2)
+    try:
+        with FakeOpenAIServer(script="echo", latency_ms=20) as server:
+            url = f"{server.base_url}/chat/completions"
+            pool = Pool()
+
+            async def many_replies(i: int) -> int:
+                counter.now += 1
+                counter.most = max(counter.most, counter.now)
+                try:
+                    for _ in range(requests_per_pass):
+                        reply = await pool.post(url, body, headers, Timeouts(10, 10, 10))
+                        assert reply.status == 200
+                finally:
+                    counter.now -= 1
+                return i
+
+            lazies = [rt.submit(many_replies(i)) for i in range(3)]
+            assert [lv.result(timeout=120) for lv in lazies] == [0, 1, 2]
+            rt.run(pool.aclose())
+    finally:
+        rt.shutdown(5)
+    assert counter.most == 2
 
 
 def test_cancelling_a_waiting_pass_cancels_it_when_it_starts(runtime: Runtime) -> None:

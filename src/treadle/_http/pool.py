@@ -22,6 +22,7 @@ from treadle._http.connect import NetworkOptions, Route, open_connection, route_
 from treadle._http.errors import InvalidHeader, PoolClosed, PoolTimeout
 from treadle._http.protocol import Body, Connection, Exchange
 from treadle._http.reply import Reply, StreamReply, Timeouts
+from treadle.runtime import progress
 
 __all__ = [
     "DEFAULT_KEEPALIVE_EXPIRY",
@@ -246,6 +247,7 @@ class Pool:
         close it otherwise (never pooled twice)."""
         if conn.pooled:
             return
+        progress.step()  # a reply ended: the start gate's stall check sees passes moving
         if (
             conn.closed
             or self.closed
@@ -268,6 +270,7 @@ class Pool:
         self._wake_one()
 
     def _lost(self, conn: Connection) -> None:
+        progress.step()
         if conn.pooled:
             if conn in conn.idle:
                 conn.idle.remove(conn)

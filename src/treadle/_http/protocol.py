@@ -30,6 +30,7 @@ from treadle._http.errors import (
     StaleConnection,
     UnsupportedReply,
 )
+from treadle._http.read_buffer import thread_read_buffer
 from treadle._http.reply import UPGRADE, Headers, decoder, headers_of, unsupported
 
 if TYPE_CHECKING:
@@ -57,9 +58,8 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 """A (decompressed) reply body larger than this is refused rather than held in memory."""
 PAUSE_BYTES = 1024 * 1024
 """A streamed body buffered past this pauses reading until its reader catches up."""
-READ_BUFFER_BYTES = 64 * 1024
-"""Each connection reads into one buffer of this size, reused: no allocation per read (a
-256 KiB `bytes` per read, asyncio's default, costs an mmap and munmap each time)."""
+# A lost connection's: its own parser's callbacks are a cycle keeping it alive (issue 33).
+_SPENT_PARSER, _SPENT_BUFFER = httptools.HttpResponseParser(object()), memoryview(bytearray(0))
 STALE_WINDOW_SECONDS = 0.005
 """A reused connection closed with no reply byte within 5 ms of the write was closed while idle
 (the server never saw the request): re-sent without counting a retry, never with `max_retries=0`.
@@ -189,7 +189,7 @@ class Connection(asyncio.BufferedProtocol):
         self._in_head = True
         self._raw: list[tuple[bytes, bytes]] = []
         self._until_close = False
-        self._buffer = memoryview(bytearray(READ_BUFFER_BYTES))
+        self._buffer = thread_read_buffer()  # shared by this loop's connections (read_buffer)
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -276,6 +276,7 @@ class Connection(asyncio.BufferedProtocol):
             else:
                 ex.fail(self._lost(ex, exc))
         self._on_lost(self)
+        self._parser, self._buffer = _SPENT_PARSER, _SPENT_BUFFER  # freed without the collector
 
     # -- llhttp's callbacks -------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from treadle.errors import SessionFailedError
+from treadle.runtime import progress
+from treadle.runtime.busy_gc import BusyCollector
 from treadle.runtime.lazy import LazyValue
 from treadle.runtime.threads import in_worker_thread, thread_stats
 
@@ -61,8 +63,10 @@ until one ends. Four times the default cap on requests in flight: enough to keep
 busy while passes run their tools, few enough that a hundred thousand submitted passes do not
 each hold a started coroutine chain (memory, and the garbage collector walking it)."""
 STALL_SECONDS = 0.5
-"""With passes waiting to start and none of the started ones ending for this long, more start
-anyway: passes that wait on later passes cannot deadlock. (Passes submitted by a pass's own worker
+"""With passes waiting to start and none of the started ones ending, nor any HTTP reply arriving,
+for this long, more start anyway: passes that wait on later passes cannot deadlock (replies
+count too: a pass queued behind thousands for a connection takes far longer than this to end
+while the others move, see `treadle.runtime.progress`). (Passes submitted by a pass's own worker
 thread, a sync tool running a sub-agent, never wait: they start at once.)"""
 
 
@@ -92,8 +96,10 @@ class Runtime:
         self._waiting: deque[_Item] = deque()
         self._max_started = _max_started() if max_started is None else max_started
         self._ended = 0  # passes ended so far (the stall check compares it between looks)
-        self._stall_seen: int | None = None  # `_ended` at the last look (None: no look armed)
+        # `_ended` plus `progress.steps()` at the last look (None: no look armed).
+        self._stall_seen: int | None = None
         self._allowance = 0  # starts let past the cap by stall checks (until no pass waits)
+        self._collector = BusyCollector()  # the collector's threshold under load (`busy_gc`)
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
@@ -235,6 +241,7 @@ class Runtime:
             else:
                 waiting.append(item)
         self._start_waiting()
+        self._collector.update(len(self._tasks) + len(waiting))
 
     def _start_waiting(self) -> None:
         """Start waiting passes while fewer than the cap (plus the stall allowance) run."""
@@ -251,13 +258,14 @@ class Runtime:
         if not waiting:
             self._allowance = 0
         elif self._stall_seen is None:
-            self._stall_seen = self._ended
+            self._stall_seen = self._ended + progress.steps()
             self.loop.call_later(STALL_SECONDS, self._check_stall)
 
     def _check_stall(self) -> None:
         seen, self._stall_seen = self._stall_seen, None
-        if seen == self._ended and self._waiting:
-            # No started pass ended since the last look: another batch starts (STALL_SECONDS).
+        if seen == self._ended + progress.steps() and self._waiting:
+            # No started pass ended and no reply came since the last look: another batch starts
+            # (STALL_SECONDS).
             self._allowance += max(1, self._max_started // 4)
         self._start_waiting()
 
@@ -280,6 +288,8 @@ class Runtime:
         self._ended += 1
         if self._waiting:
             self._start_waiting()
+        if self._collector.raised is not None:
+            self._collector.update(len(self._tasks) + len(self._waiting))
         if future.done():  # failed already by `_died`
             return
         if task.cancelled():
@@ -334,6 +344,7 @@ class Runtime:
                 await hook()
             except Exception:  # a failing hook must not stop the others from closing
                 log.exception("a Treadle shutdown hook failed")
+        self._collector.update(0)  # the program's own thresholds back
         await self.loop.shutdown_asyncgens()
         await self.loop.shutdown_default_executor()
 

@@ -1,0 +1,62 @@
+"""The garbage collector's first threshold, raised while thousands of passes are in flight.
+
+With thousands of passes pending, nearly every object a pass allocates outlives the youngest
+generation (a pass lasts seconds), so CPython's default first threshold (700 allocations) runs a
+young collection every few hundred microseconds and promotes the passes' objects wholesale to the
+oldest generation, where they trigger full collections walking every live object: the held
+outputs, the started passes and the waiting ones. At 10,000 passes the collector took 40% of the
+client's CPU (docs/performance.md, issue 33). While at least `BUSY_PASSES` passes are pending the
+runtime raises the first threshold to `DEFAULT_BUSY_THRESHOLD` (the `TREADLE_BUSY_GC_THRESHOLD`
+environment variable, 0 to leave the collector alone), and puts it back once fewer than a quarter
+of that remain, unless the program changed the thresholds meanwhile.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+__all__ = ["BUSY_PASSES", "DEFAULT_BUSY_THRESHOLD", "BusyCollector"]
+
+log = logging.getLogger("treadle.runtime")
+
+BUSY_PASSES = 1000
+"""Passes pending at once (started or waiting to start) from which the threshold is raised."""
+DEFAULT_BUSY_THRESHOLD = 20_000
+"""The collector's first threshold while busy (allocations between young collections)."""
+
+
+class BusyCollector:
+    """Raises and restores the collector's first threshold as the runtime's load crosses
+    `BUSY_PASSES` (loop thread only)."""
+
+    def __init__(self, threshold: int | None = None) -> None:
+        """`threshold`: the first threshold while busy (None: the environment or the default;
+        0: never change it)."""
+        self.threshold = _from_environment() if threshold is None else threshold
+        self.raised: tuple[int, int, int] | None = None
+        """The thresholds to put back (None: not raised)."""
+
+    def update(self, pending: int) -> None:
+        """Raise or restore the threshold for `pending` passes in flight."""
+        if self.raised is None:
+            if pending >= BUSY_PASSES and self.threshold > 0:
+                before = gc.get_threshold()
+                if 0 < before[0] < self.threshold:  # the program's own higher setting stays
+                    gc.set_threshold(self.threshold, before[1], before[2])
+                    self.raised = before
+        elif pending < BUSY_PASSES // 4:
+            before, self.raised = self.raised, None
+            if gc.get_threshold()[0] == self.threshold:  # else the program set its own since
+                gc.set_threshold(*before)
+
+
+def _from_environment() -> int:
+    value = os.environ.get("TREADLE_BUSY_GC_THRESHOLD", "")
+    try:
+        return int(value) if value.strip() else DEFAULT_BUSY_THRESHOLD
+    except ValueError:
+        log.warning("TREADLE_BUSY_GC_THRESHOLD=%r is not an integer; using %d", value,
+                    DEFAULT_BUSY_THRESHOLD)  # fmt: skip
+        return DEFAULT_BUSY_THRESHOLD
