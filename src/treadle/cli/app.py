@@ -406,7 +406,7 @@ def _check_paths(args: argparse.Namespace) -> None:
     elif args.command == "sessions" and not (args.store or args.imports or args.export):
         paths.check_session_dir(args.directory)
     elif args.command == "eval":
-        paths.check_eval_dataset(args.dataset, args.agent)
+        paths.check_eval_dataset(args.dataset, args.agent, args.scorer)
     elif args.command == "eval-report":
         paths.check_eval_log(args.log)
     elif args.command == "eval-compare":

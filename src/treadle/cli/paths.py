@@ -9,14 +9,17 @@ for `run`, this module imports nothing heavier than `treadle.cli.failures`.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from treadle.cli.failures import EXIT_CODES, CliFailure
 
 __all__ = [
     "EVAL_LOG_DIR",
+    "SCORER_WORDS",
     "check_eval_dataset",
     "check_eval_log",
+    "check_object_spec",
     "check_session_dir",
     "check_session_file",
     "is_eval_log",
@@ -24,6 +27,8 @@ __all__ = [
 
 #: Where `treadle eval` writes its logs by default (kept equal to `treadle.cli.eval`'s).
 EVAL_LOG_DIR = Path(".treadle") / "evals"
+#: The scorers `--scorer` takes by name.
+SCORER_WORDS = ("exact", "contains")
 # A header line is short; reading a bounded prefix keeps a huge or binary file cheap to test.
 _HEADER_BYTES = 1 << 20
 
@@ -77,18 +82,59 @@ def check_eval_log(path: Path) -> None:
         )
 
 
-def check_eval_dataset(dataset: Path, agent: str) -> None:
-    """Refuse a missing dataset or an `--agent` that is not `module:attribute`."""
+def check_eval_dataset(dataset: Path, agent: str, scorer: str = "exact") -> None:
+    """Refuse a missing dataset, an `--agent` that is not `module:attribute` and a `--scorer`
+    that is neither a built-in name nor `module:attribute`."""
     if not dataset.is_file():
         raise CliFailure(
             f"no dataset file at {dataset}.",
             "pass a JSONL file with one {id, input, expected} object per line.",
             EXIT_CODES["usage"],
         )
-    module_name, sep, attr = agent.partition(":")
-    if not (module_name and sep and attr):
+    check_object_spec(agent, "agent")
+    if scorer not in SCORER_WORDS and ":" not in scorer:
+        import difflib
+
+        close = difflib.get_close_matches(scorer, SCORER_WORDS, n=1, cutoff=0.5)
+        guess = f"did you mean --scorer {close[0]}? " if close else ""
         raise CliFailure(
-            f"agent {agent!r} is not module:attribute.",
-            f"name it like mypkg.agents:solver (a module importable from {Path.cwd()}).",
+            f"--scorer {scorer!r} is neither a built-in scorer (exact, contains) nor "
+            "module:attribute.",
+            f"{guess}pass --scorer exact (the default: the answer equals the expected value), "
+            "--scorer contains (the answer contains it), or --scorer mymodule:myscorer.",
             EXIT_CODES["usage"],
         )
+    if scorer not in SCORER_WORDS:
+        check_object_spec(scorer, "scorer")
+
+
+def check_object_spec(spec: str, what: str) -> None:
+    """Refuse an `--agent` / `--scorer` that is not `module:attribute`; a file path
+    (`./myagent.py:agent`) is answered with the module name to type instead."""
+    module_name, sep, attr = spec.partition(":")
+    if module_name and sep and attr and not _looks_like_a_file(module_name):
+        return
+    if sep and attr and _looks_like_a_file(module_name):
+        path = Path(module_name)
+        parts = [p for p in path.with_suffix("").parts if p not in (".", "")]
+        if path.is_absolute() or ".." in parts:
+            where = f"run treadle from the directory that holds {path.name} and pass"
+            module = path.stem
+        else:
+            where = "pass"
+            module = ".".join(parts)
+        raise CliFailure(
+            f"--{what} {spec!r} is a file path; --{what} takes a module name, like python -m.",
+            f"{where} --{what} {shlex.quote(f'{module}:{attr}')} (no ./ and no .py; the module "
+            "is imported from the current directory).",
+            EXIT_CODES["usage"],
+        )
+    raise CliFailure(
+        f"{what} {spec!r} is not module:attribute.",
+        f"name it like mypkg.agents:solver (a module importable from {Path.cwd()}).",
+        EXIT_CODES["usage"],
+    )
+
+
+def _looks_like_a_file(module_name: str) -> bool:
+    return module_name.endswith(".py") or "/" in module_name or "\\" in module_name

@@ -115,6 +115,21 @@ def check_sandbox(value: str | None) -> None:
     """
     if value is None or value in SANDBOX_WORDS or os.path.isdir(value):
         return
+    if not value.strip():
+        raise CliFailure(
+            "--sandbox was given an empty value.",
+            "pass --sandbox local (a temporary directory), --sandbox isolated, or a directory "
+            "like --sandbox ./work (created if missing).",
+            EXIT_CODES["usage"],
+        )
+    if os.path.lexists(value):
+        # A file (or a link to one) where a directory must be: creating it would fail later.
+        raise CliFailure(
+            f"--sandbox {value!r} is a file, not a directory.",
+            "pass a directory (--sandbox ./work is created if missing), or --sandbox local for "
+            "a temporary one.",
+            EXIT_CODES["usage"],
+        )
     if "/" in value:
         # Only the last part is created: a mistyped parent (`/tmp/wrok/box`) is not made.
         parent = os.path.dirname(os.path.abspath(value))
