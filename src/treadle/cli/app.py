@@ -29,7 +29,13 @@ __all__ = ["build_parser", "main"]
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors name the command, suggest a flag and say where the
-    flags are listed (`treadle run --help`), in the CLI's `error:` / `fix:` form."""
+    flags are listed (`treadle run --help`), in the CLI's `error:` / `fix:` form. Abbreviated
+    flags are not taken (`--base-ur` is an error with `did you mean --base-url?`): a prefix that
+    works today would silently change meaning when a longer flag is added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -84,6 +90,16 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not (value >= 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected 0 or more milliseconds, got {text}")
     return value
 
 
@@ -200,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fanout", type=_count, default=100, help="passes in the fan-out part (default 100)"
     )
     demo.add_argument(
-        "--latency-ms", type=float, default=50.0, help="fake model latency (default 50)"
+        "--latency-ms", type=_milliseconds, default=50.0, help="fake model latency (default 50)"
     )
     demo.add_argument(
         "--no-persist", action="store_true", help="do not write the first pass's transcript"
@@ -446,12 +462,18 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
     return parser
 
 
+def _before_command(words: list[str], flag: str, command: str | None) -> bool:
+    """Whether the unknown `flag` was typed before the command word (or with none)."""
+    if command is None or command not in words:
+        return True
+    return flag in words[: words.index(command)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `treadle` command with `argv` (default: `sys.argv[1:]`); returns the exit code."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(
-        _rewrite_eval(list(sys.argv[1:] if argv is None else argv))
-    )
+    words = _rewrite_eval(list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(words)
     misplaced = [w.split("=", 1)[0] for w in extra if w.split("=", 1)[0] in _GLOBAL_FLAGS]
     if misplaced and args.command is not None:
         flag = misplaced[0]
@@ -466,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_CODES["usage"]
     if extra:  # reported by the subcommand's parser, with its usage, not treadle's
+        if _before_command(words, extra[0], args.command):  # `treadle --bogus run`: treadle's
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()

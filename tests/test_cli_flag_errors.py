@@ -1,0 +1,49 @@
+"""Flag mistakes from the new-user re-check, each answered with what to type: a flag before the
+command is treadle's own (its usage, not `run`'s), abbreviations are not taken, a negative demo
+latency is refused, and a base URL that ends in the request path names the base URL. Real
+subprocesses; nothing reaches a server (each is refused before a request).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_cli import treadle
+
+
+def test_an_unknown_flag_before_the_command_is_treadles_not_the_commands(tmp_path: Path) -> None:
+    proc = treadle("--bogus", "run", "hi", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("usage: treadle [")
+    assert "treadle: error: unrecognized arguments: --bogus" in proc.stderr
+    assert "treadle run:" not in proc.stderr
+    # after the command it is still the command's
+    proc = treadle("run", "hi", "--bogus", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "treadle run: error: unrecognized arguments: --bogus" in proc.stderr
+
+
+def test_an_abbreviated_flag_is_refused_with_the_full_one(tmp_path: Path) -> None:
+    proc = treadle("run", "hi", "--model", "m", "--base-ur", "http://127.0.0.1:1/v1", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "unrecognized arguments: --base-ur" in proc.stderr
+    assert "fix: did you mean --base-url?" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["-5", "nan", "fast"])
+def test_a_bad_demo_latency_is_refused(tmp_path: Path, value: str) -> None:
+    proc = treadle("demo", "--latency-ms", value, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "argument --latency-ms: expected" in proc.stderr
+
+
+def test_a_base_url_ending_in_the_request_path_names_the_base_url(tmp_path: Path) -> None:
+    proc = treadle(
+        "run", "hi", "--model", "m", "--base-url", "http://127.0.0.1:1/v1/chat/completions",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "--base-url ends in /chat/completions, the request path" in proc.stderr
+    assert "fix: pass --base-url http://127.0.0.1:1/v1; Treadle appends" in proc.stderr
