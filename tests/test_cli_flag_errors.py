@@ -47,3 +47,12 @@ def test_a_base_url_ending_in_the_request_path_names_the_base_url(tmp_path: Path
     assert proc.returncode == 2, proc.stderr
     assert "--base-url ends in /chat/completions, the request path" in proc.stderr
     assert "fix: pass --base-url http://127.0.0.1:1/v1; Treadle appends" in proc.stderr
+
+
+def test_sessions_leaves_out_a_dataset_in_the_directory(tmp_path: Path) -> None:
+    (tmp_path / "ds.jsonl").write_text('{"id": "a", "input": "hello", "expected": "hello"}\n')
+    (tmp_path / "notes.jsonl").write_text('[1, 2]\n{"type": "header"}\n')  # JSON, no session
+    proc = treadle("--color", "never", "sessions", ".", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "No sessions in ." in proc.stdout
+    assert "ds.jsonl" not in proc.stdout and "notes.jsonl" not in proc.stdout

@@ -23,6 +23,7 @@ __all__ = [
     "check_session_dir",
     "check_session_file",
     "is_eval_log",
+    "is_other_jsonl",
 ]
 
 #: Where `treadle eval` writes its logs by default (kept equal to `treadle.cli.eval`'s).
@@ -45,6 +46,29 @@ def is_eval_log(path: Path) -> bool:
     except ValueError:
         return False
     return isinstance(header, dict) and header.get("type") == "header" and "config_hash" in header
+
+
+def is_other_jsonl(path: Path) -> bool:
+    """True when the first line of `path` is JSON but not a session transcript's header: an
+    eval log, a dataset, any other JSONL. `treadle sessions` leaves those out; a file whose first
+    line does not parse (empty, damaged) is kept, so a broken transcript still shows up."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline(_HEADER_BYTES)
+    except OSError:
+        return False
+    if not first.strip():
+        return False
+    try:
+        header = json.loads(first)
+    except ValueError:
+        return False
+    return not (
+        isinstance(header, dict)
+        and header.get("type") == "header"
+        and "session_id" in header
+        and "config_hash" not in header
+    )
 
 
 def check_session_file(path: Path) -> None:
