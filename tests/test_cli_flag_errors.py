@@ -56,3 +56,25 @@ def test_sessions_leaves_out_a_dataset_in_the_directory(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "No sessions in ." in proc.stdout
     assert "ds.jsonl" not in proc.stdout and "notes.jsonl" not in proc.stdout
+
+
+def test_the_default_system_prompt_names_workspace_tools_only_with_a_sandbox(
+    tmp_path: Path,
+) -> None:
+    from treadle.testing import FakeOpenAIServer
+
+    with FakeOpenAIServer(script="echo") as srv:
+        for extra, prompt in (
+            ((), "You are a helpful assistant."),
+            (("--sandbox", "local"), "You are a helpful assistant. Use the workspace tools"),
+        ):
+            proc = treadle(
+                "run", "hi", "--model", "m", "--base-url", srv.base_url, *extra, cwd=tmp_path
+            )
+            assert proc.returncode == 0, proc.stderr
+            body = srv.requests[-1].body
+            assert isinstance(body, dict)
+            system = body["messages"][0]
+            assert system["role"] == "system"
+            assert system["content"].startswith(prompt)
+            assert ("workspace" in system["content"]) == bool(extra)
