@@ -78,3 +78,44 @@ def test_the_default_system_prompt_names_workspace_tools_only_with_a_sandbox(
             assert system["role"] == "system"
             assert system["content"].startswith(prompt)
             assert ("workspace" in system["content"]) == bool(extra)
+
+
+EVAL_MISTAKES = {
+    "report of a transcript": ["eval", "report", "t.jsonl"],
+    "report of a dataset": ["eval", "report", "ds.jsonl"],
+    "compare with a transcript": ["eval", "compare", "log.jsonl", "t.jsonl"],
+    "an eval log as dataset": ["eval", "log.jsonl", "--agent", "a:b"],
+    "a transcript as dataset": ["eval", "t.jsonl", "--agent", "a:b"],
+    "a missing agent module": ["eval", "ds.jsonl", "--agent", "nosuch:agent"],
+}
+
+
+@pytest.mark.parametrize("words", EVAL_MISTAKES.values(), ids=list(EVAL_MISTAKES))
+def test_eval_mistakes_are_reported_before_the_evals_load(tmp_path: Path, words: list[str]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from test_cli import _env
+
+    (tmp_path / "ds.jsonl").write_text('{"id": "a", "input": "hello", "expected": "hello"}\n')
+    (tmp_path / "t.jsonl").write_text('{"type": "header", "schema": 1, "session_id": "s1"}\n')
+    (tmp_path / "log.jsonl").write_text('{"type": "header", "schema": 2, "config_hash": "x"}\n')
+    heavy = ("asyncio", "httpx", "pydantic", "rich", "treadle.evals", "treadle.agents")
+    code = (
+        "import json, sys\n"
+        "from treadle.cli.app import main\n"
+        f"code = main(['--color', 'never', *{words!r}])\n"
+        f"heavy = {heavy!r}\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(heavy))\n"
+        "print(json.dumps([code, loaded]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    exit_code, loaded = json.loads(proc.stdout)
+    assert exit_code == 2, proc.stderr
+    assert "treadle: error: " in proc.stderr and "treadle: fix: " in proc.stderr
+    assert loaded == [], f"{' '.join(words)} loads {loaded} before printing its error"

@@ -116,6 +116,7 @@ def test_an_agent_or_scorer_named_as_a_file_path_gets_the_module_name(tmp_path: 
 
 def test_a_misspelt_scorer_name_gets_did_you_mean(tmp_path: Path) -> None:
     _dataset(tmp_path)
+    (tmp_path / "myagent.py").write_text("agent = None\n")
     proc = treadle(
         "eval", "data.jsonl", "--agent", "myagent:agent", "--scorer", "containz", cwd=tmp_path
     )

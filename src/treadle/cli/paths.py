@@ -48,6 +48,23 @@ def is_eval_log(path: Path) -> bool:
     return isinstance(header, dict) and header.get("type") == "header" and "config_hash" in header
 
 
+def _first_line_kind(path: Path) -> str | None:
+    """`"eval"`, `"session"` or `"other"` by the first line's JSON; None when it does not
+    parse (empty, damaged, not JSONL): the reader reports those, with the line."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline(_HEADER_BYTES)
+        header = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    if isinstance(header, dict) and header.get("type") == "header":
+        if "config_hash" in header:
+            return "eval"
+        if "session_id" in header:
+            return "session"
+    return "other"
+
+
 def is_other_jsonl(path: Path) -> bool:
     """True when the first line of `path` is JSON but not a session transcript's header: an
     eval log, a dataset, any other JSONL. `treadle sessions` leaves those out; a file whose first
@@ -104,6 +121,20 @@ def check_eval_log(path: Path) -> None:
             f"`ls {EVAL_LOG_DIR}` lists them).",
             EXIT_CODES["usage"],
         )
+    kind = _first_line_kind(path)
+    if kind == "session":
+        raise CliFailure(
+            f"{path} is a session transcript, not an evaluation log.",
+            f"render it with `treadle show {path}`; eval logs are in `{EVAL_LOG_DIR}/` by default.",
+            EXIT_CODES["usage"],
+        )
+    if kind == "other":
+        raise CliFailure(
+            f"{path} is not an evaluation log (its first line is no eval log header).",
+            f"pass the log `treadle eval` wrote (`ls {EVAL_LOG_DIR}` lists them); a dataset runs "
+            f"with `treadle eval {path} --agent module:attribute`.",
+            EXIT_CODES["usage"],
+        )
 
 
 def check_eval_dataset(dataset: Path, agent: str, scorer: str = "exact") -> None:
@@ -113,6 +144,21 @@ def check_eval_dataset(dataset: Path, agent: str, scorer: str = "exact") -> None
         raise CliFailure(
             f"no dataset file at {dataset}.",
             "pass a JSONL file with one {id, input, expected} object per line.",
+            EXIT_CODES["usage"],
+        )
+    kind = _first_line_kind(dataset)
+    if kind == "eval":
+        raise CliFailure(
+            f"{dataset} is an eval log, not a dataset.",
+            f"`treadle eval report {dataset}` writes its report; a dataset has one "
+            "{id, input, expected} object per line.",
+            EXIT_CODES["usage"],
+        )
+    if kind == "session":
+        raise CliFailure(
+            f"{dataset} is a session transcript, not a dataset.",
+            f"render it with `treadle show {dataset}`; a dataset has one {{id, input, expected}} "
+            "object per line.",
             EXIT_CODES["usage"],
         )
     check_object_spec(agent, "agent")
@@ -137,6 +183,7 @@ def check_object_spec(spec: str, what: str) -> None:
     (`./myagent.py:agent`) is answered with the module name to type instead."""
     module_name, sep, attr = spec.partition(":")
     if module_name and sep and attr and not _looks_like_a_file(module_name):
+        _check_module_found(spec, what, module_name)
         return
     if sep and attr and _looks_like_a_file(module_name):
         path = Path(module_name)
@@ -158,6 +205,28 @@ def check_object_spec(spec: str, what: str) -> None:
         f"name it like mypkg.agents:solver (a module importable from {Path.cwd()}).",
         EXIT_CODES["usage"],
     )
+
+
+def _check_module_found(spec: str, what: str, module_name: str) -> None:
+    """Refuse a module whose top-level package is nowhere on the path, before `treadle.evals`
+    loads (most of a second); a found one is imported later, its errors reported there."""
+    import importlib.util
+    import sys
+
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # as `treadle.cli.user_code.load_object` imports
+    top = module_name.split(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return  # let the import say what is wrong
+    if not found:
+        raise CliFailure(
+            f"cannot load {what} {spec!r}: no module named {top!r} under {Path.cwd()}",
+            f"run treadle from the directory that holds {top}(.py), or add that directory to "
+            "PYTHONPATH.",
+            EXIT_CODES["usage"],
+        )
 
 
 def _looks_like_a_file(module_name: str) -> bool:
