@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from treadle import __version__
+from treadle.cli.arg_types import count as _count
+from treadle.cli.arg_types import json_object as _json_object
+from treadle.cli.arg_types import milliseconds as _milliseconds
+from treadle.cli.arg_types import positive_int as _positive_int
 from treadle.cli.console import make_console
 from treadle.cli.failures import EXIT_CODES, explain
 from treadle.cli.flag_hints import unknown_flag_fix
@@ -71,48 +75,6 @@ class _McpPrefixAction(argparse.Action):
         prefixes = dict(getattr(namespace, self.dest, None) or {})
         prefixes[last] = values
         setattr(namespace, self.dest, prefixes)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value
-
-
-def _milliseconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
-    if not (value >= 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected 0 or more milliseconds, got {text}")
-    return value
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({err})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
