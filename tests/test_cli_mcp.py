@@ -90,6 +90,25 @@ def test_a_server_that_cannot_start_is_a_usage_error(tmp_path: Path) -> None:
             env=_env(),
         )
         assert proc.returncode == 2
-        assert "could not start MCP server /nonexistent/server --flag" in proc.stderr
+        # a program that is not there is named before anything starts (no raw child line)
+        assert "--mcp '/nonexistent/server --flag': there is no file /nonexistent/server" in (
+            proc.stderr
+        )
+        assert "could not run" not in proc.stderr
+        proc = treadle(
+            "run", "hi", "--model", "fake-model", "--base-url", fake.base_url,
+            "--mcp", "no-such-cmd-xyz", cwd=tmp_path, env=_env(),
+        )  # fmt: skip
+        assert proc.returncode == 2
+        assert "--mcp 'no-such-cmd-xyz': no program named 'no-such-cmd-xyz' on PATH" in proc.stderr
+        assert "fix: install it, or pass its full path" in proc.stderr
+        # a program that runs but exits at once: it could not start as a server
+        quit_at_once = f"{sys.executable} -c pass"
+        proc = treadle(
+            "run", "hi", "--model", "fake-model", "--base-url", fake.base_url,
+            "--mcp", quit_at_once, cwd=tmp_path, env=_env(),
+        )  # fmt: skip
+        assert proc.returncode == 2
+        assert f"could not start MCP server {quit_at_once}" in proc.stderr
         assert "check the --mcp command or --mcp-url" in proc.stderr
         assert fake.request_count == 0

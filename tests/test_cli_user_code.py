@@ -94,3 +94,49 @@ def test_eval_names_where_run_only_flags_go_and_help_is_never_the_guess(tmp_path
     assert proc.returncode == 2
     assert "did you mean --help" not in proc.stderr
     assert "`treadle run --help` lists every flag." in proc.stderr
+
+
+def test_an_agent_or_scorer_named_as_a_file_path_gets_the_module_name(tmp_path: Path) -> None:
+    _dataset(tmp_path)
+    (tmp_path / "myagent.py").write_text("agent = None\n")
+    for spec in ("./myagent.py:agent", "myagent.py:agent"):
+        proc = treadle("eval", "data.jsonl", "--agent", spec, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert f"--agent {spec!r} is a file path" in proc.stderr
+        assert "fix: pass --agent myagent:agent (no ./ and no .py" in proc.stderr
+    proc = treadle("eval", "data.jsonl", "--agent", "pkg/sub/mod.py:make", cwd=tmp_path)
+    assert "fix: pass --agent pkg.sub.mod:make" in proc.stderr
+    proc = treadle(
+        "eval", "data.jsonl", "--agent", "myagent:agent", "--scorer", "myscorer.py:bad",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "fix: pass --scorer myscorer:bad" in proc.stderr
+
+
+def test_a_misspelt_scorer_name_gets_did_you_mean(tmp_path: Path) -> None:
+    _dataset(tmp_path)
+    (tmp_path / "myagent.py").write_text("agent = None\n")
+    proc = treadle(
+        "eval", "data.jsonl", "--agent", "myagent:agent", "--scorer", "containz", cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--scorer 'containz' is neither a built-in scorer (exact, contains)" in proc.stderr
+    assert "fix: did you mean --scorer contains? pass --scorer exact" in proc.stderr
+
+
+def test_a_sandbox_that_is_a_file_or_empty_is_refused_with_what_to_type(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("a file\n")
+    for value, cause in (
+        ("notes.txt", "--sandbox 'notes.txt' is a file, not a directory."),
+        ("", "--sandbox was given an empty value."),
+    ):
+        proc = treadle(
+            "run", "hi", "--model", "m", "--base-url", "http://127.0.0.1:1/v1",
+            "--sandbox", value, cwd=tmp_path,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert cause in proc.stderr
+        assert "bug in Treadle" not in proc.stderr and "--sandbox ./ " not in proc.stderr
+        assert "fix: pass " in proc.stderr and "--sandbox local" in proc.stderr
+    assert (tmp_path / "notes.txt").read_text() == "a file\n"

@@ -167,6 +167,19 @@ def test_a_429_pauses_everyone_and_an_unforeseen_one_slows_the_rate() -> None:
     assert learned.penalty == pytest.approx(1.0)
 
 
+def test_a_429_with_retry_after_0_paces_from_a_millisecond_not_a_second() -> None:
+    # `Retry-After: 0` is "retry now": it used to be read as a missing header (a 1 s pace), so a
+    # test's two 429s cost seconds. No header still paces at one request a second.
+    for retry_after, first_wait in ((0.0, 1e-3), (None, 1.0), (0.25, 0.25)):
+        learned = LearnedLimits()
+        learned.refused(retry_after, 10.0)
+        assert learned.wait(1, 10.0) == pytest.approx(first_wait), retry_after
+    learned = LearnedLimits()
+    learned.refused(0.0, 10.0)
+    learned.refused(0.0, 10.0005)  # a second 429 at once: slower, still far below a second
+    assert 0.0 < learned.wait(1, 10.0005) < 0.01
+
+
 # -- the limiter --------------------------------------------------------------------------------
 
 

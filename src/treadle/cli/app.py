@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from treadle import __version__
+from treadle.cli.arg_types import count as _count
+from treadle.cli.arg_types import json_object as _json_object
+from treadle.cli.arg_types import milliseconds as _milliseconds
+from treadle.cli.arg_types import positive_int as _positive_int
 from treadle.cli.console import make_console
 from treadle.cli.failures import EXIT_CODES, explain, print_failure
 from treadle.cli.flag_hints import unknown_flag_fix
@@ -29,7 +33,13 @@ __all__ = ["build_parser", "main"]
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors name the command, suggest a flag and say where the
-    flags are listed (`treadle run --help`), in the CLI's `error:` / `fix:` form."""
+    flags are listed (`treadle run --help`), in the CLI's `error:` / `fix:` form. Abbreviated
+    flags are not taken (`--base-ur` is an error with `did you mean --base-url?`): a prefix that
+    works today would silently change meaning when a longer flag is added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -65,38 +75,6 @@ class _McpPrefixAction(argparse.Action):
         prefixes = dict(getattr(namespace, self.dest, None) or {})
         prefixes[last] = values
         setattr(namespace, self.dest, prefixes)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({err})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fanout", type=_count, default=100, help="passes in the fan-out part (default 100)"
     )
     demo.add_argument(
-        "--latency-ms", type=float, default=50.0, help="fake model latency (default 50)"
+        "--latency-ms", type=_milliseconds, default=50.0, help="fake model latency (default 50)"
     )
     demo.add_argument(
         "--no-persist", action="store_true", help="do not write the first pass's transcript"
@@ -406,7 +384,7 @@ def _check_paths(args: argparse.Namespace) -> None:
     elif args.command == "sessions" and not (args.store or args.imports or args.export):
         paths.check_session_dir(args.directory)
     elif args.command == "eval":
-        paths.check_eval_dataset(args.dataset, args.agent)
+        paths.check_eval_dataset(args.dataset, args.agent, args.scorer)
     elif args.command == "eval-report":
         paths.check_eval_log(args.log)
     elif args.command == "eval-compare":
@@ -446,12 +424,18 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
     return parser
 
 
+def _before_command(words: list[str], flag: str, command: str | None) -> bool:
+    """Whether the unknown `flag` was typed before the command word (or with none)."""
+    if command is None or command not in words:
+        return True
+    return flag in words[: words.index(command)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `treadle` command with `argv` (default: `sys.argv[1:]`); returns the exit code."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(
-        _rewrite_eval(list(sys.argv[1:] if argv is None else argv))
-    )
+    words = _rewrite_eval(list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(words)
     misplaced = [w.split("=", 1)[0] for w in extra if w.split("=", 1)[0] in _GLOBAL_FLAGS]
     if misplaced and args.command is not None:
         flag = misplaced[0]
@@ -466,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_CODES["usage"]
     if extra:  # reported by the subcommand's parser, with its usage, not treadle's
+        if _before_command(words, extra[0], args.command):  # `treadle --bogus run`: treadle's
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()

@@ -18,6 +18,7 @@ from typing import Any
 
 from treadle.cli.console import Console
 from treadle.cli.describe import counted, producer_line
+from treadle.cli.eval_outcome import all_failed, fresh_log, scorer_warning
 from treadle.cli.failures import EXIT_CODES, CliFailure
 from treadle.cli.terminal_text import visible
 from treadle.cli.user_code import call_user_code, load_object
@@ -200,6 +201,12 @@ def eval_command(opts: EvalOptions, console: Console) -> int:
         console.line(f"failed samples ({min(failed, SHOWN_FAILURES)} of {failed}):", "summary")
         console.table(["sample", "answer", "expected", "why"], failures)
     console.line(f"log: {result.log}  (treadle eval report {result.log})", "dim")
+    warning = scorer_warning(result.records, opts.scorer)
+    if warning:
+        console.line(warning, "warn")
+    unscored = all_failed(result.records, _words(opts), result.log, opts.agent, opts.scorer)
+    if unscored is not None:
+        raise unscored  # no sample was scored: a script must not read this run as a result
     return EXIT_CODES["ok"]
 
 
@@ -211,19 +218,19 @@ def _run_eval(opts: EvalOptions, *args: Any, log: Path, **kwargs: Any) -> Any:
         raise CliFailure(str(err), _mismatch_fix(opts, log, err), EXIT_CODES["usage"]) from None
 
 
-def _mismatch_fix(opts: EvalOptions, log: Path, err: EvalConfigMismatch) -> str:
-    """Two ways out: this configuration into a new log, or the log's own configuration back."""
-    fresh = log.with_name(f"{log.stem}-2{log.suffix}")
-    n = 2
-    while fresh.exists():
-        n += 1
-        fresh = log.with_name(f"{log.stem}-{n}{log.suffix}")
+def _words(opts: EvalOptions) -> list[str]:
+    """The command line of this run, without `--log` (for a fix line's rerun)."""
     words = ["treadle", "eval", str(opts.dataset), "--agent", opts.agent]
     if opts.scorer != "exact":
         words += ["--scorer", opts.scorer]
     if opts.samples != 1:
         words += ["--samples", str(opts.samples)]
-    fix = f"write a new log: {shlex.join([*words, '--log', str(fresh)])}"
+    return words
+
+
+def _mismatch_fix(opts: EvalOptions, log: Path, err: EvalConfigMismatch) -> str:
+    """Two ways out: this configuration into a new log, or the log's own configuration back."""
+    fix = f"write a new log: {shlex.join([*_words(opts), '--log', str(fresh_log(log))])}"
     for what, before, _ in err.changes:
         if what in ("scorer", "scorer.callable") and isinstance(before, str):
             old = before if what == "scorer.callable" or before in ("exact", "contains") else None

@@ -6,6 +6,7 @@ MCP SDK. A server that cannot start is reported before the pass, with the flag t
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import time
@@ -49,6 +50,22 @@ async def open_servers(
     `_LEAST_SECONDS` of it, or all of it when it is shorter.
     """
     named = list(prefixes) + [None] * (len(commands) + len(urls) - len(prefixes))
+    argvs: list[list[str]] = []  # checked before the SDK loads: a typo is reported at once
+    for command in commands:
+        try:
+            parts = shlex.split(command)
+        except ValueError as error:
+            raise CliFailure(
+                f"--mcp {command!r} is not a valid command line ({error}).",
+                'quote it as one argument, e.g. --mcp "python -m my_server --flag".',
+                EXIT_CODES["usage"],
+            ) from None
+        if not parts:
+            raise CliFailure(
+                "--mcp needs a command.", 'e.g. --mcp "mcp-server-time"', EXIT_CODES["usage"]
+            )
+        await _check_command(command, parts[0])
+        argvs.append(parts)
     started = time.monotonic()
     try:
         from treadle.mcp import MCPServer, atools_from
@@ -66,19 +83,7 @@ async def open_servers(
     loading = time.monotonic() - started
     limits: dict[str, Any] = {"connect_timeout": max(asked - loading, min(asked, _LEAST_SECONDS))}
     servers: list[MCPServer] = []
-    for command, prefix in zip(commands, named, strict=False):
-        try:
-            parts = shlex.split(command)
-        except ValueError as error:
-            raise CliFailure(
-                f"--mcp {command!r} is not a valid command line ({error}).",
-                'quote it as one argument, e.g. --mcp "python -m my_server --flag".',
-                EXIT_CODES["usage"],
-            ) from None
-        if not parts:
-            raise CliFailure(
-                "--mcp needs a command.", 'e.g. --mcp "mcp-server-time"', EXIT_CODES["usage"]
-            )
+    for parts, prefix in zip(argvs, named, strict=False):
         servers.append(MCPServer.stdio(parts[0], parts[1:], prefix=prefix, **limits))
     servers.extend(
         MCPServer.http(url, prefix=prefix, **limits)
@@ -118,6 +123,32 @@ async def open_servers(
     except BaseException:
         await close_servers(servers)
         raise
+
+
+async def _check_command(command: str, program: str) -> None:
+    """Refuse a `--mcp` command that is not on PATH (nor a file) before it is started: its
+    failure would otherwise surface as "connection closed" after the child's own complaint."""
+    import asyncio
+    import shutil
+
+    if await asyncio.to_thread(shutil.which, program) is not None:  # PATH lookup: file stats
+        return
+    name = program.rsplit("/", 1)[-1]
+    if "/" in program:
+        exists = await asyncio.to_thread(os.path.isfile, program)
+        cause = f"{program} is not executable" if exists else f"there is no file {program}"
+        fix = (
+            f'run it with its interpreter (--mcp "python {program}") or chmod +x {program}.'
+            if exists
+            else "check the path (relative to the current directory)."
+        )
+    else:
+        cause = f"no program named {program!r} on PATH"
+        fix = (
+            f'install it, or pass its full path (--mcp "/path/to/{name} ..."); '
+            f"`which {shlex.quote(program)}` shows whether your shell finds it."
+        )
+    raise CliFailure(f"--mcp {command!r}: {cause}.", fix, EXIT_CODES["usage"])
 
 
 async def close_servers(servers: Sequence[MCPServer]) -> None:

@@ -84,6 +84,7 @@ def check_endpoint(*, model: str | None, base_url: str | None, api_key: str | No
             f"export OPENAI_BASE_URL={fixed} (or pass --base-url {fixed}).",
             EXIT_CODES["usage"],
         )
+    _check_endpoint_path(url, "--base-url" if flag_url else "OPENAI_BASE_URL")
     model = model or os.environ.get("TREADLE_MODEL")
     if not model:
         raise CliFailure(
@@ -102,6 +103,31 @@ def check_endpoint(*, model: str | None, base_url: str | None, api_key: str | No
     return Endpoint(model=model, base_url=url, api_key=key)
 
 
+# The request paths Treadle appends itself: a base URL ending in one 404s on every request.
+_ENDPOINT_PATHS = ("/chat/completions", "/completions", "/responses", "/models")
+
+
+def _check_endpoint_path(url: str, where: str) -> None:
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    for suffix in _ENDPOINT_PATHS:
+        if path.endswith(suffix):
+            if has_secret_parts(url):  # never echo user-info or a query: they can hold a key
+                fix = f"remove {suffix} from the end of {where} (Treadle appends it)."
+            else:
+                base = parts._replace(path=path[: -len(suffix)]).geturl()
+                typed = f"pass --base-url {base}"
+                if where != "--base-url":
+                    typed = f"export OPENAI_BASE_URL={base} (or {typed})"
+                fix = f"{typed}; Treadle appends {suffix} itself."
+            raise CliFailure(
+                f"{where} ends in {suffix}, the request path: it must be the base URL (it ends "
+                "in /v1 for most servers).",
+                fix,
+                EXIT_CODES["usage"],
+            )
+
+
 #: The placements `--sandbox` names by word; anything else is a directory.
 SANDBOX_WORDS = ("local", "isolated")
 
@@ -115,6 +141,21 @@ def check_sandbox(value: str | None) -> None:
     """
     if value is None or value in SANDBOX_WORDS or os.path.isdir(value):
         return
+    if not value.strip():
+        raise CliFailure(
+            "--sandbox was given an empty value.",
+            "pass --sandbox local (a temporary directory), --sandbox isolated, or a directory "
+            "like --sandbox ./work (created if missing).",
+            EXIT_CODES["usage"],
+        )
+    if os.path.lexists(value):
+        # A file (or a link to one) where a directory must be: creating it would fail later.
+        raise CliFailure(
+            f"--sandbox {value!r} is a file, not a directory.",
+            "pass a directory (--sandbox ./work is created if missing), or --sandbox local for "
+            "a temporary one.",
+            EXIT_CODES["usage"],
+        )
     if "/" in value:
         # Only the last part is created: a mistyped parent (`/tmp/wrok/box`) is not made.
         parent = os.path.dirname(os.path.abspath(value))

@@ -33,10 +33,19 @@ from treadle.session import Session
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "RunOptions", "run_command", "session_json"]
 
-#: The system prompt of `treadle run` when `--system` is not given.
+#: The system prompt of `treadle run --sandbox ...` when `--system` is not given.
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Use the workspace tools for file and shell work."
 )
+# Without a workspace the model has no such tools: a prompt naming them invites made-up calls.
+_PROMPT_WITH_MCP = "You are a helpful assistant. Use the tools you are given when they help."
+_PROMPT_WITHOUT_TOOLS = "You are a helpful assistant."
+
+
+def _default_prompt(opts: RunOptions) -> str:
+    if opts.sandbox:
+        return DEFAULT_SYSTEM_PROMPT
+    return _PROMPT_WITH_MCP if opts.mcp or opts.mcp_urls else _PROMPT_WITHOUT_TOOLS
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +173,7 @@ async def _run(
     user = Session.from_user_message(opts.prompt)
     if opts.sandbox:
         user = user.to(opts.sandbox)
-    agent = Session.from_agent_prompt(opts.system or DEFAULT_SYSTEM_PROMPT)
+    agent = Session.from_agent_prompt(opts.system or _default_prompt(opts))
     limits = Limits(max_steps=opts.max_steps) if opts.max_steps is not None else None
     view = (
         None

@@ -18,7 +18,7 @@ from typing import Any
 from treadle.cli.console import Console
 from treadle.cli.describe import counted, describe_row, human_size, producer_line, short
 from treadle.cli.failures import EXIT_CODES, CliFailure
-from treadle.cli.paths import is_eval_log
+from treadle.cli.paths import is_other_jsonl
 from treadle.errors import ConfigurationError
 from treadle.persist import load_session
 from treadle.persist.writer import DEFAULT_SESSION_DIR
@@ -264,7 +264,8 @@ def sessions_command(directory: Path | None, console: Console, *, as_json: bool 
             EXIT_CODES["usage"],
         )
     files = sorted(base.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if base.is_dir() else []
-    files = [p for p in files if not is_eval_log(p)]  # `treadle eval report` reads those
+    # Eval logs (`treadle eval report` reads those), datasets and other JSONL are not sessions.
+    files = [p for p in files if not is_other_jsonl(p)]
     summaries = [scan_session(p) for p in files]
     if as_json:
         console.line(json.dumps([s.to_dict() for s in summaries], indent=2))

@@ -8,6 +8,10 @@ agent's (or the scorer's) and is scored as a failure, never retried. Pure classi
 
 from __future__ import annotations
 
+import sysconfig
+import traceback
+from pathlib import Path
+
 from treadle.errors import (
     AuthenticationError,
     ContextLengthError,
@@ -18,7 +22,14 @@ from treadle.errors import (
     RateLimitError,
 )
 
-__all__ = ["ERROR_KINDS", "classify", "classify_text", "retryable"]
+__all__ = ["ERROR_KINDS", "classify", "classify_scorer", "classify_text", "retryable"]
+
+# Frames of Treadle, the standard library and installed packages are not the user's: a scorer's
+# file:line is the last other frame (where their code called json.loads, not inside it).
+_NOT_USER = tuple(
+    {str(Path(__file__).resolve().parent.parent)}
+    | {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
 #: Every error kind a log may hold, and whether it is an infrastructure failure (retried).
 ERROR_KINDS: dict[str, bool] = {
@@ -71,6 +82,25 @@ def classify(err: BaseException) -> str:
     if isinstance(err, TimeoutError):
         return "timeout"
     return _BY_NAME.get(type(err).__name__, "agent_error")
+
+
+def classify_scorer(err: BaseException) -> tuple[str, str]:
+    """The error kind and logged text of an exception raised while scoring a sample.
+
+    Anything but an infrastructure or provider failure (a judge's endpoint) is the scorer's
+    fault, never the agent's: `scorer_error`, with the file:line in the user's code it was
+    raised at, so the log and the CLI say where to look."""
+    kind = classify(err)
+    text = f"{type(err).__name__}: {err}"
+    if kind == "agent_error":
+        kind = "scorer_error"
+        frames = [
+            f for f in traceback.extract_tb(err.__traceback__)
+            if not f.filename.startswith(_NOT_USER)
+        ]  # fmt: skip
+        if frames:
+            text = f"{type(err).__name__} at {frames[-1].filename}:{frames[-1].lineno}: {err}"
+    return kind, text[:2000]
 
 
 def classify_text(status: str, error: str | None) -> str:

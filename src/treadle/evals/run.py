@@ -36,7 +36,7 @@ from treadle.distributed import map_iter
 from treadle.errors import ConfigurationError
 from treadle.evals.config import config_hash, fingerprint_agent
 from treadle.evals.dataset import Dataset, Item
-from treadle.evals.failures import classify, classify_text, retryable
+from treadle.evals.failures import classify, classify_scorer, classify_text, retryable
 from treadle.evals.guards import first_leaf, refuse_strangers
 from treadle.evals.log import ANSWER_CAP, LogHeader, LogWriter, SampleRecord, read_log
 from treadle.evals.scorers import Score, ScoreInput, Scorer, ScorerError, as_scorer
@@ -431,8 +431,8 @@ class _Run:
                     " (score_timeout); make it faster or raise score_timeout."
                 ) from None
         except Exception as err:
-            kind = classify(err)
-            return replace(base, error_kind=kind, error=f"{type(err).__name__}: {err}"[:2000]), body
+            kind, text = classify_scorer(err)  # the scorer's, not the agent's
+            return replace(base, error_kind=kind, error=text), body
         return replace(
             base, score=score.value, passed=score.passed, explanation=score.explanation
         ), body

@@ -311,7 +311,10 @@ class LearnedLimits:
         """A 429 from an endpoint without rate headers: pace at what it let through."""
         probing = self.probing
         if probing is None:  # the first: one request per pause (at most 1 s), then slow start
-            rate = 1.0 / min(max(retry_after or 1.0, 1e-3), 1.0)
+            # `Retry-After: 0` means "now": a pause of 0 (floored at 1 ms), not the 1 s assumed
+            # when the header is absent (0 is falsy: `or` would take it for a missing one).
+            pause = 1.0 if retry_after is None else retry_after
+            rate = 1.0 / min(max(pause, 1e-3), 1.0)
             self.requests = bucket = LearnedBucket(1.0, now)
             bucket.limit = 1.0  # evenly paced: no burst
         elif now < probing.since:  # sent before the last pause ended: the same overload
