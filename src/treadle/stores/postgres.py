@@ -212,7 +212,9 @@ class PostgresBackend:
     async def _lock(self, conn: AsyncConnection[Any], key: str) -> int | None:
         """Take the conversation's write lock (to the end of the transaction); its version."""
         await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
-        cur = await conn.execute("SELECT version FROM treadle_conversations WHERE key = %s", (key,))
+        cur = await conn.execute(
+            "SELECT version FROM treadle_conversations WHERE key = %s FOR UPDATE", (key,)
+        )
         found = await cur.fetchone()
         return None if found is None else int(found[0])
 
@@ -437,24 +439,34 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> bool:
             async with conn.transaction():
-                gone = await _delete(conn, [key])
+                gone = await _delete(conn, [key], None)
             self._cache.drop(key)
-            return gone > 0
+            return bool(gone)
 
         return await self._run(do)
 
     async def prune(self, before: float) -> int:
-        """Delete conversations not changed since `before`."""
+        """Delete conversations not changed since `before`.
+
+        The age is checked again under each conversation's lock, in the transaction that
+        deletes it: one a pass committed to meanwhile is kept. Conversations go in chunks of
+        `_PRUNE_CHUNK`, each chunk's locks in key order (as batched commits take them), so a
+        large prune neither holds more locks than the server's lock table has room for nor
+        deadlocks against a batch."""
 
         async def do(conn: AsyncConnection[Any]) -> int:
-            async with conn.transaction():
-                cur = await conn.execute(
-                    "SELECT key FROM treadle_conversations WHERE updated_at < %s", (before,)
-                )
-                keys = [k for (k,) in await cur.fetchall()]
-                gone = await _delete(conn, keys)
-            for key in keys:
-                self._cache.drop(key)
+            cur = await conn.execute(
+                "SELECT key FROM treadle_conversations WHERE updated_at < %s ORDER BY key",
+                (before,),
+            )
+            candidates = [str(k) for (k,) in await cur.fetchall()]
+            gone = 0
+            for at in range(0, len(candidates), _PRUNE_CHUNK):
+                async with conn.transaction():
+                    keys = await _delete(conn, candidates[at : at + _PRUNE_CHUNK], before)
+                for key in keys:
+                    self._cache.drop(key)
+                gone += len(keys)
             return gone
 
         return await self._run(do)
@@ -479,16 +491,35 @@ class PostgresBackend:
             self._closed, self._pool = True, None
 
 
-async def _delete(conn: AsyncConnection[Any], keys: Sequence[str]) -> int:
-    gone = 0
-    for key in keys:
-        await conn.execute(
-            "DELETE FROM treadle_journal WHERE pass_id IN"
-            " (SELECT pass_id FROM treadle_passes WHERE key = %s)",
-            (key,),
-        )
-        await conn.execute("DELETE FROM treadle_passes WHERE key = %s", (key,))
-        await conn.execute("DELETE FROM treadle_rows WHERE key = %s", (key,))
-        cur = await conn.execute("DELETE FROM treadle_conversations WHERE key = %s", (key,))
-        gone += cur.rowcount
+#: How many conversations a prune deletes per transaction (one advisory lock each).
+_PRUNE_CHUNK = 100
+
+
+async def _delete(
+    conn: AsyncConnection[Any], keys: Sequence[str], before: float | None
+) -> list[str]:
+    """Delete conversations `keys` (only those still unchanged since `before`, if given) with
+    their rows, passes and journal, in the caller's transaction; the keys deleted.
+
+    Each conversation's advisory lock is taken first, in key order, as a commit takes it: a
+    commit in flight finishes before its conversation is deleted, and one that comes after
+    finds the conversation gone (a conflict), so no rows outlive their head."""
+    ordered = sorted(set(keys))
+    for key in ordered:
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
+    age = "" if before is None else " AND updated_at < %s"
+    cur = await conn.execute(
+        f"DELETE FROM treadle_conversations WHERE key = ANY(%s){age} RETURNING key",
+        (ordered,) if before is None else (ordered, before),
+    )
+    gone = [str(k) for (k,) in await cur.fetchall()]
+    if before is not None:
+        ordered = gone  # a conversation changed since the first look is kept, whole
+    await conn.execute(
+        "DELETE FROM treadle_journal WHERE pass_id IN"
+        " (SELECT pass_id FROM treadle_passes WHERE key = ANY(%s))",
+        (ordered,),
+    )
+    await conn.execute("DELETE FROM treadle_passes WHERE key = ANY(%s)", (ordered,))
+    await conn.execute("DELETE FROM treadle_rows WHERE key = ANY(%s)", (ordered,))
     return gone
