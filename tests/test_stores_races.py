@@ -1,24 +1,29 @@
-"""PostgreSQL retention racing commits: a delete or prune and a pass's commit on one
-conversation never leave rows without a head, never report a commit that no one can read, and
-never delete a conversation changed after the prune looked at it.
+"""Races with the store's own writes. PostgreSQL retention racing commits: a delete or prune
+and a pass's commit on one conversation never leave rows without a head, never report a commit
+that no one can read, and never delete a conversation changed after the prune looked at it. A
+SQLite file pulled away while a write transaction runs fails that write.
 
 Real parts: a throwaway PostgreSQL cluster (tests/pg_cluster.py) and a second real connection
 that holds the other side of each race open (a transaction left uncommitted), so the order is
-forced, not left to timing.
+forced, not left to timing; real SQLite files deleted or replaced on disk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pg_cluster import Cluster, cluster
-from treadle.errors import ConflictError
+from treadle.errors import ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores import Store
 
@@ -148,3 +153,40 @@ def test_prune_keeps_a_conversation_committed_to_while_it_ran(pg: Cluster) -> No
         await store.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["delete", "replace"])
+def test_a_sqlite_file_pulled_away_while_a_write_runs_is_a_store_error(
+    tmp_path: Path, how: str
+) -> None:
+    """The file goes while a write transaction is already past its first check (the job itself
+    pulls it away, on the database's own thread): the write is undone, never a success."""
+    from treadle.stores.sqlite import _connect
+    from treadle.stores.sqlite_thread import release, thread_for
+
+    path = tmp_path / "chat.db"
+    spare = tmp_path / "spare.db"
+    with Store.sqlite(path) as store:
+        store.append("k", [ChunkRow.user("kept")])
+    shutil.copy(path, spare)
+
+    def write_then_pull(conn: sqlite3.Connection) -> int:
+        conn.execute("INSERT INTO treadle_schema VALUES (42)")
+        if how == "delete":
+            path.unlink()
+        else:
+            os.replace(spare, path)
+        return 1
+
+    async def main() -> None:
+        writer = thread_for(path, _connect)
+        try:
+            with pytest.raises(StoreError, match="nothing was written"):
+                await writer.submit(write_then_pull)
+        finally:
+            release(writer)
+
+    asyncio.run(main())
+    if how == "replace":  # the file now at the path is untouched, and the old one got nothing
+        with Store.sqlite(path) as fresh:
+            assert [str(r.content) for r in fresh.conversation("k").synchronize().rows] == ["kept"]
