@@ -120,3 +120,23 @@ def test_a_live_owner_keeps_its_lease_and_a_dead_one_loses_it(url: str) -> None:
             if owner.poll() is None:
                 owner.kill()
                 owner.communicate(timeout=CHILD_TIMEOUT)
+
+
+def test_an_owner_in_another_pid_namespace_is_judged_by_its_lease_not_by_pid() -> None:
+    """Same host name, another pid namespace (containers sharing a UTS namespace): its pid
+    means nothing here, so a pid that is dead here does not free its pass, and one alive here
+    does not hold it past its lease. Records as a process there writes them (`this_owner`)."""
+    from treadle.stores.owner import owner_alive, this_owner
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid with no process behind it here
+    mine = this_owner()
+    there = {**mine, "pid": gone.pid, "pidns": "another-boot:4026531836", "lease": LEASE}
+    now = time.time()
+    assert owner_alive({"owner": there}, now, now)  # fresh lease: the owner may still run it
+    assert not owner_alive({"owner": there}, now - LEASE - 1, now)  # its lease ran out
+    alive_here = {**there, "pid": os.getpid()}  # a pid alive here is no proof over there
+    assert not owner_alive({"owner": alive_here}, now - LEASE - 1, now)
+    # In this namespace the pid is still what decides (a dead owner frees its pass at once).
+    assert not owner_alive({"owner": {**mine, "pid": gone.pid}}, now, now)
+    assert owner_alive({"owner": mine}, now - 10 * LEASE, now)
