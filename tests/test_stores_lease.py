@@ -122,21 +122,35 @@ def test_a_live_owner_keeps_its_lease_and_a_dead_one_loses_it(url: str) -> None:
                 owner.communicate(timeout=CHILD_TIMEOUT)
 
 
-def test_an_owner_in_another_pid_namespace_is_judged_by_its_lease_not_by_pid() -> None:
-    """Same host name, another pid namespace (containers sharing a UTS namespace): its pid
-    means nothing here, so a pid that is dead here does not free its pass, and one alive here
-    does not hold it past its lease. Records as a process there writes them (`this_owner`)."""
-    from treadle.stores.owner import owner_alive, this_owner
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # a pid with no process behind it here
-    mine = this_owner()
-    there = {**mine, "pid": gone.pid, "pidns": "another-boot:4026531836", "lease": LEASE}
-    now = time.time()
-    assert owner_alive({"owner": there}, now, now)  # fresh lease: the owner may still run it
-    assert not owner_alive({"owner": there}, now - LEASE - 1, now)  # its lease ran out
-    alive_here = {**there, "pid": os.getpid()}  # a pid alive here is no proof over there
-    assert not owner_alive({"owner": alive_here}, now - LEASE - 1, now)
-    # In this namespace the pid is still what decides (a dead owner frees its pass at once).
-    assert not owner_alive({"owner": {**mine, "pid": gone.pid}}, now, now)
-    assert owner_alive({"owner": mine}, now - 10 * LEASE, now)
+def test_a_lease_on_postgresql_is_timed_by_the_server_not_the_owner_clock(
+    pg: Cluster, tmp_path: Path
+) -> None:
+    """The owner's wall clock runs 30 s behind (far more than its 4 s lease): the lease it
+    renews is still current here, because PostgreSQL's clock times it. The skew is simulated
+    (a sitecustomize shifting the owner's `time.time`): this machine's clock cannot be set."""
+    url = pg.new_database()
+    (tmp_path / "sitecustomize.py").write_text(
+        "import time\n_real = time.time\ntime.time = lambda: _real() - 30.0\n"
+    )
+    with FakeOpenAIServer(script="echo") as server:
+        server.enqueue(Reply.tool_call("wait_forever", {}))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+            "TREADLE_OWNER_LEASE_SECONDS": str(LEASE),
+        }
+        owner = subprocess.Popen(
+            ["unshare", "--uts", "--", "sh", "-c",
+             'hostname treadle-other-host && exec "$@"', "sh",
+             sys.executable, WORKER, "hang", url, "long", server.base_url],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert owner.stdout is not None
+            assert owner.stdout.readline().strip() == "tool started"
+            with Store.open(url) as store:
+                (live,) = store.pending("long")
+                assert (live.status, live.resumable) == ("running", False), live
+        finally:
+            owner.kill()
+            owner.communicate(timeout=CHILD_TIMEOUT)

@@ -1,7 +1,8 @@
 """Races with the store's own writes. PostgreSQL retention racing commits: a delete or prune
 and a pass's commit on one conversation never leave rows without a head, never report a commit
 that no one can read, and never delete a conversation changed after the prune looked at it. A
-SQLite file pulled away while a write transaction runs fails that write.
+SQLite file pulled away while a write transaction runs fails that write. An owner in another pid
+namespace is judged by its lease.
 
 Real parts: a throwaway PostgreSQL cluster (tests/pg_cluster.py) and a second real connection
 that holds the other side of each race open (a transaction left uncommitted), so the order is
@@ -14,6 +15,8 @@ import asyncio
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -190,3 +193,25 @@ def test_a_sqlite_file_pulled_away_while_a_write_runs_is_a_store_error(
     if how == "replace":  # the file now at the path is untouched, and the old one got nothing
         with Store.sqlite(path) as fresh:
             assert [str(r.content) for r in fresh.conversation("k").synchronize().rows] == ["kept"]
+
+
+def test_an_owner_in_another_pid_namespace_is_judged_by_its_lease_not_by_pid() -> None:
+    """Same host name, another pid namespace (containers sharing a UTS namespace): its pid
+    means nothing here, so a pid that is dead here does not free its pass, and one alive here
+    does not hold it past its lease. Records as a process there writes them (`this_owner`)."""
+    from treadle.stores.owner import owner_alive, this_owner
+
+    lease = 4.0
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid with no process behind it here
+    mine = this_owner()
+    there = {**mine, "pid": gone.pid, "pidns": "another-boot:4026531836", "lease": lease}
+    now = time.time()
+    assert owner_alive({"owner": there}, now, now)  # fresh lease: the owner may still run it
+    assert not owner_alive({"owner": there}, now - lease - 1, now)  # its lease ran out
+    alive_here = {**there, "pid": os.getpid()}  # a pid alive here is no proof over there
+    assert not owner_alive({"owner": alive_here}, now - lease - 1, now)
+    # In this namespace the pid is still what decides (a dead owner frees its pass at once).
+    assert not owner_alive({"owner": {**mine, "pid": gone.pid}}, now, now)
+    assert owner_alive({"owner": mine}, now - 10 * lease, now)

@@ -188,13 +188,15 @@ class PostgresBackend:
         agents = encode_json([r.to_message() for r in agent_rows])
 
         async def do(conn: AsyncConnection[Any]) -> None:
-            now = time.time()
             async with conn.transaction():
+                # The owner's lease runs on the server's clock (`_DB_NOW`): every machine
+                # judges it the same way, whatever its own clock says.
                 await conn.execute(
                     "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
-                    " metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
-                    " %s, %s) ON CONFLICT (pass_id) DO UPDATE SET updated_at = %s",
-                    (pass_id, key, version, agents, owner_metadata(), now, now, now),
+                    f" metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
+                    f" {_DB_NOW}, {_DB_NOW}) ON CONFLICT (pass_id) DO UPDATE SET"
+                    f" updated_at = {_DB_NOW}",
+                    (pass_id, key, version, agents, owner_metadata()),
                 )
                 cur = await conn.execute(
                     "SELECT count(*) FROM treadle_journal WHERE pass_id = %s", (pass_id,)
@@ -316,9 +318,9 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> None:
             await conn.execute(
-                "UPDATE treadle_passes SET updated_at = %s WHERE pass_id = %s"
+                f"UPDATE treadle_passes SET updated_at = {_DB_NOW} WHERE pass_id = %s"
                 " AND status = 'running'",
-                (time.time(), pass_id),
+                (pass_id,),
             )
 
         await self._run(do)
@@ -329,8 +331,8 @@ class PostgresBackend:
         async def do(conn: AsyncConnection[Any]) -> PassRecord:
             async with conn.transaction():
                 cur = await conn.execute(
-                    "SELECT key, status, version, metadata, updated_at FROM treadle_passes"
-                    " WHERE pass_id = %s FOR UPDATE",
+                    "SELECT key, status, version, metadata, updated_at,"
+                    f" {_DB_NOW} FROM treadle_passes WHERE pass_id = %s FOR UPDATE",
                     (pass_id,),
                 )
                 found = await cur.fetchone()
@@ -340,8 +342,8 @@ class PostgresBackend:
                         "ended); list what is pending with store.pending().",
                         key=found[0] if found else "",
                     )
-                key, status, version, meta, updated = found
-                owner_check(pass_id, key, status, meta, updated)
+                key, status, version, meta, updated, now = found
+                owner_check(pass_id, key, status, meta, updated, now)
                 actual = (await self._lock(conn, key)) or 0
                 if actual != version:
                     raise conflict_error(key, int(version), actual, ())
@@ -379,7 +381,8 @@ class PostgresBackend:
             where = "AND p.key = %s" if key is not None else ""
             cur = await conn.execute(
                 "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
-                " p.agent_rows FROM treadle_passes p LEFT JOIN treadle_conversations c"
+                f" p.agent_rows, {_DB_NOW} FROM treadle_passes p"
+                " LEFT JOIN treadle_conversations c"
                 " ON c.key = p.key"
                 " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
                 f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
@@ -490,6 +493,9 @@ class PostgresBackend:
         else:  # never connected, or its loop is gone along with the pool's connections
             self._closed, self._pool = True, None
 
+
+#: The database server's clock, in seconds since the epoch (what owner leases are timed by).
+_DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
 
 #: How many conversations a prune deletes per transaction (one advisory lock each).
 _PRUNE_CHUNK = 100

@@ -235,10 +235,20 @@ def journal_record(
 
 
 def pending_from(
-    pass_id: str, key: str, status: str, version: int, updated: float, meta: str, agents: str
+    pass_id: str,
+    key: str,
+    status: str,
+    version: int,
+    updated: float,
+    meta: str,
+    agents: str,
+    now: float | None = None,
 ) -> PendingPass:
+    """A pending pass from its stored fields; `now` is the clock its `updated` was written by
+    (the database server's on PostgreSQL), this machine's when not given."""
     metadata = decode_json(meta, key)
-    alive = status == "running" and owner_alive(metadata, float(updated), time.time())
+    clock = time.time() if now is None else float(now)
+    alive = status == "running" and owner_alive(metadata, float(updated), clock)
     approvals = metadata.get("pending_approvals") if isinstance(metadata, dict) else None
     reason = metadata.get("interrupt_reason") if isinstance(metadata, dict) else None
     messages = decode_json(agents, key)
@@ -255,9 +265,13 @@ def pending_from(
     )
 
 
-def owner_check(pass_id: str, key: str, status: str, meta: str, updated: float) -> None:
-    """`ConflictError` when a claimed `running` pass's owner process is still alive."""
-    if status == "running" and owner_alive(decode_json(meta, key), float(updated), time.time()):
+def owner_check(
+    pass_id: str, key: str, status: str, meta: str, updated: float, now: float | None = None
+) -> None:
+    """`ConflictError` when a claimed `running` pass's owner process is still alive (`now` as
+    in `pending_from`)."""
+    clock = time.time() if now is None else float(now)
+    if status == "running" and owner_alive(decode_json(meta, key), float(updated), clock):
         raise ConflictError(
             f"pass {pass_id} is still running in a live process; wait for it to end (or stop "
             "that process) before resuming it.",
