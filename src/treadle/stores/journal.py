@@ -26,7 +26,7 @@ from treadle.session.rows import in_call_order
 from treadle.stores.backend import JournalEntry, StoreBackend
 from treadle.stores.owner import lease_seconds
 from treadle.stores.queueing import KeyLock
-from treadle.stores.records import PendingPass, check_key, conflict_error
+from treadle.stores.records import PendingPass, check_key, check_storable, conflict_error
 
 __all__ = ["ConversationJournal", "ConversationStart", "open_conversation"]
 
@@ -208,6 +208,8 @@ async def open_conversation(
             "conversation= takes a key (str) or an item of store.pending(), got "
             f"{type(conversation).__name__}."
         )
+    check_storable(user_rows, "user input")
+    check_storable(agent_rows, "agent rows")
     held = await backend.lock(key) if queue else None
     try:
         start = await _start(backend, conversation, key, pass_id, user_rows, agent_rows)

@@ -26,6 +26,7 @@ __all__ = [
     "PendingPass",
     "StoredConversation",
     "check_key",
+    "check_storable",
     "decode_json",
     "decode_row",
     "decode_usage",
@@ -141,6 +142,20 @@ class PassRecord:
 def encode_json(value: Any) -> str:
     """`value` as JSON text."""
     return pydantic_core.to_json(value).decode()
+
+
+def check_storable(rows: Sequence[ChunkRow], what: str = "input rows") -> None:
+    """`ConfigurationError` unless `rows` can be stored as JSON text (a lone surrogate such as
+    `"\\ud800"`, which a JSON body's escape can carry, cannot): raised before a pass starts, so
+    it never fails half-way when it records or commits."""
+    try:
+        encode_json([r.to_message() for r in rows])
+    except (pydantic_core.PydanticSerializationError, ValueError) as err:
+        reason = " ".join(str(err).split())
+        raise ConfigurationError(
+            f"the {what} cannot be stored (text must be valid Unicode, without lone "
+            f"surrogates): {reason:.200}"
+        ) from None
 
 
 def decode_json(text: str | bytes, key: str) -> Any:

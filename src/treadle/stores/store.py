@@ -19,6 +19,8 @@ from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic_core
+
 from treadle.errors import ConfigurationError
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData
@@ -204,13 +206,21 @@ class Store:
             isinstance(expected_version, bool) or not isinstance(expected_version, int)
         ):
             raise ConfigurationError("expected_version must be an int (a version read earlier).")
-        if self.on_conflict != "queue":
-            return await self.backend.append(key, found, expected_version)
-        held = await self.backend.lock(key)
         try:
-            return await self.backend.append(key, found, expected_version)
-        finally:
-            await held.release()
+            if self.on_conflict != "queue":
+                return await self.backend.append(key, found, expected_version)
+            held = await self.backend.lock(key)
+            try:
+                return await self.backend.append(key, found, expected_version)
+            finally:
+                await held.release()
+        except pydantic_core.PydanticSerializationError as err:
+            # Rows are encoded before anything is written (off the loop when there are many;
+            # checking them here first would encode a large import twice): nothing was written.
+            raise ConfigurationError(
+                "rows that cannot be stored (text must be valid Unicode, without lone "
+                f"surrogates): {' '.join(str(err).split()):.200}; nothing was written."
+            ) from None
 
     def append(
         self, key: str, rows: Iterable[ChunkRow] | Session, *, expected_version: int | None = None
