@@ -215,3 +215,52 @@ def test_an_owner_in_another_pid_namespace_is_judged_by_its_lease_not_by_pid() -
     # In this namespace the pid is still what decides (a dead owner frees its pass at once).
     assert not owner_alive({"owner": {**mine, "pid": gone.pid}}, now, now)
     assert owner_alive({"owner": mine}, now - 10 * lease, now)
+
+
+def test_a_pass_cancelled_while_its_commit_runs_returns_what_it_committed(pg: Cluster) -> None:
+    """The commit is held on the server (another session has the conversation's lock) and the
+    pass is cancelled while it waits: the commit goes through, and the caller gets the pass's
+    result (with the version it made), not a CancelledError for a turn that landed."""
+    import psycopg
+
+    from treadle import Provider, Session, arun_session_loop
+    from treadle.testing import FakeOpenAIServer
+
+    dsn = pg.new_database()
+
+    async def main(base_url: str) -> None:
+        provider = Provider(model="fake-model", base_url=base_url, api_key="k")
+        async with Store.postgres(dsn) as store:
+            await store.aappend("k", [ChunkRow.user("start")])
+            side = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            await side.execute("SELECT pg_advisory_lock(hashtextextended('k', 0))")
+            task = asyncio.ensure_future(
+                arun_session_loop(
+                    Session.from_user_message("hi"),
+                    Session.from_agent_prompt("Answer briefly."),
+                    provider=provider,
+                    store=store,
+                    conversation="k",
+                )
+            )
+            while True:  # until the commit waits on the lock (the server says so)
+                cur = await side.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE '%treadle_commit%'"
+                )
+                found = await cur.fetchone()
+                if found and found[0]:
+                    break
+                assert not task.done(), task
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.sleep(HOLD_SECONDS)
+            await side.execute("SELECT pg_advisory_unlock(hashtextextended('k', 0))")
+            await side.close()
+            out = await task
+            assert out.metadata["version"] == 3
+            assert (await store.conversation("k")).metadata["version"] == 3
+            assert await store.apending("k") == []
+
+    with FakeOpenAIServer(script="echo") as server:
+        asyncio.run(main(server.base_url))
