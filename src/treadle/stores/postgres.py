@@ -24,7 +24,8 @@ from treadle.stores.backend import JournalEntry
 from treadle.stores.batching import Batcher, encode_rows
 from treadle.stores.hop import LoopHop
 from treadle.stores.postgres_batch import commit_many, load_many
-from treadle.stores.postgres_open import display_url, open_pool
+from treadle.stores.postgres_open import DB_NOW, display_url, open_pool
+from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations
 from treadle.stores.queueing import PostgresKeyLock
 from treadle.stores.records import (
     KEPT_METADATA,
@@ -189,13 +190,13 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> None:
             async with conn.transaction():
-                # The owner's lease runs on the server's clock (`_DB_NOW`): every machine
+                # The owner's lease runs on the server's clock (`DB_NOW`): every machine
                 # judges it the same way, whatever its own clock says.
                 await conn.execute(
                     "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
                     f" metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
-                    f" {_DB_NOW}, {_DB_NOW}) ON CONFLICT (pass_id) DO UPDATE SET"
-                    f" updated_at = {_DB_NOW}",
+                    f" {DB_NOW}, {DB_NOW}) ON CONFLICT (pass_id) DO UPDATE SET"
+                    f" updated_at = {DB_NOW}",
                     (pass_id, key, version, agents, owner_metadata()),
                 )
                 cur = await conn.execute(
@@ -318,7 +319,7 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> None:
             await conn.execute(
-                f"UPDATE treadle_passes SET updated_at = {_DB_NOW} WHERE pass_id = %s"
+                f"UPDATE treadle_passes SET updated_at = {DB_NOW} WHERE pass_id = %s"
                 " AND status = 'running'",
                 (pass_id,),
             )
@@ -332,7 +333,7 @@ class PostgresBackend:
             async with conn.transaction():
                 cur = await conn.execute(
                     "SELECT key, status, version, metadata, updated_at,"
-                    f" {_DB_NOW} FROM treadle_passes WHERE pass_id = %s FOR UPDATE",
+                    f" {DB_NOW} FROM treadle_passes WHERE pass_id = %s FOR UPDATE",
                     (pass_id,),
                 )
                 found = await cur.fetchone()
@@ -381,7 +382,7 @@ class PostgresBackend:
             where = "AND p.key = %s" if key is not None else ""
             cur = await conn.execute(
                 "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
-                f" p.agent_rows, {_DB_NOW} FROM treadle_passes p"
+                f" p.agent_rows, {DB_NOW} FROM treadle_passes p"
                 " LEFT JOIN treadle_conversations c"
                 " ON c.key = p.key"
                 " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
@@ -442,7 +443,7 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> bool:
             async with conn.transaction():
-                gone = await _delete(conn, [key], None)
+                gone = await delete_conversations(conn, [key], None)
             self._cache.drop(key)
             return bool(gone)
 
@@ -453,7 +454,7 @@ class PostgresBackend:
 
         The age is checked again under each conversation's lock, in the transaction that
         deletes it: one a pass committed to meanwhile is kept. Conversations go in chunks of
-        `_PRUNE_CHUNK`, each chunk's locks in key order (as batched commits take them), so a
+        `PRUNE_CHUNK`, each chunk's locks in key order (as batched commits take them), so a
         large prune neither holds more locks than the server's lock table has room for nor
         deadlocks against a batch."""
 
@@ -464,9 +465,11 @@ class PostgresBackend:
             )
             candidates = [str(k) for (k,) in await cur.fetchall()]
             gone = 0
-            for at in range(0, len(candidates), _PRUNE_CHUNK):
+            for at in range(0, len(candidates), PRUNE_CHUNK):
                 async with conn.transaction():
-                    keys = await _delete(conn, candidates[at : at + _PRUNE_CHUNK], before)
+                    keys = await delete_conversations(
+                        conn, candidates[at : at + PRUNE_CHUNK], before
+                    )
                 for key in keys:
                     self._cache.drop(key)
                 gone += len(keys)
@@ -492,40 +495,3 @@ class PostgresBackend:
             await runtime.submit(close()).wait()
         else:  # never connected, or its loop is gone along with the pool's connections
             self._closed, self._pool = True, None
-
-
-#: The database server's clock, in seconds since the epoch (what owner leases are timed by).
-_DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
-
-#: How many conversations a prune deletes per transaction (one advisory lock each).
-_PRUNE_CHUNK = 100
-
-
-async def _delete(
-    conn: AsyncConnection[Any], keys: Sequence[str], before: float | None
-) -> list[str]:
-    """Delete conversations `keys` (only those still unchanged since `before`, if given) with
-    their rows, passes and journal, in the caller's transaction; the keys deleted.
-
-    Each conversation's advisory lock is taken first, in key order, as a commit takes it: a
-    commit in flight finishes before its conversation is deleted, and one that comes after
-    finds the conversation gone (a conflict), so no rows outlive their head."""
-    ordered = sorted(set(keys))
-    for key in ordered:
-        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
-    age = "" if before is None else " AND updated_at < %s"
-    cur = await conn.execute(
-        f"DELETE FROM treadle_conversations WHERE key = ANY(%s){age} RETURNING key",
-        (ordered,) if before is None else (ordered, before),
-    )
-    gone = [str(k) for (k,) in await cur.fetchall()]
-    if before is not None:
-        ordered = gone  # a conversation changed since the first look is kept, whole
-    await conn.execute(
-        "DELETE FROM treadle_journal WHERE pass_id IN"
-        " (SELECT pass_id FROM treadle_passes WHERE key = ANY(%s))",
-        (ordered,),
-    )
-    await conn.execute("DELETE FROM treadle_passes WHERE key = ANY(%s)", (ordered,))
-    await conn.execute("DELETE FROM treadle_rows WHERE key = ANY(%s)", (ordered,))
-    return gone

@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from psycopg import AsyncConnection
     from psycopg_pool import AsyncConnectionPool
 
-__all__ = ["MIGRATIONS", "display_url", "open_pool"]
+__all__ = ["DB_NOW", "MIGRATIONS", "display_url", "open_pool"]
+
+#: The database server's clock, in seconds since the epoch (what owner leases are timed by).
+DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
 
 #: A pass's commit as one server-side call (one round trip, one transaction): take the
 #: conversation's lock, check the version (a conflict returns -1 - the version found, and marks
