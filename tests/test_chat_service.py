@@ -361,3 +361,31 @@ def test_the_page_chats_and_approves_in_headless_chromium(
     assert "done: final_answer (version 4)" in text
     rows = store.conversation("web").rows
     assert [r.kind for r in rows] == ["user", "assistant", "tool_result", "assistant"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "says"),
+    [
+        ("POST", "/chat/dave", b"[" * 30_000 + b"]" * 30_000, "nested too deep"),
+        ("POST", "/approve/dave", b'{"a":' * 10_000 + b"1" + b"}" * 10_000, "nested too deep"),
+        ("POST", "/chat/dave", b'{"message": "\\ud800"}', "lone surrogate"),
+        ("POST", "/chat/a%00b", b'{"message": "hi"}', "NUL"),
+        ("POST", "/chat/" + "k" * 600, b'{"message": "hi"}', "at most"),
+        ("POST", "/approve/a%00b", b'{"approvals": {}}', "NUL"),
+        ("GET", "/conversations/a%00b", b"", "NUL"),
+        ("GET", "/conversations/" + "k" * 600, b"", "at most"),
+    ],
+)
+def test_a_hostile_body_or_key_is_a_400_before_anything_streams(
+    service: tuple[Served, Store], method: str, path: str, body: bytes, says: str
+) -> None:
+    served, _ = service
+    reply = httpx.request(
+        method,
+        f"{served.url}{path}",
+        content=body or None,
+        headers={"content-type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    assert reply.status_code == 400, reply.text
+    assert says in reply.json()["error"]

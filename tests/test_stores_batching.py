@@ -236,3 +236,72 @@ def test_a_large_conversation_is_encoded_and_decoded_off_the_loop(
             await there.wait()
 
     asyncio.run(main())
+
+
+def test_many_ordinary_conversations_in_one_batch_are_handled_off_the_loop(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each conversation is under the off-loop threshold, the batch is over it: its rows are
+    decoded, and a batch of commits' parameter arrays built, on a worker thread. Calls the
+    batch functions on one real connection, so the batch is exactly these conversations."""
+    import psycopg
+
+    from treadle.session import Usage
+    from treadle.stores import postgres_batch
+    from treadle.stores.batching import OFF_LOOP_ROWS, encode_rows
+    from treadle.stores.records import RowCache, decode_row, encode_usage
+
+    per, count = OFF_LOOP_ROWS // 2, 4  # 256 rows each, 1,024 in all
+    dsn = pg.new_database()
+    ticks = [0, 0]  # this loop; the second slot is not used here: count it as ticking
+    decode = _Spy(decode_row, ticks)
+    arrays = _Spy(postgres_batch._arrays, ticks)
+    monkeypatch.setattr(postgres_batch, "decode_row", decode)
+    monkeypatch.setattr(postgres_batch, "_arrays", arrays)
+
+    async def main() -> None:
+        keys = [f"c{i}" for i in range(count)]
+        async with Store.postgres(dsn) as store:
+            for key in keys:
+                await store.aappend(key, [ChunkRow.user(f"{key} {i}") for i in range(per)])
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                ticks[0] += 1
+                ticks[1] += 1
+                await asyncio.sleep(0.001)
+
+        here = asyncio.ensure_future(ticker())
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        try:
+            loaded = await postgres_batch.load_many(conn, keys, RowCache())
+            assert [c.version for c in loaded] == [per] * count
+            assert decode.ticked_during and decode.on_loop == 0
+            calls = []
+            for key in keys:
+                encoded = await encode_rows([ChunkRow.user("more")] * per)
+                calls.append(
+                    (
+                        f"pass-{key}",
+                        key,
+                        per,
+                        [k for k, _ in encoded],
+                        [p for _, p in encoded],
+                        encode_usage(Usage()),
+                        "stop",
+                        "{}",
+                        "done",
+                        "[]",
+                        False,
+                        time.time(),
+                    )
+                )
+            assert await postgres_batch.commit_many(conn, calls) == [2 * per] * count
+            assert arrays.ticked_during and arrays.on_loop == 0
+        finally:
+            await conn.close()
+            stop.set()
+            await here
+
+    asyncio.run(main())

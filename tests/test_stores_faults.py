@@ -95,3 +95,33 @@ def test_a_store_lost_mid_pass_fails_the_pass_and_writes_nothing() -> None:
             assert [r.content for r in rows] == ["before", "ok"]  # the last committed version
     finally:
         cluster.remove()
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "host=127.0.0.1 port=1 password=s3cr3tpw dbname=x user=u",  # libpq keyword form
+        "POSTGRESQL://u:s3cr3tpw@127.0.0.1:1/db",  # schemes are case-insensitive
+        "Postgres://u:s3cr3tpw@127.0.0.1:1/db",
+    ],
+)
+def test_every_postgresql_dsn_form_reaches_postgresql_and_no_error_repeats_the_password(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a DSN taken for a file name would create it here
+    store = Store.open(dsn)
+    assert store.url.startswith("postgresql://u@127.0.0.1:1/")
+    with pytest.raises(ConfigurationError, match="cannot connect to the PostgreSQL store") as err:
+        store.conversation("k").synchronize()
+    store.close()
+    assert "s3cr3tpw" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "url", ["REDIS://u:s3cr3tpw@x/0", "mysql://u:s3cr3tpw@x/db", "SQLITE://u:s3cr3tpw@x"]
+)
+def test_a_url_naming_no_store_never_repeats_its_password(url: str) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        Store.open(url)
+    assert "s3cr3tpw" not in str(err.value) and "***" in str(err.value)

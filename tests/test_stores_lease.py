@@ -120,3 +120,37 @@ def test_a_live_owner_keeps_its_lease_and_a_dead_one_loses_it(url: str) -> None:
             if owner.poll() is None:
                 owner.kill()
                 owner.communicate(timeout=CHILD_TIMEOUT)
+
+
+def test_a_lease_on_postgresql_is_timed_by_the_server_not_the_owner_clock(
+    pg: Cluster, tmp_path: Path
+) -> None:
+    """The owner's wall clock runs 30 s behind (far more than its 4 s lease): the lease it
+    renews is still current here, because PostgreSQL's clock times it. The skew is simulated
+    (a sitecustomize shifting the owner's `time.time`): this machine's clock cannot be set."""
+    url = pg.new_database()
+    (tmp_path / "sitecustomize.py").write_text(
+        "import time\n_real = time.time\ntime.time = lambda: _real() - 30.0\n"
+    )
+    with FakeOpenAIServer(script="echo") as server:
+        server.enqueue(Reply.tool_call("wait_forever", {}))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+            "TREADLE_OWNER_LEASE_SECONDS": str(LEASE),
+        }
+        owner = subprocess.Popen(
+            ["unshare", "--uts", "--", "sh", "-c",
+             'hostname treadle-other-host && exec "$@"', "sh",
+             sys.executable, WORKER, "hang", url, "long", server.base_url],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert owner.stdout is not None
+            assert owner.stdout.readline().strip() == "tool started"
+            with Store.open(url) as store:
+                (live,) = store.pending("long")
+                assert (live.status, live.resumable) == ("running", False), live
+        finally:
+            owner.kill()
+            owner.communicate(timeout=CHILD_TIMEOUT)

@@ -116,6 +116,34 @@ def test_a_key_no_database_can_hold_is_refused_the_same_way_on_both_backends(
         assert store.conversations() == []  # nothing was written under any spelling of it
 
 
+def test_text_no_database_can_hold_is_a_configuration_error_before_anything_runs(
+    url: str,
+) -> None:
+    """A lone surrogate (what JSON's "\\ud800" escape decodes to) in a user message or in
+    appended rows: a typed error up front, no pass recorded, the conversation still usable."""
+    bad = "bad \ud800 text"
+    with Store.open(url) as store:
+        with pytest.raises(ConfigurationError, match="user input cannot be stored"):
+            run_session_loop(
+                Session.from_user_message(bad),
+                AGENT,
+                executor=ScriptedExecutor(["hello"]),
+                store=store,
+                conversation="k",
+            ).synchronize()
+        with pytest.raises(ConfigurationError, match=r"cannot be stored.*nothing was written"):
+            store.append("k", [ChunkRow.user(bad)])
+        assert store.pending() == [] and store.conversations() == []
+        out = run_session_loop(
+            Session.from_user_message("fine"),
+            AGENT,
+            executor=ScriptedExecutor(["hello"]),
+            store=store,
+            conversation="k",
+        ).synchronize()
+        assert out.metadata["version"] == 2
+
+
 @pytest.mark.parametrize(
     ("where", "says"),
     [

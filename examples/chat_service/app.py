@@ -32,9 +32,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from treadle import Provider, Session, stream_session_loop, tool
-from treadle.errors import ConflictError, TreadleError
+from treadle.errors import ConfigurationError, ConflictError, TreadleError
 from treadle.loop.events import AssistantRowEvent, PassStopped, TextDelta, ToolStarted
 from treadle.stores import PendingPass, Store
+from treadle.stores.records import check_key
 
 PAGE = (Path(__file__).with_name("page.html")).read_text()
 
@@ -75,6 +76,28 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> Any:
         return json.loads(body)
     except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
         raise BadRequest(400, f"the body is not JSON: {err}") from None
+    except RecursionError:  # nested deeper than the parser's stack: no sane request is
+        raise BadRequest(400, "the body is not JSON this service reads: nested too deep") from None
+
+
+def checked_key(request: Request) -> str:
+    """The path's conversation key, or `BadRequest` (400) saying why no store can hold it (a
+    NUL, a lone surrogate, too long); checked before any response starts streaming."""
+    key: str = request.path_params["key"]
+    try:
+        return check_key(key)
+    except ConfigurationError as err:
+        raise BadRequest(400, str(err)) from None
+
+
+def checked_text(text: str) -> str:
+    """`text` if it is valid Unicode (no lone surrogate, which JSON's "\\ud800" escapes can
+    carry), else `BadRequest` (400)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(400, "the message must be valid Unicode text (a lone surrogate)") from None
+    return text
 
 
 class PassResponse(StreamingResponse):
@@ -161,19 +184,21 @@ def create_app(
 
     async def chat(request: Request) -> Response:
         try:
+            key = checked_key(request)
             body = await read_json(request, max_body_bytes)
+            message = body.get("message") if isinstance(body, dict) else None
+            if not isinstance(message, str) or not message.strip():
+                raise BadRequest(400, 'send {"message": "..."}')
+            if len(message) > MAX_MESSAGE_CHARS:
+                raise BadRequest(413, "the message is too long")
+            checked_text(message)
         except BadRequest as err:
             return err.response()
-        message = body.get("message") if isinstance(body, dict) else None
-        if not isinstance(message, str) or not message.strip():
-            return JSONResponse({"error": 'send {"message": "..."}'}, status_code=400)
-        if len(message) > MAX_MESSAGE_CHARS:
-            return JSONResponse({"error": "the message is too long"}, status_code=413)
-        key = request.path_params["key"]
         return await stream(Session.from_user_message(message), key)
 
     async def approve(request: Request) -> Response:
         try:
+            key = checked_key(request)
             body = await read_json(request, max_body_bytes)
         except BadRequest as err:
             return err.response()
@@ -182,14 +207,18 @@ def create_app(
             isinstance(v, bool | str) for v in decisions.values()
         ):
             return JSONResponse({"error": 'send {"approvals": {"<id>": true}}'}, status_code=400)
-        pending = await store.apending(request.path_params["key"])
+        pending = await store.apending(key)
         waiting = [p for p in pending if p.pending_approvals]
         if not waiting:
             return JSONResponse({"error": "nothing is waiting for approval"}, status_code=409)
         return await stream(Session(), waiting[-1], approvals=decisions)
 
     async def conversation(request: Request) -> Response:
-        convo = await store.conversation(request.path_params["key"])
+        try:
+            key = checked_key(request)
+        except BadRequest as err:
+            return err.response()
+        convo = await store.conversation(key)
         return JSONResponse(
             {
                 "version": convo.metadata["version"],

@@ -24,7 +24,7 @@ from treadle.stores.records import ConversationInfo, PassRecord, PendingPass, St
 __all__ = ["SCHEMA_VERSION", "JournalEntry", "StoreBackend"]
 
 #: The schema version a backend creates and migrates to (see each backend's `MIGRATIONS`).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: One journal entry of an uncommitted pass: `("row", row)` or `("intent", (call_id, name))`.
 JournalEntry = tuple[str, Any]

@@ -26,7 +26,7 @@ from treadle.session.rows import in_call_order
 from treadle.stores.backend import JournalEntry, StoreBackend
 from treadle.stores.owner import lease_seconds
 from treadle.stores.queueing import KeyLock
-from treadle.stores.records import PendingPass, check_key, conflict_error
+from treadle.stores.records import PendingPass, check_key, check_storable, conflict_error
 
 __all__ = ["ConversationJournal", "ConversationStart", "open_conversation"]
 
@@ -114,10 +114,17 @@ class ConversationJournal:
         stop_reason: str | None,
         metadata: Mapping[str, Any],
     ) -> int:
-        """Commit the pass's new rows (`rows` is the whole transcript) in one transaction."""
+        """Commit the pass's new rows (`rows` is the whole transcript) in one transaction.
+
+        Once started, the commit is seen through: a cancellation that arrives meanwhile waits
+        for it, and is then absorbed, so the pass returns its result (the caller learns the
+        turn landed) rather than a `CancelledError` for a turn that is in the conversation. A
+        cancel scope that keeps cancelling (anyio's) still ends the pass with `CancelledError`
+        after the commit; the conversation's version then tells whether the turn landed.
+        """
         self._stop_heartbeat()
-        try:
-            self.version = await self.backend.commit(
+        commit = asyncio.ensure_future(
+            self.backend.commit(
                 self.pass_id,
                 self.key,
                 self.base,
@@ -128,6 +135,19 @@ class ConversationJournal:
                 agent_rows=self.agent_rows,
                 recorded=self.recorded,
             )
+        )
+        try:
+            while True:
+                try:
+                    self.version = await asyncio.shield(commit)
+                    break
+                except asyncio.CancelledError:
+                    if commit.done():
+                        raise  # the commit itself was cancelled: nothing landed
+                    # The commit is on its way: its outcome is the pass's. The cancellation is
+                    # not re-counted (`uncancel`): a scope that cancelled (asyncio.timeout, an
+                    # anyio cancel scope) settles its own count, and an anyio scope cancels
+                    # again at the pass's next await.
         finally:
             if self.version is not None:  # committed: the next pass in the queue may start
                 await self._release()
@@ -208,6 +228,8 @@ async def open_conversation(
             "conversation= takes a key (str) or an item of store.pending(), got "
             f"{type(conversation).__name__}."
         )
+    check_storable(user_rows, "user input")
+    check_storable(agent_rows, "agent rows")
     held = await backend.lock(key) if queue else None
     try:
         start = await _start(backend, conversation, key, pass_id, user_rows, agent_rows)

@@ -1,8 +1,12 @@
 """Who runs a pass a store records as `running`, and whether that process is still alive.
 
-A running pass records its owner (host name, pid and a start id: the kernel's boot id with the
-process's start time, so a recycled pid is not mistaken for the owner) in its pass record. On the
-same host the owner is alive while its pid exists with the same start id; on another host the
+A running pass records its owner (host name, pid, a start id: the kernel's boot id with the
+process's start time, so a recycled pid is not mistaken for the owner, and its pid namespace: the
+boot id with the inode of `/proc/self/ns/pid`) in its pass record. Pids mean something only
+inside one pid namespace: containers may share a host name (Kubernetes `hostNetwork` pods, a
+shared UTS namespace) yet each number their own processes. So only an owner in this process's
+pid namespace is looked up by pid: it is alive while its pid exists with the same start id;
+anywhere else (another host, or the same host name in another pid namespace) the
 pass's last write (`updated_at`) is a lease that holds for the owner's lease seconds (recorded with
 it: `OWNER_LEASE_SECONDS`, or `TREADLE_OWNER_LEASE_SECONDS` in the owner's environment). The owner
 renews the lease (a heartbeat every third of it) while the pass runs, so a long pass stays owned
@@ -56,10 +60,28 @@ def _host() -> str:
     return socket.gethostname()
 
 
+@cache
+def _pid_namespace() -> str | None:
+    """This process's pid namespace: boot id and the namespace's inode (None without /proc)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        inode = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return f"{boot}:{inode}"
+
+
 def this_owner() -> dict[str, Any]:
     """The owner record of this process."""
     pid = os.getpid()
-    return {"pid": pid, "host": _host(), "start": _start_id(pid), "lease": lease_seconds()}
+    return {
+        "pid": pid,
+        "host": _host(),
+        "pidns": _pid_namespace(),
+        "start": _start_id(pid),
+        "lease": lease_seconds(),
+    }
 
 
 def _pid_exists(pid: int) -> bool:
@@ -80,7 +102,10 @@ def owner_alive(metadata: object, updated_at: float, now: float) -> bool:
     pid, host, start = owner.get("pid"), owner.get("host"), owner.get("start")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    if host != _host():
+    # An owner recorded before namespaces were (no "pidns") is judged by pid on its host, as
+    # then; one whose namespace is unknown on either side is judged by its lease.
+    elsewhere = "pidns" in owner and (owner["pidns"] is None or owner["pidns"] != _pid_namespace())
+    if host != _host() or elsewhere:
         lease = owner.get("lease")
         if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease > 0:
             lease = OWNER_LEASE_SECONDS  # recorded before leases were

@@ -24,7 +24,8 @@ from treadle.stores.backend import JournalEntry
 from treadle.stores.batching import Batcher, encode_rows
 from treadle.stores.hop import LoopHop
 from treadle.stores.postgres_batch import commit_many, load_many
-from treadle.stores.postgres_open import display_url, open_pool
+from treadle.stores.postgres_open import DB_NOW, display_url, open_pool
+from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations
 from treadle.stores.queueing import PostgresKeyLock
 from treadle.stores.records import (
     KEPT_METADATA,
@@ -188,13 +189,15 @@ class PostgresBackend:
         agents = encode_json([r.to_message() for r in agent_rows])
 
         async def do(conn: AsyncConnection[Any]) -> None:
-            now = time.time()
             async with conn.transaction():
+                # The owner's lease runs on the server's clock (`DB_NOW`): every machine
+                # judges it the same way, whatever its own clock says.
                 await conn.execute(
                     "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
-                    " metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
-                    " %s, %s) ON CONFLICT (pass_id) DO UPDATE SET updated_at = %s",
-                    (pass_id, key, version, agents, owner_metadata(), now, now, now),
+                    f" metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
+                    f" {DB_NOW}, {DB_NOW}) ON CONFLICT (pass_id) DO UPDATE SET"
+                    f" updated_at = {DB_NOW}",
+                    (pass_id, key, version, agents, owner_metadata()),
                 )
                 cur = await conn.execute(
                     "SELECT count(*) FROM treadle_journal WHERE pass_id = %s", (pass_id,)
@@ -212,7 +215,9 @@ class PostgresBackend:
     async def _lock(self, conn: AsyncConnection[Any], key: str) -> int | None:
         """Take the conversation's write lock (to the end of the transaction); its version."""
         await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
-        cur = await conn.execute("SELECT version FROM treadle_conversations WHERE key = %s", (key,))
+        cur = await conn.execute(
+            "SELECT version FROM treadle_conversations WHERE key = %s FOR UPDATE", (key,)
+        )
         found = await cur.fetchone()
         return None if found is None else int(found[0])
 
@@ -314,9 +319,9 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> None:
             await conn.execute(
-                "UPDATE treadle_passes SET updated_at = %s WHERE pass_id = %s"
+                f"UPDATE treadle_passes SET updated_at = {DB_NOW} WHERE pass_id = %s"
                 " AND status = 'running'",
-                (time.time(), pass_id),
+                (pass_id,),
             )
 
         await self._run(do)
@@ -327,8 +332,8 @@ class PostgresBackend:
         async def do(conn: AsyncConnection[Any]) -> PassRecord:
             async with conn.transaction():
                 cur = await conn.execute(
-                    "SELECT key, status, version, metadata, updated_at FROM treadle_passes"
-                    " WHERE pass_id = %s FOR UPDATE",
+                    "SELECT key, status, version, metadata, updated_at,"
+                    f" {DB_NOW} FROM treadle_passes WHERE pass_id = %s FOR UPDATE",
                     (pass_id,),
                 )
                 found = await cur.fetchone()
@@ -338,8 +343,8 @@ class PostgresBackend:
                         "ended); list what is pending with store.pending().",
                         key=found[0] if found else "",
                     )
-                key, status, version, meta, updated = found
-                owner_check(pass_id, key, status, meta, updated)
+                key, status, version, meta, updated, now = found
+                owner_check(pass_id, key, status, meta, updated, now)
                 actual = (await self._lock(conn, key)) or 0
                 if actual != version:
                     raise conflict_error(key, int(version), actual, ())
@@ -377,7 +382,8 @@ class PostgresBackend:
             where = "AND p.key = %s" if key is not None else ""
             cur = await conn.execute(
                 "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
-                " p.agent_rows FROM treadle_passes p LEFT JOIN treadle_conversations c"
+                f" p.agent_rows, {DB_NOW} FROM treadle_passes p"
+                " LEFT JOIN treadle_conversations c"
                 " ON c.key = p.key"
                 " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
                 f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
@@ -437,24 +443,36 @@ class PostgresBackend:
 
         async def do(conn: AsyncConnection[Any]) -> bool:
             async with conn.transaction():
-                gone = await _delete(conn, [key])
+                gone = await delete_conversations(conn, [key], None)
             self._cache.drop(key)
-            return gone > 0
+            return bool(gone)
 
         return await self._run(do)
 
     async def prune(self, before: float) -> int:
-        """Delete conversations not changed since `before`."""
+        """Delete conversations not changed since `before`.
+
+        The age is checked again under each conversation's lock, in the transaction that
+        deletes it: one a pass committed to meanwhile is kept. Conversations go in chunks of
+        `PRUNE_CHUNK`, each chunk's locks in key order (as batched commits take them), so a
+        large prune neither holds more locks than the server's lock table has room for nor
+        deadlocks against a batch."""
 
         async def do(conn: AsyncConnection[Any]) -> int:
-            async with conn.transaction():
-                cur = await conn.execute(
-                    "SELECT key FROM treadle_conversations WHERE updated_at < %s", (before,)
-                )
-                keys = [k for (k,) in await cur.fetchall()]
-                gone = await _delete(conn, keys)
-            for key in keys:
-                self._cache.drop(key)
+            cur = await conn.execute(
+                "SELECT key FROM treadle_conversations WHERE updated_at < %s ORDER BY key",
+                (before,),
+            )
+            candidates = [str(k) for (k,) in await cur.fetchall()]
+            gone = 0
+            for at in range(0, len(candidates), PRUNE_CHUNK):
+                async with conn.transaction():
+                    keys = await delete_conversations(
+                        conn, candidates[at : at + PRUNE_CHUNK], before
+                    )
+                for key in keys:
+                    self._cache.drop(key)
+                gone += len(keys)
             return gone
 
         return await self._run(do)
@@ -477,18 +495,3 @@ class PostgresBackend:
             await runtime.submit(close()).wait()
         else:  # never connected, or its loop is gone along with the pool's connections
             self._closed, self._pool = True, None
-
-
-async def _delete(conn: AsyncConnection[Any], keys: Sequence[str]) -> int:
-    gone = 0
-    for key in keys:
-        await conn.execute(
-            "DELETE FROM treadle_journal WHERE pass_id IN"
-            " (SELECT pass_id FROM treadle_passes WHERE key = %s)",
-            (key,),
-        )
-        await conn.execute("DELETE FROM treadle_passes WHERE key = %s", (key,))
-        await conn.execute("DELETE FROM treadle_rows WHERE key = %s", (key,))
-        cur = await conn.execute("DELETE FROM treadle_conversations WHERE key = %s", (key,))
-        gone += cur.rowcount
-    return gone

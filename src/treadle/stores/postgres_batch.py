@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from treadle.stores.batching import decode_rows
-from treadle.stores.records import RowCache, StoredConversation, stored_from_head
+from treadle.session import ChunkRow
+from treadle.stores.batching import off_loop
+from treadle.stores.records import RowCache, StoredConversation, decode_row, stored_from_head
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -67,11 +68,19 @@ async def load_many(
         cur = await conn.execute(
             _ROWS, (short, [len(known[k]) for k in short], [heads[k][6] for k in short])
         )
-        fetched: dict[str, list[tuple[str, str]]] = {key: [] for key in short}
-        for key, kind, payload in await cur.fetchall():
-            fetched[key].append((kind, payload))
+        found = await cur.fetchall()
+
+        def decode() -> dict[str, tuple[ChunkRow, ...]]:
+            fetched: dict[str, list[ChunkRow]] = {key: [] for key in short}
+            for key, kind, payload in found:
+                fetched[key].append(decode_row(kind, payload, key))
+            return {key: tuple(rows) for key, rows in fetched.items()}
+
+        # Off the loop by the batch's total: many conversations just under the threshold each
+        # would otherwise all be decoded on it, one after another.
+        decoded = await off_loop(len(found), decode)
         for key in short:
-            known[key] += await decode_rows(fetched[key], key)
+            known[key] += decoded[key]
             cache.put(key, heads[key][5], known[key])
     return [
         stored_from_head(key, known[key], heads[key]) if key in heads else StoredConversation(key)
@@ -88,20 +97,10 @@ async def commit_many(
 
     if len(calls) == 1:
         return [await _commit_one(conn, calls[0])]
-    order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))  # by key: lock order
-    kinds: list[str] = []
-    payloads: list[str] = []
-    columns: list[list[Any]] = [[] for _ in range(13)]
-    for i in order:
-        call = calls[i]
-        lo = len(kinds) + 1  # PostgreSQL arrays count from 1; a slice includes both ends
-        kinds += call[3]
-        payloads += call[4]
-        fields = (i, call[0], call[1], call[2], lo, len(kinds), *call[5:])
-        for column, value in zip(columns, fields, strict=True):
-            column.append(value)
+    # The parameter arrays are built off the loop when the batch's rows are many in all.
+    params = await off_loop(sum(len(call[3]) for call in calls), lambda: _arrays(calls))
     try:
-        cur = await conn.execute(_COMMIT_MANY, (kinds, payloads, *columns))
+        cur = await conn.execute(_COMMIT_MANY, params)
         results: list[int | BaseException] = [0] * len(calls)
         for i, version in await cur.fetchall():
             results[int(i)] = int(version)
@@ -118,6 +117,23 @@ async def commit_many(
                 raise
             results.append(err)
     return results
+
+
+def _arrays(calls: Sequence[tuple[Any, ...]]) -> tuple[list[Any], ...]:
+    """`_COMMIT_MANY`'s parameters: the flat kinds and payloads, then one array per field."""
+    order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))  # by key: lock order
+    kinds: list[str] = []
+    payloads: list[str] = []
+    columns: list[list[Any]] = [[] for _ in range(13)]
+    for i in order:
+        call = calls[i]
+        lo = len(kinds) + 1  # PostgreSQL arrays count from 1; a slice includes both ends
+        kinds += call[3]
+        payloads += call[4]
+        fields = (i, call[0], call[1], call[2], lo, len(kinds), *call[5:])
+        for column, value in zip(columns, fields, strict=True):
+            column.append(value)
+    return (kinds, payloads, *columns)
 
 
 async def _commit_one(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int:

@@ -16,12 +16,16 @@ if TYPE_CHECKING:
     from psycopg import AsyncConnection
     from psycopg_pool import AsyncConnectionPool
 
-__all__ = ["MIGRATIONS", "display_url", "open_pool"]
+__all__ = ["DB_NOW", "MIGRATIONS", "display_url", "open_pool"]
+
+#: The database server's clock, in seconds since the epoch (what owner leases are timed by).
+DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
 
 #: A pass's commit as one server-side call (one round trip, one transaction): take the
 #: conversation's lock, check the version (a conflict returns -1 - the version found, and marks
-#: the pass), append the rows, move the head, settle the pass.
-COMMIT_FUNCTION = """
+#: the pass), append the rows, move the head, settle the pass. Version 1 as first shipped; see
+#: `COMMIT_FUNCTION` for the one in use.
+_COMMIT_FUNCTION_1 = """
 CREATE FUNCTION treadle_commit(
     p_pass TEXT, p_key TEXT, p_base BIGINT, p_kinds TEXT[], p_payloads TEXT[], p_usage TEXT,
     p_stop TEXT, p_meta TEXT, p_status TEXT, p_agents TEXT, p_recorded BOOLEAN,
@@ -59,6 +63,56 @@ BEGIN
 END
 $$"""
 
+#: The commit in use (schema version 2). The head row is locked (`FOR UPDATE`) before the version
+#: check, and moved before any row is written: a delete or prune that got to the head first
+#: (holding its row lock, or the conversation's advisory lock as they now take) is waited for,
+#: and the pass then finds the conversation gone and conflicts instead of writing rows that no
+#: head points to. A head that moves no row (it vanished anyway) is a conflict too. A new head
+#: first clears rows an older release may have left without one, so such a key works again.
+COMMIT_FUNCTION = """
+CREATE OR REPLACE FUNCTION treadle_commit(
+    p_pass TEXT, p_key TEXT, p_base BIGINT, p_kinds TEXT[], p_payloads TEXT[], p_usage TEXT,
+    p_stop TEXT, p_meta TEXT, p_status TEXT, p_agents TEXT, p_recorded BOOLEAN,
+    p_now DOUBLE PRECISION
+) RETURNS BIGINT LANGUAGE plpgsql AS $$
+DECLARE
+    head BIGINT;
+    target BIGINT := p_base + cardinality(p_kinds);
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, 0));
+    SELECT version INTO head FROM treadle_conversations WHERE key = p_key FOR UPDATE;
+    IF coalesce(head, 0) <> p_base THEN
+        UPDATE treadle_passes SET status = 'conflict', updated_at = p_now WHERE pass_id = p_pass;
+        RETURN -1 - coalesce(head, 0);
+    END IF;
+    IF head IS NULL THEN
+        DELETE FROM treadle_rows WHERE key = p_key;
+        INSERT INTO treadle_conversations (key, version, usage, stop_reason, metadata,
+            created_at, updated_at) VALUES (p_key, target, p_usage, p_stop, p_meta, p_now, p_now);
+    ELSE
+        UPDATE treadle_conversations SET version = target, usage = p_usage, stop_reason = p_stop,
+            metadata = p_meta, updated_at = p_now WHERE key = p_key AND version = p_base;
+        IF NOT FOUND THEN
+            UPDATE treadle_passes SET status = 'conflict', updated_at = p_now
+                WHERE pass_id = p_pass;
+            RETURN -1;
+        END IF;
+    END IF;
+    INSERT INTO treadle_rows (key, seq, pass_id, kind, payload)
+        SELECT p_key, p_base + t.o - 1, p_pass, t.k, t.p
+        FROM unnest(p_kinds, p_payloads) WITH ORDINALITY AS t(k, p, o);
+    IF p_recorded OR p_status <> 'done' THEN
+        INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows, metadata,
+            created_at, updated_at) VALUES (p_pass, p_key, p_status, target, p_agents, p_meta,
+            p_now, p_now)
+        ON CONFLICT (pass_id) DO UPDATE SET status = p_status, version = target,
+            metadata = p_meta, updated_at = p_now;
+        DELETE FROM treadle_journal WHERE pass_id = p_pass;
+    END IF;
+    RETURN target;
+END
+$$"""
+
 #: Schema migrations, by the version they reach; each runs once, in one transaction.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -77,8 +131,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         """CREATE TABLE treadle_journal (
             pass_id TEXT NOT NULL, seq BIGINT NOT NULL, entry TEXT NOT NULL, kind TEXT NOT NULL,
             body TEXT NOT NULL, PRIMARY KEY (pass_id, seq))""",
-        COMMIT_FUNCTION,
+        _COMMIT_FUNCTION_1,
     ),
+    2: (COMMIT_FUNCTION,),
 }
 assert max(MIGRATIONS) == SCHEMA_VERSION
 

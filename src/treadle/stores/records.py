@@ -26,6 +26,7 @@ __all__ = [
     "PendingPass",
     "StoredConversation",
     "check_key",
+    "check_storable",
     "decode_json",
     "decode_row",
     "decode_usage",
@@ -143,6 +144,20 @@ def encode_json(value: Any) -> str:
     return pydantic_core.to_json(value).decode()
 
 
+def check_storable(rows: Sequence[ChunkRow], what: str = "input rows") -> None:
+    """`ConfigurationError` unless `rows` can be stored as JSON text (a lone surrogate such as
+    `"\\ud800"`, which a JSON body's escape can carry, cannot): raised before a pass starts, so
+    it never fails half-way when it records or commits."""
+    try:
+        encode_json([r.to_message() for r in rows])
+    except (pydantic_core.PydanticSerializationError, ValueError) as err:
+        reason = " ".join(str(err).split())
+        raise ConfigurationError(
+            f"the {what} cannot be stored (text must be valid Unicode, without lone "
+            f"surrogates): {reason:.200}"
+        ) from None
+
+
 def decode_json(text: str | bytes, key: str) -> Any:
     """JSON text read from the store; damage is a `StoreError` naming the conversation."""
     try:
@@ -235,10 +250,20 @@ def journal_record(
 
 
 def pending_from(
-    pass_id: str, key: str, status: str, version: int, updated: float, meta: str, agents: str
+    pass_id: str,
+    key: str,
+    status: str,
+    version: int,
+    updated: float,
+    meta: str,
+    agents: str,
+    now: float | None = None,
 ) -> PendingPass:
+    """A pending pass from its stored fields; `now` is the clock its `updated` was written by
+    (the database server's on PostgreSQL), this machine's when not given."""
     metadata = decode_json(meta, key)
-    alive = status == "running" and owner_alive(metadata, float(updated), time.time())
+    clock = time.time() if now is None else float(now)
+    alive = status == "running" and owner_alive(metadata, float(updated), clock)
     approvals = metadata.get("pending_approvals") if isinstance(metadata, dict) else None
     reason = metadata.get("interrupt_reason") if isinstance(metadata, dict) else None
     messages = decode_json(agents, key)
@@ -255,9 +280,13 @@ def pending_from(
     )
 
 
-def owner_check(pass_id: str, key: str, status: str, meta: str, updated: float) -> None:
-    """`ConflictError` when a claimed `running` pass's owner process is still alive."""
-    if status == "running" and owner_alive(decode_json(meta, key), float(updated), time.time()):
+def owner_check(
+    pass_id: str, key: str, status: str, meta: str, updated: float, now: float | None = None
+) -> None:
+    """`ConflictError` when a claimed `running` pass's owner process is still alive (`now` as
+    in `pending_from`)."""
+    clock = time.time() if now is None else float(now)
+    if status == "running" and owner_alive(decode_json(meta, key), float(updated), clock):
         raise ConflictError(
             f"pass {pass_id} is still running in a live process; wait for it to end (or stop "
             "that process) before resuming it.",

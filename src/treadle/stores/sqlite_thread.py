@@ -118,6 +118,13 @@ class DatabaseThread:
             else:
                 outcomes.append((job, value, None))
             conn.execute("RELEASE job")
+        # The file may have gone while the jobs ran (a large write takes a while): look again
+        # before committing, and undo rather than commit into a file no one else sees.
+        lost = self._check_file()
+        if lost is not None:
+            conn.rollback()
+            _deliver([(job, None, lost) for job, _, _ in outcomes])
+            return
         try:
             conn.execute("COMMIT")
         except sqlite3.Error as err:
@@ -125,14 +132,22 @@ class DatabaseThread:
                 conn.rollback()
             self.cache.clear()  # it may hold rows of the commits that were just undone
             outcomes = [(job, None, err) for job, _, _ in outcomes]
+        else:  # and once more after: gone during the commit itself, the write is unseen
+            lost = self._check_file(committed=True)
+            if lost is not None:
+                outcomes = [(job, None, lost) for job, _, _ in outcomes]
         _deliver(outcomes)
 
-    def _check_file(self) -> StoreError | None:
+    def _check_file(self, *, committed: bool = False) -> StoreError | None:
         """A `StoreError` when the file at the path is not the one this thread opened.
 
         SQLite keeps writing to the inode it opened: a file deleted (or replaced by another)
         while in use would take this process's commits where no other process, and no later
-        open, ever sees them. One stat per transaction catches it first.
+        open, ever sees them. A transaction stats the file before it begins, before it commits
+        and after (`committed`: the error then says the write went to the old file). A file
+        swapped in the instant between the last two checks and the commit itself cannot be
+        caught by any check from this side: do not replace a store's file while a process
+        has it open.
         """
         if self.lost is None and self._identity is not None:
             try:
@@ -150,10 +165,15 @@ class DatabaseThread:
                 self.cache.clear()
         if self.lost is None:
             return None
+        outcome = (
+            "this write went only to the file that is no longer there (no later open sees it)"
+            if committed
+            else "nothing was written"
+        )
         return StoreError(
             f"the SQLite store {self.path} {self.lost} while this process had it open; "
-            "nothing was written. Open the store again (Store.sqlite(path)) to use the file "
-            "now at that path."
+            f"{outcome}. Open the store again (Store.sqlite(path)) to use the file now at "
+            "that path."
         )
 
     def _check_contents(self) -> str | None:

@@ -13,10 +13,13 @@ the Treadle runtime) and an `a`-prefixed coroutine twin for async code.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pydantic_core
 
 from treadle.errors import ConfigurationError
 from treadle.runtime import submit
@@ -99,25 +102,31 @@ class Store:
         path to a SQLite file."""
         text = _check_location(url, "store URL")
         mode = check_on_conflict(on_conflict)
-        if text.startswith(("postgresql://", "postgres://")):
+        scheme, sep, rest = text.partition("://")
+        if sep:  # schemes are case-insensitive (RFC 3986): POSTGRESQL:// is postgresql://
+            scheme = scheme.lower()
+            text = f"{scheme}://{rest}"
+        shown = redact(text)  # what error messages may repeat: never a password
+        if scheme in ("postgresql", "postgres") and sep:
             return cls.postgres(text, on_conflict=mode)
-        if text.startswith("sqlite://"):
-            path = text.removeprefix("sqlite://")
-            if not path.startswith("/"):
+        if _KEYWORD_DSN.match(text):  # libpq's "host=... dbname=..." form
+            return cls.postgres(text, on_conflict=mode)
+        if scheme == "sqlite" and sep:
+            if not rest.startswith("/"):
                 raise ConfigurationError(
-                    f"{text!r} is not a SQLite URL; write sqlite:///relative.db or "
+                    f"{shown!r} is not a SQLite URL; write sqlite:///relative.db or "
                     "sqlite:////absolute/path.db."
                 )
-            if "?" in path or "#" in path:
+            if "?" in rest or "#" in rest:
                 raise ConfigurationError(
-                    f"{text!r}: a SQLite store URL takes no query or fragment (such as "
+                    f"{shown!r}: a SQLite store URL takes no query or fragment (such as "
                     "?mode=ro); Treadle opens the file read-write with its own settings. "
                     "Write sqlite:///path.db."
                 )
-            return cls.sqlite(path[1:] or DEFAULT_SQLITE_PATH, on_conflict=mode)
-        if "://" in text:
+            return cls.sqlite(rest[1:] or DEFAULT_SQLITE_PATH, on_conflict=mode)
+        if sep:
             raise ConfigurationError(
-                f"{text!r} names no store Treadle knows; use sqlite:///path or postgresql://..."
+                f"{shown!r} names no store Treadle knows; use sqlite:///path or postgresql://..."
             )
         return cls.sqlite(text, on_conflict=mode)
 
@@ -197,13 +206,21 @@ class Store:
             isinstance(expected_version, bool) or not isinstance(expected_version, int)
         ):
             raise ConfigurationError("expected_version must be an int (a version read earlier).")
-        if self.on_conflict != "queue":
-            return await self.backend.append(key, found, expected_version)
-        held = await self.backend.lock(key)
         try:
-            return await self.backend.append(key, found, expected_version)
-        finally:
-            await held.release()
+            if self.on_conflict != "queue":
+                return await self.backend.append(key, found, expected_version)
+            held = await self.backend.lock(key)
+            try:
+                return await self.backend.append(key, found, expected_version)
+            finally:
+                await held.release()
+        except pydantic_core.PydanticSerializationError as err:
+            # Rows are encoded before anything is written (off the loop when there are many;
+            # checking them here first would encode a large import twice): nothing was written.
+            raise ConfigurationError(
+                "rows that cannot be stored (text must be valid Unicode, without lone "
+                f"surrogates): {' '.join(str(err).split()):.200}; nothing was written."
+            ) from None
 
     def append(
         self, key: str, rows: Iterable[ChunkRow] | Session, *, expected_version: int | None = None
@@ -300,6 +317,26 @@ class Store:
         return submit(coro).result()
 
 
+#: A libpq keyword/value DSN ("host=db dbname=app ..."): it starts with one of libpq's
+#: connection keywords and `=`, which no sensible SQLite file name does.
+_KEYWORD_DSN = re.compile(
+    r"\s*(host|hostaddr|port|dbname|user|password|passfile|service|sslmode|connect_timeout"
+    r"|options|application_name|target_session_attrs)\s*=",
+    re.IGNORECASE,
+)
+_SECRETS = (
+    (re.compile(r"(://[^/@:]*:)[^/@]*@"), r"\1***@"),  # scheme://user:password@host
+    (re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE), r"\1***"),
+)
+
+
+def redact(location: str) -> str:
+    """`location` with any password in it replaced by `***` (for error messages)."""
+    for pattern, replacement in _SECRETS:
+        location = pattern.sub(replacement, location)
+    return location
+
+
 def _check_location(where: object, what: str) -> str:
     """`where` as text, or a `ConfigurationError` for what no store can open (not text, NUL)."""
     if isinstance(where, bytes) or not isinstance(where, str | os.PathLike):
@@ -308,7 +345,7 @@ def _check_location(where: object, what: str) -> str:
     if not isinstance(text, str):
         raise ConfigurationError(f"a {what} must be text, not bytes.")
     if "\x00" in text:
-        raise ConfigurationError(f"the {what} {text!r:.80} contains a NUL character.")
+        raise ConfigurationError(f"the {what} {redact(text)!r:.80} contains a NUL character.")
     return text
 
 
