@@ -114,17 +114,10 @@ class ConversationJournal:
         stop_reason: str | None,
         metadata: Mapping[str, Any],
     ) -> int:
-        """Commit the pass's new rows (`rows` is the whole transcript) in one transaction.
-
-        Once started, the commit is seen through: a cancellation that arrives meanwhile waits
-        for it, and is then absorbed, so the pass returns its result (the caller learns the
-        turn landed) rather than a `CancelledError` for a turn that is in the conversation. A
-        cancel scope that keeps cancelling (anyio's) still ends the pass with `CancelledError`
-        after the commit; the conversation's version then tells whether the turn landed.
-        """
+        """Commit the pass's new rows (`rows` is the whole transcript) in one transaction."""
         self._stop_heartbeat()
-        commit = asyncio.ensure_future(
-            self.backend.commit(
+        try:
+            self.version = await self.backend.commit(
                 self.pass_id,
                 self.key,
                 self.base,
@@ -135,19 +128,6 @@ class ConversationJournal:
                 agent_rows=self.agent_rows,
                 recorded=self.recorded,
             )
-        )
-        try:
-            while True:
-                try:
-                    self.version = await asyncio.shield(commit)
-                    break
-                except asyncio.CancelledError:
-                    if commit.done():
-                        raise  # the commit itself was cancelled: nothing landed
-                    # The commit is on its way: its outcome is the pass's. The cancellation is
-                    # not re-counted (`uncancel`): a scope that cancelled (asyncio.timeout, an
-                    # anyio cancel scope) settles its own count, and an anyio scope cancels
-                    # again at the pass's next await.
         finally:
             if self.version is not None:  # committed: the next pass in the queue may start
                 await self._release()
