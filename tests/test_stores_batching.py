@@ -198,6 +198,7 @@ def test_a_large_conversation_is_encoded_and_decoded_off_the_loop(
     for where in ("treadle.stores.batching", "treadle.stores.sqlite"):
         monkeypatch.setattr(f"{where}.rows_text", encode)
         monkeypatch.setattr(f"{where}.decode_row", decode)
+    monkeypatch.setattr("treadle.stores.postgres_batch.decode_row", decode)  # batched reads
     monkeypatch.setattr("treadle.stores.transfer.encode_row", export)
 
     async def main() -> None:
