@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from treadle.testing.fake_thread import BackgroundServing
+
 __all__ = ["FakeProxy", "ProxiedRequest", "TLSFront"]
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -38,8 +40,10 @@ class ProxiedRequest:
     """The `Proxy-Authorization` value as sent (a test helper: it records credentials)."""
 
 
-class FakeProxy:
+class FakeProxy(BackgroundServing):
     """A forward proxy on 127.0.0.1 (random free port): `with FakeProxy() as proxy: proxy.url`."""
+
+    _thread_name = "treadle-fake-proxy"
 
     def __init__(
         self,
@@ -260,50 +264,6 @@ class FakeProxy:
     async def _answer(writer: asyncio.StreamWriter, status: bytes) -> None:
         writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
         await writer.drain()
-
-    # -- a background thread, for synchronous code ----------------------------------------------
-
-    def start(self) -> FakeProxy:
-        """Serve from a background thread with its own event loop; returns once listening."""
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            try:
-                loop.run_until_complete(self.start_serving())
-            except BaseException as exc:
-                errors.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            try:
-                loop.run_forever()
-                loop.run_until_complete(self.stop_serving())
-            finally:
-                loop.close()
-
-        self._thread = threading.Thread(target=run, name="treadle-fake-proxy", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if errors:
-            raise errors[0]
-        return self
-
-    def stop(self) -> None:
-        """Stop the background proxy and join its thread."""
-        loop, thread = self._loop, self._thread
-        if loop is not None and thread is not None and thread.is_alive():
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-        self._thread = None
-
-    def __enter__(self) -> FakeProxy:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 class TLSFront(FakeProxy):

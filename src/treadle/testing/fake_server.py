@@ -35,6 +35,7 @@ from treadle.testing.fake_replies import (
     render_stream,
     usage_of,
 )
+from treadle.testing.fake_thread import BackgroundServing
 
 __all__ = ["FakeOpenAIServer", "FaultRule", "RecordedRequest", "main"]
 
@@ -63,7 +64,7 @@ class FaultRule:
     used: int = field(default=0)
 
 
-class FakeOpenAIServer:
+class FakeOpenAIServer(BackgroundServing):
     """An OpenAI-compatible server on 127.0.0.1, scripted and fault-injectable.
 
     ```text
@@ -79,6 +80,8 @@ class FakeOpenAIServer:
     `RateLimits`; `rate_window` seconds stand for the minute; `rate_headers` `"remaining"` or
     `"none"` tells less, as some providers do) and counts refusals in `rate_limited`.
     """
+
+    _thread_name = "treadle-fake-openai"
 
     def __init__(
         self,
@@ -371,48 +374,6 @@ class FakeOpenAIServer:
             await asyncio.Event().wait()
         finally:
             await self.stop_serving()
-
-    def start(self) -> FakeOpenAIServer:
-        """Serve from a background thread with its own event loop; returns once listening."""
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            try:
-                loop.run_until_complete(self.start_serving())
-            except BaseException as exc:
-                errors.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            try:
-                loop.run_forever()
-                loop.run_until_complete(self.stop_serving())
-            finally:
-                loop.close()
-
-        self._thread = threading.Thread(target=run, name="treadle-fake-openai", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if errors:
-            raise errors[0]
-        return self
-
-    def stop(self) -> None:
-        """Stop the background server and join its thread."""
-        loop, thread = self._loop, self._thread
-        if loop is not None and thread is not None and thread.is_alive():
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-        self._thread = None
-
-    def __enter__(self) -> FakeOpenAIServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
