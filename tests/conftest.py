@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # CPython 3.11 keeps one AST-construction depth counter per interpreter, not per thread
 # (python/cpython#106905), so two threads building ASTs at once can raise a spurious
@@ -17,6 +17,9 @@ import hypothesis  # noqa: F401
 import pytest
 
 from sandbox_support import BACKENDS, open_sandbox, processes_with
+
+if TYPE_CHECKING:
+    import trustme
 
 # A shell without job control starts background commands with SIGINT ignored (POSIX), and an
 # ignored signal stays ignored across exec: Python then installs no KeyboardInterrupt handler, so
@@ -62,3 +65,30 @@ def user_mypy(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     shared = tmp_path_factory.getbasetemp().parent / "user-mypy"
     shared.mkdir(exist_ok=True)
     return lambda directory, *files: run_user_mypy(shared, directory, *files)
+
+
+# -- the network tests' set-up (test_http_connect*.py): a test CA, no proxy or CA from the env --
+
+
+@pytest.fixture
+def clean_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No proxy or CA settings of the developer's or CI's own in this test (`pytestmark =
+    pytest.mark.usefixtures("clean_network")` in a module that dials)."""
+    from connect_helpers import clean_network_env
+
+    clean_network_env(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    """A test certificate authority, one for each module that asks."""
+    import trustme
+
+    return trustme.CA()
+
+
+@pytest.fixture(scope="module")
+def ca_file(ca: trustme.CA) -> Iterator[str]:
+    """`ca`'s certificate as a PEM file (for `verify=` paths and SSL_CERT_FILE)."""
+    with ca.cert_pem.tempfile() as path:
+        yield path

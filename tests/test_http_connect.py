@@ -11,7 +11,6 @@ import asyncio
 import os
 import socket
 import ssl
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -21,7 +20,6 @@ from connect_helpers import (
     NO_ENV,
     Collect,
     body,
-    clean_network_env,
     exchange,
     serve,
     server_context,
@@ -39,21 +37,8 @@ from treadle._http.errors import (
 )
 from treadle.testing.fake_proxy import FakeProxy
 
-
-@pytest.fixture(autouse=True)
-def _no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    clean_network_env(monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
-def ca_file(ca: trustme.CA) -> Iterator[str]:
-    with ca.cert_pem.tempfile() as path:
-        yield path
+# The test CA (`ca`, `ca_file`) and the clean environment come from conftest.py.
+pytestmark = pytest.mark.usefixtures("clean_network")
 
 
 # -- hosts: IDNA 2008 and literals, as httpx encodes them -----------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -19,7 +18,6 @@ import trustme
 from connect_helpers import (
     NO_ENV,
     body,
-    clean_network_env,
     exchange,
     serve,
     server_context,
@@ -28,21 +26,8 @@ from connect_helpers import (
 from treadle._http.connect import NetworkOptions, route_for
 from treadle._http.errors import InvalidURL, ProxyError
 
-
-@pytest.fixture(autouse=True)
-def _no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    clean_network_env(monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
-def ca_file(ca: trustme.CA) -> Iterator[str]:
-    with ca.cert_pem.tempfile() as path:
-        yield path
+# The test CA (`ca`, `ca_file`) and the clean environment come from conftest.py.
+pytestmark = pytest.mark.usefixtures("clean_network")
 
 
 # -- credentials never reach a message or a repr --------------------------------------------

@@ -10,7 +10,6 @@ import socket
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ from connect_helpers import (
     Origin,
     answer,
     body,
-    clean_network_env,
     exchange,
     serve,
     server_context,
@@ -41,21 +39,8 @@ from treadle._http.errors import (
 )
 from treadle.testing.fake_proxy import TLSFront
 
-
-@pytest.fixture(autouse=True)
-def _no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    clean_network_env(monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
-def ca_file(ca: trustme.CA) -> Iterator[str]:
-    with ca.cert_pem.tempfile() as path:
-        yield path
+# The test CA (`ca`, `ca_file`) and the clean environment come from conftest.py.
+pytestmark = pytest.mark.usefixtures("clean_network")
 
 
 # -- TLS: trust, client certificates, the connect budget -------------------------------------
