@@ -11,23 +11,22 @@ __all__ = ["count", "json_object", "milliseconds", "positive_int"]
 
 def positive_int(text: str) -> int:
     """A whole number of 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
-    return value
+    return _whole_number(text, 1, "at least 1")
 
 
 def count(text: str) -> int:
     """A whole number of 0 or more."""
+    return _whole_number(text, 0, "0 or more")
+
+
+def _whole_number(text: str, least: int, expected: str) -> int:
+    """A whole number of `least` or more; below it, `expected ...` says what `expected` says."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
 
 
