@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from agents import (  # type: ignore[import-not-found]
@@ -14,6 +13,7 @@ from agents import (  # type: ignore[import-not-found]
 )
 from openai import AsyncOpenAI
 
+from benchmarks.peers.passes import fanout_passes, serial_passes
 from benchmarks.worker import Meter
 from benchmarks.workload import API_KEY, MAX_ROUNDS, MODEL, SYSTEM_PROMPT, USER_PROMPT
 
@@ -39,31 +39,9 @@ async def _one(agent: Agent) -> bool:
 
 def serial(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     """`n` passes one at a time."""
-
-    async def main() -> int:
-        agent = _agent(job)
-        await _one(agent)
-        meter.start()
-        errors = 0
-        for _ in range(job["n"]):
-            errors += not await _one(agent)
-        meter.stop()
-        return errors
-
-    return {"errors": asyncio.run(main())}
+    return serial_passes(job, meter, _agent, _one)
 
 
 def fanout(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     """`n` concurrent passes."""
-
-    async def main() -> int:
-        agent = _agent(job)
-        await _one(agent)
-        meter.start()
-        results = await asyncio.gather(
-            *(_one(agent) for _ in range(job["n"])), return_exceptions=True
-        )
-        meter.stop()
-        return sum(r is not True for r in results)
-
-    return {"errors": asyncio.run(main())}
+    return fanout_passes(job, meter, _agent, _one)

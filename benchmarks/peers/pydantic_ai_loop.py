@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from pydantic_ai import Agent  # type: ignore[import-not-found]
 from pydantic_ai.providers.openai import OpenAIProvider  # type: ignore[import-not-found]
 
+from benchmarks.peers.passes import fanout_passes, serial_passes
 from benchmarks.worker import Meter
 from benchmarks.workload import API_KEY, MODEL, SYSTEM_PROMPT, USER_PROMPT
 
@@ -36,31 +36,9 @@ async def _one(agent: Any) -> bool:
 
 def serial(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     """`n` passes one at a time."""
-
-    async def main() -> int:
-        agent = _agent(job)
-        await _one(agent)
-        meter.start()
-        errors = 0
-        for _ in range(job["n"]):
-            errors += not await _one(agent)
-        meter.stop()
-        return errors
-
-    return {"errors": asyncio.run(main())}
+    return serial_passes(job, meter, _agent, _one)
 
 
 def fanout(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     """`n` concurrent passes."""
-
-    async def main() -> int:
-        agent = _agent(job)
-        await _one(agent)
-        meter.start()
-        results = await asyncio.gather(
-            *(_one(agent) for _ in range(job["n"])), return_exceptions=True
-        )
-        meter.stop()
-        return sum(r is not True for r in results)
-
-    return {"errors": asyncio.run(main())}
+    return fanout_passes(job, meter, _agent, _one)
