@@ -17,21 +17,13 @@ from typing import Any
 
 from pydantic_core import to_json
 
+from treadle.persist.producer import OUTPUT_OPTIONS, plain_json
+
 __all__ = ["callable_fingerprint", "config_hash", "fingerprint_agent"]
 
-# Provider fields that change what the model answers (the rest are transport and limits).
-_SAMPLING_FIELDS = (
-    "model",
-    "temperature",
-    "top_p",
-    "max_tokens",
-    "seed",
-    "stop",
-    "response_format",
-    "tool_choice",
-    "parallel_tool_calls",
-    "extra_body",
-)
+# Provider fields that change what the model answers (the rest are transport and limits): the
+# model and the options a transcript's producer records.
+_SAMPLING_FIELDS = ("model", *OUTPUT_OPTIONS)
 
 
 def callable_fingerprint(fn: Any) -> dict[str, Any]:
@@ -65,7 +57,7 @@ def fingerprint_agent(agent: Any) -> dict[str, Any]:
     provider = getattr(agent, "provider", None)
     if provider is None or not hasattr(agent, "instructions"):
         return callable_fingerprint(agent)
-    sampling = {f: _plain(getattr(provider, f, None)) for f in _SAMPLING_FIELDS}
+    sampling = {f: plain_json(getattr(provider, f, None)) for f in _SAMPLING_FIELDS}
     limits = getattr(agent, "limits", None)
     output_type = getattr(agent, "output_type", None)
     return {
@@ -75,19 +67,8 @@ def fingerprint_agent(agent: Any) -> dict[str, Any]:
         "tools": sorted(_tool_name(t) for t in getattr(agent, "tools", ())),
         "output_type": None if output_type is None else _schema(output_type),
         "max_tool_rounds": getattr(agent, "max_tool_rounds", None),
-        "limits": None if limits is None else _plain(dataclasses.asdict(limits)),
+        "limits": None if limits is None else plain_json(dataclasses.asdict(limits)),
     }
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-able rendering of `value` (unknown objects by their repr)."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return repr(value)
 
 
 def config_hash(config: Mapping[str, Any]) -> str:

@@ -24,7 +24,7 @@ from treadle.errors import ConfigurationError
 if TYPE_CHECKING:  # a provider is read, never built, here
     from treadle.llm.provider import Provider
 
-__all__ = ["OUTPUT_OPTIONS", "endpoint_origin", "producer_record"]
+__all__ = ["OUTPUT_OPTIONS", "endpoint_origin", "plain_json", "producer_record"]
 
 #: `Provider` fields that change what the model answers (the rest are transport and limits).
 OUTPUT_OPTIONS = (
@@ -57,14 +57,15 @@ def endpoint_origin(base_url: str | None) -> str | None:
     return f"{parts.scheme}://{shown}" + (f":{port}" if port is not None else "")
 
 
-def _plain(value: Any) -> Any:
-    """A JSON-able copy of an option value (unknown objects by their repr)."""
+def plain_json(value: Any) -> Any:
+    """A JSON-able copy of an option value (unknown objects by their repr); the evals' agent
+    fingerprint renders its values with it too."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [plain_json(v) for v in value]
     return repr(value)
 
 
@@ -78,7 +79,7 @@ def _masked(value: Any) -> Any:
         }
     if isinstance(value, list | tuple):
         return [_masked(v) for v in value]
-    return _plain(value)
+    return plain_json(value)
 
 
 def producer_record(provider: Provider | None, *, version: str | None = None) -> dict[str, Any]:
@@ -104,6 +105,6 @@ def producer_record(provider: Provider | None, *, version: str | None = None) ->
         value = getattr(provider, name)
         if value is None:
             continue
-        options[name] = _masked(value) if name == "extra_body" else _plain(value)
+        options[name] = _masked(value) if name == "extra_body" else plain_json(value)
     record["options"] = options
     return record
