@@ -30,6 +30,28 @@ def _tree(root: Path, files: int, dirs: int = 3) -> None:
             (sub / f"f{i}").write_bytes(b"x")
 
 
+def _run_script(script: str) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh interpreter that imports this tree's Treadle; it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(_SRC)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _assert_gone_soon(root: Path) -> None:
+    """`root` is gone once the detached process finished (waits for it; no time asserted)."""
+    for _ in range(600):
+        if not os.path.lexists(root):
+            break
+        time.sleep(0.5)
+    assert not os.path.lexists(root)
+
+
 def test_many_files_go_in_batches_and_no_link_is_followed() -> None:
     outside = Path(tempfile.mkdtemp(prefix="treadle-outside-"))
     (outside / "keep.txt").write_text("host file")
@@ -85,21 +107,10 @@ print(root)
 
 
 def test_a_removal_stopped_at_exit_is_finished_by_a_detached_process() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _HANDED_OFF],
-        env={**os.environ, "PYTHONPATH": str(_SRC)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_script(_HANDED_OFF)
     root = Path(proc.stdout.strip())
     assert f"is finishing the deletion of the workspace {root}" in proc.stderr
-    for _ in range(600):  # waits for the detached process (no time limit asserted)
-        if not os.path.lexists(root):
-            break
-        time.sleep(0.5)
-    assert not os.path.lexists(root)
+    _assert_gone_soon(root)
 
 
 _EXITING = """
@@ -125,22 +136,11 @@ print(box.workspace)
 
 
 def test_exit_never_leaves_a_workspace_half_deleted_silently() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _EXITING],
-        env={**os.environ, "PYTHONPATH": str(_SRC)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_script(_EXITING)
     root = Path(proc.stdout.strip())
     if os.path.lexists(root):  # still there at exit: a detached process said it is finishing
         assert f"is finishing the deletion of the workspace {root}" in proc.stderr
-    for _ in range(600):
-        if not os.path.lexists(root):
-            break
-        time.sleep(0.5)
-    assert not os.path.lexists(root)
+    _assert_gone_soon(root)
 
 
 _AT_EXIT = """
@@ -161,12 +161,5 @@ atexit.register(remove)
 
 
 def test_removal_at_interpreter_exit_falls_back_to_one_unlink_at_a_time() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _AT_EXIT],
-        env={**os.environ, "PYTHONPATH": str(_SRC)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_script(_AT_EXIT)
     assert proc.stdout.strip().endswith(" False"), proc.stdout + proc.stderr
