@@ -53,6 +53,19 @@ def _ident(info: os.stat_result) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
+def _climb(current: int, ident: tuple[int, int], root: Path, doing: str) -> int:
+    """An fd of `current`'s parent, which must be the directory the walk came down from
+    (`ident`): one moved meanwhile stops the walk (`doing`: what Treadle did to `root`)."""
+    up = os.open("..", _DIR_FLAGS, dir_fd=current)
+    if _ident(os.fstat(up)) != ident:
+        os.close(up)
+        raise SandboxError(
+            f"a directory in {root} moved while Treadle {doing} it; stop the box's "
+            "commands and try again."
+        )
+    return up
+
+
 def _make_accessible(parent_fd: int, name: str) -> None:
     """Give the directory `name` u+rwx without following a link (Linux has no lchmod).
 
@@ -95,13 +108,7 @@ def _walk(root: Path, *, fix_modes: bool, errors: list[str]) -> Iterator[_Event]
                 levels.pop()
                 if not levels:
                     return
-                up = os.open("..", _DIR_FLAGS, dir_fd=current)
-                if _ident(os.fstat(up)) != levels[-1].ident:
-                    os.close(up)
-                    raise SandboxError(
-                        f"a directory in {root} moved while Treadle walked it; stop the box's "
-                        "commands and try again."
-                    )
+                up = _climb(current, levels[-1].ident, root, "walked")
                 os.close(current)
                 current = up
                 yield _Event("leave", current, level.name)
@@ -300,13 +307,7 @@ def _remove_below(root: Path, unlinker: _Unlinker, errors: list[str]) -> None:
             levels.pop()
             if not levels:
                 break
-            up = os.open("..", _DIR_FLAGS, dir_fd=current)
-            if _ident(os.fstat(up)) != levels[-1].ident:
-                os.close(up)
-                raise SandboxError(
-                    f"a directory in {root} moved while Treadle removed it; stop the box's "
-                    "commands and try again."
-                )
+            up = _climb(current, levels[-1].ident, root, "removed")
             os.close(current)
             current = up
             try:
