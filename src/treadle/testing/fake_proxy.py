@@ -103,15 +103,10 @@ class FakeProxy(BackgroundServing):
         self._writers.add(writer)
         upstream: asyncio.StreamWriter | None = None
         try:
-            head = await self._read_head(reader, writer)
+            head = await self._admit(reader, writer)
             if head is None:
                 return
             method, target, headers = head
-            auth = headers.get("proxy-authorization")
-            self.requests.append(ProxiedRequest(method, target, auth))
-            if not self._authorized(auth):
-                await self._answer(writer, b"407 Proxy Authentication Required")
-                return
             if method == "CONNECT":
                 host, _, port = target.rpartition(":")
                 opened = await self._open(host.strip("[]"), port, writer)
@@ -175,15 +170,10 @@ class FakeProxy(BackgroundServing):
                 if length:
                     upstream.write(await reader.readexactly(length))
                 await upstream.drain()
-                head = await self._read_head(reader, writer)
+                head = await self._admit(reader, writer)
                 if head is None:
                     return
                 method, target, headers = head
-                auth = headers.get("proxy-authorization")
-                self.requests.append(ProxiedRequest(method, target, auth))
-                if not self._authorized(auth):
-                    await self._answer(writer, b"407 Proxy Authentication Required")
-                    return
         finally:
             if replies is not None:
                 replies.cancel()
@@ -191,6 +181,21 @@ class FakeProxy(BackgroundServing):
                     await replies
             if upstream is not None:
                 upstream.close()
+
+    async def _admit(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[str, str, dict[str, str]] | None:
+        """The next request head, recorded; None when there is none or it was refused (407)."""
+        head = await self._read_head(reader, writer)
+        if head is None:
+            return None
+        method, target, headers = head
+        auth = headers.get("proxy-authorization")
+        self.requests.append(ProxiedRequest(method, target, auth))
+        if not self._authorized(auth):
+            await self._answer(writer, b"407 Proxy Authentication Required")
+            return None
+        return head
 
     async def _read_head(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
