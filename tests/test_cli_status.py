@@ -21,22 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from test_cli import _env
 from treadle.testing import FakeOpenAIServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_MS = 1500.0  # every reply of the fake model waits this long
 HANG_GUARD = 60.0  # seconds; only a hung CLI hits this
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not (k.startswith("OPENAI_") or k.startswith("TREADLE_") or k == "NO_COLOR")
-    }
-    env["PYTHONPATH"] = str(ROOT / "src")
-    env.update(extra)
-    return env
 
 
 @pytest.fixture
