@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import trustme
 
-from treadle._http.connect import NetworkOptions, open_connection, route_for
+from treadle._http.connect import NetworkOptions, Route, open_connection, route_for
 
 
 @contextmanager
@@ -78,6 +78,14 @@ async def _timed(make: Callable[[], Awaitable[Any]], close: Callable[[Any], None
     return elapsed
 
 
+async def _timed_treadle(route: Route, options: NetworkOptions) -> float:
+    """Seconds for one Treadle connection along `route` (closed at once)."""
+    return await _timed(
+        lambda: open_connection(route, asyncio.Protocol, options=options, connect_timeout=30),
+        lambda pair: pair[0].close(),
+    )
+
+
 async def happy_eyeballs(repeat: int) -> dict[str, float]:
     """Median seconds to connect through a name whose first address is black-holed."""
     server, port = await _server(None)
@@ -98,14 +106,7 @@ async def happy_eyeballs(repeat: int) -> dict[str, float]:
         with _black_hole(port):
             async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
                 for _ in range(repeat):
-                    times["treadle"].append(
-                        await _timed(
-                            lambda: open_connection(
-                                route, asyncio.Protocol, options=options, connect_timeout=30
-                            ),
-                            lambda pair: pair[0].close(),
-                        )
-                    )
+                    times["treadle"].append(await _timed_treadle(route, options))
                     times["asyncio"].append(
                         await _timed(
                             lambda: loop.create_connection(
@@ -146,14 +147,7 @@ async def connect_cost(repeat: int, tls: bool) -> dict[str, float]:
     times: dict[str, list[float]] = {"treadle": [], "asyncio": []}
     try:
         for _ in range(repeat):
-            times["treadle"].append(
-                await _timed(
-                    lambda: open_connection(
-                        route, asyncio.Protocol, options=options, connect_timeout=30
-                    ),
-                    lambda pair: pair[0].close(),
-                )
-            )
+            times["treadle"].append(await _timed_treadle(route, options))
             times["asyncio"].append(
                 await _timed(
                     lambda: asyncio.open_connection("127.0.0.1", port, ssl=client_context),
