@@ -21,6 +21,8 @@ from sandbox_support import BACKENDS, open_sandbox, processes_with
 if TYPE_CHECKING:
     import trustme
 
+    from treadle.testing import FakeOpenAIServer
+
 # A shell without job control starts background commands with SIGINT ignored (POSIX), and an
 # ignored signal stays ignored across exec: Python then installs no KeyboardInterrupt handler, so
 # every CLI child of a suite started that way (`make test &` from a script, some CI runners)
@@ -92,3 +94,13 @@ def ca_file(ca: trustme.CA) -> Iterator[str]:
     """`ca`'s certificate as a PEM file (for `verify=` paths and SSL_CERT_FILE)."""
     with ca.cert_pem.tempfile() as path:
         yield path
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    """The fake model server answering with the `echo` script, one for each test (a module that
+    wants another script or scope defines its own `server`)."""
+    from treadle.testing import FakeOpenAIServer
+
+    with FakeOpenAIServer(script="echo") as srv:
+        yield srv

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,12 +37,6 @@ def transfer_money(amount: int) -> dict[str, Any]:
         amount: how much
     """
     return {"moved": amount, "account": "ACC-12345"}
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,12 +30,6 @@ def lookup(order: str) -> dict[str, Any]:
         order: the order id
     """
     return {"order": order, "status": "shipped"}
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer, **options: Any) -> Provider:

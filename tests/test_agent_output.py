@@ -4,7 +4,6 @@ turns, refusals and invalid output, through the fake server."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,12 +30,6 @@ def census(city: str) -> int:
         city: the city
     """
     return 2_100_000
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

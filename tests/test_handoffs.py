@@ -4,7 +4,6 @@ the same transcript under its own instructions, and the output says who answered
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,12 +28,6 @@ def lookup(order: str) -> dict[str, Any]:
         order: the order id
     """
     return {"order": order, "status": "charged twice"}
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

@@ -4,7 +4,6 @@ schema cannot be strict. Over HTTP against the fake server."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import pydantic
@@ -22,12 +21,6 @@ class City(pydantic.BaseModel):
 
 class Census(pydantic.BaseModel):
     counts: dict[str, int]
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -22,12 +21,6 @@ from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 
 AGENT = Session.from_agent_prompt("Use the tools.")
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

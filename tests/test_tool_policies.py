@@ -7,7 +7,6 @@ received.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +28,6 @@ from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 
 AGENT = Session.from_agent_prompt("Use the tools.")
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer, **kw: Any) -> Provider:

@@ -8,7 +8,6 @@ Every pass talks HTTP to the fake server; what the model saw is read back from i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -33,12 +32,6 @@ from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 
 AGENT = Session.from_agent_prompt("Use the tools.")
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _provider(server: FakeOpenAIServer, **kw: Any) -> Provider:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import pydantic
@@ -25,12 +24,6 @@ from treadle.errors import ConfigurationError
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 from treadle.tools import FunctionTool
-
-
-@pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(script="echo") as srv:
-        yield srv
 
 
 def _run(server: FakeOpenAIServer, tools: list[Any], *replies: Reply) -> Session:
