@@ -165,13 +165,18 @@ def test_unreachable_server(tmp_path: Path) -> None:
     assert "treadle: fix: check --base-url" in proc.stderr
 
 
-def test_rejected_key(tmp_path: Path) -> None:
+def run_with_rejected_key(key: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`treadle run` with `OPENAI_API_KEY=key` against a server that answers 401."""
     with FakeOpenAIServer() as srv:
         srv.add_fault(Reply.unauthorized())
-        proc = treadle(
-            "run", "hi", "--model", "m", "--base-url", srv.base_url, cwd=tmp_path,
-            env=_env(OPENAI_API_KEY="sk-wrong"),
+        return treadle(
+            "run", "hi", "--model", "m", "--base-url", srv.base_url, cwd=cwd,
+            env=_env(OPENAI_API_KEY=key),
         )  # fmt: skip
+
+
+def test_rejected_key(tmp_path: Path) -> None:
+    proc = run_with_rejected_key("sk-wrong", tmp_path)
     assert proc.returncode == 3
     assert "rejected the API key" in proc.stderr and "OPENAI_API_KEY" in proc.stderr
     assert "sk-wrong" not in proc.stderr + proc.stdout

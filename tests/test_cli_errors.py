@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import _env, treadle
+from test_cli import _env, run_with_rejected_key, treadle
 from treadle.testing import FakeOpenAIServer, Reply
 
 
@@ -67,12 +67,7 @@ def test_a_host_dns_does_not_know_fails_at_once_without_retries(tmp_path: Path) 
 
 
 def test_a_rejected_key_reads_as_one_sentence_and_names_the_flag(tmp_path: Path) -> None:
-    with FakeOpenAIServer() as srv:
-        srv.add_fault(Reply.unauthorized())
-        proc = treadle(
-            "run", "hi", "--model", "m", "--base-url", srv.base_url, cwd=tmp_path,
-            env=_env(OPENAI_API_KEY="sk-wrong-key-123456789"),
-        )  # fmt: skip
+    proc = run_with_rejected_key("sk-wrong-key-123456789", tmp_path)
     assert proc.returncode == 3
     cause = next(line for line in proc.stderr.splitlines() if "error:" in line)
     assert "rejected the API key: Incorrect API key provided. (HTTP 401)" in cause, cause
