@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from treadle.runtime.streams import produce
+
+
+def _counter(cancelled: asyncio.Event) -> Callable[[Callable[[int], None]], Awaitable[None]]:
+    """A producer sending 0, 1, 2, ... (1000 at the most) that sets `cancelled` when cancelled."""
+
+    async def producer(send: Callable[[int], None]) -> None:
+        try:
+            for i in range(1000):
+                send(i)
+                await asyncio.sleep(0.001)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    return producer
 
 
 async def test_items_then_result() -> None:
@@ -46,15 +61,7 @@ async def test_result_before_the_end_is_an_error() -> None:
 
 async def test_leaving_early_cancels_and_awaits_the_producer() -> None:
     cancelled = asyncio.Event()
-
-    async def producer(send: Callable[[int], None]) -> None:
-        try:
-            for i in range(1000):
-                send(i)
-                await asyncio.sleep(0.001)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
+    producer = _counter(cancelled)
 
     async with produce(producer) as items:
         async for i in items:
@@ -66,15 +73,7 @@ async def test_leaving_early_cancels_and_awaits_the_producer() -> None:
 async def test_an_abandoned_generator_is_closed_from_another_task() -> None:
     """`async for ...: break` without aclose: the loop finalises the generator in a new task."""
     cancelled = asyncio.Event()
-
-    async def producer(send: Callable[[int], None]) -> None:
-        try:
-            for i in range(1000):
-                send(i)
-                await asyncio.sleep(0.001)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
+    producer = _counter(cancelled)
 
     async def gen() -> AsyncIterator[int]:
         async with produce(producer) as items:
