@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import anyio
@@ -77,3 +79,25 @@ def is_zombie(pid: str) -> bool:
     """True when process `pid` has exited and waits to be reaped (no longer running)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ", 1)[1][0] == "Z"
+
+
+def run_as_nobody(
+    args: list[str], *, pythonpath: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`python *args` as uid and gid 65534 (nobody, through setpriv from root), importing from
+    `pythonpath`; skips the test when nobody cannot read this checkout's virtualenv."""
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, *args],
+        env={
+            "PATH": os.environ["PATH"],
+            "PYTHONPATH": pythonpath,
+            "TMPDIR": "/tmp",
+            "HOME": "/tmp",
+        },
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
+        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    return proc

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sandbox_support import needs_bwrap, open_sandbox
+from sandbox_support import needs_bwrap, open_sandbox, run_as_nobody
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox import Isolated, IsolatedBackend, ResourceLimits, SandboxHandle
 
@@ -102,17 +102,11 @@ asyncio.run(main())
 )
 def test_workspaces_are_removed_whatever_modes_a_command_left() -> None:
     src = Path(__file__).resolve().parent.parent / "src"
-    proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, "-c", _UNWRITABLE_AS_A_USER],
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": f"{src}{os.pathsep}{Path(__file__).parent}",
-             "TMPDIR": "/tmp", "HOME": "/tmp"},
-        capture_output=True,
-        text=True,
+    proc = run_as_nobody(
+        ["-c", _UNWRITABLE_AS_A_USER],
+        pythonpath=f"{src}{os.pathsep}{Path(__file__).parent}",
         timeout=300,
-    )  # fmt: skip
-    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
-        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"local": False, "isolated": False}
 

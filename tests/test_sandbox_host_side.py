@@ -15,8 +15,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import tarfile
 import zipfile
 from collections.abc import Iterator
@@ -26,7 +24,7 @@ from typing import Any
 import anyio
 import pytest
 
-from sandbox_support import BACKENDS, needs_bwrap, open_sandbox
+from sandbox_support import BACKENDS, needs_bwrap, open_sandbox, run_as_nobody
 from treadle.errors import PathViolation, SandboxError
 from treadle.sandbox import (
     Sandbox,
@@ -533,16 +531,9 @@ asyncio.run(main())
 def test_file_tools_race_as_an_ordinary_user_reaches_no_private_file() -> None:
     src = Path(__file__).resolve().parent.parent / "src"
     swapper = _SWAPPER.format(target="TARGET")
-    proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, "-c", _RACE_AS_A_USER, swapper, str(RACE_ROUNDS)],
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(src), "TMPDIR": "/tmp", "HOME": "/tmp"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
-        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    proc = run_as_nobody(
+        ["-c", _RACE_AS_A_USER, swapper, str(RACE_ROUNDS)], pythonpath=str(src), timeout=600
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     outcomes = report["outcomes"]

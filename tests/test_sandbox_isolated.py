@@ -11,8 +11,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
 import zipfile
@@ -23,7 +21,14 @@ import anyio
 import pytest
 
 import treadle
-from sandbox_support import connect_from, is_zombie, needs_bwrap, open_sandbox, processes_with
+from sandbox_support import (
+    connect_from,
+    is_zombie,
+    needs_bwrap,
+    open_sandbox,
+    processes_with,
+    run_as_nobody,
+)
 from treadle import Session
 from treadle.agents import Agent
 from treadle.errors import ConfigurationError, PathViolation, SandboxError, SandboxUnavailable
@@ -340,16 +345,7 @@ asyncio.run(main())
 )
 def test_an_ordinary_user_gets_the_same_box(tmp_path: Path) -> None:
     src = Path(__file__).resolve().parent.parent / "src"
-    proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, "-c", _AS_A_USER],
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(src), "TMPDIR": "/tmp", "HOME": "/tmp"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # fmt: skip
-    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
-        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    proc = run_as_nobody(["-c", _AS_A_USER], pythonpath=str(src), timeout=120)
     assert proc.returncode == 0, proc.stderr
     done, storm_out, storm_err, data = json.loads(proc.stdout)
     assert done == "1000\nfrom the host\n"

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from sandbox_support import needs_bwrap, open_sandbox
+from sandbox_support import needs_bwrap, open_sandbox, run_as_nobody
 from treadle.sandbox import Isolated, IsolatedBackend, ResourceLimits, memory_group
 from treadle.sandbox import isolated as isolated_module
 from treadle.sandbox.memory_group import CgroupLayout, MemoryGroup, make_memory_group
@@ -143,17 +141,7 @@ backend.close()
 )
 def test_an_ordinary_user_is_told_memory_bytes_is_per_process() -> None:
     src = Path(__file__).resolve().parent.parent / "src"
-    proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, "-c", _AS_A_USER],
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(src), "TMPDIR": "/tmp",
-             "HOME": "/tmp"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # fmt: skip
-    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
-        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    proc = run_as_nobody(["-c", _AS_A_USER], pythonpath=str(src), timeout=120)
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout)
     assert seen["group"] is False

@@ -9,14 +9,12 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from sandbox_support import BACKENDS, open_sandbox
+from sandbox_support import BACKENDS, open_sandbox, run_as_nobody
 from treadle.sandbox import Sandbox, seed_workspace
 from treadle.sandbox.seed_staging import _make_stage
 
@@ -98,16 +96,7 @@ print(json.dumps(report))
     reason="needs an ordinary user (uid nobody, made with setpriv from root)",
 )
 def test_modes_a_command_left_refuse_the_whole_seed_as_an_ordinary_user() -> None:
-    proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, "-c", _AS_A_USER],
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(_SRC), "TMPDIR": "/tmp", "HOME": "/tmp"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    if proc.returncode != 0 and "Permission denied" in proc.stderr and ".venv" in proc.stderr:
-        pytest.skip("uid nobody cannot read this checkout's virtualenv")
+    proc = run_as_nobody(["-c", _AS_A_USER], pythonpath=str(_SRC), timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     for case, (outcome, left) in report.items():
