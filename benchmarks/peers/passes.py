@@ -23,18 +23,7 @@ def serial_passes(
     one_pass: Callable[[A], Awaitable[bool]],
 ) -> dict[str, Any]:
     """`job["n"]` passes one at a time; `{"errors": ...}`."""
-
-    async def main() -> int:
-        agent = make_agent(job)
-        await one_pass(agent)
-        meter.start()
-        errors = 0
-        for _ in range(job["n"]):
-            errors += not await one_pass(agent)
-        meter.stop()
-        return errors
-
-    return {"errors": asyncio.run(main())}
+    return {"errors": asyncio.run(_timed_passes(job, meter, make_agent, one_pass, False))}
 
 
 def fanout_passes(
@@ -44,15 +33,28 @@ def fanout_passes(
     one_pass: Callable[[A], Awaitable[bool]],
 ) -> dict[str, Any]:
     """`job["n"]` concurrent passes; `{"errors": ...}` (a raised pass counts as an error)."""
+    return {"errors": asyncio.run(_timed_passes(job, meter, make_agent, one_pass, True))}
 
-    async def main() -> int:
-        agent = make_agent(job)
-        await one_pass(agent)
-        meter.start()
+
+async def _timed_passes(
+    job: dict[str, Any],
+    meter: Meter,
+    make_agent: Callable[[dict[str, Any]], A],
+    one_pass: Callable[[A], Awaitable[bool]],
+    concurrent: bool,
+) -> int:
+    """The errors of `job["n"]` timed passes, after one untimed warm-up pass."""
+    agent = make_agent(job)
+    await one_pass(agent)
+    meter.start()
+    if concurrent:
         results = await asyncio.gather(
             *(one_pass(agent) for _ in range(job["n"])), return_exceptions=True
         )
-        meter.stop()
-        return sum(r is not True for r in results)
-
-    return {"errors": asyncio.run(main())}
+        errors = sum(r is not True for r in results)
+    else:
+        errors = 0
+        for _ in range(job["n"]):
+            errors += not await one_pass(agent)
+    meter.stop()
+    return errors
