@@ -18,6 +18,7 @@ import contextlib
 import ipaddress
 import ssl as ssl_module
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -96,36 +97,45 @@ class FakeProxy(BackgroundServing):
             await self._server.wait_closed()
             self._server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    @contextlib.contextmanager
+    def _owned(self, writer: asyncio.StreamWriter) -> Iterator[list[asyncio.StreamWriter]]:
+        """Track the serving task and its client until the block ends, then close the client and
+        every stream the block appended (its upstream) and forget them (`stop_serving` aborts
+        what is still open)."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         self._writers.add(writer)
-        upstream: asyncio.StreamWriter | None = None
+        sides = [writer]
         try:
-            head = await self._admit(reader, writer)
-            if head is None:
-                return
-            method, target, headers = head
-            if method == "CONNECT":
-                host, _, port = target.rpartition(":")
-                opened = await self._open(host.strip("[]"), port, writer)
-                if opened is None:
-                    return
-                up_reader, upstream = opened
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                await writer.drain()
-                await self._pipe_both(reader, writer, up_reader, upstream)
-                return
-            await self._forward(reader, writer, method, target, headers)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass
+            yield sides
         finally:
-            for side in (writer, upstream):
-                if side is not None:
-                    side.close()
+            for side in sides:
+                side.close()
             self._tasks.discard(task)
             self._writers.discard(writer)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with self._owned(writer) as sides:
+            try:
+                head = await self._admit(reader, writer)
+                if head is None:
+                    return
+                method, target, headers = head
+                if method == "CONNECT":
+                    host, _, port = target.rpartition(":")
+                    opened = await self._open(host.strip("[]"), port, writer)
+                    if opened is None:
+                        return
+                    up_reader, upstream = opened
+                    sides.append(upstream)
+                    writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    await writer.drain()
+                    await self._pipe_both(reader, writer, up_reader, upstream)
+                    return
+                await self._forward(reader, writer, method, target, headers)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                pass
 
     async def _forward(
         self,
@@ -290,22 +300,13 @@ class TLSFront(FakeProxy):
         return f"https://{self.host}:{self.port}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        self._writers.add(writer)
-        upstream: asyncio.StreamWriter | None = None
-        try:
-            up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
-            await self._pipe_both(reader, writer, up_reader, upstream)
-        except (OSError, ExceptionGroup):
-            pass
-        finally:
-            for side in (writer, upstream):
-                if side is not None:
-                    side.close()
-            self._tasks.discard(task)
-            self._writers.discard(writer)
+        with self._owned(writer) as sides:
+            try:
+                up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
+                sides.append(upstream)
+                await self._pipe_both(reader, writer, up_reader, upstream)
+            except (OSError, ExceptionGroup):
+                pass
 
 
 def _is_loopback(host: str) -> bool:
