@@ -44,6 +44,20 @@ def treadle(
     )
 
 
+def file_worker_run(server: FakeOpenAIServer, sandbox: str) -> list[str]:
+    """The words of `treadle run` of the file-worker prompt on `server`, in `sandbox`."""
+    return [
+        "run",
+        "Create a file, then read it back.",
+        "--model",
+        "fake-model",
+        "--base-url",
+        server.base_url,
+        "--sandbox",
+        sandbox,
+    ]
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer(script="file_worker") as srv:
@@ -55,14 +69,7 @@ def persisted(server: FakeOpenAIServer, tmp_path_factory: pytest.TempPathFactory
     """A working directory holding one transcript written by a real `treadle run --persist`."""
     cwd = tmp_path_factory.mktemp("persisted")
     proc = treadle(
-        "run",
-        "Create a file, then read it back.",
-        "--model",
-        "fake-model",
-        "--base-url",
-        server.base_url,
-        "--sandbox",
-        "local",
+        *file_worker_run(server, "local"),
         "--persist",
         cwd=cwd,
     )
@@ -117,14 +124,7 @@ def test_run_json_with_max_steps(server: FakeOpenAIServer, tmp_path: Path) -> No
 @needs_bwrap
 def test_run_in_an_isolated_sandbox(server: FakeOpenAIServer, tmp_path: Path) -> None:
     proc = treadle(
-        "run",
-        "Create a file, then read it back.",
-        "--model",
-        "fake-model",
-        "--base-url",
-        server.base_url,
-        "--sandbox",
-        "isolated",
+        *file_worker_run(server, "isolated"),
         "--no-stream",
         "--json",
         cwd=tmp_path,

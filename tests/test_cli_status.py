@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import _env
+from test_cli import _env, file_worker_run
 from treadle.testing import FakeOpenAIServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,26 +39,13 @@ def _replies_sent(server: FakeOpenAIServer) -> int:
     return server.request_count - server.in_flight
 
 
-def _run_args(server: FakeOpenAIServer) -> list[str]:
-    return [
-        "run",
-        "Create a file, then read it back.",
-        "--model",
-        "fake-model",
-        "--base-url",
-        server.base_url,
-        "--sandbox",
-        "local",
-    ]
-
-
 def test_without_a_tty_each_phase_is_a_line_on_stderr_before_the_model_answers(
     slow_server: FakeOpenAIServer, tmp_path: Path
 ) -> None:
     seen_before_reply: list[str] = []
     lines: list[str] = []
     with subprocess.Popen(
-        [sys.executable, "-m", "treadle.cli", *_run_args(slow_server)],
+        [sys.executable, "-m", "treadle.cli", *file_worker_run(slow_server, "local")],
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -116,7 +103,9 @@ def test_in_a_terminal_the_status_line_counts_up_then_gives_way_to_output(
 ) -> None:
     tmux = [_tmux(), "-L", f"treadle-test-{uuid.uuid4().hex[:8]}"]
     env = _env(TERM="xterm-256color")
-    command = shlex.join([sys.executable, "-m", "treadle.cli", *_run_args(slow_server)])
+    command = shlex.join(
+        [sys.executable, "-m", "treadle.cli", *file_worker_run(slow_server, "local")]
+    )
     done = tmp_path / "done"
     script = f"{command}; echo exit=$? > {shlex.quote(str(done))}; sleep 600"
     started = time.monotonic()
