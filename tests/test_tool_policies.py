@@ -92,11 +92,10 @@ def test_on_error_raise_fails_the_pass_with_the_tools_exception(server: FakeOpen
     assert len(server.requests) == 1  # the model was not asked again
 
 
-def test_a_broken_on_error_function_still_reports_the_call(server: FakeOpenAIServer) -> None:
-    def broken(error: BaseException) -> str:
-        raise RuntimeError("policy bug")
+def _failure_seen(server: FakeOpenAIServer, on_error: Any) -> str:
+    """The message the model sees of a tool raising `ValueError("original")` under `on_error`."""
 
-    @tool(on_error=broken)
+    @tool(on_error=on_error)
     def fails() -> None:
         """Fails."""
         raise ValueError("original")
@@ -106,7 +105,16 @@ def test_a_broken_on_error_function_still_reports_the_call(server: FakeOpenAISer
         Session.from_user_message("go"), AGENT, agent_provider=_provider(server), tools=[fails]
     )
     [result] = _results(out)
-    assert "ValueError: original" in result["message"] and "policy bug" in result["message"]
+    message: str = result["message"]
+    return message
+
+
+def test_a_broken_on_error_function_still_reports_the_call(server: FakeOpenAIServer) -> None:
+    def broken(error: BaseException) -> str:
+        raise RuntimeError("policy bug")
+
+    message = _failure_seen(server, broken)
+    assert "ValueError: original" in message and "policy bug" in message
 
 
 def test_on_timeout_report_or_raise(server: FakeOpenAIServer) -> None:
@@ -283,15 +291,6 @@ def test_an_async_on_error_function_is_refused_at_configuration() -> None:
 def test_an_on_error_function_returning_no_str_keeps_the_default_message(
     server: FakeOpenAIServer, returned: Any
 ) -> None:
-    @tool(on_error=lambda error: returned)
-    def fails() -> None:
-        """Fails."""
-        raise ValueError("original")
-
-    server.enqueue(Reply.tool_call("fails", {}), Reply.text("ok"))
-    out = run_session_loop(
-        Session.from_user_message("go"), AGENT, agent_provider=_provider(server), tools=[fails]
-    )
-    [result] = _results(out)
-    assert "ValueError: original" in result["message"]
-    assert f"returned {type(returned).__name__}, not the str message" in result["message"]
+    message = _failure_seen(server, lambda error: returned)
+    assert "ValueError: original" in message
+    assert f"returned {type(returned).__name__}, not the str message" in message
