@@ -46,16 +46,29 @@ def _provider(server: FakeOpenAIServer) -> Provider:
     )
 
 
-def test_a_persisted_transcript_records_what_produced_it(
-    server: FakeOpenAIServer, tmp_path: Path
-) -> None:
-    path = tmp_path / "t.jsonl"
-    out = run_session_loop(
+def _persisted_pass(server: FakeOpenAIServer, path: Path) -> Session:
+    """A pass of `_provider(server)` persisted to `path` (lazy: `run_session_loop`'s return)."""
+    return run_session_loop(
         Session.from_user_message("hi"),
         Session.from_agent_prompt("Be brief."),
         agent_provider=_provider(server),
         persist_path=path,
     )
+
+
+def _show(path: Path) -> subprocess.CompletedProcess[str]:
+    """`treadle show path` in a child process."""
+    return subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "show", str(path)],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )  # fmt: skip
+
+
+def test_a_persisted_transcript_records_what_produced_it(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    path = tmp_path / "t.jsonl"
+    out = _persisted_pass(server, path)
     assert out.stop_reason == "final_answer"
     header = json.loads(path.read_text().splitlines()[0])
     port = server.base_url.split(":")[2].split("/")[0]
@@ -74,38 +87,22 @@ def test_a_file_written_before_producers_still_loads_and_shows(
     server: FakeOpenAIServer, tmp_path: Path
 ) -> None:
     path = tmp_path / "old.jsonl"
-    run_session_loop(
-        Session.from_user_message("hi"),
-        Session.from_agent_prompt("Be brief."),
-        agent_provider=_provider(server),
-        persist_path=path,
-    ).synchronize()
+    _persisted_pass(server, path).synchronize()
     lines = path.read_text().splitlines()
     header = json.loads(lines[0])
     del header["producer"]
     path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     loaded = load_session(path)
     assert loaded.producer == {} and loaded.closed
-    proc = subprocess.run(
-        [sys.executable, "-m", "treadle.cli", "show", str(path)],
-        capture_output=True, text=True, env=_env(), timeout=120,
-    )  # fmt: skip
+    proc = _show(path)
     assert proc.returncode == 0, proc.stderr
     assert "closed cleanly" in proc.stdout and "model " not in proc.stdout
 
 
 def test_show_prints_the_producer_in_its_header(server: FakeOpenAIServer, tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    run_session_loop(
-        Session.from_user_message("hi"),
-        Session.from_agent_prompt("Be brief."),
-        agent_provider=_provider(server),
-        persist_path=path,
-    ).synchronize()
-    proc = subprocess.run(
-        [sys.executable, "-m", "treadle.cli", "show", str(path)],
-        capture_output=True, text=True, env=_env(), timeout=120,
-    )  # fmt: skip
+    _persisted_pass(server, path).synchronize()
+    proc = _show(path)
     assert proc.returncode == 0, proc.stderr
     head = proc.stdout.splitlines()[:2]
     port = server.base_url.split(":")[2].split("/")[0]
