@@ -15,6 +15,7 @@ import anyio
 import pytest
 from pydantic import Field
 
+from test_tool_policies import AGENT, _provider
 from treadle import (
     Agent,
     ConfigurationError,
@@ -30,12 +31,6 @@ from treadle import (
 )
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
-
-AGENT = Session.from_agent_prompt("Use the tools.")
-
-
-def _provider(server: FakeOpenAIServer, **kw: Any) -> Provider:
-    return Provider(model="m", base_url=server.base_url, api_key="k", **kw)
 
 
 @dataclass
