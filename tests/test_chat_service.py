@@ -42,11 +42,13 @@ def _load_app() -> ModuleType:
 
 chat_app = _load_app()
 tool_cancelled = threading.Event()
+tool_running = threading.Event()
 
 
 @tool
 async def wait_for_operator() -> str:
     """Wait until someone answers (the tests cancel it by disconnecting)."""
+    tool_running.set()
     try:
         await anyio.sleep_forever()
     finally:
@@ -163,11 +165,15 @@ def test_a_client_disconnect_cancels_the_pass_and_commits_nothing(
 ) -> None:
     served, store = service
     tool_cancelled.clear()
+    tool_running.clear()
     with httpx.stream(
         "POST", f"{served.url}/chat/bob", json={"message": "wait"}, timeout=TIMEOUT
     ) as reply:
         for line in reply.iter_lines():
             if line.startswith("event: tool"):
+                # `ToolStarted` comes before the pass records its intent in the store and runs
+                # the tool: wait for the tool itself, or the hang-up may cancel the pass first.
+                assert tool_running.wait(TIMEOUT)
                 break  # the tool runs: hang up now
     assert tool_cancelled.wait(TIMEOUT)  # the disconnect reached the pass and cancelled its tool
     deadline = time.monotonic() + TIMEOUT

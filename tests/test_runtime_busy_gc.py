@@ -13,7 +13,13 @@ from collections.abc import Iterator
 import pytest
 
 from treadle.runtime.background import Runtime
-from treadle.runtime.busy_gc import BUSY_PASSES, DEFAULT_BUSY_THRESHOLD, BusyCollector
+from treadle.runtime.busy_gc import (
+    BUSY_PASSES,
+    BUSY_RUNNING,
+    DEFAULT_BUSY_THRESHOLD,
+    RUNNING_PASS,
+    BusyCollector,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -89,3 +95,51 @@ def _first_threshold_on(rt: Runtime) -> int:
     done: concurrent.futures.Future[int] = concurrent.futures.Future()
     rt.call_soon(lambda: done.set_result(gc.get_threshold()[0]))
     return done.result(timeout=60)
+
+
+def test_running_passes_raise_it_from_busy_running_on_any_thread() -> None:
+    assert RUNNING_PASS.count == 0
+    errors: list[BaseException] = []
+
+    def hold(n: int) -> None:
+        try:
+            for _ in range(n):
+                RUNNING_PASS.__enter__()
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=hold, args=(BUSY_RUNNING // 4,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and RUNNING_PASS.count == BUSY_RUNNING
+    assert gc.get_threshold() == (DEFAULT_BUSY_THRESHOLD, 10, 10)
+    for _ in range(BUSY_RUNNING - BUSY_RUNNING // 4 + 1):  # hysteresis: a quarter stays busy
+        RUNNING_PASS.__exit__(None, None, None)
+    assert gc.get_threshold() == (700, 10, 10)
+    for _ in range(RUNNING_PASS.count):
+        RUNNING_PASS.__exit__(None, None, None)
+    assert RUNNING_PASS.count == 0
+
+
+async def test_streams_on_the_callers_loop_raise_it_and_put_it_back() -> None:
+    # Passes on the caller's loop never reach the runtime (scenario 12's concurrent streams).
+    from treadle import Provider, Session, stream_session_loop
+    from treadle.loop.events import TextDelta
+    from treadle.testing import FakeOpenAIServer
+
+    seen: list[int] = []
+    with FakeOpenAIServer(script="echo", latency_ms=200) as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", stream=True)
+        agent = Session.from_agent_prompt("be brief")
+        user = Session.from_user_message("hi")
+
+        async def one() -> None:
+            async for event in stream_session_loop(user, agent, agent_provider=provider):
+                if isinstance(event, TextDelta) and not seen:
+                    seen.append(gc.get_threshold()[0])  # all passes are waiting on the reply
+
+        await asyncio.gather(*(one() for _ in range(BUSY_RUNNING)))
+    assert seen == [DEFAULT_BUSY_THRESHOLD]
+    assert RUNNING_PASS.count == 0 and gc.get_threshold() == (700, 10, 10)

@@ -89,3 +89,19 @@ async def test_an_abandoned_generator_is_closed_from_another_task() -> None:
     await asyncio.wait_for(cancelled.wait(), 30)
     await asyncio.sleep(0.01)
     assert errors == []
+
+
+async def test_a_send_after_the_consumer_left_raises() -> None:
+    import anyio
+
+    sends: list[Callable[[int], None]] = []
+
+    async def producer(send: Callable[[int], None]) -> None:
+        sends.append(send)
+        await asyncio.Event().wait()
+
+    async with produce(producer) as items:
+        await asyncio.sleep(0)  # the producer has started and handed out its `send`
+        del items
+    with pytest.raises(anyio.BrokenResourceError):
+        sends[0](1)  # a stray callback after the block: refused, never buffered

@@ -28,13 +28,7 @@ from treadle.llm.request import CompletionRequest
 from treadle.llm.turn import AssistantTurn, HttpExecutor, TurnDelta, request_turn
 from treadle.loop.budget import check_budget, final_answer
 from treadle.loop.callbacks import CallbackPump
-from treadle.loop.control import (
-    GuardrailResult,
-    PassControl,
-    Tripwire,
-    approvals_of,
-    call_user,
-)
+from treadle.loop.control import GuardrailResult, PassControl, Tripwire, approvals_of, call_user
 from treadle.loop.events import (
     AssistantRowEvent,
     Emitter,
@@ -63,6 +57,7 @@ from treadle.loop.request_usage import request_entries
 from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_tools
 from treadle.persist.writer import SessionWriter
+from treadle.runtime.busy_gc import RUNNING_PASS
 from treadle.runtime.threads import load_async_backend
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
@@ -423,7 +418,7 @@ async def run_pass(plan: PassPlan, out_id: str, *, cancel_as_stop: bool = False)
     the pass with `stop_reason == "cancelled"` and the transcript so far; otherwise it propagates.
     """
     load_async_backend()
-    with registered(out_id, plan.stop):
+    with registered(out_id, plan.stop), RUNNING_PASS:  # counted for the collector (busy_gc)
         return await _run_pass(plan, out_id, cancel_as_stop)
 
 

@@ -9,6 +9,12 @@ client's CPU (docs/performance.md, issue 33). While at least `BUSY_PASSES` passe
 runtime raises the first threshold to `DEFAULT_BUSY_THRESHOLD` (the `TREADLE_BUSY_GC_THRESHOLD`
 environment variable, 0 to leave the collector alone), and puts it back once fewer than a quarter
 of that remain, unless the program changed the thresholds meanwhile.
+
+Passes that run on the caller's own event loop (`stream_session_loop`, `arun_session_loop`,
+`Agent.stream`) never pass through the runtime: `RUNNING_PASS` counts every pass running in the
+process, on any loop, for a second collector with the same rule from `BUSY_RUNNING` running
+passes (scenario 12's 1,000 concurrent streams spent a quarter of their client CPU in the
+collector without it).
 """
 
 from __future__ import annotations
@@ -16,13 +22,24 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 
-__all__ = ["BUSY_PASSES", "DEFAULT_BUSY_THRESHOLD", "BusyCollector"]
+__all__ = [
+    "BUSY_PASSES",
+    "BUSY_RUNNING",
+    "DEFAULT_BUSY_THRESHOLD",
+    "RUNNING_PASS",
+    "BusyCollector",
+]
 
 log = logging.getLogger("treadle.runtime")
 
 BUSY_PASSES = 1000
 """Passes pending at once (started or waiting to start) from which the threshold is raised."""
+BUSY_RUNNING = 100
+"""Passes running at once (started, on any loop) from which the threshold is raised: fewer than
+`BUSY_PASSES`, since a running pass holds far more (its connection, buffers, coroutine chain) than
+one waiting to start, and a fan-out's start-up allocations come before its last pass started."""
 DEFAULT_BUSY_THRESHOLD = 20_000
 """The collector's first threshold while busy (allocations between young collections)."""
 
@@ -60,3 +77,33 @@ def _from_environment() -> int:
         log.warning("TREADLE_BUSY_GC_THRESHOLD=%r is not an integer; using %d", value,
                     DEFAULT_BUSY_THRESHOLD)  # fmt: skip
         return DEFAULT_BUSY_THRESHOLD
+
+
+class _RunningPasses:
+    """Counts passes in flight in the process, on any loop and thread (`with RUNNING_PASS:`
+    around a pass), for a collector with the rule of `BusyCollector` at `BUSY_RUNNING`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()  # passes run on the runtime's thread and on callers' loops
+        self._collector: BusyCollector | None = None  # made on first use (reads the environment)
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.count += 1
+            collector = self._collector
+            if collector is None:
+                collector = self._collector = BusyCollector()
+            if self.count >= BUSY_RUNNING or collector.raised is not None:
+                collector.update(self.count * BUSY_PASSES // BUSY_RUNNING)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.count -= 1
+            collector = self._collector
+            if collector is not None and collector.raised is not None:
+                collector.update(self.count * BUSY_PASSES // BUSY_RUNNING)
+
+
+RUNNING_PASS = _RunningPasses()
+"""`with RUNNING_PASS:` around a running pass (the engine's `run_pass`); `.count` is how many."""
