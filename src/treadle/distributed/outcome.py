@@ -9,6 +9,7 @@ module must never hold a live `Session` in an outcome: outcomes are data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -179,9 +180,18 @@ _SCALARS = frozenset({str, int, float, bool})
 
 
 def _json_data(value: Any) -> Any:
-    """`value` with every dataclass in it as a dict (what `dataclasses.asdict` does to fields)."""
-    if value is None or type(value) in _SCALARS:  # most of it: no dataclass check needed
+    """`value` with every dataclass in it as a dict (what `dataclasses.asdict` does to fields).
+
+    Plain dicts and lists (nearly all of an outcome's metadata) are told by their exact type
+    first: `dataclasses.is_dataclass` on every value was a tenth of a process worker's
+    bookkeeping per pass."""
+    kind = type(value)
+    if value is None or kind in _SCALARS:  # most of it: no dataclass check needed
         return value
+    if kind is dict:
+        return {k: _json_data(v) for k, v in value.items()}
+    if kind is list:
+        return [_json_data(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, dict):
@@ -193,13 +203,18 @@ def _json_data(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind) if f.name != "info")
+
+
 def _plain(value: Any) -> dict[str, Any]:
-    data = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    return {
-        k: _plain(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
-        for k, v in data.items()
-        if k != "info"
-    }
+    """A dataclass value as a dict (nested dataclasses too), without its `info` field."""
+    out: dict[str, Any] = {}
+    for name in _field_names(type(value)):
+        v = getattr(value, name)
+        out[name] = _plain(v) if hasattr(type(v), "__dataclass_fields__") else v
+    return out
 
 
 def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
