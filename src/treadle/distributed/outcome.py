@@ -9,7 +9,6 @@ module must never hold a live `Session` in an outcome: outcomes are data.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,7 +16,7 @@ from typing import Any, Literal
 from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
-from treadle.session import Session, Usage
+from treadle.session import Session, Usage, new_session_id
 
 __all__ = [
     "OUTCOME_METADATA_KEY",
@@ -59,8 +58,9 @@ class PassItem:
         cls, index: int, value: Any, trace_context: dict[str, str] | None = None
     ) -> PassItem:
         """An item from a map input: a finished `Session` or a user message string."""
-        if isinstance(value, str):
-            value = Session.from_user_message(value)
+        if isinstance(value, str):  # the message `Session.from_user_message` holds, without it
+            message = {"role": "user", "content": value}
+            return cls(index, new_session_id(), [message], trace_context=trace_context)
         if not isinstance(value, Session):
             raise ConfigurationError(
                 f"a distributed map takes Sessions or strs, got {type(value).__name__}."
@@ -203,9 +203,16 @@ def _json_data(value: Any) -> Any:
     return value
 
 
-@functools.cache
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind) if f.name != "info")
+    names = _FIELD_NAMES.get(kind)
+    if names is None:  # a handful of types (tripwires, guardrail results, request usage)
+        names = _FIELD_NAMES[kind] = tuple(
+            f.name for f in dataclasses.fields(kind) if f.name != "info"
+        )
+    return names
 
 
 def _plain(value: Any) -> dict[str, Any]:
