@@ -17,7 +17,8 @@ from benchmarks.worker import Meter
 from benchmarks.workload import API_KEY, SYSTEM_PROMPT
 
 CONCURRENCY = 64
-"""Passes in flight (in this process, or across the pool's workers)."""
+"""Passes in flight: in this process, or on each worker (`treadle.map`'s `concurrency` is per
+worker on the process backend)."""
 
 
 def _agent(job: dict[str, Any]) -> Any:

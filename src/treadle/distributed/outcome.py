@@ -76,7 +76,7 @@ class PassItem:
 
     def to_json(self) -> dict[str, Any]:
         """The item as a JSON-able dict (its fields are JSON data already: not copied)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in _ITEM_FIELDS}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PassItem:
@@ -141,7 +141,7 @@ class PassOutcome:
         worker's CPU in a fan-out of short passes. Metadata gets the conversion asdict made (a
         dataclass value anywhere in it becomes a dict).
         """
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data = {name: getattr(self, name) for name in _OUTCOME_FIELDS}
         data["history"] = list(self.history)
         data["metadata"] = _json_data(self.metadata)
         return data
@@ -151,6 +151,10 @@ class PassOutcome:
         """The outcome from `to_json` output."""
         return cls(**{**data, "history": tuple(data.get("history", ()))})
 
+
+# Field names, once: `dataclasses.fields` on every item and outcome was a driver's hot spot.
+_ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PassItem))
+_OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(PassOutcome))
 
 _PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
 
