@@ -256,14 +256,18 @@ class _Worker:
             self._batch = []
 
     def _send(self) -> None:
-        while (batch := self._outbox.get()) is not None:
+        while True:
+            batch = self._outbox.get()  # None: the stop message, sent last
             try:
                 self.conn.send(batch)
             except (OSError, ValueError) as err:  # the worker is gone: its passes are lost
-                with contextlib.suppress(RuntimeError):  # the driver's loop is closed
-                    self.loop.call_soon_threadsafe(
-                        self.fail, WorkerLost(f"worker {self.name} is gone ({err})")
-                    )
+                if batch is not None:
+                    with contextlib.suppress(RuntimeError):  # the driver's loop is closed
+                        self.loop.call_soon_threadsafe(
+                            self.fail, WorkerLost(f"worker {self.name} is gone ({err})")
+                        )
+                return
+            if batch is None:
                 return
 
     def fail(self, err: Exception) -> None:
@@ -279,15 +283,15 @@ class _Worker:
 
     def stop(self) -> None:
         """Ask the process to finish, kill it if it does not, and reap it (blocks)."""
-        self._outbox.put(None)  # the sender sends what is queued, then ends
-        self._sender.join()
-        with contextlib.suppress(OSError, ValueError):
-            self.conn.send(None)
+        self._outbox.put(None)  # after what is queued, on the one thread that writes the pipe
         try:
             self.process.wait(_STOP_GRACE)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        # The process is gone: a send still blocked on a full pipe fails at once and the
+        # sender ends (it is never joined before the kill, so a hung worker cannot hang this).
+        self._sender.join(_STOP_GRACE)
         self.conn.close()
 
 
