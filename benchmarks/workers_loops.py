@@ -17,7 +17,8 @@ from benchmarks.worker import Meter
 from benchmarks.workload import API_KEY, SYSTEM_PROMPT
 
 CONCURRENCY = 64
-"""Passes in flight (in this process, or across the pool's workers)."""
+"""Passes in flight: in this process, or on each worker (`treadle.map`'s `concurrency` is per
+worker on the process backend)."""
 
 
 def _agent(job: dict[str, Any]) -> Any:
@@ -43,12 +44,16 @@ def single(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
 
 def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     """The same map on `workers` worker processes (what `backend="process"` runs), each free to
-    use any CPU; the reported CPU adds the workers' to this driver's."""
+    use any CPU; the reported CPU adds the workers' to this driver's. The driver's share counts
+    rebuilding every outcome as an output session, as `treadle.map` returns them."""
     import treadle.distributed.process as pool_module
+    from treadle import Session
     from treadle.distributed import AgentSpec
     from treadle.distributed.driver import drive
+    from treadle.distributed.mapping import _result
 
-    spec = AgentSpec.from_agent(_agent(job), api_key_env="TREADLE_BENCH_KEY")
+    agent = _agent(job)
+    spec = AgentSpec.from_agent(agent, api_key_env="TREADLE_BENCH_KEY")
     inputs = [f"item {i}" for i in range(job["n"])]
 
     async def main() -> tuple[int, float]:
@@ -64,17 +69,20 @@ def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
             _ = [o async for o in warm]
             before = sum(proc_cpu_seconds(pid) for pid in pids)
             meter.start()
+            # What `treadle.map(..., backend="process")` does past its pool's start-up: drive
+            # the passes and rebuild each outcome as the caller's output session.
             outcomes = [
                 o
                 async for o in drive(
                     pool, inputs, concurrency=CONCURRENCY, max_attempts=1, call_timeout=None
                 )
             ]
+            sessions = [_result(o, agent) for o in outcomes]
             meter.stop()
             worker_cpu = sum(proc_cpu_seconds(pid) for pid in pids) - before
         finally:
             await pool.close()
-        return sum(o.status != "ok" for o in outcomes), worker_cpu
+        return sum(not isinstance(s, Session) for s in sessions), worker_cpu
 
     errors, worker_cpu = asyncio.run(main())
     return {"errors": errors, "worker_cpu": worker_cpu}

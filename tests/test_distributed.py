@@ -228,6 +228,17 @@ def test_items_carry_the_trace_context_as_data() -> None:
     assert PassItem.from_input(3, "hello").trace_context is None  # tracing off: nothing sent
 
 
+def test_a_string_input_crosses_as_the_session_from_user_message_would() -> None:
+    for text in ("hello", "", "naïve ✓ text\nwith lines"):
+        item = PassItem.from_input(0, text)
+        assert item.messages == Session.from_user_message(text).to_messages()
+        assert item.placement is None and item.placement_options is None
+    ids = {PassItem.from_input(i, "same").session_id for i in range(50)}
+    assert len(ids) == 50 and all(len(i) == 32 for i in ids)  # fresh ids, as a session's
+    with pytest.raises(ConfigurationError):
+        PassItem.from_input(0, 42)
+
+
 def test_sync_map_and_argument_errors(tmp_path: Path) -> None:
     with FakeOpenAIServer(script=shout_script) as server:
         agent = _agent(server.base_url)

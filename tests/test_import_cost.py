@@ -84,3 +84,17 @@ def test_deferred_schemas_build_once_when_threads_race_to_first_use() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_stores_transcripts_and_event_streams_load_with_the_first_pass_using_them() -> None:
+    """Passes without `store=`, `persist=` or `stream_session_loop` never need them (issue 33's
+    import target: about 30 ms of CPU between them)."""
+    lazy = ("treadle.stores", "treadle.persist", "treadle.runtime.streams", "anyio.streams")
+    code = (
+        "import sys\n"
+        "from treadle import Provider, Session, run_session_loop\n"
+        f"lazy = {lazy!r}\n"
+        "print(sorted(m for m in sys.modules if m.startswith(lazy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

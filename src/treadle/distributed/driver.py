@@ -67,6 +67,18 @@ class _SlotGate:
 
     @asynccontextmanager
     async def enter(self, alone: bool) -> AsyncIterator[None]:
+        if not alone and not self.alone and not self.waiting_alone:
+            # The common case, no suspect anywhere: share the worker without the condition's
+            # lock and notify only a suspect waiting for the worker to go idle.
+            self.sharing += 1
+            try:
+                yield
+            finally:
+                self.sharing -= 1
+                if self.waiting_alone:
+                    async with self.changed:
+                        self.changed.notify_all()
+            return
         async with self.changed:
             if alone:
                 self.waiting_alone += 1

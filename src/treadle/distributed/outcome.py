@@ -16,7 +16,7 @@ from typing import Any, Literal
 from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
-from treadle.session import Session, Usage
+from treadle.session import Session, Usage, new_session_id
 
 __all__ = [
     "OUTCOME_METADATA_KEY",
@@ -58,8 +58,9 @@ class PassItem:
         cls, index: int, value: Any, trace_context: dict[str, str] | None = None
     ) -> PassItem:
         """An item from a map input: a finished `Session` or a user message string."""
-        if isinstance(value, str):
-            value = Session.from_user_message(value)
+        if isinstance(value, str):  # the message `Session.from_user_message` holds, without it
+            message = {"role": "user", "content": value}
+            return cls(index, new_session_id(), [message], trace_context=trace_context)
         if not isinstance(value, Session):
             raise ConfigurationError(
                 f"a distributed map takes Sessions or strs, got {type(value).__name__}."
@@ -75,7 +76,7 @@ class PassItem:
 
     def to_json(self) -> dict[str, Any]:
         """The item as a JSON-able dict (its fields are JSON data already: not copied)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in _ITEM_FIELDS}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PassItem:
@@ -140,7 +141,7 @@ class PassOutcome:
         worker's CPU in a fan-out of short passes. Metadata gets the conversion asdict made (a
         dataclass value anywhere in it becomes a dict).
         """
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data = {name: getattr(self, name) for name in _OUTCOME_FIELDS}
         data["history"] = list(self.history)
         data["metadata"] = _json_data(self.metadata)
         return data
@@ -150,6 +151,10 @@ class PassOutcome:
         """The outcome from `to_json` output."""
         return cls(**{**data, "history": tuple(data.get("history", ()))})
 
+
+# Field names, once: `dataclasses.fields` on every item and outcome was a driver's hot spot.
+_ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PassItem))
+_OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(PassOutcome))
 
 _PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
 
@@ -179,9 +184,18 @@ _SCALARS = frozenset({str, int, float, bool})
 
 
 def _json_data(value: Any) -> Any:
-    """`value` with every dataclass in it as a dict (what `dataclasses.asdict` does to fields)."""
-    if value is None or type(value) in _SCALARS:  # most of it: no dataclass check needed
+    """`value` with every dataclass in it as a dict (what `dataclasses.asdict` does to fields).
+
+    Plain dicts and lists (nearly all of an outcome's metadata) are told by their exact type
+    first: `dataclasses.is_dataclass` on every value was a tenth of a process worker's
+    bookkeeping per pass."""
+    kind = type(value)
+    if value is None or kind in _SCALARS:  # most of it: no dataclass check needed
         return value
+    if kind is dict:
+        return {k: _json_data(v) for k, v in value.items()}
+    if kind is list:
+        return [_json_data(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, dict):
@@ -193,13 +207,25 @@ def _json_data(value: Any) -> Any:
     return value
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(kind: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(kind)
+    if names is None:  # a handful of types (tripwires, guardrail results, request usage)
+        names = _FIELD_NAMES[kind] = tuple(
+            f.name for f in dataclasses.fields(kind) if f.name != "info"
+        )
+    return names
+
+
 def _plain(value: Any) -> dict[str, Any]:
-    data = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    return {
-        k: _plain(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
-        for k, v in data.items()
-        if k != "info"
-    }
+    """A dataclass value as a dict (nested dataclasses too), without its `info` field."""
+    out: dict[str, Any] = {}
+    for name in _field_names(type(value)):
+        v = getattr(value, name)
+        out[name] = _plain(v) if hasattr(type(v), "__dataclass_fields__") else v
+    return out
 
 
 def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -91,7 +90,7 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
     async def lease(request: dict[str, Any]) -> dict[str, Any]:
         lease_id = next(lease_ids)
         future = grants[lease_id] = loop.create_future()
-        outbox.put(("lease", lease_id, request))
+        post(("lease", lease_id, request))
         try:
             return await asyncio.wait_for(future, LEASE_TIMEOUT)
         finally:
@@ -100,10 +99,23 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
     if options.pop("shared_limits", False):  # before the agent's limiters exist
         install_shared_limits(lease, worker_name())
 
+    pending: list[Any] = []
+
+    def flush() -> None:
+        if pending:
+            outbox.put(pending[:])
+            pending.clear()
+
+    def post(message: Any) -> None:
+        """Queue `message` for the driver: all posted in one loop iteration go as one batch."""
+        if not pending:
+            loop.call_soon(flush)
+        pending.append(message)
+
     def write() -> None:
-        while (message := outbox.get()) is not None:
+        while (batch := outbox.get()) is not None:
             try:
-                conn.send(message)
+                conn.send(batch)
             except OSError:  # the driver is gone; nothing left to tell
                 return
 
@@ -112,22 +124,19 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
     try:
         worker = PassWorker(spec, **options)
     except Exception as err:
-        outbox.put(("failed", f"{type(err).__name__}: {err}"))
+        outbox.put([("failed", f"{type(err).__name__}: {err}")])
         outbox.put(None)
         writer.join()
         return
-    outbox.put(("ready", worker.name))
+    outbox.put([("ready", worker.name)])
     stop = asyncio.Event()
     tasks: set[asyncio.Task[None]] = set()
 
     async def run_one(call_id: int, item: dict[str, Any]) -> None:
         outcome = await worker.run(item)
-        outbox.put(("done", call_id, outcome.to_json()))
+        post(("done", call_id, outcome.to_json()))
 
     def on_message(message: Any) -> None:
-        if message is None:
-            stop.set()
-            return
         if message[0] == "grant":
             future = grants.get(message[1])
             if future is not None and not future.done():
@@ -140,14 +149,21 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
+    def on_batch(batch: list[Any] | None) -> None:
+        if batch is None:
+            stop.set()
+            return
+        for message in batch:
+            on_message(message)
+
     def read() -> None:
-        while True:
+        while True:  # one wake-up of the loop per batch the driver sent, not per message
             try:
-                message = conn.recv()
+                batch = conn.recv()
             except (EOFError, OSError):
-                message = None
-            loop.call_soon_threadsafe(on_message, message)
-            if message is None:
+                batch = None
+            loop.call_soon_threadsafe(on_batch, batch)
+            if batch is None:
                 return
 
     threading.Thread(target=read, name="treadle-worker-recv", daemon=True).start()
@@ -156,6 +172,7 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.to_thread(worker.close)
+    flush()
     outbox.put(None)
     writer.join()
 
@@ -164,7 +181,13 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
 
 
 class _Worker:
-    """The driver's end of one worker process."""
+    """The driver's end of one worker process.
+
+    Messages cross the pipe in batches: what the driver posts to a worker in one turn of its
+    event loop goes as one pickled list, written by this worker's sender thread, and the reader
+    thread wakes the loop once per batch the worker sent. Per message, a thread hand-off and a
+    loop wake-up cost more CPU than the pass's own bookkeeping (docs/performance.md).
+    """
 
     def __init__(
         self, process: subprocess.Popen[bytes], conn: Connection, pool: ProcessPool
@@ -174,30 +197,39 @@ class _Worker:
         self.pool = pool
         self.name = f"process:{process.pid}"
         self.pending: dict[int, asyncio.Future[Any]] = {}
-        self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.sender = ThreadPoolExecutor(1, thread_name_prefix="treadle-pool-send")
+        self.loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[str] = self.loop.create_future()
         self.lost = False
+        self._batch: list[Any] = []
+        self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send, name="treadle-pool-send", daemon=True)
+        self._sender.start()
 
     def start_reader(self, loop: asyncio.AbstractEventLoop) -> None:
         def read() -> None:
             while True:
                 try:
-                    message = self.conn.recv()
+                    batch = self.conn.recv()
                 except (EOFError, OSError):
-                    message = None
+                    batch = None
                 try:
-                    loop.call_soon_threadsafe(self.on_message, message)
+                    loop.call_soon_threadsafe(self.on_batch, batch)
                 except RuntimeError:  # the driver's loop is closed
                     return
-                if message is None:
+                if batch is None:
                     return
 
         threading.Thread(target=read, name="treadle-pool-recv", daemon=True).start()
 
-    def on_message(self, message: Any) -> None:
-        if message is None:
+    def on_batch(self, batch: list[Any] | None) -> None:
+        if batch is None:
             self.fail(WorkerLost(f"worker {self.name} exited"))
-        elif message[0] == "done":
+            return
+        for message in batch:
+            self.on_message(message)
+
+    def on_message(self, message: Any) -> None:
+        if message[0] == "done":
             future = self.pending.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(message[2])
@@ -212,14 +244,31 @@ class _Worker:
             )
 
     def post(self, message: Any) -> None:
-        """Send `message` on the sender thread, never waiting here (lost if the worker is)."""
+        """Queue `message` for the worker (call on the driver's loop); everything posted in one
+        turn of the loop is sent as one batch, on the sender thread (lost if the worker is)."""
+        if not self._batch:
+            self.loop.call_soon(self._flush)
+        self._batch.append(message)
 
-        def send() -> None:
-            with contextlib.suppress(OSError, ValueError):
-                self.conn.send(message)
+    def _flush(self) -> None:
+        if self._batch:
+            self._outbox.put(self._batch)
+            self._batch = []
 
-        with contextlib.suppress(RuntimeError):  # the sender is shut down: the worker is gone
-            self.sender.submit(send)
+    def _send(self) -> None:
+        while True:
+            batch = self._outbox.get()  # None: the stop message, sent last
+            try:
+                self.conn.send(batch)
+            except (OSError, ValueError) as err:  # the worker is gone: its passes are lost
+                if batch is not None:
+                    with contextlib.suppress(RuntimeError):  # the driver's loop is closed
+                        self.loop.call_soon_threadsafe(
+                            self.fail, WorkerLost(f"worker {self.name} is gone ({err})")
+                        )
+                return
+            if batch is None:
+                return
 
     def fail(self, err: Exception) -> None:
         if not self.lost:  # what it leased is no longer in flight anywhere
@@ -234,15 +283,16 @@ class _Worker:
 
     def stop(self) -> None:
         """Ask the process to finish, kill it if it does not, and reap it (blocks)."""
-        with contextlib.suppress(OSError, ValueError):
-            self.conn.send(None)
+        self._outbox.put(None)  # after what is queued, on the one thread that writes the pipe
         try:
             self.process.wait(_STOP_GRACE)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        # The process is gone: a send still blocked on a full pipe fails at once and the
+        # sender ends (it is never joined before the kill, so a hung worker cannot hang this).
+        self._sender.join(_STOP_GRACE)
         self.conn.close()
-        self.sender.shutdown(wait=True)
 
 
 class ProcessPool:
@@ -340,14 +390,10 @@ class ProcessPool:
         if worker is None or worker.lost:
             raise WorkerLost(f"worker slot {slot} has no live worker")
         call_id = next(self._calls)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = worker.loop.create_future()
         worker.pending[call_id] = future
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(worker.sender, worker.conn.send, (call_id, item.to_json()))
-        except OSError as err:
-            worker.pending.pop(call_id, None)
-            raise WorkerLost(f"worker {worker.name} is gone ({err})") from None
+        # Batched with the other items of this loop turn; a failed send fails `future`.
+        worker.post((call_id, item.to_json()))
         try:
             return PassOutcome.from_json(await future)
         finally:

@@ -25,7 +25,7 @@ from treadle.distributed.janitor import clean_orphans, make_sandbox_root
 from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata
 from treadle.distributed.spec import AgentSpec, resolve_tool
 from treadle.loop import Guardrail
-from treadle.session import Session
+from treadle.session import Session, Usage
 from treadle.telemetry import flush, parent_from_carrier, use_parent
 
 __all__ = ["PassWorker", "worker_name"]
@@ -34,6 +34,8 @@ log = logging.getLogger("treadle.distributed")
 
 # Seconds a closing worker gives its telemetry exporters (the driver kills it after 10 s).
 _FLUSH_SECONDS = 5.0
+
+_USAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Usage))
 
 RateGate = Callable[[], Awaitable[None]]
 """Awaited before every model request when the rate limit is one shared bucket."""
@@ -110,7 +112,8 @@ class PassWorker:
                 item,
                 "ok",
                 messages=out.to_messages(),
-                usage=dataclasses.asdict(usage),
+                # Four ints: `dataclasses.asdict` deep-copies, at a worker's per-pass cost.
+                usage={f: getattr(usage, f) for f in _USAGE_FIELDS},
                 stop_reason=out.stop_reason,
                 metadata=portable_metadata(out.metadata),
             )

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mappin
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from treadle.errors import ConfigurationError, SandboxError
 from treadle.llm.provider import Provider
@@ -23,14 +23,14 @@ from treadle.loop.events import Event, PassStopped
 from treadle.loop.hooks import Hooks
 from treadle.loop.soft_stop import current_stop
 from treadle.loop.tooling import ToolUseBehavior, check_stop_names, check_tool_use_behavior
-from treadle.persist.writer import default_session_path
 from treadle.runtime import submit
-from treadle.runtime.streams import produce
 from treadle.session import Session, SessionData, new_session_id
-from treadle.stores import PendingPass, Store, check_store_arguments
 from treadle.telemetry import capture_parent
 from treadle.tools import ToolSet
 from treadle.tools.context import context_parameter
+
+if TYPE_CHECKING:  # loaded with the first pass that uses a store (docs/performance.md)
+    from treadle.stores import PendingPass, Store
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
@@ -167,7 +167,10 @@ def _plan(
         )
     if approvals is not None and not isinstance(approvals, Mapping):
         raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
-    check_store_arguments(store, conversation)
+    if store is not None or conversation is not None:
+        from treadle.stores import check_store_arguments  # loads with the first store
+
+        check_store_arguments(store, conversation)
     if agent_provider is not None and not isinstance(agent_provider, Provider):
         raise ConfigurationError(
             f"agent_provider must be a treadle Provider, got {type(agent_provider).__name__}."
@@ -200,6 +203,8 @@ def _plan(
         if target is not None and target.suffix == ".jsonl":
             path = target
         else:
+            from treadle.persist.writer import default_session_path
+
             path = default_session_path(out_id, target)
     agent_name = _next_pass_name.get()
     if agent_name is not None:  # this pass only: the tasks it starts copy the context from here
@@ -405,6 +410,9 @@ async def stream_session_loop(
         nonlocal send_event
         send_event = send
         return await run_pass(plan, out_id)
+
+    # The memory streams load with the first streamed pass, not with `import treadle`.
+    from treadle.runtime.streams import produce
 
     # Leaving early cancels the pass: it must not outlive its iterator.
     async with produce(pass_events) as events:

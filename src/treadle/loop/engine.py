@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -56,16 +56,18 @@ from treadle.loop.plan import PassPlan, pending_tool_calls, unique_call_ids
 from treadle.loop.request_usage import request_entries
 from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_tools
-from treadle.persist.writer import SessionWriter
 from treadle.runtime.busy_gc import RUNNING_PASS
 from treadle.runtime.threads import load_async_backend
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.session.stops import StopReason
-from treadle.stores import ConversationJournal
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
 from treadle.tools import Tool, ToolContext, ToolOutcome, run_tool_calls
+
+if TYPE_CHECKING:  # the persist and store modules load with the first pass using them
+    from treadle.persist.writer import SessionWriter
+    from treadle.stores import ConversationJournal
 
 __all__ = ["PassPlan", "pending_tool_calls", "run_pass"]
 

@@ -11,11 +11,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from treadle.loop.plan import PassPlan, plain_metadata
-from treadle.persist.producer import producer_record
-from treadle.persist.writer import SessionWriter
 from treadle.session import ChunkRow, ChunkTable, SessionData
 from treadle.session.stops import StopReason
-from treadle.stores import open_conversation
 
 if TYPE_CHECKING:
     from treadle.loop.engine import _Pass
@@ -30,6 +27,9 @@ async def open_conversation_of(
     `treadle.stores.journal`); the input as it is otherwise."""
     if plan.store is None or plan.conversation is None:
         return user
+    # Imported here: `import treadle` and passes without a store never load the stores.
+    from treadle.stores import open_conversation
+
     start = await open_conversation(
         plan.store.backend,
         plan.conversation,
@@ -50,6 +50,9 @@ async def open_transcript(
     """With `persist`: the transcript file's header and the input rows."""
     if plan.persist_path is None:
         return
+    from treadle.persist.producer import producer_record  # loads with the first transcript
+    from treadle.persist.writer import SessionWriter
+
     run.writer = SessionWriter(plan.persist_path)
     await run.writer.open(
         session_id=out_id,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treadle.llm.provider import Provider
 from treadle.llm.turn import ModelExecutor
@@ -17,9 +17,11 @@ from treadle.loop.request_usage import RequestUsage
 from treadle.loop.soft_stop import StopRequest
 from treadle.loop.tooling import ToolUseBehavior
 from treadle.session import ChunkTable, Session, ToolCall
-from treadle.stores import PendingPass, Store
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
+
+if TYPE_CHECKING:  # the stores load with the first pass that uses one
+    from treadle.stores import PendingPass, Store
 
 __all__ = ["PassPlan", "pending_tool_calls", "plain_metadata", "unique_call_ids"]
 
