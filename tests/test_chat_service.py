@@ -42,7 +42,11 @@ def _load_app() -> ModuleType:
 
 chat_app = _load_app()
 tool_cancelled = threading.Event()
+
+
 tool_running = threading.Event()
+"""Set when `wait_for_operator` runs (the `tool` event goes out before the pass records its
+intent and starts the tool: a disconnect before that cancels a tool that never ran)."""
 
 
 @tool
@@ -169,12 +173,13 @@ def test_a_client_disconnect_cancels_the_pass_and_commits_nothing(
     with httpx.stream(
         "POST", f"{served.url}/chat/bob", json={"message": "wait"}, timeout=TIMEOUT
     ) as reply:
-        for line in reply.iter_lines():
+        lines = reply.iter_lines()  # kept open: a closed iterator closes the response
+        for line in lines:
             if line.startswith("event: tool"):
-                # `ToolStarted` comes before the pass records its intent in the store and runs
-                # the tool: wait for the tool itself, or the hang-up may cancel the pass first.
-                assert tool_running.wait(TIMEOUT)
-                break  # the tool runs: hang up now
+                break
+        # Hang up once the tool runs: under load the pass may still be recording the call's
+        # intent when the `tool` event arrives, and cancelled then, its tool never starts.
+        assert tool_running.wait(TIMEOUT)
     assert tool_cancelled.wait(TIMEOUT)  # the disconnect reached the pass and cancelled its tool
     deadline = time.monotonic() + TIMEOUT
     # The pass was recorded as running when its tool started; it records its cancellation just

@@ -19,6 +19,7 @@ from treadle.errors import BudgetExceededError
 from treadle.loop.control import call_user
 from treadle.loop.events import AssistantRowEvent
 from treadle.session import ChunkRow, Session, Usage
+from treadle.session.rows import valid_text
 from treadle.tools.context import ToolContext, context_parameter
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ async def final_answer(run: _Pass) -> None:
     payload = dict(turn.payload)
     payload.pop("tool_calls", None)  # a model that calls tools anyway: keep its text only
     run.count(turn.usage)
-    row = ChunkRow._trusted("assistant", payload)
+    row = ChunkRow._trusted("assistant", valid_text(payload))
     if run.pump is not None:
         await run.pump.drain()
     await run.append([row], boundary=True)

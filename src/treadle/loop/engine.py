@@ -59,7 +59,7 @@ from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_
 from treadle.runtime.busy_gc import RUNNING_PASS
 from treadle.runtime.threads import load_async_backend
 from treadle.session import ChunkRow, ChunkTable, Session, SessionData, ToolCall, Usage
-from treadle.session.rows import in_call_order
+from treadle.session.rows import in_call_order, valid_text
 from treadle.session.stops import StopReason
 from treadle.telemetry import capturing_content, finish_pass, start_pass
 from treadle.telemetry.hooks import PassTrace
@@ -281,7 +281,7 @@ class _Pass:
             tripped = await guard_round(self, "after", request, turn) if self.guarded else None
             if tripped is not None:
                 return tripped
-            row = ChunkRow._trusted("assistant", unique_call_ids(turn.payload))
+            row = ChunkRow._trusted("assistant", unique_call_ids(valid_text(turn.payload)))
             if self.pump is not None:
                 await self.pump.drain()  # deltas reach the callback before the row they build
             calls = row.calls
@@ -355,7 +355,7 @@ class _Pass:
 
         async def on_outcome(index: int, outcome: ToolOutcome) -> None:
             c = calls[index]
-            content = outcome.content
+            content = valid_text(outcome.content)  # text a file or database can hold
             if c.id in rejected or output_guards:
                 content = await screen_tool_result(self, c, content, rejected, output_trips)
             row = ChunkRow._trusted(

@@ -10,6 +10,7 @@ and only a table that branches from the middle copies. This module does no I/O.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast, get_args, overload
@@ -28,6 +29,7 @@ __all__ = [
     "RowKind",
     "in_call_order",
     "text_of_content",
+    "valid_text",
 ]
 
 RowKind = Literal["system", "user", "assistant", "tool_result"]
@@ -47,6 +49,36 @@ KIND_OF_ROLE: Mapping[str, RowKind] = {
     "assistant": "assistant",
     "tool": "tool_result",
 }
+
+
+#: A UTF-16 surrogate code point: alone in a `str`, no UTF-8 file or database text can hold it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(value: Any) -> Any:
+    """`value` with every surrogate code point in its strings (keys too, through dicts and
+    lists) replaced by U+FFFD, the same object when it has none.
+
+    Text a pass makes (a tool's result, the model's reply from an executor) goes through this
+    where it enters the transcript: a lone surrogate (`"\\udcff"` from a file name read with
+    `surrogateescape`) would otherwise fail the pass at its end, when JSONL persistence or a
+    store writes it as UTF-8.
+    """
+    if isinstance(value, str):
+        if value.isascii() or _SURROGATE.search(value) is None:
+            return value
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        pairs = [(valid_text(k), valid_text(v)) for k, v in value.items()]
+        if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, value.items(), strict=True)):
+            return value
+        return dict(pairs)
+    if isinstance(value, list | tuple):
+        items = [valid_text(v) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
 
 
 def text_of_content(content: object) -> str | None:

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from treadle.errors import ConfigurationError, ConflictError
 from treadle.session import ChunkRow, Usage
 from treadle.session.rows import in_call_order
@@ -114,10 +116,17 @@ class ConversationJournal:
         stop_reason: str | None,
         metadata: Mapping[str, Any],
     ) -> int:
-        """Commit the pass's new rows (`rows` is the whole transcript) in one transaction."""
+        """Commit the pass's new rows (`rows` is the whole transcript) in one transaction.
+
+        Once the commit has started its outcome is the pass's, whatever cancels the pass
+        meanwhile: a cancellation waits for it (the commit runs as a task of its own), then the
+        pass returns its result if the commit landed (the caller learns the turn is in the
+        conversation) and raises `CancelledError` if it did not. So a caller never gets a
+        `CancelledError` for a turn the store holds, nor a result for one it does not.
+        """
         self._stop_heartbeat()
-        try:
-            self.version = await self.backend.commit(
+        commit = asyncio.ensure_future(
+            self.backend.commit(
                 self.pass_id,
                 self.key,
                 self.base,
@@ -128,9 +137,21 @@ class ConversationJournal:
                 agent_rows=self.agent_rows,
                 recorded=self.recorded,
             )
-        finally:
-            if self.version is not None:  # committed: the next pass in the queue may start
-                await self._release()
+        )
+        cancelled = await _see_through(commit)
+        if commit.cancelled():  # only its loop's shutdown cancels it: its outcome is unknown
+            raise asyncio.CancelledError
+        error = commit.exception()
+        if error is not None:
+            if cancelled:  # nothing landed: the caller's cancellation is the outcome
+                raise asyncio.CancelledError from error
+            raise error
+        self.version = commit.result()
+        # Committed: the next pass in the queue may start. Seen through as well, so a
+        # cancellation now cannot turn a landed turn into a CancelledError.
+        release = asyncio.ensure_future(self._release())
+        await _see_through(release)
+        release.result()  # a lock that failed to go says so (the turn is committed regardless)
         self.buffered.clear()
         return self.version
 
@@ -148,7 +169,11 @@ class ConversationJournal:
         the conversation moved on. Never raises: the pass's own error is what its reader sees.
         """
         self._stop_heartbeat()
-        if self.version is not None or isinstance(error, ConflictError):
+        if (
+            self.version is not None
+            or isinstance(error, ConflictError)
+            or isinstance(getattr(error, "__cause__", None), ConflictError)  # lost, then cancelled
+        ):
             await self._release()
             return
         status = "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
@@ -174,6 +199,24 @@ class ConversationJournal:
             log.warning("could not record the end of pass %s: %s", self.pass_id, err)
         finally:  # recorded (or not): the next pass in the queue starts from the same rows
             await self._release()
+
+
+async def _see_through(job: asyncio.Future[Any]) -> bool:
+    """Wait for `job` through every cancellation of the caller; whether one arrived.
+
+    The cancellations are absorbed, not re-counted (`uncancel`): whoever cancelled (a plain
+    `task.cancel()`, `asyncio.timeout`, a task group) settles its own count, and an anyio
+    cancel scope, which is shielded from here meanwhile (so it does not re-deliver at every
+    iteration of the loop), cancels again at the caller's next await.
+    """
+    cancelled = False
+    with anyio.CancelScope(shield=True):
+        while not job.done():
+            try:  # asyncio.wait neither raises the job's error nor cancels the job
+                await asyncio.wait((job,))
+            except asyncio.CancelledError:
+                cancelled = True
+    return cancelled
 
 
 #: Ends of passes being recorded (strong references while their tasks run).

@@ -24,6 +24,8 @@ from typing import Any
 
 import pydantic_core
 
+from treadle.session.rows import valid_text
+
 __all__ = [
     "MAX_CONTENT_CHARS",
     "MAX_DETAIL_CHARS",
@@ -148,10 +150,12 @@ def _jsonable_field(value: Any) -> Any:
 
 
 def _cap_strings(value: Any, limit: int) -> Any:
+    # Lone surrogates (a file name read with `surrogateescape`) become U+FFFD: JSON text is
+    # UTF-8, and the result is the tool's, not a serialisation error (`valid_text`).
     if isinstance(value, str):
-        return cap_text(value, limit)
+        return cap_text(valid_text(value), limit)
     if isinstance(value, dict):
-        return {k: _cap_strings(v, limit) for k, v in value.items()}
+        return {valid_text(str(k)): _cap_strings(v, limit) for k, v in value.items()}
     if isinstance(value, list):
         return [_cap_strings(v, limit) for v in value]
     if isinstance(value, float) and not math.isfinite(value):

@@ -1,0 +1,96 @@
+"""Text no database or file can hold, made during a pass: a lone surrogate (`"\\ud800"`, or the
+`"\\udcff"` a file name read with `surrogateescape` carries) in a tool's result or in the model's
+text is replaced with U+FFFD where it enters the transcript, so the pass commits (SQLite,
+PostgreSQL) or persists (JSONL) the same rows it returns, instead of failing at its end.
+
+Real parts: SQLite files, a throwaway PostgreSQL cluster (tests/pg_cluster.py), JSONL files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pydantic_core
+import pytest
+
+from pg_cluster import Cluster, cluster
+from treadle import Session, arun_session_loop, tool
+from treadle.persist.reader import load_session
+from treadle.stores import Store
+from treadle.testing import ScriptedExecutor
+from treadle.testing.scripted import tool_call
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Cluster]:
+    yield from cluster()
+
+
+@tool
+def list_names() -> dict[str, Any]:
+    """File names as `os.listdir` gives them for bytes that are not UTF-8."""
+    return {"names": ["report-\udcff.txt", "ok.txt"], "odd\ud800key": 1}
+
+
+def _script() -> ScriptedExecutor:
+    return ScriptedExecutor([tool_call("list_names", {}), "Found \ud800 one odd name \udfff."])
+
+
+def _check(rows: Any) -> None:
+    kinds = [r.kind for r in rows]
+    assert kinds == ["user", "assistant", "tool_result", "assistant"], kinds
+    result = pydantic_core.from_json(rows[2].payload["content"])
+    assert result == {"ok": True, "names": ["report-\ufffd.txt", "ok.txt"], "odd\ufffdkey": 1}
+    assert rows[3].payload["content"] == "Found \ufffd one odd name \ufffd."
+    for row in rows:  # every row can be written as UTF-8 now
+        pydantic_core.to_json(row.payload)
+
+
+@pytest.mark.parametrize("where", ["sqlite", "postgres"])
+def test_a_lone_surrogate_from_a_tool_or_the_model_is_replaced_and_committed(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        str(tmp_path / "text.db")
+        if where == "sqlite"
+        else request.getfixturevalue("pg").new_database()
+    )
+
+    async def main() -> None:
+        async with Store.open(url) as store:
+            out = await arun_session_loop(
+                Session.from_user_message("list the files"),
+                Session.from_agent_prompt("List files."),
+                executor=_script(),
+                tools=[list_names],
+                store=store,
+                conversation="files",
+            )
+            assert out.metadata["version"] == 4
+            _check(out.rows)
+            stored = await store.conversation("files")
+            assert stored.rows == out.rows  # what the pass returned is what the store holds
+            _check(stored.rows)
+
+    asyncio.run(main())
+
+
+def test_jsonl_persistence_replaces_them_the_same_way(tmp_path: Path) -> None:
+    path = tmp_path / "files.jsonl"
+
+    async def main() -> Session:
+        return await arun_session_loop(
+            Session.from_user_message("list the files"),
+            Session.from_agent_prompt("List files."),
+            executor=_script(),
+            tools=[list_names],
+            persist_path=path,
+        )
+
+    out = asyncio.run(main())
+    _check(out.rows)
+    loaded = load_session(path)
+    assert loaded.closed and loaded.session.rows == out.rows
