@@ -55,8 +55,8 @@ def test_a_path_or_an_existing_directory_is_a_sandbox(tmp_path: Path, value: str
         (["--timeout", "-2"], "--timeout -2 is not a positive number of seconds"),
         (["--timeout", "nan"], "--timeout nan is not a positive number of seconds"),
         (["--mcp-timeout", "0"], "--mcp-timeout 0 is not a positive number of seconds"),
-        (["--retries", "-1"], "--retries"),
-        (["--max-steps", "0"], "--max-steps"),
+        (["--retries", "-1"], "argument --retries: expected 0 or more, got -1"),
+        (["--max-steps", "0"], "argument --max-steps: expected at least 1, got 0"),
     ],
 )
 def test_limit_flags_are_checked_before_the_pass_and_named(

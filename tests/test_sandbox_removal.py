@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from treadle.errors import SandboxError
+from treadle.sandbox import box_tree
 from treadle.sandbox.box_tree import RemovalStopped, remove_tree
 
 _SRC = Path(__file__).resolve().parent.parent / "src"
@@ -163,3 +164,48 @@ atexit.register(remove)
 def test_removal_at_interpreter_exit_falls_back_to_one_unlink_at_a_time() -> None:
     proc = _run_script(_AT_EXIT)
     assert proc.stdout.strip().endswith(" False"), proc.stdout + proc.stderr
+
+
+def test_a_directory_moved_out_mid_walk_stops_the_walk_and_the_removal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A box command can rename a directory out of the tree while the host walks it: climbing
+    back up must notice (`..` is no longer the directory the walk came down from) and stop,
+    never act on the tree the directory now sits in. The move is made at a chosen point."""
+    base = Path(tempfile.mkdtemp(prefix="treadle-moved-"))
+    root, outside = base / "root", base / "outside"
+    try:
+        (root / "a" / "b" / "c").mkdir(parents=True)
+        (root / "a" / "b" / "c" / "f").write_text("box")
+        outside.mkdir()
+        (outside / "keep").write_text("host")
+        real_clear = box_tree._Unlinker.clear
+
+        def clear_then_move(self: box_tree._Unlinker, fd: int) -> list[str]:
+            names = real_clear(self, fd)
+            if os.readlink(f"/proc/self/fd/{fd}").endswith("/a/b/c"):
+                os.rename(root / "a" / "b", outside / "b")  # c's parent leaves the tree
+            return names
+
+        monkeypatch.setattr(box_tree._Unlinker, "clear", clear_then_move)
+        with pytest.raises(SandboxError, match="moved while Treadle removed it"):
+            remove_tree(root)
+        assert (outside / "keep").read_text() == "host"
+        assert sorted(os.listdir(outside)) == ["b", "keep"]  # the moved directory was not removed
+        monkeypatch.undo()
+
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+        (root / "x" / "y").mkdir(parents=True)
+        real_open = box_tree._open_dir
+
+        def open_then_move(parent_fd: int, name: str, *, fix_modes: bool) -> int:
+            fd = real_open(parent_fd, name, fix_modes=fix_modes)
+            if name == "y":
+                os.rename(root / "x", outside / "x2")
+            return fd
+
+        monkeypatch.setattr(box_tree, "_open_dir", open_then_move)
+        with pytest.raises(SandboxError, match="moved while Treadle walked it"):
+            box_tree.give_tree_to(root, os.getuid())
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=True)
