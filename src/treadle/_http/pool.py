@@ -268,7 +268,6 @@ class Pool:
         ):
             conn.close()
             return
-        conn.reused = conn.pooled = True
         keep = self._expiry
         hint = dict.get(ex.headers, "keep-alive")
         if hint is not None:  # the server's own idle timeout: reuse well before it closes
@@ -276,9 +275,13 @@ class Pool:
         if self._idle_count >= self._max_idle:  # a surplus: kept only through the burst
             keep = min(keep, SURPLUS_IDLE_SECONDS)
             if self._sweep is None:
-                self._sweep = asyncio.get_running_loop().call_later(
-                    SURPLUS_IDLE_SECONDS, self._close_expired
-                )
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # no loop to close it later (shutting down): close now
+                    conn.close()
+                    return
+                self._sweep = loop.call_later(SURPLUS_IDLE_SECONDS, self._close_expired)
+        conn.reused = conn.pooled = True
         conn.idle_until = conn.now() + keep
         conn.idle.append(conn)
         self._idle_count += 1
