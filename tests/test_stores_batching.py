@@ -298,11 +298,52 @@ def test_many_ordinary_conversations_in_one_batch_are_handled_off_the_loop(
                         time.time(),
                     )
                 )
+            sent: list[tuple[Any, ...]] = []
+            execute = conn.execute
+
+            async def spy_execute(query: Any, params: Any = None, **kw: Any) -> Any:
+                sent.append(tuple(params or ()))
+                return await execute(query, params, **kw)
+
+            conn.execute = spy_execute  # type: ignore[method-assign]
             assert await postgres_batch.commit_many(conn, calls) == [2 * per] * count
             assert arrays.ticked_during and arrays.on_loop == 0
+            # The rows' arrays reached psycopg already dumped (converted off the loop too), and
+            # what they carried is what a read gives back.
+            assert all(isinstance(p, postgres_batch.DumpedTextArray) for p in sent[0][:2])
+            conn.execute = execute  # type: ignore[method-assign]
+            again = await postgres_batch.load_many(conn, keys, RowCache())
+            assert [len(c.rows) for c in again] == [2 * per] * count
+            assert again[0].rows[per:] == (ChunkRow.user("more"),) * per
         finally:
             await conn.close()
             stop.set()
             await here
+
+    asyncio.run(main())
+
+
+def test_a_dumped_text_array_carries_any_text_as_a_list_would(pg: Cluster) -> None:
+    """The binary form made off the loop holds quotes, backslashes, braces, NUL-free Unicode
+    and empty strings exactly as psycopg's own conversion of the list does."""
+    import psycopg
+
+    from treadle.stores import postgres_batch
+
+    items = ['{"a": "q\\"uote"}', "", "back\\slash", "{brace}", "é 漢 🙂", "NULL", "x" * 5000]
+
+    async def main() -> None:
+        conn = await psycopg.AsyncConnection.connect(pg.new_database(), autocommit=True)
+        try:
+            conn.adapters.register_dumper(
+                postgres_batch.DumpedTextArray, postgres_batch._dumped_dumper()
+            )
+            cur = await conn.execute(
+                "SELECT %b::text[], %b::text[]", (postgres_batch.DumpedTextArray.of(items), items)
+            )
+            found = await cur.fetchone()
+            assert found is not None and found[0] == items == found[1]
+        finally:
+            await conn.close()
 
     asyncio.run(main())

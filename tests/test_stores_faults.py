@@ -3,6 +3,7 @@ a schema from a newer Treadle, URLs that name no store."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from pathlib import Path
@@ -55,6 +56,45 @@ def test_damaged_rows_are_a_store_error(tmp_path: Path) -> None:
             conn.execute("UPDATE rows SET payload = '{not json' WHERE key = 'k'")
         with pytest.raises(StoreError, match="not JSON"):
             store.conversation("k").synchronize()
+
+
+def test_rows_stored_as_payloads_or_as_wire_messages_read_alike(tmp_path: Path) -> None:
+    """A row is stored as its cached wire message (its payload with a `role`); rows an older
+    Treadle stored as bare payloads read back the same, and so do this one's in an older reader
+    (`ChunkRow` drops a `role` its kind implies, and keeps `developer`)."""
+    path = tmp_path / "forms.db"
+    rows = [
+        ChunkRow.system("be brief"),
+        ChunkRow("system", {"role": "developer", "content": "dev"}),
+        ChunkRow.user("hi"),
+        ChunkRow("assistant", {"content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ]}),
+        ChunkRow("tool_result", {"tool_call_id": "c1", "content": "ok"}),
+    ]  # fmt: skip
+    with Store.sqlite(path) as store:
+        store.append("new", rows)
+    with sqlite3.connect(path) as conn:
+        stored = [json.loads(p) for (p,) in conn.execute("SELECT payload FROM rows ORDER BY seq")]
+        assert [p.get("role") for p in stored] == [
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ]
+        conn.executemany(  # the older form: the payload alone
+            "INSERT INTO rows (key, seq, pass_id, kind, payload) VALUES ('old', ?, NULL, ?, ?)",
+            [(i, r.kind, json.dumps(r.payload)) for i, r in enumerate(rows)],
+        )
+        conn.execute(
+            "INSERT INTO conversations SELECT 'old', version, usage, stop_reason, metadata,"
+            " NULL, NULL, created_at, updated_at FROM conversations WHERE key = 'new'"
+        )
+    with Store.sqlite(path) as store:
+        assert tuple(store.conversation("new").rows) == tuple(rows)
+        assert tuple(store.conversation("old").rows) == tuple(rows)
+    assert [ChunkRow(r.kind, p) for r, p in zip(rows, stored, strict=True)] == rows
 
 
 @pytest.mark.slow  # stops and restarts a PostgreSQL cluster, 30 s: `make test-slow`

@@ -15,6 +15,7 @@ import pytest
 from pydantic_core import to_json
 
 from treadle import ConfigurationError, ProviderConnectionError, ProviderError, Session
+from treadle._http import pool as pool_module
 from treadle._http.errors import DecodeError, PoolClosed, PoolTimeout
 from treadle._http.pool import Pool
 from treadle._http.protocol import MAX_BODY_BYTES
@@ -116,7 +117,10 @@ def test_provider_takes_pool_timeout() -> None:
         Provider(model="m", pool_timeout=0)
 
 
-async def test_idle_connections_beyond_the_keepalive_cap_are_closed() -> None:
+async def test_idle_connections_beyond_the_keepalive_cap_are_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pool_module, "SURPLUS_IDLE_SECONDS", 0.2)
     with FakeOpenAIServer("echo") as server:
         server.latency_ms = 20
         pool = Pool(max_idle_connections=2)
@@ -125,7 +129,31 @@ async def test_idle_connections_beyond_the_keepalive_cap_are_closed() -> None:
         try:
             replies = await asyncio.gather(*(pool.post(url, body, HEADERS, T) for _ in range(10)))
             assert all(reply.status == 200 for reply in replies)
+            # The burst's surplus waits a moment (requests that paused together come back
+            # together), then only the cap's worth stays open.
+            assert pool.idle_connections == 10 and pool.open_connections == 10
+            await asyncio.sleep(0.5)
             assert pool.idle_connections == 2 and pool.open_connections == 2
+        finally:
+            await pool.aclose()
+
+
+async def test_a_burst_that_pauses_reuses_its_connections() -> None:
+    """Requests that pause together past the idle cap (passes awaiting a store's group commit)
+    and then all go again reuse their connections: none is closed and opened again."""
+    with FakeOpenAIServer("echo") as server:
+        pool = Pool(max_idle_connections=2)
+        url = f"{server.base_url}/chat/completions"
+        body = BODY.replace(b',"stream":true', b"")
+        try:
+            for _ in range(3):
+                replies = await asyncio.gather(
+                    *(pool.post(url, body, HEADERS, T) for _ in range(20))
+                )
+                assert all(reply.status == 200 for reply in replies)
+                await asyncio.sleep(0.05)  # the pause (a commit) before the next turn
+            assert pool.open_connections == 20
+            assert server.connections_opened == 20, server.connections_opened
         finally:
             await pool.aclose()
 

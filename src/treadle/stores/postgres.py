@@ -282,7 +282,9 @@ class PostgresBackend:
         """Append a pass's rows at version `base` and settle the pass (one server-side call)."""
         kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
         status = "interrupted" if stop_reason == "interrupted" else "done"
-        agents = encode_json([r.to_message() for r in agent_rows])
+        # Only a pass that leaves a record needs its agent rows (treadle_commit's own test).
+        keep_record = recorded or status != "done"
+        agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
         encoded = await encode_rows(rows)
         call = (
             pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],

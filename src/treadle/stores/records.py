@@ -149,7 +149,8 @@ def check_storable(rows: Sequence[ChunkRow], what: str = "input rows") -> None:
     `"\\ud800"`, which a JSON body's escape can carry, cannot): raised before a pass starts, so
     it never fails half-way when it records or commits."""
     try:
-        encode_json([r.to_message() for r in rows])
+        for r in rows:  # the row's wire JSON, cached: the request and the commit reuse it
+            r.message_json()
     except (pydantic_core.PydanticSerializationError, ValueError) as err:
         reason = " ".join(str(err).split())
         raise ConfigurationError(
@@ -170,8 +171,12 @@ def decode_json(text: str | bytes, key: str) -> Any:
 
 
 def encode_row(row: ChunkRow) -> tuple[str, str]:
-    """`(kind, payload JSON)` for a row."""
-    return row.kind, encode_json(row.payload)
+    """`(kind, payload JSON)` for a row.
+
+    The JSON is the row's wire message (`message_json`, encoded once per row and cached: the
+    model request has usually encoded it already), which is its payload with a `role` first;
+    `decode_row` (any version: `ChunkRow` drops a `role` its kind implies) reads both forms."""
+    return row.kind, row.message_json().decode()
 
 
 def decode_row(kind: str, payload: str | bytes, key: str) -> ChunkRow:

@@ -174,14 +174,14 @@ class SqliteBackend:
         """`sqlite:///<absolute path>`."""
         return f"sqlite:///{self.path}"
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _run(self, fn: Callable[[sqlite3.Connection], T], *, read_only: bool = False) -> T:
         writer = self._writer
         if writer is None:
             raise StoreError(f"the store {self.url} is closed; open a new Store.")
         try:
             # A job handed to the thread always runs to its end, even if this caller is
             # cancelled meanwhile (a pass recording its own cancellation).
-            return await writer.submit(fn)
+            return await writer.submit(fn, read_only=read_only)
         except sqlite3.Error as err:
             raise StoreError(f"the SQLite store {self.path} failed: {err}.") from None
 
@@ -218,7 +218,7 @@ class SqliteBackend:
             cache.put(key, head[5], rows)
             return stored_from_head(key, rows, head)
 
-        return await self._run(do)
+        return await self._run(do, read_only=True)
 
     async def record(
         self,
@@ -265,7 +265,9 @@ class SqliteBackend:
         """Append a pass's rows at version `base` and settle the pass (one transaction)."""
         kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
         status = "interrupted" if stop_reason == "interrupted" else "done"
-        agents = encode_json([r.to_message() for r in agent_rows])
+        # Only a pass that leaves a record needs its agent rows encoded (most passes do not).
+        keep_record = recorded or status != "done"
+        agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
@@ -282,7 +284,7 @@ class SqliteBackend:
                 conn, key, found, version, now,
                 usage=encode_usage(usage), stop_reason=stop_reason, metadata=kept,
             )  # fmt: skip
-            if recorded or status != "done":  # a pass that kept nothing pending needs no record
+            if keep_record:  # a pass that kept nothing pending needs no record
                 conn.execute(
                     "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
                     " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT"
