@@ -57,9 +57,9 @@ def _events(data: bytes) -> list[bytes]:
     return events
 
 
-async def _rewrite(stream: bytes, cut: int, trip: Trip) -> bytes:
+async def _rewrite(stream: bytes, cut: int, trip: Trip, cap: int = 4 * 1024 * 1024) -> bytes:
     pieces = [stream[i : i + cut] for i in range(0, len(stream), cut)]
-    parking = _ParkingEvents(_Bytes(pieces), 4 * 1024 * 1024, "http://peer/mcp", trip)
+    parking = _ParkingEvents(_Bytes(pieces), cap, "http://peer/mcp", trip)
     return b"".join([piece async for piece in parking])
 
 
@@ -87,6 +87,16 @@ def test_a_large_event_is_parked_and_small_ones_pass_untouched(cut: int) -> None
         real.message.id == 7 and len(real.message.result["content"]) == PARSE_OFF_LOOP_BYTES // 20
     )
     assert trip.parked == {}
+
+
+@pytest.mark.parametrize("cut", [7, 4096, 1 << 30])
+def test_an_event_over_the_cap_passes_as_it_came_for_the_sdk_to_refuse(cut: int) -> None:
+    big = _reply(PARSE_OFF_LOOP_BYTES // 10)
+    stream = b"event: message\ndata: " + big + b"\n\nevent: message\ndata: {}\n\n"
+    trip = Trip()
+    out = get_runtime().run(_rewrite(stream, cut, trip, cap=len(big) // 2))
+    assert out == stream
+    assert trip.parked == {} and trip.reason is None
 
 
 def test_a_large_reply_that_is_not_json_rpc_trips_the_connection() -> None:

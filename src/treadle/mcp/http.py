@@ -229,6 +229,7 @@ class _ParkingEvents(httpx2.AsyncByteStream):
         event: list[bytes] = []  # the lines of the event under way, each with its line end
         size = 0
         partial: list[bytes] = []
+        passing = False  # the event under way went past the cap: passed on as it is, to its end
         async for chunk in self._inner:
             lines = chunk.split(b"\n")
             partial.append(lines[0])
@@ -236,7 +237,7 @@ class _ParkingEvents(httpx2.AsyncByteStream):
                 size += len(chunk)
                 if size > self._cap:  # too big to rewrite: on as it is
                     yield b"".join(event) + b"".join(partial)
-                    event, partial, size = [], [], 0
+                    event, partial, size, passing = [], [], 0, True
                 continue
             lines[0] = b"".join(partial)
             partial = [lines.pop()]
@@ -245,11 +246,13 @@ class _ParkingEvents(httpx2.AsyncByteStream):
                 size += len(line) + 1
                 if line.rstrip(b"\r"):
                     continue
-                yield await self._event(event, size)  # a blank line ends an event
-                event, size = [], 0
+                # a blank line ends an event
+                whole = passing or size > self._cap
+                yield b"".join(event) if whole else await self._event(event, size)
+                event, size, passing = [], 0, False
             if size > self._cap:
                 yield b"".join(event)
-                event, size = [], 0
+                event, size, passing = [], 0, True
         rest = b"".join(event) + b"".join(partial)
         if rest:
             yield rest
