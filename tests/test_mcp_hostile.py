@@ -134,7 +134,7 @@ def test_a_cyclic_schema_is_refused_when_listed(quiet: list[list[dict[str, Any]]
         error, stall = beside_bystanders(listing, quiet)
         assert error is not None
         message = str(error)
-        assert "tool 'loop'" in message and SERVER_SCRIPT in message
+        assert "tool 'loop'" in message and cyclic.label in message  # the label is cut at 80
         assert "$ref chain loops without descending" in message
         assert stall.cpu < STALL_LIMIT, stall
         # a pass given the server fails with the same error, not with RecursionError
