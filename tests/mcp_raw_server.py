@@ -2,7 +2,10 @@
 
 Its one tool `go` answers by its `kind` argument: `meta` (one text block and a `_meta` of `n`
 small objects), `structured` (the same in `structuredContent`), `deep` (a `_meta` nested `n`
-lists deep, which no JSON parser here accepts) or anything else ("ok").
+lists deep, which no JSON parser here accepts), `fill_structured` / `fill_blocks` (as many
+small entries in `structuredContent`, or text blocks, as fit in a line of at most `size` bytes)
+or anything else ("ok"). `--tools N` lists N tools more besides `go`; `--output-schema` gives
+`go` an output schema that `fill_structured` entries of 9 break.
 """
 
 from __future__ import annotations
@@ -10,14 +13,37 @@ from __future__ import annotations
 import json
 import sys
 
+TOOLS = int(sys.argv[sys.argv.index("--tools") + 1]) if "--tools" in sys.argv else 0
+
 
 def send(raw: str) -> None:
     sys.stdout.write(raw + "\n")
     sys.stdout.flush()
 
 
+def filled(call_id: int, kind: object, size: int) -> str:
+    """The longest reply of `kind` whose line (newline included) has at most `size` bytes."""
+
+    def line(n: int) -> str:
+        if kind == "fill_structured":
+            blob = [{"k": j % 10} for j in range(n)]
+            result = {"content": [{"type": "text", "text": "s"}], "structuredContent": {"b": blob}}
+        else:
+            result = {"content": [{"type": "text", "text": "t"} for _ in range(n)]}
+        reply = {"jsonrpc": "2.0", "id": call_id, "result": result}
+        return json.dumps(reply, separators=(",", ":"))
+
+    low, high = 0, size
+    while low < high:  # the largest n that fits
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if len(line(middle)) < size else (low, middle - 1)
+    return line(low)
+
+
 def answer(call_id: int, args: dict[str, object]) -> str:
     kind, n = args.get("kind"), int(str(args.get("n", 0)))
+    if kind in ("fill_structured", "fill_blocks"):
+        return filled(call_id, kind, int(str(args["size"])))
     text = [{"type": "text", "text": "s"}]
     if kind == "meta":
         result = {"content": text, "_meta": {"blob": [{"k": j} for j in range(n)]}}
@@ -34,7 +60,15 @@ def answer(call_id: int, args: dict[str, object]) -> str:
 
 
 def main() -> None:
-    tool = {"name": "go", "description": "answer", "inputSchema": {"type": "object"}}
+    tool: dict[str, object] = {
+        "name": "go",
+        "description": "answer",
+        "inputSchema": {"type": "object"},
+    }
+    if "--output-schema" in sys.argv:
+        entry = {"type": "object", "properties": {"k": {"type": "integer", "maximum": 8}}}
+        items = {"type": "array", "items": entry}
+        tool["outputSchema"] = {"type": "object", "properties": {"b": items}}
     for line in sys.stdin:
         message = json.loads(line)
         method, call_id = message.get("method"), message.get("id")
@@ -46,7 +80,8 @@ def main() -> None:
                 "serverInfo": {"name": "raw", "version": "1"},
             }
         elif method == "tools/list":
-            result = {"tools": [tool]}
+            more = [{"name": f"t{i}", "inputSchema": tool["inputSchema"]} for i in range(TOOLS)]
+            result = {"tools": [tool, *more]}
         elif method == "tools/call":
             send(answer(call_id, message["params"].get("arguments") or {}))
             continue

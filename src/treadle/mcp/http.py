@@ -10,30 +10,80 @@ time, and a reply in any other content coding is refused (requests ask only for 
 small compressed body can never inflate past the cap. A reply over the cap also trips the client
 (`capped_client(..., tripped=...)`): the connection's read stream (`TrippedStream`) then ends with
 a `TransportFault`, so the call fails saying why and the next call starts a fresh connection
-rather than reuse one whose reply was cut off. This module must never hold more than the cap of
-one reply.
+rather than reuse one whose reply was cut off.
+
+The SDK types a reply with one pydantic call on the runtime loop (a reply of 1 MiB of small
+content blocks held it 150 ms), so a reply over `PARSE_OFF_LOOP_BYTES` (a JSON body, or the data
+of one server-sent event) is parsed here instead, on a worker thread as the stdio reader parses
+its lines (`json.loads`, then only the envelope typed), and "parked": the SDK is handed a tiny
+placeholder reply naming it, which `TrippedStream` swaps for the parked message on its way to
+the session. This module must never hold more than the cap of one reply.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
 import zlib
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import httpx2
+import mcp_types as types
+from mcp.shared.message import SessionMessage
 
-from treadle.mcp.stdio import MessageTooLarge
+from treadle.mcp.stdio import (
+    PARSE_OFF_LOOP_BYTES,
+    MessageTooLarge,
+    TransportFault,
+    _parse,
+)
+from treadle.runtime.threads import run_internal_io
 
 __all__ = ["ReplyTooLarge", "Trip", "TrippedStream", "capped_client"]
 
 
-class Trip:
-    """Set once a reply of the connection went over the cap; says which."""
+_PARKED = "treadle_parked"
 
-    __slots__ = ("reason",)
+
+class Trip:
+    """Set once a reply of the connection went over the cap (or was not JSON-RPC); says which.
+    Also holds the connection's parked messages (parsed off the loop), by placeholder token."""
+
+    __slots__ = ("fault", "parked", "reason")
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self.fault: type[TransportFault] = MessageTooLarge
+        self.parked: dict[str, SessionMessage] = {}
+
+    async def park(self, data: bytes, label: str) -> bytes:
+        """`data` (one JSON-RPC message) parsed on a worker thread and kept; the placeholder
+        reply to hand the SDK in its place."""
+        message = await run_internal_io(_parse, data, label)
+        if isinstance(message, TransportFault):
+            self.reason, self.fault = str(message).rstrip("."), type(message)
+            message_id: Any = 0
+        else:
+            token = secrets.token_hex(16)
+            self.parked[token] = message
+            message_id = getattr(message.message, "id", 0)
+        result = {_PARKED: token} if isinstance(message, SessionMessage) else {}
+        return json.dumps({"jsonrpc": "2.0", "id": message_id, "result": result}).encode()
+
+    def unpark(self, item: Any) -> Any:
+        """`item` from the SDK, or the message its placeholder stands for."""
+        message = getattr(item, "message", None)
+        if not isinstance(message, types.JSONRPCResponse) or not isinstance(message.result, dict):
+            return item
+        token = message.result.get(_PARKED)
+        real = self.parked.pop(token, None) if isinstance(token, str) else None
+        if real is None:
+            return item
+        inner = real.message
+        if isinstance(inner, types.JSONRPCResponse | types.JSONRPCError):
+            inner.id = message.id  # the SDK may have put its request's own id on the placeholder
+        return SessionMessage(inner, metadata=item.metadata)
 
 
 class TrippedStream:
@@ -54,8 +104,8 @@ class TrippedStream:
         if self._trip.reason is None:
             item = await self._inner.receive()
             if self._trip.reason is None:
-                return item
-        return MessageTooLarge(
+                return self._trip.unpark(item)
+        return self._trip.fault(
             f"{self._trip.reason}. The connection was closed; the next call opens a new one."
         )
 
@@ -116,12 +166,21 @@ class _CappedBody(httpx2.AsyncByteStream):
         self._coding = coding
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        # The SDK reads a JSON reply whole (`aread`) anyway: kept here whole (capped), then
+        # handed over as it is, or, when large, as the placeholder of its parked message.
+        held: list[bytes] = []
+        size = 0
         try:
             async for piece in self._pieces():
-                yield piece
+                held.append(piece)
+                size += len(piece)
         except ReplyTooLarge as error:
             self._trip.reason = str(error)
             raise
+        if size > PARSE_OFF_LOOP_BYTES:
+            yield await self._trip.park(b"".join(held), self._url)
+        elif held:
+            yield b"".join(held)
 
     async def _pieces(self) -> AsyncIterator[bytes]:
         codings = _codings(self._coding)
@@ -155,6 +214,68 @@ class _CappedBody(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+class _ParkingEvents(httpx2.AsyncByteStream):
+    """A server-sent event stream passed on event by event, the data of each event over
+    `PARSE_OFF_LOOP_BYTES` replaced by the placeholder of its parked message (an event past
+    `cap` is passed on as it is, for the SDK to refuse)."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, cap: int, url: str, trip: Trip) -> None:
+        self._inner = inner
+        self._cap = cap
+        self._url = url
+        self._trip = trip
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        event: list[bytes] = []  # the lines of the event under way, each with its line end
+        size = 0
+        partial: list[bytes] = []
+        passing = False  # the event under way went past the cap: passed on as it is, to its end
+        async for chunk in self._inner:
+            lines = chunk.split(b"\n")
+            partial.append(lines[0])
+            if len(lines) == 1:
+                size += len(chunk)
+                if size > self._cap:  # too big to rewrite: on as it is
+                    yield b"".join(event) + b"".join(partial)
+                    event, partial, size, passing = [], [], 0, True
+                continue
+            lines[0] = b"".join(partial)
+            partial = [lines.pop()]
+            for line in lines:
+                event.append(line + b"\n")
+                size += len(line) + 1
+                if line.rstrip(b"\r"):
+                    continue
+                # a blank line ends an event
+                whole = passing or size > self._cap
+                yield b"".join(event) if whole else await self._event(event, size)
+                event, size, passing = [], 0, False
+            if size > self._cap:
+                yield b"".join(event)
+                event, size, passing = [], 0, True
+        rest = b"".join(event) + b"".join(partial)
+        if rest:
+            yield rest
+
+    async def _event(self, lines: list[bytes], size: int) -> bytes:
+        if size <= PARSE_OFF_LOOP_BYTES:
+            return b"".join(lines)
+        data = [line for line in lines if line.startswith(b"data:")]
+        others = [line for line in lines[:-1] if not line.startswith(b"data:")]
+        payload = b"\n".join(_field_value(line) for line in data)
+        placeholder = await self._trip.park(payload, self._url)
+        return b"".join(others) + b"data: " + placeholder + b"\n\n"
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _field_value(line: bytes) -> bytes:
+    """The value of an SSE `data:` line: past the colon and one space, without its line end."""
+    value = line[5:].rstrip(b"\n").rstrip(b"\r")
+    return value[1:] if value.startswith(b" ") else value
+
+
 def _too_large(url: str, cap: int, seen: int) -> ReplyTooLarge:
     return ReplyTooLarge(
         f"the reply from {url} is over its max_message_bytes cap of {cap:,} bytes ({seen:,} "
@@ -173,7 +294,13 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         response = await self._inner.handle_async_request(request)
         kind = response.headers.get("content-type", "").lower()
         if kind.startswith("text/event-stream"):
-            return response  # capped per event by the SDK; the stream itself may last long
+            # Capped per event by the SDK; the stream itself may last long. Large events are
+            # parked (parsed off the loop) on their way.
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            response.stream = _ParkingEvents(
+                response.stream, self._cap, str(request.url), self._trip
+            )
+            return response
         length = response.headers.get("content-length", "")
         declared = int(length) if length.isdigit() else 0
         assert isinstance(response.stream, httpx2.AsyncByteStream)

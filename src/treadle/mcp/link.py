@@ -33,7 +33,6 @@ from mcp import MCPError
 from mcp.client.session import MessageHandlerFnT
 
 from treadle.errors import (
-    MCPSchemaError,
     MCPServerError,
     ToolArgumentsError,
     ToolError,
@@ -336,7 +335,7 @@ class Link:
         """List the tools and compile their schemas (on a worker thread: a schema is peer data
         whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
         self.listings += 1
-        listing = await list_all(session)
+        listing = await list_all(session, self.label)
         compiled = await run_internal_io(compile_all, listing, self.label)
         self.validators = {id(tool): v for tool, (v, _) in zip(listing, compiled, strict=True)}
         session.output_validators = {
@@ -452,11 +451,11 @@ async def _wait_closed(owner: asyncio.Task[None]) -> None:
         await asyncio.wait({owner}, timeout=CLOSE_SECONDS)
 
 
-def _refused(error: BaseException) -> MCPSchemaError | None:
-    """Our own refusal of a listed tool's schema, when that is what ended a start."""
+def _refused(error: BaseException) -> MCPServerError | None:
+    """Our own refusal of a listing (a tool's schema, too many tools) that ended a start."""
     while isinstance(error, BaseExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
-    return error if isinstance(error, MCPSchemaError) else None
+    return error if isinstance(error, MCPServerError) else None
 
 
 # -- closing every link when its runtime shuts down ----------------------------------------------

@@ -24,10 +24,19 @@ from mcp import ClientSession
 from mcp_types import methods as result_rows
 from pydantic import TypeAdapter
 
-from treadle.mcp.tool import checked_validator, object_schema
+from treadle.errors import MCPServerError
+from treadle.mcp.schema import BudgetExceeded
+from treadle.mcp.tool import (
+    CHEAP_SCHEMA_COST,
+    CHECK_BUDGET_SECONDS,
+    checked_validator,
+    object_schema,
+    small_value,
+)
 from treadle.runtime.threads import run_internal_io
 
 __all__ = [
+    "MAX_LISTED_TOOLS",
     "MAX_LIST_PAGES",
     "OFF_LOOP_ITEMS",
     "REFRESH_MAX_WAIT",
@@ -40,6 +49,12 @@ __all__ = [
 
 #: Pages of `tools/list` read before a server that keeps returning cursors is cut off.
 MAX_LIST_PAGES = 100
+#: Tools one server may list. Each compiled schema is a few dozen objects that every full
+#: collection of the garbage collector walks while it holds the GIL: 19,000 tools (what fits in
+#: 1 MiB) took 34 s to compile and made each full collection take over a second, stalling the
+#: runtime loop with it; 1,000 compile in 2 s and stall it 20 to 50 ms. A model is offered far
+#: fewer tools at once (OpenAI's limit is 128).
+MAX_LISTED_TOOLS = 1000
 #: After a re-listing, further announcements fold into one more, made once the server has been
 #: quiet for `REFRESH_QUIET` seconds (or `REFRESH_MAX_WAIT` seconds have passed): a storm of
 #: `notifications/tools/list_changed` costs a listing every few seconds at most.
@@ -122,14 +137,21 @@ class _Tap:
         return {key: []}
 
 
-async def list_all(session: ClientSession) -> tuple[types.Tool, ...]:
-    """Every page of the server's tool list (up to `MAX_LIST_PAGES`)."""
+async def list_all(session: ClientSession, label: str) -> tuple[types.Tool, ...]:
+    """Every page of the server's tool list (up to `MAX_LIST_PAGES`); `MCPServerError` naming
+    server `label` when it lists more than `MAX_LISTED_TOOLS` tools."""
     tools: list[types.Tool] = []
     cursor: str | None = None
     for _ in range(MAX_LIST_PAGES):
         params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
         page = await session.list_tools(params=params)
         tools.extend(page.tools)
+        if len(tools) > MAX_LISTED_TOOLS:
+            raise MCPServerError(
+                f"MCP server {label} lists more than {MAX_LISTED_TOOLS:,} tools "
+                f"({len(tools):,} so far), more than Treadle offers from one server; serve "
+                "fewer tools from it or split it into several servers."
+            )
         cursor = page.next_cursor
         if not cursor:
             break
@@ -175,20 +197,33 @@ class CheckedSession(ClientSession):
 
     async def validate_tool_result(self, name: str, result: types.CallToolResult) -> None:
         """Raise `RuntimeError` (a tool error to the caller) when a result does not match its
-        tool's output schema."""
-        from jsonschema import exceptions  # type: ignore[import-untyped]
-
+        tool's output schema, or its check takes over `CHECK_BUDGET_SECONDS` (a large result,
+        or one against a costly schema, is checked on a worker thread)."""
         validator = self.output_validators.get(name)
         if validator is None:
             return
-        if result.structured_content is None:
+        structured = result.structured_content
+        if structured is None:
             raise RuntimeError(f"tool {name} has an output schema but sent no structured content")
-        try:
-            error = exceptions.best_match(validator.iter_errors(result.structured_content))
-        except RecursionError:
-            raise RuntimeError(f"the structured result of {name} is nested too deeply") from None
+        if validator.cost <= CHEAP_SCHEMA_COST and small_value(structured):
+            error = _output_error(validator, structured, name)
+        else:
+            error = await run_internal_io(_output_error, validator, structured, name)
         if error is not None:
             raise RuntimeError(f"the structured result of {name} does not match: {error.message}")
+
+
+def _output_error(validator: Any, structured: Any, name: str) -> Any:
+    """The most relevant error of `structured` against `validator` (None: it matches)."""
+    try:
+        return validator.best_error(structured, CHECK_BUDGET_SECONDS)
+    except RecursionError:
+        raise RuntimeError(f"the structured result of {name} is nested too deeply") from None
+    except BudgetExceeded:
+        raise RuntimeError(
+            f"checking the structured result of {name} against its output schema took over "
+            f"{CHECK_BUDGET_SECONDS:g} s and was stopped"
+        ) from None
 
 
 async def until_quiet(announced: Callable[[], float], finished: asyncio.Event) -> None:

@@ -82,6 +82,15 @@ class Compiled:
         """The validation errors of `instance`, without a budget."""
         return self.validator.iter_errors(instance)  # type: ignore[no-any-return]
 
+    def best_error(self, instance: Any, budget: float) -> Any:
+        """The most relevant validation error of `instance` (None when it is valid), as
+        `errors` finds them: `BudgetExceeded` past `budget` seconds."""
+        _deadline.at = time.monotonic() + budget
+        try:
+            return exceptions.best_match(self.validator.iter_errors(instance))
+        finally:
+            _deadline.at = None
+
     def errors(self, instance: Any, budget: float) -> list[Any]:
         """All validation errors of `instance`; `BudgetExceeded` once the check has taken more
         than `budget` seconds (`RecursionError` for too deep a value)."""

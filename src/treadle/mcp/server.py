@@ -215,11 +215,16 @@ class MCPServer:
             from mcp.client.streamable_http import streamable_http_client
 
             from treadle.mcp.http import Trip, TrippedStream, capped_client
+            from treadle.runtime.threads import run_internal_io
 
             timeout = httpx2.Timeout(_HTTP_CONNECT_SECONDS, read=_HTTP_READ_SECONDS)
             trip = Trip()  # a reply over the cap ends this connection (a fresh one next call)
+            # Made on a worker thread: loading the CA certificates takes 50-80 ms of CPU.
+            client = await run_internal_io(
+                capped_client, fixed_headers, timeout, max_message_bytes, trip
+            )
             async with (
-                capped_client(fixed_headers, timeout, max_message_bytes, trip) as client,
+                client,
                 streamable_http_client(
                     url, http_client=client, max_sse_event_size=max_message_bytes
                 ) as (read, write),

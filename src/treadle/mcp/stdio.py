@@ -54,9 +54,10 @@ __all__ = [
 log = logging.getLogger("treadle.mcp")
 
 #: Bytes one message from a server may have before the connection is ended as faulty. A tool
-#: result reaches the model capped at a few thousand characters, so anything near this size is a
-#: server's mistake; parsing it is work on the shared loop, so the cap also bounds that work.
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: result reaches the model capped at 100,000 characters, so anything near this size is a
+#: server's mistake. The cap also bounds the one step that holds the GIL for a whole message,
+#: `json.loads` on a worker thread: about 25 ms of CPU per MiB of small objects (docs/mcp.md).
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 #: A message longer than this is parsed on a worker thread (a shorter one parses in about a
 #: millisecond, less than the hand-over costs).
 PARSE_OFF_LOOP_BYTES = 64 * 1024

@@ -30,6 +30,7 @@ from treadle.errors import MCPSchemaError, ToolArgumentsError, ToolError
 from treadle.mcp.schema import BudgetExceeded, Compiled, SchemaRefused, compile_schema
 from treadle.runtime.threads import run_internal_io
 from treadle.tools import Tool, ToolContext
+from treadle.tools.results import EncodedResult
 
 __all__ = [
     "CHECK_BUDGET_SECONDS",
@@ -38,6 +39,7 @@ __all__ = [
     "checked_validator",
     "object_schema",
     "result_body",
+    "small_value",
     "tool_name",
 ]
 
@@ -56,7 +58,7 @@ CHEAP_SCHEMA_COST = 50
 _INVALID = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def _small(value: Any) -> bool:
+def small_value(value: Any) -> bool:
     """Whether `value` has at most `ON_LOOP_VALUES` JSON values and `ON_LOOP_CHARACTERS`
     characters of strings and keys (the walk stops as soon as it knows: bounded on the loop)."""
     stack = [value]
@@ -76,6 +78,19 @@ def _small(value: Any) -> bool:
         elif isinstance(item, list | tuple):
             stack.extend(item)
     return characters <= ON_LOOP_CHARACTERS
+
+
+def _small_result(result: types.CallToolResult) -> bool:
+    """Whether `result` is cheap to turn into the model's text on the loop: a few content
+    blocks of short text, and structured content `small_value` says is small (bounded checks)."""
+    content = result.content
+    if len(content) > ON_LOOP_VALUES // 10:
+        return False
+    characters = sum(len(getattr(block, "text", "") or "") for block in content)
+    if characters > ON_LOOP_CHARACTERS:
+        return False
+    structured = result.structured_content
+    return structured is None or small_value(structured)
 
 
 class _Caller(Protocol):
@@ -140,7 +155,7 @@ class MCPTool(Tool):
         return values
 
     def _on_loop(self, values: dict[str, Any]) -> bool:
-        return self._validator.cost <= CHEAP_SCHEMA_COST and _small(values)
+        return self._validator.cost <= CHEAP_SCHEMA_COST and small_value(values)
 
     def _errors(self, values: dict[str, Any]) -> list[Any]:
         """The schema's complaints about `values`, within the budget (run on any thread)."""
@@ -186,7 +201,15 @@ class MCPTool(Tool):
         if not self._on_loop(values):
             self._report(await run_internal_io(self._errors, values))
         result = await self.server.call(self.remote_name, values)
-        return result_body(result, self.name)
+        if _small_result(result):
+            return result_body(result, self.name)
+        # Turning a bulky result into the capped text the model reads walks all of it in Python
+        # (seconds for 200,000 entries): on a worker thread, where the loop gets the GIL back
+        # every few milliseconds, and only the capped text comes back.
+        return await run_internal_io(self._encoded, result)
+
+    def _encoded(self, result: types.CallToolResult) -> EncodedResult:
+        return EncodedResult.of(result_body(result, self.name), max_chars=self.max_result_chars)
 
 
 def checked_validator(

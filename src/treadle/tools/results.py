@@ -30,6 +30,7 @@ __all__ = [
     "MAX_CONTENT_CHARS",
     "MAX_DETAIL_CHARS",
     "MAX_TEXT_CHARS",
+    "EncodedResult",
     "ResultSerialisationError",
     "cap_text",
     "error_content",
@@ -64,6 +65,23 @@ def _cap_tail(text: str, limit: int) -> str:
         return text
     keep = max(0, limit - len(truncation_marker(len(text))))
     return truncation_marker(len(text) - keep) + text[len(text) - keep :]
+
+
+class EncodedResult:
+    """A tool result already turned into its JSON text by `success_content` (on a worker thread,
+    say, for a bulky value whose encoding would hold the event loop): the dispatcher takes its
+    `text` as the result's content as it is. Make one only with `EncodedResult.of`."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @classmethod
+    def of(cls, value: Any, *, max_chars: int | None = None) -> EncodedResult:
+        """`success_content(value, max_chars=...)`, held (blocking and linear in the value: call
+        it on a worker thread for a large one)."""
+        return cls(success_content(value, max_chars=max_chars))
 
 
 class ResultSerialisationError(Exception):
@@ -190,7 +208,9 @@ def _encode(body: Mapping[str, Any], limit: int) -> str:
 
 
 def success_content(value: Any, *, max_chars: int | None = None) -> str:
-    """The JSON text for a successful call that returned `value`."""
+    """The JSON text for a successful call that returned `value` (an `EncodedResult`: its text)."""
+    if isinstance(value, EncodedResult):
+        return value.text
     limit = max_chars if max_chars is not None else MAX_TEXT_CHARS
     if isinstance(value, Mapping):
         body: dict[str, Any] = {"ok": True}
