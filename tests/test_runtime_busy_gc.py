@@ -14,6 +14,7 @@ import pytest
 
 from treadle.runtime.background import Runtime
 from treadle.runtime.busy_gc import (
+    BUSY_FULL_THRESHOLD,
     BUSY_PASSES,
     BUSY_RUNNING,
     DEFAULT_BUSY_THRESHOLD,
@@ -35,11 +36,24 @@ def test_raised_while_busy_and_restored_after() -> None:
     collector.update(BUSY_PASSES - 1)
     assert gc.get_threshold() == (700, 10, 10)
     collector.update(BUSY_PASSES)
-    assert gc.get_threshold() == (5000, 10, 10)
+    assert gc.get_threshold() == (5000, 10, BUSY_FULL_THRESHOLD)
     collector.update(BUSY_PASSES // 2)  # hysteresis: still busy enough
-    assert gc.get_threshold() == (5000, 10, 10)
+    assert gc.get_threshold() == (5000, 10, BUSY_FULL_THRESHOLD)
     collector.update(BUSY_PASSES // 4 - 1)
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_full_collections_wait_longer_while_busy_unless_the_program_asked_rarer() -> None:
+    collector = BusyCollector(threshold=5000)
+    gc.set_threshold(700, 10, 500)  # the program's own rarer full collections stay
+    collector.update(BUSY_PASSES)
+    assert gc.get_threshold() == (5000, 10, 500)
+    collector.update(0)
+    assert gc.get_threshold() == (700, 10, 500)
+    collector.update(BUSY_PASSES)
+    gc.set_threshold(5000, 10, 20)  # changed by the program while raised: not undone
+    collector.update(0)
+    assert gc.get_threshold() == (5000, 10, 20)
 
 
 def test_the_programs_own_setting_wins() -> None:

@@ -192,14 +192,15 @@ class Runtime:
         """Schedule `coro` on the runtime and return its `LazyValue` at once."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         lazy = LazyValue(future, self)
+        on_loop = threading.get_ident() == self._thread.ident  # asked once: per-pass cost
         with self._state:
-            refused = self._closed or self._dead is not None or self.forked_away()
-            if not refused and not self.in_loop_thread():
+            refused = self._closed or self._dead is not None or self._pid != os.getpid()
+            if not refused and not on_loop:
                 self._unstarted[future] = coro
         if refused:
             coro.close()
             raise RuntimeError("the Treadle runtime has shut down; no new work can start.")
-        if self.in_loop_thread():
+        if on_loop:
             self._start(coro, lazy)
             return lazy
         # Passes submitted from other threads start in batches (one wake-up of the loop for many

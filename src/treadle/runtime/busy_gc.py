@@ -7,7 +7,8 @@ oldest generation, where they trigger full collections walking every live object
 outputs, the started passes and the waiting ones. At 10,000 passes the collector took 40% of the
 client's CPU (docs/performance.md, issue 33). While at least `BUSY_PASSES` passes are pending the
 runtime raises the first threshold to `DEFAULT_BUSY_THRESHOLD` (the `TREADLE_BUSY_GC_THRESHOLD`
-environment variable, 0 to leave the collector alone), and puts it back once fewer than a quarter
+environment variable, 0 to leave the collector alone) and the third to `BUSY_FULL_THRESHOLD`
+(fewer full collections while a burst is submitted), and puts them back once fewer than a quarter
 of that remain, unless the program changed the thresholds meanwhile.
 
 Passes that run on the caller's own event loop (`stream_session_loop`, `arun_session_loop`,
@@ -25,6 +26,7 @@ import os
 import threading
 
 __all__ = [
+    "BUSY_FULL_THRESHOLD",
     "BUSY_PASSES",
     "BUSY_RUNNING",
     "DEFAULT_BUSY_THRESHOLD",
@@ -42,6 +44,11 @@ BUSY_RUNNING = 100
 one waiting to start, and a fan-out's start-up allocations come before its last pass started."""
 DEFAULT_BUSY_THRESHOLD = 20_000
 """The collector's first threshold while busy (allocations between young collections)."""
+BUSY_FULL_THRESHOLD = 100
+"""The third threshold while busy (middle collections between full ones; CPython's is 10). A
+burst of submissions makes every object new, so full collections, each walking every pending
+pass, came every few thousand passes and the submitting thread paid for them: at 100,000
+submissions 2 full collections, 1.6 of the submitter's 4.0 s of CPU (docs/performance.md)."""
 
 
 class BusyCollector:
@@ -61,11 +68,14 @@ class BusyCollector:
             if pending >= BUSY_PASSES and self.threshold > 0:
                 before = gc.get_threshold()
                 if 0 < before[0] < self.threshold:  # the program's own higher setting stays
-                    gc.set_threshold(self.threshold, before[1], before[2])
+                    full = max(before[2], BUSY_FULL_THRESHOLD)
+                    gc.set_threshold(self.threshold, before[1], full)
                     self.raised = before
         elif pending < BUSY_PASSES // 4:
             before, self.raised = self.raised, None
-            if gc.get_threshold()[0] == self.threshold:  # else the program set its own since
+            now = gc.get_threshold()
+            # Else the program set its own since.
+            if now[0] == self.threshold and now[2] == max(before[2], BUSY_FULL_THRESHOLD):
                 gc.set_threshold(*before)
 
 

@@ -7,6 +7,7 @@ and a long fan-out never accumulates a process-wide registry). Pure values, no I
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from treadle.session.usage import Usage
 
 __all__ = ["LineageNode", "record_usage", "shared_usage"]
+
+_first_child = threading.Lock()
 
 
 class LineageNode:
@@ -32,9 +35,17 @@ class LineageNode:
         self.parents: tuple[LineageNode, ...] = tuple(parents)
         self.usage: Usage | None = None
         """The session's usage once its data is known (what `merge` must not count twice)."""
-        self._children: weakref.WeakSet[LineageNode] = weakref.WeakSet()
+        # Made with the first child: most nodes (a fan-out's outputs) never have one, and an
+        # empty `WeakSet` is five objects the collector walks per node.
+        self._children: weakref.WeakSet[LineageNode] | None = None
         for parent in self.parents:
-            parent._children.add(self)
+            children = parent._children
+            if children is None:
+                with _first_child:  # two threads deriving from one parent keep one set
+                    children = parent._children
+                    if children is None:
+                        children = parent._children = weakref.WeakSet()
+            children.add(self)
 
     @property
     def parent_ids(self) -> tuple[str, ...]:
@@ -44,7 +55,7 @@ class LineageNode:
     @property
     def children(self) -> list[LineageNode]:
         """Direct children that are still alive (sorted by id for a stable order)."""
-        return sorted(self._children, key=lambda n: n.id)
+        return sorted(self._children or (), key=lambda n: n.id)
 
     def ancestors(self) -> list[LineageNode]:
         """Every ancestor, nearest first (breadth-first, each once)."""

@@ -15,6 +15,7 @@ import os
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, cast
 
@@ -130,7 +131,9 @@ class Session(Generic[Output]):
             sandbox.acquire()
         lineage = LineageNode(sid, operator, kind, (p.lineage for p in parents))
         if lazy is not None:  # `merge` needs the usage even if no one reads this facade
-            lazy.add_done_callback(lambda value: record_usage(lineage, value))
+            # On the future itself, with a partial (not two nested closures): objects each of a
+            # fan-out's pending outputs holds (docs/performance.md, issue 33).
+            lazy._future.add_done_callback(partial(record_usage, lineage))
         new._init(sid, lineage, data, lazy, sandbox)
         return new
 
