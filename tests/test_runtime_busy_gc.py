@@ -128,7 +128,7 @@ def test_running_passes_raise_it_from_busy_running_on_any_thread() -> None:
     for t in threads:
         t.join()
     assert not errors and RUNNING_PASS.count == BUSY_RUNNING
-    assert gc.get_threshold() == (DEFAULT_BUSY_THRESHOLD, 10, 10)
+    assert gc.get_threshold() == (DEFAULT_BUSY_THRESHOLD, 10, BUSY_FULL_THRESHOLD)
     for _ in range(BUSY_RUNNING - BUSY_RUNNING // 4 + 1):  # hysteresis: a quarter stays busy
         RUNNING_PASS.__exit__(None, None, None)
     assert gc.get_threshold() == (700, 10, 10)
