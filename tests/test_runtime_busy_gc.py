@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +21,7 @@ from treadle.runtime.busy_gc import (
     BUSY_PASSES,
     BUSY_RUNNING,
     DEFAULT_BUSY_THRESHOLD,
+    MEMORY_MARGIN,
     RUNNING_PASS,
     BusyCollector,
 )
@@ -157,3 +161,71 @@ async def test_streams_on_the_callers_loop_raise_it_and_put_it_back() -> None:
         await asyncio.gather(*(one() for _ in range(BUSY_RUNNING)))
     assert seen == [DEFAULT_BUSY_THRESHOLD]
     assert RUNNING_PASS.count == 0 and gc.get_threshold() == (700, 10, 10)
+
+
+@pytest.mark.parametrize("own", [(20_000, 100, 100), (20_000, 10, 10), (20_000, 5, 100)])
+def test_thresholds_the_program_set_while_raised_are_kept(own: tuple[int, int, int]) -> None:
+    # Restored only if the thresholds are exactly the ones Treadle set, all three values.
+    collector = BusyCollector(threshold=DEFAULT_BUSY_THRESHOLD)
+    collector.update(BUSY_PASSES)
+    assert gc.get_threshold() == (DEFAULT_BUSY_THRESHOLD, 10, BUSY_FULL_THRESHOLD)
+    gc.set_threshold(*own)
+    collector.update(0)
+    assert gc.get_threshold() == own
+    for _ in range(BUSY_RUNNING):  # the same for running passes
+        RUNNING_PASS.__enter__()
+    gc.set_threshold(700, 10, 10)
+    gc.set_threshold(*own)
+    for _ in range(BUSY_RUNNING):
+        RUNNING_PASS.__exit__(None, None, None)
+    assert gc.get_threshold() == own
+
+
+_GARBAGE_WORKLOAD = """
+import asyncio, gc, resource
+from treadle import Provider, Session, stream_session_loop
+from treadle.testing import FakeOpenAIServer
+
+async def main() -> None:
+    with FakeOpenAIServer(script="echo", latency_ms=2500) as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", stream=True)
+        agent = Session.from_agent_prompt("be brief")
+        user = Session.from_user_message("hi")
+        async def one() -> None:
+            async for _ in stream_session_loop(user, agent, agent_provider=provider):
+                pass
+        async def users_code() -> None:
+            await asyncio.sleep(0.8)  # the streams are all waiting on their replies
+            print("threshold", gc.get_threshold()[0], flush=True)
+            for i in range(15000):  # cyclic garbage, 64 KiB each, freed only by the collector
+                d = {"buf": bytearray(64 * 1024)}
+                d["self"] = d
+                if i % 500 == 0:
+                    await asyncio.sleep(0)
+        await asyncio.gather(users_code(), *(one() for _ in range(STREAMS)))
+    print("peak", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc/self/statm")
+def test_raised_thresholds_hold_at_most_the_margin_of_extra_garbage() -> None:
+    # The program's own cyclic garbage while 100 streams wait (issue: 984 against 92 MiB).
+    script = _GARBAGE_WORKLOAD.replace("STREAMS", str(BUSY_RUNNING))
+    runs = {}
+    for name, value in (("default", "0"), ("raised", "")):
+        env = {**os.environ, "TREADLE_BUSY_GC_THRESHOLD": value}
+        runs[name] = subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True
+        )
+    seen = {}
+    for name, proc in runs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        seen[name] = dict(line.split() for line in out.splitlines())
+    assert seen["default"]["threshold"] == "700"
+    assert seen["raised"]["threshold"] == str(DEFAULT_BUSY_THRESHOLD)
+    extra = int(seen["raised"]["peak"]) - int(seen["default"]["peak"])
+    # The margin, plus what one watch interval can allocate on a loaded machine.
+    assert extra < 3 * MEMORY_MARGIN, (extra, seen)

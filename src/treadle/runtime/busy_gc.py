@@ -16,6 +16,12 @@ Passes that run on the caller's own event loop (`stream_session_loop`, `arun_ses
 process, on any loop, for a second collector with the same rule from `BUSY_RUNNING` running
 passes (scenario 12's 1,000 concurrent streams spent a quarter of their client CPU in the
 collector without it).
+
+The thresholds are process-wide, so the program's own cyclic garbage would live as long as the
+passes' objects: while they are raised a watch thread reads the process's resident memory
+(`/proc/self/statm`) every `WATCH_SECONDS`, and once it grew by more than `MEMORY_MARGIN` since
+the raise or the last collection, runs a collection of the two younger generations. Where
+`/proc/self/statm` cannot be read the thresholds are not raised.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import gc
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 __all__ = [
     "BUSY_FULL_THRESHOLD",
     "BUSY_PASSES",
     "BUSY_RUNNING",
     "DEFAULT_BUSY_THRESHOLD",
+    "MEMORY_MARGIN",
     "RUNNING_PASS",
     "BusyCollector",
 ]
@@ -44,6 +52,13 @@ BUSY_RUNNING = 100
 one waiting to start, and a fan-out's start-up allocations come before its last pass started."""
 DEFAULT_BUSY_THRESHOLD = 20_000
 """The collector's first threshold while busy (allocations between young collections)."""
+MEMORY_MARGIN = 32 * 1024 * 1024
+"""Resident memory the process may grow by while the thresholds are raised before the watch runs a
+collection (then measured again from what remains): the raise holds at most about this much more
+garbage than CPython's thresholds would, plus what the program allocates in one `WATCH_SECONDS`."""
+WATCH_SECONDS = 0.01
+"""How often the watch reads the resident memory while the thresholds are raised (one read costs
+about 10 µs: 0.1% of a core)."""
 BUSY_FULL_THRESHOLD = 100
 """The third threshold while busy (middle collections between full ones; CPython's is 10). A
 burst of submissions makes every object new, so full collections, each walking every pending
@@ -67,15 +82,20 @@ class BusyCollector:
         if self.raised is None:
             if pending >= BUSY_PASSES and self.threshold > 0:
                 before = gc.get_threshold()
-                if 0 < before[0] < self.threshold:  # the program's own higher setting stays
+                # The program's own higher setting stays.
+                if 0 < before[0] < self.threshold and _WATCH.acquire():
                     full = max(before[2], BUSY_FULL_THRESHOLD)
                     gc.set_threshold(self.threshold, before[1], full)
                     self.raised = before
         elif pending < BUSY_PASSES // 4:
             before, self.raised = self.raised, None
-            now = gc.get_threshold()
-            # Else the program set its own since.
-            if now[0] == self.threshold and now[2] == max(before[2], BUSY_FULL_THRESHOLD):
+            _WATCH.release()
+            # Else the program set its own since (any of the three values).
+            if gc.get_threshold() == (
+                self.threshold,
+                before[1],
+                max(before[2], BUSY_FULL_THRESHOLD),
+            ):
                 gc.set_threshold(*before)
 
 
@@ -87,6 +107,93 @@ def _from_environment() -> int:
         log.warning("TREADLE_BUSY_GC_THRESHOLD=%r is not an integer; using %d", value,
                     DEFAULT_BUSY_THRESHOLD)  # fmt: skip
         return DEFAULT_BUSY_THRESHOLD
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _resident() -> int | None:
+    """The process's resident memory in bytes (None: not readable here)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _load_trim() -> Callable[[], object] | None:
+    """glibc's `malloc_trim(0)`, which gives freed memory back to the system (None elsewhere)."""
+    try:
+        import ctypes  # only once the thresholds are raised: importing treadle stays light
+
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, ImportError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return lambda: trim(0)
+
+
+class _MemoryWatch:
+    """A thread, running while any collector holds the thresholds raised, that collects once the
+    resident memory grew by more than `MEMORY_MARGIN` (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._stop: threading.Event | None = None
+        self._trim: Callable[[], object] | None = None
+        self._trim_loaded = False
+        self.collections = 0
+        """Collections the watch ran (for tests and measurements)."""
+
+    def acquire(self) -> bool:
+        """Hold the watch running; False where it cannot watch (then do not raise): no
+        `/proc/self/statm` or no `malloc_trim` (not Linux with glibc)."""
+        with self._lock:
+            if self._holders == 0:
+                if not self._trim_loaded:
+                    self._trim, self._trim_loaded = _load_trim(), True
+                start = _resident()
+                if start is None or self._trim is None:
+                    return False
+                stop = self._stop = threading.Event()
+                # Its own thread: the program may allocate without ever yielding to a loop.
+                threading.Thread(
+                    target=self._watch,
+                    args=(stop, start, self._trim),
+                    name="treadle-gc-watch",
+                    daemon=True,
+                ).start()
+            self._holders += 1
+            return True
+
+    def release(self) -> None:
+        """Drop one hold; the thread ends with the last."""
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._stop is not None:
+                self._stop.set()
+                self._stop = None
+
+    def _watch(self, stop: threading.Event, base: int, trim: Callable[[], object]) -> None:
+        while not stop.wait(WATCH_SECONDS):
+            now = _resident()
+            if now is None:
+                return
+            if now - base > MEMORY_MARGIN:
+                if gc.isenabled():  # a program that disabled the collector keeps it so
+                    gc.collect(1)
+                    self.collections += 1
+                    # Freed memory stays resident (and garbage made next would reuse it unseen)
+                    # until given back.
+                    trim()
+                base = _resident() or now  # what the collection left is the new start
+            elif now < base:
+                base = now
+
+
+_WATCH = _MemoryWatch()
 
 
 class _RunningPasses:
