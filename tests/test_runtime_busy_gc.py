@@ -229,3 +229,17 @@ def test_raised_thresholds_hold_at_most_the_margin_of_extra_garbage() -> None:
     extra = int(seen["raised"]["peak"]) - int(seen["default"]["peak"])
     # The margin, plus what one watch interval can allocate on a loaded machine.
     assert extra < 3 * MEMORY_MARGIN, (extra, seen)
+
+
+def test_the_memory_watch_runs_only_while_raised() -> None:
+    def watching() -> bool:
+        return any(t.name == "treadle-gc-watch" for t in threading.enumerate())
+
+    collector = BusyCollector(threshold=DEFAULT_BUSY_THRESHOLD)
+    collector.update(BUSY_PASSES)
+    assert collector.raised is not None and watching()
+    collector.update(0)
+    for t in threading.enumerate():
+        if t.name == "treadle-gc-watch":
+            t.join(timeout=30)
+    assert not watching()

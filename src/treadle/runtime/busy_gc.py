@@ -20,8 +20,10 @@ collector without it).
 The thresholds are process-wide, so the program's own cyclic garbage would live as long as the
 passes' objects: while they are raised a watch thread reads the process's resident memory
 (`/proc/self/statm`) every `WATCH_SECONDS`, and once it grew by more than `MEMORY_MARGIN` since
-the raise or the last collection, runs a collection of the two younger generations. Where
-`/proc/self/statm` cannot be read the thresholds are not raised.
+the raise or the last collection, runs a collection of the two younger generations and glibc's
+`malloc_trim` (freed memory left resident would be reused by the next garbage unseen). Where it
+cannot watch (no `/proc/self/statm`, no `malloc_trim`: not Linux with glibc) the thresholds are
+not raised.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ collection (then measured again from what remains): the raise holds at most abou
 garbage than CPython's thresholds would, plus what the program allocates in one `WATCH_SECONDS`."""
 WATCH_SECONDS = 0.01
 """How often the watch reads the resident memory while the thresholds are raised (one read costs
-about 10 µs: 0.1% of a core)."""
+about 30 µs on a loaded machine: 0.3% of a core)."""
 BUSY_FULL_THRESHOLD = 100
 """The third threshold while busy (middle collections between full ones; CPython's is 10). A
 burst of submissions makes every object new, so full collections, each walking every pending
