@@ -243,3 +243,22 @@ def test_the_memory_watch_runs_only_while_raised() -> None:
         if t.name == "treadle-gc-watch":
             t.join(timeout=30)
     assert not watching()
+
+
+def test_a_child_forked_while_raised_watches_its_own_memory() -> None:
+    collector = BusyCollector(threshold=DEFAULT_BUSY_THRESHOLD)
+    collector.update(BUSY_PASSES)
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: raised thresholds inherited, and a watch of its own
+            names = [t.name for t in threading.enumerate()]
+            os.write(write, b"1" if "treadle-gc-watch" in names else b"0")
+            os._exit(0)
+        os.close(write)
+        seen = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert seen == b"1"
+    finally:
+        collector.update(0)

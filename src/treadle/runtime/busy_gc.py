@@ -159,16 +159,24 @@ class _MemoryWatch:
                 start = _resident()
                 if start is None or self._trim is None:
                     return False
-                stop = self._stop = threading.Event()
-                # Its own thread: the program may allocate without ever yielding to a loop.
-                threading.Thread(
-                    target=self._watch,
-                    args=(stop, start, self._trim),
-                    name="treadle-gc-watch",
-                    daemon=True,
-                ).start()
+                self._start(start, self._trim)
             self._holders += 1
             return True
+
+    def _start(self, start: int, trim: Callable[[], object]) -> None:
+        stop = self._stop = threading.Event()
+        # Its own thread: the program may allocate without ever yielding to a loop.
+        threading.Thread(
+            target=self._watch, args=(stop, start, trim), name="treadle-gc-watch", daemon=True
+        ).start()
+
+    def after_fork_in_child(self) -> None:
+        """A child forked while the thresholds are raised inherits them but not the thread:
+        start its own watch, so the bound holds there too."""
+        self._lock = threading.Lock()  # the parent's may have been held by another thread
+        start = _resident()
+        if self._holders > 0 and start is not None and self._trim is not None:
+            self._start(start, self._trim)
 
     def release(self) -> None:
         """Drop one hold; the thread ends with the last."""
@@ -196,6 +204,8 @@ class _MemoryWatch:
 
 
 _WATCH = _MemoryWatch()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WATCH.after_fork_in_child)
 
 
 class _RunningPasses:
