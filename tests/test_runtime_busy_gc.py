@@ -245,6 +245,7 @@ def test_the_memory_watch_runs_only_while_raised() -> None:
     assert not watching()
 
 
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # 3.12+: fork with threads
 def test_a_child_forked_while_raised_watches_its_own_memory() -> None:
     collector = BusyCollector(threshold=DEFAULT_BUSY_THRESHOLD)
     collector.update(BUSY_PASSES)
