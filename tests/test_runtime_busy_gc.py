@@ -246,20 +246,31 @@ def test_the_memory_watch_runs_only_while_raised() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # 3.12+: fork with threads
-def test_a_child_forked_while_raised_watches_its_own_memory() -> None:
+def test_a_child_forked_while_raised_starts_from_the_programs_thresholds() -> None:
     collector = BusyCollector(threshold=DEFAULT_BUSY_THRESHOLD)
     collector.update(BUSY_PASSES)
+    assert gc.get_threshold() == (DEFAULT_BUSY_THRESHOLD, 10, BUSY_FULL_THRESHOLD)
     try:
         read, write = os.pipe()
         pid = os.fork()
-        if pid == 0:  # the child: raised thresholds inherited, and a watch of its own
-            names = [t.name for t in threading.enumerate()]
-            os.write(write, b"1" if "treadle-gc-watch" in names else b"0")
+        if pid == 0:  # the child: none of the parent's passes run here
+            os.write(write, repr(gc.get_threshold()).encode())
             os._exit(0)
         os.close(write)
-        seen = os.read(read, 1)
+        seen = os.read(read, 100)
         os.close(read)
         os.waitpid(pid, 0)
-        assert seen == b"1"
+        assert seen == b"(700, 10, 10)"
     finally:
         collector.update(0)
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_a_programs_own_third_threshold_stays_while_busy() -> None:
+    gc.set_threshold(700, 10, 2)  # frequent full collections, asked for by the program
+    collector = BusyCollector(threshold=DEFAULT_BUSY_THRESHOLD)
+    collector.update(BUSY_PASSES)
+    assert gc.get_threshold() == (DEFAULT_BUSY_THRESHOLD, 10, 2)
+    collector.update(0)
+    assert gc.get_threshold() == (700, 10, 2)
+    gc.set_threshold(700, 10, 10)

@@ -1,8 +1,9 @@
-"""What a submitted pass costs the caller: shared inputs validated once, errors still raised.
+"""What a submitted pass keeps: its own tool set, built from the tools as they are at its call.
 
-A fan-out submits the same tools with every pass; the tool set is built once for them and
-reused while the next call holds the same objects (issue 33: 100,000 submissions). A bad input
-still raises at its own call, and a tool given as a class still gets an instance per pass.
+Issue 33 tried a cache of the last call's tool set (a fan-out submits the same tools with every
+pass); it gave stale sets for a tool changed between calls, let a name clash through, and kept
+dropped tools and MCP servers alive for the life of the process, so each pass builds its own
+again. A bad input raises at its own call, and a tool given as a class gets an instance per pass.
 """
 
 from __future__ import annotations
@@ -39,9 +40,48 @@ def _tools_of(tools: Any) -> Any:
     return _plan(USER, AGENT, "x", agent_provider=PROVIDER, tools=tools).tools
 
 
-def test_passes_with_the_same_tools_share_one_validated_set() -> None:
-    assert _tools_of([ping]) is _tools_of([ping])
-    assert list(_tools_of((ping,))) == ["ping"]
+def test_a_tool_changed_between_calls_is_seen_as_it_is_now() -> None:
+    @tool
+    def alpha() -> str:
+        """A."""
+        return "a"
+
+    @tool
+    def beta() -> str:
+        """B."""
+        return "b"
+
+    tools = [alpha, beta]
+    assert list(_tools_of(tools)) == ["alpha", "beta"]
+    beta.name = "gamma"
+    assert list(_tools_of(tools)) == ["alpha", "gamma"]
+    beta.name = "alpha"  # now a clash: refused at this call
+    with pytest.raises(ConfigurationError, match="two tools are named 'alpha'"):
+        _tools_of(tools)
+
+
+def test_a_tool_dropped_after_its_passes_is_not_kept_alive() -> None:
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    captured = Big()
+
+    def make() -> Any:
+        def probe() -> str:
+            """Uses captured data."""
+            return str(captured)
+
+        return tool(probe)
+
+    probe = make()
+    _tools_of([probe])
+    seen = weakref.ref(probe)
+    del probe
+    gc.collect()
+    assert seen() is None
 
 
 def test_a_bad_tool_list_raises_at_its_call_after_a_good_one_was_reused() -> None:

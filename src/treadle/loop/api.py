@@ -105,29 +105,6 @@ class PassOptions(TypedDict, total=False):
 
 _NO_LIMITS = Limits()  # frozen: every pass without limits shares it
 _HTTP = HttpExecutor()  # stateless: every HTTP pass shares it
-_last_tools: tuple[tuple[Any, ...], tuple[Any, ...], ToolSet] | None = None
-
-
-def _toolset(tools: Iterable[Any] | None, builtins: tuple[Any, ...]) -> ToolSet:
-    """`ToolSet.build(tools, builtins=builtins)`, reusing the last call's set when both hold the
-    same objects (a fan-out submits the same tools with every pass: validating and wrapping them
-    once, not per pass, is most of what submission cost; see docs/performance.md)."""
-    global _last_tools
-    items = tuple(tools) if tools is not None else ()
-    last = _last_tools  # one read: another thread may replace it meanwhile
-    if (
-        last is not None
-        and len(items) == len(last[0])
-        and len(builtins) == len(last[1])
-        and all(a is b for a, b in zip(items, last[0], strict=True))
-        and all(a is b for a, b in zip(builtins, last[1], strict=True))
-    ):
-        return last[2]
-    toolset = ToolSet.build(items, builtins=builtins)
-    # A `Tool` class is instantiated per pass (its instance may keep state): never shared.
-    if not any(isinstance(item, type) for item in items):
-        _last_tools = (items, builtins, toolset)
-    return toolset
 
 
 def _plan(
@@ -222,7 +199,7 @@ def _plan(
         from treadle.sandbox.builtin_tools import global_system_tools  # loads with the first one
 
         builtins = global_system_tools()
-    toolset = _toolset(tools, builtins)
+    toolset = ToolSet.build(tools, builtins=builtins)
     check_stop_names(behavior, toolset)
     path: Path | None = None
     if persist or persist_path is not None:

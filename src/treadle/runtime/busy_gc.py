@@ -32,6 +32,7 @@ import gc
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
 __all__ = [
@@ -78,6 +79,8 @@ class BusyCollector:
         self.threshold = _from_environment() if threshold is None else threshold
         self.raised: tuple[int, int, int] | None = None
         """The thresholds to put back (None: not raised)."""
+        self.set_to: tuple[int, int, int] = (0, 0, 0)
+        """The thresholds Treadle set when it raised them."""
 
     def update(self, pending: int) -> None:
         """Raise or restore the threshold for `pending` passes in flight."""
@@ -86,19 +89,25 @@ class BusyCollector:
                 before = gc.get_threshold()
                 # The program's own higher setting stays.
                 if 0 < before[0] < self.threshold and _WATCH.acquire():
-                    full = max(before[2], BUSY_FULL_THRESHOLD)
-                    gc.set_threshold(self.threshold, before[1], full)
+                    # The third only from CPython's default: a program's own choice stays.
+                    full = BUSY_FULL_THRESHOLD if before[2] == _DEFAULT_FULL else before[2]
+                    self.set_to = (self.threshold, before[1], full)
+                    gc.set_threshold(*self.set_to)
                     self.raised = before
+                    _RAISED.add(self)
         elif pending < BUSY_PASSES // 4:
-            before, self.raised = self.raised, None
-            _WATCH.release()
-            # Else the program set its own since (any of the three values).
-            if gc.get_threshold() == (
-                self.threshold,
-                before[1],
-                max(before[2], BUSY_FULL_THRESHOLD),
-            ):
-                gc.set_threshold(*before)
+            self.restore()
+
+    def restore(self) -> None:
+        """Put the thresholds back now, unless the program set its own since (any of the three
+        values: only the exact tuple Treadle set is undone)."""
+        before, self.raised = self.raised, None
+        if before is None:
+            return
+        _RAISED.discard(self)
+        _WATCH.release()
+        if gc.get_threshold() == self.set_to:
+            gc.set_threshold(*before)
 
 
 def _from_environment() -> int:
@@ -171,12 +180,10 @@ class _MemoryWatch:
         ).start()
 
     def after_fork_in_child(self) -> None:
-        """A child forked while the thresholds are raised inherits them but not the thread:
-        start its own watch, so the bound holds there too."""
+        """Forget the parent's holders (the watch thread did not survive the fork)."""
         self._lock = threading.Lock()  # the parent's may have been held by another thread
-        start = _resident()
-        if self._holders > 0 and start is not None and self._trim is not None:
-            self._start(start, self._trim)
+        self._holders = 0
+        self._stop = None
 
     def release(self) -> None:
         """Drop one hold; the thread ends with the last."""
@@ -204,8 +211,25 @@ class _MemoryWatch:
 
 
 _WATCH = _MemoryWatch()
+_RAISED: weakref.WeakSet[BusyCollector] = weakref.WeakSet()
+"""Collectors holding the thresholds raised now."""
+_DEFAULT_FULL = 10
+"""CPython's third threshold."""
+
+
+def _after_fork_in_child() -> None:
+    # A child forked while busy has none of the parent's passes running (their threads are
+    # gone) and no watch thread: it starts from the thresholds the program had.
+    _WATCH.after_fork_in_child()
+    for collector in list(_RAISED):
+        before, collector.raised = collector.raised, None
+        if before is not None and gc.get_threshold() == collector.set_to:
+            gc.set_threshold(*before)
+    _RAISED.clear()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_WATCH.after_fork_in_child)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _RunningPasses:
