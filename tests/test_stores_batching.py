@@ -347,3 +347,84 @@ def test_a_dumped_text_array_carries_any_text_as_a_list_would(pg: Cluster) -> No
             await conn.close()
 
     asyncio.run(main())
+
+
+def _latin1_database(pg: Cluster) -> str:
+    import uuid
+
+    import psycopg
+
+    name = f"latin1_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0"
+        )
+    return pg.dsn(name)
+
+
+@pytest.mark.parametrize("where", ["latin1-database", "PGCLIENTENCODING", "dsn-options"])
+def test_a_large_group_commit_keeps_text_whatever_the_client_encoding(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A batch over the off-loop threshold hands psycopg its rows already dumped as UTF-8: the
+    store's own connections speak UTF8 whatever the database, the environment or the DSN say,
+    and a connection that speaks another encoding gets its arrays converted by psycopg. Either
+    way the rows read back as written (they once came back as mojibake, "cafÃ©")."""
+    import psycopg
+
+    from treadle.session import Usage
+    from treadle.stores import postgres_batch
+    from treadle.stores.batching import OFF_LOOP_ROWS, encode_rows
+    from treadle.stores.records import encode_usage
+
+    text = "café 漢 🙂"
+    if where == "latin1-database":
+        dsn, text = _latin1_database(pg), "café"  # all LATIN1 can hold
+    elif where == "PGCLIENTENCODING":
+        dsn = pg.new_database()
+        monkeypatch.setenv("PGCLIENTENCODING", "LATIN1")
+    else:
+        dsn = pg.new_database() + "&options=-c%20client_encoding%3DLATIN1"
+    per = OFF_LOOP_ROWS // 2 + 1  # two conversations: over the threshold together
+
+    async def calls(keys: list[str], base: int, text: str) -> list[tuple[Any, ...]]:
+        out = []
+        for key in keys:
+            encoded = await encode_rows([ChunkRow.user(f"{text} {i}") for i in range(per)])
+            out.append(
+                (f"pass-{key}-{base}", key, base, [k for k, _ in encoded],
+                 [p for _, p in encoded], encode_usage(Usage()), "stop", "{}", "done", "[]",
+                 False, time.time())
+            )  # fmt: skip
+        return out
+
+    async def main() -> None:
+        keys = ["a", "b"]
+        async with Store.postgres(dsn) as store:
+            backend: Any = store.backend
+            for key in keys:
+                await store.aappend(key, [ChunkRow.user(text)])
+
+            async def encoding(conn: Any) -> str:
+                return str(conn.info.encoding)
+
+            assert await backend._run(encoding) == "utf-8"
+            # Through the store's own connection ...
+            batch = await calls(keys, 1, text)
+            done = await backend._run(lambda conn: postgres_batch.commit_many(conn, batch))
+            assert done == [1 + per] * 2
+            # ... and through one that speaks LATIN1 as the environment or the DSN says.
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                assert conn.info.encoding == "iso8859-1"
+                batch = await calls(keys, 1 + per, "café")
+                assert await postgres_batch.commit_many(conn, batch) == [1 + 2 * per] * 2
+            written = [
+                ChunkRow.user(text),
+                *(ChunkRow.user(f"{text} {i}") for i in range(per)),
+                *(ChunkRow.user(f"café {i}") for i in range(per)),
+            ]
+            for key in keys:
+                assert list((await backend.load(key)).rows) == written
+
+    asyncio.run(main())

@@ -158,6 +158,102 @@ async def test_a_burst_that_pauses_reuses_its_connections() -> None:
             await pool.aclose()
 
 
+async def test_a_bursts_surplus_is_swept_at_its_own_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep that closes a burst's surplus runs once the first surplus connection's time is
+    up, never before (it once ran just before and kept that connection two grace periods), and
+    every sweep closes what is due, then looks again at the next deadline. No wall time is
+    asserted: the deadlines are compared with the loop's own schedule."""
+    monkeypatch.setattr(pool_module, "SURPLUS_IDLE_SECONDS", 0.2)
+    with FakeOpenAIServer("echo") as server:
+        server.latency_ms = 20
+        pool = Pool(max_idle_connections=2)
+        url = f"{server.base_url}/chat/completions"
+        body = BODY.replace(b',"stream":true', b"")
+        sweeps: list[tuple[float, int, int]] = []  # its deadline, idle before, idle after
+        sweep = pool._close_expired
+
+        def counted() -> None:
+            handle = pool._sweep
+            assert handle is not None
+            before = pool.idle_connections
+            sweep()
+            sweeps.append((handle.when(), before, pool.idle_connections))
+
+        pool._close_expired = counted  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        try:
+            replies = await asyncio.gather(*(pool.post(url, body, HEADERS, T) for _ in range(10)))
+            assert all(reply.status == 200 for reply in replies)
+            surplus = sorted(
+                conn.idle_until
+                for idle in pool._idle.values()
+                for conn in idle
+                if conn.idle_until < loop.time() + 1
+            )
+            assert len(surplus) == 8
+            assert pool._sweep is not None and pool._sweep.when() >= surplus[0]
+            for _ in range(600):  # a deadlock guard, not a timing assertion
+                if pool.open_connections == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert pool.idle_connections == 2 and pool.open_connections == 2
+            assert sweeps and all(after < before for _, before, after in sweeps), sweeps
+            # Each sweep ran at or past the deadline of what it closed, and the first one
+            # closed the first surplus connection.
+            assert sweeps[0][0] >= surplus[0]
+        finally:
+            await pool.aclose()
+
+
+def test_running_out_of_descriptors_closes_surplus_idle_connections_first() -> None:
+    """A connect that meets EMFILE first closes the surplus idle connections of any host (kept
+    past the idle cap only for a burst's pause) and tries again: a burst to host B after one to
+    host A fits in the descriptors host A's surplus held. In a subprocess under a lowered
+    `ulimit -n`: 20 connections to A (8 idle by the cap, 12 surplus kept a minute here), then
+    15 at once to B with room for about 30 descriptors in all."""
+    with FakeOpenAIServer("echo") as a, FakeOpenAIServer("echo") as b:
+        b.latency_ms = 200  # B's requests hold their connections together
+        script = textwrap.dedent(
+            f"""
+            import asyncio, os, resource
+            from treadle._http import pool as pool_module
+            from treadle._http.pool import Pool
+            from treadle._http.reply import Timeouts
+
+            pool_module.SURPLUS_IDLE_SECONDS = 60.0
+            body = b'{{"model":"m","messages":[{{"role":"user","content":"hi"}}]}}'
+            headers = {{"content-type": "application/json"}}
+            t = Timeouts(10.0, 10.0, 10.0)
+
+            async def main():
+                pool = Pool(max_idle_connections=8)
+                async def one(url):
+                    try:
+                        return (await pool.post(url + "/chat/completions", body, headers, t)).status
+                    except Exception as e:
+                        return type(e).__name__
+                first = await asyncio.gather(*(one({a.base_url!r}) for _ in range(20)))
+                print(sorted(map(str, set(first))), pool.idle_connections)
+                highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+                resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 12, highest + 12))
+                second = await asyncio.gather(*(one({b.base_url!r}) for _ in range(15)))
+                print(sorted(map(str, set(second))), second.count(200))
+                await pool.aclose()
+
+            asyncio.run(main())
+            """
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.strip().splitlines()[-2:]
+    assert first == "['200'] 20"
+    assert second == "['200'] 15", second
+
+
 async def test_closing_the_pool_never_cancels_waiting_requests() -> None:
     with FakeOpenAIServer("echo") as server:
         server.latency_ms = 5_000

@@ -9,7 +9,8 @@ request past that waits for one up to the pool timeout (`PoolTimeout`); at most
 `max_idle_connections` wait idle, each for at most `keepalive_expiry` seconds (or 80% of the
 server's own `Keep-Alive: timeout=`); past that cap a connection freed in a burst waits only
 `SURPLUS_IDLE_SECONDS`, so requests that pause together (a conversation store's group commit)
-reuse their connections instead of closing and opening hundreds. Failures are
+reuse their connections instead of closing and opening hundreds; a connect that runs out of file
+descriptors first closes that surplus (of any host) and tries again. Failures are
 `treadle._http.errors`; nothing blocks the loop.
 """
 
@@ -22,7 +23,7 @@ from collections import deque
 from urllib.parse import quote, urlsplit
 
 from treadle._http.connect import NetworkOptions, Route, open_connection, route_for
-from treadle._http.errors import InvalidHeader, PoolClosed, PoolTimeout
+from treadle._http.errors import InvalidHeader, OpenFilesExhausted, PoolClosed, PoolTimeout
 from treadle._http.protocol import Body, Connection, Exchange
 from treadle._http.reply import Reply, StreamReply, Timeouts
 from treadle.runtime import progress
@@ -48,6 +49,9 @@ SURPLUS_IDLE_SECONDS = 2.0
 closed. Closing it at once made every burst of requests that pause together (passes awaiting a
 store's group commit, then all starting their next turn) open as many new connections: scenario
 9 opened 4,846 instead of 1,000, about 0.1 ms of client CPU per turn."""
+_SWEEP_GATHER = 0.05
+"""Seconds a sweep waits past the first surplus deadline, so that one sweep closes the surplus
+a burst freed within that time (instead of one sweep per connection)."""
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """An HTTP header name (RFC 9110 token)."""
@@ -118,6 +122,8 @@ class Pool:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._targets: dict[int, _Target] = {}
         self._sweep: asyncio.TimerHandle | None = None  # closes surplus idle connections
+        self._sweep_at = 0.0  # when the scheduled sweep is due
+        self._closing: set[Connection] = set()  # closed to free descriptors, sockets not yet
         self.closed = False
 
     @property
@@ -213,18 +219,56 @@ class Pool:
                 ) from None
         self._open += 1
         try:
-            _, conn = await open_connection(
-                route,
-                lambda: Connection(self._lost, route, idle),
-                options=self._options,
-                connect_timeout=timeouts.connect,
-            )
+            for tries in range(1, 4):
+                try:
+                    _, opened = await open_connection(
+                        route,
+                        lambda: Connection(self._lost, route, idle),
+                        options=self._options,
+                        connect_timeout=timeouts.connect,
+                    )
+                    break
+                except OpenFilesExhausted:
+                    # The surplus a burst left idle holds descriptors this connect needs: close
+                    # it and try again (so does a connect that failed while another closed it).
+                    if tries == 3 or not await self._free_descriptors():
+                        raise
         except BaseException:
             self._open -= 1
             self._wake_one()
             raise
-        self._all.add(conn)
-        return conn
+        self._all.add(opened)
+        return opened
+
+    async def _free_descriptors(self) -> bool:
+        """Close the surplus idle connections of every route and wait until their sockets are
+        closed; whether any were (or were still closing): worth connecting again."""
+        self._close_surplus(asyncio.get_running_loop().time())
+        if not self._closing:
+            return False
+        for _ in range(100):  # a guard: aborted sockets close within a turn or two
+            await asyncio.sleep(0)
+            if not self._closing:
+                break
+        return True
+
+    def _close_surplus(self, now: float) -> None:
+        """Close at once the idle connections of any route that were kept only as a burst's
+        surplus (due within `SURPLUS_IDLE_SECONDS`)."""
+        for idle in self._idle.values():
+            keep = []
+            for conn in idle:
+                if conn.idle_until <= now + SURPLUS_IDLE_SECONDS or conn.closed:
+                    conn.pooled = False
+                    if conn.transport is not None and not conn.closed:
+                        self._closing.add(conn)  # until its socket is closed (`_lost`)
+                        conn.transport.abort()  # at the next turn, with no TLS goodbye
+                    conn.close()
+                    self._forget(conn)
+                else:
+                    keep.append(conn)
+            self._idle_count -= len(idle) - len(keep)
+            idle[:] = keep
 
     async def _wait_for_room(self, loop: asyncio.AbstractEventLoop) -> None:
         waiter = loop.create_future()
@@ -272,6 +316,7 @@ class Pool:
         hint = dict.get(ex.headers, "keep-alive")
         if hint is not None:  # the server's own idle timeout: reuse well before it closes
             keep = min(keep, _server_idle_seconds(hint, keep))
+        loop: asyncio.AbstractEventLoop | None = None
         if self._idle_count >= self._max_idle:  # a surplus: kept only through the burst
             keep = min(keep, SURPLUS_IDLE_SECONDS)
             if self._sweep is None:
@@ -280,36 +325,43 @@ class Pool:
                 except RuntimeError:  # no loop to close it later (shutting down): close now
                     conn.close()
                     return
-                self._sweep = loop.call_later(SURPLUS_IDLE_SECONDS, self._close_expired)
         conn.reused = conn.pooled = True
         conn.idle_until = conn.now() + keep
         conn.idle.append(conn)
         self._idle_count += 1
+        if loop is not None:  # timed from this connection's deadline, once it is set
+            self._schedule_sweep(loop, conn.idle_until)
         self._wake_one()
 
+    def _schedule_sweep(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        """Sweep once the idle connection due at `due` (the first one) has had its time."""
+        self._sweep_at = due + _SWEEP_GATHER
+        self._sweep = loop.call_at(self._sweep_at, self._close_expired)
+
     def _close_expired(self) -> None:
-        """Close the idle connections whose time is up (the surplus of a burst); look again
-        later while more than `max_idle_connections` still wait."""
+        """Close the idle connections whose time is up (the surplus of a burst); look again at
+        the next one's deadline while more than `max_idle_connections` still wait."""
         self._sweep = None
         if self.closed:
             return
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = max(loop.time(), self._sweep_at)  # a timer may fire a hair before it is due
         for idle in self._idle.values():
-            keep = [conn for conn in idle if conn.idle_until >= now and not conn.closed]
+            keep = [conn for conn in idle if conn.idle_until > now and not conn.closed]
             for conn in idle:
-                if conn.idle_until < now or conn.closed:
+                if conn.idle_until <= now or conn.closed:
                     conn.pooled = False
                     conn.close()
                     self._forget(conn)
             self._idle_count -= len(idle) - len(keep)
             idle[:] = keep
-        if self._idle_count > self._max_idle:
-            self._sweep = asyncio.get_running_loop().call_later(
-                SURPLUS_IDLE_SECONDS, self._close_expired
-            )
+        if self._idle_count > self._max_idle:  # the rest of the surplus, at the next deadline
+            due = min(conn.idle_until for idle in self._idle.values() for conn in idle)
+            self._schedule_sweep(loop, due)
 
     def _lost(self, conn: Connection) -> None:
         progress.step()
+        self._closing.discard(conn)
         if conn.pooled:
             if conn in conn.idle:
                 conn.idle.remove(conn)

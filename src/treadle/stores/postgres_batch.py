@@ -101,9 +101,12 @@ async def commit_many(
     # The parameter arrays are built, and the rows' arrays dumped to PostgreSQL's binary
     # format, off the loop when the batch's rows are many in all: psycopg would otherwise
     # convert them on the loop inside `execute` (200 passes of 500 rows: a 0.2-0.9 s stall).
+    # The dump is UTF-8: only for a connection that speaks it (the store's own always do, see
+    # `CONNECT_OPTIONS`); another gets plain lists, which psycopg encodes in its encoding.
     total = sum(len(call[3]) for call in calls)
-    params = await off_loop(total, lambda: _arrays(calls, dump=total > OFF_LOOP_ROWS))
-    if total > OFF_LOOP_ROWS:
+    dump = total > OFF_LOOP_ROWS and conn.info.encoding == "utf-8"
+    params = await off_loop(total, lambda: _arrays(calls, dump=dump))
+    if dump:
         conn.adapters.register_dumper(DumpedTextArray, _dumped_dumper())
     try:
         cur = await conn.execute(_COMMIT_MANY, params)

@@ -16,7 +16,14 @@ if TYPE_CHECKING:
     from psycopg import AsyncConnection
     from psycopg_pool import AsyncConnectionPool
 
-__all__ = ["DB_NOW", "MIGRATIONS", "display_url", "open_pool"]
+__all__ = ["CONNECT_OPTIONS", "DB_NOW", "MIGRATIONS", "display_url", "open_pool"]
+
+#: What every connection of the store is opened with. The client encoding is UTF8 whatever the
+#: database, PGCLIENTENCODING or the DSN (`client_encoding`, `options=-c ...`) say: a large
+#: batch's rows are dumped to bytes off the loop as UTF-8 (`postgres_batch.DumpedTextArray`),
+#: and the server must read them as such; UTF8 also carries any text to any database that can
+#: store it. A startup parameter overrides the DSN's and the environment's.
+CONNECT_OPTIONS: dict[str, Any] = {"autocommit": True, "client_encoding": "UTF8"}
 
 #: The database server's clock, in seconds since the epoch (what owner leases are timed by).
 DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
@@ -170,7 +177,7 @@ async def open_pool(
     try:  # one plain connection first: its error says what failed (the pool's would not)
         conn = await asyncio.wait_for(
             psycopg.AsyncConnection.connect(
-                dsn, connect_timeout=max(1, int(timeout)), autocommit=True
+                dsn, connect_timeout=max(1, int(timeout)), **CONNECT_OPTIONS
             ),
             timeout,
         )
@@ -203,7 +210,7 @@ async def open_pool(
         dsn,
         min_size=1,
         max_size=pool_size,
-        kwargs={"autocommit": True},
+        kwargs=dict(CONNECT_OPTIONS),
         timeout=max(timeout, 30.0),
         open=False,
     )

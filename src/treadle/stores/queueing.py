@@ -130,9 +130,11 @@ class PostgresKeyLock:
         """Wait until this process holds `key`'s lock (the wait is on the server)."""
         import psycopg
 
+        from treadle.stores.postgres_open import CONNECT_OPTIONS
+
         async def take() -> AsyncConnection[Any]:
             conn = await psycopg.AsyncConnection.connect(
-                dsn, connect_timeout=max(1, int(connect_seconds)), autocommit=True
+                dsn, connect_timeout=max(1, int(connect_seconds)), **CONNECT_OPTIONS
             )
             try:
                 # Seed 1, not the seed 0 a commit's transaction lock uses: the holder's own
