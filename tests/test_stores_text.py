@@ -18,6 +18,7 @@ import pytest
 
 from pg_cluster import Cluster, cluster
 from treadle import Session, arun_session_loop, tool
+from treadle.loop.control import Guardrail
 from treadle.persist.reader import load_session
 from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
@@ -94,3 +95,70 @@ def test_jsonl_persistence_replaces_them_the_same_way(tmp_path: Path) -> None:
     _check(out.rows)
     loaded = load_session(path)
     assert loaded.closed and loaded.session.rows == out.rows
+
+
+async def _interrupt(row: Any, control: Any) -> None:
+    control.interrupt("why \ud800")
+
+
+def _quote(data: Any) -> str:
+    """A guardrail whose reason quotes the model's reply (text with a lone surrogate)."""
+    return f"blocked reply: {data.reply.choices[0].message.content}"
+
+
+def _metadata_pass(how: str, **outputs: Any) -> Any:
+    if how == "interrupt":
+        return arun_session_loop(
+            Session.from_user_message("hi"),
+            Session.from_agent_prompt("x"),
+            executor=ScriptedExecutor(["an answer"]),
+            on_message=_interrupt,
+            **outputs,
+        )
+    return arun_session_loop(
+        Session.from_user_message("hi"),
+        Session.from_agent_prompt("x"),
+        executor=ScriptedExecutor(["bad \ud800 reply"]),
+        guardrails=[Guardrail(_quote, when="output")],
+        **outputs,
+    )
+
+
+@pytest.mark.parametrize("how", ["interrupt", "guardrail"])
+@pytest.mark.parametrize("where", ["jsonl", "sqlite", "postgres"])
+def test_interrupt_and_guardrail_reasons_are_replaced_the_same_way(
+    how: str, where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A lone surrogate in `control.interrupt(reason)` or a guardrail's reason goes through the
+    same `valid_text` at entry: the pass returns, and JSONL and the store hold what it returned."""
+
+    async def main() -> None:
+        if where == "jsonl":
+            out = await _metadata_pass(how, persist_path=tmp_path / "t.jsonl")
+            loaded = load_session(tmp_path / "t.jsonl")
+            assert loaded.closed and loaded.session.rows == out.rows
+            kept = loaded.session.metadata
+        else:
+            url = (
+                str(tmp_path / "m.db")
+                if where == "sqlite"
+                else request.getfixturevalue("pg").new_database()
+            )
+            async with Store.open(url) as store:
+                out = await _metadata_pass(how, store=store, conversation="k")
+                assert (await store.conversation("k")).rows == out.rows
+                (waiting,) = await store.apending("k") if how == "interrupt" else (None,)
+                kept = {"interrupt_reason": getattr(waiting, "interrupt_reason", None)}
+        if how == "interrupt":
+            assert out.stop_reason == "interrupted"
+            assert out.interrupt_reason == kept["interrupt_reason"] == "why \ufffd"
+        else:
+            assert out.stop_reason == "blocked"
+            reason = "blocked reply: bad \ufffd reply"
+            assert out.metadata["tripwire"].reason == reason
+            if where == "jsonl":  # the trailer, as written (a loaded session drops it)
+                lines = (tmp_path / "t.jsonl").read_text(encoding="utf-8").splitlines()
+                trailer = pydantic_core.from_json(lines[-1])
+                assert trailer["metadata"]["tripwire"]["reason"] == reason
+
+    asyncio.run(main())

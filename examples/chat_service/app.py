@@ -7,8 +7,10 @@
 
 Each request continues conversation `key` from the store (`Store.sqlite` by default: any app
 server process with the same store can answer any request). The pass runs while the response
-streams; if the client disconnects, Starlette cancels the response and with it the pass (nothing
-is committed; the store lists it as a cancelled pending pass). A tool marked `needs_approval`
+streams; if the client disconnects, Starlette cancels the response and with it the pass, at once
+(nothing is committed; the store lists it as a cancelled pending pass; if its commit was already
+on its way, the store finishes it, whole or not at all, and lists the pass as cancelled exactly
+when its turn did not land: `GET /conversations/{key}` shows which). A tool marked `needs_approval`
 stops the pass with its calls listed in an `approval` event; a later `/approve` request, in this
 process or another, resumes it. Two requests on one conversation at once: the second to finish
 gets a `ConflictError`, sent as an `error` event (nothing of it is written).

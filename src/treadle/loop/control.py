@@ -28,6 +28,7 @@ import anyio
 
 from treadle.errors import ConfigurationError, GuardrailError
 from treadle.runtime.threads import _USER_CODE, run_user_code
+from treadle.session.rows import valid_text
 from treadle.tools.context import ToolContext, context_parameter
 
 if TYPE_CHECKING:
@@ -99,6 +100,12 @@ class Tripwire:
     `after`/`output`: its reply was discarded; `tool_*`: a tool guardrail stopped the pass."""
     info: Any = None
     """Anything the guardrail attached."""
+
+    def __post_init__(self) -> None:
+        # The reason often quotes the model's reply: text a file or database can hold, so the
+        # trailer (JSONL) and the store's commit keep the same (see `valid_text`).
+        object.__setattr__(self, "reason", valid_text(self.reason))
+        object.__setattr__(self, "guardrail", valid_text(self.guardrail))
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,7 +229,7 @@ class _Pass:
             await call_user(callback, row, self.control, **{param: self.context(session)})
 
     def interrupt(self, reason: str) -> StopReason:
-        self.metadata["interrupt_reason"] = reason
+        self.metadata["interrupt_reason"] = reason = valid_text(reason)  # JSONL = store
         if self.events is not None:
             self.events.emit(Interrupted, reason=reason)
         return "interrupted"

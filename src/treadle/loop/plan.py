@@ -17,6 +17,7 @@ from treadle.loop.request_usage import RequestUsage
 from treadle.loop.soft_stop import StopRequest
 from treadle.loop.tooling import ToolUseBehavior
 from treadle.session import ChunkTable, Session, ToolCall
+from treadle.session.rows import valid_text
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
 
@@ -111,7 +112,8 @@ def unique_call_ids(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def plain_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """Metadata as JSON-friendly values for the trailer."""
+    """Metadata as JSON-friendly values for the trailer and the store's commit (their text
+    through `valid_text`, so both hold the same)."""
     out: dict[str, Any] = {}
     for key, value in metadata.items():
         if isinstance(value, Tripwire):
@@ -120,7 +122,7 @@ def plain_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
             out[key] = [_plain_entry(v) for v in value if isinstance(v, RequestUsage)]
         elif isinstance(value, (str, int, float, bool, list, dict)) or value is None:
             out[key] = value
-    return out
+    return valid_text(out)  # type: ignore[no-any-return]
 
 
 def _plain_entry(entry: RequestUsage) -> dict[str, Any]:

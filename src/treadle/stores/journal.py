@@ -16,11 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import anyio
 
 from treadle.errors import ConfigurationError, ConflictError
 from treadle.session import ChunkRow, Usage
@@ -71,6 +70,8 @@ class ConversationJournal:
     """Renews the pass's owner lease while it is recorded as running (see `owner`)."""
     held: KeyLock | None = None
     """The conversation's lock, in queue mode: given back when the pass has ended."""
+    abandoned: bool = False
+    """The pass was cancelled while its commit was in flight: the commit task settles it."""
 
     async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
         entries = [*self.buffered, *more]
@@ -118,42 +119,78 @@ class ConversationJournal:
     ) -> int:
         """Commit the pass's new rows (`rows` is the whole transcript) in one transaction.
 
-        Once the commit has started its outcome is the pass's, whatever cancels the pass
-        meanwhile: a cancellation waits for it (the commit runs as a task of its own), then the
-        pass returns its result if the commit landed (the caller learns the turn is in the
-        conversation) and raises `CancelledError` if it did not. So a caller never gets a
-        `CancelledError` for a turn the store holds, nor a result for one it does not.
+        Once started, the commit is never torn: it runs as a task the store owns (see
+        `inflight`), so a cancellation of the pass is delivered at once (`CancelledError`, with a
+        note naming the conversation) while the commit goes on to land the whole turn or none.
+        If it does not land, the pass is recorded `cancelled` (`Store.pending()` lists it);
+        `Store.asettled()` / `Store.aclose()` wait for such commits to settle.
         """
         self._stop_heartbeat()
         commit = asyncio.ensure_future(
-            self.backend.commit(
+            self._commit(rows[self.base :], usage=usage, stop_reason=stop_reason, metadata=metadata)
+        )
+        inflight(self.backend).add(commit)
+        commit.add_done_callback(inflight(self.backend).discard)
+        try:
+            version = await asyncio.shield(commit)
+        except asyncio.CancelledError as cancel:
+            if commit.done():  # it ended first: its outcome is the pass's, settled as usual
+                if not commit.cancelled() and commit.exception() is not None:
+                    cancel.__cause__ = commit.exception()
+                    cancel.add_note(
+                        f"treadle: the commit of conversation {self.key!r} (pass "
+                        f"{self.pass_id}) had failed; the turn did not land."
+                    )
+                elif not commit.cancelled():
+                    cancel.add_note(
+                        f"treadle: the commit of conversation {self.key!r} (pass "
+                        f"{self.pass_id}) had ended: the turn landed (version {commit.result()})."
+                    )
+                raise
+            self.abandoned = True  # the commit task settles the pass (see `_commit`)
+            cancel.add_note(
+                f"treadle: the commit of conversation {self.key!r} (pass {self.pass_id}) was in "
+                "flight: it goes on shielded; whether the turn landed is in the store "
+                "(after `await store.asettled()`, store.pending(key) lists the pass as "
+                "cancelled exactly when it did not)."
+            )
+            raise
+        self.buffered.clear()
+        return version
+
+    async def _commit(
+        self,
+        new: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+    ) -> int:
+        """The commit task: the turn, then the queue's lock; if it fails once the pass was
+        cancelled (`abandoned`), the pass's record is settled here as `cancelled`."""
+        try:
+            version = await self.backend.commit(
                 self.pass_id,
                 self.key,
                 self.base,
-                rows[self.base :],
+                new,
                 usage=usage,
                 stop_reason=stop_reason,
                 metadata=metadata,
                 agent_rows=self.agent_rows,
                 recorded=self.recorded,
             )
-        )
-        cancelled = await _see_through(commit)
-        if commit.cancelled():  # only its loop's shutdown cancels it: its outcome is unknown
-            raise asyncio.CancelledError
-        error = commit.exception()
-        if error is not None:
-            if cancelled:  # nothing landed: the caller's cancellation is the outcome
-                raise asyncio.CancelledError from error
-            raise error
-        self.version = commit.result()
-        # Committed: the next pass in the queue may start. Seen through as well, so a
-        # cancellation now cannot turn a landed turn into a CancelledError.
-        release = asyncio.ensure_future(self._release())
-        await _see_through(release)
-        release.result()  # a lock that failed to go says so (the turn is committed regardless)
-        self.buffered.clear()
-        return self.version
+        except BaseException as err:
+            if self.abandoned:  # nobody reads this error: the record says what happened
+                if isinstance(err, ConflictError):
+                    await self._release()
+                else:
+                    await self._record_end("cancelled")
+                return -1
+            raise
+        self.version = version
+        await self._release()  # committed: the next pass in the queue may start
+        return version
 
     async def _release(self) -> None:
         held, self.held = self.held, None
@@ -169,6 +206,8 @@ class ConversationJournal:
         the conversation moved on. Never raises: the pass's own error is what its reader sees.
         """
         self._stop_heartbeat()
+        if self.abandoned:  # the commit in flight settles the pass (landed, or `cancelled`)
+            return
         if (
             self.version is not None
             or isinstance(error, ConflictError)
@@ -201,22 +240,16 @@ class ConversationJournal:
             await self._release()
 
 
-async def _see_through(job: asyncio.Future[Any]) -> bool:
-    """Wait for `job` through every cancellation of the caller; whether one arrived.
+def inflight(backend: StoreBackend) -> set[asyncio.Future[int]]:
+    """The commits in flight on `backend` (strong references: the store owns them)."""
+    try:
+        return _INFLIGHT[backend]
+    except KeyError:
+        return _INFLIGHT.setdefault(backend, set())
 
-    The cancellations are absorbed, not re-counted (`uncancel`): whoever cancelled (a plain
-    `task.cancel()`, `asyncio.timeout`, a task group) settles its own count, and an anyio
-    cancel scope, which is shielded from here meanwhile (so it does not re-deliver at every
-    iteration of the loop), cancels again at the caller's next await.
-    """
-    cancelled = False
-    with anyio.CancelScope(shield=True):
-        while not job.done():
-            try:  # asyncio.wait neither raises the job's error nor cancels the job
-                await asyncio.wait((job,))
-            except asyncio.CancelledError:
-                cancelled = True
-    return cancelled
+
+#: Commits in flight, per backend (see `inflight`, `Store.asettled`).
+_INFLIGHT: weakref.WeakKeyDictionary[Any, set[asyncio.Future[int]]] = weakref.WeakKeyDictionary()
 
 
 #: Ends of passes being recorded (strong references while their tasks run).

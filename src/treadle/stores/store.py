@@ -12,6 +12,8 @@ the Treadle runtime) and an `a`-prefixed coroutine twin for async code.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
 import time
@@ -26,6 +28,7 @@ from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData
 from treadle.session.session import new_session_id
 from treadle.stores.backend import StoreBackend
+from treadle.stores.journal import inflight
 from treadle.stores.queueing import OnConflict, check_on_conflict
 from treadle.stores.records import ConversationInfo, PendingPass, check_key
 
@@ -37,6 +40,9 @@ T = TypeVar("T")
 DEFAULT_SQLITE_PATH = os.path.join(".treadle", "treadle.db")
 
 _DAY = 86_400.0
+
+
+log = logging.getLogger("treadle.stores")
 
 
 class Store:
@@ -292,13 +298,50 @@ class Store:
         return self._wait(self.aexport_jsonl(key, path))
 
     # -- closing -----------------------------------------------------------------------------
-    async def aclose(self) -> None:
-        """Release the store's connections (safe to call twice)."""
+    async def asettled(self) -> None:
+        """Wait until no commit is in flight on this store (bound the wait with
+        `asyncio.timeout`: a cancelled wait leaves the commits running).
+
+        A pass cancelled while its commit was in flight raises at once and leaves the commit to
+        the store, which lands the whole turn or none; once settled, `pending(key)` lists the
+        pass as `cancelled` exactly when its turn did not land.
+        """
+        loop = asyncio.get_running_loop()
+        while commits := [c for c in inflight(self.backend) if not c.done()]:
+            mine = [c for c in commits if c.get_loop() is loop]
+            if mine:  # asyncio.wait never cancels what it waits for
+                await asyncio.wait(mine)
+            else:  # commits of another loop (the sync API's): their ends are polled
+                await asyncio.sleep(0.005)
+
+    def settled(self) -> None:
+        """Wait until no commit is in flight (blocks; see `asettled`)."""
+        self._wait(self.asettled())
+
+    async def aclose(self, grace: float = 30.0) -> None:
+        """Wait for the commits in flight (`asettled`), then release the store's connections
+        (safe to call twice).
+
+        The wait is bounded: a commit still in flight after `grace` seconds (stuck on a lock
+        another client holds) is left to the database, which commits its transaction whole or
+        rolls it back when its connection goes; its pass is then recorded as that transaction
+        leaves it (`done`, or `running` until its lease runs out and another process resumes it).
+        """
+        try:
+            async with asyncio.timeout(grace):
+                await self.asettled()
+        except TimeoutError:
+            log.warning(
+                "closing the store %s with %d commit(s) still in flight after %ss",
+                self.url,
+                sum(not c.done() for c in inflight(self.backend)),
+                grace,
+            )
         await self.backend.aclose()
 
-    def close(self) -> None:
-        """Release the store's connections (blocks; safe to call twice)."""
-        self._wait(self.aclose())
+    def close(self, grace: float = 30.0) -> None:
+        """Release the store's connections (blocks; safe to call twice; see `aclose`)."""
+        self._wait(self.aclose(grace))
 
     def __enter__(self) -> Store:
         return self
