@@ -5,13 +5,14 @@ out of file descriptors still closes cleanly. Real worker processes, the fake se
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import pytest
 
 from pipe_agents import locker
 from treadle import Session
-from treadle.distributed import AgentSpec, PassFailed, amap
+from treadle.distributed import AgentSpec, PassFailed, PassLost, amap
 from treadle.distributed.process import ProcessPool
 from treadle.llm import Provider
 from treadle.testing import FakeOpenAIServer
@@ -79,3 +80,33 @@ async def test_a_worker_out_of_file_descriptors_still_closes() -> None:
         await pool.close()
     # It ran its cleanup and exited itself (a crash at close exits 1).
     assert worker.process.returncode == 0
+
+
+class OnlyInTheDriver(str):
+    """A str subclass the driver pickles by reference but a worker cannot find (it claims
+    `__main__`, which in a worker is another program)."""
+
+
+async def test_an_input_a_worker_cannot_unpickle_is_lost_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(OnlyInTheDriver, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "OnlyInTheDriver", OnlyInTheDriver, raising=False)
+    with FakeOpenAIServer(script=shout_script) as server:
+        odd = Session.from_messages([{"role": "user", "content": OnlyInTheDriver("boom")}])
+        out = await asyncio.wait_for(
+            amap(
+                shouter(server.base_url),
+                ["a", odd, "b"],
+                backend="process",
+                workers=1,
+                max_attempts=2,
+                return_exceptions=True,
+            ),
+            60,
+        )
+    assert [type(o).__name__ for o in out] == ["Session", "PassLost", "Session"], out
+    lost = out[1]
+    assert isinstance(lost, PassLost)
+    assert "could not read" in str(lost.outcome.error), lost.outcome.error
+    assert "OnlyInTheDriver" in str(lost.outcome.error), lost.outcome.error

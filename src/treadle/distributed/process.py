@@ -170,6 +170,10 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
                 batch = conn.recv()
             except (EOFError, OSError):
                 batch = None
+            except Exception as err:  # e.g. a class only the driver has: which pass is unknown
+                # Say why and end: the driver retries the batch's passes alone, on new workers.
+                loop.call_soon_threadsafe(post, ("unreadable", f"{type(err).__name__}: {err}"))
+                batch = None
             loop.call_soon_threadsafe(on_batch, batch)
             if batch is None:
                 return
@@ -268,6 +272,8 @@ class _Worker:
             future = self.pending.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(message[2])
+        elif message[0] == "unreadable":
+            self.fail(WorkerLost(f"worker {self.name} could not read a batch: {message[1]}"))
         elif message[0] == "lease":
             self.pool.lease(self, message[1], message[2])
         elif message[0] == "ready" and not self.ready.done():
