@@ -90,11 +90,14 @@ def test_stores_transcripts_and_event_streams_load_with_the_first_pass_using_the
     """Passes without `store=`, `persist=` or `stream_session_loop` never need them (issue 33's
     import target: about 30 ms of CPU between them)."""
     lazy = ("treadle.stores", "treadle.persist", "treadle.runtime.streams", "anyio.streams")
-    code = (
-        "import sys\n"
-        "from treadle import Provider, Session, run_session_loop\n"
-        f"lazy = {lazy!r}\n"
-        "print(sorted(m for m in sys.modules if m.startswith(lazy)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    for names in ("Provider, Session, run_session_loop", "Agent", "Agent, map"):
+        code = (
+            "import sys\n"
+            f"from treadle import {names}\n"
+            f"lazy = {lazy!r}\n"
+            "print(sorted(m for m in sys.modules if m.startswith(lazy)))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == "[]", (names, out.stdout)

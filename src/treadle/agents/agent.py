@@ -17,7 +17,7 @@ import copy
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, cast
+from typing import TYPE_CHECKING, Any, Generic, cast
 
 import anyio
 import pydantic
@@ -41,11 +41,7 @@ from treadle.agents.streaming import (
     pass_sink,
     streaming_to,
 )
-from treadle.agents.structured import (
-    DEFAULT_OUTPUT_RETRIES,
-    OutputSpec,
-    StructuredMode,
-)
+from treadle.agents.structured import DEFAULT_OUTPUT_RETRIES, OutputSpec, StructuredMode
 from treadle.errors import ConfigurationError
 from treadle.llm import validate_executor
 from treadle.llm.provider import Provider
@@ -59,11 +55,12 @@ from treadle.loop.api import arun_pass_emitting, naming_next_pass
 from treadle.loop.control import call_user
 from treadle.loop.hooks import Hooks
 from treadle.loop.tooling import ToolUseBehavior, check_tool_use_behavior
-from treadle.runtime.streams import produce
 from treadle.session import Session, new_session_id
-from treadle.stores import PendingPass, Store, store_options
 from treadle.tools import Tool, ToolSet
 from treadle.tools.context import Deps, ToolContext, context_parameter
+
+if TYPE_CHECKING:  # stores load with the first run given one
+    from treadle.stores import PendingPass, Store
 
 __all__ = ["MAX_COMPACTIONS_PER_RUN", "Agent", "AgentInput"]
 
@@ -314,6 +311,8 @@ class Agent(Generic[Deps, Output]):
         """
         user = as_session(session)
         check_deps(self, deps)
+        from treadle.stores import store_options
+
         stored = store_options(store, conversation)
         run_id = new_session_id()
         return lazy_session(
@@ -348,6 +347,8 @@ class Agent(Generic[Deps, Output]):
         `store=` and `conversation=` continue a stored conversation, as on a call.
         """
         check_deps(self, deps)
+        from treadle.stores import store_options
+
         stored = store_options(store, conversation)
         run = AgentRun(
             self,
@@ -390,6 +391,8 @@ class Agent(Generic[Deps, Output]):
                     settings=settings,
                 )
                 return await run.run(user)
+
+        from treadle.runtime.streams import produce
 
         async with produce(events) as stream:
             async for event in stream:

@@ -24,7 +24,6 @@ from typing_extensions import TypeVar, deprecated
 
 from treadle.agents.progress import Progress, known_length, run_blocking, settle_results
 from treadle.errors import ConfigurationError
-from treadle.runtime.streams import produce
 from treadle.session import Session
 
 __all__ = [
@@ -155,6 +154,8 @@ async def local_map_iter(
 
     async def drive(send: Callable[[tuple[int, Any]], None]) -> None:
         await _drive(run, sessions, concurrency, lambda _i: None, lambda i, r: send((i, r)))
+
+    from treadle.runtime.streams import produce  # with the first fan-out, not the import
 
     async with produce(drive) as entries:
         async for entry in entries:

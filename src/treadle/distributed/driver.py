@@ -28,7 +28,6 @@ from typing import Any, Protocol
 
 from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.errors import ConfigurationError, WorkerLost
-from treadle.runtime.streams import produce
 from treadle.session import Session
 
 __all__ = ["WorkerLost", "WorkerPool", "drive"]
@@ -248,6 +247,8 @@ async def drive(
             for slot in range(pool.size):
                 for _ in range(concurrency):
                     tg.create_task(consume(slot, send))
+
+    from treadle.runtime.streams import produce  # with the first map, not the import
 
     async with produce(main) as outcomes:
         async for outcome in outcomes:

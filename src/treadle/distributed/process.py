@@ -32,6 +32,7 @@ from typing import Any
 
 from treadle.distributed.driver import WorkerLost
 from treadle.distributed.outcome import PassItem, PassOutcome
+from treadle.distributed.pipe import dumps_batch, what_cannot_cross
 from treadle.errors import ConfigurationError
 from treadle.llm.limit_broker import LimitBroker
 from treadle.runtime.child_python import python_child_argv
@@ -56,6 +57,10 @@ _STOP_GRACE = 10.0
 
 def _worker_main(fd: int) -> None:
     """Entry point of a worker process: the first message carries the spec and `sys.path`."""
+    # What closing needs, imported now: `asyncio.to_thread` loads the thread pool lazily, and
+    # a worker whose passes used every file descriptor could not import it then (no cleanup).
+    import concurrent.futures.thread  # noqa: F401
+
     conn = Connection(fd)
     try:
         _kind, spec, options, path = conn.recv()
@@ -115,9 +120,12 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
     def write() -> None:
         while (batch := outbox.get()) is not None:
             try:
-                conn.send(batch)
+                # Pickled apart from the write: an outcome pickle refuses fails alone.
+                conn.send_bytes(dumps_batch(batch, _refuse_outcome))
             except OSError:  # the driver is gone; nothing left to tell
                 return
+            except Exception as err:  # a bug here: say so, and keep sending what follows
+                log.error("a batch for the driver could not be sent: %r", err)
 
     writer = threading.Thread(target=write, name="treadle-worker-send", daemon=True)
     writer.start()
@@ -162,6 +170,10 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
                 batch = conn.recv()
             except (EOFError, OSError):
                 batch = None
+            except Exception as err:  # e.g. a class only the driver has: which pass is unknown
+                # Say why and end: the driver retries the batch's passes alone, on new workers.
+                loop.call_soon_threadsafe(post, ("unreadable", f"{type(err).__name__}: {err}"))
+                batch = None
             loop.call_soon_threadsafe(on_batch, batch)
             if batch is None:
                 return
@@ -175,6 +187,33 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
     flush()
     outbox.put(None)
     writer.join()
+
+
+def _refuse_outcome(message: Any, err: Exception) -> Any:
+    """(worker's sender thread) An outcome pickle refused: that pass fails, naming the value."""
+    if not (isinstance(message, tuple) and message[0] == "done"):
+        log.error("a message to the driver could not be pickled: %r", err)
+        return None
+    _kind, call_id, outcome = message
+    where = what_cannot_cross(outcome)
+    error = (
+        f"{type(err).__name__}: the pass's output cannot be sent back from its worker"
+        f" ({where or 'its data'} cannot be pickled: {err})"
+    )[:2000]
+    history = [
+        {**record, "status": "error", "error": error}
+        for record in outcome.get("history", ())
+        if isinstance(record, dict)
+    ]
+    failed = {
+        name: outcome.get(name) for name in ("index", "session_id", "attempts", "worker", "usage")
+    }
+    failed.update(status="error", error=error, history=history, metadata={})
+    try:
+        dumps_batch(failed, _refuse_outcome)
+    except Exception:  # its usage or history holds the value: send the bare failure
+        failed.update(usage={}, history=[])
+    return ("done", call_id, failed)
 
 
 # -- in the driver -------------------------------------------------------------------------------
@@ -233,6 +272,8 @@ class _Worker:
             future = self.pending.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(message[2])
+        elif message[0] == "unreadable":
+            self.fail(WorkerLost(f"worker {self.name} could not read a batch: {message[1]}"))
         elif message[0] == "lease":
             self.pool.lease(self, message[1], message[2])
         elif message[0] == "ready" and not self.ready.done():
@@ -259,16 +300,47 @@ class _Worker:
         while True:
             batch = self._outbox.get()  # None: the stop message, sent last
             try:
-                self.conn.send(batch)
+                # Pickled here, apart from the write: an input pickle refuses fails alone.
+                self.conn.send_bytes(dumps_batch(batch, self._refuse))
             except (OSError, ValueError) as err:  # the worker is gone: its passes are lost
                 if batch is not None:
-                    with contextlib.suppress(RuntimeError):  # the driver's loop is closed
-                        self.loop.call_soon_threadsafe(
-                            self.fail, WorkerLost(f"worker {self.name} is gone ({err})")
-                        )
+                    self._call_soon(self.fail, WorkerLost(f"worker {self.name} is gone ({err})"))
                 return
+            except Exception as err:  # never die silently: this worker's passes are lost
+                log.error("sending to worker %s failed: %r", self.name, err)
+                self._call_soon(self.fail, WorkerLost(f"sending to {self.name} failed ({err!r})"))
             if batch is None:
                 return
+
+    def _call_soon(self, callback: Any, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the driver's loop is closed
+            self.loop.call_soon_threadsafe(callback, *args)
+
+    def _refuse(self, message: Any, err: Exception) -> None:
+        """(sender thread) A message pickle refused: a pass's item fails as its own outcome."""
+        if not (isinstance(message, tuple) and len(message) == 2 and isinstance(message[1], dict)):
+            log.error("a message to worker %s could not be pickled: %r", self.name, err)
+            return
+        call_id, item = message
+        where = what_cannot_cross(item.get("messages"), "messages")
+        error = (
+            f"{type(err).__name__}: input {item.get('index')} cannot be sent to a worker"
+            f" ({where or 'its data'} cannot be pickled: {err})"
+        )[:2000]
+        outcome = {
+            "index": item.get("index", -1),
+            "session_id": item.get("session_id", ""),
+            "status": "error",
+            "attempts": item.get("attempt", 1),
+            "worker": "driver",
+            "error": error,
+        }
+        self._call_soon(self._refused, call_id, outcome)
+
+    def _refused(self, call_id: int, outcome: dict[str, Any]) -> None:
+        future = self.pending.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_result(outcome)
 
     def fail(self, err: Exception) -> None:
         if not self.lost:  # what it leased is no longer in flight anywhere

@@ -1,0 +1,64 @@
+"""Batches of pipe messages as bytes, for the process backend's sender threads (both ends).
+
+A batch is pickled whole (one pickle per loop turn); when that fails because one message holds a
+value pickle refuses (a lock in an output, a str subclass that refuses pickling in an input),
+each message is pickled alone and the ones that fail are replaced by what `refuse` returns (a
+failed outcome), so the rest of the batch still crosses. This module must never raise for a
+message that cannot be pickled, and never drop one silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+__all__ = ["dumps_batch", "what_cannot_cross"]
+
+
+def _dumps(value: Any) -> bytes:
+    return bytes(ForkingPickler.dumps(value))
+
+
+def dumps_batch(batch: Any, refuse: Callable[[Any, Exception], Any | None]) -> bytes:
+    """`batch` (a list of messages, or None) pickled as `Connection.send` would; a message that
+    cannot be pickled is replaced by `refuse(message, error)` (None: left out)."""
+    try:
+        return _dumps(batch)
+    except Exception:  # pickle raises TypeError, PicklingError, AttributeError, RecursionError
+        if not isinstance(batch, list):
+            raise
+    kept: list[Any] = []
+    for message in batch:
+        try:
+            _dumps(message)
+        except Exception as err:
+            replacement = refuse(message, err)
+            if replacement is not None:
+                kept.append(replacement)
+        else:
+            kept.append(message)
+    return _dumps(kept)
+
+
+def what_cannot_cross(value: Any, where: str = "") -> str:
+    """Where in `value` (dicts, lists and tuples) the first value pickle refuses is, with its
+    type: `metadata['output']['lock'] (_thread.lock)`."""
+    kind = type(value)
+    if kind is dict:
+        for key, item in value.items():
+            found = what_cannot_cross(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return ""
+    if kind is list or kind is tuple:
+        for i, item in enumerate(value):
+            found = what_cannot_cross(item, f"{where}[{i}]")
+            if found:
+                return found
+        return ""
+    try:
+        _dumps(value)
+    except Exception:
+        return f"{where or 'value'} ({kind.__module__}.{kind.__qualname__})"
+    return ""

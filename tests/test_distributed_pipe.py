@@ -1,0 +1,112 @@
+"""What cannot cross a process worker's pipe fails alone: an input or an output pickle refuses
+becomes that pass's failed outcome, the rest of its batch still crosses; and a worker that ran
+out of file descriptors still closes cleanly. Real worker processes, the fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import pytest
+
+from pipe_agents import locker
+from treadle import Session
+from treadle.distributed import AgentSpec, PassFailed, PassLost, amap
+from treadle.distributed.process import ProcessPool
+from treadle.llm import Provider
+from treadle.testing import FakeOpenAIServer
+from treadle.testing.sample_tools import shout_script, shouter
+
+
+class Unpicklable(str):
+    """A str that refuses pickling (a driver-side value that cannot go to a worker)."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("cannot pickle Unpicklable")
+
+
+async def test_an_input_that_cannot_be_pickled_fails_alone() -> None:
+    with FakeOpenAIServer(script=shout_script) as server:
+        bad = Session.from_messages([{"role": "user", "content": Unpicklable("boom")}])
+        out = await asyncio.wait_for(
+            amap(
+                shouter(server.base_url),
+                ["a", bad, "b", "c"],
+                backend="process",
+                workers=1,
+                return_exceptions=True,
+            ),
+            60,
+        )
+    assert [type(o).__name__ for o in out] == ["Session", "PassFailed", "Session", "Session"]
+    failed = out[1]
+    assert isinstance(failed, PassFailed)
+    assert failed.outcome.worker == "driver"
+    assert "Unpicklable" in str(failed.outcome.error)
+    assert "cannot be sent to a worker" in str(failed.outcome.error)
+
+
+async def test_an_output_that_cannot_be_pickled_fails_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with FakeOpenAIServer(script=shout_script) as server:
+        # The spec carries the provider's data: the worker's import of the agent uses this URL.
+        monkeypatch.setattr(
+            locker, "provider", Provider(model="fake", base_url=server.base_url, api_key="k")
+        )
+        inputs = ["a", "evil", "b", "c", "d", "e"]
+        out = await asyncio.wait_for(
+            amap(locker, inputs, backend="process", workers=1, return_exceptions=True), 60
+        )
+    kinds = [type(o).__name__ for o in out]
+    assert kinds == ["Session", "PassFailed", "Session", "Session", "Session", "Session"], kinds
+    failed = out[1]
+    assert isinstance(failed, PassFailed)
+    assert "_thread.lock" in str(failed.outcome.error), failed.outcome.error
+    assert failed.outcome.history[-1]["status"] == "error"
+
+
+async def test_a_worker_out_of_file_descriptors_still_closes() -> None:
+    with FakeOpenAIServer(script=shout_script) as server:
+        spec = AgentSpec.from_agent(shouter(server.base_url))
+        pool = ProcessPool(
+            spec.to_json(), size=1, worker_init="worker_fd_limit:lower_fd_limit_soon"
+        )
+        await pool.start()
+        worker = pool._workers[0]
+        assert worker is not None
+        await asyncio.sleep(0)
+        await pool.close()
+    # It ran its cleanup and exited itself (a crash at close exits 1).
+    assert worker.process.returncode == 0
+
+
+class OnlyInTheDriver(str):
+    """A str subclass the driver pickles by reference but a worker cannot find (it claims
+    `__main__`, which in a worker is another program)."""
+
+
+async def test_an_input_a_worker_cannot_unpickle_is_lost_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(OnlyInTheDriver, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "OnlyInTheDriver", OnlyInTheDriver, raising=False)
+    with FakeOpenAIServer(script=shout_script) as server:
+        odd = Session.from_messages([{"role": "user", "content": OnlyInTheDriver("boom")}])
+        out = await asyncio.wait_for(
+            amap(
+                shouter(server.base_url),
+                ["a", odd, "b"],
+                backend="process",
+                workers=1,
+                max_attempts=2,
+                return_exceptions=True,
+            ),
+            60,
+        )
+    assert [type(o).__name__ for o in out] == ["Session", "PassLost", "Session"], out
+    lost = out[1]
+    assert isinstance(lost, PassLost)
+    assert "could not read" in str(lost.outcome.error), lost.outcome.error
+    assert "OnlyInTheDriver" in str(lost.outcome.error), lost.outcome.error
