@@ -178,3 +178,15 @@ def test_messages_left_parked_are_dropped_when_the_connection_closes() -> None:
 
     get_runtime().run(go())
     assert trip.parked == {}
+
+
+@pytest.mark.parametrize("cut", [7, 4096, 65536, 1 << 30])
+def test_an_event_just_under_the_cap_is_parked_however_it_is_cut(cut: int) -> None:
+    # a long line arriving in many pieces is counted once (counted twice, an event over half
+    # the cap passed whole to the SDK, which typed it on the loop: 170 ms for 1 MiB)
+    big = _reply(PARSE_OFF_LOOP_BYTES // 10)
+    stream = b"event: message\r\ndata: " + big + b"\r\n\r\n"
+    trip = Trip()
+    out = get_runtime().run(_rewrite(stream, cut, trip, cap=len(stream) + 1))
+    (placeholder,) = _events(out)
+    assert len(placeholder) < 200 and len(trip.parked) == 1

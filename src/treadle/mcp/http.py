@@ -236,20 +236,22 @@ class _ParkingEvents(httpx2.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         event: list[bytes] = []  # the lines of the event under way, each with its line end
-        size = 0
-        partial: list[bytes] = []
+        size = 0  # bytes in `event`
+        partial: list[bytes] = []  # the pieces of the line under way
+        pending = 0  # bytes in `partial` (a line is counted once, when it is whole, in `size`)
         passing = False  # the event under way went past the cap: passed on as it is, to its end
         async for chunk in self._inner:
             lines = chunk.split(b"\n")
             partial.append(lines[0])
+            pending += len(lines[0])
             if len(lines) == 1:
-                size += len(chunk)
-                if size > self._cap:  # too big to rewrite: on as it is
+                if size + pending > self._cap:  # too big to rewrite: on as it is
                     yield b"".join(event) + b"".join(partial)
-                    event, partial, size, passing = [], [], 0, True
+                    event, partial, size, pending, passing = [], [], 0, 0, True
                 continue
             lines[0] = b"".join(partial)
             partial = [lines.pop()]
+            pending = len(partial[0])
             for line in lines:
                 event.append(line + b"\n")
                 size += len(line) + 1
@@ -259,7 +261,7 @@ class _ParkingEvents(httpx2.AsyncByteStream):
                 whole = passing or size > self._cap
                 yield b"".join(event) if whole else await self._event(event, size)
                 event, size, passing = [], 0, False
-            if size > self._cap:
+            if size + pending > self._cap:
                 yield b"".join(event)
                 event, size, passing = [], 0, True
         rest = b"".join(event) + b"".join(partial)
