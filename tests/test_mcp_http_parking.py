@@ -104,6 +104,7 @@ def test_a_large_reply_that_is_not_json_rpc_trips_the_connection() -> None:
 
     async def go() -> Any:
         placeholder = await trip.park(b"[" + b"1," * PARSE_OFF_LOOP_BYTES + b"oops", "peer")
+        assert placeholder is not None  # a fault: the placeholder of an empty reply
         typed = jsonrpc_message_adapter.validate_json(placeholder, by_name=False)
 
         class _Inner:
