@@ -40,6 +40,10 @@ def tool_results(rows: Any) -> dict[str, dict[str, Any]]:
     }
 
 
+# Every MCP server the tests start (the test scripts beside this file, and the time server).
+_SERVER_SCRIPTS = ("mcp_sdk_server.py", "mcp_raw_server.py", "mcp_server_time")
+
+
 def _children() -> dict[int, str]:
     """Descendant processes of this process running an MCP test server: pid -> command line."""
     me = os.getpid()
@@ -62,7 +66,7 @@ def _children() -> dict[int, str]:
         commands[int(entry)] = cmdline
     found: dict[int, str] = {}
     for pid, cmd in commands.items():
-        if "mcp_sdk_server.py" not in cmd and "mcp_server_time" not in cmd:
+        if not any(script in cmd for script in _SERVER_SCRIPTS):
             continue
         if "mcp/reaper.py" in cmd:  # the supervisor a stdio server runs under, not the server
             continue

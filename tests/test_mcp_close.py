@@ -155,3 +155,16 @@ def test_the_cli_says_the_wait_it_gave_not_the_time_stopping_took() -> None:
     loading = float(said.group(2) or 0.0)
     # Rounded figures of loading + the 0.5 s granted (stopping took 2 s more: SIGTERM ignored).
     assert abs(float(said.group(1)) - loading - 0.5) <= 0.15, failed.value
+
+
+def test_the_no_server_left_check_sees_every_test_server() -> None:
+    # The checks that no server outlives its test must see the raw server too, or they pass
+    # for it whatever happens.
+    raw = str(Path(__file__).with_name("mcp_raw_server.py"))
+    server = MCPServer.stdio(sys.executable, [raw], stderr=subprocess.DEVNULL)
+    try:
+        server.tools()
+        assert any("mcp_raw_server.py" in cmd for cmd in server_children().values())
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}

@@ -3,6 +3,7 @@ outside refs, recursive schemas that descend accepted, deep arguments a tool err
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -183,3 +184,60 @@ def test_unique_items_is_checked_by_hashing_not_pairwise(monkeypatch: pytest.Mon
     assert list(validator.iter_errors([{"a": 1, "b": [2]}, {"b": [2.0], "a": 1}]))
     assert not list(validator.iter_errors([1, True]))
     assert not list(validator.iter_errors([[0], [False], {"a": None}, {"a": 0}]))
+
+
+def test_a_string_past_the_pattern_limit_is_refused_naming_it() -> None:
+    # one RE2 call is linear in the string but may cost pattern-size steps per character
+    # (900,000 characters against `a[ab]{1000}...` ran 53 s): the string's length is capped
+    from treadle.mcp.schema import MAX_PATTERN_CHARACTERS
+
+    compiled = compile_schema({"type": "string", "pattern": "^a+$"})
+    assert compiled.errors("a" * MAX_PATTERN_CHARACTERS, 2.0) == []
+    (error,) = compiled.errors("a" * (MAX_PATTERN_CHARACTERS + 1), 2.0)
+    assert f"{MAX_PATTERN_CHARACTERS:,}-character limit" in error.message
+
+
+@pytest.mark.parametrize(
+    ("schema", "heavy"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}}, False),
+        ({"enum": ["a", "b", "c"]}, False),
+        (
+            {
+                "properties": {"a": {"$ref": "#/$defs/e"}},
+                "$defs": {"e": {"enum": list(range(999))}},
+            },
+            True,
+        ),
+        ({"properties": {"a": {"const": {"k": list(range(100))}}}}, True),
+        ({"properties": {"a": {"type": "string", "pattern": "^a"}}}, True),
+        ({"patternProperties": {"^a": {}}}, True),
+    ],
+)
+def test_a_schema_with_a_pattern_or_a_big_enum_is_checked_off_the_loop(
+    schema: dict[str, Any], heavy: bool
+) -> None:
+    # a cheap-scored schema whose enum has 16,000 entries held the loop 560-700 ms a check
+    assert compile_schema(schema).heavy is heavy
+
+
+def test_a_check_past_its_budget_fails_and_starves_nothing_else() -> None:
+    # a check is stopped waiting for at its budget (one RE2 call cannot be interrupted); checks
+    # run on threads of their own, so runaway ones leave the runtime's internal I/O threads free
+    import time
+
+    from treadle.mcp.schema import BudgetExceeded, run_check
+    from treadle.runtime.threads import run_internal_io
+
+    async def go() -> tuple[int, float, float]:
+        runaway = [asyncio.ensure_future(run_check(time.sleep, 3, budget=0.3)) for _ in range(16)]
+        started = time.monotonic()
+        other = await run_internal_io(lambda: 42)
+        other_took = time.monotonic() - started
+        results = await asyncio.gather(*runaway, return_exceptions=True)
+        assert all(isinstance(r, BudgetExceeded) for r in results), results
+        return other, other_took, time.monotonic() - started
+
+    other, other_took, all_took = get_runtime().run(go())
+    assert other == 42
+    assert other_took < all_took  # answered before the runaway checks were given up on

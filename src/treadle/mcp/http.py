@@ -17,7 +17,9 @@ content blocks held it 150 ms), so a reply over `PARSE_OFF_LOOP_BYTES` (a JSON b
 of one server-sent event) is parsed here instead, on a worker thread as the stdio reader parses
 its lines (`json.loads`, then only the envelope typed), and "parked": the SDK is handed a tiny
 placeholder reply naming it, which `TrippedStream` swaps for the parked message on its way to
-the session. This module must never hold more than the cap of one reply.
+the session. Only responses are parked (and only from `message` events): the SDK reads the
+placeholder as its call's reply, so anything else passes as it came.
+This module must never hold more than the cap of one reply.
 """
 
 from __future__ import annotations
@@ -57,13 +59,17 @@ class Trip:
         self.fault: type[TransportFault] = MessageTooLarge
         self.parked: dict[str, SessionMessage] = {}
 
-    async def park(self, data: bytes, label: str) -> bytes:
-        """`data` (one JSON-RPC message) parsed on a worker thread and kept; the placeholder
-        reply to hand the SDK in its place."""
+    async def park(self, data: bytes, label: str) -> bytes | None:
+        """`data` (one JSON-RPC message) parsed on a worker thread and, if it is a response,
+        kept: the placeholder reply to hand the SDK in its place. None for any other message
+        (a notification or a server's request): the SDK reads a placeholder as its call's
+        reply, so one standing for anything else would take the real reply's place."""
         message = await run_internal_io(_parse, data, label)
         if isinstance(message, TransportFault):
             self.reason, self.fault = str(message).rstrip("."), type(message)
             message_id: Any = 0
+        elif not isinstance(message.message, types.JSONRPCResponse | types.JSONRPCError):
+            return None
         else:
             token = secrets.token_hex(16)
             self.parked[token] = message
@@ -110,7 +116,8 @@ class TrippedStream:
         )
 
     async def aclose(self) -> None:
-        """Close the inner stream."""
+        """Close the inner stream, dropping any message still parked (its call is over)."""
+        self._trip.parked.clear()
         await self._inner.aclose()
 
 
@@ -177,10 +184,12 @@ class _CappedBody(httpx2.AsyncByteStream):
         except ReplyTooLarge as error:
             self._trip.reason = str(error)
             raise
+        body = b"".join(held)
+        del held
         if size > PARSE_OFF_LOOP_BYTES:
-            yield await self._trip.park(b"".join(held), self._url)
-        elif held:
-            yield b"".join(held)
+            yield await self._trip.park(body, self._url) or body
+        elif body:
+            yield body
 
     async def _pieces(self) -> AsyncIterator[bytes]:
         codings = _codings(self._coding)
@@ -227,20 +236,22 @@ class _ParkingEvents(httpx2.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         event: list[bytes] = []  # the lines of the event under way, each with its line end
-        size = 0
-        partial: list[bytes] = []
+        size = 0  # bytes in `event`
+        partial: list[bytes] = []  # the pieces of the line under way
+        pending = 0  # bytes in `partial` (a line is counted once, when it is whole, in `size`)
         passing = False  # the event under way went past the cap: passed on as it is, to its end
         async for chunk in self._inner:
             lines = chunk.split(b"\n")
             partial.append(lines[0])
+            pending += len(lines[0])
             if len(lines) == 1:
-                size += len(chunk)
-                if size > self._cap:  # too big to rewrite: on as it is
+                if size + pending > self._cap:  # too big to rewrite: on as it is
                     yield b"".join(event) + b"".join(partial)
-                    event, partial, size, passing = [], [], 0, True
+                    event, partial, size, pending, passing = [], [], 0, 0, True
                 continue
             lines[0] = b"".join(partial)
             partial = [lines.pop()]
+            pending = len(partial[0])
             for line in lines:
                 event.append(line + b"\n")
                 size += len(line) + 1
@@ -250,7 +261,7 @@ class _ParkingEvents(httpx2.AsyncByteStream):
                 whole = passing or size > self._cap
                 yield b"".join(event) if whole else await self._event(event, size)
                 event, size, passing = [], 0, False
-            if size > self._cap:
+            if size + pending > self._cap:
                 yield b"".join(event)
                 event, size, passing = [], 0, True
         rest = b"".join(event) + b"".join(partial)
@@ -261,18 +272,28 @@ class _ParkingEvents(httpx2.AsyncByteStream):
         if size <= PARSE_OFF_LOOP_BYTES:
             return b"".join(lines)
         data = [line for line in lines if line.startswith(b"data:")]
+        # Only a `message` event (the SDK reads no other kind) with data is a candidate: a
+        # comment, a `ping` or any other event passes untouched, whatever it holds.
+        kinds = [_field_value(line, 6) for line in lines if line.startswith(b"event:")]
+        if not data or (kinds and kinds[-1] != b"message"):
+            return b"".join(lines)
         others = [line for line in lines[:-1] if not line.startswith(b"data:")]
         payload = b"\n".join(_field_value(line) for line in data)
-        placeholder = await self._trip.park(payload, self._url)
+        # a small message in a large event (a long `id:`) is cheap for the SDK to type itself
+        small = len(payload) <= PARSE_OFF_LOOP_BYTES
+        placeholder = None if small else await self._trip.park(payload, self._url)
+        if placeholder is None:  # not a response: on as it came
+            return b"".join(lines)
         return b"".join(others) + b"data: " + placeholder + b"\n\n"
 
     async def aclose(self) -> None:
         await self._inner.aclose()
 
 
-def _field_value(line: bytes) -> bytes:
-    """The value of an SSE `data:` line: past the colon and one space, without its line end."""
-    value = line[5:].rstrip(b"\n").rstrip(b"\r")
+def _field_value(line: bytes, start: int = 5) -> bytes:
+    """The value of an SSE field line (`data:` unless `start` says otherwise): past the colon
+    and one space, without its line end."""
+    value = line[start:].rstrip(b"\n").rstrip(b"\r")
     return value[1:] if value.startswith(b" ") else value
 
 

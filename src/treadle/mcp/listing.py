@@ -25,7 +25,7 @@ from mcp_types import methods as result_rows
 from pydantic import TypeAdapter
 
 from treadle.errors import MCPServerError
-from treadle.mcp.schema import BudgetExceeded
+from treadle.mcp.schema import BudgetExceeded, run_check
 from treadle.mcp.tool import (
     CHEAP_SCHEMA_COST,
     CHECK_BUDGET_SECONDS,
@@ -205,10 +205,15 @@ class CheckedSession(ClientSession):
         structured = result.structured_content
         if structured is None:
             raise RuntimeError(f"tool {name} has an output schema but sent no structured content")
-        if validator.cost <= CHEAP_SCHEMA_COST and small_value(structured):
+        if validator.cost <= CHEAP_SCHEMA_COST and not validator.heavy and small_value(structured):
             error = _output_error(validator, structured, name)
         else:
-            error = await run_internal_io(_output_error, validator, structured, name)
+            try:
+                error = await run_check(
+                    _output_error, validator, structured, name, budget=CHECK_BUDGET_SECONDS
+                )
+            except BudgetExceeded:  # still running (one RE2 call cannot be stopped)
+                raise RuntimeError(_overrun(name)) from None
         if error is not None:
             raise RuntimeError(f"the structured result of {name} does not match: {error.message}")
 
@@ -220,10 +225,14 @@ def _output_error(validator: Any, structured: Any, name: str) -> Any:
     except RecursionError:
         raise RuntimeError(f"the structured result of {name} is nested too deeply") from None
     except BudgetExceeded:
-        raise RuntimeError(
-            f"checking the structured result of {name} against its output schema took over "
-            f"{CHECK_BUDGET_SECONDS:g} s and was stopped"
-        ) from None
+        raise RuntimeError(_overrun(name)) from None
+
+
+def _overrun(name: str) -> str:
+    return (
+        f"checking the structured result of {name} against its output schema took over "
+        f"{CHECK_BUDGET_SECONDS:g} s and was stopped"
+    )
 
 
 async def until_quiet(announced: Callable[[], float], finished: asyncio.Event) -> None:

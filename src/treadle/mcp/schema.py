@@ -14,22 +14,47 @@ level cost 2**N). `$ref`s resolve against the `$id` of the schema resource they 
 jsonschema resolves them, so a loop hidden behind an embedded `$id` is refused too. `uniqueItems`
 is checked by hashing each item's canonical form (linear), not pairwise. A check runs under a time
 budget (`Compiled.errors`): every keyword checks the deadline, and one past it raises
-`BudgetExceeded`. This module must never run Python's `re` on a server's pattern.
+`BudgetExceeded`. One RE2 call cannot be stopped and costs up to the pattern's size per
+character, so a string matched against a `pattern` may have at most `MAX_PATTERN_CHARACTERS`
+(longer is a validation error naming the limit). A schema with a pattern or a large `enum` /
+`const` is `heavy`: its checks run off the loop whatever the value (`run_check`: on threads of
+their own, at most `CHECK_THREADS`, so runaway checks starve nothing else; the caller stops
+waiting at the budget). This module must never run Python's `re` on a server's pattern.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import unquote, urldefrag, urljoin
 
 import re2  # type: ignore[import-untyped]
 from jsonschema import exceptions, validators  # type: ignore[import-untyped]
 
-__all__ = ["MAX_EXPANSION", "BudgetExceeded", "Compiled", "SchemaRefused", "compile_schema"]
+__all__ = [
+    "MAX_EXPANSION",
+    "MAX_PATTERN_CHARACTERS",
+    "BudgetExceeded",
+    "Compiled",
+    "SchemaRefused",
+    "compile_schema",
+    "run_check",
+]
+
+#: The longest string matched against a schema's `pattern` (a longer one is a validation error;
+#: a longer property name counts as matching, for the server to decide).
+MAX_PATTERN_CHARACTERS = 100_000
+#: Threads that run schema checks off the loop (their own: a runaway check holds one of these,
+#: never a thread the runtime needs for anything else).
+CHECK_THREADS = 2
+# An `enum` longer than this, or a `const` that is an object or array, makes a schema heavy.
+_HEAVY_ENUM = 32
+_CHECKS = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="treadle-mcp-check")
 
 #: The most subschemas (counted with multiplicity, following `$ref`s) one value may be checked
 #: against; a schema over it is refused when listed, since checking it costs that much per value.
@@ -72,11 +97,13 @@ class Compiled:
     """A compiled schema: its validator, and `cost`, the most subschemas one value is checked
     against (at most `MAX_EXPANSION`), to judge whether a check is cheap."""
 
-    __slots__ = ("cost", "validator")
+    __slots__ = ("cost", "heavy", "validator")
 
-    def __init__(self, validator: Any, cost: int) -> None:
+    def __init__(self, validator: Any, cost: int, heavy: bool = False) -> None:
         self.validator = validator
         self.cost = cost
+        self.heavy = heavy
+        """Whether a check may be long whatever the value's size (a pattern, a large enum)."""
 
     def iter_errors(self, instance: Any) -> Iterator[Any]:
         """The validation errors of `instance`, without a budget."""
@@ -122,12 +149,21 @@ def _regex(pattern: str) -> Any:
 
 
 def _matches(pattern: str, text: str) -> bool | None:
+    if len(text) > MAX_PATTERN_CHARACTERS:
+        return None
     compiled = _regex(pattern)
     return None if compiled is None else compiled.search(text) is not None
 
 
 def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
-    if validator.is_type(instance, "string") and _matches(pattern, instance) is False:
+    if not validator.is_type(instance, "string"):
+        return
+    if len(instance) > MAX_PATTERN_CHARACTERS:
+        yield exceptions.ValidationError(
+            f"a string of {len(instance):,} characters is over the "
+            f"{MAX_PATTERN_CHARACTERS:,}-character limit for matching a pattern"
+        )
+    elif _matches(pattern, instance) is False:
         yield exceptions.ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
@@ -224,7 +260,27 @@ def compile_schema(schema: Mapping[str, Any]) -> Compiled:
         # jsonschema would match those patterns with `re`; without them the server checks.
         overrides["unevaluatedProperties"] = _left_to_the_server
     keywords = {k: _timed(overrides.get(k, v)) for k, v in base.VALIDATORS.items()}
-    return Compiled(validators.extend(base, keywords)(schema), cost)
+    return Compiled(validators.extend(base, keywords)(schema), cost, _heavy(schema))
+
+
+def _heavy(schema: Any) -> bool:
+    for _, node in _nodes(schema):
+        enum, const = node.get("enum"), node.get("const")
+        if "pattern" in node or "patternProperties" in node:
+            return True
+        if (isinstance(enum, list) and len(enum) > _HEAVY_ENUM) or isinstance(const, dict | list):
+            return True
+    return False
+
+
+async def run_check(fn: Callable[..., Any], *args: Any, budget: float) -> Any:
+    """`fn(*args)` on a check thread; `BudgetExceeded` when it has not answered in `budget`
+    seconds (queued or running: one still running finishes on its thread, unheard)."""
+    future = asyncio.get_running_loop().run_in_executor(_CHECKS, functools.partial(fn, *args))
+    try:
+        return await asyncio.wait_for(future, budget)
+    except TimeoutError:
+        raise BudgetExceeded from None
 
 
 def _nodes(schema: Any) -> Iterator[tuple[str, Any]]:

@@ -4,13 +4,14 @@ The server's input schema is passed to the model as it is, and the model's argum
 against it (JSON Schema, through the `jsonschema` package the SDK depends on, its regexes on RE2:
 see `treadle.mcp.schema`) before the call, so a bad call is answered with the field paths at fault
 without a round trip. Small arguments against a cheap schema are checked at once, on the loop;
-larger ones, or any against a schema whose `$ref`s fan out, are checked on a worker thread just
-before the call. Either way a check has `CHECK_BUDGET_SECONDS`; one that runs past it fails that
-call (a tool error naming tool and server), never the pass. Results become the
-JSON body the model reads: structured content under `structured` when the server sent any (its
-text twin is then left out, as the MCP spec makes that text a copy), otherwise the text blocks
-under `content`; images, audio and binary resources become a marker naming their type and size,
-never their bytes. A result flagged `isError` is reported to the model as a tool error.
+larger ones, or any against a schema whose `$ref`s fan out or that has a pattern or a large enum,
+are checked on a check thread (`treadle.mcp.schema.run_check`) just before the call. Either
+way a check has `CHECK_BUDGET_SECONDS`; one that runs past it fails that call (a tool error
+naming tool and server), never the pass. Results become the JSON body the model reads:
+structured content under `structured` when the server sent any (its text twin is then left
+out, as the MCP spec makes that text a copy), otherwise the text blocks under `content`;
+images, audio and binary resources become a marker naming their type and size, never their
+bytes. A result flagged `isError` is reported to the model as a tool error.
 
 This module must never block the event loop and never talk to the server except through the
 `Link` of the server the tool came from.
@@ -27,7 +28,13 @@ from typing import Any, Protocol
 import mcp_types as types
 
 from treadle.errors import MCPSchemaError, ToolArgumentsError, ToolError
-from treadle.mcp.schema import BudgetExceeded, Compiled, SchemaRefused, compile_schema
+from treadle.mcp.schema import (
+    BudgetExceeded,
+    Compiled,
+    SchemaRefused,
+    compile_schema,
+    run_check,
+)
 from treadle.runtime.threads import run_internal_io
 from treadle.tools import Tool, ToolContext
 from treadle.tools.results import EncodedResult
@@ -155,19 +162,23 @@ class MCPTool(Tool):
         return values
 
     def _on_loop(self, values: dict[str, Any]) -> bool:
-        return self._validator.cost <= CHEAP_SCHEMA_COST and small_value(values)
+        validator = self._validator
+        return validator.cost <= CHEAP_SCHEMA_COST and not validator.heavy and small_value(values)
+
+    def _overrun(self) -> ToolError:
+        return ToolError(
+            f"checking the arguments for tool {self.name!r} against the schema of MCP server "
+            f"{self.server.label} took over {CHECK_BUDGET_SECONDS:g} s and was stopped; the "
+            "tool was not called",
+            detail="send smaller arguments, or ask the server's owner for a simpler schema",
+        )
 
     def _errors(self, values: dict[str, Any]) -> list[Any]:
         """The schema's complaints about `values`, within the budget (run on any thread)."""
         try:
             return self._validator.errors(values, CHECK_BUDGET_SECONDS)
         except BudgetExceeded:
-            raise ToolError(
-                f"checking the arguments for tool {self.name!r} against the schema of MCP server "
-                f"{self.server.label} took over {CHECK_BUDGET_SECONDS:g} s and was stopped; the "
-                "tool was not called",
-                detail="send smaller arguments, or ask the server's owner for a simpler schema",
-            ) from None
+            raise self._overrun() from None
         except RecursionError:
             raise ToolArgumentsError(
                 f"invalid arguments for tool {self.name!r}: they are nested too deeply to check",
@@ -199,7 +210,11 @@ class MCPTool(Tool):
         its result into the body the model reads."""
         values = dict(arguments)
         if not self._on_loop(values):
-            self._report(await run_internal_io(self._errors, values))
+            try:
+                errors = await run_check(self._errors, values, budget=CHECK_BUDGET_SECONDS)
+            except BudgetExceeded:  # still running (one RE2 call cannot be stopped)
+                raise self._overrun() from None
+            self._report(errors)
         result = await self.server.call(self.remote_name, values)
         if _small_result(result):
             return result_body(result, self.name)
