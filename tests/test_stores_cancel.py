@@ -324,3 +324,48 @@ def test_a_commit_blocked_on_the_lock_does_not_hold_its_cancelled_caller(pg: Clu
             assert stored in ({"first": 2, "second": 4}, {"first": 2, "second": 4, "third": 6})
 
     asyncio.run(main())
+
+
+def test_a_commit_left_on_a_closed_loop_is_not_waited_for(tmp_path: Path) -> None:
+    """A loop run with `run_until_complete` and closed without cancelling its tasks (as worker
+    threads and older frameworks do) drops a cancelled pass's commit still in flight:
+    `asettled` and `aclose` on another loop must not wait for a task that can never end."""
+    url = str(tmp_path / "s.db")
+    store = Store.open(url)
+
+    async def first() -> None:
+        await store.__aenter__()
+        real = store.backend.commit
+        started = asyncio.Event()
+
+        async def slow_commit(*args: Any, **kwargs: Any) -> Any:
+            started.set()
+            await asyncio.sleep(0.5)  # still in flight when the loop closes
+            return await real(*args, **kwargs)
+
+        store.backend.commit = slow_commit  # type: ignore[method-assign]
+        task = asyncio.ensure_future(
+            arun_session_loop(
+                Session.from_user_message("A"),
+                Session.from_agent_prompt("x"),
+                executor=ScriptedExecutor(["answer"]),
+                store=store,
+                conversation="k",
+            )
+        )
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(first())
+    loop.close()
+
+    async def second() -> list[str]:
+        await asyncio.wait_for(store.asettled(), 60)  # a hang guard, not a time assertion
+        await store.aclose(grace=60)
+        async with Store.open(url) as again:
+            return [str(row.payload.get("content")) for row in (await again.conversation("k")).rows]
+
+    assert asyncio.run(second()) in ([], ["A", "answer"])  # whole turn or none

@@ -151,8 +151,8 @@ class ConversationJournal:
             cancel.add_note(
                 f"treadle: the commit of conversation {self.key!r} (pass {self.pass_id}) was in "
                 "flight: it goes on shielded; whether the turn landed is in the store "
-                "(after `await store.asettled()`, store.pending(key) lists the pass as "
-                "cancelled exactly when it did not)."
+                "(after `await store.asettled()`, store.conversation(key) holds the turn "
+                "if it landed; see docs/stores.md)."
             )
             raise
         self.buffered.clear()

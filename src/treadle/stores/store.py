@@ -304,10 +304,15 @@ class Store:
 
         A pass cancelled while its commit was in flight raises at once and leaves the commit to
         the store, which lands the whole turn or none; once settled, `pending(key)` lists the
-        pass as `cancelled` exactly when its turn did not land.
+        pass as `cancelled` when its turn did not land (unless another writer moved the
+        conversation on meanwhile: docs/stores.md).
         """
         loop = asyncio.get_running_loop()
-        while commits := [c for c in inflight(self.backend) if not c.done()]:
+        # A commit whose loop was closed without running it to its end can never finish (the
+        # database committed its transaction whole or not at all): it is not waited for.
+        while commits := [
+            c for c in inflight(self.backend) if not c.done() and not c.get_loop().is_closed()
+        ]:
             mine = [c for c in commits if c.get_loop() is loop]
             if mine:  # asyncio.wait never cancels what it waits for
                 await asyncio.wait(mine)
