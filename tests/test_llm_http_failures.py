@@ -243,7 +243,13 @@ async def test_a_silent_tls_handshake_is_a_connect_timeout_never_use_http(stream
             await asyncio.wait_for(send(provider, stream=stream), 60)
         assert not isinstance(info.value, ProtocolMismatchError)
         assert "connecting to" in info.value.message and "http://" not in info.value.message
-        assert server.connections_opened == 2  # the whole budget, then one retry
+        # The whole budget, then one retry. The server's thread counts a connection when it
+        # accepts it, which on a loaded machine can come after the client gave up on it.
+        for _ in range(600):
+            if server.connections_opened >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert server.connections_opened == 2
 
 
 @pytest.mark.parametrize("own_client", [False, True], ids=["treadle-client", "user-httpx"])
