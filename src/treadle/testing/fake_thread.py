@@ -7,6 +7,7 @@ stops the loop, lets the endpoint close its connections and joins the thread.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import threading
 from typing import Self
@@ -14,7 +15,7 @@ from typing import Self
 __all__ = ["BackgroundServing"]
 
 
-class BackgroundServing:
+class BackgroundServing(abc.ABC):
     """Mixin: `start()`/`stop()` and a `with` block over `start_serving()`/`stop_serving()`.
 
     The class that mixes it in sets `_loop` in `start_serving()` (the loop it serves on), starts
@@ -25,13 +26,13 @@ class BackgroundServing:
     _loop: asyncio.AbstractEventLoop | None
     _thread: threading.Thread | None
 
+    @abc.abstractmethod
     async def start_serving(self) -> None:
         """Listen on the current loop (the class that mixes this in says how)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def stop_serving(self) -> None:
         """Stop listening and close every connection (the class that mixes this in says how)."""
-        raise NotImplementedError
 
     def start(self) -> Self:
         """Serve from a background thread with its own event loop; returns once listening."""
