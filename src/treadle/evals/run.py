@@ -22,7 +22,6 @@ import itertools
 import json
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
@@ -41,6 +40,7 @@ from treadle.evals.guards import first_leaf, refuse_strangers
 from treadle.evals.log import ANSWER_CAP, LogHeader, LogWriter, SampleRecord, read_log
 from treadle.evals.scorers import Score, ScoreInput, Scorer, ScorerError, as_scorer
 from treadle.evals.summary import Summary, summarize
+from treadle.evals.workspaces import Workspaces
 from treadle.persist.format import encode_header, encode_row, encode_trailer
 from treadle.persist.producer import producer_record
 from treadle.runtime import get_runtime
@@ -294,7 +294,7 @@ class _Run:
         dispatched: dict[int, _Attempt] = {}
         counter = itertools.count()
         scoring = asyncio.Semaphore(concurrency)
-        workspace_root = Path(tempfile.mkdtemp(prefix="treadle-eval-")) if sandbox else None
+        workspaces = Workspaces() if sandbox else None
 
         async def feed() -> AsyncIterator[Any]:
             queue = iter(pending)
@@ -303,9 +303,10 @@ class _Run:
                 if attempt is None and (attempt := await again.get()) is None:
                     return
                 session = Session.from_user_message(attempt.item.input)
-                if workspace_root is not None:
+                if workspaces is not None:
+                    name = f"{_safe_name(attempt.item.id)}.s{attempt.sample}.r{attempt.retries}"
                     attempt.workspace = await asyncio.to_thread(
-                        _make_workspace, workspace_root, attempt
+                        workspaces.make, name, attempt.item.files
                     )
                     session = session.to(str(attempt.workspace))
                 attempt.session = session
@@ -352,8 +353,9 @@ class _Run:
             # a scorer's own exception (a BaseException it raised, say), not the task group's
             raise first_leaf(group) from None
         finally:
-            if workspace_root is not None:
-                await asyncio.to_thread(shutil.rmtree, workspace_root, True)
+            if workspaces is not None:
+                # shielded: a second cancel must not leave the root behind half-removed
+                await asyncio.shield(asyncio.to_thread(workspaces.close))
 
     def _local_runner(self, timeout: float | None) -> Callable[[_Attempt], Any]:
         agent = self.agent
@@ -466,8 +468,7 @@ class _Run:
             attempt.session = None
         if attempt.workspace is not None:
             workspace, attempt.workspace = attempt.workspace, None
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(shutil.rmtree, workspace)
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
 
 
 def _capped(value: Any) -> Any:
@@ -483,13 +484,3 @@ def _capped(value: Any) -> Any:
 def _safe_name(item_id: str) -> str:
     digest = hashlib.sha256(item_id.encode()).hexdigest()[:8]
     return f"{_SAFE.sub('_', item_id)[:60]}-{digest}"
-
-
-def _make_workspace(root: Path, attempt: _Attempt) -> Path:
-    path = root / f"{_safe_name(attempt.item.id)}.s{attempt.sample}.r{attempt.retries}"
-    path.mkdir()
-    for relative, text in attempt.item.files.items():
-        target = path / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")  # whatever the locale says
-    return path
