@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -163,16 +164,24 @@ def _python(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[s
 
 
 EXIT_SCRIPT = """
+    import time
     from treadle import Session
     from treadle.loop import run_session_loop
     from treadle.testing.scripted import ScriptedExecutor, tool_call
 
     user = Session.from_user_message("go").to("local")
-    shell = tool_call("run_shell_command", {{"cmd": "sleep {seconds}; echo finished"}}, id="c1")
+    cmd = "touch running; sleep {seconds}; echo finished"
+    shell = tool_call("run_shell_command", {{"cmd": cmd}}, id="c1")
     ex = ScriptedExecutor([shell, "done"])
     agent = Session.from_agent_prompt("a")
     out = run_session_loop(user, agent, executor=ex, persist_path="s.jsonl")
-    print(user.require_sandbox().workspace, flush=True)
+    workspace = user.require_sandbox().workspace
+    print(workspace, flush=True)
+    # The exit must come while the command runs: on a loaded machine the pass can take longer
+    # than the drain time just to reach it (then nothing was recorded, nothing to cancel).
+    started = time.monotonic()
+    while not (workspace / "running").exists() and time.monotonic() - started < 60:
+        time.sleep(0.01)
     # the interpreter exits here without reading `out`
 """
 
@@ -204,12 +213,15 @@ def test_exit_drains_passes_before_sandboxes_close(tmp_path: Path) -> None:
 
 
 def test_exit_past_the_drain_time_cancels_cleanly(tmp_path: Path) -> None:
-    done = _python(EXIT_SCRIPT.format(seconds="31.37"), tmp_path, TREADLE_DRAIN_SECONDS="0.5")
+    # A duration of this run's own: the check below scans every process of the machine, where
+    # other runs of this suite (xdist workers, other checkouts, CI jobs) may be in this test too.
+    seconds = f"31.{secrets.randbelow(10**6):06d}"
+    done = _python(EXIT_SCRIPT.format(seconds=seconds), tmp_path, TREADLE_DRAIN_SECONDS="0.5")
     assert done.returncode == 0, done.stderr
     loaded = load_session(tmp_path / "s.jsonl", sandbox=False)
     assert not loaded.closed  # no trailer: the pass did not end gracefully
     assert loaded.pending_intents == ("c1",)  # the intent was recorded before the tool ran
-    assert _processes_running("sleep 31.37") == []  # the cancelled command did not outlive it
+    assert _processes_running(f"sleep {seconds}") == []  # the cancelled command did not outlive it
     assert not Path(done.stdout.strip()).exists()
 
 
