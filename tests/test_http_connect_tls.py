@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 import subprocess
@@ -236,6 +237,40 @@ async def test_a_silent_tls_peer_is_a_connect_timeout_never_plain_http() -> None
         url = f"https://127.0.0.1:{port}/"
         with pytest.raises(ConnectTimeout, match="connect timeout"):
             await exchange(route_for(url, NO_ENV), NetworkOptions(verify=False), budget=0.5)
+
+
+async def test_reading_the_ca_file_is_not_charged_to_the_connect_budget(
+    ca: trustme.CA, tmp_path: Path
+) -> None:
+    # Loading the trusted CAs is local work, once per process and settings; certifi's bundle
+    # took over a second of wall clock on a loaded machine, so a 0.5 s budget ran out before a
+    # byte was sent, and the retry, waiting on the same load, never reached the server either.
+    # Here the CA file is a FIFO filled only after twice the budget: the connection must still
+    # reach the (silent) server, and time out in its handshake.
+    accepted = 0
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        await reader.read()
+
+    fifo = tmp_path / "ca.pem"
+    os.mkfifo(fifo)
+    options = NetworkOptions(verify=str(fifo), trust_env=False)
+    async with tcp_server(silent) as port:
+        route = route_for(f"https://127.0.0.1:{port}/", options)
+        connecting = asyncio.create_task(exchange(route, options, budget=0.5))
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(fifo.write_bytes, ca.cert_pem.bytes())  # the build reads it
+        with pytest.raises(ConnectTimeout, match="connect timeout"):
+            await connecting
+        # The client's connect() ran before its first await under the budget, so the server
+        # has the connection; its loop may take a while to accept it on a loaded machine.
+        for _ in range(600):
+            if accepted:
+                break
+            await asyncio.sleep(0.05)
+        assert accepted == 1
 
 
 async def test_a_handshake_slower_than_half_the_budget_still_connects(ca: trustme.CA) -> None:

@@ -4,7 +4,7 @@
 `open_connection(route, factory, ...)` dials the host (`treadle._http.dial`: one lookup per name
 at a time, answers kept 10 s and dropped when they fail, addresses raced as RFC 8305 says),
 tunnels through a proxy with CONNECT when the origin is https, and completes TLS, all inside
-one `connect_timeout`. Every
+one `connect_timeout` (which starts once the TLS contexts are loaded: local work). Every
 failure leaves as one of `treadle._http.errors`; nothing here blocks the event loop (resolving
 runs on the loop's executor, certificate files are read on a worker thread).
 """
@@ -166,12 +166,18 @@ async def open_connection(
 
     The protocol's `connection_made` has been called once, with the returned transport (TLS
     already done for https, inside the tunnel when proxied). `connect_timeout` covers all of
-    it: DNS, TCP, the proxy's CONNECT and the TLS handshake; running out is `ConnectTimeout`.
+    the network's part: DNS, TCP, the proxy's CONNECT and the TLS handshake; running out is
+    `ConnectTimeout`. Loading the TLS contexts (certificate files) comes first, outside it.
     `resolver` replaces the system resolver (tests); its answers are cached like the system's.
     """
     try:
+        # Outside the budget: reading the CA files is local work, once per process and settings
+        # (certifi's bundle: tens of ms of CPU, over a second of wall clock on a loaded machine).
+        # Charged to the budget, a short connect timeout ran out before a byte was sent and was
+        # reported as a slow network; its retry, waiting on the same build, often did too.
+        contexts = await _contexts(route, options)
         async with asyncio.timeout(connect_timeout) as scope:
-            return await _open(route, protocol_factory, options, scope.when(), resolver)
+            return await _open(route, protocol_factory, contexts, scope.when(), resolver)
     except OSError as exc:  # what no phase above turned into an HTTPError (a worker thread's)
         if isinstance(exc, TimeoutError):
             raise _timeout(route, connect_timeout) from None
@@ -190,23 +196,34 @@ def _timeout(route: Route, connect_timeout: float | None) -> ConnectTimeout:
     )
 
 
+_Contexts = tuple[ssl.SSLContext | None, ssl.SSLContext | None]
+
+
+async def _contexts(route: Route, options: NetworkOptions) -> _Contexts:
+    """The TLS contexts `route` needs: `(origin's, proxy's)`, None where it speaks plain TCP.
+
+    Before any traffic: a certificate file that cannot be read fails first, and no connected
+    socket waits (or leaks) while the files are read.
+    """
+    https_proxy = route.proxy is not None and parse_url(route.proxy).scheme == "https"
+    if route.scheme != "https" and not https_proxy:
+        return None, None
+    context = await ssl_context_async(options)  # one context serves the origin and the proxy
+    return (context if route.scheme == "https" else None), (context if https_proxy else None)
+
+
 async def _open(
     route: Route,
     factory: Callable[[], P],
-    options: NetworkOptions,
+    contexts: _Contexts,
     deadline: float | None,
     resolver: Resolver | None,
 ) -> tuple[asyncio.Transport, P]:
     loop = asyncio.get_running_loop()
     # asyncio's own handshake limit must never fire before our budget does.
     handshake = None if deadline is None else max(0.0, deadline - loop.time()) + 30.0
-    # Contexts first: a certificate file that cannot be read fails before any traffic, and no
-    # connected socket waits (or leaks) while the files are read.
-    context = await ssl_context_async(options) if route.scheme == "https" else None
+    context, proxy_tls = contexts
     proxy = None if route.proxy is None else parse_url(route.proxy)
-    proxy_tls = None
-    if proxy is not None and proxy.scheme == "https":
-        proxy_tls = context or await ssl_context_async(options)
     if route.proxy is None or proxy is None:
         sock = await dial(route.host, route.port, route.origin, resolver)
         if context is None:
