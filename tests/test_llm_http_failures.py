@@ -243,8 +243,11 @@ async def test_a_silent_tls_handshake_is_a_connect_timeout_never_use_http(stream
             await asyncio.wait_for(send(provider, stream=stream), 60)
         assert not isinstance(info.value, ProtocolMismatchError)
         assert "connecting to" in info.value.message and "http://" not in info.value.message
-        # The whole budget, then one retry. The server's thread counts a connection when it
-        # accepts it, which on a loaded machine can come after the client gave up on it.
+        # The whole budget, then one retry, and each reaches the server: the budget starts once
+        # the TLS context is loaded (charged with certifi's load, over a second under load,
+        # both attempts once ran out before dialing), and an attempt's connect() to 127.0.0.1
+        # runs before its first await. The server's thread counts a connection when it accepts
+        # it, which on a loaded machine can come after the client gave up on it.
         for _ in range(600):
             if server.connections_opened >= 2:
                 break
