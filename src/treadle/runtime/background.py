@@ -56,14 +56,6 @@ _Item = tuple[Coroutine[Any, Any, Any], LazyValue[Any], contextvars.Context, boo
 whether a pass's own worker thread submitted it (a sync tool running a sub-agent)."""
 
 INBOX_LINGER_SECONDS = 0.002
-BURST_HOLD_SECONDS = 2.0
-"""While another thread submits a burst (the loop finds two or more new passes at each look,
-`INBOX_LINGER_SECONDS` apart), the passes it submitted wait to start until the burst ends, for at
-most this long from the burst's first look. Started passes keep the loop busy, and a busy loop
-takes the GIL from the submitting thread for a switch interval at a time: submitting 100,000
-passes cost the process twice the submitter's own CPU. Held, they start at the burst's last look
-(2 ms after its last submission); a longer burst starts them after this long and runs as before.
-Sub-passes (a sync tool's) and passes submitted on the loop thread are never held."""
 """While passes arrive in a burst, how often the loop looks for more without being woken."""
 DEFAULT_MAX_STARTED = 4096
 """Passes submitted from other threads that run at once (override with the
@@ -107,9 +99,6 @@ class Runtime:
         # Moved from the inbox, waiting for a start (see `DEFAULT_MAX_STARTED`); loop thread only.
         self._waiting: deque[_Item] = deque()
         self._max_started = _max_started() if max_started is None else max_started
-        # While a burst of submissions arrives, passes wait to start (`BURST_HOLD_SECONDS`).
-        self._burst_since: float | None = None
-        self._holding = False
         self._ended = 0  # passes ended so far (the stall check compares it between looks)
         # `_ended` plus `progress.steps()` at the last look (None: no look armed).
         self._stall_seen: int | None = None
@@ -245,15 +234,16 @@ class Runtime:
 
     def _start_inbox(self) -> None:
         inbox = self._inbox
-        burst = len(inbox) >= 2 and not self._closed
-        if burst:
+        if len(inbox) < 2:
+            self._inbox_armed = False  # before draining: a later submit arms a new wake-up
+        elif not self._closed:
             # A burst is being submitted: stay armed and look again shortly, so the submitting
             # thread does not write the self-pipe for every pass. Each write lets go of the GIL,
             # and while the loop is busy the submitter then waits a whole switch interval (5 ms)
             # to get it back (see docs/performance.md).
             self.loop.call_later(INBOX_LINGER_SECONDS, self._start_inbox)
         else:
-            self._inbox_armed = False  # before draining: a later submit arms a new wake-up
+            self._inbox_armed = False
         waiting = self._waiting
         while inbox:
             item = inbox.popleft()
@@ -261,24 +251,11 @@ class Runtime:
                 item[2].run(self._start, item[0], item[1])
             else:
                 waiting.append(item)
-        self._hold_for_burst(burst)
         self._start_waiting()
         self._collector.update(len(self._tasks) + len(waiting))
 
-    def _hold_for_burst(self, burst: bool) -> None:
-        """Hold new starts while a burst arrives, for at most `BURST_HOLD_SECONDS` of it."""
-        if not burst:
-            self._burst_since, self._holding = None, False
-            return
-        now = self.loop.time()
-        if self._burst_since is None:
-            self._burst_since = now
-        self._holding = now - self._burst_since < BURST_HOLD_SECONDS
-
     def _start_waiting(self) -> None:
         """Start waiting passes while fewer than the cap (plus the stall allowance) run."""
-        if self._holding:  # a burst is arriving: its last look starts them (`_hold_for_burst`)
-            return
         waiting = self._waiting
         room = (
             len(waiting)
