@@ -24,17 +24,18 @@ if TYPE_CHECKING:
     from treadle.loop.hooks import Hooks
     from treadle.loop.planning import pass_output, plan_pass
     from treadle.loop.tooling import ToolUseBehavior
-    from treadle.runtime import submit
+    from treadle.runtime.background import submit
     from treadle.stores import PendingPass, Store  # loaded with the first pass using a store
 else:
     # The engine, the runtime, the tool and model layers load with the first pass, not with
     # `from treadle import run_session_loop` (about half of that import's CPU; see
     # docs/performance.md, imports): each name below is replaced by the real function on its
-    # first call.
+    # first call. Each names the function's home module, not a re-export, so a patch of
+    # `treadle.runtime.submit` (a test's) does not reach the loop, as before the stand-ins.
     run_pass = on_first_call(globals(), "treadle.loop.engine", "run_pass")
     plan_pass = on_first_call(globals(), "treadle.loop.planning", "plan_pass")
     pass_output = on_first_call(globals(), "treadle.loop.planning", "pass_output")
-    submit = on_first_call(globals(), "treadle.runtime", "submit")
+    submit = on_first_call(globals(), "treadle.runtime.background", "submit")
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
@@ -50,7 +51,7 @@ DEFAULT_MAX_TOOL_ROUNDS = 64
 
 
 # The name the next pass planned in this context carries in traces (set by `Agent`).
-next_pass_name: ContextVar[str | None] = ContextVar("treadlenext_pass_name", default=None)
+next_pass_name: ContextVar[str | None] = ContextVar("treadle_next_pass_name", default=None)
 
 
 @contextmanager
