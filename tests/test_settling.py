@@ -86,7 +86,26 @@ def test_a_pending_slot_is_one_tracked_object_with_its_callback_list() -> None:
     # The point of it (docs/performance.md): a concurrent.futures.Future is 11.
     gc.collect()
     before = len(gc.get_objects())
-    slots = [Settling() for _ in range(1000)]
+    slots: list[Settling[int]] = [Settling() for _ in range(1000)]
     for slot in slots:
         slot.add_done_callback(print)
     assert (len(gc.get_objects()) - before) / 1000 <= 2.01
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_slot_read_by_a_reader_is_freed_without_the_collector(kind: Any) -> None:
+    # The error's traceback holds the reading frames; were `self` left in them, the slot and its
+    # error would stay alive in a cycle until the cyclic collector ran (Future breaks it too).
+    import weakref
+
+    gc.disable()
+    try:
+        slot = kind()
+        slot.set_exception(ValueError("boom"))
+        with pytest.raises(ValueError):
+            slot.result()
+        ref = weakref.ref(slot)
+        del slot
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -58,9 +58,15 @@ class Settling(Generic[T]):
 
     def result(self, timeout: float | None = None) -> T:
         """The value (blocking up to `timeout` seconds); re-raises the error it settled with."""
-        if self._state == _PENDING:
-            self._wait(timeout)
-        return self._read()
+        try:
+            if self._state == _PENDING:
+                self._wait(timeout)
+            return self._read()
+        finally:
+            # A raised error's traceback holds this frame: without `self` in it, a failed slot
+            # is freed at once rather than kept in a cycle until the collector runs (as
+            # `concurrent.futures.Future.result` does).
+            del self
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error it settled with (None for a value), blocking up to `timeout` seconds."""
@@ -137,9 +143,11 @@ class Settling(Generic[T]):
     def _read(self) -> T:
         if self._state == _CANCELLED:
             raise concurrent.futures.CancelledError()
-        error = self._error
-        if error is not None:
-            raise error
+        if self._error is not None:
+            try:
+                raise self._error
+            finally:
+                del self  # no cycle through this frame (see `result`)
         return self._value  # type: ignore[return-value]  # set with the state
 
     def __repr__(self) -> str:
