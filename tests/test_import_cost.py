@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ("httpx", "aiohttp", "treadle.sandbox", "opentelemetry", "mcp", "rich")
 
 
@@ -101,3 +103,98 @@ def test_stores_transcripts_and_event_streams_load_with_the_first_pass_using_the
             [sys.executable, "-c", code], capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == "[]", (names, out.stdout)
+
+
+def test_the_readme_import_leaves_the_engine_to_the_first_pass() -> None:
+    """The engine, the runtime (and asyncio), the tool and model layers load with the first
+    pass (issue 33's 0.2 s import target: about half of that import's CPU); the pass then runs."""
+    code = (
+        "import sys\n"
+        "from treadle import Provider, Session, run_session_loop\n"
+        "later = ('asyncio', 'treadle.runtime', 'treadle.loop.engine', 'treadle.loop.planning',"
+        " 'treadle.tools', 'treadle.llm.turn')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(later)))\n"
+        "from treadle.testing import FakeOpenAIServer\n"
+        "with FakeOpenAIServer('echo') as server:\n"
+        "    provider = Provider(model='m', base_url=server.base_url, api_key='k')\n"
+        "    for _ in range(2):\n"
+        "        out = run_session_loop(Session.from_user_message('hi'),"
+        " Session.from_agent_prompt('sys'), agent_provider=provider)\n"
+        "        print(out.stop_reason)\n"
+        "import treadle.loop.api as api, treadle.loop.engine as engine\n"
+        "print(api.run_pass is engine.run_pass)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:4] == ["[]", "final_answer", "final_answer", "True"], out.stdout
+
+
+def test_a_first_call_stand_in_forwards_once_then_steps_aside() -> None:
+    import json
+    import threading
+
+    from treadle.loop.first_call import on_first_call
+
+    namespace: dict[str, object] = {}
+    stand_in = on_first_call(namespace, "json", "dumps")
+    namespace["dumps"] = stand_in
+    gate, results = threading.Barrier(8), []
+
+    def work(n: int) -> None:
+        gate.wait()
+        results.append(stand_in({"n": n}, sort_keys=True))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == sorted(json.dumps({"n": n}) for n in range(8))
+    assert namespace["dumps"] is json.dumps
+    missing = on_first_call(namespace, "json", "no_such_name")
+    try:
+        missing()
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError("a stand-in for a missing name must raise AttributeError")
+
+
+def test_a_patch_in_place_during_the_first_pass_is_not_kept_by_the_stand_in() -> None:
+    """Issue 33: patching `treadle.runtime.submit` for the first pass (a test's monkeypatch) and
+    undoing it left `treadle.loop.api.submit` bound to the patch for good. The stand-in resolves
+    the function from its home module, so the loop ends up with the real one."""
+    code = (
+        "import treadle.runtime as rt, treadle.runtime.background as background\n"
+        "import treadle.loop.api as api\n"
+        "from treadle import Provider, Session, run_session_loop\n"
+        "from treadle.testing import FakeOpenAIServer\n"
+        "real = rt.submit\n"
+        "with FakeOpenAIServer('echo') as server:\n"
+        "    provider = Provider(model='m', base_url=server.base_url, api_key='k')\n"
+        "    rt.submit = lambda coro: real(coro)\n"
+        "    for text in ('a', 'b'):\n"
+        "        run_session_loop(Session.from_user_message(text),"
+        " Session.from_agent_prompt('sys'), agent_provider=provider).final_text\n"
+        "        rt.submit = real\n"
+        "print(api.submit is real is background.submit)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True", out.stdout
+
+
+def test_a_stand_in_does_not_keep_a_patch_of_its_home_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import json
+
+    from treadle.loop.first_call import on_first_call
+
+    real = json.dumps
+    namespace: dict[str, object] = {}
+    stand_in = on_first_call(namespace, "json", "dumps")
+    namespace["dumps"] = stand_in
+    monkeypatch.setattr(json, "dumps", lambda value: "patched")
+    assert stand_in(1) == "patched"  # forwarded to what is there now...
+    assert namespace["dumps"] is stand_in  # ...but not kept: it is not json's own function
+    monkeypatch.undo()
+    assert stand_in(1) == "1" and namespace["dumps"] is real

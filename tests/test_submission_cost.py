@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from treadle import ConfigurationError, Provider, Session, tool
-from treadle.loop.api import _plan
+from treadle.loop.planning import plan_pass
 from treadle.session.lineage import LineageNode
 from treadle.tools import Tool
 
@@ -37,7 +37,7 @@ def other_ping() -> str:
 
 
 def _tools_of(tools: Any) -> Any:
-    return _plan(USER, AGENT, "x", agent_provider=PROVIDER, tools=tools).tools
+    return plan_pass(USER, AGENT, "x", agent_provider=PROVIDER, tools=tools).tools
 
 
 def test_a_tool_changed_between_calls_is_seen_as_it_is_now() -> None:

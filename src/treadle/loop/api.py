@@ -11,26 +11,31 @@ import os
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from treadle.errors import ConfigurationError, SandboxError
-from treadle.llm.provider import Provider
-from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
-from treadle.loop.control import Limits, normalise_guardrails, tool_guardrails_of
-from treadle.loop.engine import PassPlan, run_pass
-from treadle.loop.events import Event, PassStopped
-from treadle.loop.hooks import Hooks
-from treadle.loop.soft_stop import current_stop
-from treadle.loop.tooling import ToolUseBehavior, check_stop_names, check_tool_use_behavior
-from treadle.runtime import submit
+from treadle.loop.first_call import on_first_call
 from treadle.session import Session, SessionData, new_session_id
-from treadle.telemetry import capture_parent
-from treadle.tools import ToolSet
-from treadle.tools.context import context_parameter
 
-if TYPE_CHECKING:  # loaded with the first pass that uses a store (docs/performance.md)
-    from treadle.stores import PendingPass, Store
+if TYPE_CHECKING:
+    from treadle.llm.provider import Provider
+    from treadle.loop.control import Limits
+    from treadle.loop.engine import run_pass
+    from treadle.loop.events import Event
+    from treadle.loop.hooks import Hooks
+    from treadle.loop.planning import pass_output, plan_pass
+    from treadle.loop.tooling import ToolUseBehavior
+    from treadle.runtime.background import submit
+    from treadle.stores import PendingPass, Store  # loaded with the first pass using a store
+else:
+    # The engine, the runtime, the tool and model layers load with the first pass, not with
+    # `from treadle import run_session_loop` (about half of that import's CPU; see
+    # docs/performance.md, imports): each name below is replaced by the real function on its
+    # first call. Each names the function's home module, not a re-export, so a patch of
+    # `treadle.runtime.submit` (a test's) does not reach the loop, as before the stand-ins.
+    run_pass = on_first_call(globals(), "treadle.loop.engine", "run_pass")
+    plan_pass = on_first_call(globals(), "treadle.loop.planning", "plan_pass")
+    pass_output = on_first_call(globals(), "treadle.loop.planning", "pass_output")
+    submit = on_first_call(globals(), "treadle.runtime.background", "submit")
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
@@ -46,7 +51,7 @@ DEFAULT_MAX_TOOL_ROUNDS = 64
 
 
 # The name the next pass planned in this context carries in traces (set by `Agent`).
-_next_pass_name: ContextVar[str | None] = ContextVar("treadle_next_pass_name", default=None)
+next_pass_name: ContextVar[str | None] = ContextVar("treadle_next_pass_name", default=None)
 
 
 @contextmanager
@@ -54,11 +59,11 @@ def naming_next_pass(name: str) -> Iterator[None]:
     """Inside the block, the next pass planned in this context is traced as agent `name`
     (`invoke_agent {name}`, `gen_ai.agent.name`). This is how `Agent` names its passes without
     a public argument; passes its tools start are not named by it."""
-    token = _next_pass_name.set(name)
+    token = next_pass_name.set(name)
     try:
         yield
     finally:
-        _next_pass_name.reset(token)
+        next_pass_name.reset(token)
 
 
 class PassOptions(TypedDict, total=False):
@@ -101,156 +106,6 @@ class PassOptions(TypedDict, total=False):
     """A conversation store: the pass continues `conversation` there and commits to it."""
     conversation: str | PendingPass | None
     """The conversation's key in `store` (or an item of `store.pending()` to resume)."""
-
-
-_NO_LIMITS = Limits()  # frozen: every pass without limits shares it
-_HTTP = HttpExecutor()  # stateless: every HTTP pass shares it
-
-
-def _plan(
-    user_session: Session,
-    agent_session: Session,
-    out_id: str,
-    emit: Callable[[Event], None] | None = None,
-    *,
-    agent_provider: Provider | None = None,
-    provider: Provider | None = None,
-    tools: Iterable[Any] | None = None,
-    executor: object | None = None,
-    max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
-    on_event: Callable[[Any], Any] | None = None,
-    persist: bool = False,
-    persist_path: str | os.PathLike[str] | None = None,
-    limits: Limits | None = None,
-    guardrails: Iterable[Any] | None = None,
-    on_message: Callable[..., Any] | None = None,
-    approvals: Mapping[str, bool | str] | None = None,
-    hooks: Hooks | None = None,
-    deps: Any = None,
-    tool_use_behavior: ToolUseBehavior = "run_llm_again",
-    reset_tool_choice: bool = True,
-    store: Store | None = None,
-    conversation: str | PendingPass | None = None,
-) -> PassPlan:
-    if provider is not None:
-        if agent_provider is not None:
-            raise ConfigurationError(
-                "give the model endpoint once: provider= or agent_provider= (they are the same "
-                "argument), not both."
-            )
-        agent_provider = provider
-    if not isinstance(user_session, Session):
-        raise ConfigurationError(
-            f"user_session must be a Session, got {type(user_session).__name__}; "
-            "build one with Session.from_user_message(...)."
-        )
-    if not isinstance(agent_session, Session):
-        raise ConfigurationError(
-            f"agent_session must be a Session, got {type(agent_session).__name__}; "
-            "build one with Session.from_agent_prompt(...)."
-        )
-    handle = user_session.sandbox_handle
-    if handle is not None and (handle.closed or user_session.sandbox_closed):
-        raise SandboxError(
-            "user_session's sandbox is closed, so the pass could not use it; bind a new one "
-            "with session.to(...). Nothing was started."
-        )
-    if isinstance(max_tool_rounds, bool) or not isinstance(max_tool_rounds, int):
-        raise ConfigurationError("max_tool_rounds must be an int.")
-    if max_tool_rounds < 1:
-        raise ConfigurationError(f"max_tool_rounds must be at least 1, got {max_tool_rounds}.")
-    for name, fn in (("on_event", on_event), ("on_message", on_message)):
-        if fn is not None and not callable(fn):
-            raise ConfigurationError(f"{name} must be callable.")
-    behavior = check_tool_use_behavior(tool_use_behavior)
-    if limits is not None and not isinstance(limits, Limits):
-        raise ConfigurationError("limits must be a treadle Limits(...).")
-    if hooks is not None and not isinstance(hooks, Hooks):
-        raise ConfigurationError(
-            f"hooks must be a treadle Hooks (subclass it), got {type(hooks).__name__}."
-        )
-    if approvals is not None and not isinstance(approvals, Mapping):
-        raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
-    if store is not None or conversation is not None:
-        from treadle.stores import check_store_arguments  # loads with the first store
-
-        check_store_arguments(store, conversation)
-    if agent_provider is not None and not isinstance(agent_provider, Provider):
-        raise ConfigurationError(
-            f"agent_provider must be a treadle Provider, got {type(agent_provider).__name__}."
-        )
-    if executor is None:
-        if agent_provider is None:
-            raise ConfigurationError(
-                "run_session_loop needs agent_provider=Provider(model=...) (or a custom executor)."
-            )
-        resolved: Provider | None = agent_provider.resolve()
-        runner: ModelExecutor = _HTTP
-    else:
-        runner = validate_executor(executor)
-        if on_event is not None:
-            raise ConfigurationError(
-                "on_event needs the default HTTP executor (custom executors do not stream); "
-                "drop on_event or the executor."
-            )
-        resolved = agent_provider
-    builtins: tuple[Any, ...] = ()
-    if user_session.placement is not None:
-        from treadle.sandbox.builtin_tools import global_system_tools  # loads with the first one
-
-        builtins = global_system_tools()
-    toolset = ToolSet.build(tools, builtins=builtins)
-    check_stop_names(behavior, toolset)
-    path: Path | None = None
-    if persist or persist_path is not None:
-        target = Path(persist_path) if persist_path is not None else None
-        if target is not None and target.suffix == ".jsonl":
-            path = target
-        else:
-            from treadle.persist.writer import default_session_path
-
-            path = default_session_path(out_id, target)
-    agent_name = _next_pass_name.get()
-    if agent_name is not None:  # this pass only: the tasks it starts copy the context from here
-        _next_pass_name.set(None)
-    return PassPlan(
-        user=user_session,
-        agent=agent_session,
-        provider=resolved,
-        tools=toolset,
-        executor=runner,
-        max_tool_rounds=max_tool_rounds,
-        on_event=on_event,
-        persist_path=path,
-        stream=bool(resolved.stream) if resolved is not None and executor is None else False,
-        limits=limits or _NO_LIMITS,
-        guardrails=normalise_guardrails(guardrails),
-        tool_guardrails=tool_guardrails_of(guardrails),
-        hooks=hooks,
-        stop=current_stop(),
-        on_message=on_message,
-        on_message_context=context_parameter(on_message) if on_message is not None else None,
-        approvals=dict(approvals) if approvals else None,
-        emit=emit,
-        trace_parent=capture_parent(),
-        agent_name=agent_name,
-        deps=deps,
-        tool_use_behavior=behavior,
-        reset_tool_choice=bool(reset_tool_choice),
-        store=store,
-        conversation=conversation,
-    )
-
-
-def _output(plan: PassPlan, out_id: str, data: SessionData) -> Session:
-    return Session._derive(
-        data,
-        operator="run_session_loop",
-        kind="output",
-        parents=[plan.user, plan.agent],
-        sandbox=plan.user.sandbox_handle,
-        id=out_id,
-    )
 
 
 def run_session_loop(
@@ -319,7 +174,7 @@ def run_session_loop(
         lazy: Return at once (True) or after the pass ends (False).
     """
     out_id = new_session_id()
-    plan = _plan(
+    plan = plan_pass(
         user_session,
         agent_session,
         out_id,
@@ -373,8 +228,8 @@ async def arun_session_loop(
     you own: cancelling it cancels the pass and propagates `CancelledError`.
     """
     out_id = new_session_id()
-    plan = _plan(user_session, agent_session, out_id, **options)
-    return _output(plan, out_id, await run_pass(plan, out_id))
+    plan = plan_pass(user_session, agent_session, out_id, **options)
+    return pass_output(plan, out_id, await run_pass(plan, out_id))
 
 
 async def arun_pass_emitting(
@@ -386,8 +241,8 @@ async def arun_pass_emitting(
     """`arun_session_loop`, handing each typed event to `emit` (how `Agent.stream` sees its
     passes; the final `PassStopped` is the caller's to send)."""
     out_id = new_session_id()
-    plan = _plan(user_session, agent_session, out_id, emit, **options)
-    return _output(plan, out_id, await run_pass(plan, out_id))
+    plan = plan_pass(user_session, agent_session, out_id, emit, **options)
+    return pass_output(plan, out_id, await run_pass(plan, out_id))
 
 
 async def stream_session_loop(
@@ -408,7 +263,7 @@ async def stream_session_loop(
         assert send_event is not None  # events come only from the pass, which `produce` runs
         send_event(event)
 
-    plan = _plan(user_session, agent_session, out_id, sink, **options)
+    plan = plan_pass(user_session, agent_session, out_id, sink, **options)
 
     async def pass_events(send: Callable[[Event], None]) -> SessionData:
         nonlocal send_event
@@ -423,9 +278,11 @@ async def stream_session_loop(
         async for event in events:
             yield event
         data = events.result()  # re-raises the pass's error
+    from treadle.loop.events import PassStopped
+
     yield PassStopped(
         session_id=out_id,
         seq=next_seq,
         stop_reason=data.stop_reason or "",
-        session=_output(plan, out_id, data),
+        session=pass_output(plan, out_id, data),
     )

@@ -30,6 +30,7 @@ from treadle.errors import SessionFailedError
 from treadle.runtime import progress
 from treadle.runtime.busy_gc import BusyCollector
 from treadle.runtime.lazy import LazyValue
+from treadle.runtime.settling import Settling
 from treadle.runtime.threads import in_worker_thread, thread_stats
 
 __all__ = [
@@ -78,13 +79,16 @@ class Runtime:
         `TREADLE_MAX_STARTED_PASSES` environment variable or `DEFAULT_MAX_STARTED`; 0: no cap)."""
         self.loop = asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._lazies: dict[asyncio.Task[Any], concurrent.futures.Future[Any]] = {}
+        self._lazies: dict[asyncio.Task[Any], Settling[Any]] = {}
         self._hooks: list[ShutdownHook] = []
         self._closed = False
         self._dead: BaseException | None = None
+        # Set as the loop thread's `_run` returns: `alive` reads it instead of asking the thread
+        # (`Thread.is_alive` takes its lock: about 1 us on every submission).
+        self._exited = False
         # Submitted from another thread but not started yet: failed (and closed) if the loop
         # dies before it gets to them, so no reader waits on work that will never run.
-        self._unstarted: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
+        self._unstarted: dict[Settling[Any], Coroutine[Any, Any, Any]] = {}
         self._state = threading.Lock()
         self._pid = os.getpid()
         # Passes submitted from other threads wait here; one wake-up of the loop starts every
@@ -108,6 +112,12 @@ class Runtime:
         started.wait()
 
     def _run(self, started: threading.Event) -> None:
+        try:
+            self._serve(started)
+        finally:
+            self._exited = True
+
+    def _serve(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(started.set)
         try:
@@ -166,7 +176,7 @@ class Runtime:
     @property
     def alive(self) -> bool:
         """True while the loop thread runs and `shutdown` has not been called."""
-        return not self._closed and self._dead is None and self._thread.is_alive()
+        return not self._closed and self._dead is None and not self._exited
 
     @property
     def pid(self) -> int:
@@ -190,7 +200,7 @@ class Runtime:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> LazyValue[T]:
         """Schedule `coro` on the runtime and return its `LazyValue` at once."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        future: Settling[T] = Settling()
         lazy = LazyValue(future, self)
         on_loop = threading.get_ident() == self._thread.ident  # asked once: per-pass cost
         with self._state:
@@ -283,7 +293,7 @@ class Runtime:
         self._lazies[task] = lazy._future
         task.add_done_callback(lambda t: self._settle(t, lazy._future))
 
-    def _settle(self, task: asyncio.Task[T], future: concurrent.futures.Future[T]) -> None:
+    def _settle(self, task: asyncio.Task[T], future: Settling[T]) -> None:
         self._tasks.discard(task)
         self._lazies.pop(task, None)
         self._ended += 1

@@ -18,6 +18,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from treadle.errors import RuntimeLoopError
+from treadle.runtime.settling import Settling
 from treadle.runtime.threads import lending_slot
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class LazyValue(Generic[T]):
         "_task",
     )  # fmt: skip
 
-    def __init__(self, future: concurrent.futures.Future[T], runtime: Runtime) -> None:
+    def __init__(self, future: Settling[T], runtime: Runtime) -> None:
         self._future = future
         self._runtime = runtime
         self._task: asyncio.Task[T] | None = None
@@ -101,11 +102,11 @@ class LazyValue(Generic[T]):
         must not block (it derives a value; it does no I/O). Cancelling the derived value
         cancels this one.
         """
-        future: concurrent.futures.Future[U] = concurrent.futures.Future()
+        future: Settling[U] = Settling()
         derived: LazyValue[U] = LazyValue(future, self._runtime)
         derived._source = self
 
-        def settle(done: concurrent.futures.Future[T]) -> None:
+        def settle(done: Settling[T]) -> None:
             if done.cancelled():
                 future.cancel()
                 return
@@ -128,13 +129,13 @@ class LazyValue(Generic[T]):
         without waiting for the other. `fn` runs on whichever thread settles last, so like
         `then`'s it must be quick. Cancelling the joined value cancels both sides.
         """
-        future: concurrent.futures.Future[U] = concurrent.futures.Future()
+        future: Settling[U] = Settling()
         joined: LazyValue[U] = LazyValue(future, self._runtime)
         joined._source, joined._also = self, other
         lock = threading.Lock()
         mine, theirs = self._future, other._future
 
-        def settle(_done: concurrent.futures.Future[Any]) -> None:
+        def settle(_done: Settling[Any]) -> None:
             with lock:  # both sides may settle at once, on two threads
                 if future.done():
                     return
@@ -142,8 +143,9 @@ class LazyValue(Generic[T]):
                     if side.done() and side.cancelled():
                         future.cancel()
                         return
-                    if side.done() and side.exception() is not None:
-                        future.set_exception(side.exception())
+                    error = side.exception() if side.done() else None
+                    if error is not None:
+                        future.set_exception(error)
                         return
                 if not (mine.done() and theirs.done()):
                     return
@@ -208,7 +210,7 @@ class LazyValue(Generic[T]):
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
 
-        def _wake(_f: concurrent.futures.Future[T]) -> None:
+        def _wake(_f: Settling[T]) -> None:
             def _set() -> None:
                 if not waiter.done():
                     waiter.set_result(None)

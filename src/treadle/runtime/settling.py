@@ -1,0 +1,155 @@
+"""`Settling`: the thread-safe result slot behind every `LazyValue`, lighter than a
+`concurrent.futures.Future`.
+
+A hundred thousand submitted passes each hold one until they settle. A `concurrent.futures.Future`
+carries a `Condition` (with its `RLock`, five bound lock methods and a deque), a waiter list and a
+callback list: 11 objects the garbage collector tracks and about 2.5 us to build, for a slot that
+is set once. This one holds its state in five slots and shares one module lock for its few state
+changes; a blocking reader gets a lock of its own only when it actually waits
+(docs/performance.md, submitting 100,000 passes).
+
+It keeps the `concurrent.futures.Future` contract that Treadle uses: `result(timeout)` raises
+`TimeoutError` when not ready and `concurrent.futures.CancelledError` once cancelled; a second
+`set_result` / `set_exception` raises `InvalidStateError`; `cancel()` on a finished value returns
+False; done callbacks run on the settling thread (at once when added after it settled), and an
+error one raises is logged, never propagated to the settling thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["Settling"]
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+_PENDING, _FINISHED, _CANCELLED = 0, 1, 2
+
+# One lock for every value's state change: each holds it for a few bytecodes, so sharing it costs
+# nothing measurable and saves a lock (and the collector's tracking of it) per pending pass.
+_state_lock = threading.Lock()
+
+
+class Settling(Generic[T]):
+    """A result slot set once (a value, an error or cancelled), readable from any thread."""
+
+    __slots__ = ("__weakref__", "_callbacks", "_error", "_state", "_value", "_waiters")
+
+    def __init__(self) -> None:
+        self._state = _PENDING
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Settling[T]], object]] | None = None
+        self._waiters: list[threading.Lock] | None = None
+
+    def done(self) -> bool:
+        """True once settled (a value, an error or cancelled)."""
+        return self._state != _PENDING
+
+    def cancelled(self) -> bool:
+        """True once cancelled."""
+        return self._state == _CANCELLED
+
+    def result(self, timeout: float | None = None) -> T:
+        """The value (blocking up to `timeout` seconds); re-raises the error it settled with."""
+        try:
+            if self._state == _PENDING:
+                self._wait(timeout)
+            return self._read()
+        finally:
+            # A raised error's traceback holds this frame: without `self` in it, a failed slot
+            # is freed at once rather than kept in a cycle until the collector runs (as
+            # `concurrent.futures.Future.result` does).
+            del self
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error it settled with (None for a value), blocking up to `timeout` seconds."""
+        if self._state == _PENDING:
+            self._wait(timeout)
+        if self._state == _CANCELLED:
+            raise concurrent.futures.CancelledError()
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Settling[T]], object]) -> None:
+        """Call `fn(self)` once settled, on the settling thread (now when settled already)."""
+        with _state_lock:
+            if self._state == _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def set_result(self, value: T) -> None:
+        """Settle with `value`; `InvalidStateError` when already settled."""
+        if not self._settle(_FINISHED, value, None):
+            raise concurrent.futures.InvalidStateError(f"already settled: {self!r}")
+
+    def set_exception(self, error: BaseException) -> None:
+        """Settle with `error`; `InvalidStateError` when already settled."""
+        if not self._settle(_FINISHED, None, error):
+            raise concurrent.futures.InvalidStateError(f"already settled: {self!r}")
+
+    def cancel(self) -> bool:
+        """Settle as cancelled unless settled already; True when it is (now) cancelled."""
+        return self._settle(_CANCELLED, None, None) or self._state == _CANCELLED
+
+    def _settle(self, state: int, value: T | None, error: BaseException | None) -> bool:
+        with _state_lock:
+            if self._state != _PENDING:
+                return False
+            self._value, self._error, self._state = value, error, state
+            callbacks, self._callbacks = self._callbacks, None
+            waiters, self._waiters = self._waiters, None
+        if waiters is not None:
+            for waiter in waiters:
+                waiter.release()
+        if callbacks is not None:
+            for fn in callbacks:
+                self._call(fn)
+        return True
+
+    def _call(self, fn: Callable[[Settling[T]], object]) -> None:
+        try:
+            fn(self)
+        except Exception:  # as concurrent.futures does: the settling thread carries on
+            log.exception("a done callback of %r raised", self)
+
+    def _wait(self, timeout: float | None) -> None:
+        waiter = threading.Lock()
+        waiter.acquire()
+        with _state_lock:
+            if self._state != _PENDING:
+                return
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+        if waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            return
+        with _state_lock:
+            if self._waiters is not None and waiter in self._waiters:
+                self._waiters.remove(waiter)
+            if self._state == _PENDING:
+                raise concurrent.futures.TimeoutError()
+
+    def _read(self) -> T:
+        if self._state == _CANCELLED:
+            raise concurrent.futures.CancelledError()
+        if self._error is not None:
+            try:
+                raise self._error
+            finally:
+                del self  # no cycle through this frame (see `result`)
+        return self._value  # type: ignore[return-value]  # set with the state
+
+    def __repr__(self) -> str:
+        state = ("pending", "finished", "cancelled")[self._state]
+        return f"<Settling {state}>"
