@@ -64,8 +64,11 @@ def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
             if can_pin():
                 os.sched_setaffinity(pid, range(os.cpu_count() or 1))
         try:
-            warm = drive(pool, inputs[:CONCURRENCY], concurrency=CONCURRENCY, max_attempts=1,
-                         call_timeout=None)  # fmt: skip
+            # Every worker warms as many passes as it runs at once, as the single process
+            # does: with one warm-up of CONCURRENCY for the pool, each of two workers opened
+            # half its connections inside the timed section.
+            warm = drive(pool, inputs[: CONCURRENCY * job["workers"]], concurrency=CONCURRENCY,
+                         max_attempts=1, call_timeout=None)  # fmt: skip
             _ = [o async for o in warm]
             before = sum(proc_cpu_seconds(pid) for pid in pids)
             meter.start()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.distributed.janitor import clean_orphans, make_sandbox_root
-from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata
+from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata, received_rows
 from treadle.distributed.spec import AgentSpec, resolve_tool
 from treadle.loop import Guardrail
 from treadle.session import Session, Usage
@@ -89,7 +89,13 @@ class PassWorker:
         if not isinstance(item, PassItem):
             item = PassItem.from_json(item)
         workspace: Path | None = None
-        session = Session.from_messages(item.messages)
+        # The driver sent a validated session's messages (or a str's user message): rows
+        # without a second validation, as the driver rebuilds the output.
+        table = received_rows(item.messages)
+        if table is None:
+            session = Session.from_messages(item.messages)
+        else:
+            session = Session(table, operator="from_messages", kind="user")
         out: Session | None = None
         deadline = asyncio.timeout(self.pass_timeout)
         try:
