@@ -32,6 +32,11 @@ def many_cores(h: Harness, size: dict[str, Any]) -> Result:
         )
         for w in (1, 2)
     ]
+    if size.get("baseline_src"):  # `--baseline-src`: the workers of another checkout, same run
+        jobs += [
+            Job(f"{job.label} (before)", "treadle", "process", job.params, src=size["baseline_src"])
+            for job in jobs[1:]
+        ]
     with ServerProcess("tool_loop", rounds=3) as server:
         data = h.measure(server, jobs, size["serial_reps"])
     completions = n * COMPLETIONS_PER_PASS
@@ -69,7 +74,7 @@ def many_cores(h: Harness, size: dict[str, Any]) -> Result:
     single = cpu.get(SINGLE, float("nan"))
     for row in result.rows:
         row["x single (CPU)"] = cpu[row["label"]] / single
-        if row["label"] != SINGLE:
+        if row["label"] != SINGLE and not row["label"].endswith("(before)"):
             ratio = row["x single (CPU)"]
             result.targets.append(
                 Target(
