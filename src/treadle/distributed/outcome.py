@@ -163,8 +163,9 @@ def received_session(outcome: PassOutcome) -> Session:
     `treadle.map(..., backend="process" | "ray")` returns): `outcome.session()`, but its rows are
     built without validating them again.
 
-    The worker built those rows with the same checks (they are a validated session's
-    `to_messages()`, pickled over a socket to the process that spawned it), and validating them
+    The worker built those rows (its output session's `to_messages()`, pickled over a socket to
+    the process that spawned it: rows its loop validated, after the input's rows as the caller
+    passed them, which an in-process map does not validate again either), and validating them
     again was two thirds of the driver's CPU per pass (docs/performance.md, issue 33). A message
     no worker of this version sends (an unknown role, not a dict) takes the validating path, which
     names the problem. Anything else (a results file, an outcome built by hand) uses
@@ -179,9 +180,13 @@ def received_session(outcome: PassOutcome) -> Session:
 
 def received_rows(messages: list[dict[str, Any]]) -> ChunkTable | None:
     """The rows of `messages` that crossed a map's pipe (a worker's output session, or a
-    driver's input: a validated session's `to_messages()` or a user message from a `str`),
+    driver's input: an input session's `to_messages()` or a user message from a `str`),
     built without validating them again; None for a message no Treadle of this version sends
-    (then `Session.from_messages` is the way, and names the problem)."""
+    (then `Session.from_messages` is the way, and names the problem).
+
+    Only the role is checked. An input session's rows were validated when they were made, but
+    a caller may have edited them since (content an int, say): such rows are not refused here,
+    as an in-process map, which runs the session itself, does not refuse them either."""
     rows: list[ChunkRow] = []
     for message in messages:
         role = message.get("role") if type(message) is dict else None
