@@ -138,7 +138,8 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
         writer.join()
         return
     # Start-up's heap (imports, the agent) lives as long as this worker: collected once and
-    # frozen, no full collection scans it again (the first one cost a pass 30 ms).
+    # frozen, no full collection scans it again (the first one cost a pass 30 ms). The price: a
+    # start-up object that later becomes cyclic garbage is never collected (docs/performance.md).
     gc.collect()
     gc.freeze()
     outbox.put([("ready", worker.name)])
