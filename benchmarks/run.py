@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         "--goodput-window", type=float, help="seconds the s7 limits hold for (60: real minutes)"
     )
     parser.add_argument(
-        "--baseline-src", help="another checkout's src/ to run as 'treadle before' in s1 and s2"
+        "--baseline-src",
+        help="another checkout's src/ to run as 'treadle before' in s1, s2 and s13",
     )
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")

@@ -6,6 +6,7 @@ backend has its own module (tests/test_distributed_ray.py, `make test-ray`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from treadle.distributed import (
     read_results,
 )
 from treadle.distributed.janitor import ROOT_PREFIX, make_sandbox_root, owner_of
+from treadle.distributed.worker import PassWorker
 from treadle.llm import Provider
 from treadle.testing import FakeOpenAIServer, Reply
 from treadle.testing.sample_tools import shout, shout_inputs, shout_script, shouter
@@ -305,3 +307,58 @@ async def test_the_key_in_the_environment_reaches_process_workers(
         assert [o.final_text for o in outs] == ["a", "b"]
         auth = {r.headers.get("authorization") for r in server.requests}
         assert auth == {"Bearer sk-required-key"}
+
+
+def _with_role(role: Any) -> Session:
+    session = Session.from_user_message("x")
+    session.rows[0].payload["role"] = role  # a row edited after it was validated
+    return session
+
+
+async def test_an_input_a_worker_cannot_rebuild_fails_alone_and_the_map_completes() -> None:
+    # A row whose role no Treadle sends made the worker raise outside its pass's `try`: the
+    # task died ("Task exception was never retrieved"), no outcome came, and the map hung.
+    inputs = ["a", _with_role("narrator"), "b", _with_role(7), _with_role(None), "c"]
+    with FakeOpenAIServer(script=shout_script) as server:
+        outs = await asyncio.wait_for(  # a guard against a hang, not a timing assertion
+            amap(
+                _agent(server.base_url),
+                inputs,
+                backend="process",
+                workers=1,
+                return_exceptions=True,
+            ),
+            120,
+        )
+    assert [o.final_text for o in outs if isinstance(o, Session)] == [
+        'shouted: {"ok":true,"result":"A"}',
+        'shouted: {"ok":true,"result":"B"}',
+        'shouted: {"ok":true,"result":"C"}',
+    ]
+    failed = {i: o.outcome for i, o in enumerate(outs) if isinstance(o, PassFailed)}
+    assert {i: o.status for i, o in failed.items()} == {1: "error", 3: "error", 4: "error"}
+    assert "ConfigurationError: message 0: field 'role': 'narrator'" in (failed[1].error or "")
+    assert "message 0" in (failed[3].error or "") and "role" in (failed[3].error or "")
+    assert "message 0" in (failed[4].error or "") and "role" in (failed[4].error or "")
+
+
+async def test_every_per_item_failure_in_a_worker_is_that_items_outcome(tmp_path: Path) -> None:
+    with FakeOpenAIServer(script=shout_script) as server:
+        spec = AgentSpec.from_agent(_agent(server.base_url))
+        worker = PassWorker(spec, sandbox_base=str(tmp_path))
+        try:
+            item = PassItem(3, "s-3", [{"role": "user", "content": "ok"}]).to_json()
+            not_a_dict = {**item, "messages": [5]}
+            not_a_list = {**item, "messages": None}
+            outs = [await worker.run_json(i) for i in (item, not_a_dict, not_a_list)]
+            broken = await worker.run_json({"index": 9, "bogus": True})  # no item at all
+            nothing = await worker.run_json(None)
+        finally:
+            worker.close()
+    assert [o["status"] for o in outs] == ["ok", "error", "error"]
+    assert [o["index"] for o in outs] == [3, 3, 3]
+    assert "ConfigurationError: message 0" in outs[1]["error"]
+    assert outs[2]["error"].startswith("TypeError")
+    assert (broken["index"], broken["status"]) == (9, "error")
+    assert "input 9 could not be run" in broken["error"]
+    assert (nothing["index"], nothing["status"]) == (-1, "error")

@@ -18,7 +18,7 @@ import pydantic
 
 from treadle.agents.progress import Progress, known_length, settle_results
 from treadle.distributed.driver import WorkerPool, drive
-from treadle.distributed.outcome import PassFailed, PassOutcome, pass_failure
+from treadle.distributed.outcome import PassFailed, PassOutcome, pass_failure, received_session
 from treadle.distributed.results import ResultsWriter
 from treadle.distributed.spec import (
     DEFAULT_API_KEY_ENV,
@@ -189,7 +189,7 @@ def _as_pool(pool: Any) -> WorkerPool:
 def _result(outcome: PassOutcome, agent: Any) -> Session | PassFailed:
     if not outcome.ok:
         return pass_failure(outcome)
-    session = outcome.session()
+    session = received_session(outcome)  # from this map's own worker: no second validation
     value = outcome.metadata.get("output")
     output_type = _answering_type(agent, outcome.metadata)
     if output_type is None or not isinstance(value, dict):

@@ -17,6 +17,7 @@ from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
 from treadle.session import Session, Usage, new_session_id
+from treadle.session.rows import KIND_OF_ROLE, ChunkRow, ChunkTable
 
 __all__ = [
     "OUTCOME_METADATA_KEY",
@@ -28,6 +29,8 @@ __all__ = [
     "local_metadata",
     "pass_failure",
     "portable_metadata",
+    "received_rows",
+    "received_session",
 ]
 
 PassStatus = Literal["ok", "error", "timeout", "lost"]
@@ -120,7 +123,10 @@ class PassOutcome:
         `PassLost` when its workers were lost)."""
         if self.status != "ok" or self.messages is None:
             raise pass_failure(self)
-        base = Session.from_messages(self.messages)
+        return self._output(Session.from_messages(self.messages))
+
+    def _output(self, base: Session) -> Session:
+        """`base` (the rows) with this outcome's usage, stop reason and metadata."""
         info = {
             "status": self.status,
             "attempts": self.attempts,
@@ -150,6 +156,48 @@ class PassOutcome:
     def from_json(cls, data: Mapping[str, Any]) -> PassOutcome:
         """The outcome from `to_json` output."""
         return cls(**{**data, "history": tuple(data.get("history", ()))})
+
+
+def received_session(outcome: PassOutcome) -> Session:
+    """The output session of an outcome one of this map's own workers sent (what
+    `treadle.map(..., backend="process" | "ray")` returns): `outcome.session()`, but its rows are
+    built without validating them again.
+
+    The worker built those rows (its output session's `to_messages()`, pickled over a socket to
+    the process that spawned it: rows its loop validated, after the input's rows as the caller
+    passed them, which an in-process map does not validate again either), and validating them
+    again was two thirds of the driver's CPU per pass (docs/performance.md, issue 33). A message
+    no worker of this version sends (an unknown role, not a dict) takes the validating path, which
+    names the problem. Anything else (a results file, an outcome built by hand) uses
+    `outcome.session()`."""
+    if outcome.status != "ok" or outcome.messages is None:
+        raise pass_failure(outcome)
+    table = received_rows(outcome.messages)
+    if table is None:
+        return outcome.session()
+    return outcome._output(Session(table, operator="from_messages", kind="user"))
+
+
+def received_rows(messages: list[dict[str, Any]]) -> ChunkTable | None:
+    """The rows of `messages` that crossed a map's pipe (a worker's output session, or a
+    driver's input: an input session's `to_messages()` or a user message from a `str`),
+    built without validating them again; None for a message no Treadle of this version sends
+    (then `Session.from_messages` is the way, and names the problem).
+
+    Only the role is checked. An input session's rows were validated when they were made, but
+    a caller may have edited them since (content an int, say): such rows are not refused here,
+    as an in-process map, which runs the session itself, does not refuse them either."""
+    rows: list[ChunkRow] = []
+    for message in messages:
+        role = message.get("role") if type(message) is dict else None
+        kind = KIND_OF_ROLE.get(role) if type(role) is str else None
+        if kind is None:
+            return None
+        payload = dict(message)  # the messages stay as they are (an outcome's record)
+        if role != "developer":  # a row keeps only that role (see `ChunkRow`)
+            del payload["role"]
+        rows.append(ChunkRow._trusted(kind, payload))
+    return ChunkTable(rows)
 
 
 # Field names, once: `dataclasses.fields` on every item and outcome was a driver's hot spot.
@@ -192,8 +240,10 @@ def _json_data(value: Any) -> Any:
     kind = type(value)
     if value is None or kind in _SCALARS:  # most of it: no dataclass check needed
         return value
-    if kind is dict:
-        return {k: _json_data(v) for k, v in value.items()}
+    if kind is dict:  # scalars inline: a call per value was most of this walk
+        return {
+            k: v if v is None or type(v) in _SCALARS else _json_data(v) for k, v in value.items()
+        }
     if kind is list:
         return [_json_data(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -224,7 +274,10 @@ def _plain(value: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _field_names(type(value)):
         v = getattr(value, name)
-        out[name] = _plain(v) if hasattr(type(v), "__dataclass_fields__") else v
+        if v is None or type(v) in _SCALARS:  # nearly all of them (request usage: all)
+            out[name] = v
+        else:
+            out[name] = _plain(v) if hasattr(type(v), "__dataclass_fields__") else v
     return out
 
 
@@ -247,7 +300,7 @@ def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _rebuilt(build: Any, data: Any) -> Any:
-    if not isinstance(data, Mapping):
+    if type(data) is not dict and not isinstance(data, Mapping):  # the ABC check is slow
         return data
     try:
         return build(data)

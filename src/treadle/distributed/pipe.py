@@ -9,11 +9,14 @@ message that cannot be pickled, and never drop one silently.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["dumps_batch", "what_cannot_cross"]
+__all__ = ["dumps_batch", "refuse_outcome", "what_cannot_cross"]
+
+log = logging.getLogger("treadle.distributed")
 
 
 def _dumps(value: Any) -> bytes:
@@ -62,3 +65,30 @@ def what_cannot_cross(value: Any, where: str = "") -> str:
     except Exception:
         return f"{where or 'value'} ({kind.__module__}.{kind.__qualname__})"
     return ""
+
+
+def refuse_outcome(message: Any, err: Exception) -> Any:
+    """(a worker's sender thread) An outcome pickle refused: that pass fails, naming the value."""
+    if not (isinstance(message, tuple) and message[0] == "done"):
+        log.error("a message to the driver could not be pickled: %r", err)
+        return None
+    _kind, call_id, outcome = message
+    where = what_cannot_cross(outcome)
+    error = (
+        f"{type(err).__name__}: the pass's output cannot be sent back from its worker"
+        f" ({where or 'its data'} cannot be pickled: {err})"
+    )[:2000]
+    history = [
+        {**record, "status": "error", "error": error}
+        for record in outcome.get("history", ())
+        if isinstance(record, dict)
+    ]
+    failed = {
+        name: outcome.get(name) for name in ("index", "session_id", "attempts", "worker", "usage")
+    }
+    failed.update(status="error", error=error, history=history, metadata={})
+    try:
+        dumps_batch(failed, refuse_outcome)
+    except Exception:  # its usage or history holds the value: send the bare failure
+        failed.update(usage={}, history=[])
+    return ("done", call_id, failed)

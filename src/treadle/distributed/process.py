@@ -4,8 +4,8 @@ Each worker process (`python -I -c` calling `_worker_entry([FD])`, a fresh inter
 re-runs the caller's `__main__` and never imports Treadle from its working directory, see
 `treadle.runtime.child_python`) runs a `PassWorker` on its own event loop, many passes at once;
 the driver talks to it over a socket pair wrapped in a `multiprocessing` `Connection` (items out,
-outcomes back, as JSON-able dicts). Reads
-and writes of the pipe happen on threads, so the driver's event loop never waits on a pipe. When
+outcomes back, as JSON-able dicts). Reads and writes of the pipe happen on threads, so the
+driver's event loop never waits on a pipe. When
 a worker process dies, every pass it had in flight fails with `WorkerLost` and the slot is
 restarted by the scheduler (`treadle.distributed.driver`). The same pipe carries the learned
 rate limits the workers share: the driver holds a `LimitBroker`, workers lease permits from it in
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -32,7 +33,7 @@ from typing import Any
 
 from treadle.distributed.driver import WorkerLost
 from treadle.distributed.outcome import PassItem, PassOutcome
-from treadle.distributed.pipe import dumps_batch, what_cannot_cross
+from treadle.distributed.pipe import dumps_batch, refuse_outcome, what_cannot_cross
 from treadle.errors import ConfigurationError
 from treadle.llm.limit_broker import LimitBroker
 from treadle.runtime.child_python import python_child_argv
@@ -121,7 +122,7 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
         while (batch := outbox.get()) is not None:
             try:
                 # Pickled apart from the write: an outcome pickle refuses fails alone.
-                conn.send_bytes(dumps_batch(batch, _refuse_outcome))
+                conn.send_bytes(dumps_batch(batch, refuse_outcome))
             except OSError:  # the driver is gone; nothing left to tell
                 return
             except Exception as err:  # a bug here: say so, and keep sending what follows
@@ -136,13 +137,18 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
         outbox.put(None)
         writer.join()
         return
+    # Start-up's heap (imports, the agent) lives as long as this worker: collected once and
+    # frozen, no full collection scans it again (the first one cost a pass 30 ms). The price: a
+    # start-up object that later becomes cyclic garbage is never collected (docs/performance.md).
+    gc.collect()
+    gc.freeze()
     outbox.put([("ready", worker.name)])
     stop = asyncio.Event()
     tasks: set[asyncio.Task[None]] = set()
 
     async def run_one(call_id: int, item: dict[str, Any]) -> None:
-        outcome = await worker.run(item)
-        post(("done", call_id, outcome.to_json()))
+        # `run_json` turns every failure of the item into its outcome: the driver always hears.
+        post(("done", call_id, await worker.run_json(item)))
 
     def on_message(message: Any) -> None:
         if message[0] == "grant":
@@ -187,33 +193,6 @@ async def _serve(conn: Connection, spec: dict[str, Any], options: dict[str, Any]
     flush()
     outbox.put(None)
     writer.join()
-
-
-def _refuse_outcome(message: Any, err: Exception) -> Any:
-    """(worker's sender thread) An outcome pickle refused: that pass fails, naming the value."""
-    if not (isinstance(message, tuple) and message[0] == "done"):
-        log.error("a message to the driver could not be pickled: %r", err)
-        return None
-    _kind, call_id, outcome = message
-    where = what_cannot_cross(outcome)
-    error = (
-        f"{type(err).__name__}: the pass's output cannot be sent back from its worker"
-        f" ({where or 'its data'} cannot be pickled: {err})"
-    )[:2000]
-    history = [
-        {**record, "status": "error", "error": error}
-        for record in outcome.get("history", ())
-        if isinstance(record, dict)
-    ]
-    failed = {
-        name: outcome.get(name) for name in ("index", "session_id", "attempts", "worker", "usage")
-    }
-    failed.update(status="error", error=error, history=history, metadata={})
-    try:
-        dumps_batch(failed, _refuse_outcome)
-    except Exception:  # its usage or history holds the value: send the bare failure
-        failed.update(usage={}, history=[])
-    return ("done", call_id, failed)
 
 
 # -- in the driver -------------------------------------------------------------------------------

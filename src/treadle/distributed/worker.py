@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.distributed.janitor import clean_orphans, make_sandbox_root
-from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata
+from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata, received_rows
 from treadle.distributed.spec import AgentSpec, resolve_tool
 from treadle.loop import Guardrail
 from treadle.session import Session, Usage
@@ -49,6 +49,21 @@ def worker_name() -> str:
 def _error_text(err: BaseException) -> str:
     text = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {text}"[:2000]
+
+
+def _input_session(messages: Any) -> Session:
+    """The session a pass runs from the messages the driver sent.
+
+    They are the input session's `to_messages()` (or a `str`'s user message). Rows with a role
+    this version knows are taken as they are, without validating them again: an input session
+    whose rows were edited after they were validated (content an int, say) runs as it would in
+    an in-process map, which does not validate them either. Anything else (an unknown role, a
+    message that is not a dict) goes through `Session.from_messages`, whose error names the
+    problem (and fails this item alone)."""
+    table = received_rows(messages) if type(messages) is list else None
+    if table is None:
+        return Session.from_messages(messages)
+    return Session(table, operator="from_messages", kind="user")
 
 
 class PassWorker:
@@ -89,10 +104,11 @@ class PassWorker:
         if not isinstance(item, PassItem):
             item = PassItem.from_json(item)
         workspace: Path | None = None
-        session = Session.from_messages(item.messages)
+        session: Session | None = None
         out: Session | None = None
         deadline = asyncio.timeout(self.pass_timeout)
-        try:
+        try:  # from the session's rebuild on: an input it cannot rebuild fails this item alone
+            session = _input_session(item.messages)
             if item.placement == "local":
                 workspace = self.root / f"{item.index}-{item.attempt}-{item.session_id[:8]}"
                 await asyncio.to_thread(workspace.mkdir)
@@ -128,9 +144,33 @@ class PassWorker:
         finally:
             if out is not None:
                 out.close_sandbox()
-            session.close_sandbox()
+            if session is not None:
+                session.close_sandbox()
             if workspace is not None:
                 await asyncio.to_thread(shutil.rmtree, workspace, True)
+
+    async def run_json(self, item: Any) -> dict[str, Any]:
+        """`run` of an item's JSON, the outcome as JSON: what a worker process does per item.
+
+        Nothing raises out of it but cancellation: `run` reports a pass's failures, and anything
+        else (an item that is not one, an outcome that cannot become JSON, a bug) becomes this
+        item's error outcome, so the task running it never dies silently and its caller always
+        gets an answer."""
+        try:
+            outcome = await self.run(item)
+            return outcome.to_json()
+        except Exception as err:
+            log.exception("a worker's item failed outside its pass")
+            data = item if isinstance(item, Mapping) else {}
+            index = data.get("index", -1)
+            return {
+                "index": index if type(index) is int else -1,
+                "session_id": str(data.get("session_id", "")),
+                "status": "error",
+                "attempts": data.get("attempt", 1) if type(data.get("attempt")) is int else 1,
+                "worker": self.name,
+                "error": f"input {index} could not be run: {_error_text(err)}"[:2000],
+            }
 
     def _outcome(self, item: PassItem, status: Any, **fields: Any) -> PassOutcome:
         record = {

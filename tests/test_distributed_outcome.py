@@ -1,0 +1,109 @@
+"""A map's driver rebuilds each output session its worker sent without validating the rows again
+(the worker built them with the same checks): the session it makes is the one
+`PassOutcome.session()` makes from the same data, which still validates (an outcome read from a
+results file, or built by hand, may hold anything)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from treadle import ConfigurationError, Session
+from treadle.distributed.mapping import _result
+from treadle.distributed.outcome import (
+    OUTCOME_METADATA_KEY,
+    PassItem,
+    PassOutcome,
+    received_rows,
+    received_session,
+)
+from treadle.loop import RequestUsage
+
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "developer", "content": "Be brief."},
+    {"role": "system", "content": "You are a test."},
+    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+        "reasoning_content": "kept, as a provider's extra field",
+    },
+    {"role": "tool", "tool_call_id": "c1", "name": "f", "content": '{"ok":true}'},
+    {"role": "assistant", "content": "done"},
+]
+
+USAGE: dict[str, Any] = {
+    "input_tokens": 5,
+    "output_tokens": 2,
+    "cached_tokens": 0,
+    "reasoning_tokens": 0,
+    "response_id": "r1",
+    "latency_seconds": 0.5,
+    "agent": "a",
+    "request_id": "q1",
+}
+
+
+def _outcome(**changes: Any) -> PassOutcome:
+    fields: dict[str, Any] = {
+        "messages": copy.deepcopy(MESSAGES),
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "requests": 2},
+        "stop_reason": "final_answer",
+        "metadata": {"agent": "a", "request_usage": [USAGE, {**USAGE, "request_id": "q2"}]},
+        **changes,
+    }
+    return PassOutcome(3, "in-id", "ok", 1, "host:1", **fields)
+
+
+def _same(a: Session, b: Session) -> None:
+    assert a.chunk_table == b.chunk_table
+    assert [r.message_json() for r in a.chunk_table] == [r.message_json() for r in b.chunk_table]
+    assert a.to_messages() == b.to_messages() == MESSAGES
+    assert a.usage == b.usage and a.stop_reason == b.stop_reason
+    assert a.metadata == b.metadata
+    assert a.lineage.operator == b.lineage.operator and a.lineage.kind == b.lineage.kind
+
+
+def test_a_received_session_is_the_one_the_validating_rebuild_makes() -> None:
+    outcome = _outcome()
+    sent = copy.deepcopy(outcome)
+    received = received_session(outcome)
+    _same(received, outcome.session())
+    assert received.metadata["request_usage"][1] == RequestUsage(**{**USAGE, "request_id": "q2"})
+    assert received.metadata[OUTCOME_METADATA_KEY]["input_session_id"] == "in-id"
+    assert outcome == sent  # the outcome (the map's record, its results line) is left as it was
+    assert received.id != received_session(outcome).id  # a fresh session each time
+    # What `treadle.map(..., backend="process")` returns for it.
+    mapped = _result(outcome, None)
+    assert isinstance(mapped, Session)
+    _same(mapped, received)
+
+
+def test_a_received_outcome_with_an_unknown_role_is_still_refused() -> None:
+    # Only a worker of another version could send it: the validating rebuild names the problem.
+    outcome = _outcome(messages=[{"role": "narrator", "content": "x"}])
+    with pytest.raises(ConfigurationError, match="narrator"):
+        received_session(outcome)
+    with pytest.raises(ConfigurationError, match="narrator"):
+        outcome.session()
+
+
+def test_metadata_that_is_not_request_usage_stays_data() -> None:
+    odd = {"request_usage": [{"input_tokens": 1}, "text"], "agent": "a"}  # another version's
+    received = received_session(_outcome(metadata=odd))
+    assert received.metadata["request_usage"] == ({"input_tokens": 1}, "text")
+    assert received.metadata == _outcome(metadata=odd).session().metadata
+
+
+def test_a_workers_input_rows_are_the_ones_the_driver_meant() -> None:
+    # A str input crosses as a user message, a session as its messages: a worker builds the
+    # same rows from them as the validating constructor would.
+    for value in ("hello", Session.from_messages(MESSAGES)):
+        item = PassItem.from_input(0, value)
+        assert received_rows(item.messages) == Session.from_messages(item.messages).chunk_table
+    assert received_rows([{"role": "narrator", "content": "x"}]) is None
