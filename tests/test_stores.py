@@ -147,6 +147,33 @@ async def test_async_entry_points_and_agent_calls_take_a_store(
     ]  # fmt: skip
 
 
+def test_a_turn_committed_by_another_process_is_what_the_next_turn_continues(
+    url: str, store: Store, server: FakeOpenAIServer
+) -> None:
+    # The store keeps what it last read or committed in memory: a commit by another process
+    # meanwhile must still be seen by the next read and turn here (never a stale start that
+    # only the commit's version check would catch).
+    provider = _provider(server)
+    turn = {"provider": provider, "store": store, "conversation": "shared"}
+    assert (
+        run_session_loop(Session.from_user_message("here 1"), AGENT, **turn).metadata["version"]
+        == 2
+    )
+    assert store.conversation("shared").metadata["version"] == 2
+    child = _child("append", url, "shared", "7", server.base_url)
+    child.communicate(timeout=CHILD_TIMEOUT)
+    assert child.returncode == 0
+    assert [t for _, t in _texts(store.conversation("shared"))] == [
+        "here 1", "here 1", "msg 7", "msg 7",
+    ]  # fmt: skip
+    out = run_session_loop(Session.from_user_message("here 2"), AGENT, **turn)
+    assert out.metadata["version"] == 6
+    sent = [m["content"] for m in server.requests[-1].body["messages"]]
+    assert sent == ["Answer briefly.", "here 1", "here 1", "msg 7", "msg 7", "here 2"]
+    store.delete("shared")  # and a delete by this process is seen as well
+    assert store.conversation("shared").metadata["version"] == 0
+
+
 def test_store_and_conversation_go_together(store: Store) -> None:
     user = Session.from_user_message("hi")
     with pytest.raises(ConfigurationError, match="go together"):
