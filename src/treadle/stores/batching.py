@@ -63,7 +63,8 @@ class Batcher(Generic[A, R]):
     another thread) queues its request with one thread-safe wake-up of `home` for the requests
     that queue together, and the outcomes of a batch go back to each caller's loop in one
     thread-safe call: no task or future on `home` per request. A request, once queued, runs
-    even if its caller is cancelled meanwhile (its outcome is then dropped).
+    even if its caller is cancelled meanwhile (its outcome is then dropped). `close()` (when
+    the home loop stops) fails every waiting caller, and every later one, with `StoreError`.
     """
 
     def __init__(
@@ -82,6 +83,25 @@ class Batcher(Generic[A, R]):
         self._queue: list[_Request[A, R]] = []
         self._running = 0  # drains started or about to be (a wake-up on its way counts)
         self._tasks: set[asyncio.Task[None]] = set()  # strong references while they run
+        self._closed = False
+
+    @property
+    def home(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the batches run on (None before the first call sets it)."""
+        return self._home
+
+    async def close(self) -> None:
+        """Fail the queued requests, cancel the running batches (their callers get a
+        `StoreError`) and refuse later requests: on the home loop, before it stops."""
+        with self._lock:
+            self._closed = True
+            rest, self._queue = self._queue, []
+        _deliver(rest, [_stopped()] * len(rest))
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def __call__(self, request: A) -> R:
         """Queue `request` and await its result."""
@@ -91,6 +111,8 @@ class Batcher(Generic[A, R]):
             home = self._home = loop
         future: asyncio.Future[R] = loop.create_future()
         with self._lock:
+            if self._closed:
+                raise _stopped()
             self._queue.append((request, loop, future))
             start = self._running < self._concurrency
             if start:
@@ -105,9 +127,7 @@ class Batcher(Generic[A, R]):
                     with self._lock:
                         self._running -= 1
                         self._queue = [q for q in self._queue if q[2] is not future]
-                    raise StoreError(
-                        "the store's event loop has stopped; open a new Store."
-                    ) from None
+                    raise _stopped() from None
         return await future
 
     def _spawn(self) -> None:
@@ -127,7 +147,7 @@ class Batcher(Generic[A, R]):
                 results: Sequence[R | BaseException] = await self._run([r for r, _, _ in batch])
             except BaseException as err:  # every request of the batch fails with it
                 results = [err] * len(batch)
-                if not isinstance(err, Exception):  # cancelled (the loop stops): end
+                if not isinstance(err, Exception):  # cancelled or destroyed (the loop stops)
                     with self._lock:
                         rest, self._queue = self._queue, []
                         self._running -= 1
@@ -136,15 +156,24 @@ class Batcher(Generic[A, R]):
             _deliver(batch, results)
 
 
+def _stopped() -> StoreError:
+    return StoreError("the store's event loop has stopped; open a new Store.")
+
+
 def _deliver(batch: Sequence[_Request[A, R]], results: Sequence[R | BaseException]) -> None:
     """Settle each caller's future on its own loop: at once on this one, in one thread-safe
-    call for each other loop."""
-    here = asyncio.get_running_loop()
+    call for each other loop. No loop need be running here: a batch destroyed with its stopped
+    home loop (its coroutine closed by the garbage collector) still settles its callers."""
+    try:
+        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[R], Any]]] = {}
     for (_, loop, future), result in zip(batch, results, strict=True):
-        if loop is not here and isinstance(result, asyncio.CancelledError):
+        stopped = loop is not here and isinstance(result, asyncio.CancelledError)
+        if stopped or isinstance(result, GeneratorExit):
             # The caller was not cancelled; the batch was (its home loop stops).
-            result = StoreError("the store operation was cancelled.")
+            result = StoreError("the store operation was cancelled: its event loop stopped.")
         by_loop.setdefault(loop, []).append((future, result))
     for loop, settled in by_loop.items():
         if loop is here:

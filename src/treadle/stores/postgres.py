@@ -13,6 +13,7 @@ the server, so a conversation is never half-written.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -79,6 +80,7 @@ class PostgresBackend:
         self._loads: Batcher[str, StoredConversation] | None = None  # on the runtime loop
         self._commits: Batcher[tuple[Any, ...], int] | None = None
         self._hop: LoopHop | None = None  # how callers on other loops reach the runtime's
+        self._handovers: list[Batcher[Any, Any] | LoopHop] = []  # closed when its loop stops
 
     @property
     def url(self) -> str:
@@ -93,6 +95,10 @@ class PostgresBackend:
             self._pool, self._opening = None, None  # its loop is gone: connect anew
             self._loads = self._commits = None
             runtime = self._runtime = get_runtime()
+            # Its callers on other loops must not wait forever for work its loop will never
+            # finish: when it stops, each gets a StoreError (before the pool closes).
+            self._handovers = []
+            runtime.add_shutdown_hook(functools.partial(_close_all, self._handovers))
         return runtime
 
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -104,6 +110,7 @@ class PostgresBackend:
         hop = self._hop
         if hop is None or hop.home is not runtime.loop:
             hop = self._hop = LoopHop(runtime.loop)
+            self._handovers.append(hop)
         return await hop.run(lambda: self._guarded(fn))
 
     async def _on_home(self, fn: Callable[[], Awaitable[T]], cancellable: bool) -> T:
@@ -144,6 +151,7 @@ class PostgresBackend:
         if loads is None or commits is None:
             loads = self._loads = Batcher(self._load_many, home=runtime.loop)
             commits = self._commits = Batcher(self._commit_many, home=runtime.loop)
+            self._handovers += [loads, commits]
         return loads, commits
 
     async def _connection_pool(self) -> AsyncConnectionPool[AsyncConnection[Any]]:
@@ -468,3 +476,9 @@ class PostgresBackend:
             await runtime.submit(close()).wait()
         else:  # never connected, or its loop is gone along with the pool's connections
             self._closed, self._pool = True, None
+
+
+async def _close_all(handovers: list[Batcher[Any, Any] | LoopHop]) -> None:
+    """Fail every caller still waiting on a stopping runtime loop with a `StoreError`."""
+    for part in handovers:
+        await part.close()
