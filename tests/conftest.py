@@ -19,9 +19,12 @@ import pytest
 from sandbox_support import BACKENDS, open_sandbox, processes_with
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import trustme
 
     from treadle.testing import FakeOpenAIServer
+    from treadle.testing.postgres import PostgresCluster
 
 # A shell without job control starts background commands with SIGINT ignored (POSIX), and an
 # ignored signal stays ignored across exec: Python then installs no KeyboardInterrupt handler, so
@@ -31,6 +34,25 @@ if TYPE_CHECKING:
 # default handler here, which the children then inherit as the default disposition.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PostgresCluster]:
+    """A throwaway PostgreSQL cluster for the store tests, one per test process (each test takes
+    a fresh database of it); without PostgreSQL installed they skip (fail on CI)."""
+    from pg_cluster import cluster
+
+    yield from cluster()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty conversation store of each backend in turn, as a URL (children open it
+    too): a SQLite file, or a new database of the `pg` cluster."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    running: PostgresCluster = request.getfixturevalue("pg")
+    return running.new_database()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from pg_cluster import Cluster, cluster
 from treadle import Provider, Session, arun_session_loop, run_session_loop, stream_session_loop
 from treadle import tool as make_tool
 from treadle.errors import ConfigurationError, ConflictError
@@ -34,20 +33,6 @@ WORKER = str(Path(__file__).with_name("store_worker.py"))
 AGENT = Session.from_agent_prompt("Answer briefly.")
 #: Generous: the suite must pass on a loaded 2-core machine.
 CHILD_TIMEOUT = 240
-
-
-@pytest.fixture(scope="session")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty store of each backend in turn, as a URL (children open it too)."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    running: Cluster = request.getfixturevalue("pg")
-    return running.new_database()
 
 
 @pytest.fixture
@@ -145,6 +130,33 @@ async def test_async_entry_points_and_agent_calls_take_a_store(
     assert [t for _, t in _texts(await store.conversation("x"))] == [
         "a", "a", "b", "b", "c", "c", "d", "d",
     ]  # fmt: skip
+
+
+def test_a_turn_committed_by_another_process_is_what_the_next_turn_continues(
+    url: str, store: Store, server: FakeOpenAIServer
+) -> None:
+    # The store keeps what it last read or committed in memory: a commit by another process
+    # meanwhile must still be seen by the next read and turn here (never a stale start that
+    # only the commit's version check would catch).
+    provider = _provider(server)
+    turn = {"provider": provider, "store": store, "conversation": "shared"}
+    assert (
+        run_session_loop(Session.from_user_message("here 1"), AGENT, **turn).metadata["version"]
+        == 2
+    )
+    assert store.conversation("shared").metadata["version"] == 2
+    child = _child("append", url, "shared", "7", server.base_url)
+    child.communicate(timeout=CHILD_TIMEOUT)
+    assert child.returncode == 0
+    assert [t for _, t in _texts(store.conversation("shared"))] == [
+        "here 1", "here 1", "msg 7", "msg 7",
+    ]  # fmt: skip
+    out = run_session_loop(Session.from_user_message("here 2"), AGENT, **turn)
+    assert out.metadata["version"] == 6
+    sent = [m["content"] for m in server.requests[-1].body["messages"]]
+    assert sent == ["Answer briefly.", "here 1", "here 1", "msg 7", "msg 7", "here 2"]
+    store.delete("shared")  # and a delete by this process is seen as well
+    assert store.conversation("shared").metadata["version"] == 0
 
 
 def test_store_and_conversation_go_together(store: Store) -> None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pg_cluster import Cluster, cluster
+from pg_cluster import Cluster
 from treadle import Provider, Session, arun_session_loop
 from treadle.errors import ConflictError
 from treadle.runtime import get_runtime
@@ -32,19 +32,6 @@ AGENT = Session.from_agent_prompt("Answer briefly.")
 #: A deadlock guard for the spy's wait, never a timing assertion.
 GUARD_SECONDS = 120.0
 BIG = 50_000
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    running: Cluster = request.getfixturevalue("pg")
-    return running.new_database()
 
 
 def test_requests_that_queue_while_a_batch_runs_go_together_into_the_next() -> None:
@@ -72,6 +59,43 @@ def test_requests_that_queue_while_a_batch_runs_go_together_into_the_next() -> N
     results = asyncio.run(main())
     assert sizes == [1, 19]
     assert results == [i * 2 for i in range(20) if i != 7]
+
+
+def test_callers_on_another_loop_are_served_in_batches_on_the_home_loop() -> None:
+    """The PostgreSQL store's reads and commits: callers on their own loop queue requests that
+    run in batches on the runtime's loop; a cancelled caller's request still runs."""
+    runtime = get_runtime()
+    sizes: list[int] = []
+    on_home: list[bool] = []
+    gate = asyncio.Event()
+
+    async def run(requests: list[int]) -> list[int | BaseException]:
+        on_home.append(runtime.in_loop_thread())
+        sizes.append(len(requests))
+        if len(sizes) == 1:
+            await gate.wait()
+        return [r * 2 if r != 7 else ValueError("seven") for r in requests]
+
+    batcher: Batcher[int, int] = Batcher(run, concurrency=1, home=runtime.loop)
+
+    async def main() -> list[Any]:
+        first = asyncio.ensure_future(batcher(0))
+        while not sizes:  # the first batch is in flight on the home loop
+            await asyncio.sleep(0.001)
+        rest = [asyncio.ensure_future(batcher(i)) for i in range(1, 20)]
+        dropped = asyncio.ensure_future(batcher(20))
+        await asyncio.sleep(0)  # every call has queued its request
+        dropped.cancel()
+        runtime.loop.call_soon_threadsafe(gate.set)
+        done = await asyncio.gather(first, *rest, return_exceptions=True)
+        assert dropped.cancelled()
+        return done
+
+    done = asyncio.run(main())
+    assert on_home == [True, True]
+    assert sizes == [1, 20]  # the cancelled caller's request ran with the others
+    assert isinstance(done[7], ValueError)
+    assert [d for d in done if isinstance(d, int)] == [i * 2 for i in range(20) if i != 7]
 
 
 def test_passes_ending_together_keep_their_own_version_checks(url: str) -> None:

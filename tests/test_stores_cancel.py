@@ -18,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pg_cluster import Cluster, cluster
+from pg_cluster import Cluster
 from treadle import Agent, Session, arun_session_loop
 from treadle.errors import ConflictError
 from treadle.stores import Store
@@ -33,19 +32,6 @@ from treadle.testing.scripted import tool_call
 
 #: Cancellations per backend and mode (rounds x passes at once).
 ROUNDS, AT_ONCE = 6, 20
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Where the store lives: a SQLite file, or a fresh PostgreSQL database."""
-    if request.param == "sqlite":
-        return str(tmp_path / "cancel.db")
-    return str(request.getfixturevalue("pg").new_database())
 
 
 class CommitWatch:
@@ -195,10 +181,10 @@ async def _rounds(store: Store, queue: bool, seed: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("mode", ["raise", "queue"])
-def test_every_cancelled_caller_sees_what_the_store_holds(backend: str, mode: str) -> None:
+def test_every_cancelled_caller_sees_what_the_store_holds(url: str, mode: str) -> None:
     async def main() -> tuple[int, int, int]:
-        async with Store.open(backend, on_conflict=mode) as store:  # type: ignore[arg-type]
-            return await _rounds(store, mode == "queue", seed=hash((backend, mode)) % 1000)
+        async with Store.open(url, on_conflict=mode) as store:  # type: ignore[arg-type]
+            return await _rounds(store, mode == "queue", seed=hash((url, mode)) % 1000)
 
     landed, cancelled, mid_commit = asyncio.run(main())
     print(f"{mode}: {landed} landed, {cancelled} cancelled, {mid_commit} mid-commit")
@@ -209,13 +195,13 @@ def test_every_cancelled_caller_sees_what_the_store_holds(backend: str, mode: st
     assert mid_commit >= 20, (landed, cancelled, mid_commit)
 
 
-def test_a_timeout_fires_at_once_mid_commit(backend: str) -> None:
+def test_a_timeout_fires_at_once_mid_commit(url: str) -> None:
     """`asyncio.timeout` expiring while the commit is on its way raises `TimeoutError` at once:
     the code after the pass in its block does not run; the turn then lands (or not) shielded."""
 
     async def main() -> None:
         hold = asyncio.Event()
-        async with Store.open(backend) as store:
+        async with Store.open(url) as store:
             watch = CommitWatch(hold)
             watch.wrap(store.backend)
             after: list[str] = []
@@ -239,13 +225,13 @@ def test_a_timeout_fires_at_once_mid_commit(backend: str) -> None:
     asyncio.run(main())
 
 
-def test_an_agent_cancelled_in_its_first_commit_raises(backend: str) -> None:
+def test_an_agent_cancelled_in_its_first_commit_raises(url: str) -> None:
     """An Agent run with a handoff (two passes) cancelled during the first pass's commit raises
     `CancelledError`; the second agent never runs."""
 
     async def main() -> None:
         hold = asyncio.Event()
-        async with Store.open(backend) as store:
+        async with Store.open(url) as store:
             watch = CommitWatch(hold)
             watch.wrap(store.backend)
             second = ScriptedExecutor(["b answers"])

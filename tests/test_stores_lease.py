@@ -14,12 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pg_cluster import Cluster, cluster
+from pg_cluster import Cluster
 from treadle import Provider, Session, run_session_loop
 from treadle import tool as make_tool
 from treadle.errors import ConflictError
@@ -49,19 +48,6 @@ pytestmark = [
         not _can_be_another_host(), reason="needs root and unshare --uts (another host name)"
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    running: Cluster = request.getfixturevalue("pg")
-    return running.new_database()
 
 
 def test_a_live_owner_keeps_its_lease_and_a_dead_one_loses_it(url: str) -> None:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pg_cluster import Cluster, cluster
 from treadle import Session, run_session_loop
 from treadle.errors import ConfigurationError, StoreError
 from treadle.session import ChunkRow
@@ -21,19 +19,6 @@ from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 
 AGENT = Session.from_agent_prompt("Answer briefly.")
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    running: Cluster = request.getfixturevalue("pg")
-    return running.new_database()
 
 
 def _remove_database(path: Path) -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from pg_cluster import Cluster, cluster
 from treadle import Session, arun_session_loop, run_session_loop
 from treadle import tool as make_tool
 from treadle.errors import ConfigurationError
@@ -33,20 +32,6 @@ WORKER = str(Path(__file__).with_name("store_worker.py"))
 AGENT = Session.from_agent_prompt("Answer briefly.")
 #: Generous: the suite must pass on a loaded 2-core machine.
 CHILD_TIMEOUT = 240
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty store of each backend in turn, as a URL (children open it too)."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    running: Cluster = request.getfixturevalue("pg")
-    return running.new_database()
 
 
 @pytest.fixture

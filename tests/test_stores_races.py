@@ -19,13 +19,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pg_cluster import Cluster, cluster
+from pg_cluster import Cluster
 from treadle.errors import ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores import Store
@@ -33,11 +32,6 @@ from treadle.stores import Store
 #: How long the side transaction stays open so the other side is surely waiting on it (a wait
 #: that makes the race happen in the bad order, never a limit on how long anything takes).
 HOLD_SECONDS = 0.5
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
 
 
 def _state(dsn: str, key: str) -> tuple[int, int | None]:

@@ -9,25 +9,18 @@ Real parts: SQLite files, a throwaway PostgreSQL cluster (tests/pg_cluster.py), 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pydantic_core
 import pytest
 
-from pg_cluster import Cluster, cluster
 from treadle import Session, arun_session_loop, tool
 from treadle.loop.control import Guardrail
 from treadle.persist.reader import load_session
 from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 from treadle.testing.scripted import tool_call
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Cluster]:
-    yield from cluster()
 
 
 @tool

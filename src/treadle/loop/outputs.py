@@ -75,11 +75,16 @@ async def finish_outputs(run: _Pass, stop_reason: StopReason) -> None:
             usage=run.usage, stop_reason=stop_reason, metadata=plain_metadata(run.metadata)
         )
     if run.journal is not None:
+        from treadle.stores.records import KEPT_METADATA  # loaded with the journal
+
+        # The commit keeps only what the next pass needs (`KEPT_METADATA`): the rest of the
+        # metadata (a request_usage entry per request...) is not made plain for nothing.
+        kept = {k: run.metadata[k] for k in KEPT_METADATA if k in run.metadata}
         run.metadata["version"] = await run.journal.finish(
             run.table.rows,
             usage=run.usage,
             stop_reason=stop_reason,
-            metadata=plain_metadata(run.metadata),
+            metadata=plain_metadata(kept),
         )
         run.metadata["conversation"] = run.journal.key
 

@@ -11,9 +11,12 @@ other passes on it) for the time it takes to encode or decode every row.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+from treadle.errors import StoreError
 from treadle.runtime.threads import run_internal_io
 from treadle.session import ChunkRow
 from treadle.stores.records import decode_row, rows_text
@@ -46,13 +49,22 @@ async def decode_rows(found: Sequence[tuple[str, str | bytes]], key: str) -> tup
     return await off_loop(len(found), lambda: tuple(decode_row(k, p, key) for k, p in found))
 
 
+#: A queued request: its value, the caller's loop, and the caller's future.
+_Request = tuple[A, asyncio.AbstractEventLoop, asyncio.Future[R]]
+
+
 class Batcher(Generic[A, R]):
     """Requests made while a batch runs go together into the next one.
 
     `run(requests)` does the work of a batch and returns one result per request, in order (an
     exception in the list is that request's error; an exception raised is every request's).
-    At most `concurrency` batches run at once and none holds more than `limit` requests. Used
-    from one event loop (the store's home loop).
+    At most `concurrency` batches run at once and none holds more than `limit` requests.
+    Batches run on `home` (default: the loop of the first call); a caller on another loop (in
+    another thread) queues its request with one thread-safe wake-up of `home` for the requests
+    that queue together, and the outcomes of a batch go back to each caller's loop in one
+    thread-safe call: no task or future on `home` per request. A request, once queued, runs
+    even if its caller is cancelled meanwhile (its outcome is then dropped). `close()` (when
+    the home loop stops) fails every waiting caller, and every later one, with `StoreError`.
     """
 
     def __init__(
@@ -61,49 +73,119 @@ class Batcher(Generic[A, R]):
         *,
         limit: int = 256,
         concurrency: int = 2,
+        home: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._run = run
         self._limit = limit
         self._concurrency = concurrency
-        self._queue: list[tuple[A, asyncio.Future[R]]] = []
-        self._running = 0
+        self._home = home
+        self._lock = threading.Lock()  # the queue and counters, for callers on other threads
+        self._queue: list[_Request[A, R]] = []
+        self._running = 0  # drains started or about to be (a wake-up on its way counts)
         self._tasks: set[asyncio.Task[None]] = set()  # strong references while they run
+        self._closed = False
+
+    @property
+    def home(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the batches run on (None before the first call sets it)."""
+        return self._home
+
+    async def close(self) -> None:
+        """Fail the queued requests, cancel the running batches (their callers get a
+        `StoreError`) and refuse later requests: on the home loop, before it stops."""
+        with self._lock:
+            self._closed = True
+            rest, self._queue = self._queue, []
+        _deliver(rest, [_stopped()] * len(rest))
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def __call__(self, request: A) -> R:
         """Queue `request` and await its result."""
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._queue.append((request, future))
-        if self._running < self._concurrency:
-            self._running += 1
-            task = asyncio.ensure_future(self._drain())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        loop = asyncio.get_running_loop()
+        home = self._home
+        if home is None:
+            home = self._home = loop
+        future: asyncio.Future[R] = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise _stopped()
+            self._queue.append((request, loop, future))
+            start = self._running < self._concurrency
+            if start:
+                self._running += 1
+        if start:
+            if loop is home:
+                self._spawn()
+            else:
+                try:
+                    home.call_soon_threadsafe(self._spawn)
+                except RuntimeError:  # the home loop has closed: nothing would run it
+                    with self._lock:
+                        self._running -= 1
+                        self._queue = [q for q in self._queue if q[2] is not future]
+                    raise _stopped() from None
         return await future
 
+    def _spawn(self) -> None:
+        task = asyncio.ensure_future(self._drain())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _drain(self) -> None:
-        try:
-            while self._queue:
+        while True:
+            with self._lock:
                 batch = self._queue[: self._limit]
                 del self._queue[: self._limit]
-                try:
-                    results: Sequence[R | BaseException] = await self._run([r for r, _ in batch])
-                except BaseException as err:  # every request of the batch fails with it
-                    results = [err] * len(batch)
-                    if not isinstance(err, Exception):  # cancelled (the loop stops): end
-                        _settle(batch, results)
-                        _settle(self._queue, [err] * len(self._queue))
-                        self._queue.clear()
-                        raise
-                _settle(batch, results)
-        finally:
-            self._running -= 1
+                if not batch:
+                    self._running -= 1
+                    return
+            try:
+                results: Sequence[R | BaseException] = await self._run([r for r, _, _ in batch])
+            except BaseException as err:  # every request of the batch fails with it
+                results = [err] * len(batch)
+                if not isinstance(err, Exception):  # cancelled or destroyed (the loop stops)
+                    with self._lock:
+                        rest, self._queue = self._queue, []
+                        self._running -= 1
+                    _deliver([*batch, *rest], [*results, *[err] * len(rest)])
+                    raise
+            _deliver(batch, results)
 
 
-def _settle(
-    batch: Sequence[tuple[object, asyncio.Future[R]]], results: Sequence[R | BaseException]
-) -> None:
-    for (_, future), result in zip(batch, results, strict=True):
-        if future.done():
+def _stopped() -> StoreError:
+    return StoreError("the store's event loop has stopped; open a new Store.")
+
+
+def _deliver(batch: Sequence[_Request[A, R]], results: Sequence[R | BaseException]) -> None:
+    """Settle each caller's future on its own loop: at once on this one, in one thread-safe
+    call for each other loop. No loop need be running here: a batch destroyed with its stopped
+    home loop (its coroutine closed by the garbage collector) still settles its callers."""
+    try:
+        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[R], Any]]] = {}
+    for (_, loop, future), result in zip(batch, results, strict=True):
+        stopped = loop is not here and isinstance(result, asyncio.CancelledError)
+        if stopped or isinstance(result, GeneratorExit):
+            # The caller was not cancelled; the batch was (its home loop stops).
+            result = StoreError("the store operation was cancelled: its event loop stopped.")
+        by_loop.setdefault(loop, []).append((future, result))
+    for loop, settled in by_loop.items():
+        if loop is here:
+            _settle(settled)
+        else:
+            with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits
+                loop.call_soon_threadsafe(_settle, settled)
+
+
+def _settle(settled: Sequence[tuple[asyncio.Future[R], Any]]) -> None:
+    for future, result in settled:
+        if future.done():  # its caller was cancelled (the request still ran)
             continue
         if isinstance(result, asyncio.CancelledError):
             future.cancel()

@@ -7,6 +7,8 @@ that end together make many such calls at once: they start on the owning loop af
 thread-safe wake-up, and the outcomes finished in one iteration of that loop go back to each
 caller's loop in one thread-safe call (as the SQLite store's thread does). An operation, once
 handed over, runs to its end even if its caller is cancelled (its outcome is then dropped).
+`close()` (when the owning loop stops) fails every operation still waiting, and every later
+one, with `StoreError`.
 """
 
 from __future__ import annotations
@@ -40,12 +42,30 @@ class LoopHop:
         self._outbox: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
         self._flushing = False
         self._running: set[asyncio.Future[Any]] = set()
+        self._closed = False
+
+    async def close(self) -> None:
+        """Fail the operations not started, cancel the running ones (their callers get a
+        `StoreError`) and refuse later ones: on the home loop, before it stops."""
+        with self._lock:
+            self._closed = True
+            jobs, self._inbox = self._inbox, deque()
+        for _, loop, future in jobs:
+            self._outbox.setdefault(loop, []).append((future, None, _stopped()))
+        running = list(self._running)
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+        self._flush()  # now: the loop may stop before a scheduled flush runs
 
     async def run(self, fn: Callable[[], Awaitable[T]]) -> T:
         """`await fn()` on the home loop, from the caller's loop."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._lock:
+            if self._closed:
+                raise _stopped()
             self._inbox.append((fn, loop, future))
             wake = not self._armed
             self._armed = True
@@ -56,7 +76,7 @@ class LoopHop:
                 with self._lock:
                     self._armed = False
                     self._inbox.clear()
-                raise StoreError("the store's event loop has stopped; open a new Store.") from None
+                raise _stopped() from None
         return await future
 
     def _start(self) -> None:
@@ -94,6 +114,10 @@ class LoopHop:
         for loop, settled in outbox.items():
             with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits
                 loop.call_soon_threadsafe(_settle, settled)
+
+
+def _stopped() -> StoreError:
+    return StoreError("the store's event loop has stopped; open a new Store.")
 
 
 def _settle(settled: list[_Outcome]) -> None:

@@ -13,6 +13,7 @@ the server, so a conversation is never half-written.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -26,6 +27,7 @@ from treadle.stores.hop import LoopHop
 from treadle.stores.postgres_batch import commit_many, load_many
 from treadle.stores.postgres_open import DB_NOW, display_url, open_pool
 from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations
+from treadle.stores.postgres_rows import write_rows
 from treadle.stores.queueing import PostgresKeyLock
 from treadle.stores.records import (
     KEPT_METADATA,
@@ -78,6 +80,7 @@ class PostgresBackend:
         self._loads: Batcher[str, StoredConversation] | None = None  # on the runtime loop
         self._commits: Batcher[tuple[Any, ...], int] | None = None
         self._hop: LoopHop | None = None  # how callers on other loops reach the runtime's
+        self._handovers: list[Batcher[Any, Any] | LoopHop] = []  # closed when its loop stops
 
     @property
     def url(self) -> str:
@@ -92,6 +95,10 @@ class PostgresBackend:
             self._pool, self._opening = None, None  # its loop is gone: connect anew
             self._loads = self._commits = None
             runtime = self._runtime = get_runtime()
+            # Its callers on other loops must not wait forever for work its loop will never
+            # finish: when it stops, each gets a StoreError (before the pool closes).
+            self._handovers = []
+            runtime.add_shutdown_hook(functools.partial(_close_all, self._handovers))
         return runtime
 
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -103,6 +110,7 @@ class PostgresBackend:
         hop = self._hop
         if hop is None or hop.home is not runtime.loop:
             hop = self._hop = LoopHop(runtime.loop)
+            self._handovers.append(hop)
         return await hop.run(lambda: self._guarded(fn))
 
     async def _on_home(self, fn: Callable[[], Awaitable[T]], cancellable: bool) -> T:
@@ -128,9 +136,23 @@ class PostgresBackend:
         try:
             return await fn()
         except psycopg.Error as err:
-            raise StoreError(
-                f"the PostgreSQL store {self._url} failed: {' '.join(str(err).split())}."
-            ) from None
+            raise self._failed(err) from None
+
+    def _failed(self, err: BaseException) -> StoreError:
+        return StoreError(f"the PostgreSQL store {self._url} failed: {' '.join(str(err).split())}.")
+
+    def _batchers(
+        self,
+    ) -> tuple[Batcher[str, StoredConversation], Batcher[tuple[Any, ...], int]]:
+        """The batched reads and commits, run on the runtime's loop and awaited from any loop
+        without a task there per call (see `Batcher`)."""
+        runtime = self._home()
+        loads, commits = self._loads, self._commits
+        if loads is None or commits is None:
+            loads = self._loads = Batcher(self._load_many, home=runtime.loop)
+            commits = self._commits = Batcher(self._commit_many, home=runtime.loop)
+            self._handovers += [loads, commits]
+        return loads, commits
 
     async def _connection_pool(self) -> AsyncConnectionPool[AsyncConnection[Any]]:
         if self._pool is not None:
@@ -160,22 +182,31 @@ class PostgresBackend:
         """The committed conversation (empty for a new key). Reads made at once share their
         queries (`postgres_batch.load_many`); only rows not cached are fetched and decoded."""
 
-        async def body() -> StoredConversation:
-            if self._loads is None:
-                self._loads = Batcher(self._load_many)
-            return await self._loads(key)
-
-        return await self._on_runtime(body)
+        return await self._batchers()[0](key)
 
     async def _load_many(self, keys: list[str]) -> list[StoredConversation]:
-        pool = await self._connection_pool()
-        async with pool.connection() as conn:
-            return await load_many(conn, keys, self._cache)
+        async def body() -> list[StoredConversation]:
+            pool = await self._connection_pool()
+            async with pool.connection() as conn:
+                return await load_many(conn, keys, self._cache)
+
+        return await self._guarded(body)
 
     async def _commit_many(self, calls: list[tuple[Any, ...]]) -> list[int | BaseException]:
-        pool = await self._connection_pool()
-        async with pool.connection() as conn:
-            return await commit_many(conn, calls)
+        """Commit a batch (each call's last item is its rows, for the cache); a conflict is a
+        negative version, as `treadle_commit` returns it."""
+        import psycopg
+
+        async def body() -> list[int | BaseException]:
+            pool = await self._connection_pool()
+            async with pool.connection() as conn:
+                return await commit_many(conn, [call[:-1] for call in calls])
+
+        results = await self._guarded(body)
+        for call, result in zip(calls, results, strict=True):
+            if isinstance(result, int) and result >= 0:
+                self._cache.extend(call[1], call[2], call[-1])  # a new key: by its first read
+        return [self._failed(r) if isinstance(r, psycopg.Error) else r for r in results]
 
     async def record(
         self,
@@ -221,51 +252,6 @@ class PostgresBackend:
         found = await cur.fetchone()
         return None if found is None else int(found[0])
 
-    async def _write_rows(
-        self,
-        conn: AsyncConnection[Any],
-        key: str,
-        found: int | None,
-        base: int,
-        rows: Sequence[tuple[str, str]],
-        pass_id: str | None,
-        head: Mapping[str, Any],
-    ) -> int:
-        """Insert encoded `(kind, payload)` rows at `base` and move the head."""
-        now = time.time()
-        async with conn.cursor() as cur:
-            await cur.executemany(
-                "INSERT INTO treadle_rows (key, seq, pass_id, kind, payload)"
-                " VALUES (%s, %s, %s, %s, %s)",
-                [(key, base + i, pass_id, k, p) for i, (k, p) in enumerate(rows)],
-            )
-        version = base + len(rows)
-        if found is None:
-            await conn.execute(
-                "INSERT INTO treadle_conversations (key, version, usage, stop_reason, metadata,"
-                " parent_key, parent_version, created_at, updated_at)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (
-                    key,
-                    version,
-                    head.get("usage", encode_usage(Usage())),
-                    head.get("stop_reason"),
-                    head.get("metadata", "{}"),
-                    head.get("parent_key"),
-                    head.get("parent_version"),
-                    now,
-                    now,
-                ),
-            )
-        else:
-            sets = "".join(f", {name} = %s" for name in head)
-            await conn.execute(
-                f"UPDATE treadle_conversations SET version = %s, updated_at = %s{sets}"
-                " WHERE key = %s",
-                (version, now, *head.values(), key),
-            )
-        return version
-
     async def commit(
         self,
         pass_id: str,
@@ -288,21 +274,14 @@ class PostgresBackend:
         encoded = await encode_rows(rows)
         call = (
             pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
-            encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+            encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(), rows,
         )  # fmt: skip
-
-        async def body() -> int:
-            # Passes ending at once commit together (one round trip, one server commit), each
-            # with its own version check (see treadle.stores.postgres_batch).
-            if self._commits is None:
-                self._commits = Batcher(self._commit_many)
-            version = await self._commits(call)
-            if version < 0:
-                raise conflict_error(key, base, -1 - version, rows)
-            self._cache.extend(key, base, rows)  # a new key is cached by its first read
-            return version
-
-        return await self._on_runtime(body)
+        # Passes ending at once commit together (one round trip, one server commit), each
+        # with its own version check (see treadle.stores.postgres_batch).
+        version = await self._batchers()[1](call)
+        if version < 0:
+            raise conflict_error(key, base, -1 - version, rows)
+        return version
 
     async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
         """Move a pass from status `was` to `status` (no effect from any other status)."""
@@ -372,7 +351,7 @@ class PostgresBackend:
                 found = await self._lock(conn, key)
                 base = found or 0
                 if expected is None or expected == base:
-                    return await self._write_rows(conn, key, found, base, encoded, None, {})
+                    return await write_rows(conn, key, found, base, encoded, None, {})
             raise conflict_error(key, expected, base, rows)
 
         return await self._run(do)
@@ -435,7 +414,7 @@ class PostgresBackend:
                 head = {"parent_key": key, "parent_version": at}
                 if usage is not None:
                     head["usage"] = usage[0]
-                await self._write_rows(conn, new_key, None, at, (), None, head)
+                await write_rows(conn, new_key, None, at, (), None, head)
                 return at
 
         return await self._run(do)
@@ -497,3 +476,9 @@ class PostgresBackend:
             await runtime.submit(close()).wait()
         else:  # never connected, or its loop is gone along with the pool's connections
             self._closed, self._pool = True, None
+
+
+async def _close_all(handovers: list[Batcher[Any, Any] | LoopHop]) -> None:
+    """Fail every caller still waiting on a stopping runtime loop with a `StoreError`."""
+    for part in handovers:
+        await part.close()

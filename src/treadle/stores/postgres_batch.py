@@ -8,7 +8,9 @@ parameters to send instead of one per pass), in key order so two processes' batc
 conversations' locks in the same order. Each call
 still checks its own conversation's version, so a batch changes no outcome: a conflict is that
 pass's `ConflictError` alone. If a commit fails otherwise (the transaction is then rolled back
-for all), the batch is committed again one pass at a time, so only that pass sees the error.
+for all), or a pass's parameters cannot be sent at all (text no encoding can carry), the batch
+is committed again one pass at a time, so only that pass sees the error (a parameter that
+cannot be sent is a `StoreError` naming the conversation).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from treadle.errors import StoreError
 from treadle.session import ChunkRow
 from treadle.stores.batching import OFF_LOOP_ROWS, off_loop
 from treadle.stores.records import RowCache, StoredConversation, decode_row, stored_from_head
@@ -97,7 +100,7 @@ async def commit_many(
     import psycopg
 
     if len(calls) == 1:
-        return [await _commit_one(conn, calls[0])]
+        return [await _commit_alone(conn, calls[0])]
     # The parameter arrays are built, and the rows' arrays dumped to PostgreSQL's binary
     # format, off the loop when the batch's rows are many in all: psycopg would otherwise
     # convert them on the loop inside `execute` (200 passes of 500 rows: a 0.2-0.9 s stall).
@@ -114,18 +117,11 @@ async def commit_many(
         for i, version in await cur.fetchall():
             results[int(i)] = int(version)
         return results
-    except psycopg.Error:
+    except (psycopg.Error, UnicodeError):  # a statement failed, or a parameter was unsendable
         if conn.broken or conn.closed:
             raise  # the connection is gone: every commit of the batch failed with it
-    results = []
-    for call in calls:  # one commit failed and rolled back all: each alone, in order
-        try:
-            results.append(await _commit_one(conn, call))
-        except psycopg.Error as err:
-            if conn.broken or conn.closed:
-                raise
-            results.append(err)
-    return results
+    # One commit failed and rolled back all (or none was sent): each alone, in order.
+    return [await _commit_alone(conn, call) for call in calls]
 
 
 def _arrays(calls: Sequence[tuple[Any, ...]], *, dump: bool = False) -> tuple[Any, ...]:
@@ -181,6 +177,22 @@ def _dumped_dumper() -> type:
             return data
 
     return DumpedTextArrayDumper
+
+
+async def _commit_alone(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int | BaseException:
+    """One pass's commit: its version, or its error (raised only when the connection is gone)."""
+    import psycopg
+
+    try:
+        return await _commit_one(conn, call)
+    except psycopg.Error as err:
+        if conn.broken or conn.closed:
+            raise
+        return err
+    except UnicodeError as err:  # psycopg could not encode a parameter: nothing was sent
+        return StoreError(
+            f"the commit of conversation {call[1]!r} cannot be sent to PostgreSQL: {err}."
+        )
 
 
 async def _commit_one(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int:

@@ -41,9 +41,8 @@ from treadle.stores.records import (
     owner_metadata,
     pending_from,
     rows_text,
-    stored_from_head,
 )
-from treadle.stores.sqlite_thread import DatabaseThread, release, thread_for
+from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
 
 __all__ = ["MIGRATIONS", "SqliteBackend"]
 
@@ -168,6 +167,7 @@ class SqliteBackend:
         self.path = Path(path).expanduser().resolve()
         self._writer: DatabaseThread | None = thread_for(self.path, _connect)
         self._cache = self._writer.cache  # touched only on the database thread
+        self._heads = self._writer.heads  # likewise
 
     @property
     def url(self) -> str:
@@ -194,29 +194,29 @@ class SqliteBackend:
 
     async def load(self, key: str) -> StoredConversation:
         """The committed conversation (empty for a new key); only rows not cached are decoded."""
-        cache = self._cache
+        cache, heads = self._cache, self._heads
 
         def do(conn: sqlite3.Connection) -> StoredConversation:
-            head = conn.execute(
-                "SELECT usage, stop_reason, metadata, parent_key, parent_version, created_at,"
-                " version FROM conversations WHERE key = ?",
-                (key,),
-            ).fetchone()
+            head = heads.get(key)  # known while no other process committed (`HeadCache`)
             if head is None:
-                return StoredConversation(key)
-            known = cache.get(key, head[5], head[6])
-            found = (
-                conn.execute(
+                found = conn.execute(
+                    "SELECT usage, stop_reason, metadata, parent_key, parent_version,"
+                    " created_at, version FROM conversations WHERE key = ?",
+                    (key,),
+                ).fetchone()
+                if found is None:
+                    return StoredConversation(key)
+                heads.put(key, head := Head.of(key, found))
+            known = cache.get(key, head.created_at, head.version)
+            if len(known) < head.version:
+                found_rows = conn.execute(
                     "SELECT kind, payload FROM rows WHERE key = ? AND seq >= ? AND seq < ?"
                     " ORDER BY seq",
-                    (key, len(known), head[6]),
+                    (key, len(known), head.version),
                 ).fetchall()
-                if len(known) < head[6]
-                else []
-            )
-            rows = known + tuple(decode_row(k, p, key) for k, p in found)
-            cache.put(key, head[5], rows)
-            return stored_from_head(key, rows, head)
+                known += tuple(decode_row(k, p, key) for k, p in found_rows)
+                cache.put(key, head.created_at, known)
+            return head.stored(key, known)
 
         return await self._run(do, read_only=True)
 
@@ -268,10 +268,12 @@ class SqliteBackend:
         # Only a pass that leaves a record needs its agent rows encoded (most passes do not).
         keep_record = recorded or status != "done"
         agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
+        heads = self._heads
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
-            found = _version(conn, key)
+            head = heads.get(key)
+            found = head.version if head is not None else _version(conn, key)
             if (found or 0) != base:
                 conn.execute(
                     "UPDATE passes SET status = 'conflict', updated_at = ? WHERE pass_id = ?",
@@ -296,8 +298,14 @@ class SqliteBackend:
                 conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
             if found is None:
                 self._cache.put(key, now, tuple(rows))
+                heads.put(key, Head(usage, stop_reason, kept, None, None, now, version))
             else:
                 self._cache.extend(key, base, rows)
+                if head is not None:
+                    heads.put(key, Head(
+                        usage, stop_reason, kept, head.parent_key, head.parent_version,
+                        head.created_at, version,
+                    ))  # fmt: skip
             return version
 
         version = await self._run(do)
@@ -368,6 +376,7 @@ class SqliteBackend:
                 raise conflict_error(key, expected, base, rows)
             _insert_rows(conn, key, base, rows, None)
             _advance(conn, key, found, base + len(rows), now)
+            self._heads.drop(key)  # read again when next asked for
             return base + len(rows)
 
         return await self._run(do)
@@ -427,6 +436,7 @@ class SqliteBackend:
                 conn, new_key, None, at, time.time(),
                 usage=usage, parent_key=key, parent_version=at,
             )  # fmt: skip
+            self._heads.drop(new_key)
             return int(at)
 
         return await self._run(do)
@@ -437,6 +447,7 @@ class SqliteBackend:
         def do(conn: sqlite3.Connection) -> bool:
             gone = _delete(conn, [key])
             self._cache.drop(key)
+            self._heads.drop(key)
             return gone > 0
 
         return await self._run(do)
@@ -454,6 +465,7 @@ class SqliteBackend:
             gone = _delete(conn, keys)
             for key in keys:
                 self._cache.drop(key)
+                self._heads.drop(key)
             return gone
 
         return await self._run(do)

@@ -17,14 +17,22 @@ import os
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from treadle.errors import StoreError
-from treadle.stores.records import RowCache
+from treadle.session import ChunkRow, Usage
+from treadle.stores.records import (
+    ROW_CACHE_CONVERSATIONS,
+    RowCache,
+    StoredConversation,
+    decode_json,
+    decode_usage,
+)
 
-__all__ = ["DatabaseThread", "release", "thread_for"]
+__all__ = ["DatabaseThread", "Head", "HeadCache", "release", "thread_for"]
 
 T = TypeVar("T")
 
@@ -41,6 +49,68 @@ _HEADER = b"SQLite format 3\x00"
 MAX_BATCH = 256
 
 
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A conversation's head row, decoded: what a read returns besides its rows."""
+
+    usage: Usage
+    stop_reason: str | None
+    metadata: str
+    """As stored (JSON text): each read decodes its own copy, which its reader may change."""
+    parent_key: str | None
+    parent_version: int | None
+    created_at: float
+    version: int
+
+    @classmethod
+    def of(cls, key: str, found: Sequence[Any]) -> Head:
+        """The head from its row as a read selects it (usage, stop_reason, metadata,
+        parent_key, parent_version, created_at, version)."""
+        usage, stop, meta, parent_key, parent_version, created_at, version = found
+        return cls(
+            decode_usage(usage, key), stop, meta, parent_key, parent_version, created_at, version
+        )
+
+    def stored(self, key: str, rows: tuple[ChunkRow, ...]) -> StoredConversation:
+        """The conversation with this head and its `rows` (its own copy of the metadata)."""
+        meta = {} if self.metadata == "{}" else decode_json(self.metadata, key)
+        return StoredConversation(
+            key, rows, self.usage, self.stop_reason, meta, self.parent_key, self.parent_version
+        )
+
+
+class HeadCache:
+    """Conversation heads as this thread's connection last read or wrote them, so a read (and a
+    commit's version check) needs no statement. They are true only while no other connection
+    has committed to the file: every transaction of the thread first reads `PRAGMA
+    data_version` (which moves only for other connections' commits) and clears them when it
+    moved. Writes of this connection update or drop the heads they change. Used from the
+    database thread only."""
+
+    def __init__(self, size: int = ROW_CACHE_CONVERSATIONS) -> None:
+        self.size = size
+        self._heads: dict[str, Head] = {}
+
+    def get(self, key: str) -> Head | None:
+        """The head of `key`, if known."""
+        return self._heads.get(key)
+
+    def put(self, key: str, head: Head) -> None:
+        """Remember the head of `key` (the oldest goes past `size`)."""
+        self._heads.pop(key, None)
+        self._heads[key] = head
+        if len(self._heads) > self.size:
+            del self._heads[next(iter(self._heads))]
+
+    def drop(self, key: str) -> None:
+        """Forget `key` (a write this cache does not follow)."""
+        self._heads.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._heads.clear()
+
+
 class DatabaseThread:
     """The one thread (and connection) of a database file in this process: every statement on
     the file runs here, in the order submitted."""
@@ -51,6 +121,9 @@ class DatabaseThread:
         self.users = 0
         self.cache = RowCache()
         """Validated rows of the file's conversations (touched only on this thread)."""
+        self.heads = HeadCache()
+        """Heads of the file's conversations (touched only on this thread; see `HeadCache`)."""
+        self._data_version: int | None = None  # PRAGMA data_version when the heads were true
         self.lost: str | None = None
         """Why the file this thread opened is no longer at its path (deleted, replaced)."""
         self._identity: tuple[int, int] | None = None
@@ -108,9 +181,18 @@ class DatabaseThread:
             return
         try:
             conn.execute("BEGIN IMMEDIATE")
+            # Holding the write lock: another process's commit since the last transaction
+            # moved data_version, and the heads may be stale (this connection's own commits
+            # leave it, and update the heads they change).
+            seen = conn.execute("PRAGMA data_version").fetchone()[0]
         except sqlite3.Error as err:
+            if conn.in_transaction:
+                conn.rollback()
             _deliver([(job, None, err) for job in batch])
             return
+        if seen != self._data_version:
+            self.heads.clear()
+            self._data_version = seen
         for job in batch:
             if job[3]:  # a read: two statements fewer per job (a pass reads once per turn)
                 try:
@@ -140,6 +222,7 @@ class DatabaseThread:
             if conn.in_transaction:
                 conn.rollback()
             self.cache.clear()  # it may hold rows of the commits that were just undone
+            self.heads.clear()
             outcomes = [(job, None, err) for job, _, _ in outcomes]
         else:  # and once more after: gone during the commit itself, the write is unseen
             lost = self._check_file(committed=True)
@@ -172,6 +255,7 @@ class DatabaseThread:
                     self.lost = self._check_contents()
             if self.lost is not None:
                 self.cache.clear()
+                self.heads.clear()
         if self.lost is None:
             return None
         outcome = (
