@@ -40,12 +40,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp.client.stdio import get_default_environment
 from mcp.shared.message import SessionMessage
 
+from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, collector_paused, containers
 from treadle.runtime.threads import run_internal_io
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "PARSE_OFF_LOOP_BYTES",
     "MalformedMessage",
+    "MessageTooComplex",
     "MessageTooLarge",
     "StdioTransport",
     "TransportFault",
@@ -81,6 +83,11 @@ class TransportFault(Exception):
 
 class MessageTooLarge(TransportFault):
     """The server sent a message over the size cap."""
+
+
+class MessageTooComplex(MessageTooLarge):
+    """The server sent a message of more JSON arrays and objects than `MAX_MESSAGE_CONTAINERS`
+    (refused unparsed: parsing it would hold the GIL too long, see `treadle.mcp.parse`)."""
 
 
 class MalformedMessage(TransportFault):
@@ -283,10 +290,23 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
     """One line as a JSON-RPC message, or a `MalformedMessage` fault for one that is not.
 
     `json.loads` (C) builds the plain data, then pydantic types only the envelope: a result
-    stays a plain dict here (typed later in small steps, see `treadle.mcp.listing`), so no single
-    call holds the GIL for long even for a message near the cap."""
+    stays a plain dict here (typed later in small steps, see `treadle.mcp.listing`). A large
+    message is parsed only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects,
+    and with the garbage collector paused: `json.loads` holds the GIL throughout (a
+    `MessageTooComplex` fault for more)."""
     try:
-        data = json.loads(line)
+        if len(line) <= PARSE_OFF_LOOP_BYTES:
+            data = json.loads(line)
+        elif (count := containers(line)) > MAX_MESSAGE_CONTAINERS:
+            log.warning("MCP server %s sent a message of %d JSON containers", label, count)
+            return MessageTooComplex(
+                f"MCP server {label} sent a message of {count:,} JSON arrays and objects, over "
+                f"the {MAX_MESSAGE_CONTAINERS:,} Treadle parses in one message (parsing it "
+                "would stall every pass); send fewer, larger values (text, base64) or page them."
+            )
+        else:
+            with collector_paused():
+                data = json.loads(line)
         return SessionMessage(types.jsonrpc_message_adapter.validate_python(data, by_name=False))
     except (ValueError, RecursionError) as error:
         why = "nested too deeply" if isinstance(error, RecursionError) else _first_line(error)
