@@ -11,7 +11,9 @@ server is ever left unread. On Linux the server runs under a small supervisor
 (`treadle.mcp.reaper`: the init of a PID namespace of its own, or a child subreaper where
 namespaces are not allowed), so closing also stops descendants that left the server's process
 group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
-worker thread: parsing a message near the cap takes seconds of pure Python.
+worker thread, and only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects
+(`treadle.mcp.parse`: `json.loads` holds the GIL for the whole message, and its cost is the
+objects it makes); one with more is a `MessageTooComplex` fault, as one over the cap is.
 
 This module must never hold more than the cap of one message, never block the event loop, and
 never leave its server process running once its context has exited (closing is shielded from
