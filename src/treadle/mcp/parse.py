@@ -9,8 +9,10 @@ later full collection of the process 40 to 70 ms long while they lived. So befor
 message is parsed, its arrays and objects are counted (`containers`: a few linear byte scans in
 C, each bounded), and a message with more than `MAX_MESSAGE_CONTAINERS` is refused unparsed; the
 others are parsed with the collector paused (`collector_paused`), which it would only have run
-over the message's own new objects. Text and images are a handful of containers whatever their
-size; 1 MiB of text blocks is 39,000, and 1 MiB of small structured entries 131,000.
+over the message's own new objects. Every message is read as UTF-8 text first (MCP's encoding):
+`json.loads` would take UTF-16 or UTF-32 bytes too, which the count cannot read. Text and
+images are a handful of containers whatever their size; 1 MiB of text blocks is 39,000, and
+1 MiB of small structured entries 131,000.
 
 This module must never hold the GIL for long itself: every C call in it is over a bounded piece.
 """
@@ -18,6 +20,7 @@ This module must never hold the GIL for long itself: every C call in it is over 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,24 +55,61 @@ def containers(line: bytes, limit: int = MAX_MESSAGE_CONTAINERS) -> int:
 
 _lock = threading.Lock()
 _pausing = 0
-_resume = False
+# The collection thresholds before the first of the open pauses, when they were changed for it.
+_saved: tuple[int, int, int] | None = None
+
+
+def _pause() -> None:
+    global _saved, _pausing
+    with _lock:
+        if _pausing == 0:
+            first, second, third = gc.get_threshold()
+            if first:
+                _saved = (first, second, third)
+                gc.set_threshold(0, second, third)
+        _pausing += 1
+
+
+def _restore() -> None:
+    # Back to the program's thresholds unless the program set its own meanwhile: then its
+    # choice stands.
+    global _saved
+    if _saved is not None and gc.get_threshold() == (0, *_saved[1:]):
+        gc.set_threshold(*_saved)
+    _saved = None
+
+
+def _resume() -> None:
+    global _pausing
+    with _lock:
+        _pausing -= 1
+        if _pausing == 0:
+            _restore()
+
+
+def _forked() -> None:
+    # A child forked during a parse inherits the pause, but not the thread that would end it:
+    # without this its collector would stay off for good. Its lock may have been held by that
+    # thread, so it gets a new one.
+    global _lock, _pausing
+    _lock = threading.Lock()
+    _pausing = 0
+    _restore()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """The garbage collector off while the block runs (on any thread; nested and concurrent
-    blocks share one pause), then on again if it was on before the first of them. A program
-    that switches the collector itself from another thread meanwhile may find it back on."""
-    global _pausing, _resume
-    with _lock:
-        if _pausing == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _pausing += 1
+    """Automatic garbage collection off while the block runs (on any thread; nested and
+    concurrent blocks share one pause), then back to the thresholds of before the first of them.
+
+    The pause sets the first collection threshold to zero and never calls `gc.disable`, so a
+    program's own `gc.disable()` or `gc.enable()` meanwhile is left as it made it, and so is a
+    `gc.set_threshold` of its own; a process forked during a pause gets the collector back."""
+    _pause()
     try:
         yield
     finally:
-        with _lock:
-            _pausing -= 1
-            if _pausing == 0 and _resume:
-                gc.enable()
+        _resume()

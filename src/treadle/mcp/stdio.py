@@ -297,8 +297,12 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
     and with the garbage collector paused: `json.loads` holds the GIL throughout (a
     `MessageTooComplex` fault for more)."""
     try:
+        # MCP messages are UTF-8: decoded first (one C call, about a millisecond per MiB), so the
+        # container count and the parser read the same text; `json.loads` on bytes would also
+        # take UTF-16, whose quote bytes the count would misread.
+        text = line.decode("utf-8")
         if len(line) <= PARSE_OFF_LOOP_BYTES:
-            data = json.loads(line)
+            data = json.loads(text)
         elif (count := containers(line)) > MAX_MESSAGE_CONTAINERS:
             log.warning("MCP server %s sent a message of %d JSON containers", label, count)
             return MessageTooComplex(
@@ -308,7 +312,7 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
             )
         else:
             with collector_paused():
-                data = json.loads(line)
+                data = json.loads(text)
         return SessionMessage(types.jsonrpc_message_adapter.validate_python(data, by_name=False))
     except (ValueError, RecursionError) as error:
         why = "nested too deeply" if isinstance(error, RecursionError) else _first_line(error)
