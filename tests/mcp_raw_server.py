@@ -4,8 +4,11 @@ Its one tool `go` answers by its `kind` argument: `meta` (one text block and a `
 small objects), `structured` (the same in `structuredContent`), `deep` (a `_meta` nested `n`
 lists deep, which no JSON parser here accepts), `fill_structured` / `fill_blocks` (as many
 small entries in `structuredContent`, or text blocks, as fit in a line of at most `size` bytes)
-or anything else ("ok"). `--tools N` lists N tools more besides `go`; `--output-schema` gives
-`go` an output schema that `fill_structured` entries of 9 break.
+or anything else ("ok"); `fill_lists` fills it with `[[[]]]` entries in `structuredContent`
+(the most lists per byte), `lists` sends `n` of those, `long` a `structuredContent` string `s` of
+`2n + 1` characters. `--tools N` lists N tools more besides `go`; `--output-schema` gives
+`go` an output schema that `fill_structured` entries of 9 break; `--pattern P` gives its input
+schema a string `s` matching `P` (and its output schema too with `--output-pattern`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def filled(call_id: int, kind: object, size: int) -> str:
         if kind == "fill_structured":
             blob = [{"k": j % 10} for j in range(n)]
             result = {"content": [{"type": "text", "text": "s"}], "structuredContent": {"b": blob}}
+        elif kind == "fill_lists":
+            result = {"content": [{"type": "text", "text": "s"}], "structuredContent": lists(n)}
         else:
             result = {"content": [{"type": "text", "text": "t"} for _ in range(n)]}
         reply = {"jsonrpc": "2.0", "id": call_id, "result": result}
@@ -40,12 +45,21 @@ def filled(call_id: int, kind: object, size: int) -> str:
     return line(low)
 
 
+def lists(n: int) -> dict[str, object]:
+    """`n` entries `[[[]]]`: the most lists per byte a flat JSON text can hold."""
+    return {"x": [[[[]]] for _ in range(n)]}
+
+
 def answer(call_id: int, args: dict[str, object]) -> str:
     kind, n = args.get("kind"), int(str(args.get("n", 0)))
-    if kind in ("fill_structured", "fill_blocks"):
+    if kind in ("fill_structured", "fill_blocks", "fill_lists"):
         return filled(call_id, kind, int(str(args["size"])))
     text = [{"type": "text", "text": "s"}]
-    if kind == "meta":
+    if kind == "lists":
+        result = {"content": text, "structuredContent": lists(n)}
+    elif kind == "long":
+        result = {"content": text, "structuredContent": {"s": "ab" * n + "a"}}
+    elif kind == "meta":
         result = {"content": text, "_meta": {"blob": [{"k": j} for j in range(n)]}}
     elif kind == "structured":
         result = {"content": text, "structuredContent": {"blob": [{"k": j} for j in range(n)]}}
@@ -65,6 +79,11 @@ def main() -> None:
         "description": "answer",
         "inputSchema": {"type": "object"},
     }
+    if "--pattern" in sys.argv:  # checked by the client, on RE2, against a string `s`
+        pattern = {"type": "string", "pattern": sys.argv[sys.argv.index("--pattern") + 1]}
+        tool["inputSchema"] = {"type": "object", "properties": {"s": pattern}}
+        if "--output-pattern" in sys.argv:
+            tool["outputSchema"] = {"type": "object", "properties": {"s": pattern}}
     if "--output-schema" in sys.argv:
         entry = {"type": "object", "properties": {"k": {"type": "integer", "maximum": 8}}}
         items = {"type": "array", "items": entry}

@@ -6,7 +6,8 @@ adds two tools whose names clash once made model-safe; `--cyclic` lists a tool w
 is a `$ref` loop; `--escape FILE` leaves a grandchild that double-forks, calls `setsid()`,
 ignores SIGTERM and writes its pid to FILE; `--ignore-term` makes the server ignore SIGTERM;
 `--json` makes the HTTP server answer with JSON bodies instead of SSE. The hostile tools
-(`match`, `spell`, `storm`, `big`, `blocks`, `chatty`) serve tests/test_mcp_hostile.py.
+(`match`, `spell`, `storm`, `big`, `blocks`, `chatty`) serve tests/test_mcp_hostile.py, `lists`
+tests/test_mcp_shapes.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Annotated
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context, Image
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import CallToolResult, TextContent
 from pydantic import Field
 
 app = MCPServer("treadle-test", log_level="WARNING")
@@ -166,6 +168,13 @@ def big(mib: int) -> str:
 def blocks(count: int) -> list[str]:
     """A result of `count` small text blocks (a message that is costly to parse, not to read)."""
     return ["b"] * count
+
+
+@app.tool(structured_output=False)
+def lists(count: int) -> CallToolResult:
+    """A structured result of `count` entries `[[[]]]` (the most lists per byte of JSON)."""
+    content = [TextContent(type="text", text="lists")]
+    return CallToolResult(content=content, structuredContent={"x": [[[]]] * count})
 
 
 @app.tool()

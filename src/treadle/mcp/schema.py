@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import unquote, urldefrag, urljoin
 
@@ -54,7 +56,6 @@ MAX_PATTERN_CHARACTERS = 100_000
 CHECK_THREADS = 2
 # An `enum` longer than this, or a `const` that is an object or array, makes a schema heavy.
 _HEAVY_ENUM = 32
-_CHECKS = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="treadle-mcp-check")
 
 #: The most subschemas (counted with multiplicity, following `$ref`s) one value may be checked
 #: against; a schema over it is refused when listed, since checking it costs that much per value.
@@ -273,10 +274,58 @@ def _heavy(schema: Any) -> bool:
     return False
 
 
+class _CheckThreads:
+    """At most `CHECK_THREADS` daemon threads running queued checks. Daemon threads, unlike a
+    `ThreadPoolExecutor`'s (which interpreter exit joins): a check given up on may run on for
+    a minute inside one RE2 call, and must not keep the process from exiting meanwhile."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._queue.put((future, call))
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1  # an idle thread takes it
+            elif self._threads < self._size:
+                self._threads += 1
+                threading.Thread(
+                    target=self._work, name=f"treadle-mcp-check-{self._threads}", daemon=True
+                ).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, call = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as error:  # handed to the waiting caller, as executors do
+                    future.set_exception(error)
+            del future, call  # the value is the caller's now: not kept alive while idle
+            with self._lock:
+                self._idle += 1
+
+    def after_fork_in_child(self) -> None:
+        """Forget the parent's threads (they did not survive the fork)."""
+        self.__init__(self._size)  # type: ignore[misc]
+
+
+_CHECKS = _CheckThreads(CHECK_THREADS)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_CHECKS.after_fork_in_child)
+
+
 async def run_check(fn: Callable[..., Any], *args: Any, budget: float) -> Any:
     """`fn(*args)` on a check thread; `BudgetExceeded` when it has not answered in `budget`
-    seconds (queued or running: one still running finishes on its thread, unheard)."""
-    future = asyncio.get_running_loop().run_in_executor(_CHECKS, functools.partial(fn, *args))
+    seconds (queued or running: one still running finishes on its thread, unheard, and never
+    holds up interpreter exit)."""
+    future = asyncio.wrap_future(_CHECKS.submit(functools.partial(fn, *args)))
     try:
         return await asyncio.wait_for(future, budget)
     except TimeoutError:

@@ -11,7 +11,9 @@ server is ever left unread. On Linux the server runs under a small supervisor
 (`treadle.mcp.reaper`: the init of a PID namespace of its own, or a child subreaper where
 namespaces are not allowed), so closing also stops descendants that left the server's process
 group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
-worker thread: parsing a message near the cap takes seconds of pure Python.
+worker thread, and only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects
+(`treadle.mcp.parse`: `json.loads` holds the GIL for the whole message, and its cost is the
+objects it makes); one with more is a `MessageTooComplex` fault, as one over the cap is.
 
 This module must never hold more than the cap of one message, never block the event loop, and
 never leave its server process running once its context has exited (closing is shielded from
@@ -40,12 +42,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp.client.stdio import get_default_environment
 from mcp.shared.message import SessionMessage
 
+from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, collector_paused, containers
 from treadle.runtime.threads import run_internal_io
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "PARSE_OFF_LOOP_BYTES",
     "MalformedMessage",
+    "MessageTooComplex",
     "MessageTooLarge",
     "StdioTransport",
     "TransportFault",
@@ -81,6 +85,11 @@ class TransportFault(Exception):
 
 class MessageTooLarge(TransportFault):
     """The server sent a message over the size cap."""
+
+
+class MessageTooComplex(MessageTooLarge):
+    """The server sent a message of more JSON arrays and objects than `MAX_MESSAGE_CONTAINERS`
+    (refused unparsed: parsing it would hold the GIL too long, see `treadle.mcp.parse`)."""
 
 
 class MalformedMessage(TransportFault):
@@ -283,10 +292,27 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
     """One line as a JSON-RPC message, or a `MalformedMessage` fault for one that is not.
 
     `json.loads` (C) builds the plain data, then pydantic types only the envelope: a result
-    stays a plain dict here (typed later in small steps, see `treadle.mcp.listing`), so no single
-    call holds the GIL for long even for a message near the cap."""
+    stays a plain dict here (typed later in small steps, see `treadle.mcp.listing`). A large
+    message is parsed only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects,
+    and with the garbage collector paused: `json.loads` holds the GIL throughout (a
+    `MessageTooComplex` fault for more)."""
     try:
-        data = json.loads(line)
+        # MCP messages are UTF-8: decoded first (one C call, about a millisecond per MiB), so the
+        # container count and the parser read the same text; `json.loads` on bytes would also
+        # take UTF-16, whose quote bytes the count would misread.
+        text = line.decode("utf-8")
+        if len(line) <= PARSE_OFF_LOOP_BYTES:
+            data = json.loads(text)
+        elif (count := containers(line)) > MAX_MESSAGE_CONTAINERS:
+            log.warning("MCP server %s sent a message of %d JSON containers", label, count)
+            return MessageTooComplex(
+                f"MCP server {label} sent a message of {count:,} JSON arrays and objects, over "
+                f"the {MAX_MESSAGE_CONTAINERS:,} Treadle parses in one message (parsing it "
+                "would stall every pass); send fewer, larger values (text, base64) or page them."
+            )
+        else:
+            with collector_paused():
+                data = json.loads(text)
         return SessionMessage(types.jsonrpc_message_adapter.validate_python(data, by_name=False))
     except (ValueError, RecursionError) as error:
         why = "nested too deeply" if isinstance(error, RecursionError) else _first_line(error)

@@ -1,0 +1,109 @@
+"""The collector pause and the UTF-8 reading of an MCP message (treadle.mcp.parse, stdio._parse).
+
+The pause must leave a program's own collector choices as it made them, and a process forked
+while a parse runs must get its collector back: the thread that would end the pause is not
+copied into the child.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, collector_paused, containers
+from treadle.mcp.stdio import PARSE_OFF_LOOP_BYTES, MalformedMessage, _parse
+
+
+def _collects() -> bool:
+    # automatic collection runs when it is enabled and its first threshold is not zero
+    return gc.isenabled() and gc.get_threshold()[0] > 0
+
+
+def test_the_pause_stops_automatic_collection_and_ends() -> None:
+    before = gc.get_threshold()
+    with collector_paused():
+        assert not _collects()
+        with collector_paused():
+            assert not _collects()
+        assert not _collects()
+    assert gc.get_threshold() == before and _collects()
+
+
+def test_a_programs_own_gc_disable_during_a_parse_stands() -> None:
+    entered, leave = threading.Event(), threading.Event()
+
+    def parse() -> None:
+        with collector_paused():
+            entered.set()
+            leave.wait(10)
+
+    worker = threading.Thread(target=parse)
+    worker.start()
+    try:
+        assert entered.wait(10)
+        gc.disable()  # the program's own choice, while the parse runs
+        leave.set()
+        worker.join(10)
+        assert not gc.isenabled()
+    finally:
+        leave.set()
+        gc.enable()
+    assert _collects()
+
+
+def test_a_programs_own_thresholds_set_during_a_parse_stand() -> None:
+    before = gc.get_threshold()
+    try:
+        with collector_paused():
+            gc.set_threshold(5000, 20, 20)
+        assert gc.get_threshold() == (5000, 20, 20)
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_a_child_forked_during_a_parse_gets_its_collector_back() -> None:
+    entered, leave = threading.Event(), threading.Event()
+
+    def parse() -> None:
+        with collector_paused():
+            entered.set()
+            leave.wait(10)
+
+    before = gc.get_threshold()
+    worker = threading.Thread(target=parse)
+    worker.start()
+    try:
+        assert entered.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: the parsing thread was not copied
+            with collector_paused():
+                pass
+            os._exit(0 if _collects() and gc.get_threshold() == before else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert not _collects()  # the parent's parse still runs
+    finally:
+        leave.set()
+        worker.join(10)
+    assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32"])
+def test_a_message_that_is_not_utf8_is_malformed_before_it_is_counted(encoding: str) -> None:
+    # U+2200 is the bytes 00 22 in UTF-16-LE: a quote byte to the counter, which would then take
+    # every real bracket after it for text; the parser must read the same UTF-8 text instead.
+    unit = "[" * 40 + "]" * 40
+    head = '{"jsonrpc":"2.0","id":7,"result":{"content":[{"type":"text","text":"\u2200"}],"x":['
+    text = head + ",".join([unit] * (MAX_MESSAGE_CONTAINERS // 40 + 100)) + "]}}"
+    line = text.encode(encoding)
+    assert len(line) > PARSE_OFF_LOOP_BYTES
+    if encoding == "utf-16-le":
+        assert containers(line) < MAX_MESSAGE_CONTAINERS  # what the counter alone would say
+    assert isinstance(_parse(line, "srv"), MalformedMessage)
+    small = b'{"jsonrpc":"2.0","id":1,"result":{}}'.decode().encode(encoding)
+    assert isinstance(_parse(small, "srv"), MalformedMessage)

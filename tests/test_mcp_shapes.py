@@ -1,0 +1,173 @@
+"""MCP replies of many tiny JSON containers, beside 100 bystander passes.
+
+`json.loads` is one C call that holds the GIL for a whole message: just under the 1 MiB cap,
+`[[[]]],[[[]]],...` (450,000 lists) held it 147 to 240 ms, every thread of the process stopped
+with it, the runtime loop's included. Such a reply is refused before it is parsed (over
+`MAX_MESSAGE_CONTAINERS`), one under that budget is parsed and read as any other; over stdio and
+over streamable HTTP (JSON replies and server-sent events).
+
+What is bounded here is CPU time, never a wall-clock time: the GIL hold where it happens, the
+thread CPU time of each `_parse` call (`json.loads`, one C call, holds the GIL for the whole
+message on the worker thread that parses it; recorded by wrapping the real `_parse` of the stdio
+and HTTP transports, which still runs as it is), under `STALL_LIMIT`; and the runtime loop
+thread's CPU time between two heartbeats, under `STALL_LIMIT` too, as in
+tests/test_mcp_near_cap.py. The wall-clock gap less the time the OS kept threads waiting for a
+CPU (`Stall.blocked`, tests/loop_watch.py) is printed (`-s`) but not asserted: on a loaded 2-core
+machine it also counts time the OS ran other processes while a thread of this one held the GIL,
+and it reached 119 ms for a reply whose stall took 14 ms of loop CPU (load average 40 to 60)
+and 157 ms beside 17 ms (load average 10).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from loop_watch import STALL_LIMIT, beside_bystanders, quiet_transcripts
+from mcp_helpers import GUARD_SECONDS, calls_then_answer, http_server, server_children, tool_results
+from treadle import Session
+from treadle.llm import Provider
+from treadle.loop import run_session_loop
+from treadle.mcp import MCPServer, http, stdio
+from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, containers
+from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
+from treadle.testing import FakeOpenAIServer
+
+AGENT = Session.from_agent_prompt("Use the tools.")
+RAW_SERVER = str(Path(__file__).with_name("mcp_raw_server.py"))
+CAP = DEFAULT_MAX_MESSAGE_BYTES
+# `[[[]]]` entries (three lists each) that stay under the container budget with room to spare.
+UNDER = MAX_MESSAGE_CONTAINERS // 3 - 5000
+
+
+def _raw() -> MCPServer:
+    return MCPServer.stdio(sys.executable, [RAW_SERVER], stderr=subprocess.DEVNULL)
+
+
+def _pass(server: MCPServer, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    with FakeOpenAIServer(script=calls_then_answer((name, arguments))) as fake:
+        provider = Provider(model="fake-model", base_url=fake.base_url, api_key="k")
+        out = run_session_loop(
+            Session.from_user_message("go"), AGENT, agent_provider=provider, tools=server.tools()
+        )
+        out.synchronize(timeout=GUARD_SECONDS * 4)
+        assert out.stop_reason == "final_answer"
+        return tool_results(out.rows)[name]
+
+
+@pytest.fixture(scope="module")
+def quiet() -> list[list[dict[str, Any]]]:
+    # The one-time imports of a first connection of each kind are no part of what is measured.
+    warm = _raw()
+    try:
+        _pass(warm, "go", {"kind": "lists", "n": 2})
+    finally:
+        warm.close()
+    with http_server() as url:
+        remote = MCPServer.http(url)
+        try:
+            _pass(remote, "lists", {"count": 2})
+        finally:
+            remote.close()
+    return quiet_transcripts()
+
+
+@pytest.fixture
+def parse_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """The thread CPU time of every message parse of the test, in seconds (the real `_parse`,
+    timed where it runs: on the worker thread that holds the GIL while `json.loads` runs)."""
+    held: list[float] = []
+    real: Callable[[bytes, str], Any] = stdio._parse
+
+    def timed(line: bytes, label: str) -> Any:
+        start = time.thread_time()
+        try:
+            return real(line, label)
+        finally:
+            held.append(time.thread_time() - start)
+
+    monkeypatch.setattr(stdio, "_parse", timed)
+    monkeypatch.setattr(http, "_parse", timed)
+    yield held
+    assert held, "no message was parsed"
+    print(f"longest parse {max(held) * 1000:.1f} ms of thread CPU")
+
+
+def _bounded(held: list[float], stall: Any) -> None:
+    assert max(held) < STALL_LIMIT, f"a parse held the GIL {max(held) * 1000:.1f} ms of CPU"
+    assert stall.cpu < STALL_LIMIT, stall
+
+
+def _refused(body: dict[str, Any], label: str) -> None:
+    assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
+    assert "JSON arrays and objects" in body["message"] and label in body["message"], body
+
+
+def test_a_stdio_reply_of_too_many_lists_is_refused_unparsed(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    server = _raw()
+    try:
+        arguments = {"kind": "fill_lists", "size": CAP}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        _refused(body, RAW_SERVER)
+        _bounded(parse_hold, stall)
+        # the connection was closed with its process; the next call starts it again
+        assert _pass(server, "go", {"kind": "ok"})["ok"] is True
+        assert server.restarts == 1
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_a_stdio_reply_under_the_container_budget_is_read(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    server = _raw()
+    try:
+        arguments = {"kind": "lists", "n": UNDER}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body["ok"] is True, body
+        assert "[[[]],[[]]" in body["result"] or "[[[]]],[[[]]]" in body["result"], body
+        _bounded(parse_hold, stall)
+        assert server.restarts == 0
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+@pytest.mark.parametrize("shape", ["sse", "json"])
+@pytest.mark.parametrize("count", [UNDER, 140_000], ids=["under", "over"])
+def test_an_http_reply_of_many_lists(
+    shape: str, count: int, quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    extra = ("--json",) if shape == "json" else ()
+    with http_server(*extra) as url:
+        remote = MCPServer.http(url)
+        try:
+            body, stall = beside_bystanders(lambda: _pass(remote, "lists", {"count": count}), quiet)
+            if count > MAX_MESSAGE_CONTAINERS // 3:
+                _refused(body, url)
+            else:
+                assert body["ok"] is True, body
+            _bounded(parse_hold, stall)
+        finally:
+            remote.close()
+
+
+def test_brackets_inside_strings_do_not_count() -> None:
+    # a text block carrying a JSON document as text: its brackets are characters, not values
+    text = '[{"a": [1]}, "\\"[", "\\\\"]' * (MAX_MESSAGE_CONTAINERS // 2)
+    line = json.dumps({"content": [{"type": "text", "text": text}]}).encode()
+    assert line.count(b"[") > MAX_MESSAGE_CONTAINERS
+    assert containers(line) == 3
+    assert containers(b'{"a":"[","b":[[{}]]}', limit=0) == 4
