@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from treadle import Provider, Session, run_session_loop
+from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 
 SERVER_SCRIPT = str(Path(__file__).with_name("mcp_sdk_server.py"))
@@ -41,6 +43,22 @@ def tool_results(rows: Any) -> dict[str, dict[str, Any]]:
 
 
 # Every MCP server the tests start (the test scripts beside this file, and the time server).
+def tool_pass(server: Any, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """One pass against the fake model that calls `server`'s tool `name` once with `arguments`,
+    then answers; returns that tool's result row (the pass must end with a final answer)."""
+    with FakeOpenAIServer(script=calls_then_answer((name, arguments))) as fake:
+        provider = Provider(model="fake-model", base_url=fake.base_url, api_key="k")
+        out = run_session_loop(
+            Session.from_user_message("go"),
+            Session.from_agent_prompt("Use the tools."),
+            agent_provider=provider,
+            tools=server.tools(),
+        )
+        out.synchronize(timeout=GUARD_SECONDS * 4)
+        assert out.stop_reason == "final_answer"
+        return tool_results(out.rows)[name]
+
+
 _SERVER_SCRIPTS = ("mcp_sdk_server.py", "mcp_raw_server.py", "mcp_server_time")
 
 

@@ -23,15 +23,12 @@ import pytest
 pytest.importorskip("mcp")
 
 from loop_watch import STALL_LIMIT, beside_bystanders, quiet_transcripts
-from mcp_helpers import GUARD_SECONDS, calls_then_answer, http_server, server_children, tool_results
+from mcp_helpers import GUARD_SECONDS, http_server, server_children, tool_pass
 from treadle import Session
 from treadle.errors import MCPServerError
-from treadle.llm import Provider
-from treadle.loop import run_session_loop
 from treadle.mcp import MCPServer
 from treadle.mcp.listing import MAX_LISTED_TOOLS
 from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
-from treadle.testing import FakeOpenAIServer
 from treadle.tools.results import MAX_CONTENT_CHARS
 
 AGENT = Session.from_agent_prompt("Use the tools.")
@@ -45,15 +42,7 @@ def _raw(*extra: str) -> MCPServer:
     return MCPServer.stdio(sys.executable, [RAW_SERVER, *extra], stderr=subprocess.DEVNULL)
 
 
-def _pass(server: MCPServer, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    with FakeOpenAIServer(script=calls_then_answer((name, arguments))) as fake:
-        provider = Provider(model="fake-model", base_url=fake.base_url, api_key="k")
-        out = run_session_loop(
-            Session.from_user_message("go"), AGENT, agent_provider=provider, tools=server.tools()
-        )
-        out.synchronize(timeout=GUARD_SECONDS * 4)
-        assert out.stop_reason == "final_answer"
-        return tool_results(out.rows)[name]
+_pass = tool_pass  # one pass calling one tool
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,11 @@ import pytest
 pytest.importorskip("mcp")
 
 from loop_watch import STALL_LIMIT, beside_bystanders, quiet_transcripts
-from mcp_helpers import GUARD_SECONDS, calls_then_answer, http_server, server_children, tool_results
+from mcp_helpers import GUARD_SECONDS, http_server, server_children, tool_pass
 from treadle import Session
-from treadle.llm import Provider
-from treadle.loop import run_session_loop
 from treadle.mcp import MCPServer, http, stdio
 from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, containers
 from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
-from treadle.testing import FakeOpenAIServer
 
 AGENT = Session.from_agent_prompt("Use the tools.")
 RAW_SERVER = str(Path(__file__).with_name("mcp_raw_server.py"))
@@ -53,15 +50,7 @@ def _raw() -> MCPServer:
     return MCPServer.stdio(sys.executable, [RAW_SERVER], stderr=subprocess.DEVNULL)
 
 
-def _pass(server: MCPServer, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    with FakeOpenAIServer(script=calls_then_answer((name, arguments))) as fake:
-        provider = Provider(model="fake-model", base_url=fake.base_url, api_key="k")
-        out = run_session_loop(
-            Session.from_user_message("go"), AGENT, agent_provider=provider, tools=server.tools()
-        )
-        out.synchronize(timeout=GUARD_SECONDS * 4)
-        assert out.stop_reason == "final_answer"
-        return tool_results(out.rows)[name]
+_pass = tool_pass  # one pass calling one tool
 
 
 @pytest.fixture(scope="module")
