@@ -1,0 +1,120 @@
+"""Scenario 13 in instructions: S13's work per pass, single process against driver + worker.
+
+`python -m benchmarks.workers_callgrind [--small 100 --large 400]` runs, under
+`valgrind --tool=callgrind`, the single-process `treadle.map` and the 1-worker pool (driver and
+worker each under callgrind, the fake server not) at two sizes, and prints the instructions per
+pass of each process from the difference of the two sizes' whole-process totals (start-up,
+imports and warm-up cancel out). Instruction counts do not move with the machine's load, where
+CPU seconds on this 2-CPU machine moved by 30% between runs of the same code. What they do not
+see: kernel time (pipe and socket syscalls), cache and migration costs, and valgrind runs one
+thread at a time, so a thread hand-off costs more here than natively (docs/performance.md).
+About 10 minutes. Never asserts anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _total(path: str) -> int:
+    """A callgrind file's total instructions (every thread)."""
+    match = re.search(r"^totals: (\d+)", Path(path).read_text(), re.M)
+    return int(match.group(1)) if match else 0
+
+
+def _child(mode: str, n: int, out: str) -> None:
+    """(under callgrind) One run: `single`, or `pool` whose worker runs under callgrind too."""
+    from benchmarks.server import ServerProcess
+    from benchmarks.workers_loops import CONCURRENCY, _agent
+    from benchmarks.workload import API_KEY
+
+    with ServerProcess("tool_loop", rounds=3) as server:
+        agent = _agent({"url": server.url})
+        inputs = [f"item {i}" for i in range(n)]
+        if mode == "single":
+            import treadle
+
+            treadle.map(agent, inputs[:CONCURRENCY], concurrency=CONCURRENCY)
+            outs = treadle.map(agent, inputs, concurrency=CONCURRENCY)
+            assert all(o.stop_reason == "final_answer" for o in outs)
+            return
+        import treadle.distributed.process as pool_module
+        from treadle.distributed import AgentSpec
+        from treadle.distributed.driver import drive
+        from treadle.distributed.mapping import _result
+
+        argv = pool_module.python_child_argv
+        pool_module.python_child_argv = lambda *a: [  # type: ignore[assignment]
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}.worker.%p",
+            *argv(*a),
+        ]
+        pool_module.WORKER_START_TIMEOUT = 900  # its imports, under valgrind
+        spec = AgentSpec.from_agent(agent, api_key_env="TREADLE_BENCH_KEY")
+
+        async def main() -> None:
+            pool = pool_module.ProcessPool(spec.to_json(), size=1, api_key=API_KEY)
+            await pool.start()
+            try:
+                options: dict[str, Any] = {"concurrency": CONCURRENCY, "max_attempts": 1,
+                                           "call_timeout": None}  # fmt: skip
+                _ = [o async for o in drive(pool, inputs[:CONCURRENCY], **options)]
+                outcomes = [o async for o in drive(pool, inputs, **options)]
+                sessions = [_result(o, agent) for o in outcomes]
+                assert all(getattr(s, "stop_reason", None) == "final_answer" for s in sessions)
+            finally:
+                await pool.close()
+
+        asyncio.run(main())
+
+
+def _run(mode: str, n: int, tmp: str) -> dict[str, int]:
+    out = f"{tmp}/{mode}-{n}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.driver.%p",
+               sys.executable, "-m", "benchmarks.workers_callgrind",
+               "--child", mode, str(n), out]  # fmt: skip
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+    totals = {"driver": sum(_total(p) for p in glob.glob(f"{out}.driver.*"))}
+    totals["worker"] = sum(_total(p) for p in glob.glob(f"{out}.worker.*"))
+    return totals
+
+
+def main() -> None:
+    """Print instructions per pass: the single process, the driver and the worker."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--small", type=int, default=100)
+    parser.add_argument("--large", type=int, default=400)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child[0], int(args.child[1]), args.child[2])
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        per: dict[str, dict[str, float]] = {}
+        for mode in ("single", "pool"):
+            small, large = _run(mode, args.small, tmp), _run(mode, args.large, tmp)
+            per[mode] = {k: (large[k] - small[k]) / (args.large - args.small) for k in small}
+    single = per["single"]["driver"]
+    driver, worker = per["pool"]["driver"], per["pool"]["worker"]
+    print(f"instructions per pass (3 tool rounds, 4 completions), {args.small} -> {args.large}:")
+    print(f"  single process     {single:12,.0f}   1.000x")
+    print(f"  1 worker: driver   {driver:12,.0f}   {driver / single:.3f}x")
+    print(f"  1 worker: worker   {worker:12,.0f}   {worker / single:.3f}x")
+    print(f"  1 worker: total    {driver + worker:12,.0f}   {(driver + worker) / single:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
