@@ -155,3 +155,16 @@ def test_interrupt_and_guardrail_reasons_are_replaced_the_same_way(
                 assert trailer["metadata"]["tripwire"]["reason"] == reason
 
     asyncio.run(main())
+
+
+def test_valid_text_keeps_clean_values_and_replaces_every_surrogate_it_finds() -> None:
+    # Clean values come back as the same objects (the walk builds nothing); a surrogate
+    # anywhere, keys and tuples included, is replaced and only its containers are rebuilt.
+    from treadle.session.rows import valid_text
+
+    clean = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "n": 1}], "é": ("x",)}
+    assert valid_text(clean) is clean
+    dirty = {"k\ud800": [1, ("a", "b\udcff")], "same": clean, "ünï": "t\ud800"}
+    fixed = valid_text(dirty)
+    assert fixed == {"k\ufffd": [1, ("a", "b\ufffd")], "same": clean, "ünï": "t\ufffd"}
+    assert fixed["same"] is clean and isinstance(fixed["k\ufffd"][1], tuple)

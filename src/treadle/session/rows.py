@@ -64,9 +64,9 @@ def valid_text(value: Any) -> Any:
     `surrogateescape`) would otherwise fail the pass at its end, when JSONL persistence or a
     store writes it as UTF-8.
     """
+    if _clean(value):  # every row passes here and almost none has a surrogate: look first
+        return value
     if isinstance(value, str):
-        if value.isascii() or _SURROGATE.search(value) is None:
-            return value
         return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
         pairs = [(valid_text(k), valid_text(v)) for k, v in value.items()]
@@ -79,6 +79,25 @@ def valid_text(value: Any) -> Any:
             return value
         return tuple(items) if isinstance(value, tuple) else items
     return value
+
+
+def _clean(value: Any) -> bool:
+    """True when no string in `value` (keys too, through dicts, lists and tuples) holds a
+    surrogate: a walk that builds nothing, where `valid_text`'s rebuild makes a list per level."""
+    if isinstance(value, str):
+        return value.isascii() or _SURROGATE.search(value) is None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not (type(key) is str and key.isascii()) and not _clean(key):
+                return False
+            if item is not None and not (type(item) is str and item.isascii()) and not _clean(item):
+                return False
+        return True
+    if isinstance(value, list | tuple):
+        for item in value:
+            if item is not None and not (type(item) is str and item.isascii()) and not _clean(item):
+                return False
+    return True
 
 
 def text_of_content(content: object) -> str | None:
