@@ -64,17 +64,25 @@ def valid_text(value: Any) -> Any:
     `surrogateescape`) would otherwise fail the pass at its end, when JSONL persistence or a
     store writes it as UTF-8.
     """
-    if _clean(value):  # every row passes here and almost none has a surrogate: look first
-        return value
+    # Every row passes here and almost none has a surrogate: look first, building nothing. A
+    # dirty value is rebuilt by `_replaced`, which does not look again at each level (that
+    # would walk a deep value once per level: quadratic).
+    return value if _clean(value) else _replaced(value)
+
+
+def _replaced(value: Any) -> Any:
+    """`valid_text`'s rebuild: parts without a surrogate come back as the same objects."""
     if isinstance(value, str):
+        if value.isascii() or _SURROGATE.search(value) is None:
+            return value
         return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
-        pairs = [(valid_text(k), valid_text(v)) for k, v in value.items()]
+        pairs = [(_replaced(k), _replaced(v)) for k, v in value.items()]
         if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, value.items(), strict=True)):
             return value
         return dict(pairs)
     if isinstance(value, list | tuple):
-        items = [valid_text(v) for v in value]
+        items = [_replaced(v) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
         return tuple(items) if isinstance(value, tuple) else items
