@@ -155,3 +155,42 @@ def test_interrupt_and_guardrail_reasons_are_replaced_the_same_way(
                 assert trailer["metadata"]["tripwire"]["reason"] == reason
 
     asyncio.run(main())
+
+
+def test_valid_text_keeps_clean_values_and_replaces_every_surrogate_it_finds() -> None:
+    # Clean values come back as the same objects (the walk builds nothing); a surrogate
+    # anywhere, keys and tuples included, is replaced and only its containers are rebuilt.
+    from treadle.session.rows import valid_text
+
+    clean = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "n": 1}], "é": ("x",)}
+    assert valid_text(clean) is clean
+    dirty = {"k\ud800": [1, ("a", "b\udcff")], "same": clean, "ünï": "t\ud800"}
+    fixed = valid_text(dirty)
+    assert fixed == {"k\ufffd": [1, ("a", "b\ufffd")], "same": clean, "ünï": "t\ufffd"}
+    assert fixed["same"] is clean and isinstance(fixed["k\ufffd"][1], tuple)
+
+
+def test_valid_text_looks_at_a_deep_dirty_value_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A surrogate at the bottom of a value 200 levels deep: the clean-check runs over the value
+    # once, not again at every level of the rebuild (which walked it once per level: 33x the
+    # old cost at depth 150, seconds of a stalled loop). Counted in calls, not timed.
+    from treadle.session import rows
+
+    calls = 0
+    clean = rows._clean
+
+    def counting(value: object) -> bool:
+        nonlocal calls
+        calls += 1
+        return clean(value)
+
+    monkeypatch.setattr(rows, "_clean", counting)
+    deep: object = "x\ud800"
+    for _ in range(200):
+        deep = [{"text": "t", "parts": deep}]
+    fixed = rows.valid_text(deep)
+    assert calls <= 2 * 200 * 3, calls  # a call per node at most (a level: list, dict, value)
+    for _ in range(200):
+        assert isinstance(fixed, list)
+        fixed = fixed[0]["parts"]
+    assert fixed == "x\ufffd"

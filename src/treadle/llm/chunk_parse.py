@@ -106,83 +106,93 @@ def parse_event(
     """`(event, usage total or None, finished)` of one payload, as a validated dict.
 
     An event that already has the schema's exact types (what real servers send) is taken as
-    parsed (`_exact`, a few type checks against a validator run per event); any other one goes
-    through the schema, which coerces or rejects it as before.
+    parsed (`_scan`, a few type checks against a validator run per event, which also finds the
+    finish reason); any other one goes through the schema, which coerces or rejects it as before.
     """
     try:
         parsed = from_json(data)
     except ValueError:
         parsed = None
-    event: Any = parsed if type(parsed) is dict and _exact(parsed) else None
-    if event is None:
+    scanned = _scan(parsed) if type(parsed) is dict else None
+    if scanned is None:  # not exact: the validator coerces or rejects it
         try:
-            event = _EVENT.validate_json(data)
+            event: Any = _EVENT.validate_json(data)
         except ValidationError as exc:
             raise _bad_event(data, api_key, request_id) from exc
+        finished = any(c.get("finish_reason") is not None for c in event.get("choices", ()))
+    else:
+        event, finished = parsed, scanned
     if "error" in event:
         error = error_in(event, request_id=event.get("id") or request_id, api_key=api_key)
         if error is not None:
             raise error
     usage = event.get("usage")
-    finished = False
-    for choice in event.get("choices", ()):
-        if choice.get("finish_reason") is not None:
-            finished = True
     return event, (usage.get("total_tokens", 0) if usage is not None else None), finished
 
 
-_TOP_TYPES: dict[str, type] = {"id": str, "object": str, "created": int, "model": str}
+_STR, _INT, _DICT, _LIST, _NONE = str, int, dict, list, type(None)
+
+
+def _scan(event: dict[str, Any]) -> bool | None:
+    """Whether `event` reports a finish reason; None when it is not exact (needs the validator).
+
+    Exact means every field the schema types has its exact type (what the validator would pass
+    unchanged); fields the schema leaves open (extra ones) are kept either way. `bool` is not an
+    `int` here (the validator would refuse it), hence `type(...) is`, not `isinstance`. One pass
+    over the event, with local lookups: this runs for every event of every streamed reply.
+    """
+    get = event.get
+    if (
+        type(get("id", "")) is not _STR
+        or type(get("object", "")) is not _STR
+        or type(get("created", 0)) is not _INT
+        or type(get("model", "")) is not _STR
+    ):
+        return None
+    usage = get("usage")
+    if usage is not None and (
+        type(usage) is not _DICT
+        or any(type(v) is not _INT for k, v in usage.items() if k in _USAGE_INTS)
+    ):
+        return None
+    choices = get("choices", ())
+    if type(choices) is not _LIST:
+        return False if choices == () else None
+    finished = False
+    for choice in choices:
+        if type(choice) is not _DICT:
+            return None
+        cget = choice.get
+        delta = cget("delta", _NO_DELTA)
+        if type(cget("index", 0)) is not _INT or type(delta) is not _DICT:
+            return None
+        reason = cget("finish_reason")
+        if reason is not None:
+            if type(reason) is not _STR:
+                return None
+            finished = True
+        if delta:
+            role = delta.get("role")
+            content = delta.get("content")
+            if (role is not None and type(role) is not _STR) or (
+                content is not None
+                and type(content) is not _STR
+                and (type(content) is not _LIST or any(type(p) is not _DICT for p in content))
+            ):
+                return None
+            calls = delta.get("tool_calls")
+            if calls is not None and not _exact_calls(calls):
+                return None
+    return finished
+
+
+_NO_DELTA: dict[str, Any] = {}
+_USAGE_INTS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"})
 _NULLABLE_TEXT = (str, type(None))
 
 
-def _exact(event: dict[str, Any]) -> bool:
-    """True when `event` needs no coercion: every field the schema types has its exact type.
-
-    Fields the schema leaves open (extra ones) are kept either way. `bool` is not an `int`
-    here (the validator would refuse it), hence `type(...) is`, not `isinstance`.
-    """
-    for key, kind in _TOP_TYPES.items():
-        value = event.get(key, kind)
-        if value is not kind and type(value) is not kind:
-            return False
-    usage = event.get("usage")
-    if usage is not None and (
-        type(usage) is not dict
-        or any(type(v) is not int for k, v in usage.items() if k in _USAGE_INTS)
-    ):
-        return False
-    choices = event.get("choices", ())
-    if type(choices) is not list and choices != ():
-        return False
-    for choice in choices:
-        if type(choice) is not dict:
-            return False
-        if type(choice.get("index", 0)) is not int or type(choice.get("delta", {})) is not dict:
-            return False
-        if type(choice.get("finish_reason")) not in _NULLABLE_TEXT:
-            return False
-        delta = choice.get("delta")
-        if delta and not _exact_delta(delta):
-            return False
-    return True
-
-
-_USAGE_INTS = frozenset({"prompt_tokens", "completion_tokens", "total_tokens"})
-
-
-def _exact_delta(delta: dict[str, Any]) -> bool:
-    if type(delta.get("role")) not in _NULLABLE_TEXT:
-        return False
-    content = delta.get("content")
-    if (
-        content is not None
-        and type(content) is not str
-        and (type(content) is not list or any(type(part) is not dict for part in content))
-    ):
-        return False
-    calls = delta.get("tool_calls")
-    if calls is None:
-        return True
+def _exact_calls(calls: Any) -> bool:
+    """True when a delta's `tool_calls` need no coercion (see `_scan`)."""
     if type(calls) is not list:
         return False
     for call in calls:

@@ -64,21 +64,48 @@ def valid_text(value: Any) -> Any:
     `surrogateescape`) would otherwise fail the pass at its end, when JSONL persistence or a
     store writes it as UTF-8.
     """
+    # Every row passes here and almost none has a surrogate: look first, building nothing. A
+    # dirty value is rebuilt by `_replaced`, which does not look again at each level (that
+    # would walk a deep value once per level: quadratic).
+    return value if _clean(value) else _replaced(value)
+
+
+def _replaced(value: Any) -> Any:
+    """`valid_text`'s rebuild: parts without a surrogate come back as the same objects."""
     if isinstance(value, str):
         if value.isascii() or _SURROGATE.search(value) is None:
             return value
         return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
-        pairs = [(valid_text(k), valid_text(v)) for k, v in value.items()]
+        pairs = [(_replaced(k), _replaced(v)) for k, v in value.items()]
         if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, value.items(), strict=True)):
             return value
         return dict(pairs)
     if isinstance(value, list | tuple):
-        items = [valid_text(v) for v in value]
+        items = [_replaced(v) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
         return tuple(items) if isinstance(value, tuple) else items
     return value
+
+
+def _clean(value: Any) -> bool:
+    """True when no string in `value` (keys too, through dicts, lists and tuples) holds a
+    surrogate: a walk that builds nothing, where `valid_text`'s rebuild makes a list per level."""
+    if isinstance(value, str):
+        return value.isascii() or _SURROGATE.search(value) is None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not (type(key) is str and key.isascii()) and not _clean(key):
+                return False
+            if item is not None and not (type(item) is str and item.isascii()) and not _clean(item):
+                return False
+        return True
+    if isinstance(value, list | tuple):
+        for item in value:
+            if item is not None and not (type(item) is str and item.isascii()) and not _clean(item):
+                return False
+    return True
 
 
 def text_of_content(content: object) -> str | None:
