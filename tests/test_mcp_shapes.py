@@ -108,7 +108,7 @@ def test_a_stdio_reply_of_too_many_lists_is_refused_unparsed(
     try:
         arguments = {"kind": "fill_lists", "size": CAP}
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
-        _refused(body, RAW_SERVER)
+        _refused(body, server.label)
         _bounded(parse_hold, stall)
         # the connection was closed with its process; the next call starts it again
         assert _pass(server, "go", {"kind": "ok"})["ok"] is True
