@@ -3,8 +3,9 @@ that end them, many at a time on one connection (see `treadle.stores.batching.Ba
 
 A batch of reads is two queries whatever its size: the heads of every conversation asked for,
 then the rows not yet cached. A batch of commits is one statement calling `treadle_commit` once
-per pass over arrays of their parameters (one round trip, one server commit, and one set of
-parameters to send instead of one per pass), in key order so two processes' batches take their
+per pass over one JSON parameter holding every pass's parameters (one round trip, one server
+commit, and one value to send, encoded by pydantic-core in one call instead of thirteen arrays
+converted element by element in Python), in key order so two processes' batches take their
 conversations' locks in the same order. Each call
 still checks its own conversation's version, so a batch changes no outcome: a conflict is that
 pass's `ConflictError` alone. If a commit fails otherwise (the transaction is then rolled back
@@ -19,9 +20,11 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import pydantic_core
+
 from treadle.errors import StoreError
 from treadle.session import ChunkRow
-from treadle.stores.batching import OFF_LOOP_ROWS, off_loop
+from treadle.stores.batching import off_loop
 from treadle.stores.records import RowCache, StoredConversation, decode_row, stored_from_head
 
 if TYPE_CHECKING:
@@ -36,16 +39,26 @@ __all__ = ["COMMIT_CALL", "commit_many", "load_many"]
 #: version found when the conversation moved.
 COMMIT_CALL = "SELECT treadle_commit(%b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b)"
 
-#: Every pass of a batch: its parameters as arrays (a pass's rows are the slice `lo:hi` of the
-#: flat kinds and payloads arrays), evaluated in the arrays' order (sorted by key).
+#: Every pass of a batch: one JSON array of their parameters (`_batch_json`), one object per
+#: pass, evaluated in the array's order (sorted by key). A pass's kinds and payloads are JSON
+#: arrays of text, made `text[]` again in their order.
 _COMMIT_MANY = (
-    "SELECT u.i, treadle_commit(u.pass, u.key, u.base, (%b::text[])[u.lo:u.hi],"
-    " (%b::text[])[u.lo:u.hi], u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
-    " FROM unnest(%b::int[], %b::text[], %b::text[], %b::bigint[], %b::int[], %b::int[],"
-    " %b::text[], %b::text[], %b::text[], %b::text[], %b::text[], %b::bool[],"
-    " %b::float8[]) AS u(i, pass, key, base, lo, hi, usage, stop, meta, status, agents,"
-    " recorded, now)"
+    "SELECT u.i, treadle_commit(u.pass, u.key, u.base,"
+    " ARRAY(SELECT e FROM json_array_elements_text(u.kinds) WITH ORDINALITY AS k(e, o)"
+    " ORDER BY o),"
+    " ARRAY(SELECT e FROM json_array_elements_text(u.payloads) WITH ORDINALITY AS p(e, o)"
+    " ORDER BY o),"
+    " u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
+    " FROM json_to_recordset(%b::json) AS u(i int, pass text, key text, base bigint,"
+    " kinds json, payloads json, usage text, stop text, meta text, status text, agents text,"
+    " recorded bool, now float8)"
 )
+
+#: The fields of a pass's object in `_COMMIT_MANY`'s parameter, in `COMMIT_CALL`'s order.
+_FIELDS = (
+    "pass", "key", "base", "kinds", "payloads", "usage", "stop", "meta", "status", "agents",
+    "recorded", "now",
+)  # fmt: skip
 
 _HEADS = (
     "SELECT c.key, c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
@@ -101,16 +114,19 @@ async def commit_many(
 
     if len(calls) == 1:
         return [await _commit_alone(conn, calls[0])]
-    # The parameter arrays are built, and the rows' arrays dumped to PostgreSQL's binary
-    # format, off the loop when the batch's rows are many in all: psycopg would otherwise
-    # convert them on the loop inside `execute` (200 passes of 500 rows: a 0.2-0.9 s stall).
-    # The dump is UTF-8: only for a connection that speaks it (the store's own always do, see
-    # `CONNECT_OPTIONS`); another gets plain lists, which psycopg encodes in its encoding.
+    # The batch's one parameter is encoded (pydantic-core, one call) off the loop when its rows
+    # are many in all (200 passes of 500 rows must not stall the loop). It goes as UTF-8 bytes
+    # to a connection that speaks UTF-8 (the store's own always do, see `CONNECT_OPTIONS`);
+    # another gets text, which psycopg encodes in its encoding.
     total = sum(len(call[3]) for call in calls)
-    dump = total > OFF_LOOP_ROWS and conn.info.encoding == "utf-8"
-    params = await off_loop(total, lambda: _arrays(calls, dump=dump))
-    if dump:
-        conn.adapters.register_dumper(DumpedTextArray, _dumped_dumper())
+    utf8 = conn.info.encoding == "utf-8"
+    try:
+        param = await off_loop(total, lambda: _batch_json(calls, utf8=utf8))
+    except ValueError:  # text JSON cannot carry (a lone surrogate): each alone says whose
+        return [await _commit_alone(conn, call) for call in calls]
+    if utf8:
+        conn.adapters.register_dumper(DumpedJson, _dumped_dumper())
+    params = (param,)
     try:
         cur = await conn.execute(_COMMIT_MANY, params)
         results: list[int | BaseException] = [0] * len(calls)
@@ -124,59 +140,40 @@ async def commit_many(
     return [await _commit_alone(conn, call) for call in calls]
 
 
-def _arrays(calls: Sequence[tuple[Any, ...]], *, dump: bool = False) -> tuple[Any, ...]:
-    """`_COMMIT_MANY`'s parameters: the flat kinds and payloads, then one array per field; with
-    `dump`, the kinds and payloads already in binary (`DumpedTextArray`)."""
+def _batch_json(calls: Sequence[tuple[Any, ...]], *, utf8: bool = True) -> DumpedJson | str:
+    """`_COMMIT_MANY`'s parameter: a JSON array of one object per call, by key (the lock
+    order), each with its index in `calls` (`i`); UTF-8 bytes (`DumpedJson`) or text."""
     order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))  # by key: lock order
-    kinds: list[str] = []
-    payloads: list[str] = []
-    columns: list[list[Any]] = [[] for _ in range(13)]
-    for i in order:
-        call = calls[i]
-        lo = len(kinds) + 1  # PostgreSQL arrays count from 1; a slice includes both ends
-        kinds += call[3]
-        payloads += call[4]
-        fields = (i, call[0], call[1], call[2], lo, len(kinds), *call[5:])
-        for column, value in zip(columns, fields, strict=True):
-            column.append(value)
-    if dump and kinds:
-        return (DumpedTextArray.of(kinds), DumpedTextArray.of(payloads), *columns)
-    return (kinds, payloads, *columns)
+    items = [{"i": i, **dict(zip(_FIELDS, calls[i], strict=True))} for i in order]
+    data = pydantic_core.to_json(items)
+    return DumpedJson(data) if utf8 else data.decode()
 
 
-class DumpedTextArray:
-    """A `text[]` parameter already in PostgreSQL's binary format (dumped by psycopg's own
-    dumper, on whichever thread builds it), so `execute` on the loop only copies its bytes."""
+class DumpedJson:
+    """A `json` parameter already encoded as UTF-8 (off the loop when large): `execute` only
+    copies its bytes (the binary form of `json` is its text)."""
 
     __slots__ = ("data",)
 
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    @classmethod
-    def of(cls, items: list[str]) -> DumpedTextArray:
-        """`items` (not empty: an empty array's binary form names no element type) dumped."""
-        from psycopg.adapt import PyFormat, Transformer
-
-        dumper = Transformer().get_dumper(items, PyFormat.BINARY)
-        return cls(bytes(dumper.dump(items) or b""))
-
 
 @functools.cache
 def _dumped_dumper() -> type:
-    """psycopg's dumper of `DumpedTextArray` (made on first use: psycopg is an extra)."""
+    """psycopg's dumper of `DumpedJson` (made on first use: psycopg is an extra)."""
     from psycopg.adapt import Dumper
     from psycopg.pq import Format
 
-    class DumpedTextArrayDumper(Dumper):
+    class DumpedJsonDumper(Dumper):
         format = Format.BINARY
-        oid = 1009  # text[]
+        oid = 114  # json
 
         def dump(self, obj: Any) -> bytes:
             data: bytes = obj.data
             return data
 
-    return DumpedTextArrayDumper
+    return DumpedJsonDumper
 
 
 async def _commit_alone(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int | BaseException:
