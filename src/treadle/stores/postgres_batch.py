@@ -100,7 +100,9 @@ async def load_many(
             known[key] += decoded[key]
             cache.put(key, heads[key][5], known[key])
     return [
-        stored_from_head(key, known[key], heads[key]) if key in heads else StoredConversation(key)
+        stored_from_head(key, known[key], heads[key], cache.usage(key, heads[key][0]))
+        if key in heads
+        else StoredConversation(key)
         for key in keys
     ]
 
