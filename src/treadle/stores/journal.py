@@ -75,6 +75,10 @@ class ConversationJournal:
     failure: BaseException | None = None
     """Why the commit failed, once it has (the pass reads it from its waiter; kept here for a
     pass cancelled in the same instant, whose waiter then holds nothing)."""
+    waiter: asyncio.Future[int] | None = None
+    """Where the commit task hands its outcome to the pass (see `finish`)."""
+    started: bool = False
+    """True once the commit task's body runs (until then only its done callback settles it)."""
 
     async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
         entries = [*self.buffered, *more]
@@ -130,16 +134,24 @@ class ConversationJournal:
         """
         self._stop_heartbeat()
         # The commit task hands its outcome to `waiter` itself and leaves `inflight` itself:
-        # no shield and no done callbacks, so a turn's commit wakes this task once (a shield
-        # cost three more loop callbacks per turn). The waiter is cancelled with this task;
-        # the commit task is not.
+        # no shield and no done callback once it runs, so a turn's commit wakes this task once
+        # (a shield cost three more loop callbacks per turn). The waiter is cancelled with this
+        # task; the commit task is not.
         waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.waiter = waiter
         commit = asyncio.ensure_future(
             self._commit(
                 waiter, rows[self.base :], usage=usage, stop_reason=stop_reason, metadata=metadata
             )
         )
-        inflight(self.backend).add(commit)
+        # An eager task factory (Python 3.12) may have run the commit to its end already,
+        # its `finally` included: only a commit still running is added (its `finally` is then
+        # still to come). A task cancelled before its first step never runs its body: until
+        # the body starts (and removes it), a done callback settles the pass in its place.
+        if not commit.done():
+            inflight(self.backend).add(commit)
+            if not self.started:
+                commit.add_done_callback(self._unstarted)
         try:
             version = await waiter
         except asyncio.CancelledError as cancel:
@@ -160,7 +172,8 @@ class ConversationJournal:
             self.abandoned = True  # the commit task settles the pass (see `_commit`)
             cancel.add_note(
                 f"treadle: the commit of conversation {self.key!r} (pass {self.pass_id}) was in "
-                "flight: it goes on shielded; whether the turn landed is in the store "
+                "flight: it goes on (the pass's cancellation does not reach it); whether the "
+                "turn landed is in the store "
                 "(after `await store.asettled()`, store.conversation(key) holds the turn "
                 "if it landed; see docs/stores.md)."
             )
@@ -181,6 +194,10 @@ class ConversationJournal:
         the pass still waits); if it fails once the pass was cancelled (`abandoned`), the pass's
         record is settled here as `cancelled`. Never raises but its own cancellation (nobody
         awaits the task: the pass reads `waiter`)."""
+        self.started = True
+        task = asyncio.current_task()
+        if task is not None:  # running now: the `finally` below settles the pass
+            task.remove_done_callback(self._unstarted)
         try:
             try:
                 version = await self.backend.commit(
@@ -218,6 +235,19 @@ class ConversationJournal:
             return version
         finally:
             inflight(self.backend).discard(asyncio.current_task())
+
+    def _unstarted(self, commit: asyncio.Future[int]) -> None:
+        """The commit task ended before its body ran (cancelled before its first step, as a
+        shutdown cancelling every task does): nothing was sent. It leaves `inflight`, and the
+        pass is settled as the body would have: its waiter cancelled, or, once the pass was
+        cancelled itself, its record ended `cancelled` (resumable, listed by `pending()`)."""
+        inflight(self.backend).discard(commit)
+        if self.abandoned:
+            end = asyncio.ensure_future(self._record_end("cancelled"))
+            _ENDING.add(end)
+            end.add_done_callback(_ENDING.discard)
+        elif self.waiter is not None and not self.waiter.done():
+            self.waiter.cancel()
 
     async def _release(self) -> None:
         held, self.held = self.held, None
