@@ -151,6 +151,8 @@ def test_a_turn_committed_by_another_process_is_what_the_next_turn_continues(
     assert [t for _, t in _texts(store.conversation("shared"))] == [
         "here 1", "here 1", "msg 7", "msg 7",
     ]  # fmt: skip
+    # and its usage: the head's, not the one this process last committed (which it keeps)
+    assert store.conversation("shared").usage.requests == 2
     out = run_session_loop(Session.from_user_message("here 2"), AGENT, **turn)
     assert out.metadata["version"] == 6
     sent = [m["content"] for m in server.requests[-1].body["messages"]]

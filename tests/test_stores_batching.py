@@ -267,7 +267,7 @@ def test_many_ordinary_conversations_in_one_batch_are_handled_off_the_loop(
     pg: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each conversation is under the off-loop threshold, the batch is over it: its rows are
-    decoded, and a batch of commits' parameter arrays built, on a worker thread. Calls the
+    decoded, and a batch of commits' JSON parameter encoded, on a worker thread. Calls the
     batch functions on one real connection, so the batch is exactly these conversations."""
     import psycopg
 
@@ -280,9 +280,9 @@ def test_many_ordinary_conversations_in_one_batch_are_handled_off_the_loop(
     dsn = pg.new_database()
     ticks = [0, 0]  # this loop; the second slot is not used here: count it as ticking
     decode = _Spy(decode_row, ticks)
-    arrays = _Spy(postgres_batch._arrays, ticks)
+    arrays = _Spy(postgres_batch._batch_json, ticks)
     monkeypatch.setattr(postgres_batch, "decode_row", decode)
-    monkeypatch.setattr(postgres_batch, "_arrays", arrays)
+    monkeypatch.setattr(postgres_batch, "_batch_json", arrays)
 
     async def main() -> None:
         keys = [f"c{i}" for i in range(count)]
@@ -332,9 +332,9 @@ def test_many_ordinary_conversations_in_one_batch_are_handled_off_the_loop(
             conn.execute = spy_execute  # type: ignore[method-assign]
             assert await postgres_batch.commit_many(conn, calls) == [2 * per] * count
             assert arrays.ticked_during and arrays.on_loop == 0
-            # The rows' arrays reached psycopg already dumped (converted off the loop too), and
-            # what they carried is what a read gives back.
-            assert all(isinstance(p, postgres_batch.DumpedTextArray) for p in sent[0][:2])
+            # The batch's parameter reached psycopg already encoded (off the loop too), and
+            # what it carried is what a read gives back.
+            assert len(sent[0]) == 1 and isinstance(sent[0][0], postgres_batch.DumpedJson)
             conn.execute = execute  # type: ignore[method-assign]
             again = await postgres_batch.load_many(conn, keys, RowCache())
             assert [len(c.rows) for c in again] == [2 * per] * count
@@ -347,23 +347,29 @@ def test_many_ordinary_conversations_in_one_batch_are_handled_off_the_loop(
     asyncio.run(main())
 
 
-def test_a_dumped_text_array_carries_any_text_as_a_list_would(pg: Cluster) -> None:
-    """The binary form made off the loop holds quotes, backslashes, braces, NUL-free Unicode
-    and empty strings exactly as psycopg's own conversion of the list does."""
+def test_a_batch_parameter_carries_any_text_as_a_list_would(pg: Cluster) -> None:
+    """The JSON made off the loop holds quotes, backslashes, braces, NUL-free Unicode and empty
+    strings exactly as psycopg's own conversion of the list does, made `text[]` again as the
+    batched commit makes a pass's payloads."""
     import psycopg
 
     from treadle.stores import postgres_batch
 
     items = ['{"a": "q\\"uote"}', "", "back\\slash", "{brace}", "é 漢 🙂", "NULL", "x" * 5000]
+    call = ("p", "k", 0, ["user"] * len(items), items, "{}", None, "{}", "done", "", False, 1.5)
 
     async def main() -> None:
         conn = await psycopg.AsyncConnection.connect(pg.new_database(), autocommit=True)
         try:
             conn.adapters.register_dumper(
-                postgres_batch.DumpedTextArray, postgres_batch._dumped_dumper()
+                postgres_batch.DumpedJson, postgres_batch._dumped_dumper()
             )
+            param = postgres_batch._batch_json([call])
+            assert isinstance(param, postgres_batch.DumpedJson)
             cur = await conn.execute(
-                "SELECT %b::text[], %b::text[]", (postgres_batch.DumpedTextArray.of(items), items)
+                "SELECT ARRAY(SELECT e FROM json_array_elements_text((%b::json) -> 0 -> 'payloads')"
+                " WITH ORDINALITY AS p(e, o) ORDER BY o), %b::text[]",
+                (param, items),
             )
             found = await cur.fetchone()
             assert found is not None and found[0] == items == found[1]

@@ -355,3 +355,64 @@ def test_a_commit_left_on_a_closed_loop_is_not_waited_for(tmp_path: Path) -> Non
             return [str(row.payload.get("content")) for row in (await again.conversation("k")).rows]
 
     assert asyncio.run(second()) in ([], ["A", "answer"])  # whole turn or none
+
+
+@pytest.mark.parametrize("with_pass", [False, True])
+def test_a_commit_cancelled_before_it_starts_settles_its_pass(url: str, with_pass: bool) -> None:
+    """A commit task cancelled before its first step (a shutdown cancelling every task, its
+    pass or not) never runs its body: its pass still ends (`CancelledError`: nothing landed,
+    the pass is listed `cancelled`) and the task leaves the store's in-flight set."""
+    from treadle.stores.journal import inflight
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
+            task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop)
+            if getattr(coro, "__name__", "") == "_commit":
+                task.cancel()  # before its first step
+                if with_pass:
+                    asyncio.current_task().cancel()  # type: ignore[union-attr]
+            return task
+
+        async with Store.open(url) as store:
+            loop.set_task_factory(factory)
+            try:
+                # wait_for only guards against a hang; it asserts no time
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(_pass(store, "k", "A")), 60)
+            finally:
+                loop.set_task_factory(None)
+            await asyncio.sleep(0)
+            assert not inflight(store.backend)
+            await asyncio.wait_for(store.asettled(), 60)
+            assert (await store.conversation("k")).rows == ()
+            assert [p.status for p in await store.apending("k")] == ["cancelled"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(
+    not hasattr(asyncio, "eager_task_factory"), reason="eager tasks are Python 3.12+"
+)
+def test_an_eager_commit_that_fails_at_once_leaves_nothing_in_flight(tmp_path: Path) -> None:
+    """With `asyncio.eager_task_factory` a commit failing before its first suspension ends
+    inside `ensure_future`: its pass gets the error and the task is not kept in flight."""
+    from treadle.errors import StoreError
+    from treadle.stores.journal import inflight
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined,unused-ignore]
+        async with Store.open(str(tmp_path / "s.db")) as store:
+
+            async def failing(*args: Any, **kwargs: Any) -> int:
+                raise StoreError("the store failed at once")
+
+            store.backend.commit = failing  # type: ignore[method-assign]
+            outcomes = await asyncio.gather(
+                *(_pass(store, f"k{i}", f"m{i}") for i in range(20)), return_exceptions=True
+            )
+            assert {type(o) for o in outcomes} == {StoreError}
+            assert not inflight(store.backend)
+
+    asyncio.run(main())

@@ -21,7 +21,7 @@ from treadle.runtime.threads import run_internal_io
 from treadle.session import ChunkRow
 from treadle.stores.records import decode_row, rows_text
 
-__all__ = ["OFF_LOOP_ROWS", "Batcher", "decode_rows", "encode_rows", "off_loop"]
+__all__ = ["OFF_LOOP_CHARS", "OFF_LOOP_ROWS", "Batcher", "decode_rows", "encode_rows", "off_loop"]
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -31,10 +31,15 @@ T = TypeVar("T")
 #: less time than the hop to a thread and back).
 OFF_LOOP_ROWS = 512
 
+#: ... and so are batches of more characters of text than this, however few their rows (a
+#: megabyte of JSON takes about a millisecond).
+OFF_LOOP_CHARS = 1 << 20
 
-async def off_loop(rows: int, fn: Callable[[], T]) -> T:
-    """`fn()`, on a worker thread when it handles more than `OFF_LOOP_ROWS` rows."""
-    if rows > OFF_LOOP_ROWS:
+
+async def off_loop(rows: int, fn: Callable[[], T], *, chars: int = 0) -> T:
+    """`fn()`, on a worker thread when it handles more than `OFF_LOOP_ROWS` rows or (when the
+    caller knows it) more than `OFF_LOOP_CHARS` characters of text."""
+    if rows > OFF_LOOP_ROWS or chars > OFF_LOOP_CHARS:
         return await run_internal_io(fn)
     return fn()
 

@@ -72,6 +72,13 @@ class ConversationJournal:
     """The conversation's lock, in queue mode: given back when the pass has ended."""
     abandoned: bool = False
     """The pass was cancelled while its commit was in flight: the commit task settles it."""
+    failure: BaseException | None = None
+    """Why the commit failed, once it has (the pass reads it from its waiter; kept here for a
+    pass cancelled in the same instant, whose waiter then holds nothing)."""
+    waiter: asyncio.Future[int] | None = None
+    """Where the commit task hands its outcome to the pass (see `finish`)."""
+    started: bool = False
+    """True once the commit task's body runs (until then only its done callback settles it)."""
 
     async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
         entries = [*self.buffered, *more]
@@ -126,22 +133,37 @@ class ConversationJournal:
         `Store.asettled()` / `Store.aclose()` wait for such commits to settle.
         """
         self._stop_heartbeat()
+        # The commit task hands its outcome to `waiter` itself and leaves `inflight` itself:
+        # no shield and no done callback once it runs, so a turn's commit wakes this task once
+        # (a shield cost three more loop callbacks per turn). The waiter is cancelled with this
+        # task; the commit task is not.
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.waiter = waiter
         commit = asyncio.ensure_future(
-            self._commit(rows[self.base :], usage=usage, stop_reason=stop_reason, metadata=metadata)
+            self._commit(
+                waiter, rows[self.base :], usage=usage, stop_reason=stop_reason, metadata=metadata
+            )
         )
-        inflight(self.backend).add(commit)
-        commit.add_done_callback(inflight(self.backend).discard)
+        # An eager task factory (Python 3.12) may have run the commit to its end already,
+        # its `finally` included: only a commit still running is added (its `finally` is then
+        # still to come). A task cancelled before its first step never runs its body: until
+        # the body starts (and removes it), a done callback settles the pass in its place.
+        if not commit.done():
+            inflight(self.backend).add(commit)
+            if not self.started:
+                commit.add_done_callback(self._unstarted)
         try:
-            version = await asyncio.shield(commit)
+            version = await waiter
         except asyncio.CancelledError as cancel:
             if commit.done():  # it ended first: its outcome is the pass's, settled as usual
-                if not commit.cancelled() and commit.exception() is not None:
-                    cancel.__cause__ = commit.exception()
+                error = _outcome_error(waiter) or self.failure
+                if error is not None:
+                    cancel.__cause__ = error
                     cancel.add_note(
                         f"treadle: the commit of conversation {self.key!r} (pass "
                         f"{self.pass_id}) had failed; the turn did not land."
                     )
-                elif not commit.cancelled():
+                elif not commit.cancelled() and commit.result() >= 0:
                     cancel.add_note(
                         f"treadle: the commit of conversation {self.key!r} (pass "
                         f"{self.pass_id}) had ended: the turn landed (version {commit.result()})."
@@ -150,7 +172,8 @@ class ConversationJournal:
             self.abandoned = True  # the commit task settles the pass (see `_commit`)
             cancel.add_note(
                 f"treadle: the commit of conversation {self.key!r} (pass {self.pass_id}) was in "
-                "flight: it goes on shielded; whether the turn landed is in the store "
+                "flight: it goes on (the pass's cancellation does not reach it); whether the "
+                "turn landed is in the store "
                 "(after `await store.asettled()`, store.conversation(key) holds the turn "
                 "if it landed; see docs/stores.md)."
             )
@@ -160,37 +183,71 @@ class ConversationJournal:
 
     async def _commit(
         self,
+        waiter: asyncio.Future[int],
         new: Sequence[ChunkRow],
         *,
         usage: Usage,
         stop_reason: str | None,
         metadata: Mapping[str, Any],
     ) -> int:
-        """The commit task: the turn, then the queue's lock; if it fails once the pass was
-        cancelled (`abandoned`), the pass's record is settled here as `cancelled`."""
+        """The commit task: the turn, then the queue's lock; its outcome goes to `waiter` (when
+        the pass still waits); if it fails once the pass was cancelled (`abandoned`), the pass's
+        record is settled here as `cancelled`. Never raises but its own cancellation (nobody
+        awaits the task: the pass reads `waiter`)."""
+        self.started = True
+        task = asyncio.current_task()
+        if task is not None:  # running now: the `finally` below settles the pass
+            task.remove_done_callback(self._unstarted)
         try:
-            version = await self.backend.commit(
-                self.pass_id,
-                self.key,
-                self.base,
-                new,
-                usage=usage,
-                stop_reason=stop_reason,
-                metadata=metadata,
-                agent_rows=self.agent_rows,
-                recorded=self.recorded,
-            )
-        except BaseException as err:
-            if self.abandoned:  # nobody reads this error: the record says what happened
-                if isinstance(err, ConflictError):
-                    await self._release()
-                else:
-                    await self._record_end("cancelled")
-                return -1
-            raise
-        self.version = version
-        await self._release()  # committed: the next pass in the queue may start
-        return version
+            try:
+                version = await self.backend.commit(
+                    self.pass_id,
+                    self.key,
+                    self.base,
+                    new,
+                    usage=usage,
+                    stop_reason=stop_reason,
+                    metadata=metadata,
+                    agent_rows=self.agent_rows,
+                    recorded=self.recorded,
+                )
+            except BaseException as err:
+                if isinstance(err, Exception):
+                    self.failure = err
+                if self.abandoned:  # nobody reads this error: the record says what happened
+                    if isinstance(err, ConflictError):
+                        await self._release()
+                    else:
+                        await self._record_end("cancelled")
+                    return -1
+                if not waiter.done():
+                    if isinstance(err, asyncio.CancelledError):
+                        waiter.cancel()
+                    else:
+                        waiter.set_exception(err)
+                if isinstance(err, Exception):
+                    return -1  # given to the pass through `waiter`
+                raise
+            self.version = version
+            await self._release()  # committed: the next pass in the queue may start
+            if not waiter.done():
+                waiter.set_result(version)
+            return version
+        finally:
+            inflight(self.backend).discard(asyncio.current_task())
+
+    def _unstarted(self, commit: asyncio.Future[int]) -> None:
+        """The commit task ended before its body ran (cancelled before its first step, as a
+        shutdown cancelling every task does): nothing was sent. It leaves `inflight`, and the
+        pass is settled as the body would have: its waiter cancelled, or, once the pass was
+        cancelled itself, its record ended `cancelled` (resumable, listed by `pending()`)."""
+        inflight(self.backend).discard(commit)
+        if self.abandoned:
+            end = asyncio.ensure_future(self._record_end("cancelled"))
+            _ENDING.add(end)
+            end.add_done_callback(_ENDING.discard)
+        elif self.waiter is not None and not self.waiter.done():
+            self.waiter.cancel()
 
     async def _release(self) -> None:
         held, self.held = self.held, None
@@ -238,6 +295,14 @@ class ConversationJournal:
             log.warning("could not record the end of pass %s: %s", self.pass_id, err)
         finally:  # recorded (or not): the next pass in the queue starts from the same rows
             await self._release()
+
+
+def _outcome_error(waiter: asyncio.Future[int]) -> BaseException | None:
+    """The commit's error as the commit task left it in `waiter` (None: it landed or the
+    waiter was cancelled first)."""
+    if waiter.cancelled() or not waiter.done():
+        return None
+    return waiter.exception()
 
 
 def inflight(backend: StoreBackend) -> set[asyncio.Future[int]]:

@@ -193,8 +193,8 @@ class PostgresBackend:
         return await self._guarded(body)
 
     async def _commit_many(self, calls: list[tuple[Any, ...]]) -> list[int | BaseException]:
-        """Commit a batch (each call's last item is its rows, for the cache); a conflict is a
-        negative version, as `treadle_commit` returns it."""
+        """Commit a batch (each call's last item is its rows and usage, for the cache); a
+        conflict is a negative version, as `treadle_commit` returns it."""
         import psycopg
 
         async def body() -> list[int | BaseException]:
@@ -205,7 +205,9 @@ class PostgresBackend:
         results = await self._guarded(body)
         for call, result in zip(calls, results, strict=True):
             if isinstance(result, int) and result >= 0:
-                self._cache.extend(call[1], call[2], call[-1])  # a new key: by its first read
+                rows, usage = call[-1]
+                self._cache.extend(call[1], call[2], rows)  # a new key: by its first read
+                self._cache.keep_usage(call[1], call[5], usage)  # the next read's head
         return [self._failed(r) if isinstance(r, psycopg.Error) else r for r in results]
 
     async def record(
@@ -274,7 +276,8 @@ class PostgresBackend:
         encoded = await encode_rows(rows)
         call = (
             pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
-            encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(), rows,
+            encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+            (rows, usage),
         )  # fmt: skip
         # Passes ending at once commit together (one round trip, one server commit), each
         # with its own version check (see treadle.stores.postgres_batch).

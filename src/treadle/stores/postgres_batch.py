@@ -3,14 +3,21 @@ that end them, many at a time on one connection (see `treadle.stores.batching.Ba
 
 A batch of reads is two queries whatever its size: the heads of every conversation asked for,
 then the rows not yet cached. A batch of commits is one statement calling `treadle_commit` once
-per pass over arrays of their parameters (one round trip, one server commit, and one set of
-parameters to send instead of one per pass), in key order so two processes' batches take their
+per pass over one JSON parameter holding every pass's parameters (one round trip, one server
+commit, and one value to send, encoded by pydantic-core in one call instead of thirteen arrays
+converted element by element in Python), in key order so two processes' batches take their
 conversations' locks in the same order. Each call
 still checks its own conversation's version, so a batch changes no outcome: a conflict is that
 pass's `ConflictError` alone. If a commit fails otherwise (the transaction is then rolled back
 for all), or a pass's parameters cannot be sent at all (text no encoding can carry), the batch
 is committed again one pass at a time, so only that pass sees the error (a parameter that
 cannot be sent is a `StoreError` naming the conversation).
+
+A batch is capped by bytes too: passes whose parameters would make more than `BATCH_BYTES` of
+JSON go as several statements (each its own transaction, still in key order), and a pass too
+large to share one goes alone. PostgreSQL takes at most 1 GB in one message and breaks the
+connection on a larger one, so a pass whose commit would need more (`MESSAGE_LIMIT`) fails
+alone with a `StoreError` before anything is sent; the other passes of its batch go on.
 """
 
 from __future__ import annotations
@@ -19,33 +26,54 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import pydantic_core
+
 from treadle.errors import StoreError
 from treadle.session import ChunkRow
-from treadle.stores.batching import OFF_LOOP_ROWS, off_loop
+from treadle.stores.batching import off_loop
 from treadle.stores.records import RowCache, StoredConversation, decode_row, stored_from_head
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
-__all__ = ["COMMIT_CALL", "commit_many", "load_many"]
+__all__ = ["BATCH_BYTES", "COMMIT_CALL", "MESSAGE_LIMIT", "commit_many", "load_many"]
 
 # Parameters go in binary (`%b`): JSON payloads sent as a text-format array literal would be
 # quoted and backslash-escaped by the client and parsed back by the server.
+
+#: The most bytes of JSON one batch statement sends: passes ending together that would make
+#: more go as several statements (a batch's cost is in its passes, not its bytes, long before
+#: this; the server parses the whole parameter in memory).
+BATCH_BYTES = 64 * 1024 * 1024
+
+#: The most bytes one commit may send: PostgreSQL refuses a message over 1 GB (and breaks the
+#: connection), less room for the statement and the message's framing.
+MESSAGE_LIMIT = (1 << 30) - (1 << 20)
 
 #: One pass's commit (see `postgres_open.COMMIT_FUNCTION`): the new version, or -1 - the
 #: version found when the conversation moved.
 COMMIT_CALL = "SELECT treadle_commit(%b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b)"
 
-#: Every pass of a batch: its parameters as arrays (a pass's rows are the slice `lo:hi` of the
-#: flat kinds and payloads arrays), evaluated in the arrays' order (sorted by key).
+#: Every pass of a batch: one JSON array of their parameters (`_batch_json`), one object per
+#: pass, evaluated in the array's order (sorted by key). A pass's kinds and payloads are JSON
+#: arrays of text, made `text[]` again in their order.
 _COMMIT_MANY = (
-    "SELECT u.i, treadle_commit(u.pass, u.key, u.base, (%b::text[])[u.lo:u.hi],"
-    " (%b::text[])[u.lo:u.hi], u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
-    " FROM unnest(%b::int[], %b::text[], %b::text[], %b::bigint[], %b::int[], %b::int[],"
-    " %b::text[], %b::text[], %b::text[], %b::text[], %b::text[], %b::bool[],"
-    " %b::float8[]) AS u(i, pass, key, base, lo, hi, usage, stop, meta, status, agents,"
-    " recorded, now)"
+    "SELECT u.i, treadle_commit(u.pass, u.key, u.base,"
+    " ARRAY(SELECT e FROM json_array_elements_text(u.kinds) WITH ORDINALITY AS k(e, o)"
+    " ORDER BY o),"
+    " ARRAY(SELECT e FROM json_array_elements_text(u.payloads) WITH ORDINALITY AS p(e, o)"
+    " ORDER BY o),"
+    " u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
+    " FROM json_to_recordset(%b::json) AS u(i int, pass text, key text, base bigint,"
+    " kinds json, payloads json, usage text, stop text, meta text, status text, agents text,"
+    " recorded bool, now float8)"
 )
+
+#: The fields of a pass's object in `_COMMIT_MANY`'s parameter, in `COMMIT_CALL`'s order.
+_FIELDS = (
+    "pass", "key", "base", "kinds", "payloads", "usage", "stop", "meta", "status", "agents",
+    "recorded", "now",
+)  # fmt: skip
 
 _HEADS = (
     "SELECT c.key, c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
@@ -87,7 +115,9 @@ async def load_many(
             known[key] += decoded[key]
             cache.put(key, heads[key][5], known[key])
     return [
-        stored_from_head(key, known[key], heads[key]) if key in heads else StoredConversation(key)
+        stored_from_head(key, known[key], heads[key], cache.usage(key, heads[key][0]))
+        if key in heads
+        else StoredConversation(key)
         for key in keys
     ]
 
@@ -95,94 +125,148 @@ async def load_many(
 async def commit_many(
     conn: AsyncConnection[Any], calls: Sequence[tuple[Any, ...]]
 ) -> list[int | BaseException]:
-    """Run the `treadle_commit` calls (their parameters) in one transaction; each one's result,
-    or its error when the batch had to be committed one by one."""
-    import psycopg
-
+    """Run the `treadle_commit` calls (their parameters) in as few statements as `BATCH_BYTES`
+    allows (one, but for very large passes); each one's result, or its error (a statement that
+    failed is committed again one pass at a time)."""
     if len(calls) == 1:
         return [await _commit_alone(conn, calls[0])]
-    # The parameter arrays are built, and the rows' arrays dumped to PostgreSQL's binary
-    # format, off the loop when the batch's rows are many in all: psycopg would otherwise
-    # convert them on the loop inside `execute` (200 passes of 500 rows: a 0.2-0.9 s stall).
-    # The dump is UTF-8: only for a connection that speaks it (the store's own always do, see
-    # `CONNECT_OPTIONS`); another gets plain lists, which psycopg encodes in its encoding.
-    total = sum(len(call[3]) for call in calls)
-    dump = total > OFF_LOOP_ROWS and conn.info.encoding == "utf-8"
-    params = await off_loop(total, lambda: _arrays(calls, dump=dump))
-    if dump:
-        conn.adapters.register_dumper(DumpedTextArray, _dumped_dumper())
+    chars = [_chars(call) for call in calls]
+    order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))  # by key: lock order
+    groups: list[list[int]] = []
+    size = BATCH_BYTES + 1
+    for i in order:  # packed by each pass's most JSON bytes: no statement passes the cap
+        most = _json_bound(chars[i], len(calls[i][3]))
+        if most > BATCH_BYTES or size + most > BATCH_BYTES:  # a huge one goes alone
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += most
+    results: list[int | BaseException] = [0] * len(calls)
+    for n, group in enumerate(groups):
+        try:
+            await _commit_group(conn, calls, group, chars, results)
+        except Exception as err:  # the connection is gone: the groups not yet done fail
+            if n == 0:
+                raise
+            for i in (i for rest in groups[n:] for i in rest):
+                results[i] = err
+            break
+    return results
+
+
+async def _commit_group(
+    conn: AsyncConnection[Any],
+    calls: Sequence[tuple[Any, ...]],
+    group: Sequence[int],
+    chars: Sequence[int],
+    results: list[int | BaseException],
+) -> None:
+    """One statement for the calls `group` (indices in `calls`, in key order): their results
+    into `results`."""
+    import psycopg
+
+    if len(group) == 1:
+        results[group[0]] = await _commit_alone(conn, calls[group[0]], chars[group[0]])
+        return
+    # The statement's one parameter is encoded (pydantic-core, one call) off the loop when its
+    # rows are many or its text large in all (200 passes of 500 rows, or two of 2 MB, must not
+    # stall the loop). It goes as UTF-8 bytes to a connection that speaks UTF-8 (the store's
+    # own always do, see `CONNECT_OPTIONS`); another gets text, which psycopg encodes.
+    rows = sum(len(calls[i][3]) for i in group)
+    utf8 = conn.info.encoding == "utf-8"
     try:
-        cur = await conn.execute(_COMMIT_MANY, params)
-        results: list[int | BaseException] = [0] * len(calls)
+        param = await off_loop(
+            rows, lambda: _batch_json(calls, utf8=utf8, order=group),
+            chars=sum(chars[i] for i in group),
+        )  # fmt: skip
+    except ValueError:  # text JSON cannot carry (a lone surrogate): each alone says whose
+        for i in group:
+            results[i] = await _commit_alone(conn, calls[i], chars[i])
+        return
+    if utf8:
+        conn.adapters.register_dumper(DumpedJson, _dumped_dumper())
+    try:
+        cur = await conn.execute(_COMMIT_MANY, (param,))
         for i, version in await cur.fetchall():
             results[int(i)] = int(version)
-        return results
+        return
     except (psycopg.Error, UnicodeError):  # a statement failed, or a parameter was unsendable
         if conn.broken or conn.closed:
             raise  # the connection is gone: every commit of the batch failed with it
-    # One commit failed and rolled back all (or none was sent): each alone, in order.
-    return [await _commit_alone(conn, call) for call in calls]
+    # One commit failed and rolled back its statement (or none was sent): each alone, in order.
+    for i in group:
+        results[i] = await _commit_alone(conn, calls[i], chars[i])
 
 
-def _arrays(calls: Sequence[tuple[Any, ...]], *, dump: bool = False) -> tuple[Any, ...]:
-    """`_COMMIT_MANY`'s parameters: the flat kinds and payloads, then one array per field; with
-    `dump`, the kinds and payloads already in binary (`DumpedTextArray`)."""
-    order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))  # by key: lock order
-    kinds: list[str] = []
-    payloads: list[str] = []
-    columns: list[list[Any]] = [[] for _ in range(13)]
-    for i in order:
-        call = calls[i]
-        lo = len(kinds) + 1  # PostgreSQL arrays count from 1; a slice includes both ends
-        kinds += call[3]
-        payloads += call[4]
-        fields = (i, call[0], call[1], call[2], lo, len(kinds), *call[5:])
-        for column, value in zip(columns, fields, strict=True):
-            column.append(value)
-    if dump and kinds:
-        return (DumpedTextArray.of(kinds), DumpedTextArray.of(payloads), *columns)
-    return (kinds, payloads, *columns)
+def _chars(call: tuple[Any, ...]) -> int:
+    """Characters of a commit's text parameters: key, payloads, usage, metadata, agent rows."""
+    return len(call[1]) + sum(map(len, call[4])) + len(call[5]) + len(call[7]) + len(call[9])
 
 
-class DumpedTextArray:
-    """A `text[]` parameter already in PostgreSQL's binary format (dumped by psycopg's own
-    dumper, on whichever thread builds it), so `execute` on the loop only copies its bytes."""
+def _json_bound(chars: int, rows: int) -> int:
+    """The most bytes a commit takes in a batch's JSON: six per character (an escaped control
+    character; UTF-8 takes at most four), a row's kind and punctuation, the fields."""
+    return 6 * chars + 32 * rows + 512
+
+
+def _batch_json(
+    calls: Sequence[tuple[Any, ...]], *, utf8: bool = True, order: Sequence[int] | None = None
+) -> DumpedJson | str:
+    """`_COMMIT_MANY`'s parameter: a JSON array of one object per call (those of `order`, or
+    all by key: the lock order), each with its index in `calls` (`i`); UTF-8 bytes
+    (`DumpedJson`) or text."""
+    if order is None:
+        order = sorted(range(len(calls)), key=lambda i: str(calls[i][1]))
+    items = [{"i": i, **dict(zip(_FIELDS, calls[i], strict=True))} for i in order]
+    data = pydantic_core.to_json(items)
+    return DumpedJson(data) if utf8 else data.decode()
+
+
+class DumpedJson:
+    """A `json` parameter already encoded as UTF-8 (off the loop when large): `execute` only
+    copies its bytes (the binary form of `json` is its text)."""
 
     __slots__ = ("data",)
 
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    @classmethod
-    def of(cls, items: list[str]) -> DumpedTextArray:
-        """`items` (not empty: an empty array's binary form names no element type) dumped."""
-        from psycopg.adapt import PyFormat, Transformer
-
-        dumper = Transformer().get_dumper(items, PyFormat.BINARY)
-        return cls(bytes(dumper.dump(items) or b""))
-
 
 @functools.cache
 def _dumped_dumper() -> type:
-    """psycopg's dumper of `DumpedTextArray` (made on first use: psycopg is an extra)."""
+    """psycopg's dumper of `DumpedJson` (made on first use: psycopg is an extra)."""
     from psycopg.adapt import Dumper
     from psycopg.pq import Format
 
-    class DumpedTextArrayDumper(Dumper):
+    class DumpedJsonDumper(Dumper):
         format = Format.BINARY
-        oid = 1009  # text[]
+        oid = 114  # json
 
         def dump(self, obj: Any) -> bytes:
             data: bytes = obj.data
             return data
 
-    return DumpedTextArrayDumper
+    return DumpedJsonDumper
 
 
-async def _commit_alone(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int | BaseException:
-    """One pass's commit: its version, or its error (raised only when the connection is gone)."""
+async def _commit_alone(
+    conn: AsyncConnection[Any], call: tuple[Any, ...], chars: int | None = None
+) -> int | BaseException:
+    """One pass's commit: its version, or its error (raised only when the connection is gone;
+    a commit PostgreSQL could not take in one message is a `StoreError`, sent nothing)."""
     import psycopg
 
+    if chars is None:
+        chars = _chars(call)
+    if 4 * chars + 16 * len(call[3]) + 1024 > MESSAGE_LIMIT:  # maybe too large: count it
+        size = await off_loop(0, lambda: _message_bytes(call), chars=chars)
+        if size > MESSAGE_LIMIT:
+            return StoreError(
+                f"the commit of conversation {call[1]!r} is too large for PostgreSQL: about "
+                f"{size:,} bytes, over the {MESSAGE_LIMIT:,} one message may hold (1 GB); "
+                "nothing was written. Keep large content out of the conversation (a file, "
+                "a blob store) and store a reference to it."
+            )
     try:
         return await _commit_one(conn, call)
     except psycopg.Error as err:
@@ -198,3 +282,9 @@ async def _commit_alone(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> in
 async def _commit_one(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int:
     cur = await conn.execute(COMMIT_CALL, call)
     return int(((await cur.fetchone()) or (-1,))[0])
+
+
+def _message_bytes(call: tuple[Any, ...]) -> int:
+    """The bytes of a commit's text parameters in UTF-8, with each array element's length."""
+    texts = [call[1], *call[3], *call[4], call[5], call[7], call[9]]
+    return sum(len(t.encode("utf-8", "surrogatepass")) + 8 for t in texts) + 1024

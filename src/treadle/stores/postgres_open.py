@@ -20,7 +20,7 @@ __all__ = ["CONNECT_OPTIONS", "DB_NOW", "MIGRATIONS", "display_url", "open_pool"
 
 #: What every connection of the store is opened with. The client encoding is UTF8 whatever the
 #: database, PGCLIENTENCODING or the DSN (`client_encoding`, `options=-c ...`) say: a large
-#: batch's rows are dumped to bytes off the loop as UTF-8 (`postgres_batch.DumpedTextArray`),
+#: batch is encoded to UTF-8 bytes off the loop (`postgres_batch.DumpedJson`),
 #: and the server must read them as such; UTF8 also carries any text to any database that can
 #: store it. A startup parameter overrides the DSN's and the environment's.
 CONNECT_OPTIONS: dict[str, Any] = {"autocommit": True, "client_encoding": "UTF8"}

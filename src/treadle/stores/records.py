@@ -317,6 +317,25 @@ class RowCache:
     def __init__(self, size: int = ROW_CACHE_CONVERSATIONS) -> None:
         self.size = size
         self._rows: dict[str, tuple[float, tuple[ChunkRow, ...]]] = {}
+        self._usage: dict[str, tuple[str, Usage]] = {}  # the head's usage text, decoded
+
+    def usage(self, key: str, text: str | None) -> Usage:
+        """The `Usage` of `key`'s head usage JSON `text`: decoded once per text (a read after
+        this process's own commit finds the text it wrote, and the value it wrote it from)."""
+        found = self._usage.get(key)
+        if found is not None and found[0] == text:
+            return found[1]
+        usage = decode_usage(text, key)
+        if text is not None:
+            self.keep_usage(key, text, usage)
+        return usage
+
+    def keep_usage(self, key: str, text: str, usage: Usage) -> None:
+        """Remember that `key`'s head usage `text` is `usage` (a commit wrote it)."""
+        self._usage.pop(key, None)
+        self._usage[key] = (text, usage)
+        if len(self._usage) > self.size:
+            del self._usage[next(iter(self._usage))]
 
     def get(self, key: str, created_at: float, version: int) -> tuple[ChunkRow, ...]:
         """The cached rows of `key` if they belong to this incarnation (else none)."""
@@ -342,17 +361,21 @@ class RowCache:
     def drop(self, key: str) -> None:
         """Forget `key` (deleted)."""
         self._rows.pop(key, None)
+        self._usage.pop(key, None)
 
     def clear(self) -> None:
         """Forget everything."""
         self._rows.clear()
+        self._usage.clear()
 
 
 def stored_from_head(
-    key: str, rows: tuple[ChunkRow, ...], head: Sequence[Any]
+    key: str, rows: tuple[ChunkRow, ...], head: Sequence[Any], usage: Usage | None = None
 ) -> StoredConversation:
     """A conversation from its rows and its head row as both backends select it: (usage,
-    stop_reason, metadata, version, parent_key, ...)."""
-    return StoredConversation(
-        key, rows, decode_usage(head[0], key), head[1], decode_json(head[2], key), head[3], head[4]
-    )
+    stop_reason, metadata, version, parent_key, ...); `usage` is the head's, when already
+    decoded."""
+    meta = {} if head[2] == "{}" else decode_json(head[2], key)  # most heads keep nothing
+    if usage is None:
+        usage = decode_usage(head[0], key)
+    return StoredConversation(key, rows, usage, head[1], meta, head[3], head[4])
