@@ -1,0 +1,200 @@
+"""What `run_session_loop` does on the caller's thread, kept cheap (issue 33, 100,000 submissions).
+
+The lazy entry point plans by position (`plan_in_order`, `PassPlan` by field order) instead of
+re-binding twenty-odd keywords, and lineage nodes keep plain weak references to their children.
+These tests hold what that must not change: every argument lands where its keyword would, bad
+input raises at the call with nothing submitted, the caller's contextvars reach its pass, and
+lineage lists each living child once while a parent's list of dead ones stays bounded.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextvars
+import gc
+import inspect
+import textwrap
+import threading
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from treadle import ConfigurationError, Limits, Provider, Session, run_session_loop, tool
+from treadle.loop import api
+from treadle.loop.plan import PassPlan
+from treadle.loop.planning import PLAN_FIELDS, plan_in_order, plan_pass
+from treadle.runtime.background import stats
+from treadle.session.lineage import PRUNE_FROM, LineageNode
+from treadle.testing import FakeOpenAIServer
+
+USER = Session.from_user_message("hi")
+AGENT = Session.from_agent_prompt("be brief")
+UNUSED = Provider(model="m", base_url="http://127.0.0.1:9/v1", api_key="k")
+
+flavour: contextvars.ContextVar[str] = contextvars.ContextVar("flavour", default="none")
+
+
+def test_plan_fields_are_in_the_order_plan_in_order_gives_them() -> None:
+    assert tuple(f.name for f in fields(PassPlan)) == PLAN_FIELDS
+
+
+def test_plan_in_order_takes_plan_pass_arguments_in_plan_pass_order() -> None:
+    assert list(inspect.signature(plan_in_order).parameters) == list(
+        inspect.signature(plan_pass).parameters
+    )
+
+
+def _call_args(fn: Any, callee: str) -> list[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == callee:
+            assert not node.keywords
+            return [a.id if isinstance(a, ast.Name) else ast.unparse(a) for a in node.args]
+    raise AssertionError(f"{callee} is not called")
+
+
+def test_run_session_loop_gives_each_argument_in_its_place() -> None:
+    given = _call_args(api.run_session_loop, "plan_in_order")
+    order = list(inspect.signature(plan_pass).parameters)
+    assert given == [*order[:3], "None", *order[4:]]  # `emit` is None: no events
+    assert _call_args(plan_pass, "plan_in_order") == order
+
+
+def test_the_positional_plan_is_the_keyword_one() -> None:
+    def seen(row: Any, control: Any) -> None: ...
+
+    options: dict[str, Any] = {
+        "agent_provider": UNUSED, "tools": [ping], "max_tool_rounds": 7,
+        "on_event": print, "persist_path": None, "limits": Limits(max_steps=3),
+        "on_message": seen, "approvals": {"c1": True}, "deps": {"who": 1},
+        "tool_use_behavior": "stop_on_first_tool", "reset_tool_choice": False,
+    }  # fmt: skip
+    by_name = plan_pass(USER, AGENT, "x", **options)
+    by_place = plan_in_order(
+        USER, AGENT, "x", None, UNUSED, None, [ping], None, 7, print, False, None,
+        Limits(max_steps=3), None, seen, {"c1": True}, None, {"who": 1}, "stop_on_first_tool",
+        False, None, None,
+    )  # fmt: skip
+    for name in PLAN_FIELDS:
+        if name in ("tools", "stop"):  # built anew for each pass
+            continue
+        assert getattr(by_place, name) == getattr(by_name, name), name
+    assert list(by_place.tools) == list(by_name.tools) == ["ping"]
+
+
+@tool
+def ping() -> str:
+    """Answer pong."""
+    return "pong"
+
+
+@tool(name="ping")
+def other_ping() -> str:
+    """Answer pong too."""
+    return "pong"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"max_tool_rounds": 0}, "max_tool_rounds must be at least 1"),
+        ({"max_tool_rounds": True}, "max_tool_rounds must be an int"),
+        ({"tools": [ping, other_ping]}, "two tools are named 'ping'"),
+        ({"tools": [ping, 3]}, "a tool must be a function or a Tool"),
+        ({"limits": {"max_steps": 2}}, "limits must be a treadle Limits"),
+        ({"hooks": object()}, "hooks must be a treadle Hooks"),
+        ({"approvals": ["c1"]}, "approvals must map"),
+        ({"on_message": "no"}, "on_message must be callable"),
+        ({"tool_use_behavior": "sometimes"}, "tool_use_behavior"),
+        ({"provider": UNUSED}, "give the model endpoint once"),
+    ],
+)
+def test_bad_input_raises_at_the_call_and_starts_nothing(
+    options: dict[str, Any], match: str
+) -> None:
+    before = stats()["pending"]
+    with pytest.raises(ConfigurationError, match=match):
+        run_session_loop(USER, AGENT, agent_provider=UNUSED, **options)
+    assert stats()["pending"] == before
+
+
+def test_no_provider_raises_at_the_call() -> None:
+    with pytest.raises(ConfigurationError, match="needs agent_provider"):
+        run_session_loop(USER, AGENT)
+
+
+def test_the_callers_contextvars_reach_each_pass() -> None:
+    @tool(name="noop")
+    def noop(round: int) -> str:
+        """Report the caller's flavour."""
+        return flavour.get()
+
+    with FakeOpenAIServer(script="tool_loop") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k")
+        outs: dict[str, Session] = {}
+
+        def submit(name: str) -> None:  # from threads of their own, as a fan-out might
+            flavour.set(name)
+            outs[name] = run_session_loop(USER, AGENT, agent_provider=provider, tools=[noop])
+
+        threads = [threading.Thread(target=submit, args=(n,)) for n in ("mint", "lemon")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        token = flavour.set("plain")
+        try:
+            outs["plain"] = run_session_loop(USER, AGENT, agent_provider=provider, tools=[noop])
+        finally:
+            flavour.reset(token)
+        for name, out in outs.items():
+            results = [r.payload["content"] for r in out.rows if r.kind == "tool_result"]
+            assert results and all(name in str(text) for text in results), (name, results)
+
+
+def test_a_parent_given_twice_lists_its_child_once() -> None:
+    parent = LineageNode("p", "new", "user")
+    child = LineageNode("c", "merge", "user", [parent, parent])
+    assert parent.children == [child]
+    assert parent.descendants() == [child]
+
+
+def test_dead_children_are_dropped_and_the_list_stays_bounded() -> None:
+    parent = LineageNode("p", "new", "agent")
+    kept = [LineageNode(f"k{i}", "run", "output", [parent]) for i in range(3)]
+    for i in range(20 * PRUNE_FROM):
+        LineageNode(f"d{i}", "run", "output", [parent])  # dropped at once
+    gc.collect()
+    assert parent._children is not None
+    assert len(parent._children) <= 2 * PRUNE_FROM
+    assert parent.children == kept
+    assert len(parent._children) == 3  # reading dropped the dead ones
+
+
+def test_a_child_lives_no_longer_for_its_parent() -> None:
+    import weakref
+
+    parent = LineageNode("p", "new", "user")
+    child = LineageNode("c", "fork", "user", [parent])
+    seen = weakref.ref(child)
+    del child
+    gc.collect()
+    assert seen() is None
+    assert parent.children == []
+
+
+def test_pending_outputs_are_children_of_both_inputs() -> None:
+    with FakeOpenAIServer(script="echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k")
+        user, agent = Session.from_user_message("hello"), Session.from_agent_prompt("sys")
+        outs = [run_session_loop(user, agent, agent_provider=provider) for _ in range(5)]
+        ids = sorted(o.id for o in outs)
+        assert [n.id for n in user.lineage.children] == ids
+        assert [n.id for n in agent.lineage.children] == ids
+        for out in outs:
+            assert out.lineage.parent_ids == (user.id, agent.id)
+            out.synchronize(30)
+        follow = outs[0].add_user_message("more")
+        assert outs[0].lineage.children == [follow.lineage]
+        assert follow.lineage in user.lineage.descendants()
