@@ -72,7 +72,7 @@ class ToolSet(Mapping[str, Tool]):
                 )
             self._tools[item.name] = item
         self._schemas_json: bytes | None = None
-        self.sources = tuple(sources)
+        self.sources = tuple(sources) if sources else ()
         """Tool sources whose tools are not listed yet (see `expanded`)."""
 
     @classmethod
@@ -94,7 +94,9 @@ class ToolSet(Mapping[str, Tool]):
                 sources.append(item)
             else:
                 custom.append(_as_tool(item))  # type: ignore[arg-type]  # not a source
-        reserved = list(builtins)
+        reserved = tuple(builtins)
+        if not reserved:  # the usual pass (no sandbox): nothing to shadow, no copy
+            return cls(custom, sources)
         _check_shadowing(reserved, custom)
         return cls([*reserved, *custom], sources)
 
