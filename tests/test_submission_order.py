@@ -198,3 +198,17 @@ def test_pending_outputs_are_children_of_both_inputs() -> None:
         follow = outs[0].add_user_message("more")
         assert outs[0].lineage.children == [follow.lineage]
         assert follow.lineage in user.lineage.descendants()
+
+
+def test_a_pending_output_is_the_facade_session_pending_would_build() -> None:
+    with FakeOpenAIServer(script="echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k")
+        out = run_session_loop(USER, AGENT, agent_provider=provider)
+        node = out.lineage
+        assert (node.id, node.operator, node.kind) == (out.id, "run_session_loop", "output")
+        assert node.parents == (USER.lineage, AGENT.lineage)
+        assert not out.done() or node.usage is not None
+        out.synchronize(30)
+        assert node.usage == out.usage and out.usage.requests == 1  # recorded when it settled
+        merged = out.merge(out.fork())  # merge counts the shared usage once
+        assert merged.usage == out.usage

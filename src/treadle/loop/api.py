@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from treadle.loop.first_call import on_first_call
 from treadle.session import Session, SessionData, new_session_id
+from treadle.session.pending import pending_output
 
 if TYPE_CHECKING:
     from treadle.llm.provider import Provider
@@ -187,13 +188,12 @@ def run_session_loop(
         # here, before the pass exists (no model call, no file), never after.
         handle.acquire()
     try:
-        out = Session._pending(
+        out = pending_output(
             submit(run_pass(plan, out_id, cancel_as_stop=True)),
-            id=out_id,
-            operator="run_session_loop",
-            kind="output",
-            parents=[user_session, agent_session],
-            sandbox=handle,
+            out_id,
+            user_session,
+            agent_session,
+            handle,
         )
     finally:
         if handle is not None:
