@@ -133,9 +133,10 @@ def plan_in_order(
         raise ConfigurationError("max_tool_rounds must be an int.")
     if max_tool_rounds < 1:
         raise ConfigurationError(f"max_tool_rounds must be at least 1, got {max_tool_rounds}.")
-    for name, fn in (("on_event", on_event), ("on_message", on_message)):
-        if fn is not None and not callable(fn):
-            raise ConfigurationError(f"{name} must be callable.")
+    if on_event is not None and not callable(on_event):
+        raise ConfigurationError("on_event must be callable.")
+    if on_message is not None and not callable(on_message):
+        raise ConfigurationError("on_message must be callable.")
     behavior = check_tool_use_behavior(tool_use_behavior)
     if limits is not None and not isinstance(limits, Limits):
         raise ConfigurationError("limits must be a treadle Limits(...).")
@@ -200,7 +201,7 @@ def plan_in_order(
         path,
         bool(resolved.stream) if resolved is not None and executor is None else False,
         limits or _NO_LIMITS,
-        normalise_guardrails(guardrails),
+        normalise_guardrails(guardrails) if guardrails is not None else (),
         on_message,
         dict(approvals) if approvals else None,
         emit,
@@ -208,7 +209,7 @@ def plan_in_order(
         agent_name,
         hooks,
         current_stop(),
-        tool_guardrails_of(guardrails),
+        tool_guardrails_of(guardrails) if guardrails is not None else (),
         behavior,
         bool(reset_tool_choice),
         context_parameter(on_message) if on_message is not None else None,

@@ -38,8 +38,11 @@ def _is_source(item: object) -> TypeGuard[ToolSource]:
 
 
 def _as_tool(item: Tool | type[Tool] | Callable[..., Any]) -> Tool:
-    if isinstance(item, Tool):
-        return item
+    # A `Tool` subclass's instance is found by its type's MRO (a C-level tuple scan) before the
+    # ABC's `isinstance` (a Python-level call): once per tool in every submitted pass.
+    mro: tuple[type, ...] = type(item).__mro__  # type: ignore[assignment]  # a class's MRO
+    if Tool in mro or isinstance(item, Tool):
+        return item  # type: ignore[return-value]  # an instance of a Tool subclass
     if isinstance(item, type) and issubclass(item, Tool):
         return item()
     if callable(item):
