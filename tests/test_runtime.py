@@ -171,6 +171,32 @@ def test_fork_child_gets_a_fresh_runtime() -> None:
     assert get_runtime() is parent_rt
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_is_refused_by_its_parents_runtime() -> None:
+    # Submission reads the process id kept by the fork hook, not `os.getpid()` (a system call
+    # per pass): the child must still be told the parent's runtime is not its own.
+    parent_rt = get_runtime()
+    assert parent_rt.run(_value(1)) == 1
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            coro = _value(2)
+            try:
+                parent_rt.submit(coro)
+                os.write(write_end, b"accepted")
+            except RuntimeError:
+                os.write(write_end, b"refused" if coro.cr_frame is None else b"open")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read_end, 20) == b"refused"  # and the coroutine was closed
+    assert os.WEXITSTATUS(status) == 0
+
+
 def test_shutdown_drains_then_a_new_runtime_starts(tmp_path: object) -> None:
     import subprocess
 

@@ -204,7 +204,7 @@ class Runtime:
         lazy = LazyValue(future, self)
         on_loop = threading.get_ident() == self._thread.ident  # asked once: per-pass cost
         with self._state:
-            refused = self._closed or self._dead is not None or self._pid != os.getpid()
+            refused = self._closed or self._dead is not None or self._pid != _pid
             if not refused and not on_loop:
                 self._unstarted[future] = coro
         if refused:
@@ -385,13 +385,16 @@ def _max_started() -> int:
 
 _lock = threading.Lock()
 _runtime: Runtime | None = None
+# This process's id, renewed in a forked child by `_after_fork_in_child`: submission reads it
+# instead of calling `os.getpid()`, a system call (0.7 µs here) twice in every submission.
+_pid = os.getpid()
 
 
 def get_runtime() -> Runtime:
     """The process's runtime, started on first use (and anew in a forked child)."""
     global _runtime
     rt = _runtime
-    if rt is not None and rt.alive and rt._pid == os.getpid():
+    if rt is not None and rt.alive and rt._pid == _pid:
         return rt
     with _lock:
         rt = _runtime
@@ -434,7 +437,8 @@ def shutdown(drain_seconds: float | None = None) -> None:
 def _after_fork_in_child() -> None:
     # The runtime thread does not exist in the child; forget it (and the lock, which may have
     # been held by another parent thread at fork time).
-    global _runtime, _lock
+    global _runtime, _lock, _pid
+    _pid = os.getpid()
     _runtime = None
     _lock = threading.Lock()
 
