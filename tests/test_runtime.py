@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import sys
 import threading
@@ -187,7 +188,8 @@ def test_a_forked_child_is_refused_by_its_parents_runtime() -> None:
                 parent_rt.submit(coro)
                 os.write(write_end, b"accepted")
             except RuntimeError:
-                os.write(write_end, b"refused" if coro.cr_frame is None else b"open")
+                closed = inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+                os.write(write_end, b"refused" if closed else b"open")
             code = 0
         finally:
             os._exit(code)
