@@ -13,6 +13,8 @@ import ast
 import contextvars
 import gc
 import inspect
+import os
+import signal
 import textwrap
 import threading
 from dataclasses import fields
@@ -212,3 +214,42 @@ def test_a_pending_output_is_the_facade_session_pending_would_build() -> None:
         assert node.usage == out.usage and out.usage.requests == 1  # recorded when it settled
         merged = out.merge(out.fork())  # merge counts the shared usage once
         assert merged.usage == out.usage
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_thread_derives_sessions_can_derive_its_own() -> None:
+    # Another thread takes lineage's module lock for every session it derives; a child forked
+    # while that thread held it must not inherit it held (the after-fork hook renews it).
+    stop = threading.Event()
+
+    def derive() -> None:
+        while not stop.is_set():
+            USER.fork()
+
+    deriver = threading.Thread(target=derive, daemon=True)
+    deriver.start()
+    outcomes: list[int] = []
+    try:
+        for _ in range(200):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    # A child that deadlocks is killed (pytest-timeout's own SIGALRM handler
+                    # would raise instead, and the child would exit as if it had finished).
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                    signal.alarm(20)
+                    USER.fork().add_user_message("more")
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            outcomes.append(status)
+            if status != 0:
+                break  # one hung child is the failure: do not wait out the others
+    finally:
+        stop.set()
+        deriver.join()
+    hung = [s for s in outcomes if os.WIFSIGNALED(s) and os.WTERMSIG(s) == signal.SIGALRM]
+    assert not hung, f"{len(hung)} of {len(outcomes)} forked children deadlocked"
+    assert outcomes == [0] * 200

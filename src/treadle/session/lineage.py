@@ -7,6 +7,7 @@ and a long fan-out never accumulates a process-wide registry). Pure values, no I
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -19,6 +20,17 @@ if TYPE_CHECKING:
 __all__ = ["LineageNode", "record_usage", "shared_usage"]
 
 _children_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # Another parent thread may have held the lock at fork time; that thread does not exist in
+    # the child, so the child would wait forever on its first derived session. The lists it
+    # guarded are whole in the child (each change to one is a single append or assignment).
+    global _children_lock
+    _children_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 PRUNE_FROM = 64
 """Weak references a node's children list holds before it first drops its dead ones."""
