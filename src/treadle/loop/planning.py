@@ -16,7 +16,7 @@ from treadle.errors import ConfigurationError, SandboxError
 from treadle.llm.provider import Provider
 from treadle.llm.turn import HttpExecutor, ModelExecutor, validate_executor
 from treadle.loop.api import DEFAULT_MAX_TOOL_ROUNDS, next_pass_name
-from treadle.loop.control import Limits, normalise_guardrails, tool_guardrails_of
+from treadle.loop.control import Limits, split_guardrails
 from treadle.loop.events import Event
 from treadle.loop.hooks import Hooks
 from treadle.loop.plan import PassPlan
@@ -185,6 +185,7 @@ def plan_in_order(
             from treadle.persist.writer import default_session_path
 
             path = default_session_path(out_id, target)
+    pass_guards, tool_guards = split_guardrails(guardrails) if guardrails is not None else ((), ())
     agent_name = next_pass_name.get()
     if agent_name is not None:  # this pass only: the tasks it starts copy the context from here
         next_pass_name.set(None)
@@ -201,7 +202,7 @@ def plan_in_order(
         path,
         bool(resolved.stream) if resolved is not None and executor is None else False,
         limits or _NO_LIMITS,
-        normalise_guardrails(guardrails) if guardrails is not None else (),
+        pass_guards,
         on_message,
         dict(approvals) if approvals else None,
         emit,
@@ -209,7 +210,7 @@ def plan_in_order(
         agent_name,
         hooks,
         current_stop(),
-        tool_guardrails_of(guardrails) if guardrails is not None else (),
+        tool_guards,
         behavior,
         bool(reset_tool_choice),
         context_parameter(on_message) if on_message is not None else None,
