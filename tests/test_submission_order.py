@@ -13,22 +13,28 @@ import ast
 import contextvars
 import gc
 import inspect
+import itertools
 import os
 import signal
 import textwrap
 import threading
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from treadle import ConfigurationError, Limits, Provider, Session, run_session_loop, tool
-from treadle.loop import api
+from treadle.loop import Guardrail, Hooks, ToolGuardrail, api, planning
+from treadle.loop.api import next_pass_name
 from treadle.loop.plan import PassPlan
 from treadle.loop.planning import PLAN_FIELDS, plan_in_order, plan_pass
+from treadle.loop.soft_stop import StopRequest, sharing_stop
 from treadle.runtime.background import stats
 from treadle.session.lineage import PRUNE_FROM, LineageNode
+from treadle.stores import Store
 from treadle.testing import FakeOpenAIServer
+from treadle.tools import ToolContext, ToolSet
 
 USER = Session.from_user_message("hi")
 AGENT = Session.from_agent_prompt("be brief")
@@ -37,8 +43,10 @@ UNUSED = Provider(model="m", base_url="http://127.0.0.1:9/v1", api_key="k")
 flavour: contextvars.ContextVar[str] = contextvars.ContextVar("flavour", default="none")
 
 
-def test_plan_fields_are_in_the_order_plan_in_order_gives_them() -> None:
+def test_plan_in_order_gives_every_plan_field_by_position() -> None:
+    # Which value goes to which field is held by `test_each_argument_lands_in_its_own_plan_field`.
     assert tuple(f.name for f in fields(PassPlan)) == PLAN_FIELDS
+    assert len(_call_args(plan_in_order, "PassPlan")) == len(PLAN_FIELDS)
 
 
 def test_plan_in_order_takes_plan_pass_arguments_in_plan_pass_order() -> None:
@@ -63,26 +71,49 @@ def test_run_session_loop_gives_each_argument_in_its_place() -> None:
     assert _call_args(plan_pass, "plan_in_order") == order
 
 
-def test_the_positional_plan_is_the_keyword_one() -> None:
-    def seen(row: Any, control: Any) -> None: ...
+def test_each_argument_lands_in_its_own_plan_field(tmp_path: Path) -> None:
+    # The plan `plan_in_order` builds by position against one built here by keyword from the
+    # call's inputs, field by field. Every field gets a value no other field has (only
+    # `trace_parent` is None: tracing is off), so any two swapped positions show.
+    def emit(event: Any) -> None: ...
 
-    options: dict[str, Any] = {
-        "agent_provider": UNUSED, "tools": [ping], "max_tool_rounds": 7,
-        "on_event": print, "persist_path": None, "limits": Limits(max_steps=3),
-        "on_message": seen, "approvals": {"c1": True}, "deps": {"who": 1},
-        "tool_use_behavior": "stop_on_first_tool", "reset_tool_choice": False,
-    }  # fmt: skip
-    by_name = plan_pass(USER, AGENT, "x", **options)
-    by_place = plan_in_order(
-        USER, AGENT, "x", None, UNUSED, None, [ping], None, 7, print, False, None,
-        Limits(max_steps=3), None, seen, {"c1": True}, None, {"who": 1}, "stop_on_first_tool",
-        False, None, None,
-    )  # fmt: skip
-    for name in PLAN_FIELDS:
-        if name in ("tools", "stop"):  # built anew for each pass
-            continue
-        assert getattr(by_place, name) == getattr(by_name, name), name
-    assert list(by_place.tools) == list(by_name.tools) == ["ping"]
+    def on_event(event: Any) -> None: ...
+
+    def seen(row: Any, control: Any, *, ctx: ToolContext) -> None: ...
+
+    class Watch(Hooks):
+        pass
+
+    streaming = Provider(model="m", base_url="http://127.0.0.1:9/v1", api_key="k", stream=True)
+    guard, tool_guard = Guardrail(lambda i: None, "before"), ToolGuardrail(lambda i: None)
+    limits, hooks, stop, deps = Limits(max_steps=3), Watch(), StopRequest(), {"who": 1}
+    with Store.sqlite(tmp_path / "s.db") as store, sharing_stop(stop):
+        token = next_pass_name.set("named")  # what the next pass is called (an agent's name)
+        try:
+            got = plan_in_order(
+                USER, AGENT, "x", emit, streaming, None, [ping], None, 7, on_event, False,
+                tmp_path / "p.jsonl", limits, [guard, tool_guard], seen, {"c1": True}, hooks, deps,
+                "stop_on_first_tool", False, store, "talk",
+            )  # fmt: skip
+        finally:
+            next_pass_name.reset(token)
+        want = PassPlan(
+            user=USER, agent=AGENT, provider=streaming.resolve(), tools=ToolSet.build([ping]),
+            executor=planning._HTTP, max_tool_rounds=7, on_event=on_event,
+            persist_path=tmp_path / "p.jsonl", stream=True, limits=limits, guardrails=(guard,),
+            on_message=seen, approvals={"c1": True}, emit=emit, trace_parent=None,
+            agent_name="named", hooks=hooks, stop=stop, tool_guardrails=(tool_guard,),
+            tool_use_behavior="stop_on_first_tool", reset_tool_choice=False,
+            on_message_context="ctx", deps=deps, store=store, conversation="talk",
+        )  # fmt: skip
+    values = {f.name: getattr(want, f.name) for f in fields(PassPlan)}
+    for a, b in itertools.combinations(values, 2):  # the test's own premise
+        assert a == "trace_parent" or values[a] != values[b], (a, b)
+    for name, value in values.items():
+        if name == "tools":  # built anew for each pass
+            assert list(got.tools) == list(value) == ["ping"]
+        else:
+            assert getattr(got, name) == value, name
 
 
 @tool
