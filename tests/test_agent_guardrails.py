@@ -205,6 +205,36 @@ def test_tool_guardrails_reject_rewrite_and_trip(server: FakeOpenAIServer) -> No
     assert ran == []  # the call never ran
 
 
+def test_guardrails_given_as_a_generator_all_apply(server: FakeOpenAIServer) -> None:
+    # A one-shot iterable is read once: the pass and tool guardrails both come from that read.
+    def refuse_all(data: ToolGuardrailInput) -> str:
+        return "no tools from a generator"
+
+    seen: list[str] = []
+
+    def look(data: GuardrailInput) -> None:
+        seen.append("before")
+
+    def guards() -> Any:
+        yield look
+        yield ToolGuardrail(refuse_all, "tool_input")
+
+    server.enqueue(Reply.tool_call("transfer_money", {"amount": 1}), Reply.text("done"))
+    out = run_session_loop(
+        Session.from_user_message("move"),
+        Session.from_agent_prompt("Bank."),
+        agent_provider=_provider(server),
+        tools=[transfer_money],
+        guardrails=guards(),
+    )
+    assert out.final_text == "done"
+    [result] = [json.loads(r.payload["content"]) for r in out.rows if r.kind == "tool_result"]
+    assert result["error_kind"] == "guardrail_rejected"
+    assert seen  # and the plain one ran before the model
+    ran = {(r.guardrail, r.when) for r in out.metadata["guardrail_results"]}
+    assert ("refuse_all", "tool_input") in ran
+
+
 def test_guardrail_configuration_errors() -> None:
     with pytest.raises(ConfigurationError, match="'input' or 'output'"):
         Guardrail(lambda d: None, "sometimes")  # type: ignore[arg-type]

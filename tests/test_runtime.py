@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import sys
 import threading
@@ -167,6 +168,66 @@ def test_fork_child_gets_a_fresh_runtime() -> None:
     os.close(write_end)
     _, status = os.waitpid(pid, 0)
     assert os.read(read_end, 10) == b"ok"
+    assert os.WEXITSTATUS(status) == 0
+    assert get_runtime() is parent_rt
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_is_refused_by_its_parents_runtime() -> None:
+    # The child must be told the parent's runtime is not its own, and the coroutine closed.
+    parent_rt = get_runtime()
+    assert parent_rt.run(_value(1)) == 1
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            coro = _value(2)
+            try:
+                parent_rt.submit(coro)
+                os.write(write_end, b"accepted")
+            except RuntimeError:
+                closed = inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+                os.write(write_end, b"refused" if closed else b"open")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read_end, 20) == b"refused"  # and the coroutine was closed
+    assert os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_by_libc_gets_a_fresh_runtime() -> None:
+    # A C extension's fork() runs none of Python's at-fork hooks: only the process id tells
+    # the child that the runtime it inherited has no thread here.
+    import ctypes
+
+    parent_rt = get_runtime()
+    assert parent_rt.run(_value(1)) == 1
+    read_end, write_end = os.pipe()
+    pid = ctypes.CDLL(None).fork()
+    if pid == 0:
+        code = 1
+        try:
+            coro = _value(2)
+            try:
+                parent_rt.submit(coro)
+                refused = b"accepted"
+            except RuntimeError:
+                refused = b"refused"
+            try:
+                got = str(submit(_value(41, 0.01)).result(timeout=10))
+            except Exception as e:  # the parent's runtime: RuntimeLoopError
+                got = type(e).__name__
+            os.write(write_end, refused + b" " + got.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read_end, 100) == b"refused 41"
     assert os.WEXITSTATUS(status) == 0
     assert get_runtime() is parent_rt
 

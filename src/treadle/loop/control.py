@@ -49,6 +49,7 @@ __all__ = [
     "before_model",
     "call_user",
     "normalise_guardrails",
+    "split_guardrails",
     "tool_guardrails_of",
 ]
 
@@ -291,26 +292,36 @@ def after_model(fn: Callable[..., Any]) -> Guardrail:
     return Guardrail(fn, "after", getattr(fn, "__name__", ""))
 
 
-def normalise_guardrails(items: Iterable[Any] | None) -> tuple[Guardrail, ...]:
-    """Guardrails from a list of `Guardrail`s or plain callables (plain ones run `before`);
-    `ToolGuardrail`s are kept apart (see `tool_guardrails_of`)."""
+def split_guardrails(
+    items: Iterable[Any] | None,
+) -> tuple[tuple[Guardrail, ...], tuple[ToolGuardrail, ...]]:
+    """`guardrails=` read once: the pass's `Guardrail`s (plain callables run `before`) and the
+    `ToolGuardrail`s, so a generator gives both (reading it twice saw nothing the second time)."""
     if items is None:
-        return ()
+        return (), ()
     if isinstance(items, (Guardrail, str)) or callable(items):
         raise ConfigurationError("guardrails takes a list, e.g. guardrails=[my_check].")
-    out = []
+    out: list[Guardrail] = []
+    tool_guards: list[ToolGuardrail] = []
     for item in items:
         if isinstance(item, Guardrail):
             out.append(item)
         elif isinstance(item, ToolGuardrail):
-            continue
+            tool_guards.append(item)
         elif callable(item):
             out.append(Guardrail(item, "before", getattr(item, "__name__", "")))
         else:
             raise ConfigurationError(
                 f"a guardrail must be a Guardrail or a callable, got {type(item).__name__}."
             )
-    return tuple(out)
+    return tuple(out), tuple(tool_guards)
+
+
+def normalise_guardrails(items: Iterable[Any] | None) -> tuple[Guardrail, ...]:
+    """Guardrails from a list of `Guardrail`s or plain callables (plain ones run `before`);
+    `ToolGuardrail`s are kept apart (see `tool_guardrails_of`; `split_guardrails` gives both
+    from one read)."""
+    return split_guardrails(items)[0]
 
 
 def tool_guardrails_of(items: Iterable[Any] | None) -> tuple[ToolGuardrail, ...]:

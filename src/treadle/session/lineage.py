@@ -7,6 +7,7 @@ and a long fan-out never accumulates a process-wide registry). Pure values, no I
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -18,13 +19,36 @@ if TYPE_CHECKING:
 
 __all__ = ["LineageNode", "record_usage", "shared_usage"]
 
-_first_child = threading.Lock()
+_children_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # Another parent thread may have held the lock at fork time; that thread does not exist in
+    # the child, so the child would wait forever on its first derived session. The lists it
+    # guarded are whole in the child (each change to one is a single append or assignment).
+    global _children_lock
+    _children_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+PRUNE_FROM = 64
+"""Weak references a node's children list holds before it first drops its dead ones."""
 
 
 class LineageNode:
     """Where one session came from: its `id`, the `operator` that made it, its `kind`, parents."""
 
-    __slots__ = ("__weakref__", "_children", "id", "kind", "operator", "parents", "usage")
+    __slots__ = (
+        "__weakref__",
+        "_children",
+        "_prune_at",
+        "id",
+        "kind",
+        "operator",
+        "parents",
+        "usage",
+    )
 
     def __init__(
         self, id: str, operator: str, kind: str, parents: Iterable[LineageNode] = ()
@@ -35,17 +59,30 @@ class LineageNode:
         self.parents: tuple[LineageNode, ...] = tuple(parents)
         self.usage: Usage | None = None
         """The session's usage once its data is known (what `merge` must not count twice)."""
-        # Made with the first child: most nodes (a fan-out's outputs) never have one, and an
-        # empty `WeakSet` is five objects the collector walks per node.
-        self._children: weakref.WeakSet[LineageNode] | None = None
-        for parent in self.parents:
-            children = parent._children
-            if children is None:
-                with _first_child:  # two threads deriving from one parent keep one set
+        # Plain weak references to the children, made with the first child (most nodes, a
+        # fan-out's outputs, never have one). One reference (without a callback) serves every
+        # parent, where a `WeakSet` per parent made one reference with a callback per parent
+        # and per child: 1.0 -> 0.4 µs of each submission (docs/performance.md, issue 33).
+        # Dead references are dropped when the list doubles (amortised), and on reading.
+        self._children: list[weakref.ref[LineageNode]] | None = None
+        self._prune_at = PRUNE_FROM
+        if self.parents:
+            ref = weakref.ref(self)
+            with _children_lock:  # appends and prunes from many threads keep every child
+                for parent in self.parents:
                     children = parent._children
                     if children is None:
-                        children = parent._children = weakref.WeakSet()
-            children.add(self)
+                        parent._children = [ref]
+                    else:
+                        children.append(ref)
+                        if len(children) >= parent._prune_at:
+                            parent._prune()
+
+    def _prune(self) -> None:
+        """Drop the references to dead children (under `_children_lock`)."""
+        live = [r for r in self._children or () if r() is not None]
+        self._children = live
+        self._prune_at = max(PRUNE_FROM, 2 * len(live))
 
     @property
     def parent_ids(self) -> tuple[str, ...]:
@@ -55,7 +92,11 @@ class LineageNode:
     @property
     def children(self) -> list[LineageNode]:
         """Direct children that are still alive (sorted by id for a stable order)."""
-        return sorted(self._children or (), key=lambda n: n.id)
+        with _children_lock:
+            self._prune()
+            refs = list(self._children or ())
+        live = {id(n): n for n in (r() for r in refs) if n is not None}  # a parent given twice
+        return sorted(live.values(), key=lambda n: n.id)
 
     def ancestors(self) -> list[LineageNode]:
         """Every ancestor, nearest first (breadth-first, each once)."""

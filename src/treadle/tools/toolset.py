@@ -38,8 +38,11 @@ def _is_source(item: object) -> TypeGuard[ToolSource]:
 
 
 def _as_tool(item: Tool | type[Tool] | Callable[..., Any]) -> Tool:
-    if isinstance(item, Tool):
-        return item
+    # A `Tool` subclass's instance is found by its type's MRO (a C-level tuple scan) before the
+    # ABC's `isinstance` (a Python-level call): once per tool in every submitted pass.
+    mro: tuple[type, ...] = type(item).__mro__  # type: ignore[assignment]  # a class's MRO
+    if Tool in mro or isinstance(item, Tool):
+        return item  # type: ignore[return-value]  # an instance of a Tool subclass
     if isinstance(item, type) and issubclass(item, Tool):
         return item()
     if callable(item):
@@ -72,7 +75,7 @@ class ToolSet(Mapping[str, Tool]):
                 )
             self._tools[item.name] = item
         self._schemas_json: bytes | None = None
-        self.sources = tuple(sources)
+        self.sources = tuple(sources) if sources else ()
         """Tool sources whose tools are not listed yet (see `expanded`)."""
 
     @classmethod
@@ -94,7 +97,9 @@ class ToolSet(Mapping[str, Tool]):
                 sources.append(item)
             else:
                 custom.append(_as_tool(item))  # type: ignore[arg-type]  # not a source
-        reserved = list(builtins)
+        reserved = tuple(builtins)
+        if not reserved:  # the usual pass (no sandbox): nothing to shadow, no copy
+            return cls(custom, sources)
         _check_shadowing(reserved, custom)
         return cls([*reserved, *custom], sources)
 
