@@ -38,6 +38,7 @@ from treadle.errors import (
     ToolError,
     ToolTimeoutError,
 )
+from treadle.mcp.checks import CheckThreads
 from treadle.mcp.listing import CheckedSession, compile_all, list_all, until_quiet
 from treadle.mcp.stdio import StdioTransport, TransportFault
 from treadle.runtime import Runtime
@@ -185,6 +186,8 @@ class Link:
         """How many times the tool list was fetched (first listings and refreshes)."""
         self.starts = 0
         """How many connections were opened so far (1 + restarts)."""
+        self.checks = CheckThreads(label)
+        """The threads this server's output checks run on (its own: `treadle.mcp.checks`)."""
         self.stop_phases: list[tuple[str, ...]] = []
         """How each closed stdio connection's process was stopped (see `StdioTransport`)."""
         _register(self)
@@ -273,6 +276,7 @@ class Link:
                         client_info=_CLIENT_INFO,
                     )
                 )
+                session.check_threads = self.checks
                 async with anyio.create_task_group() as group:
                     live.group = group
                     try:

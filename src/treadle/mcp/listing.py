@@ -25,6 +25,7 @@ from mcp_types import methods as result_rows
 from pydantic import TypeAdapter
 
 from treadle.errors import MCPServerError
+from treadle.mcp.checks import CheckThreads
 from treadle.mcp.schema import BudgetExceeded, run_check
 from treadle.mcp.tool import (
     CHEAP_SCHEMA_COST,
@@ -180,6 +181,8 @@ class CheckedSession(ClientSession):
 
     output_validators: Mapping[str, Any] = {}
     """The compiled output schema of each listed tool that has one, by its name."""
+    check_threads: CheckThreads | None = None
+    """The server's own check threads, which its output checks run on."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -210,7 +213,12 @@ class CheckedSession(ClientSession):
         else:
             try:
                 error = await run_check(
-                    _output_error, validator, structured, name, budget=CHECK_BUDGET_SECONDS
+                    _output_error,
+                    validator,
+                    structured,
+                    name,
+                    budget=CHECK_BUDGET_SECONDS,
+                    threads=self.check_threads,
                 )
             except BudgetExceeded:  # still running (one RE2 call cannot be stopped)
                 raise RuntimeError(_overrun(name)) from None

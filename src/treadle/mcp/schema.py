@@ -18,27 +18,26 @@ budget (`Compiled.errors`): every keyword checks the deadline, and one past it r
 character, so a string matched against a `pattern` may have at most `MAX_PATTERN_CHARACTERS`
 (longer is a validation error naming the limit). A schema with a pattern or a large `enum` /
 `const` is `heavy`: its checks run off the loop whatever the value (`run_check`: on threads of
-their own, at most `CHECK_THREADS`, so runaway checks starve nothing else; the caller stops
-waiting at the budget). This module must never run Python's `re` on a server's pattern.
+their server's own, `treadle.mcp.checks`, so runaway checks starve nothing else; the caller
+stops waiting at the budget). This module must never run Python's `re` on a server's pattern.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
 from typing import Any
 from urllib.parse import unquote, urldefrag, urljoin
 
 import re2  # type: ignore[import-untyped]
 from jsonschema import exceptions, validators  # type: ignore[import-untyped]
 
+from treadle.mcp.checks import CHECK_THREADS, BudgetExceeded, run_check
+
 __all__ = [
+    "CHECK_THREADS",
     "MAX_EXPANSION",
     "MAX_PATTERN_CHARACTERS",
     "BudgetExceeded",
@@ -51,9 +50,6 @@ __all__ = [
 #: The longest string matched against a schema's `pattern` (a longer one is a validation error;
 #: a longer property name counts as matching, for the server to decide).
 MAX_PATTERN_CHARACTERS = 100_000
-#: Threads that run schema checks off the loop (their own: a runaway check holds one of these,
-#: never a thread the runtime needs for anything else).
-CHECK_THREADS = 2
 # An `enum` longer than this, or a `const` that is an object or array, makes a schema heavy.
 _HEAVY_ENUM = 32
 
@@ -71,10 +67,6 @@ _PATTERN_CACHE = 512
 
 class SchemaRefused(ValueError):
     """A tool's input schema cannot be used; the message says why."""
-
-
-class BudgetExceeded(Exception):
-    """A check ran past its time budget (raised from inside the validator, then reported)."""
 
 
 # The deadline of the check running on this thread (checks run on the loop or on workers).
@@ -272,64 +264,6 @@ def _heavy(schema: Any) -> bool:
         if (isinstance(enum, list) and len(enum) > _HEAVY_ENUM) or isinstance(const, dict | list):
             return True
     return False
-
-
-class _CheckThreads:
-    """At most `CHECK_THREADS` daemon threads running queued checks. Daemon threads, unlike a
-    `ThreadPoolExecutor`'s (which interpreter exit joins): a check given up on may run on for
-    a minute inside one RE2 call, and must not keep the process from exiting meanwhile."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0
-
-    def submit(self, call: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._queue.put((future, call))
-        with self._lock:
-            if self._idle > 0:
-                self._idle -= 1  # an idle thread takes it
-            elif self._threads < self._size:
-                self._threads += 1
-                threading.Thread(
-                    target=self._work, name=f"treadle-mcp-check-{self._threads}", daemon=True
-                ).start()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            future, call = self._queue.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(call())
-                except BaseException as error:  # handed to the waiting caller, as executors do
-                    future.set_exception(error)
-            del future, call  # the value is the caller's now: not kept alive while idle
-            with self._lock:
-                self._idle += 1
-
-    def after_fork_in_child(self) -> None:
-        """Forget the parent's threads (they did not survive the fork)."""
-        self.__init__(self._size)  # type: ignore[misc]
-
-
-_CHECKS = _CheckThreads(CHECK_THREADS)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_CHECKS.after_fork_in_child)
-
-
-async def run_check(fn: Callable[..., Any], *args: Any, budget: float) -> Any:
-    """`fn(*args)` on a check thread; `BudgetExceeded` when it has not answered in `budget`
-    seconds (queued or running: one still running finishes on its thread, unheard, and never
-    holds up interpreter exit)."""
-    future = asyncio.wrap_future(_CHECKS.submit(functools.partial(fn, *args)))
-    try:
-        return await asyncio.wait_for(future, budget)
-    except TimeoutError:
-        raise BudgetExceeded from None
 
 
 def _nodes(schema: Any) -> Iterator[tuple[str, Any]]:

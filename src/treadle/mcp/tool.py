@@ -211,7 +211,12 @@ class MCPTool(Tool):
         values = dict(arguments)
         if not self._on_loop(values):
             try:
-                errors = await run_check(self._errors, values, budget=CHECK_BUDGET_SECONDS)
+                errors = await run_check(
+                    self._errors,
+                    values,
+                    budget=CHECK_BUDGET_SECONDS,
+                    threads=getattr(self.server, "checks", None),
+                )
             except BudgetExceeded:  # still running (one RE2 call cannot be stopped)
                 raise self._overrun() from None
             self._report(errors)
