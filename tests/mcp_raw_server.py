@@ -6,9 +6,13 @@ lists deep, which no JSON parser here accepts), `fill_structured` / `fill_blocks
 small entries in `structuredContent`, or text blocks, as fit in a line of at most `size` bytes)
 or anything else ("ok"); `fill_lists` fills it with `[[[]]]` entries in `structuredContent`
 (the most lists per byte), `lists` sends `n` of those, `long` a `structuredContent` string `s` of
-`2n + 1` characters. `--tools N` lists N tools more besides `go`; `--output-schema` gives
-`go` an output schema that `fill_structured` entries of 9 break; `--pattern P` gives its input
-schema a string `s` matching `P` (and its output schema too with `--output-pattern`).
+`2n + 1` characters, `floats` `n` numbers `1e-400` (each a slow `strtod`) and `fill_floats` as
+many as fit, `announce` a `notifications/tools/list_changed` whose `_meta` holds `n` `[[[]]]`
+entries before its reply, and `odd` a `structuredContent` of `n` small rows and one `1e999`
+(`"odd": "inf"`) or one string of 20,001 characters (`"odd": "long"`). `--tools N` lists N
+tools more besides `go`; `--output-schema` gives `go` an output schema that `fill_structured`
+entries of 9 break; `--pattern P` gives its input schema a string `s` matching `P` (and its
+output schema too with `--output-pattern`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ def filled(call_id: int, kind: object, size: int) -> str:
             result = {"content": [{"type": "text", "text": "s"}], "structuredContent": {"b": blob}}
         elif kind == "fill_lists":
             result = {"content": [{"type": "text", "text": "s"}], "structuredContent": lists(n)}
+        elif kind == "fill_floats":
+            return floats(call_id, n)
         else:
             result = {"content": [{"type": "text", "text": "t"} for _ in range(n)]}
         reply = {"jsonrpc": "2.0", "id": call_id, "result": result}
@@ -50,12 +56,30 @@ def lists(n: int) -> dict[str, object]:
     return {"x": [[[[]]] for _ in range(n)]}
 
 
+def floats(call_id: int, n: int) -> str:
+    """A reply whose `structuredContent` is `n` numbers `1e-400` (json.dumps cannot write one)."""
+    text = ",".join(["1e-400"] * n)
+    return (
+        f'{{"jsonrpc":"2.0","id":{call_id},"result":{{"content":[{{"type":"text","text":"s"}}],'
+        f'"structuredContent":{{"x":[{text}]}}}}}}'
+    )
+
+
 def answer(call_id: int, args: dict[str, object]) -> str:
     kind, n = args.get("kind"), int(str(args.get("n", 0)))
-    if kind in ("fill_structured", "fill_blocks", "fill_lists"):
+    if kind in ("fill_structured", "fill_blocks", "fill_lists", "fill_floats"):
         return filled(call_id, kind, int(str(args["size"])))
     text = [{"type": "text", "text": "s"}]
-    if kind == "lists":
+    if kind == "floats":
+        return floats(call_id, n)
+    if kind == "announce":
+        note = {"method": "notifications/tools/list_changed", "params": {"_meta": lists(n)}}
+        send(json.dumps({"jsonrpc": "2.0", **note}, separators=(",", ":")))
+    if kind == "odd":
+        odd = float("inf") if args.get("odd") == "inf" else "x" * 20_001
+        rows: list[object] = [{"k": j % 10} for j in range(n)]
+        result = {"content": text, "structuredContent": {"rows": rows, "z": odd}}
+    elif kind == "lists":
         result = {"content": text, "structuredContent": lists(n)}
     elif kind == "long":
         result = {"content": text, "structuredContent": {"s": "ab" * n + "a"}}

@@ -1,4 +1,5 @@
-"""The collector pause and the UTF-8 reading of an MCP message (treadle.mcp.parse, stdio._parse).
+"""The collector pause, the UTF-8 reading, the exponent count and the slimming of an MCP message
+(treadle.mcp.parse, stdio._parse).
 
 The pause must leave a program's own collector choices as it made them, and a process forked
 while a parse runs must get its collector back: the thread that would end the pause is not
@@ -15,7 +16,17 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, collector_paused, containers
+import json
+
+from treadle.mcp.parse import (
+    MAX_MESSAGE_CONTAINERS,
+    MAX_MESSAGE_EXPONENTS,
+    SLIM_TEXT,
+    collector_paused,
+    containers,
+    exponents,
+    slim,
+)
 from treadle.mcp.stdio import PARSE_OFF_LOOP_BYTES, MalformedMessage, _parse
 
 
@@ -107,3 +118,44 @@ def test_a_message_that_is_not_utf8_is_malformed_before_it_is_counted(encoding: 
     assert isinstance(_parse(line, "srv"), MalformedMessage)
     small = b'{"jsonrpc":"2.0","id":1,"result":{}}'.decode().encode(encoding)
     assert isinstance(_parse(small, "srv"), MalformedMessage)
+
+
+def test_exponents_count_numbers_outside_strings_only() -> None:
+    assert exponents(b'[1e-400, 2E5, true, false, null, "e\\"e", 1.5]', limit=0) == 2
+    # text rich in `e`s (and `true`s) is not a message of slow numbers
+    text = "the tree here is free, true " * (MAX_MESSAGE_EXPONENTS // 2)
+    line = json.dumps({"content": [{"type": "text", "text": text}], "ok": [True] * 50_000})
+    assert line.count("e") > MAX_MESSAGE_EXPONENTS
+    assert exponents(line.encode()) == 0
+
+
+def test_a_large_notification_over_the_exponent_budget_is_refused() -> None:
+    numbers = ",".join(["1e-400"] * (MAX_MESSAGE_EXPONENTS + 1))
+    line = ('{"jsonrpc":"2.0","id":1,"result":{"x":[' + numbers + "]}}").encode()
+    fault = _parse(line, "peer")
+    assert "numbers with an exponent" in str(fault) and "peer" in str(fault)
+
+
+def test_slim_keeps_what_treadle_reads_of_a_notification() -> None:
+    note = {
+        "jsonrpc": "2.0",
+        "method": "notifications/message",
+        "params": {"_meta": {"a": 1}, "level": "info", "data": ["x"] * 5, "logger": "y" * 5000},
+    }
+    assert slim(note)["params"] == {
+        "level": "info",
+        "data": "[list of 5 items, dropped by Treadle]",
+        "logger": "y" * SLIM_TEXT + "…",
+    }
+    reply = {"jsonrpc": "2.0", "id": 1, "result": {"_meta": {"a": [1]}}}
+    assert slim(dict(reply)) == reply  # a response is not touched
+    line = json.dumps(
+        {
+            "jsonrpc": "2.0",
+            "method": "notifications/tools/list_changed",
+            "params": {"_meta": {"x": [[1]] * 40_000}},
+        }
+    ).encode()
+    assert len(line) > PARSE_OFF_LOOP_BYTES
+    message = _parse(line, "peer")
+    assert message.message.params == {}  # type: ignore[union-attr]

@@ -9,7 +9,11 @@ later full collection of the process 40 to 70 ms long while they lived. So befor
 message is parsed, its arrays and objects are counted (`containers`: a few linear byte scans in
 C, each bounded), and a message with more than `MAX_MESSAGE_CONTAINERS` is refused unparsed; the
 others are parsed with the collector paused (`collector_paused`), which it would only have run
-over the message's own new objects. Every message is read as UTF-8 text first (MCP's encoding):
+over the message's own new objects. Numbers are objects too, mostly cheap, but one with an
+exponent (`1e-400`) takes `strtod` up to a microsecond: a message may hold at most
+`MAX_MESSAGE_EXPONENTS` of them (`exponents`, counted as the containers are). A large
+notification or server request, once parsed, is `slim`med to what Treadle reads of it, since
+the SDK types its params on the loop. Every message is read as UTF-8 text first (MCP's encoding):
 `json.loads` would take UTF-16 or UTF-32 bytes too, which the count cannot read. Text and
 images are a handful of containers whatever their size; 1 MiB of text blocks is 39,000, and
 1 MiB of small structured entries 131,000.
@@ -20,16 +24,34 @@ This module must never hold the GIL for long itself: every C call in it is over 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["MAX_MESSAGE_CONTAINERS", "collector_paused", "containers"]
+__all__ = [
+    "MAX_MESSAGE_CONTAINERS",
+    "MAX_MESSAGE_EXPONENTS",
+    "SLIM_TEXT",
+    "collector_paused",
+    "containers",
+    "exponents",
+    "slim",
+]
 
 #: Arrays and objects one message may hold (counted outside its strings): more is refused as
 #: the connection's fault, like a message over the size cap (docs/mcp.md, "A server is a peer").
 MAX_MESSAGE_CONTAINERS = 200_000
+#: Numbers with an exponent one message may hold (outside strings): `json.loads` turns each into
+#: a float through `strtod`, up to a microsecond apiece for one like `1e-400` (1 MiB of those,
+#: 150,000, held the GIL 107 to 164 ms; other numbers cost a tenth of that per byte at most).
+MAX_MESSAGE_EXPONENTS = 25_000
+#: Characters kept of a string in the params of a large notification or server request.
+SLIM_TEXT = 1000
+# Params fields kept of such a message.
+_SLIM_FIELDS = 32
 # Bytes scanned per C call when brackets inside strings have to be told apart.
 _PIECE = 64 * 1024
 
@@ -40,6 +62,26 @@ def containers(line: bytes, limit: int = MAX_MESSAGE_CONTAINERS) -> int:
     rough = line.count(b"[") + line.count(b"{")
     if rough <= limit or b'"' not in line:
         return rough
+    return _outside_strings(line, (b"[", b"{"))
+
+
+def exponents(line: bytes, limit: int = MAX_MESSAGE_EXPONENTS) -> int:
+    """The numbers with an exponent (`1e-400`) in JSON text `line`: exact when it matters (over
+    `limit` by a rough count of every `e` and `E`, in strings and `true` too), else that bound.
+
+    Outside strings a JSON text has letters only in `true`, `false`, `null` and exponents, so
+    the `e`s and `E`s there, once `true` and `false` are taken out, are the exponents."""
+    rough = line.count(b"e") + line.count(b"E")
+    if rough <= limit:
+        return rough
+    # `true` and `false` out (in strings too: they hold no quote or backslash, so which bytes
+    # are inside a string stays as it was)
+    words = line.replace(b"true", b"").replace(b"false", b"")
+    return _outside_strings(words, (b"e", b"E"))
+
+
+def _outside_strings(line: bytes, needles: tuple[bytes, ...]) -> int:
+    """How often `needles` occur in `line` outside its JSON strings, in bounded C calls."""
     # Escapes out of the way (pairs of backslashes first, as JSON reads them left to right), so
     # every quote left opens or closes a string; then count outside the strings only.
     clean = line.replace(b"\\\\", b"__").replace(b'\\"', b"__")
@@ -48,9 +90,41 @@ def containers(line: bytes, limit: int = MAX_MESSAGE_CONTAINERS) -> int:
     for start in range(0, len(clean), _PIECE):
         parts = clean[start : start + _PIECE].split(b'"')
         outside = parts[1::2] if inside else parts[0::2]
-        count += sum(part.count(b"[") + part.count(b"{") for part in outside)
+        count += sum(part.count(needle) for part in outside for needle in needles)
         inside ^= (len(parts) - 1) % 2 == 1
     return count
+
+
+def slim(data: Any) -> Any:
+    """A parsed JSON-RPC message with the params of a notification or server request cut down
+    to what Treadle reads (a response is returned as it is).
+
+    The SDK types a notification's params with pydantic on the runtime loop (198,000 lists in
+    the `_meta` of one held it 465 to 731 ms), and Treadle needs none of a large one: it acts
+    on `notifications/tools/list_changed` (no params), and declines a server's requests or
+    answers them without their params (`ping`).
+    So `_meta` and every array or object in the params are dropped (an object's or array's
+    place keeps a short marker, which a field of any type accepts), strings are cut to
+    `SLIM_TEXT` characters, and numbers, booleans and null stay."""
+    if not isinstance(data, dict) or "method" not in data:
+        return data
+    params = data.get("params")
+    if not isinstance(params, dict):
+        if params is not None:
+            data["params"] = {}
+        return data
+    kept: dict[str, Any] = {}
+    for key, value in itertools.islice(params.items(), _SLIM_FIELDS):
+        if key == "_meta" or not isinstance(key, str):
+            continue
+        if isinstance(value, str):
+            kept[key] = value if len(value) <= SLIM_TEXT else value[:SLIM_TEXT] + "…"
+        elif isinstance(value, dict | list):
+            kept[key] = f"[{type(value).__name__} of {len(value):,} items, dropped by Treadle]"
+        else:
+            kept[key] = value
+    data["params"] = kept
+    return data
 
 
 _lock = threading.Lock()
