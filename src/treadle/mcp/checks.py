@@ -69,6 +69,14 @@ class CheckThreads:
                 ).start()
         return future
 
+    def drop_queued(self) -> None:
+        """Cancel every check not yet started (its server closed: nobody waits for it any
+        more); one running ends at its own budget, and later checks run as before."""
+        with self._lock:
+            dropped, self._queue = list(self._queue), deque()
+        for future, _ in dropped:
+            future.cancel()
+
     def _work(self) -> None:
         while True:
             with self._lock:

@@ -26,7 +26,7 @@ from pydantic import TypeAdapter
 
 from treadle.errors import MCPServerError
 from treadle.mcp.checks import CheckThreads
-from treadle.mcp.schema import BudgetExceeded, run_check
+from treadle.mcp.schema import BudgetExceeded, Patterns, run_check
 from treadle.mcp.tool import (
     CHEAP_SCHEMA_COST,
     CHECK_BUDGET_SECONDS,
@@ -163,12 +163,15 @@ def compile_all(listing: tuple[types.Tool, ...], label: str) -> list[tuple[Any, 
     """Each tool's compiled input and output schemas (None: no output schema), in listing order;
     `MCPSchemaError` for a refused one. Blocking (pure Python over peer data): call it on a
     worker thread."""
+    patterns = Patterns()  # a pattern several tools share is compiled once
     return [
         (
-            checked_validator(object_schema(tool.input_schema), tool.name, label),
+            checked_validator(
+                object_schema(tool.input_schema), tool.name, label, "input", patterns
+            ),
             None
             if tool.output_schema is None
-            else checked_validator(dict(tool.output_schema), tool.name, label, "output"),
+            else checked_validator(dict(tool.output_schema), tool.name, label, "output", patterns),
         )
         for tool in listing
     ]

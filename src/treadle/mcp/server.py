@@ -332,12 +332,14 @@ class MCPServer:
     async def aclose(self) -> None:
         """Close the connection (a stdio server's process stops); a later call opens a new one."""
         link, self._link = self._link, None
+        self.checks.drop_queued()  # checks queued for calls that will never be made
         if link is not None:
             await link.aclose()
 
     def close(self) -> None:
         """`aclose` for sync code (not on the runtime's loop thread)."""
         link, self._link = self._link, None
+        self.checks.drop_queued()
         if link is None or link.runtime.closed:
             return
         if link.runtime.in_loop_thread():

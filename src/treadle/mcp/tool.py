@@ -31,6 +31,7 @@ from treadle.errors import MCPSchemaError, ToolArgumentsError, ToolError
 from treadle.mcp.schema import (
     BudgetExceeded,
     Compiled,
+    Patterns,
     SchemaRefused,
     compile_schema,
     run_check,
@@ -233,12 +234,17 @@ class MCPTool(Tool):
 
 
 def checked_validator(
-    schema: dict[str, Any], tool: str, server: str, which: str = "input"
+    schema: dict[str, Any],
+    tool: str,
+    server: str,
+    which: str = "input",
+    patterns: Patterns | None = None,
 ) -> Compiled:
-    """The compiled validator of a tool's `which` ("input" or "output") schema; `MCPSchemaError`
-    naming tool and server when the schema is refused."""
+    """The compiled validator of a tool's `which` ("input" or "output") schema, its regexes
+    compiled into `patterns` (those of its listing); `MCPSchemaError` naming tool and server
+    when the schema is refused."""
     try:
-        return compile_schema(schema)
+        return compile_schema(schema, patterns)
     except SchemaRefused as error:
         raise MCPSchemaError(
             f"MCP server {server} lists tool {tool!r} with an {which} schema Treadle refuses: "
