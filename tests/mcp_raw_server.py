@@ -56,9 +56,9 @@ def lists(n: int) -> dict[str, object]:
     return {"x": [[[[]]] for _ in range(n)]}
 
 
-def floats(call_id: int, n: int) -> str:
-    """A reply whose `structuredContent` is `n` numbers `1e-400` (json.dumps cannot write one)."""
-    text = ",".join(["1e-400"] * n)
+def floats(call_id: int, n: int, form: str = "1e-400") -> str:
+    """A reply whose `structuredContent` is `n` numbers `form` (json.dumps cannot write 1e-400)."""
+    text = ",".join([form] * n)
     return (
         f'{{"jsonrpc":"2.0","id":{call_id},"result":{{"content":[{{"type":"text","text":"s"}}],'
         f'"structuredContent":{{"x":[{text}]}}}}}}'
@@ -71,7 +71,7 @@ def answer(call_id: int, args: dict[str, object]) -> str:
         return filled(call_id, kind, int(str(args["size"])))
     text = [{"type": "text", "text": "s"}]
     if kind == "floats":
-        return floats(call_id, n)
+        return floats(call_id, n, str(args.get("form", "1e-400")))
     if kind == "announce":
         note = {"method": "notifications/tools/list_changed", "params": {"_meta": lists(n)}}
         send(json.dumps({"jsonrpc": "2.0", **note}, separators=(",", ":")))
@@ -95,6 +95,19 @@ def answer(call_id: int, args: dict[str, object]) -> str:
     else:
         result = {"content": [{"type": "text", "text": "ok"}]}
     return json.dumps({"jsonrpc": "2.0", "id": call_id, "result": result})
+
+
+def ask(method: str, pad: int) -> str:
+    """A server request `method` whose text is `pad` characters long."""
+    if method == "sampling/createMessage":
+        text = {"type": "text", "text": "p" * pad}
+        params: dict[str, object] = {
+            "messages": [{"role": "user", "content": text}],
+            "maxTokens": 5,
+        }
+    else:
+        params = {"message": "p" * pad, "requestedSchema": {"type": "object", "properties": {}}}
+    return json.dumps({"jsonrpc": "2.0", "id": 555, "method": method, "params": params})
 
 
 def main() -> None:
@@ -126,7 +139,15 @@ def main() -> None:
             more = [{"name": f"t{i}", "inputSchema": tool["inputSchema"]} for i in range(TOOLS)]
             result = {"tools": [tool, *more]}
         elif method == "tools/call":
-            send(answer(call_id, message["params"].get("arguments") or {}))
+            arguments = message["params"].get("arguments") or {}
+            if arguments.get("kind") == "ask":  # a server request; the client's reply is the text
+                send(ask(arguments["method"], int(arguments.get("pad", 10))))
+                reply = json.loads(sys.stdin.readline())
+                text = json.dumps(reply.get("error") or reply.get("result"))
+                result = {"content": [{"type": "text", "text": text}]}
+                send(json.dumps({"jsonrpc": "2.0", "id": call_id, "result": result}))
+                continue
+            send(answer(call_id, arguments))
             continue
         else:
             result = {}

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,8 @@ pytest.importorskip("mcp")
 
 import json
 
+from mcp_helpers import tool_pass
+from treadle.mcp import MCPServer
 from treadle.mcp.parse import (
     MAX_MESSAGE_CONTAINERS,
     MAX_MESSAGE_EXPONENTS,
@@ -28,6 +33,8 @@ from treadle.mcp.parse import (
     slim,
 )
 from treadle.mcp.stdio import PARSE_OFF_LOOP_BYTES, MalformedMessage, _parse
+
+RAW_SERVER = str(Path(__file__).with_name("mcp_raw_server.py"))
 
 
 def _collects() -> bool:
@@ -121,7 +128,8 @@ def test_a_message_that_is_not_utf8_is_malformed_before_it_is_counted(encoding: 
 
 
 def test_exponents_count_numbers_outside_strings_only() -> None:
-    assert exponents(b'[1e-400, 2E5, true, false, null, "e\\"e", 1.5]', limit=0) == 2
+    # 2E5 is a cheap exponent, and the 1e-400 in a string no number
+    assert exponents(b'[1e-400, 2E5, true, false, null, "e\\"1e-400", 1.5]', limit=0) == 1
     # text rich in `e`s (and `true`s) is not a message of slow numbers
     text = "the tree here is free, true " * (MAX_MESSAGE_EXPONENTS // 2)
     line = json.dumps({"content": [{"type": "text", "text": text}], "ok": [True] * 50_000})
@@ -133,7 +141,7 @@ def test_a_large_notification_over_the_exponent_budget_is_refused() -> None:
     numbers = ",".join(["1e-400"] * (MAX_MESSAGE_EXPONENTS + 1))
     line = ('{"jsonrpc":"2.0","id":1,"result":{"x":[' + numbers + "]}}").encode()
     fault = _parse(line, "peer")
-    assert "numbers with an exponent" in str(fault) and "peer" in str(fault)
+    assert "numbers with a large exponent" in str(fault) and "peer" in str(fault)
 
 
 def test_slim_keeps_what_treadle_reads_of_a_notification() -> None:
@@ -159,3 +167,41 @@ def test_slim_keeps_what_treadle_reads_of_a_notification() -> None:
     assert len(line) > PARSE_OFF_LOOP_BYTES
     message = _parse(line, "peer")
     assert message.message.params == {}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("method", "declined"),
+    [("sampling/createMessage", "Sampling not supported"), ("elicitation/create", "Elicitation")],
+)
+def test_a_large_server_request_is_declined_as_a_small_one_is(method: str, declined: str) -> None:
+    # slimmed, its params no longer typed (-32602 "Invalid request parameters") before
+    server = MCPServer.stdio(sys.executable, [RAW_SERVER], stderr=subprocess.DEVNULL)
+    try:
+        replies = [
+            tool_pass(server, "go", {"kind": "ask", "method": method, "pad": pad})
+            for pad in (10, 70_000)
+        ]
+    finally:
+        server.close()
+    assert all(reply["ok"] for reply in replies), replies
+    small, large = (json.loads(reply["content"]) for reply in replies)
+    assert small["code"] == -32600 and declined in small["message"], small
+    assert large == small
+
+
+def test_only_costly_exponents_are_counted() -> None:
+    # `strtod` is quick for a small exponent (1.5e-05: 150 ns, as 1.5 is 90) and slow from a
+    # magnitude of 23 on (1e-99: 380 ns, 1e-400: 1,050 ns)
+    line = b'[1.5e-05, 2E5, 1e-22, 1E+022, 1e-400, 1e-23, 1E+300, 5e0099, "1e-400", true]'
+    assert exponents(line, limit=0) == 4
+
+
+def test_many_cheap_exponents_are_parsed_and_the_server_kept() -> None:
+    # 30,000 values like 1.5e-05 parse in 4 ms; they were refused and the server restarted
+    server = MCPServer.stdio(sys.executable, [RAW_SERVER], stderr=subprocess.DEVNULL)
+    try:
+        body = tool_pass(server, "go", {"kind": "floats", "n": 30_000, "form": "1.5e-05"})
+        assert body["ok"] is True, body
+        assert server.restarts == 0
+    finally:
+        server.close()

@@ -26,8 +26,9 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,14 +45,18 @@ __all__ = [
 #: Arrays and objects one message may hold (counted outside its strings): more is refused as
 #: the connection's fault, like a message over the size cap (docs/mcp.md, "A server is a peer").
 MAX_MESSAGE_CONTAINERS = 200_000
-#: Numbers with an exponent one message may hold (outside strings): `json.loads` turns each into
-#: a float through `strtod`, up to a microsecond apiece for one like `1e-400` (1 MiB of those,
-#: 150,000, held the GIL 107 to 164 ms; other numbers cost a tenth of that per byte at most).
+#: Numbers with a costly exponent (magnitude 23 or more) one message may hold (outside strings):
+#: `json.loads` turns each into a float through `strtod`, up to a microsecond apiece for one like
+#: `1e-400` (1 MiB of those, 150,000, held the GIL 107 to 164 ms); a small exponent (`1.5e-05`)
+#: costs what a plain decimal does, and is not counted.
 MAX_MESSAGE_EXPONENTS = 25_000
 #: Characters kept of a string in the params of a large notification or server request.
 SLIM_TEXT = 1000
 # Params fields kept of such a message.
 _SLIM_FIELDS = 32
+# An exponent of a magnitude of 23 or more (leading zeros aside), where `strtod` gets slow. Ours,
+# linear: it never backtracks past one exponent.
+_COSTLY_EXPONENT = re.compile(rb"[eE][+-]?0*(?:[1-9][0-9]{2,}|[3-9][0-9]|2[3-9])")
 # Bytes scanned per C call when brackets inside strings have to be told apart.
 _PIECE = 64 * 1024
 
@@ -62,37 +67,49 @@ def containers(line: bytes, limit: int = MAX_MESSAGE_CONTAINERS) -> int:
     rough = line.count(b"[") + line.count(b"{")
     if rough <= limit or b'"' not in line:
         return rough
-    return _outside_strings(line, (b"[", b"{"))
+    return _outside_strings(line, lambda part: part.count(b"[") + part.count(b"{"))
 
 
 def exponents(line: bytes, limit: int = MAX_MESSAGE_EXPONENTS) -> int:
-    """The numbers with an exponent (`1e-400`) in JSON text `line`: exact when it matters (over
-    `limit` by a rough count of every `e` and `E`, in strings and `true` too), else that bound.
+    """The numbers with a costly exponent (a magnitude of 23 or more: `1e-400`, `1e-99`, not
+    `1.5e-05`) in JSON text `line`: exact when it matters (over `limit` by a rough count of
+    every `e` and `E`, in strings and `true` too), else that bound.
 
     Outside strings a JSON text has letters only in `true`, `false`, `null` and exponents, so
-    the `e`s and `E`s there, once `true` and `false` are taken out, are the exponents."""
+    the `e`s and `E`s there, once `true` and `false` are taken out, are the exponents; `strtod`
+    is quick for a small one (150 ns for `1.5e-05`, 90 for `1.5`) and slow from 23 on, where
+    its fast path ends (380 ns for `1e-99`, 1,050 for `1e-400`)."""
     rough = line.count(b"e") + line.count(b"E")
     if rough <= limit:
         return rough
     # `true` and `false` out (in strings too: they hold no quote or backslash, so which bytes
     # are inside a string stays as it was)
     words = line.replace(b"true", b"").replace(b"false", b"")
-    return _outside_strings(words, (b"e", b"E"))
+    return _outside_strings(words, lambda part: len(_COSTLY_EXPONENT.findall(part)))
 
 
-def _outside_strings(line: bytes, needles: tuple[bytes, ...]) -> int:
-    """How often `needles` occur in `line` outside its JSON strings, in bounded C calls."""
+def _outside_strings(line: bytes, count: Callable[[bytes], int]) -> int:
+    """The sum of `count` over the parts of `line` outside its JSON strings, in bounded C calls
+    (an exponent cut by a piece's end may be missed: at most one in 64 KiB)."""
     # Escapes out of the way (pairs of backslashes first, as JSON reads them left to right), so
     # every quote left opens or closes a string; then count outside the strings only.
     clean = line.replace(b"\\\\", b"__").replace(b'\\"', b"__")
     inside = False
-    count = 0
+    total = 0
     for start in range(0, len(clean), _PIECE):
         parts = clean[start : start + _PIECE].split(b'"')
         outside = parts[1::2] if inside else parts[0::2]
-        count += sum(part.count(needle) for part in outside for needle in needles)
+        total += sum(count(part) for part in outside)
         inside ^= (len(parts) - 1) % 2 == 1
-    return count
+    return total
+
+
+# The server requests Treadle declines, each with the least params the SDK types it from (a
+# slimmed one's markers fail its typing: -32602, where a small one gets the decline, -32600).
+_DECLINED: dict[str, dict[str, Any]] = {
+    "sampling/createMessage": {"messages": [], "maxTokens": 1},
+    "elicitation/create": {"message": "", "requestedSchema": {"type": "object", "properties": {}}},
+}
 
 
 def slim(data: Any) -> Any:
@@ -102,11 +119,16 @@ def slim(data: Any) -> Any:
     The SDK types a notification's params with pydantic on the runtime loop (198,000 lists in
     the `_meta` of one held it 465 to 731 ms), and Treadle needs none of a large one: it acts
     on `notifications/tools/list_changed` (no params), and declines a server's requests or
-    answers them without their params (`ping`).
+    answers them without their params (`ping`); a request it declines (sampling, elicitation)
+    gets the least params its type needs, so it is declined as a small one is.
     So `_meta` and every array or object in the params are dropped (an object's or array's
     place keeps a short marker, which a field of any type accepts), strings are cut to
     `SLIM_TEXT` characters, and numbers, booleans and null stay."""
     if not isinstance(data, dict) or "method" not in data:
+        return data
+    declined = _DECLINED.get(data["method"]) if "id" in data else None
+    if declined is not None:  # typed as a small one is, so it gets the same decline
+        data["params"] = dict(declined)
         return data
     params = data.get("params")
     if not isinstance(params, dict):

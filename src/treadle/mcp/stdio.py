@@ -12,7 +12,7 @@ server is ever left unread. On Linux the server runs under a small supervisor
 namespaces are not allowed), so closing also stops descendants that left the server's process
 group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
 worker thread, and only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects and
-`MAX_MESSAGE_EXPONENTS` numbers with an exponent (`treadle.mcp.parse`: `json.loads` holds the
+`MAX_MESSAGE_EXPONENTS` numbers with a large exponent (`treadle.mcp.parse`: `json.loads` holds the
 GIL for the whole message, and its cost is the objects it makes); one with more is a
 `MessageTooComplex` fault, as one over the cap is. A large notification or server request is
 slimmed there too (`treadle.mcp.parse.slim`), so the SDK types only a small one on the loop.
@@ -315,7 +315,7 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
         elif (count := containers(line)) > MAX_MESSAGE_CONTAINERS:
             return _too_complex(label, count, "JSON arrays and objects", MAX_MESSAGE_CONTAINERS)
         elif (count := exponents(line)) > MAX_MESSAGE_EXPONENTS:
-            return _too_complex(label, count, "numbers with an exponent", MAX_MESSAGE_EXPONENTS)
+            return _too_complex(label, count, "numbers with a large exponent", MAX_MESSAGE_EXPONENTS)
         else:
             with collector_paused():
                 # A large notification or server request is slimmed here, off the loop: the SDK
