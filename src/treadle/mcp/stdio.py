@@ -315,7 +315,8 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
         elif (count := containers(line)) > MAX_MESSAGE_CONTAINERS:
             return _too_complex(label, count, "JSON arrays and objects", MAX_MESSAGE_CONTAINERS)
         elif (count := exponents(line)) > MAX_MESSAGE_EXPONENTS:
-            return _too_complex(label, count, "numbers with a large exponent", MAX_MESSAGE_EXPONENTS)
+            what = "numbers with a large exponent"
+            return _too_complex(label, count, what, MAX_MESSAGE_EXPONENTS)
         else:
             with collector_paused():
                 # A large notification or server request is slimmed here, off the loop: the SDK
