@@ -7,7 +7,8 @@ small entries in `structuredContent`, or text blocks, as fit in a line of at mos
 or anything else ("ok"); `fill_lists` fills it with `[[[]]]` entries in `structuredContent`
 (the most lists per byte), `lists` sends `n` of those, `long` a `structuredContent` string `s` of
 `2n + 1` characters, `floats` `n` numbers `1e-400` (each a slow `strtod`) and `fill_floats` as
-many as fit, `announce` a `notifications/tools/list_changed` whose `_meta` holds `n` `[[[]]]`
+many as fit, `combo` `lists` `[[[]]]`, `exps` `1e-400` and `ints` integers of 4,000 digits,
+`announce` a `notifications/tools/list_changed` whose `_meta` holds `n` `[[[]]]`
 entries before its reply, and `odd` a `structuredContent` of `n` small rows and one `1e999`
 (`"odd": "inf"`) or one string of 20,001 characters (`"odd": "long"`). `--tools N` lists N
 tools more besides `go`; `--output-schema` gives `go` an output schema that `fill_structured`
@@ -65,6 +66,16 @@ def floats(call_id: int, n: int, form: str = "1e-400") -> str:
     )
 
 
+def combo(call_id: int, n_lists: int, n_exps: int, n_ints: int) -> str:
+    """A reply of `[[[]]]` entries, `1e-400`s and integers of 4,000 digits, in that order."""
+    parts = ["[[[]]]"] * n_lists + ["1e-400"] * n_exps + ["9" * 4000] * n_ints
+    text = ",".join(parts)
+    return (
+        f'{{"jsonrpc":"2.0","id":{call_id},"result":{{"content":[{{"type":"text","text":"s"}}],'
+        f'"structuredContent":{{"x":[{text}]}}}}}}'
+    )
+
+
 def answer(call_id: int, args: dict[str, object]) -> str:
     kind, n = args.get("kind"), int(str(args.get("n", 0)))
     if kind in ("fill_structured", "fill_blocks", "fill_lists", "fill_floats"):
@@ -72,6 +83,8 @@ def answer(call_id: int, args: dict[str, object]) -> str:
     text = [{"type": "text", "text": "s"}]
     if kind == "floats":
         return floats(call_id, n, str(args.get("form", "1e-400")))
+    if kind == "combo":
+        return combo(call_id, *(int(str(args[key])) for key in ("lists", "exps", "ints")))
     if kind == "announce":
         note = {"method": "notifications/tools/list_changed", "params": {"_meta": lists(n)}}
         send(json.dumps({"jsonrpc": "2.0", **note}, separators=(",", ":")))

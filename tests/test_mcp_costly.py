@@ -132,6 +132,41 @@ def test_a_reply_of_slow_numbers_under_the_budget_is_read(
     assert server_children(settle_seconds=GUARD_SECONDS) == {}
 
 
+def test_a_reply_just_under_every_separate_budget_is_refused_by_its_total(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    # 199,806 containers, 24,997 costly exponents and 95 integers of 4,000 digits: each under
+    # its own budget, together held `json.loads` 91 to 121 ms
+    server = _raw()
+    try:
+        arguments = {"kind": "combo", "lists": 66_600, "exps": 24_990, "ints": 95}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
+        assert "estimated parsing" in body["message"], body
+        assert RAW_SERVER[:40] in body["message"], body
+        _bounded(parse_hold, stall)
+        assert _pass(server, "go", {"kind": "ok"})["ok"] is True
+        assert server.restarts == 1
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_a_reply_of_mixed_shapes_under_the_total_is_read(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    server = _raw()
+    try:
+        arguments = {"kind": "combo", "lists": 33_000, "exps": 12_000, "ints": 40}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body["ok"] is True and body["structured"]["x"][0] == [[[]]], body
+        _bounded(parse_hold, stall)
+        assert server.restarts == 0
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
 def _relisted(server: MCPServer, before: int) -> bool:
     deadline = time.monotonic() + GUARD_SECONDS
     while server.listings <= before and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
-"""The collector pause, the UTF-8 reading, the exponent count and the slimming of an MCP message
-(treadle.mcp.parse, stdio._parse).
+"""The collector pause, the UTF-8 reading, the exponent count, the cost estimate and the slimming
+of an MCP message (treadle.mcp.parse, stdio._parse).
 
 The pause must leave a program's own collector choices as it made them, and a process forked
 while a parse runs must get its collector back: the thread that would end the pause is not
@@ -8,12 +8,14 @@ copied into the child.
 
 from __future__ import annotations
 
+import base64
 import gc
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,14 +23,18 @@ pytest.importorskip("mcp")
 
 import json
 
+from mcp.shared.message import SessionMessage
+
 from mcp_helpers import tool_pass
 from treadle.mcp import MCPServer
 from treadle.mcp.parse import (
     MAX_MESSAGE_CONTAINERS,
+    MAX_MESSAGE_COST_NS,
     MAX_MESSAGE_EXPONENTS,
     SLIM_TEXT,
     collector_paused,
     containers,
+    cost,
     exponents,
     slim,
 )
@@ -205,3 +211,39 @@ def test_many_cheap_exponents_are_parsed_and_the_server_kept() -> None:
         assert server.restarts == 0
     finally:
         server.close()
+
+
+def _reply(result: dict[str, Any]) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": 1, "result": result}).encode()
+
+
+def test_the_cost_estimate_adds_up_the_shapes() -> None:
+    body = ",".join(["[[[]]]"] * 66_600 + ["1e-400"] * 24_990 + ["9" * 4000] * 95)
+    line = b'{"x":[' + body.encode() + b"]}"
+    assert containers(line) < MAX_MESSAGE_CONTAINERS and exponents(line) < MAX_MESSAGE_EXPONENTS
+    assert cost(line) > MAX_MESSAGE_COST_NS
+    # a long integer costs by its digits squared; digits in a string or a float do not
+    assert cost(b"[" + b"9" * 4000 + b"]") > 90_000
+    assert cost(b'["' + b"9" * 4000 + b'"]', budget=0) < 1000
+    assert cost(b"[0." + b"9" * 4000 + b"]") < 1000
+
+
+@pytest.mark.parametrize("kind", ["screenshot", "floats", "english", "json_text"])
+def test_cheap_legit_data_is_within_the_cost_budget(kind: str) -> None:
+    if kind == "screenshot":
+        data = base64.b64encode(os.urandom(780_000)).decode()
+        line = _reply({"content": [{"type": "image", "data": data, "mimeType": "image/png"}]})
+    elif kind == "floats":
+        values = b",".join([b"1.5e-05"] * 30_000)
+        head = b'{"jsonrpc":"2.0","id":1,"result":{"content":[],"structuredContent":{"x":['
+        line = head + values + b"]}}}"
+    else:
+        text = (
+            "The quick brown fox, aged 1234567, jumps: see e.g. 1e-400 (ages 33-55). " * 14_000
+            if kind == "english"
+            else json.dumps([{"k": j % 10, "v": 1e-300} for j in range(40_000)])
+        )
+        line = _reply({"content": [{"type": "text", "text": text}]})
+    assert len(line) > 900_000 or kind == "floats"
+    assert cost(line) <= MAX_MESSAGE_COST_NS
+    assert isinstance(_parse(line, "x"), SessionMessage)
