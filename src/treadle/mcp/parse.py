@@ -34,10 +34,12 @@ from typing import Any
 
 __all__ = [
     "MAX_MESSAGE_CONTAINERS",
+    "MAX_MESSAGE_COST_NS",
     "MAX_MESSAGE_EXPONENTS",
     "SLIM_TEXT",
     "collector_paused",
     "containers",
+    "cost",
     "exponents",
     "slim",
 ]
@@ -50,6 +52,30 @@ MAX_MESSAGE_CONTAINERS = 200_000
 #: `1e-400` (1 MiB of those, 150,000, held the GIL 107 to 164 ms); a small exponent (`1.5e-05`)
 #: costs what a plain decimal does, and is not counted.
 MAX_MESSAGE_EXPONENTS = 25_000
+#: What `json.loads` may be estimated to spend on one message (`cost`, in nanoseconds of CPU on a
+#: quiet machine; about twice that under load): the budgets above are separate, and one message
+#: just under each of them (and 95 integers of 4,000 digits) held it 91 to 121 ms.
+MAX_MESSAGE_COST_NS = 50_000_000
+# The weights of `cost`, measured (`json.loads` with the collector paused, best of 7, quiet):
+# a value after a `,` or `:` (a plain `1`: 81 ns; a key or short string less), an array or
+# object on top of that (98 ns), a costly exponent on top of that (`1e-400`: 860 ns), and an
+# integer of d digits, at least `_LONG_DIGITS`, about d² x 0.005 ns (CPython converts decimal
+# digits in quadratic time: 4,000 digits took 79 µs, 1,000 took 6.7 µs, 300 took 1.1 µs).
+_NS_PER_VALUE = 80
+_NS_PER_CONTAINER = 100
+_NS_PER_EXPONENT = 900
+_PS_PER_DIGIT_SQUARED = 6
+# Digit runs shorter than this are not counted: they cost about a plain value per byte or less.
+_LONG_DIGITS = 300
+# Past this many digits `int()` refuses a number before converting it (Python's digit limit).
+_MAX_DIGITS = 4300
+# Digits as `0`, what ends or continues a float as itself, everything else as a space: a long
+# integer is then a run of `0`s not after a `.` and not before a `.`, `e` or `E`.
+_DIGITS_ONLY = bytes(
+    ord("0") if chr(b).isdigit() and b < 128 else b if b in b".eE" else ord(" ") for b in range(256)
+)
+_LONG_RUN = b"0" * _LONG_DIGITS
+_ZEROS = re.compile(rb"0*")
 #: Characters kept of a string in the params of a large notification or server request.
 SLIM_TEXT = 1000
 # Params fields kept of such a message.
@@ -86,6 +112,65 @@ def exponents(line: bytes, limit: int = MAX_MESSAGE_EXPONENTS) -> int:
     # are inside a string stays as it was)
     words = line.replace(b"true", b"").replace(b"false", b"")
     return _outside_strings(words, lambda part: len(_COSTLY_EXPONENT.findall(part)))
+
+
+def cost(line: bytes, budget: int = MAX_MESSAGE_COST_NS) -> int:
+    """What `json.loads` is estimated to spend on JSON text `line`, in nanoseconds of CPU on a
+    quiet machine: its values, arrays and objects, costly exponents and long integers, each by
+    its weight. Exact when it matters (over `budget` by a rough estimate that counts what is
+    inside strings too, which a text of punctuation or digits would be), else that bound.
+
+    Each count is a C call over at most the message (a millisecond per MiB) or a 64 KiB piece:
+    the estimate is of the shapes that cost more than their bytes, while a message's plain
+    strings cost 1 to 4 ms per MiB (at most 1 MiB, the default cap)."""
+    rough = _rough_cost(line)
+    if rough <= budget or b'"' not in line:
+        return rough
+    # `true` and `false` out, as `exponents` does, so the `e`s left outside strings are exponents
+    words = line.replace(b"true", b"").replace(b"false", b"")
+    return _outside_strings(words, _piece_cost)
+
+
+def _rough_cost(line: bytes) -> int:
+    # every `e` and `E` as a costly exponent: text rich in them takes the exact count
+    values = line.count(b",") + line.count(b":")
+    brackets = line.count(b"[") + line.count(b"{")
+    letters = line.count(b"e") + line.count(b"E")
+    return (
+        values * _NS_PER_VALUE
+        + brackets * _NS_PER_CONTAINER
+        + letters * _NS_PER_EXPONENT
+        + _digits_cost(line)
+    )
+
+
+def _piece_cost(part: bytes) -> int:
+    values = part.count(b",") + part.count(b":")
+    brackets = part.count(b"[") + part.count(b"{")
+    exps = len(_COSTLY_EXPONENT.findall(part))
+    return (
+        values * _NS_PER_VALUE
+        + brackets * _NS_PER_CONTAINER
+        + exps * _NS_PER_EXPONENT
+        + _digits_cost(part)
+    )
+
+
+def _digits_cost(text: bytes) -> int:
+    """The quadratic cost of the integers of at least `_LONG_DIGITS` digits in `text`: one
+    search when there are none, one step per long run (at most one per `_LONG_DIGITS` bytes)."""
+    marked = text.translate(_DIGITS_ONLY)
+    total = 0
+    at = marked.find(_LONG_RUN)
+    while at >= 0:
+        run = _ZEROS.match(marked, at)
+        end = run.end() if run else at
+        after_point = at > 0 and marked[at - 1] == ord(".")
+        if not after_point and marked[end : end + 1] not in (b".", b"e", b"E"):
+            digits = min(end - at, _MAX_DIGITS)
+            total += digits * digits * _PS_PER_DIGIT_SQUARED // 1000
+        at = marked.find(_LONG_RUN, end)
+    return total
 
 
 def _outside_strings(line: bytes, count: Callable[[bytes], int]) -> int:

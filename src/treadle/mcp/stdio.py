@@ -12,7 +12,8 @@ server is ever left unread. On Linux the server runs under a small supervisor
 namespaces are not allowed), so closing also stops descendants that left the server's process
 group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
 worker thread, and only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects and
-`MAX_MESSAGE_EXPONENTS` numbers with a large exponent (`treadle.mcp.parse`: `json.loads` holds the
+`MAX_MESSAGE_EXPONENTS` numbers with a large exponent, and whose estimated cost, all its shapes
+together, is at most `MAX_MESSAGE_COST_NS` (`treadle.mcp.parse`: `json.loads` holds the
 GIL for the whole message, and its cost is the objects it makes); one with more is a
 `MessageTooComplex` fault, as one over the cap is. A large notification or server request is
 slimmed there too (`treadle.mcp.parse.slim`), so the SDK types only a small one on the loop.
@@ -46,9 +47,11 @@ from mcp.shared.message import SessionMessage
 
 from treadle.mcp.parse import (
     MAX_MESSAGE_CONTAINERS,
+    MAX_MESSAGE_COST_NS,
     MAX_MESSAGE_EXPONENTS,
     collector_paused,
     containers,
+    cost,
     exponents,
     slim,
 )
@@ -97,8 +100,9 @@ class MessageTooLarge(TransportFault):
 
 
 class MessageTooComplex(MessageTooLarge):
-    """The server sent a message of more JSON arrays and objects than `MAX_MESSAGE_CONTAINERS`
-    (refused unparsed: parsing it would hold the GIL too long, see `treadle.mcp.parse`)."""
+    """The server sent a message of more JSON arrays and objects than `MAX_MESSAGE_CONTAINERS`,
+    or over another parse budget of `treadle.mcp.parse` (refused unparsed: parsing it would
+    hold the GIL too long)."""
 
 
 class MalformedMessage(TransportFault):
@@ -302,8 +306,9 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
 
     `json.loads` (C) builds the plain data, then pydantic types only the envelope: a result
     stays a plain dict here (typed later in small steps, see `treadle.mcp.listing`). A large
-    message is parsed only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects,
-    and with the garbage collector paused: `json.loads` holds the GIL throughout (a
+    message is parsed only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects
+    and its estimated cost (`treadle.mcp.parse.cost`) is within `MAX_MESSAGE_COST_NS`, and
+    with the garbage collector paused: `json.loads` holds the GIL throughout (a
     `MessageTooComplex` fault for more)."""
     try:
         # MCP messages are UTF-8: decoded first (one C call, about a millisecond per MiB), so the
@@ -317,6 +322,10 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
         elif (count := exponents(line)) > MAX_MESSAGE_EXPONENTS:
             what = "numbers with a large exponent"
             return _too_complex(label, count, what, MAX_MESSAGE_EXPONENTS)
+        elif (count := cost(line)) > MAX_MESSAGE_COST_NS:
+            # each budget above kept, but one message near all of them would still cost their sum
+            what = "ms of estimated parsing (its values, containers, exponents and long integers)"
+            return _too_complex(label, count // 1_000_000, what, MAX_MESSAGE_COST_NS // 1_000_000)
         else:
             with collector_paused():
                 # A large notification or server request is slimmed here, off the loop: the SDK
