@@ -159,7 +159,8 @@ def test_a_reply_of_mixed_shapes_under_the_total_is_read(
     try:
         arguments = {"kind": "combo", "lists": 33_000, "exps": 12_000, "ints": 40}
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
-        assert body["ok"] is True and body["structured"]["x"][0] == [[[]]], body
+        # read and cut to the model's content cap, as any long result is
+        assert body["ok"] is True and '"x":[[[[]]],[[[]]]' in body["result"], str(body)[:300]
         _bounded(parse_hold, stall)
         assert server.restarts == 0
     finally:

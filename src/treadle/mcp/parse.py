@@ -55,14 +55,14 @@ MAX_MESSAGE_EXPONENTS = 25_000
 #: What `json.loads` may be estimated to spend on one message (`cost`, in nanoseconds of CPU on a
 #: quiet machine; about twice that under load): the budgets above are separate, and one message
 #: just under each of them (and 95 integers of 4,000 digits) held it 91 to 121 ms.
-MAX_MESSAGE_COST_NS = 50_000_000
+MAX_MESSAGE_COST_NS = 45_000_000
 # The weights of `cost`, measured (`json.loads` with the collector paused, best of 7, quiet):
 # a value after a `,` or `:` (a plain `1`: 81 ns; a key or short string less), an array or
 # object on top of that (98 ns), a costly exponent on top of that (`1e-400`: 860 ns), and an
 # integer of d digits, at least `_LONG_DIGITS`, about d² x 0.005 ns (CPython converts decimal
 # digits in quadratic time: 4,000 digits took 79 µs, 1,000 took 6.7 µs, 300 took 1.1 µs).
 _NS_PER_VALUE = 80
-_NS_PER_CONTAINER = 100
+_NS_PER_CONTAINER = 150
 _NS_PER_EXPONENT = 900
 _PS_PER_DIGIT_SQUARED = 6
 # Digit runs shorter than this are not counted: they cost about a plain value per byte or less.
