@@ -247,3 +247,42 @@ def test_cheap_legit_data_is_within_the_cost_budget(kind: str) -> None:
     assert len(line) > 900_000 or kind == "floats"
     assert cost(line) <= MAX_MESSAGE_COST_NS
     assert isinstance(_parse(line, "x"), SessionMessage)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        '"\\true",',  # \t an escape: taking `true` out left `\"`, and the rest read as a string
+        '"\\false",',
+        '"\\\\true\\"",',  # an escaped backslash, then `true`, then an escaped quote
+        '"a\\\\\\true",',  # \\ then \t
+        '{"\\nnull\\true": "\\\\"},',
+        'true, "\\"true\\"", false,',
+    ],
+)
+def test_escapes_next_to_true_and_false_never_move_string_boundaries(head: str) -> None:
+    # 149,000 `1e-400` behind `"\true",` were all read as inside a string: parsed, 112 ms/MiB
+    n = MAX_MESSAGE_EXPONENTS + 10
+    line = ("[" + head + ",".join(["1e-400"] * n) + "]").encode()
+    json.loads(line)  # valid JSON
+    pieces = len(line) // (64 * 1024) + 1  # an exponent cut by a piece's end may be missed
+    assert n - pieces <= exponents(line) <= n
+    assert cost(line) >= (n - pieces) * 900
+    fault = _parse(line, "peer")
+    assert "numbers with a large exponent" in str(fault) and "peer" in str(fault)
+
+
+def test_escapes_across_piece_boundaries_are_read_as_json_reads_them() -> None:
+    # strings of escapes placed so one ends, or its escape is cut, at each 64 KiB piece's end
+    n = MAX_MESSAGE_EXPONENTS + 10
+    for shift in range(6):
+        pad = "x" * (64 * 1024 - 3 - shift)
+        head = '["' + pad + '\\true\\\\",'
+        line = (head + ",".join(["1e-400"] * n) + "]").encode()
+        json.loads(line)
+        # one cut by a piece's end may be missed (at most one a piece), never a string's worth
+        assert n - len(line) // (64 * 1024) - 1 <= exponents(line) <= n, shift
+        # and 1e-400s inside a string stay uncounted
+        inside = ('["' + pad + "\\true" + " 1e-400" * n + '"]').encode()
+        json.loads(inside)
+        assert exponents(inside) == 0, shift

@@ -108,10 +108,7 @@ def exponents(line: bytes, limit: int = MAX_MESSAGE_EXPONENTS) -> int:
     rough = line.count(b"e") + line.count(b"E")
     if rough <= limit:
         return rough
-    # `true` and `false` out (in strings too: they hold no quote or backslash, so which bytes
-    # are inside a string stays as it was)
-    words = line.replace(b"true", b"").replace(b"false", b"")
-    return _outside_strings(words, lambda part: len(_COSTLY_EXPONENT.findall(part)))
+    return _outside_strings(line, lambda part: len(_COSTLY_EXPONENT.findall(part)), words=True)
 
 
 def cost(line: bytes, budget: int = MAX_MESSAGE_COST_NS) -> int:
@@ -127,8 +124,7 @@ def cost(line: bytes, budget: int = MAX_MESSAGE_COST_NS) -> int:
     if rough <= budget or b'"' not in line:
         return rough
     # `true` and `false` out, as `exponents` does, so the `e`s left outside strings are exponents
-    words = line.replace(b"true", b"").replace(b"false", b"")
-    return _outside_strings(words, _piece_cost)
+    return _outside_strings(line, _piece_cost, words=True)
 
 
 def _rough_cost(line: bytes) -> int:
@@ -173,12 +169,19 @@ def _digits_cost(text: bytes) -> int:
     return total
 
 
-def _outside_strings(line: bytes, count: Callable[[bytes], int]) -> int:
+def _outside_strings(line: bytes, count: Callable[[bytes], int], words: bool = False) -> int:
     """The sum of `count` over the parts of `line` outside its JSON strings, in bounded C calls
-    (an exponent cut by a piece's end may be missed: at most one in 64 KiB)."""
+    (an exponent cut by a piece's end may be missed: at most one in 64 KiB); with `words`,
+    `true` and `false` are taken out first, so the letters left outside strings are exponents."""
     # Escapes out of the way (pairs of backslashes first, as JSON reads them left to right), so
     # every quote left opens or closes a string; then count outside the strings only.
     clean = line.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    if words:
+        # Only now, with no escape left that a removal could complete or break: in `"\true"`
+        # the `\t` is an escape, and taking `true` out of the raw line left `\"`, an escaped
+        # quote, so every later number read as inside a string. Removing bytes that hold no
+        # quote from this line leaves every quote where it opens or closes a string.
+        clean = clean.replace(b"true", b"").replace(b"false", b"")
     inside = False
     total = 0
     for start in range(0, len(clean), _PIECE):
