@@ -286,3 +286,15 @@ def test_escapes_across_piece_boundaries_are_read_as_json_reads_them() -> None:
         inside = ('["' + pad + "\\true" + " 1e-400" * n + '"]').encode()
         json.loads(inside)
         assert exponents(inside) == 0, shift
+
+
+@pytest.mark.parametrize("method", [["sampling/createMessage"], {"a": 1}, 7, None])
+def test_a_large_message_whose_method_is_no_string_is_not_json_rpc(method: Any) -> None:
+    # a list or dict `method` raised TypeError (unhashable) in `slim`, ending the connection
+    line = json.dumps(
+        {"jsonrpc": "2.0", "id": 5, "method": method, "params": {"p": "x" * 70_000}}
+    ).encode()
+    small = json.dumps({"jsonrpc": "2.0", "id": 5, "method": method, "params": {}}).encode()
+    assert len(line) > PARSE_OFF_LOOP_BYTES
+    assert isinstance(_parse(small, "peer"), MalformedMessage)
+    assert isinstance(_parse(line, "peer"), MalformedMessage)

@@ -212,8 +212,8 @@ def slim(data: Any) -> Any:
     So `_meta` and every array or object in the params are dropped (an object's or array's
     place keeps a short marker, which a field of any type accepts), strings are cut to
     `SLIM_TEXT` characters, and numbers, booleans and null stay."""
-    if not isinstance(data, dict) or "method" not in data:
-        return data
+    if not isinstance(data, dict) or not isinstance(data.get("method"), str):
+        return data  # a response, or no JSON-RPC message at all: the envelope's typing says so
     declined = _DECLINED.get(data["method"]) if "id" in data else None
     if declined is not None:  # typed as a small one is, so it gets the same decline
         data["params"] = dict(declined)
