@@ -13,7 +13,8 @@ entries before its reply, and `odd` a `structuredContent` of `n` small rows and 
 (`"odd": "inf"`) or one string of 20,001 characters (`"odd": "long"`). `--tools N` lists N
 tools more besides `go`; `--output-schema` gives `go` an output schema that `fill_structured`
 entries of 9 break; `--pattern P` gives its input schema a string `s` matching `P` (and its
-output schema too with `--output-pattern`).
+output schema too with `--output-pattern`), or with `--patterns N` a `patternProperties` of N
+distinct patterns `(?:i)P`.
 """
 
 from __future__ import annotations
@@ -132,6 +133,10 @@ def main() -> None:
     if "--pattern" in sys.argv:  # checked by the client, on RE2, against a string `s`
         pattern = {"type": "string", "pattern": sys.argv[sys.argv.index("--pattern") + 1]}
         tool["inputSchema"] = {"type": "object", "properties": {"s": pattern}}
+        if "--patterns" in sys.argv:
+            n = int(sys.argv[sys.argv.index("--patterns") + 1])
+            by_pattern = {f"(?:{i})" + pattern["pattern"]: {} for i in range(n)}
+            tool["inputSchema"] = {"type": "object", "patternProperties": by_pattern}
         if "--output-pattern" in sys.argv:
             tool["outputSchema"] = {"type": "object", "properties": {"s": pattern}}
     if "--output-schema" in sys.argv:

@@ -31,6 +31,7 @@ from mcp_helpers import GUARD_SECONDS, server_children, tool_pass
 from treadle.errors import MCPSchemaError
 from treadle.mcp import MCPServer
 from treadle.mcp.checks import CheckThreads
+from treadle.mcp.regex import MAX_LISTED_COMPILE_SECONDS, MAX_PATTERN_CLASSES, Patterns
 from treadle.mcp.schema import (
     MAX_LISTED_PATTERN_CHARACTERS,
     MAX_SCHEMA_PATTERN,
@@ -217,3 +218,51 @@ def test_a_closed_servers_queued_checks_never_start() -> None:
             future.result(5)
     assert ran == []
     assert threads.submit(lambda: 7).result(5) == 7  # a reopened server's checks run
+
+
+# 16 Unicode classes among the slowest for RE2 to build that it still compiles (about 7 ms,
+# quiet): 100 distinct patterns of them, each under every cap, add up to 0.7 s of compiles.
+SLOW_CLASSES = "(?i)" + "\\PL*" * MAX_PATTERN_CLASSES
+
+
+def test_a_pattern_of_many_unicode_classes_is_refused_before_it_compiles(
+    re2_hold: list[float],
+) -> None:
+    # 140 of `(?i)\PL` in 1,000 characters held the GIL 40 ms for a pattern refused after
+    with pytest.raises(SchemaRefused, match="Unicode classes"):
+        compile_schema({"type": "string", "pattern": "(?i)" + "\\PL" * 140})
+    with pytest.raises(SchemaRefused, match="Unicode classes"):
+        compile_schema({"type": "string", "pattern": "[\\pL\\pN]" * (MAX_PATTERN_CLASSES // 2 + 1)})
+    assert re2_hold == []  # refused before RE2 saw it
+    # an escaped backslash before `p` is no class, and up to the cap RE2 compiles them
+    compile_schema({"type": "string", "pattern": "\\\\p" * 100})
+    Patterns().add(SLOW_CLASSES)
+    assert len(re2_hold) == 2 and max(re2_hold) < STALL_LIMIT / 2, re2_hold
+
+
+def test_a_listings_compiles_are_bounded_in_cpu(
+    quiet: list[list[dict[str, Any]]], re2_hold: list[float]
+) -> None:
+    # 100 distinct patterns of 994 characters each took 2,170 ms of compile CPU, the loop
+    # stalled 165 ms: now the tool is refused once its listing's compiles pass the budget
+    server = MCPServer.stdio(
+        sys.executable,
+        [RAW_SERVER, "--pattern", SLOW_CLASSES, "--patterns", "100"],
+        stderr=subprocess.DEVNULL,
+    )
+
+    def listed() -> str:
+        with pytest.raises(MCPSchemaError) as refused:
+            server.tools()
+        return str(refused.value)
+
+    try:
+        error, stall = beside_bystanders(listed, quiet)
+        assert "'go'" in error and RAW_SERVER in error, error
+        assert "ms of CPU to compile" in error, error
+        assert 0 < sum(re2_hold) <= MAX_LISTED_COMPILE_SECONDS + max(re2_hold), re2_hold
+        assert len(re2_hold) < 100
+        assert stall.cpu < STALL_LIMIT, stall
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}

@@ -32,12 +32,7 @@ import mcp_types as types
 from mcp import MCPError
 from mcp.client.session import MessageHandlerFnT
 
-from treadle.errors import (
-    MCPServerError,
-    ToolArgumentsError,
-    ToolError,
-    ToolTimeoutError,
-)
+from treadle.errors import MCPServerError, ToolArgumentsError, ToolError, ToolTimeoutError
 from treadle.mcp.checks import CheckThreads
 from treadle.mcp.listing import CheckedSession, compile_all, list_all, until_quiet
 from treadle.mcp.stdio import StdioTransport, TransportFault
@@ -206,6 +201,10 @@ class Link:
     async def tools(self) -> tuple[types.Tool, ...]:
         """The server's tool listing, connecting first when needed."""
         await self._on_runtime(self._ensure())
+        if self._closed:  # closed while it was listed: that listing is not for a closed server
+            raise MCPServerError(
+                f"MCP server {self.label} was closed; open it again to call its tools."
+            )
         return self.listing
 
     async def aclose(self) -> None:
@@ -340,7 +339,8 @@ class Link:
         whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
         self.listings += 1
         listing = await list_all(session, self.label)
-        compiled = await run_internal_io(compile_all, listing, self.label)
+        # Stopped between compiles once the server is closed, so closing waits one compile at most.
+        compiled = await run_internal_io(compile_all, listing, self.label, lambda: self._closed)
         self.validators = {id(tool): v for tool, (v, _) in zip(listing, compiled, strict=True)}
         session.output_validators = {
             tool.name: out

@@ -26,6 +26,7 @@ from pydantic import TypeAdapter
 
 from treadle.errors import MCPServerError
 from treadle.mcp.checks import CheckThreads
+from treadle.mcp.regex import ListingStopped
 from treadle.mcp.schema import BudgetExceeded, Patterns, run_check
 from treadle.mcp.tool import (
     CHEAP_SCHEMA_COST,
@@ -159,22 +160,36 @@ async def list_all(session: ClientSession, label: str) -> tuple[types.Tool, ...]
     return tuple(tools)
 
 
-def compile_all(listing: tuple[types.Tool, ...], label: str) -> list[tuple[Any, Any]]:
+def compile_all(
+    listing: tuple[types.Tool, ...], label: str, closed: Callable[[], bool] = lambda: False
+) -> list[tuple[Any, Any]]:
     """Each tool's compiled input and output schemas (None: no output schema), in listing order;
-    `MCPSchemaError` for a refused one. Blocking (pure Python over peer data): call it on a
-    worker thread."""
-    patterns = Patterns()  # a pattern several tools share is compiled once
-    return [
-        (
-            checked_validator(
-                object_schema(tool.input_schema), tool.name, label, "input", patterns
-            ),
-            None
-            if tool.output_schema is None
-            else checked_validator(dict(tool.output_schema), tool.name, label, "output", patterns),
-        )
-        for tool in listing
-    ]
+    `MCPSchemaError` for a refused one, `MCPServerError` once `closed()` says the server was
+    closed meanwhile (no compile starts after that). Blocking (pure Python over peer data):
+    call it on a worker thread."""
+    patterns = Patterns(closed)  # a pattern several tools share is compiled once
+    compiled = []
+    try:
+        for tool in listing:
+            if closed():
+                raise ListingStopped
+            compiled.append(
+                (
+                    checked_validator(
+                        object_schema(tool.input_schema), tool.name, label, "input", patterns
+                    ),
+                    None
+                    if tool.output_schema is None
+                    else checked_validator(
+                        dict(tool.output_schema), tool.name, label, "output", patterns
+                    ),
+                )
+            )
+    except ListingStopped:
+        raise MCPServerError(
+            f"MCP server {label} was closed while its tools were listed."
+        ) from None
+    return compiled
 
 
 class CheckedSession(ClientSession):
