@@ -24,7 +24,12 @@ from typing import Annotated
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context, Image
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import CallToolResult, TextContent
+from mcp_types import (
+    CallToolResult,
+    NotificationParams,
+    TextContent,
+    ToolListChangedNotification,
+)
 from pydantic import Field
 
 app = MCPServer("treadle-test", log_level="WARNING")
@@ -155,6 +160,16 @@ async def storm(ctx: Context, count: int) -> str:
     """Announces a changed tool list `count` times in a row."""
     for _ in range(count):
         await ctx.session.send_tool_list_changed()
+    return f"announced {count}"
+
+
+@app.tool()
+async def announce(ctx: Context, count: int) -> str:
+    """Announces a changed tool list whose `_meta` holds `count` entries `[[[]]]`, on the call's
+    own stream, then answers."""
+    params = NotificationParams.model_validate({"_meta": {"x": [[[]]] * count}})
+    note = ToolListChangedNotification(params=params)
+    await ctx.session.send_notification(note, related_request_id=ctx.request_id)
     return f"announced {count}"
 
 

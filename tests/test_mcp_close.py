@@ -11,7 +11,9 @@ import asyncio
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,4 +169,54 @@ def test_the_no_server_left_check_sees_every_test_server() -> None:
         assert any("mcp_raw_server.py" in cmd for cmd in server_children().values())
     finally:
         server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_closing_during_a_listing_stops_its_compiles_and_the_listing_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # close() waited for every compile of a hostile listing (7.7 s), and the tools() it
+    # interrupted then returned that listing, from a closed server
+    import threading
+
+    from treadle.mcp.listing import compile_all as real
+
+    raw = str(Path(__file__).with_name("mcp_raw_server.py"))
+    compiling, outcome = threading.Event(), dict[str, Any]()
+
+    def compile_all(listing: Any, label: str, closed: Callable[[], bool]) -> Any:
+        def closed_once_told() -> bool:
+            if not compiling.is_set():  # the first question waits for the close (bounded)
+                compiling.set()
+                for _ in range(int(GUARD_SECONDS * 100)):
+                    if closed():
+                        break
+                    threading.Event().wait(0.01)
+            return closed()
+
+        try:
+            outcome["compiled"] = real(listing, label, closed_once_told)
+        except MCPServerError as error:
+            outcome["compiled"] = error
+            raise
+        return outcome["compiled"]
+
+    monkeypatch.setattr("treadle.mcp.link.compile_all", compile_all)
+    server = MCPServer.stdio(sys.executable, [raw, "--tools", "999"], stderr=subprocess.DEVNULL)
+
+    def listing() -> None:
+        try:
+            outcome["tools"] = server.tools()
+        except MCPServerError as error:
+            outcome["tools"] = error
+
+    lister = threading.Thread(target=listing)
+    lister.start()
+    assert compiling.wait(GUARD_SECONDS)
+    server.close()
+    lister.join(GUARD_SECONDS)
+    assert not lister.is_alive()
+    assert "closed while its tools were listed" in str(outcome["compiled"]), outcome
+    assert isinstance(outcome["tools"], MCPServerError), outcome
+    assert "closed" in str(outcome["tools"]), outcome
     assert server_children(settle_seconds=GUARD_SECONDS) == {}

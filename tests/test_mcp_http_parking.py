@@ -143,10 +143,43 @@ def _big_request() -> bytes:
 
 
 @pytest.mark.parametrize(
+    ("event", "slimmed"),
+    [
+        pytest.param(
+            b"event: message\ndata: " + _big_note() + b"\n\n",
+            {
+                "jsonrpc": "2.0",
+                "method": "notifications/message",
+                "params": {"data": "x" * 1000 + "…"},
+            },
+            id="notification",
+        ),
+        pytest.param(
+            b"data: " + _big_request() + b"\n\n",
+            {"jsonrpc": "2.0", "id": "s1", "method": "ping", "params": {}},
+            id="server-request",
+        ),
+    ],
+)
+@pytest.mark.parametrize("cut", [7, 4096, 1 << 30])
+def test_a_large_notification_or_request_is_handed_on_slimmed(
+    event: bytes, slimmed: dict[str, Any], cut: int
+) -> None:
+    # Not parked (a placeholder would stand in for the call's reply, which follows), but not
+    # handed on as it came either: the SDK would type all of its params on the loop.
+    assert len(event) > PARSE_OFF_LOOP_BYTES
+    reply = b"event: message\ndata: " + _reply(1) + b"\n\n"
+    trip = Trip()
+    out = get_runtime().run(_rewrite(event + reply, cut, trip))
+    first, second = _events(out)
+    assert json.loads(first) == slimmed and len(first) < 2000
+    assert second == _reply(1)
+    assert trip.parked == {} and trip.reason is None
+
+
+@pytest.mark.parametrize(
     "event",
     [
-        pytest.param(b"event: message\ndata: " + _big_note() + b"\n\n", id="notification"),
-        pytest.param(b"data: " + _big_request() + b"\n\n", id="server-request"),
         pytest.param(b": " + b"x" * 100_000 + b"\n\n", id="comment"),
         pytest.param(b"event: ping\ndata: " + b"x" * 100_000 + b"\n\n", id="other-event"),
         pytest.param(b"event: other\r\ndata: " + _big_note() + b"\r\n\r\n", id="other-json"),
@@ -154,9 +187,8 @@ def _big_request() -> bytes:
     ],
 )
 @pytest.mark.parametrize("cut", [7, 4096, 1 << 30])
-def test_a_large_event_that_is_not_a_reply_passes_as_it_came(event: bytes, cut: int) -> None:
-    # Only a `message` event carrying a response is parked: the SDK reads a placeholder as the
-    # call's reply, so anything else parked would stand in for the real reply, which follows.
+def test_a_large_event_that_is_not_a_message_passes_as_it_came(event: bytes, cut: int) -> None:
+    # Only a `message` event is read by the SDK: any other passes untouched, whatever it holds.
     assert len(event) > PARSE_OFF_LOOP_BYTES
     reply = b"event: message\ndata: " + _reply(1) + b"\n\n"
     trip = Trip()

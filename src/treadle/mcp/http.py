@@ -18,7 +18,9 @@ of one server-sent event) is parsed here instead, on a worker thread as the stdi
 its lines (`json.loads`, then only the envelope typed), and "parked": the SDK is handed a tiny
 placeholder reply naming it, which `TrippedStream` swaps for the parked message on its way to
 the session. Only responses are parked (and only from `message` events): the SDK reads the
-placeholder as its call's reply, so anything else passes as it came.
+placeholder as its call's reply. A large notification or server request is handed on slimmed
+instead (its params cut to what Treadle reads, `treadle.mcp.parse.slim`): the SDK would type
+all of it on the loop.
 This module must never hold more than the cap of one reply.
 """
 
@@ -59,17 +61,18 @@ class Trip:
         self.fault: type[TransportFault] = MessageTooLarge
         self.parked: dict[str, SessionMessage] = {}
 
-    async def park(self, data: bytes, label: str) -> bytes | None:
-        """`data` (one JSON-RPC message) parsed on a worker thread and, if it is a response,
-        kept: the placeholder reply to hand the SDK in its place. None for any other message
-        (a notification or a server's request): the SDK reads a placeholder as its call's
-        reply, so one standing for anything else would take the real reply's place."""
+    async def park(self, data: bytes, label: str) -> bytes:
+        """`data` (one JSON-RPC message) parsed on a worker thread; a response is kept and the
+        placeholder reply to hand the SDK in its place returned. Any other message (a
+        notification or a server's request) is not parked, since the SDK reads a placeholder as
+        its call's reply: it comes back slimmed (`treadle.mcp.parse.slim`), small for the SDK
+        to type on the loop."""
         message = await run_internal_io(_parse, data, label)
         if isinstance(message, TransportFault):
             self.reason, self.fault = str(message).rstrip("."), type(message)
             message_id: Any = 0
         elif not isinstance(message.message, types.JSONRPCResponse | types.JSONRPCError):
-            return None
+            return message.message.model_dump_json(by_alias=True, exclude_unset=True).encode()
         else:
             token = secrets.token_hex(16)
             self.parked[token] = message
@@ -187,7 +190,7 @@ class _CappedBody(httpx2.AsyncByteStream):
         body = b"".join(held)
         del held
         if size > PARSE_OFF_LOOP_BYTES:
-            yield await self._trip.park(body, self._url) or body
+            yield await self._trip.park(body, self._url)
         elif body:
             yield body
 
@@ -281,9 +284,9 @@ class _ParkingEvents(httpx2.AsyncByteStream):
         payload = b"\n".join(_field_value(line) for line in data)
         # a small message in a large event (a long `id:`) is cheap for the SDK to type itself
         small = len(payload) <= PARSE_OFF_LOOP_BYTES
-        placeholder = None if small else await self._trip.park(payload, self._url)
-        if placeholder is None:  # not a response: on as it came
+        if small:
             return b"".join(lines)
+        placeholder = await self._trip.park(payload, self._url)
         return b"".join(others) + b"data: " + placeholder + b"\n\n"
 
     async def aclose(self) -> None:

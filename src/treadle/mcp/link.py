@@ -32,12 +32,8 @@ import mcp_types as types
 from mcp import MCPError
 from mcp.client.session import MessageHandlerFnT
 
-from treadle.errors import (
-    MCPServerError,
-    ToolArgumentsError,
-    ToolError,
-    ToolTimeoutError,
-)
+from treadle.errors import MCPServerError, ToolArgumentsError, ToolError, ToolTimeoutError
+from treadle.mcp.checks import CheckThreads
 from treadle.mcp.listing import CheckedSession, compile_all, list_all, until_quiet
 from treadle.mcp.stdio import StdioTransport, TransportFault
 from treadle.runtime import Runtime
@@ -185,6 +181,8 @@ class Link:
         """How many times the tool list was fetched (first listings and refreshes)."""
         self.starts = 0
         """How many connections were opened so far (1 + restarts)."""
+        self.checks = CheckThreads(label)
+        """The threads this server's output checks run on (its own: `treadle.mcp.checks`)."""
         self.stop_phases: list[tuple[str, ...]] = []
         """How each closed stdio connection's process was stopped (see `StdioTransport`)."""
         _register(self)
@@ -203,6 +201,10 @@ class Link:
     async def tools(self) -> tuple[types.Tool, ...]:
         """The server's tool listing, connecting first when needed."""
         await self._on_runtime(self._ensure())
+        if self._closed:  # closed while it was listed: that listing is not for a closed server
+            raise MCPServerError(
+                f"MCP server {self.label} was closed; open it again to call its tools."
+            )
         return self.listing
 
     async def aclose(self) -> None:
@@ -273,6 +275,7 @@ class Link:
                         client_info=_CLIENT_INFO,
                     )
                 )
+                session.check_threads = self.checks
                 async with anyio.create_task_group() as group:
                     live.group = group
                     try:
@@ -336,7 +339,8 @@ class Link:
         whose size and shape we do not choose); `MCPSchemaError` naming a refused tool."""
         self.listings += 1
         listing = await list_all(session, self.label)
-        compiled = await run_internal_io(compile_all, listing, self.label)
+        # Stopped between compiles once the server is closed, so closing waits one compile at most.
+        compiled = await run_internal_io(compile_all, listing, self.label, lambda: self._closed)
         self.validators = {id(tool): v for tool, (v, _) in zip(listing, compiled, strict=True)}
         session.output_validators = {
             tool.name: out

@@ -25,7 +25,9 @@ from mcp_types import methods as result_rows
 from pydantic import TypeAdapter
 
 from treadle.errors import MCPServerError
-from treadle.mcp.schema import BudgetExceeded, run_check
+from treadle.mcp.checks import CheckThreads
+from treadle.mcp.regex import ListingStopped
+from treadle.mcp.schema import BudgetExceeded, Patterns, run_check
 from treadle.mcp.tool import (
     CHEAP_SCHEMA_COST,
     CHECK_BUDGET_SECONDS,
@@ -158,19 +160,36 @@ async def list_all(session: ClientSession, label: str) -> tuple[types.Tool, ...]
     return tuple(tools)
 
 
-def compile_all(listing: tuple[types.Tool, ...], label: str) -> list[tuple[Any, Any]]:
+def compile_all(
+    listing: tuple[types.Tool, ...], label: str, closed: Callable[[], bool] = lambda: False
+) -> list[tuple[Any, Any]]:
     """Each tool's compiled input and output schemas (None: no output schema), in listing order;
-    `MCPSchemaError` for a refused one. Blocking (pure Python over peer data): call it on a
-    worker thread."""
-    return [
-        (
-            checked_validator(object_schema(tool.input_schema), tool.name, label),
-            None
-            if tool.output_schema is None
-            else checked_validator(dict(tool.output_schema), tool.name, label, "output"),
-        )
-        for tool in listing
-    ]
+    `MCPSchemaError` for a refused one, `MCPServerError` once `closed()` says the server was
+    closed meanwhile (no compile starts after that). Blocking (pure Python over peer data):
+    call it on a worker thread."""
+    patterns = Patterns(closed)  # a pattern several tools share is compiled once
+    compiled = []
+    try:
+        for tool in listing:
+            if closed():
+                raise ListingStopped
+            compiled.append(
+                (
+                    checked_validator(
+                        object_schema(tool.input_schema), tool.name, label, "input", patterns
+                    ),
+                    None
+                    if tool.output_schema is None
+                    else checked_validator(
+                        dict(tool.output_schema), tool.name, label, "output", patterns
+                    ),
+                )
+            )
+    except ListingStopped:
+        raise MCPServerError(
+            f"MCP server {label} was closed while its tools were listed."
+        ) from None
+    return compiled
 
 
 class CheckedSession(ClientSession):
@@ -180,6 +199,8 @@ class CheckedSession(ClientSession):
 
     output_validators: Mapping[str, Any] = {}
     """The compiled output schema of each listed tool that has one, by its name."""
+    check_threads: CheckThreads | None = None
+    """The server's own check threads, which its output checks run on."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -210,7 +231,12 @@ class CheckedSession(ClientSession):
         else:
             try:
                 error = await run_check(
-                    _output_error, validator, structured, name, budget=CHECK_BUDGET_SECONDS
+                    _output_error,
+                    validator,
+                    structured,
+                    name,
+                    budget=CHECK_BUDGET_SECONDS,
+                    threads=self.check_threads,
                 )
             except BudgetExceeded:  # still running (one RE2 call cannot be stopped)
                 raise RuntimeError(_overrun(name)) from None

@@ -3,7 +3,9 @@ bounded time.
 
 A server's schema is peer data, and the checks run on the shared runtime loop, so nothing in them
 may take unbounded time. `pattern` and `patternProperties` regexes run on RE2 (no backtracking:
-linear in the argument, so `^(a+)+$` costs what `^a+$` does) instead of Python's `re`; a regex RE2
+linear in the argument, so `^(a+)+$` costs what `^a+$` does) instead of Python's `re`, each
+compiled once when the schema is (capped: `treadle.mcp.regex`), and a check over
+`patternProperties` looks at its deadline before every match; a regex RE2
 cannot express (lookaround, backreferences) is left to the server to check. When the server lists
 a tool, its schema is compiled (on a worker thread) and refused with an error naming tool and
 server when it is not a valid JSON Schema, points a `$ref` outside itself or nowhere, or has a
@@ -18,42 +20,43 @@ budget (`Compiled.errors`): every keyword checks the deadline, and one past it r
 character, so a string matched against a `pattern` may have at most `MAX_PATTERN_CHARACTERS`
 (longer is a validation error naming the limit). A schema with a pattern or a large `enum` /
 `const` is `heavy`: its checks run off the loop whatever the value (`run_check`: on threads of
-their own, at most `CHECK_THREADS`, so runaway checks starve nothing else; the caller stops
-waiting at the budget). This module must never run Python's `re` on a server's pattern.
+their server's own, `treadle.mcp.checks`, so runaway checks starve nothing else; the caller
+stops waiting at the budget). This module must never run Python's `re` on a server's pattern.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
 from typing import Any
 from urllib.parse import unquote, urldefrag, urljoin
 
-import re2  # type: ignore[import-untyped]
 from jsonschema import exceptions, validators  # type: ignore[import-untyped]
 
+from treadle.mcp.checks import CHECK_THREADS, BudgetExceeded, run_check
+from treadle.mcp.regex import (
+    MAX_LISTED_PATTERN_CHARACTERS,
+    MAX_PATTERN_CHARACTERS,
+    MAX_SCHEMA_PATTERN,
+    Patterns,
+    SchemaRefused,
+)
+
 __all__ = [
+    "CHECK_THREADS",
     "MAX_EXPANSION",
+    "MAX_LISTED_PATTERN_CHARACTERS",
     "MAX_PATTERN_CHARACTERS",
+    "MAX_SCHEMA_PATTERN",
     "BudgetExceeded",
     "Compiled",
+    "Patterns",
     "SchemaRefused",
     "compile_schema",
     "run_check",
 ]
 
-#: The longest string matched against a schema's `pattern` (a longer one is a validation error;
-#: a longer property name counts as matching, for the server to decide).
-MAX_PATTERN_CHARACTERS = 100_000
-#: Threads that run schema checks off the loop (their own: a runaway check holds one of these,
-#: never a thread the runtime needs for anything else).
-CHECK_THREADS = 2
 # An `enum` longer than this, or a `const` that is an object or array, makes a schema heavy.
 _HEAVY_ENUM = 32
 
@@ -66,15 +69,11 @@ MAX_EXPANSION = 1000
 _SAME_VALUE_LISTS = ("allOf", "anyOf", "oneOf")
 _SAME_VALUE_ONE = ("not", "if", "then", "else")
 _SUPPORTED_DIALECTS = ("draft4", "draft6", "draft7", "draft2019", "draft2020")
-_PATTERN_CACHE = 512
-
-
-class SchemaRefused(ValueError):
-    """A tool's input schema cannot be used; the message says why."""
-
-
-class BudgetExceeded(Exception):
-    """A check ran past its time budget (raised from inside the validator, then reported)."""
+# Schema keywords whose value is data, not a schema: a "pattern" key inside is no pattern.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 # The deadline of the check running on this thread (checks run on the loop or on workers).
@@ -129,79 +128,75 @@ class Compiled:
             _deadline.at = None
 
 
-def _options() -> Any:
-    options = re2.Options()
-    options.log_errors = False  # an unsupported pattern is an answer here, not an error to print
-    options.never_capture = True  # only "does it match": no groups to keep
-    return options
+def _pattern_keyword(patterns: Patterns) -> Callable[..., Any]:
+    def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+        if not validator.is_type(instance, "string"):
+            return
+        if len(instance) > MAX_PATTERN_CHARACTERS:
+            yield exceptions.ValidationError(
+                f"a string of {len(instance):,} characters is over the "
+                f"{MAX_PATTERN_CHARACTERS:,}-character limit for matching a pattern"
+            )
+        elif patterns.matches(pattern, instance) is False:
+            yield exceptions.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+    return _pattern
 
 
-_RE2_OPTIONS = _options()
+def _in_time() -> None:
+    """`BudgetExceeded` once the running check is past its deadline (inside the loops over
+    patterns and keys, which are as long as a peer makes them)."""
+    deadline = getattr(_deadline, "at", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise BudgetExceeded
 
 
-@functools.lru_cache(maxsize=_PATTERN_CACHE)
-def _regex(pattern: str) -> Any:
-    """The RE2 form of `pattern`, or None when RE2 cannot express it (or it needs more than
-    RE2's memory budget)."""
-    try:
-        return re2.compile(pattern, _RE2_OPTIONS)
-    except re2.error:
-        return None
+def _pattern_properties_keyword(patterns: Patterns) -> Callable[..., Any]:
+    def _pattern_properties(
+        validator: Any, by_pattern: Mapping[str, Any], instance: Any, schema: Any
+    ) -> Iterator[Any]:
+        if not validator.is_type(instance, "object"):
+            return
+        for pattern, subschema in by_pattern.items():
+            for key, value in instance.items():
+                _in_time()
+                if patterns.matches(pattern, key):
+                    yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+    return _pattern_properties
 
 
-def _matches(pattern: str, text: str) -> bool | None:
-    if len(text) > MAX_PATTERN_CHARACTERS:
-        return None
-    compiled = _regex(pattern)
-    return None if compiled is None else compiled.search(text) is not None
+def _additional_properties_keyword(patterns: Patterns) -> Callable[..., Any]:
+    def _additional_properties(
+        validator: Any, extra: Any, instance: Any, schema: Any
+    ) -> Iterator[Any]:
+        if not validator.is_type(instance, "object"):
+            return
+        known = schema.get("properties", {})
+        listed = list(schema.get("patternProperties", {}))
 
+        def extra_key(key: Any) -> bool:
+            if key in known:
+                return False
+            for pattern in listed:
+                _in_time()
+                # A pattern RE2 cannot express counts as matching: the server decides those.
+                if patterns.matches(pattern, key) is not False:
+                    return False
+            return True
 
-def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
-    if not validator.is_type(instance, "string"):
-        return
-    if len(instance) > MAX_PATTERN_CHARACTERS:
-        yield exceptions.ValidationError(
-            f"a string of {len(instance):,} characters is over the "
-            f"{MAX_PATTERN_CHARACTERS:,}-character limit for matching a pattern"
-        )
-    elif _matches(pattern, instance) is False:
-        yield exceptions.ValidationError(f"{instance!r} does not match {pattern!r}")
+        extras = sorted((k for k in instance if extra_key(k)), key=str)
+        if validator.is_type(extra, "object"):
+            for key in extras:
+                yield from validator.descend(instance[key], extra, path=key)
+        elif not extra and extras:
+            names = ", ".join(repr(k) for k in extras)
+            verb = "was" if len(extras) == 1 else "were"
+            yield exceptions.ValidationError(
+                f"Additional properties are not allowed ({names} {verb} unexpected)"
+            )
 
-
-def _pattern_properties(
-    validator: Any, patterns: Mapping[str, Any], instance: Any, schema: Any
-) -> Iterator[Any]:
-    if not validator.is_type(instance, "object"):
-        return
-    for pattern, subschema in patterns.items():
-        for key, value in instance.items():
-            if _matches(pattern, key):
-                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
-
-
-def _additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterator[Any]:
-    if not validator.is_type(instance, "object"):
-        return
-    known = schema.get("properties", {})
-    patterns = list(schema.get("patternProperties", {}))
-    # A pattern RE2 cannot express counts as matching: the server decides those keys.
-    extras = sorted(
-        (
-            k
-            for k in instance
-            if k not in known and not any(_matches(p, k) is not False for p in patterns)
-        ),
-        key=str,
-    )
-    if validator.is_type(extra, "object"):
-        for key in extras:
-            yield from validator.descend(instance[key], extra, path=key)
-    elif not extra and extras:
-        names = ", ".join(repr(k) for k in extras)
-        verb = "was" if len(extras) == 1 else "were"
-        yield exceptions.ValidationError(
-            f"Additional properties are not allowed ({names} {verb} unexpected)"
-        )
+    return _additional_properties
 
 
 def _canonical(value: Any) -> Any:
@@ -234,12 +229,16 @@ def _left_to_the_server(validator: Any, value: Any, instance: Any, schema: Any) 
     return iter(())
 
 
-def compile_schema(schema: Mapping[str, Any]) -> Compiled:
-    """A validator for `schema` whose regexes run on RE2; `SchemaRefused` saying what is wrong.
+def compile_schema(schema: Mapping[str, Any], patterns: Patterns | None = None) -> Compiled:
+    """A validator for `schema` whose regexes run on RE2, each compiled now (into `patterns`,
+    those of the whole listing); `SchemaRefused` saying what is wrong.
 
     Pure Python and proportional to the schema's size: call it off the event loop for a schema
     from a server.
     """
+    patterns = patterns if patterns is not None else Patterns()
+    for pattern in _schema_patterns(schema):  # before jsonschema runs Python's `re` on them
+        patterns.add(pattern)
     try:
         base = validators.validator_for(schema, default=validators.Draft202012Validator)
         dialect = next((d for d in _SUPPORTED_DIALECTS if d in base.__name__.lower()), None)
@@ -252,9 +251,9 @@ def compile_schema(schema: Mapping[str, Any]) -> Compiled:
     except RecursionError:
         raise SchemaRefused("it is nested too deeply to check") from None
     overrides: dict[str, Any] = {
-        "pattern": _pattern,
-        "patternProperties": _pattern_properties,
-        "additionalProperties": _additional_properties,
+        "pattern": _pattern_keyword(patterns),
+        "patternProperties": _pattern_properties_keyword(patterns),
+        "additionalProperties": _additional_properties_keyword(patterns),
         "uniqueItems": _unique_items,
     }
     if "unevaluatedProperties" in base.VALIDATORS and _has_key(schema, "patternProperties"):
@@ -262,6 +261,23 @@ def compile_schema(schema: Mapping[str, Any]) -> Compiled:
         overrides["unevaluatedProperties"] = _left_to_the_server
     keywords = {k: _timed(overrides.get(k, v)) for k, v in base.VALIDATORS.items()}
     return Compiled(validators.extend(base, keywords)(schema), cost, _heavy(schema))
+
+
+def _schema_patterns(schema: Any) -> Iterator[str]:
+    """Every `pattern` and `patternProperties` key of the schema (not those inside data such as
+    a `const`, which are no patterns)."""
+    for pointer, node in _nodes(schema):
+        parts = pointer.split("/")
+        if any(
+            part in _DATA_KEYWORDS and parts[i - 1] not in _NAMED_SCHEMAS
+            for i, part in enumerate(parts)
+            if i
+        ):
+            continue
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from (k for k in node["patternProperties"] if isinstance(k, str))
 
 
 def _heavy(schema: Any) -> bool:
@@ -272,64 +288,6 @@ def _heavy(schema: Any) -> bool:
         if (isinstance(enum, list) and len(enum) > _HEAVY_ENUM) or isinstance(const, dict | list):
             return True
     return False
-
-
-class _CheckThreads:
-    """At most `CHECK_THREADS` daemon threads running queued checks. Daemon threads, unlike a
-    `ThreadPoolExecutor`'s (which interpreter exit joins): a check given up on may run on for
-    a minute inside one RE2 call, and must not keep the process from exiting meanwhile."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0
-
-    def submit(self, call: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._queue.put((future, call))
-        with self._lock:
-            if self._idle > 0:
-                self._idle -= 1  # an idle thread takes it
-            elif self._threads < self._size:
-                self._threads += 1
-                threading.Thread(
-                    target=self._work, name=f"treadle-mcp-check-{self._threads}", daemon=True
-                ).start()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            future, call = self._queue.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(call())
-                except BaseException as error:  # handed to the waiting caller, as executors do
-                    future.set_exception(error)
-            del future, call  # the value is the caller's now: not kept alive while idle
-            with self._lock:
-                self._idle += 1
-
-    def after_fork_in_child(self) -> None:
-        """Forget the parent's threads (they did not survive the fork)."""
-        self.__init__(self._size)  # type: ignore[misc]
-
-
-_CHECKS = _CheckThreads(CHECK_THREADS)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_CHECKS.after_fork_in_child)
-
-
-async def run_check(fn: Callable[..., Any], *args: Any, budget: float) -> Any:
-    """`fn(*args)` on a check thread; `BudgetExceeded` when it has not answered in `budget`
-    seconds (queued or running: one still running finishes on its thread, unheard, and never
-    holds up interpreter exit)."""
-    future = asyncio.wrap_future(_CHECKS.submit(functools.partial(fn, *args)))
-    try:
-        return await asyncio.wait_for(future, budget)
-    except TimeoutError:
-        raise BudgetExceeded from None
 
 
 def _nodes(schema: Any) -> Iterator[tuple[str, Any]]:

@@ -25,6 +25,7 @@ from typing import IO, Any, ClassVar
 import mcp_types as types
 
 from treadle.errors import ConfigurationError, RuntimeLoopError
+from treadle.mcp.checks import CheckThreads
 from treadle.mcp.link import Link, LinkLimits, Opener, Streams, close_soon
 from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES, StdioTransport
 from treadle.mcp.tool import MCPTool
@@ -129,6 +130,9 @@ class MCPServer:
             max_concurrency=max_concurrency,
         )
         """The time and concurrency limits of this connection."""
+        self.checks = CheckThreads(label)
+        """The threads this server's schema checks run on, its own: another server's runaway
+        checks never hold them (`treadle.mcp.checks`)."""
         self._opener = opener
         self._link: Link | None = None
         self._link_lock = threading.Lock()
@@ -242,6 +246,7 @@ class MCPServer:
             link = self._link
             if link is None or link.closed or link.runtime is not runtime:
                 link = self._link = Link(self._opener, self.label, self.limits, runtime)
+                link.checks = self.checks  # its tools' argument checks share them
                 # A server object nobody holds any more (nor any of its tools) closes its link.
                 weakref.finalize(self, close_soon, link)
             return link
@@ -327,12 +332,14 @@ class MCPServer:
     async def aclose(self) -> None:
         """Close the connection (a stdio server's process stops); a later call opens a new one."""
         link, self._link = self._link, None
+        self.checks.drop_queued()  # checks queued for calls that will never be made
         if link is not None:
             await link.aclose()
 
     def close(self) -> None:
         """`aclose` for sync code (not on the runtime's loop thread)."""
         link, self._link = self._link, None
+        self.checks.drop_queued()
         if link is None or link.runtime.closed:
             return
         if link.runtime.in_loop_thread():

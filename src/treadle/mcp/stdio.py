@@ -11,9 +11,12 @@ server is ever left unread. On Linux the server runs under a small supervisor
 (`treadle.mcp.reaper`: the init of a PID namespace of its own, or a child subreaper where
 namespaces are not allowed), so closing also stops descendants that left the server's process
 group with `setsid()`. A message over `PARSE_OFF_LOOP_BYTES` is parsed on a
-worker thread, and only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects
-(`treadle.mcp.parse`: `json.loads` holds the GIL for the whole message, and its cost is the
-objects it makes); one with more is a `MessageTooComplex` fault, as one over the cap is.
+worker thread, and only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects and
+`MAX_MESSAGE_EXPONENTS` numbers with a large exponent, and whose estimated cost, all its shapes
+together, is at most `MAX_MESSAGE_COST_NS` (`treadle.mcp.parse`: `json.loads` holds the
+GIL for the whole message, and its cost is the objects it makes); one with more is a
+`MessageTooComplex` fault, as one over the cap is. A large notification or server request is
+slimmed there too (`treadle.mcp.parse.slim`), so the SDK types only a small one on the loop.
 
 This module must never hold more than the cap of one message, never block the event loop, and
 never leave its server process running once its context has exited (closing is shielded from
@@ -42,7 +45,16 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp.client.stdio import get_default_environment
 from mcp.shared.message import SessionMessage
 
-from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, collector_paused, containers
+from treadle.mcp.parse import (
+    MAX_MESSAGE_CONTAINERS,
+    MAX_MESSAGE_COST_NS,
+    MAX_MESSAGE_EXPONENTS,
+    collector_paused,
+    containers,
+    cost,
+    exponents,
+    slim,
+)
 from treadle.runtime.threads import run_internal_io
 
 __all__ = [
@@ -88,8 +100,9 @@ class MessageTooLarge(TransportFault):
 
 
 class MessageTooComplex(MessageTooLarge):
-    """The server sent a message of more JSON arrays and objects than `MAX_MESSAGE_CONTAINERS`
-    (refused unparsed: parsing it would hold the GIL too long, see `treadle.mcp.parse`)."""
+    """The server sent a message of more JSON arrays and objects than `MAX_MESSAGE_CONTAINERS`,
+    or over another parse budget of `treadle.mcp.parse` (refused unparsed: parsing it would
+    hold the GIL too long)."""
 
 
 class MalformedMessage(TransportFault):
@@ -293,8 +306,9 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
 
     `json.loads` (C) builds the plain data, then pydantic types only the envelope: a result
     stays a plain dict here (typed later in small steps, see `treadle.mcp.listing`). A large
-    message is parsed only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects,
-    and with the garbage collector paused: `json.loads` holds the GIL throughout (a
+    message is parsed only when it holds at most `MAX_MESSAGE_CONTAINERS` arrays and objects
+    and its estimated cost (`treadle.mcp.parse.cost`) is within `MAX_MESSAGE_COST_NS`, and
+    with the garbage collector paused: `json.loads` holds the GIL throughout (a
     `MessageTooComplex` fault for more)."""
     try:
         # MCP messages are UTF-8: decoded first (one C call, about a millisecond per MiB), so the
@@ -304,15 +318,19 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
         if len(line) <= PARSE_OFF_LOOP_BYTES:
             data = json.loads(text)
         elif (count := containers(line)) > MAX_MESSAGE_CONTAINERS:
-            log.warning("MCP server %s sent a message of %d JSON containers", label, count)
-            return MessageTooComplex(
-                f"MCP server {label} sent a message of {count:,} JSON arrays and objects, over "
-                f"the {MAX_MESSAGE_CONTAINERS:,} Treadle parses in one message (parsing it "
-                "would stall every pass); send fewer, larger values (text, base64) or page them."
-            )
+            return _too_complex(label, count, "JSON arrays and objects", MAX_MESSAGE_CONTAINERS)
+        elif (count := exponents(line)) > MAX_MESSAGE_EXPONENTS:
+            what = "numbers with a large exponent"
+            return _too_complex(label, count, what, MAX_MESSAGE_EXPONENTS)
+        elif (count := cost(line)) > MAX_MESSAGE_COST_NS:
+            # each budget above kept, but one message near all of them would still cost their sum
+            what = "ms of estimated parsing (its values, containers, exponents and long integers)"
+            return _too_complex(label, count // 1_000_000, what, MAX_MESSAGE_COST_NS // 1_000_000)
         else:
             with collector_paused():
-                data = json.loads(text)
+                # A large notification or server request is slimmed here, off the loop: the SDK
+                # types its params on the loop, and Treadle needs none of a large one.
+                data = slim(json.loads(text))
         return SessionMessage(types.jsonrpc_message_adapter.validate_python(data, by_name=False))
     except (ValueError, RecursionError) as error:
         why = "nested too deeply" if isinstance(error, RecursionError) else _first_line(error)
@@ -321,6 +339,15 @@ def _parse(line: bytes, label: str) -> SessionMessage | TransportFault:
             f"MCP server {label} sent a line that is not a JSON-RPC message ({why}); a reply "
             "may have been lost in it."
         )
+
+
+def _too_complex(label: str, count: int, what: str, budget: int) -> MessageTooComplex:
+    log.warning("MCP server %s sent a message of %d %s", label, count, what)
+    return MessageTooComplex(
+        f"MCP server {label} sent a message of {count:,} {what}, over the {budget:,} Treadle "
+        "parses in one message (parsing it would stall every pass); send fewer, larger values "
+        "(text, base64) or page them."
+    )
 
 
 def _first_line(error: BaseException) -> str:

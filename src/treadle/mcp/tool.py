@@ -31,6 +31,7 @@ from treadle.errors import MCPSchemaError, ToolArgumentsError, ToolError
 from treadle.mcp.schema import (
     BudgetExceeded,
     Compiled,
+    Patterns,
     SchemaRefused,
     compile_schema,
     run_check,
@@ -211,7 +212,12 @@ class MCPTool(Tool):
         values = dict(arguments)
         if not self._on_loop(values):
             try:
-                errors = await run_check(self._errors, values, budget=CHECK_BUDGET_SECONDS)
+                errors = await run_check(
+                    self._errors,
+                    values,
+                    budget=CHECK_BUDGET_SECONDS,
+                    threads=getattr(self.server, "checks", None),
+                )
             except BudgetExceeded:  # still running (one RE2 call cannot be stopped)
                 raise self._overrun() from None
             self._report(errors)
@@ -228,12 +234,17 @@ class MCPTool(Tool):
 
 
 def checked_validator(
-    schema: dict[str, Any], tool: str, server: str, which: str = "input"
+    schema: dict[str, Any],
+    tool: str,
+    server: str,
+    which: str = "input",
+    patterns: Patterns | None = None,
 ) -> Compiled:
-    """The compiled validator of a tool's `which` ("input" or "output") schema; `MCPSchemaError`
-    naming tool and server when the schema is refused."""
+    """The compiled validator of a tool's `which` ("input" or "output") schema, its regexes
+    compiled into `patterns` (those of its listing); `MCPSchemaError` naming tool and server
+    when the schema is refused."""
     try:
-        return compile_schema(schema)
+        return compile_schema(schema, patterns)
     except SchemaRefused as error:
         raise MCPSchemaError(
             f"MCP server {server} lists tool {tool!r} with an {which} schema Treadle refuses: "

@@ -1,0 +1,257 @@
+"""MCP messages the container budget admits that still cost a long GIL hold, beside 100
+bystander passes: numbers slow to parse, large notifications, results whose model text takes
+the careful path.
+
+- `json.loads` turns each number with an exponent into a float through `strtod`, up to a
+  microsecond apiece for one like `1e-400`: 1 MiB of those (150,000) held the GIL 107 to 164 ms
+  in one call. A message with more than `MAX_MESSAGE_EXPONENTS` is refused unparsed.
+- The SDK types a notification's params on the runtime loop: 185,000 lists in the `_meta` of a
+  `notifications/tools/list_changed` held the loop 465 to 731 ms. A large notification is
+  slimmed where it is parsed, off the loop; the announcement still re-lists the tools.
+- A tool result of plain data with one `1e999` or one string over the 20,000-character cap took
+  the careful path of its model text, whose `to_jsonable_python` copied all of it in one C call
+  (74 to 106 ms); plain data is now copied in Python, where the loop gets the GIL back.
+
+As in tests/test_mcp_shapes.py, what is bounded is CPU time: the thread CPU time of every message
+parse (the GIL hold of `json.loads`), of every pydantic-core call that makes the model's text
+(each one C call holding the GIL), and the loop thread's CPU time between two heartbeats, each
+under `STALL_LIMIT`. The wall-clock gap is printed (`-s`), not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pydantic_core
+import pytest
+
+pytest.importorskip("mcp")
+
+from loop_watch import STALL_LIMIT, beside_bystanders, quiet_transcripts
+from mcp_helpers import GUARD_SECONDS, http_server, server_children, tool_pass
+from treadle.mcp import MCPServer, http, stdio
+from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS
+from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
+from treadle.tools import results
+
+RAW_SERVER = str(Path(__file__).with_name("mcp_raw_server.py"))
+CAP = DEFAULT_MAX_MESSAGE_BYTES
+# `[[[]]]` entries (three lists each) under the container budget with room to spare.
+UNDER = MAX_MESSAGE_CONTAINERS // 3 - 5000
+_pass = tool_pass
+
+
+def _raw() -> MCPServer:
+    return MCPServer.stdio(sys.executable, [RAW_SERVER], stderr=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def quiet() -> list[list[dict[str, Any]]]:
+    # The one-time imports of a first connection of each kind are no part of what is measured.
+    warm = _raw()
+    try:
+        _pass(warm, "go", {"kind": "announce", "n": 2})
+    finally:
+        warm.close()
+    with http_server() as url:
+        remote = MCPServer.http(url)
+        try:
+            _pass(remote, "announce", {"count": 2})
+        finally:
+            remote.close()
+    return quiet_transcripts()
+
+
+def _timed(real: Callable[..., Any], held: list[float]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            held.append(time.thread_time() - start)
+
+    return timed
+
+
+@pytest.fixture
+def parse_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """The thread CPU time of every message parse of the test (the real `_parse`, timed on the
+    thread that runs it)."""
+    held: list[float] = []
+    timed = _timed(stdio._parse, held)
+    monkeypatch.setattr(stdio, "_parse", timed)
+    monkeypatch.setattr(http, "_parse", timed)
+    yield held
+    assert held, "no message was parsed"
+    print(f"longest parse {max(held) * 1000:.1f} ms of thread CPU")
+
+
+def _bounded(held: list[float], stall: Any) -> None:
+    assert max(held) < STALL_LIMIT, f"one call held the GIL {max(held) * 1000:.1f} ms of CPU"
+    assert stall.cpu < STALL_LIMIT, stall
+
+
+def test_a_reply_of_too_many_slow_numbers_is_refused_unparsed(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    server = _raw()
+    try:
+        arguments = {"kind": "fill_floats", "size": CAP}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
+        assert "numbers with a large exponent" in body["message"], body
+        assert RAW_SERVER[:40] in body["message"], body
+        _bounded(parse_hold, stall)
+        # the connection was closed with its process; the next call starts it again
+        assert _pass(server, "go", {"kind": "ok"})["ok"] is True
+        assert server.restarts == 1
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_a_reply_of_slow_numbers_under_the_budget_is_read(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    server = _raw()
+    try:
+        arguments = {"kind": "floats", "n": 20_000}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body["ok"] is True and body["structured"]["x"][:2] == [0.0, 0.0], body
+        _bounded(parse_hold, stall)
+        assert server.restarts == 0
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_a_reply_just_under_every_separate_budget_is_refused_by_its_total(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    # 199,806 containers, 24,997 costly exponents and 95 integers of 4,000 digits: each under
+    # its own budget, together held `json.loads` 91 to 121 ms
+    server = _raw()
+    try:
+        arguments = {"kind": "combo", "lists": 66_600, "exps": 24_990, "ints": 95}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
+        assert "estimated parsing" in body["message"], body
+        assert RAW_SERVER[:40] in body["message"], body
+        _bounded(parse_hold, stall)
+        assert _pass(server, "go", {"kind": "ok"})["ok"] is True
+        assert server.restarts == 1
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_a_reply_of_mixed_shapes_under_the_total_is_read(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    server = _raw()
+    try:
+        arguments = {"kind": "combo", "lists": 33_000, "exps": 12_000, "ints": 40}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        # read and cut to the model's content cap, as any long result is
+        assert body["ok"] is True and '"x":[[[[]]],[[[]]]' in body["result"], str(body)[:300]
+        _bounded(parse_hold, stall)
+        assert server.restarts == 0
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def _relisted(server: MCPServer, before: int) -> bool:
+    deadline = time.monotonic() + GUARD_SECONDS
+    while server.listings <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.listings > before
+
+
+def test_a_large_stdio_notification_is_slimmed_off_the_loop(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    server = _raw()
+    try:
+        server.tools()
+        before = server.listings
+        arguments = {"kind": "announce", "n": UNDER}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body == {"ok": True, "content": "ok"}, body
+        _bounded(parse_hold, stall)
+        assert _relisted(server, before)  # the announcement was still heard
+        assert server.restarts == 0
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_a_large_http_notification_is_slimmed_off_the_loop(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    # on the call's own event stream (a JSON reply carries no notification)
+    with http_server() as url:
+        remote = MCPServer.http(url)
+        try:
+            remote.tools()
+            before = remote.listings
+            arguments = {"count": UNDER}
+            body, stall = beside_bystanders(lambda: _pass(remote, "announce", arguments), quiet)
+            assert body["ok"] is True and f"announced {UNDER}" in str(body), body
+            _bounded(parse_hold, stall)
+            assert _relisted(remote, before)
+        finally:
+            remote.close()
+
+
+@pytest.fixture
+def encode_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[float]]]:
+    """The thread CPU time of every pydantic-core call that makes a tool result's model text
+    (each is one C call holding the GIL), by function name."""
+    held: dict[str, list[float]] = {"to_json": [], "to_jsonable_python": []}
+    core = SimpleNamespace(
+        to_json=_timed(pydantic_core.to_json, held["to_json"]),
+        to_jsonable_python=_timed(pydantic_core.to_jsonable_python, held["to_jsonable_python"]),
+    )
+    monkeypatch.setattr(results, "pydantic_core", core)
+    yield held
+    longest = max(held["to_json"] + held["to_jsonable_python"])
+    print(f"longest pydantic-core call {longest * 1000:.1f} ms of thread CPU")
+
+
+@pytest.mark.parametrize("odd", ["inf", "long"])
+def test_a_result_taking_the_careful_path_is_copied_in_steps(
+    odd: str, quiet: list[list[dict[str, Any]]], encode_hold: dict[str, list[float]]
+) -> None:
+    server = _raw()
+    try:
+        arguments = {"kind": "odd", "n": 100_000, "odd": odd}
+        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
+        assert body["ok"] is True and "result" in body, body  # cut to the content cap
+        # the whole text as the model would read it uncut: `1e999` as "Infinity", the long
+        # string cut to the 20,000-character cap
+        rows = [{"k": j % 10} for j in range(100_000)]
+        z = "Infinity" if odd == "inf" else "x" * 20_000 + "…[truncated 1 chars]"
+        full = json.dumps(
+            {"ok": True, "structured": {"rows": rows, "z": z}},
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
+        text = body["result"]
+        kept = text.index("…[truncated ")
+        assert text == full[:kept] + f"…[truncated {len(full) - kept} chars]", text[-200:]
+        # plain data is never copied by `to_jsonable_python`, one C call for all of it
+        assert encode_hold["to_jsonable_python"] == []
+        longest = max(encode_hold["to_json"])
+        assert longest < STALL_LIMIT, f"to_json held the GIL {longest * 1000:.1f} ms"
+        assert stall.cpu < STALL_LIMIT, stall
+    finally:
+        server.close()
+    assert server_children(settle_seconds=GUARD_SECONDS) == {}
