@@ -126,3 +126,19 @@ def server() -> Iterator[FakeOpenAIServer]:
 
     with FakeOpenAIServer(script="echo") as srv:
         yield srv
+
+
+@pytest.fixture
+def parse_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """The thread CPU time of every message parse of the test, in seconds (the real `_parse`,
+    over stdio and HTTP)."""
+    from mcp_holds import timed  # the MCP SDK is an extra: imported by the tests that use it
+    from treadle.mcp import http, stdio
+
+    held: list[float] = []
+    timed_parse = timed(stdio._parse, held)
+    monkeypatch.setattr(stdio, "_parse", timed_parse)
+    monkeypatch.setattr(http, "_parse", timed_parse)
+    yield held
+    assert held, "no message was parsed"
+    print(f"longest parse {max(held) * 1000:.1f} ms of thread CPU")

@@ -24,7 +24,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,7 +36,8 @@ pytest.importorskip("mcp")
 
 from loop_watch import STALL_LIMIT, beside_bystanders, quiet_transcripts
 from mcp_helpers import GUARD_SECONDS, http_server, server_children, tool_pass
-from treadle.mcp import MCPServer, http, stdio
+from mcp_holds import bounded, timed
+from treadle.mcp import MCPServer
 from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS
 from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
 from treadle.tools import results
@@ -69,35 +70,6 @@ def quiet() -> list[list[dict[str, Any]]]:
     return quiet_transcripts()
 
 
-def _timed(real: Callable[..., Any], held: list[float]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            held.append(time.thread_time() - start)
-
-    return timed
-
-
-@pytest.fixture
-def parse_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
-    """The thread CPU time of every message parse of the test (the real `_parse`, timed on the
-    thread that runs it)."""
-    held: list[float] = []
-    timed = _timed(stdio._parse, held)
-    monkeypatch.setattr(stdio, "_parse", timed)
-    monkeypatch.setattr(http, "_parse", timed)
-    yield held
-    assert held, "no message was parsed"
-    print(f"longest parse {max(held) * 1000:.1f} ms of thread CPU")
-
-
-def _bounded(held: list[float], stall: Any) -> None:
-    assert max(held) < STALL_LIMIT, f"one call held the GIL {max(held) * 1000:.1f} ms of CPU"
-    assert stall.cpu < STALL_LIMIT, stall
-
-
 def test_a_reply_of_too_many_slow_numbers_is_refused_unparsed(
     quiet: list[list[dict[str, Any]]], parse_hold: list[float]
 ) -> None:
@@ -108,7 +80,7 @@ def test_a_reply_of_too_many_slow_numbers_is_refused_unparsed(
         assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
         assert "numbers with a large exponent" in body["message"], body
         assert server.label in body["message"], body
-        _bounded(parse_hold, stall)
+        bounded(parse_hold, stall)
         # the connection was closed with its process; the next call starts it again
         assert _pass(server, "go", {"kind": "ok"})["ok"] is True
         assert server.restarts == 1
@@ -125,7 +97,7 @@ def test_a_reply_of_slow_numbers_under_the_budget_is_read(
         arguments = {"kind": "floats", "n": 20_000}
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
         assert body["ok"] is True and body["structured"]["x"][:2] == [0.0, 0.0], body
-        _bounded(parse_hold, stall)
+        bounded(parse_hold, stall)
         assert server.restarts == 0
     finally:
         server.close()
@@ -144,7 +116,7 @@ def test_a_reply_just_under_every_separate_budget_is_refused_by_its_total(
         assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
         assert "estimated parsing" in body["message"], body
         assert server.label in body["message"], body
-        _bounded(parse_hold, stall)
+        bounded(parse_hold, stall)
         assert _pass(server, "go", {"kind": "ok"})["ok"] is True
         assert server.restarts == 1
     finally:
@@ -161,7 +133,7 @@ def test_a_reply_of_mixed_shapes_under_the_total_is_read(
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
         # read and cut to the model's content cap, as any long result is
         assert body["ok"] is True and '"x":[[[[]]],[[[]]]' in body["result"], str(body)[:300]
-        _bounded(parse_hold, stall)
+        bounded(parse_hold, stall)
         assert server.restarts == 0
     finally:
         server.close()
@@ -185,7 +157,7 @@ def test_a_large_stdio_notification_is_slimmed_off_the_loop(
         arguments = {"kind": "announce", "n": UNDER}
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
         assert body == {"ok": True, "content": "ok"}, body
-        _bounded(parse_hold, stall)
+        bounded(parse_hold, stall)
         assert _relisted(server, before)  # the announcement was still heard
         assert server.restarts == 0
     finally:
@@ -205,7 +177,7 @@ def test_a_large_http_notification_is_slimmed_off_the_loop(
             arguments = {"count": UNDER}
             body, stall = beside_bystanders(lambda: _pass(remote, "announce", arguments), quiet)
             assert body["ok"] is True and f"announced {UNDER}" in str(body), body
-            _bounded(parse_hold, stall)
+            bounded(parse_hold, stall)
             assert _relisted(remote, before)
         finally:
             remote.close()
@@ -217,8 +189,8 @@ def encode_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[floa
     (each is one C call holding the GIL), by function name."""
     held: dict[str, list[float]] = {"to_json": [], "to_jsonable_python": []}
     core = SimpleNamespace(
-        to_json=_timed(pydantic_core.to_json, held["to_json"]),
-        to_jsonable_python=_timed(pydantic_core.to_jsonable_python, held["to_jsonable_python"]),
+        to_json=timed(pydantic_core.to_json, held["to_json"]),
+        to_jsonable_python=timed(pydantic_core.to_jsonable_python, held["to_jsonable_python"]),
     )
     monkeypatch.setattr(results, "pydantic_core", core)
     yield held

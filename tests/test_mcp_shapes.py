@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +30,11 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from loop_watch import STALL_LIMIT, beside_bystanders, quiet_transcripts
+from loop_watch import beside_bystanders, quiet_transcripts
 from mcp_helpers import GUARD_SECONDS, http_server, server_children, tool_pass
+from mcp_holds import bounded
 from treadle import Session
-from treadle.mcp import MCPServer, http, stdio
+from treadle.mcp import MCPServer
 from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, containers
 from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -70,32 +69,6 @@ def quiet() -> list[list[dict[str, Any]]]:
     return quiet_transcripts()
 
 
-@pytest.fixture
-def parse_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
-    """The thread CPU time of every message parse of the test, in seconds (the real `_parse`,
-    timed where it runs: on the worker thread that holds the GIL while `json.loads` runs)."""
-    held: list[float] = []
-    real: Callable[[bytes, str], Any] = stdio._parse
-
-    def timed(line: bytes, label: str) -> Any:
-        start = time.thread_time()
-        try:
-            return real(line, label)
-        finally:
-            held.append(time.thread_time() - start)
-
-    monkeypatch.setattr(stdio, "_parse", timed)
-    monkeypatch.setattr(http, "_parse", timed)
-    yield held
-    assert held, "no message was parsed"
-    print(f"longest parse {max(held) * 1000:.1f} ms of thread CPU")
-
-
-def _bounded(held: list[float], stall: Any) -> None:
-    assert max(held) < STALL_LIMIT, f"a parse held the GIL {max(held) * 1000:.1f} ms of CPU"
-    assert stall.cpu < STALL_LIMIT, stall
-
-
 def _refused(body: dict[str, Any], label: str) -> None:
     assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
     assert "JSON arrays and objects" in body["message"] and label in body["message"], body
@@ -109,7 +82,7 @@ def test_a_stdio_reply_of_too_many_lists_is_refused_unparsed(
         arguments = {"kind": "fill_lists", "size": CAP}
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
         _refused(body, server.label)
-        _bounded(parse_hold, stall)
+        bounded(parse_hold, stall)
         # the connection was closed with its process; the next call starts it again
         assert _pass(server, "go", {"kind": "ok"})["ok"] is True
         assert server.restarts == 1
@@ -127,7 +100,7 @@ def test_a_stdio_reply_under_the_container_budget_is_read(
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
         assert body["ok"] is True, body
         assert "[[[]],[[]]" in body["result"] or "[[[]]],[[[]]]" in body["result"], body
-        _bounded(parse_hold, stall)
+        bounded(parse_hold, stall)
         assert server.restarts == 0
     finally:
         server.close()
@@ -148,7 +121,7 @@ def test_an_http_reply_of_many_lists(
                 _refused(body, url)
             else:
                 assert body["ok"] is True, body
-            _bounded(parse_hold, stall)
+            bounded(parse_hold, stall)
         finally:
             remote.close()
 
