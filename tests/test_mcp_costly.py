@@ -21,11 +21,8 @@ under `STALL_LIMIT`. The wall-clock gap is printed (`-s`), not asserted.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,40 +31,26 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from loop_watch import STALL_LIMIT, beside_bystanders, quiet_transcripts
+from loop_watch import STALL_LIMIT, beside_bystanders
 from mcp_helpers import GUARD_SECONDS, http_server, server_children, tool_pass
-from mcp_holds import bounded, timed
+from mcp_holds import bounded, raw_server, timed, warm_then_quiet
 from treadle.mcp import MCPServer
 from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS
 from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
 from treadle.tools import results
 
-RAW_SERVER = str(Path(__file__).with_name("mcp_raw_server.py"))
 CAP = DEFAULT_MAX_MESSAGE_BYTES
 # `[[[]]]` entries (three lists each) under the container budget with room to spare.
 UNDER = MAX_MESSAGE_CONTAINERS // 3 - 5000
 _pass = tool_pass
 
 
-def _raw() -> MCPServer:
-    return MCPServer.stdio(sys.executable, [RAW_SERVER], stderr=subprocess.DEVNULL)
+_raw = raw_server
 
 
 @pytest.fixture(scope="module")
 def quiet() -> list[list[dict[str, Any]]]:
-    # The one-time imports of a first connection of each kind are no part of what is measured.
-    warm = _raw()
-    try:
-        _pass(warm, "go", {"kind": "announce", "n": 2})
-    finally:
-        warm.close()
-    with http_server() as url:
-        remote = MCPServer.http(url)
-        try:
-            _pass(remote, "announce", {"count": 2})
-        finally:
-            remote.close()
-    return quiet_transcripts()
+    return warm_then_quiet({"kind": "announce", "n": 2}, "announce")
 
 
 def test_a_reply_of_too_many_slow_numbers_is_refused_unparsed(

@@ -21,32 +21,27 @@ and 157 ms beside 17 ms (load average 10).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("mcp")
 
-from loop_watch import beside_bystanders, quiet_transcripts
+from loop_watch import beside_bystanders
 from mcp_helpers import GUARD_SECONDS, http_server, server_children, tool_pass
-from mcp_holds import bounded
+from mcp_holds import bounded, raw_server, warm_then_quiet
 from treadle import Session
 from treadle.mcp import MCPServer
 from treadle.mcp.parse import MAX_MESSAGE_CONTAINERS, containers
 from treadle.mcp.stdio import DEFAULT_MAX_MESSAGE_BYTES
 
 AGENT = Session.from_agent_prompt("Use the tools.")
-RAW_SERVER = str(Path(__file__).with_name("mcp_raw_server.py"))
 CAP = DEFAULT_MAX_MESSAGE_BYTES
 # `[[[]]]` entries (three lists each) that stay under the container budget with room to spare.
 UNDER = MAX_MESSAGE_CONTAINERS // 3 - 5000
 
 
-def _raw() -> MCPServer:
-    return MCPServer.stdio(sys.executable, [RAW_SERVER], stderr=subprocess.DEVNULL)
+_raw = raw_server
 
 
 _pass = tool_pass  # one pass calling one tool
@@ -54,19 +49,7 @@ _pass = tool_pass  # one pass calling one tool
 
 @pytest.fixture(scope="module")
 def quiet() -> list[list[dict[str, Any]]]:
-    # The one-time imports of a first connection of each kind are no part of what is measured.
-    warm = _raw()
-    try:
-        _pass(warm, "go", {"kind": "lists", "n": 2})
-    finally:
-        warm.close()
-    with http_server() as url:
-        remote = MCPServer.http(url)
-        try:
-            _pass(remote, "lists", {"count": 2})
-        finally:
-            remote.close()
-    return quiet_transcripts()
+    return warm_then_quiet({"kind": "lists", "n": 2}, "lists")
 
 
 def _refused(body: dict[str, Any], label: str) -> None:
