@@ -40,6 +40,7 @@ from treadle.llm.wire import (
     ChoiceDeltaToolCall,
     ChunkChoice,
     FunctionCallDelta,
+    MessageToolCall,
 )
 from treadle.runtime.threads import run_user_code
 from treadle.session import Usage
@@ -380,18 +381,7 @@ def turn_of(completion: ChatCompletion, request_id: str | None = None) -> Assist
     payload: dict[str, Any] = {"content": message.content}
     if message.tool_calls:
         payload["tool_calls"] = [
-            {
-                **call.model_dump(exclude_none=True),
-                # An empty id (Gemini's endpoint) gets the one its tool_result row will answer.
-                "id": call.id or f"call_{i}",
-                "type": call.type or "function",
-                "function": {
-                    **call.function.model_dump(exclude_none=True),
-                    "name": call.function.name,
-                    "arguments": call.function.arguments,
-                },
-            }
-            for i, call in enumerate(message.tool_calls)
+            _call_payload(i, call) for i, call in enumerate(message.tool_calls)
         ]
     extra = message.model_extra
     if extra:
@@ -406,6 +396,25 @@ def turn_of(completion: ChatCompletion, request_id: str | None = None) -> Assist
     return AssistantTurn(
         payload, Usage.from_wire(wire_usage), completion.finish_reason, completion, request_id
     )
+
+
+def _call_payload(i: int, call: MessageToolCall) -> dict[str, Any]:
+    """A tool call of the reply as the assistant row keeps it; an empty id (Gemini's endpoint)
+    gets the one its tool_result row will answer."""
+    fn = call.function
+    function: dict[str, Any]
+    if fn.model_extra:  # provider fields beside name and arguments: kept as dumped
+        function = {**fn.model_dump(exclude_none=True), "name": fn.name, "arguments": fn.arguments}
+    else:  # the dump would be exactly these two (every round's case: no second serialisation)
+        function = {"name": fn.name, "arguments": fn.arguments}
+    if call.model_extra:
+        return {
+            **call.model_dump(exclude_none=True),
+            "id": call.id or f"call_{i}",
+            "type": call.type or "function",
+            "function": function,
+        }
+    return {"id": call.id or f"call_{i}", "type": call.type or "function", "function": function}
 
 
 def _delta_of(chunk: ChatCompletionChunk) -> TurnDelta:
