@@ -138,3 +138,37 @@ def test_parse_event_gives_what_the_schema_gives(payload: bytes) -> None:
 def test_parse_event_rejects_what_the_schema_rejects(payload: bytes) -> None:
     with pytest.raises(MalformedResponse):
         parse_event(payload, None, None)
+
+
+def _lines_one_by_one(stream: bytes) -> list[bytes]:
+    """The decoder's rule written plainly (the reference): lines end at LF, one CR before it
+    is dropped, `data:` loses one leading space, a blank line ends the event."""
+    out: list[bytes] = []
+    data: list[bytes] = []
+    for line in stream.split(b"\n")[:-1]:
+        line = line[:-1] if line.endswith(b"\r") else line
+        if not line:
+            if data:
+                out.append(b"\n".join(data))
+            data = []
+        elif line.startswith(b"data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(b" ") else value)
+    return out
+
+
+def test_decoder_reads_cr_lf_the_same_at_every_split() -> None:
+    # A CR ending a read whose LF comes in the next, CRs inside a line and doubled before the
+    # LF, bare LFs among CRLFs, `data:` with no, one and two spaces.
+    stream = (
+        b"data: a\r\n\r\ndata:b\rc\r\n\r\ndata:  d\r\r\n\n: x\r\ndata: e\ndata: f\r\n\r\n"
+        b'data: {"k": 1}\r\n\r\n'
+    )
+    want = _lines_one_by_one(stream)
+    assert want == [b"a", b"b\rc", b" d\r", b"e\nf", b'{"k": 1}']
+    for cut in range(len(stream) + 1):
+        for second in (cut, min(cut + 1, len(stream)), min(cut + 7, len(stream))):
+            decoder = SSEDecoder()
+            got = decoder.feed(stream[:cut]) + decoder.feed(stream[cut:second])
+            got += decoder.feed(stream[second:]) + decoder.flush()
+            assert got == want, (cut, second)

@@ -33,23 +33,26 @@ class SSEDecoder:
         if b"\n" not in chunk:
             self._tail += chunk
             return []
-        lines = (self._tail + chunk).split(b"\n")
+        text = self._tail + chunk
+        if b"\r" in text:  # CRLF endings: one pass over the buffer, not a check per line
+            end = text.rfind(b"\n") + 1
+            # A CR ending the unfinished tail stays there: its LF may come with the next read.
+            text = text[:end].replace(b"\r\n", b"\n") + text[end:]
+        lines = text.split(b"\n")
         self._tail = lines.pop()
         out: list[bytes] = []
         data = self._data
         for line in lines:
-            if line.endswith(b"\r"):
-                line = line[:-1]
             if not line:
                 if data:
                     payload = data[0] if len(data) == 1 else b"\n".join(data)
                     out.append(_as_error(payload) if self._error else payload)
                     data = self._data = []
                 self._error = False
-                continue
-            if line.startswith(b"data:"):
-                value = line[5:]
-                data.append(value[1:] if value.startswith(b" ") else value)
+            elif line[:6] == b"data: ":  # the usual form, one slice
+                data.append(line[6:])
+            elif line.startswith(b"data:"):
+                data.append(line[5:])
             elif line.startswith(b"event:"):
                 self._error = line[6:].strip() == b"error"
             elif line.startswith(b"error:"):
