@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import logging
 import weakref
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
 
@@ -29,6 +29,16 @@ from pydantic import ValidationError
 from treadle.errors import ConfigurationError, MalformedResponse, ProviderError
 from treadle.llm.accumulate import StreamAccumulator
 from treadle.llm.attempt import TornStream, Tries
+from treadle.llm.deltas import (
+    DeltaSink,
+    PieceSink,
+    ToolCallPiece,
+    TurnDelta,
+    as_chunk,
+    delta_of,
+    pieces_of,
+    with_pieces,
+)
 from treadle.llm.inband import error_in, provider_usage, with_status_from_body
 from treadle.llm.provider import Provider
 from treadle.llm.request import CompletionRequest
@@ -36,15 +46,10 @@ from treadle.llm.retry import backoff_delay
 from treadle.llm.wire import (
     ChatCompletion,
     ChatCompletionChunk,
-    ChoiceDelta,
-    ChoiceDeltaToolCall,
-    ChunkChoice,
-    FunctionCallDelta,
     MessageToolCall,
 )
 from treadle.runtime.threads import run_user_code
 from treadle.session import Usage
-from treadle.session.rows import text_of_content
 from treadle.telemetry import current_pass
 
 __all__ = [
@@ -203,25 +208,6 @@ def coerce_completion(raw: object) -> ChatCompletion:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCallPiece:
-    """A piece of a streamed tool call: id and name arrive first, arguments in pieces."""
-
-    index: int
-    call_id: str | None
-    name: str | None
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True)
-class TurnDelta:
-    """What one stream chunk added: text and tool-call pieces, and the chunk itself (`raw`)."""
-
-    text: str | None
-    tool_calls: tuple[ToolCallPiece, ...]
-    raw: ChatCompletionChunk
-
-
-@dataclass(frozen=True, slots=True)
 class AssistantTurn:
     """A finished model turn: the assistant row's payload, its usage and why it ended."""
 
@@ -237,11 +223,12 @@ class AssistantTurn:
     """The reply's `x-request-id` header, when Treadle's client carried it and it had one."""
 
 
-DeltaSink = Callable[[TurnDelta], None]
-
-
 async def request_turn(
-    executor: ModelExecutor, request: CompletionRequest, on_delta: DeltaSink | None = None
+    executor: ModelExecutor,
+    request: CompletionRequest,
+    on_delta: DeltaSink | None = None,
+    *,
+    on_pieces: PieceSink | None = None,
 ) -> AssistantTurn:
     """Ask `executor` for one turn; hand each delta to `on_delta` as it arrives.
 
@@ -254,6 +241,9 @@ async def request_turn(
     budget, so a turn sends at most `Provider.max_retries + 1` requests and `on_delta` may see
     the beginning of a turn twice. A custom executor's reply is never retried here: it owns its
     transport (its errors are typed by the status they name, once).
+
+    `on_pieces` gets each delta's text and tool-call pieces without its `raw` chunk (a pass's
+    events need no more): Treadle's own stream then builds no typed chunk per event.
     """
     provider = request.provider
     tries = Tries()
@@ -266,7 +256,7 @@ async def request_turn(
     )
     while True:
         try:
-            return await _turn(executor, request, on_delta, tries)
+            return await _turn(executor, request, on_delta, tries, on_pieces)
         except TornStream as torn:
             error = torn.error
             if not own_stream:
@@ -289,12 +279,17 @@ async def _turn(
     request: CompletionRequest,
     on_delta: DeltaSink | None,
     tries: Tries,
+    on_pieces: PieceSink | None = None,
 ) -> AssistantTurn:
     api_key = request.provider.api_key if request.provider is not None else None
+    own_stream = (
+        isinstance(executor, HttpExecutor) and type(executor).astream is HttpExecutor.astream
+    )
+    if request.stream and own_stream:  # not a subclass's own astream
+        completion = await _fold_stream(request, on_delta, tries, on_pieces)
+        return turn_of(completion, tries.request_id)
+    on_delta = with_pieces(on_delta, on_pieces)
     if request.stream and isinstance(executor, HttpExecutor):
-        if type(executor).astream is HttpExecutor.astream:  # not a subclass's own astream
-            completion = await _fold_stream(request, on_delta, tries)
-            return turn_of(completion, tries.request_id)
         acc = StreamAccumulator()
         async with contextlib.aclosing(executor.astream(request)) as chunks:
             async for chunk in chunks:
@@ -303,7 +298,7 @@ async def _turn(
                     raise error  # closing the stream releases its connection
                 acc.add(chunk)
                 if on_delta is not None:
-                    on_delta(_delta_of(chunk))
+                    on_delta(delta_of(chunk))
         completion = acc.result()
     else:
         if isinstance(executor, HttpExecutor) and type(executor).acomplete is _HTTP_ACOMPLETE:
@@ -320,7 +315,7 @@ async def _turn(
         if error is not None:
             raise error
         if on_delta is not None:
-            on_delta(_delta_of(_as_chunk(completion)))
+            on_delta(delta_of(as_chunk(completion)))
     return turn_of(completion, tries.request_id)
 
 
@@ -337,15 +332,19 @@ async def _complete(request: CompletionRequest, tries: Tries) -> ChatCompletion:
 
 
 async def _fold_stream(
-    request: CompletionRequest, on_delta: DeltaSink | None, tries: Tries
+    request: CompletionRequest,
+    on_delta: DeltaSink | None,
+    tries: Tries,
+    on_pieces: PieceSink | None = None,
 ) -> ChatCompletion:
     """A streamed reply from the pooled client folded into its completion.
 
     The fast form of the streamed branch of `_turn` (same errors and deltas), reading the events
     of each network read at once. Without a callback to feed the events stay dicts checked
     against the chunk schema (no `ChatCompletionChunk` per event); the whole is validated at the
-    end either way. In-band errors are raised by the client's parser; a stream torn after its
-    first events raises `TornStream` for `request_turn` to restart.
+    end either way. `on_pieces` alone keeps the dicts too: its pieces are read from them after
+    the fold numbered their tool calls. In-band errors are raised by the client's parser; a
+    stream torn after its first events raises `TornStream` for `request_turn` to restart.
     """
     from treadle.llm.chunk_parse import parse_chunk, parse_event
     from treadle.llm.client import get_client
@@ -362,13 +361,16 @@ async def _fold_stream(
                 async for batch in events:
                     for event in batch:
                         acc.add_event(event)
+                        if on_pieces is not None:
+                            on_pieces(*pieces_of(event))
         else:
+            sink = with_pieces(on_delta, on_pieces) or on_delta
             chunks = client.stream_batches(provider, request.body(), parse_chunk, tries)
             async with contextlib.aclosing(chunks):
                 async for typed in chunks:
                     for chunk in typed:
                         acc.add(chunk)
-                        on_delta(_delta_of(chunk))
+                        sink(delta_of(chunk))
     except RuntimeError as err:
         _raise_if_foreign_loop(provider, err)
         raise
@@ -415,50 +417,3 @@ def _call_payload(i: int, call: MessageToolCall) -> dict[str, Any]:
             "function": function,
         }
     return {"id": call.id or f"call_{i}", "type": call.type or "function", "function": function}
-
-
-def _delta_of(chunk: ChatCompletionChunk) -> TurnDelta:
-    text: str | None = None
-    pieces: list[ToolCallPiece] = []
-    for choice in chunk.choices:
-        delta = choice.delta
-        piece = text_of_content(delta.content)
-        if piece:
-            text = piece if text is None else text + piece
-        for call in delta.tool_calls or ():
-            fn = call.function
-            pieces.append(
-                ToolCallPiece(
-                    call.index if call.index is not None else 0,
-                    call.id,
-                    fn.name if fn is not None else None,
-                    (fn.arguments or "") if fn is not None else "",
-                )
-            )
-    return TurnDelta(text, tuple(pieces), chunk)
-
-
-def _as_chunk(completion: ChatCompletion) -> ChatCompletionChunk:
-    """A whole completion as one stream chunk, so callbacks see the same shape either way."""
-    message = completion.message
-    calls = None
-    if message.tool_calls:
-        calls = [
-            ChoiceDeltaToolCall(
-                index=i,
-                id=call.id,
-                type=call.type,
-                function=FunctionCallDelta(
-                    name=call.function.name, arguments=call.function.arguments
-                ),
-            )
-            for i, call in enumerate(message.tool_calls)
-        ]
-    delta = ChoiceDelta(role="assistant", content=message.content, tool_calls=calls)
-    return ChatCompletionChunk(
-        id=completion.id,
-        created=completion.created,
-        model=completion.model,
-        choices=[ChunkChoice(index=0, delta=delta, finish_reason=completion.finish_reason)],
-        usage=completion.usage,
-    )

@@ -178,17 +178,20 @@ class _Pass:
         return turn
 
     async def complete_traced(self, request: CompletionRequest) -> AssistantTurn:
-        sink = self.on_delta if self.pump is not None or self.events is not None else None
+        sink = self.on_delta if self.pump is not None else None
+        # Events alone need a delta's text and tool-call pieces, not its chunk (`raw`, which
+        # `on_event` receives): the stream then builds no typed chunk per event.
+        pieces = self.events.pieces if sink is None and self.events is not None else None
         trace = self.trace
         if trace is None:
-            return await request_turn(self.plan.executor, request, sink)
+            return await request_turn(self.plan.executor, request, sink, on_pieces=pieces)
         provider = self.plan.provider
         trace.start_chat(
             provider.model if provider is not None else None,
             request.messages() if capturing_content() else None,
         )
         try:
-            turn = await request_turn(self.plan.executor, request, sink)
+            turn = await request_turn(self.plan.executor, request, sink, on_pieces=pieces)
         except BaseException as err:
             trace.end_chat(error=err)
             raise

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from treadle.llm.turn import TurnDelta
+from treadle.llm.turn import ToolCallPiece, TurnDelta
 from treadle.loop.control import Tripwire
 from treadle.session import ChunkRow, Session, Usage
 
@@ -145,9 +145,13 @@ class Emitter:
 
     def deltas(self, delta: TurnDelta) -> None:
         """Events for one stream delta (or a whole reply, given as one delta)."""
-        if delta.text:
-            self.emit(TextDelta, text=delta.text)
-        for piece in delta.tool_calls:
+        self.pieces(delta.text, delta.tool_calls)
+
+    def pieces(self, text: str | None, tool_calls: tuple[ToolCallPiece, ...]) -> None:
+        """Events for one delta's text and tool-call pieces (`request_turn`'s `on_pieces`)."""
+        if text:
+            self.emit(TextDelta, text=text)
+        for piece in tool_calls:
             self.emit(
                 ToolCallDelta,
                 index=piece.index,
