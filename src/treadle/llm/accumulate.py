@@ -103,7 +103,10 @@ def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
     for key, value in delta.items():
         if value is None or key == "tool_calls":
             continue  # an absent field; tool calls are merged by `_merge_calls`
-        if key == "content" and isinstance(value, (str, list)):
+        if key == "role" and type(value) is str:  # every stream's first delta: `_replace` inline
+            if value or not message.get("role"):
+                message["role"] = value
+        elif key == "content" and isinstance(value, (str, list)):
             _merge_content(message, value)
         elif key in MESSAGE_TEXT_FIELDS and isinstance(value, str):
             old = message.get(key)
@@ -122,6 +125,8 @@ def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
 
 
 _CALL_FIELDS = frozenset({"index", "id", "type", "function"})
+_NOT_TOP = frozenset({"choices", "object"})  # an event's fields the completion does not take
+_FIRST_TOP = frozenset({"id", "created", "model"})  # the first non-empty value stays
 _FUNCTION_FIELDS = frozenset({"name", "arguments"})
 
 
@@ -218,17 +223,31 @@ class StreamAccumulator:
         self.chunks += 1
         top = self._top
         for key, value in event.items():
-            if value is None or key == "choices" or key == "object":
+            if value is None or key in _NOT_TOP:
                 continue
-            if key == "id" or key == "created" or key == "model":
+            if key in _FIRST_TOP:
                 if value and key not in top:
                     top[key] = value
             else:  # `usage`, and provider fields such as `x_groq` or `system_fingerprint`
                 top[key] = value
+        # `_add_choice` inline: this runs for every event of every streamed reply.
         for choice in event.get("choices", ()):
-            self._add_choice(
-                choice.get("index", 0), choice.get("delta"), choice.get("finish_reason")
-            )
+            get = choice.get
+            index = get("index", 0)
+            message = self._choices.get(index)
+            if message is None:
+                message = self._choices[index] = {"role": "assistant", "content": None}
+                self._calls[index] = []
+                self._finish[index] = None
+            delta = get("delta")
+            if delta:
+                _merge_message(message, delta)
+                calls = delta.get("tool_calls")
+                if calls:
+                    _merge_calls(self._calls[index], calls)
+            reason = get("finish_reason")
+            if reason is not None:
+                self._finish[index] = reason
 
     def _add_choice(self, index: int, delta: dict[str, Any] | None, reason: str | None) -> None:
         message = self._choices.get(index)
