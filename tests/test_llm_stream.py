@@ -101,6 +101,20 @@ def test_accumulator_replaces_identity_fields_and_keeps_unknown_ones() -> None:
     ]
 
 
+@pytest.mark.parametrize("typed", [True, False])
+def test_an_empty_role_never_wipes_a_known_role(typed: bool) -> None:
+    # Some providers repeat `"role": ""` in later deltas; the first event's role must stay.
+    acc = StreamAccumulator()
+    for delta in ({"role": "assistant", "content": "a"}, {"role": "", "content": "b"}):
+        event = {"choices": [{"index": 0, "delta": delta}]}
+        if typed:
+            acc.add(ChatCompletionChunk.model_validate(event))
+        else:
+            acc.add_event(event)
+    message = acc.result().message
+    assert (message.role, message.content) == ("assistant", "ab")
+
+
 @pytest.mark.parametrize(
     "payload",
     [
