@@ -2,9 +2,9 @@
 
 Statements on a file run on its thread in the order they were submitted, so writes of this
 process never wait on each other's locks in Python, and the event loop awaits only a future.
-Jobs that queue up together run in one transaction, each in its own savepoint (group commit:
-many passes ending at once pay for one commit); a job's future is settled only once that
-transaction has committed.
+Jobs that queue up together run in one transaction (group commit: many passes ending at once
+pay for one commit); a job that fails undoes only its own writes (the batch then runs again
+with a savepoint per job); a job's future is settled only once that transaction has committed.
 A forked child starts its own threads (the parent's are not in it).
 """
 
@@ -169,46 +169,24 @@ class DatabaseThread:
             os.close(self._fd)
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
-        """Run the jobs in one transaction, each in its own savepoint (a job that raises undoes
-        only its own statements); hand back their outcomes once the transaction is durable.
+        """Run the jobs in one transaction; hand back their outcomes once it is durable.
 
-        Every job runs, even one whose caller stopped waiting: a caller cancelled after it
-        submitted a write never leaves that write half-decided."""
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
-        lost = self._check_file()
-        if lost is not None:
-            _deliver([(job, None, lost) for job in batch])
+        Jobs run without savepoints (two statements fewer per write). A write job that raises
+        may have left writes of its own: the whole transaction is then undone and the batch
+        runs again, each write in its own savepoint, so a job that raises undoes only its own
+        statements. Every job runs, even one whose caller stopped waiting: a caller cancelled
+        after it submitted a write never leaves that write half-decided."""
+        if not self._begin(conn, batch):
             return
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            # Holding the write lock: another process's commit since the last transaction
-            # moved data_version, and the heads may be stale (this connection's own commits
-            # leave it, and update the heads they change).
-            seen = conn.execute("PRAGMA data_version").fetchone()[0]
-        except sqlite3.Error as err:
-            if conn.in_transaction:
-                conn.rollback()
-            _deliver([(job, None, err) for job in batch])
-            return
-        if seen != self._data_version:
+        outcomes, failed = self._run_jobs(conn, batch, savepoints=False)
+        if failed:
+            conn.rollback()
+            # The jobs that ran updated the caches as if they had committed.
+            self.cache.clear()
             self.heads.clear()
-            self._data_version = seen
-        for job in batch:
-            if job[3]:  # a read: two statements fewer per job (a pass reads once per turn)
-                try:
-                    outcomes.append((job, job[0](conn), None))
-                except BaseException as err:
-                    outcomes.append((job, None, err))
-                continue
-            conn.execute("SAVEPOINT job")
-            try:
-                value = job[0](conn)
-            except BaseException as err:
-                conn.execute("ROLLBACK TO job")
-                outcomes.append((job, None, err))
-            else:
-                outcomes.append((job, value, None))
-            conn.execute("RELEASE job")
+            if not self._begin(conn, batch):
+                return
+            outcomes, _ = self._run_jobs(conn, batch, savepoints=True)
         # The file may have gone while the jobs ran (a large write takes a while): look again
         # before committing, and undo rather than commit into a file no one else sees.
         lost = self._check_file()
@@ -229,6 +207,56 @@ class DatabaseThread:
             if lost is not None:
                 outcomes = [(job, None, lost) for job, _, _ in outcomes]
         _deliver(outcomes)
+
+    def _begin(self, conn: sqlite3.Connection, batch: list[_Job]) -> bool:
+        """Begin the batch's transaction (False: its jobs were handed their error)."""
+        lost = self._check_file()
+        if lost is not None:
+            _deliver([(job, None, lost) for job in batch])
+            return False
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            # Holding the write lock: another process's commit since the last transaction
+            # moved data_version, and the heads may be stale (this connection's own commits
+            # leave it, and update the heads they change).
+            seen = conn.execute("PRAGMA data_version").fetchone()[0]
+        except sqlite3.Error as err:
+            if conn.in_transaction:
+                conn.rollback()
+            _deliver([(job, None, err) for job in batch])
+            return False
+        if seen != self._data_version:
+            self.heads.clear()
+            self._data_version = seen
+        return True
+
+    @staticmethod
+    def _run_jobs(
+        conn: sqlite3.Connection, batch: list[_Job], *, savepoints: bool
+    ) -> tuple[list[tuple[_Job, Any, BaseException | None]], bool]:
+        """Each job's outcome, and whether a write job raised. A read never needs a savepoint
+        (it has nothing to undo); a write gets one with `savepoints`."""
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        failed = False
+        for job in batch:
+            if job[3] or not savepoints:
+                try:
+                    outcomes.append((job, job[0](conn), None))
+                except BaseException as err:
+                    outcomes.append((job, None, err))
+                    failed = failed or not job[3]
+                continue
+            conn.execute("SAVEPOINT job")
+            try:
+                value = job[0](conn)
+            except BaseException as err:
+                conn.execute("ROLLBACK TO job")
+                outcomes.append((job, None, err))
+                failed = True
+            else:
+                outcomes.append((job, value, None))
+            conn.execute("RELEASE job")
+        return outcomes, failed
 
     def _check_file(self, *, committed: bool = False) -> StoreError | None:
         """A `StoreError` when the file at the path is not the one this thread opened.
