@@ -49,9 +49,10 @@ _HEADER = b"SQLite format 3\x00"
 MAX_BATCH = 256
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call a field
 class Head:
-    """A conversation's head row, decoded: what a read returns besides its rows."""
+    """A conversation's head row, decoded: what a read returns besides its rows (never changed
+    once made: a write makes a new one)."""
 
     usage: Usage
     stop_reason: str | None
