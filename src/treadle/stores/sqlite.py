@@ -238,6 +238,53 @@ class SqliteBackend:
             raise conflict_error(key, base, -1 - version, rows)
         return version
 
+    def commit_soon(
+        self,
+        then: Callable[[int | BaseException], None],
+        pass_id: str,
+        key: str,
+        base: int,
+        rows: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+        agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
+    ) -> None:
+        """`commit`, with its outcome (the new version, or the error `commit` would raise)
+        handed to `then` on this loop once durable: no task and no future, one call from the
+        batch's settling (`DatabaseThread.submit_then`). Raises at once only when the store is
+        closed. Once handed over, the commit runs to its end whatever happens to the caller."""
+        writer = self._writer
+        if writer is None:
+            raise StoreError(f"the store {self.url} is closed; open a new Store.")
+        job = commit_job(
+            self._cache,
+            self._heads,
+            pass_id,
+            key,
+            base,
+            rows,
+            usage,
+            stop_reason,
+            metadata,
+            agent_rows,
+            recorded,
+        )
+
+        def settle(version: int | None, error: BaseException | None) -> None:
+            if isinstance(error, sqlite3.Error):
+                then(StoreError(f"the SQLite store {self.path} failed: {error}."))
+            elif error is not None:
+                then(error)
+            elif version is None or version < 0:
+                then(conflict_error(key, base, -1 - (version or -1), rows))
+            else:
+                then(version)
+
+        writer.submit_then(job, settle)
+
     async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
         """Move a pass from status `was` to `status` (no effect from any other status)."""
 

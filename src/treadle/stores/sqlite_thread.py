@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from treadle.errors import StoreError
 from treadle.session import ChunkRow, Usage
@@ -36,11 +36,13 @@ __all__ = ["DatabaseThread", "Head", "HeadCache", "release", "thread_for"]
 
 T = TypeVar("T")
 
-#: A job: the function to run with the connection, the loop and future awaiting it, and whether
+#: What a job's outcome goes to on its loop: a future, or a function called with
+#: `(value, error)` (no future, no callback scheduled: see `DatabaseThread.submit_then`).
+_Target: TypeAlias = "asyncio.Future[Any] | Callable[[Any, BaseException | None], None]"
+
+#: A job: the function to run with the connection, the loop and target awaiting it, and whether
 #: it only reads (it then needs no savepoint: there is nothing of its own to undo).
-_Job = tuple[
-    Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]", bool
-]
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, _Target, bool]
 
 #: The first 16 bytes of every SQLite database file.
 _HEADER = b"SQLite format 3\x00"
@@ -326,6 +328,17 @@ class DatabaseThread:
         self._jobs.put((fn, loop, future, read_only))
         return future
 
+    def submit_then(
+        self,
+        fn: Callable[[sqlite3.Connection], T],
+        then: Callable[[T | None, BaseException | None], None],
+    ) -> None:
+        """Run the write `fn(connection)` on the thread; `then(value, error)` is called on the
+        calling event loop with its outcome, in the one call that settles its batch there (no
+        future, and no loop callback of its own). `then` must not raise (what it raises is
+        reported to the loop's exception handler)."""
+        self._jobs.put((fn, asyncio.get_running_loop(), then, False))
+
     def stop(self) -> None:
         """Stop after the jobs already queued (waits unless called on the thread itself)."""
         self._jobs.put(None)
@@ -370,19 +383,27 @@ def release(writer: DatabaseThread) -> None:
 
 def _deliver(outcomes: list[tuple[_Job, Any, BaseException | None]]) -> None:
     """Settle each job's future on its own loop: one thread-safe call per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, Any]]] = {}
-    for (_, loop, future, _), value, error in outcomes:
-        by_loop.setdefault(loop, []).append((future, value, error))
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Target, Any, Any]]] = {}
+    for (_, loop, target, _), value, error in outcomes:
+        by_loop.setdefault(loop, []).append((target, value, error))
     for loop, settled in by_loop.items():
         with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits any more
             loop.call_soon_threadsafe(_settle, settled)
 
 
-def _settle(settled: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
-    for future, value, error in settled:
-        if future.done():  # its caller was cancelled (the job still ran)
+def _settle(settled: list[tuple[_Target, Any, BaseException | None]]) -> None:
+    for target, value, error in settled:
+        if not isinstance(target, asyncio.Future):
+            try:
+                target(value, error)
+            except BaseException as err:  # the other jobs of the batch are still settled
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "a SQLite store job's outcome callback failed", "exception": err}
+                )
+            continue
+        if target.done():  # its caller was cancelled (the job still ran)
             continue
         if error is not None:
-            future.set_exception(error)
+            target.set_exception(error)
         else:
-            future.set_result(value)
+            target.set_result(value)
