@@ -18,7 +18,7 @@ from treadle.stores.records import (
     encode_usage,
     rows_text,
 )
-from treadle.stores.sqlite_thread import Head, HeadCache
+from treadle.stores.sqlite_heads import Head, HeadCache
 
 __all__ = [
     "INSERT_ROW",
@@ -121,6 +121,8 @@ def commit_job(
     usage_text = encode_usage(usage)
 
     def do(conn: sqlite3.Connection) -> int:
+        # Outside a transaction each statement would commit on its own (a torn commit).
+        assert conn.in_transaction
         now = time.time()
         head = heads.get(key)
         found = head.version if head is not None else version_of(conn, key)
