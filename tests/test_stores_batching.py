@@ -219,8 +219,9 @@ def test_a_large_conversation_is_encoded_and_decoded_off_the_loop(
     encode = _Spy(rows_text, ticks)
     decode = _Spy(decode_row, ticks)
     export = _Spy(encode_row, ticks)
-    for where in ("treadle.stores.batching", "treadle.stores.sqlite"):
+    for where in ("treadle.stores.batching", "treadle.stores.sqlite_writes"):
         monkeypatch.setattr(f"{where}.rows_text", encode)
+    for where in ("treadle.stores.batching", "treadle.stores.sqlite"):
         monkeypatch.setattr(f"{where}.decode_row", decode)
     monkeypatch.setattr("treadle.stores.postgres_batch.decode_row", decode)  # batched reads
     monkeypatch.setattr("treadle.stores.transfer.encode_row", export)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
@@ -71,7 +72,8 @@ class ConversationJournal:
     held: KeyLock | None = None
     """The conversation's lock, in queue mode: given back when the pass has ended."""
     abandoned: bool = False
-    """The pass was cancelled while its commit was in flight: the commit task settles it."""
+    """The pass was cancelled while its commit was in flight: the commit (its task, or
+    `_landed`) settles it."""
     failure: BaseException | None = None
     """Why the commit failed, once it has (the pass reads it from its waiter; kept here for a
     pass cancelled in the same instant, whose waiter then holds nothing)."""
@@ -126,9 +128,12 @@ class ConversationJournal:
     ) -> int:
         """Commit the pass's new rows (`rows` is the whole transcript) in one transaction.
 
-        Once started, the commit is never torn: it runs as a task the store owns (see
-        `inflight`), so a cancellation of the pass is delivered at once (`CancelledError`, with a
-        note naming the conversation) while the commit goes on to land the whole turn or none.
+        Once started, the commit is never torn: it runs as a task the store owns, or, on a
+        backend with `commit_soon` (SQLite) and outside queue mode, as a job its database
+        thread runs to its end, settled by one call on this loop (no task: two loop callbacks
+        fewer per turn); either is in `inflight`. So a cancellation of the pass is delivered at
+        once (`CancelledError`, with a note naming the conversation) while the commit goes on to
+        land the whole turn or none.
         If it does not land, the pass is recorded `cancelled` (`Store.pending()` lists it);
         `Store.asettled()` / `Store.aclose()` wait for such commits to settle.
         """
@@ -137,13 +142,29 @@ class ConversationJournal:
         # no shield and no done callback once it runs, so a turn's commit wakes this task once
         # (a shield cost three more loop callbacks per turn). The waiter is cancelled with this
         # task; the commit task is not.
-        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[int] = loop.create_future()
         self.waiter = waiter
-        commit = asyncio.ensure_future(
-            self._commit(
-                waiter, rows[self.base :], usage=usage, stop_reason=stop_reason, metadata=metadata
-            )
-        )
+        commit_soon = getattr(self.backend, "commit_soon", None)
+        commit: asyncio.Future[int]
+        if commit_soon is not None and self.held is None:
+            # A backend that settles a commit by a call on this loop (SQLite) needs no task:
+            # `commit` is only the commit's end, for `inflight`; `_landed` settles the pass.
+            commit = loop.create_future()
+            self.started = True
+            commit_soon(
+                functools.partial(self._landed, waiter, commit),
+                self.pass_id, self.key, self.base, rows[self.base :],
+                usage=usage, stop_reason=stop_reason, metadata=metadata,
+                agent_rows=self.agent_rows, recorded=self.recorded,
+            )  # fmt: skip
+        else:
+            commit = asyncio.ensure_future(
+                self._commit(
+                    waiter, rows[self.base :], usage=usage, stop_reason=stop_reason,
+                    metadata=metadata,
+                )
+            )  # fmt: skip
         # An eager task factory (Python 3.12) may have run the commit to its end already,
         # its `finally` included: only a commit still running is added (its `finally` is then
         # still to come). A task cancelled before its first step never runs its body: until
@@ -235,6 +256,36 @@ class ConversationJournal:
             return version
         finally:
             inflight(self.backend).discard(asyncio.current_task())
+
+    def _landed(
+        self, waiter: asyncio.Future[int], commit: asyncio.Future[int], outcome: int | BaseException
+    ) -> None:
+        """A commit without a task (`commit_soon`) has its outcome, on this loop: settle the pass
+        as `_commit` does (no lock to give back: only passes without one come here), then end
+        `commit` (what `Store.asettled` waits for)."""
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, Exception):
+                self.failure = outcome
+            if self.abandoned and not isinstance(outcome, ConflictError):
+                # Nobody reads this error: the record says what happened (then `commit` ends).
+                end = asyncio.ensure_future(self._record_end("cancelled"))
+                _ENDING.add(end)
+                end.add_done_callback(_ENDING.discard)
+                end.add_done_callback(lambda _: self._ended(commit, -1))
+                return
+            if not waiter.done():
+                waiter.set_exception(outcome)
+            self._ended(commit, -1)
+            return
+        self.version = outcome
+        if not waiter.done():
+            waiter.set_result(outcome)
+        self._ended(commit, outcome)
+
+    def _ended(self, commit: asyncio.Future[int], version: int) -> None:
+        inflight(self.backend).discard(commit)
+        if not commit.done():
+            commit.set_result(version)
 
     def _unstarted(self, commit: asyncio.Future[int]) -> None:
         """The commit task ended before its body ran (cancelled before its first step, as a

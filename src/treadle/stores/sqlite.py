@@ -25,7 +25,6 @@ from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
 from treadle.stores.queueing import FileKeyLock
 from treadle.stores.records import (
-    KEPT_METADATA,
     RESUMABLE,
     ConversationInfo,
     PassRecord,
@@ -40,9 +39,15 @@ from treadle.stores.records import (
     owner_check,
     owner_metadata,
     pending_from,
-    rows_text,
 )
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
+from treadle.stores.sqlite_writes import (
+    advance,
+    commit_job,
+    delete_keys,
+    insert_rows,
+    version_of,
+)
 
 __all__ = ["MIGRATIONS", "SqliteBackend"]
 
@@ -110,54 +115,6 @@ def _migrate(conn: sqlite3.Connection) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
-
-
-def _version(conn: sqlite3.Connection, key: str) -> int | None:
-    found = conn.execute("SELECT version FROM conversations WHERE key = ?", (key,)).fetchone()
-    return None if found is None else int(found[0])
-
-
-def _insert_rows(
-    conn: sqlite3.Connection, key: str, start: int, rows: Sequence[ChunkRow], pass_id: str | None
-) -> None:
-    conn.executemany(
-        "INSERT INTO rows (key, seq, pass_id, kind, payload) VALUES (?, ?, ?, ?, ?)",
-        [(key, start + i, pass_id, k, p) for i, (k, p) in enumerate(rows_text(rows))],
-    )
-
-
-def _advance(
-    conn: sqlite3.Connection,
-    key: str,
-    found: int | None,
-    version: int,
-    now: float,
-    **fields: Any,
-) -> None:
-    """Move the conversation row to `version` (creating it at a new key)."""
-    if found is None:
-        conn.execute(
-            "INSERT INTO conversations (key, version, usage, stop_reason, metadata, parent_key,"
-            " parent_version, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                key,
-                version,
-                fields.get("usage", encode_usage(Usage())),
-                fields.get("stop_reason"),
-                fields.get("metadata", "{}"),
-                fields.get("parent_key"),
-                fields.get("parent_version"),
-                now,
-                now,
-            ),
-        )
-        return
-    sets = ", ".join(f"{name} = ?" for name in fields)
-    conn.execute(
-        f"UPDATE conversations SET version = ?, updated_at = ?{', ' if sets else ''}{sets} "
-        "WHERE key = ?",
-        (version, now, *fields.values(), key),
-    )
 
 
 class SqliteBackend:
@@ -263,55 +220,70 @@ class SqliteBackend:
         recorded: bool = True,
     ) -> int:
         """Append a pass's rows at version `base` and settle the pass (one transaction)."""
-        kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
-        status = "interrupted" if stop_reason == "interrupted" else "done"
-        # Only a pass that leaves a record needs its agent rows encoded (most passes do not).
-        keep_record = recorded or status != "done"
-        agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
-        heads = self._heads
-
-        def do(conn: sqlite3.Connection) -> int:
-            now = time.time()
-            head = heads.get(key)
-            found = head.version if head is not None else _version(conn, key)
-            if (found or 0) != base:
-                conn.execute(
-                    "UPDATE passes SET status = 'conflict', updated_at = ? WHERE pass_id = ?",
-                    (now, pass_id),
-                )
-                return -1 - (found or 0)  # kept: the pass's conflict status
-            version = base + len(rows)
-            _insert_rows(conn, key, base, rows, pass_id)
-            _advance(
-                conn, key, found, version, now,
-                usage=encode_usage(usage), stop_reason=stop_reason, metadata=kept,
-            )  # fmt: skip
-            if keep_record:  # a pass that kept nothing pending needs no record
-                conn.execute(
-                    "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
-                    " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT"
-                    " (pass_id) DO UPDATE SET status = excluded.status, version ="
-                    " excluded.version, metadata = excluded.metadata, updated_at ="
-                    " excluded.updated_at",
-                    (pass_id, key, status, version, agents, kept, now, now),
-                )
-                conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
-            if found is None:
-                self._cache.put(key, now, tuple(rows))
-                heads.put(key, Head(usage, stop_reason, kept, None, None, now, version))
-            else:
-                self._cache.extend(key, base, rows)
-                if head is not None:
-                    heads.put(key, Head(
-                        usage, stop_reason, kept, head.parent_key, head.parent_version,
-                        head.created_at, version,
-                    ))  # fmt: skip
-            return version
-
-        version = await self._run(do)
+        job = commit_job(
+            self._cache,
+            self._heads,
+            pass_id,
+            key,
+            base,
+            rows,
+            usage,
+            stop_reason,
+            metadata,
+            agent_rows,
+            recorded,
+        )
+        version = await self._run(job)
         if version < 0:
             raise conflict_error(key, base, -1 - version, rows)
         return version
+
+    def commit_soon(
+        self,
+        then: Callable[[int | BaseException], None],
+        pass_id: str,
+        key: str,
+        base: int,
+        rows: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+        agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
+    ) -> None:
+        """`commit`, with its outcome (the new version, or the error `commit` would raise)
+        handed to `then` on this loop once durable: no task and no future, one call from the
+        batch's settling (`DatabaseThread.submit_then`). Raises at once only when the store is
+        closed. Once handed over, the commit runs to its end whatever happens to the caller."""
+        writer = self._writer
+        if writer is None:
+            raise StoreError(f"the store {self.url} is closed; open a new Store.")
+        job = commit_job(
+            self._cache,
+            self._heads,
+            pass_id,
+            key,
+            base,
+            rows,
+            usage,
+            stop_reason,
+            metadata,
+            agent_rows,
+            recorded,
+        )
+
+        def settle(version: int | None, error: BaseException | None) -> None:
+            if isinstance(error, sqlite3.Error):
+                then(StoreError(f"the SQLite store {self.path} failed: {error}."))
+            elif error is not None:
+                then(error)
+            elif version is None or version < 0:
+                then(conflict_error(key, base, -1 - (version or -1), rows))
+            else:
+                then(version)
+
+        writer.submit_then(job, settle)
 
     async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
         """Move a pass from status `was` to `status` (no effect from any other status)."""
@@ -351,7 +323,7 @@ class SqliteBackend:
                 )
             key, status, version, meta, updated = found
             owner_check(pass_id, key, status, meta, updated)
-            actual = _version(conn, key) or 0
+            actual = version_of(conn, key) or 0
             if actual != version:
                 raise conflict_error(key, version, actual, ())
             conn.execute(
@@ -370,12 +342,12 @@ class SqliteBackend:
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
-            found = _version(conn, key)
+            found = version_of(conn, key)
             base = found or 0
             if expected is not None and expected != base:
                 raise conflict_error(key, expected, base, rows)
-            _insert_rows(conn, key, base, rows, None)
-            _advance(conn, key, found, base + len(rows), now)
+            insert_rows(conn, key, base, rows, None)
+            advance(conn, key, found, base + len(rows), now)
             self._heads.drop(key)  # read again when next asked for
             return base + len(rows)
 
@@ -422,7 +394,7 @@ class SqliteBackend:
                     f"conversation {key!r} has versions 0 to {at}; fork at one of those."
                 )
             at = at if version is None else version
-            if _version(conn, new_key) is not None:
+            if version_of(conn, new_key) is not None:
                 raise ConflictError(
                     f"conversation {new_key!r} already exists; fork to a new key.", key=new_key
                 )
@@ -432,7 +404,7 @@ class SqliteBackend:
                 (new_key, key, at),
             )
             usage = head[1] if head is not None else encode_usage(Usage())
-            _advance(
+            advance(
                 conn, new_key, None, at, time.time(),
                 usage=usage, parent_key=key, parent_version=at,
             )  # fmt: skip
@@ -445,7 +417,7 @@ class SqliteBackend:
         """Delete a conversation with its passes and journal."""
 
         def do(conn: sqlite3.Connection) -> bool:
-            gone = _delete(conn, [key])
+            gone = delete_keys(conn, [key])
             self._cache.drop(key)
             self._heads.drop(key)
             return gone > 0
@@ -462,7 +434,7 @@ class SqliteBackend:
                     "SELECT key FROM conversations WHERE updated_at < ?", (before,)
                 )
             ]
-            gone = _delete(conn, keys)
+            gone = delete_keys(conn, keys)
             for key in keys:
                 self._cache.drop(key)
                 self._heads.drop(key)
@@ -475,16 +447,3 @@ class SqliteBackend:
         writer, self._writer = self._writer, None
         if writer is not None:
             await asyncio.to_thread(release, writer)
-
-
-def _delete(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
-    gone = 0
-    for key in keys:
-        conn.execute(
-            "DELETE FROM journal WHERE pass_id IN (SELECT pass_id FROM passes WHERE key = ?)",
-            (key,),
-        )
-        conn.execute("DELETE FROM passes WHERE key = ?", (key,))
-        conn.execute("DELETE FROM rows WHERE key = ?", (key,))
-        gone += conn.execute("DELETE FROM conversations WHERE key = ?", (key,)).rowcount
-    return gone

@@ -2,10 +2,14 @@
 
 Statements on a file run on its thread in the order they were submitted, so writes of this
 process never wait on each other's locks in Python, and the event loop awaits only a future.
-Jobs that queue up together run in one transaction, each in its own savepoint (group commit:
-many passes ending at once pay for one commit); a job's future is settled only once that
-transaction has committed.
-A forked child starts its own threads (the parent's are not in it).
+Jobs that queue up together run in one transaction (group commit: many passes ending at once
+pay for one commit); a job that fails undoes only its own writes (the batch stops at it and
+runs again with a savepoint per job); a job's future is settled only once that transaction has
+committed. When SQLite undoes the whole transaction itself (disk full, an I/O error), the job
+it happened in fails with a `StoreError` and the batch runs again without it: no statement of
+a write ever runs outside a transaction, so nothing is half-written. A thread that dies fails
+its batch and every later job with a `StoreError` (no caller waits forever). A forked child
+starts its own threads (the parent's are not in it).
 """
 
 from __future__ import annotations
@@ -17,98 +21,31 @@ import os
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from treadle.errors import StoreError
-from treadle.session import ChunkRow, Usage
-from treadle.stores.records import (
-    ROW_CACHE_CONVERSATIONS,
-    RowCache,
-    StoredConversation,
-    decode_json,
-    decode_usage,
-)
+from treadle.stores.records import RowCache
+from treadle.stores.sqlite_heads import Head, HeadCache
 
 __all__ = ["DatabaseThread", "Head", "HeadCache", "release", "thread_for"]
 
 T = TypeVar("T")
 
-#: A job: the function to run with the connection, the loop and future awaiting it, and whether
+#: What a job's outcome goes to on its loop: a future, or a function called with
+#: `(value, error)` (no future, no callback scheduled: see `DatabaseThread.submit_then`).
+_Target: TypeAlias = "asyncio.Future[Any] | Callable[[Any, BaseException | None], None]"
+
+#: A job: the function to run with the connection, the loop and target awaiting it, and whether
 #: it only reads (it then needs no savepoint: there is nothing of its own to undo).
-_Job = tuple[
-    Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]", bool
-]
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, _Target, bool]
 
 #: The first 16 bytes of every SQLite database file.
 _HEADER = b"SQLite format 3\x00"
 
 #: Most jobs that share one transaction (and one commit) when they queue up together.
 MAX_BATCH = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    """A conversation's head row, decoded: what a read returns besides its rows."""
-
-    usage: Usage
-    stop_reason: str | None
-    metadata: str
-    """As stored (JSON text): each read decodes its own copy, which its reader may change."""
-    parent_key: str | None
-    parent_version: int | None
-    created_at: float
-    version: int
-
-    @classmethod
-    def of(cls, key: str, found: Sequence[Any]) -> Head:
-        """The head from its row as a read selects it (usage, stop_reason, metadata,
-        parent_key, parent_version, created_at, version)."""
-        usage, stop, meta, parent_key, parent_version, created_at, version = found
-        return cls(
-            decode_usage(usage, key), stop, meta, parent_key, parent_version, created_at, version
-        )
-
-    def stored(self, key: str, rows: tuple[ChunkRow, ...]) -> StoredConversation:
-        """The conversation with this head and its `rows` (its own copy of the metadata)."""
-        meta = {} if self.metadata == "{}" else decode_json(self.metadata, key)
-        return StoredConversation(
-            key, rows, self.usage, self.stop_reason, meta, self.parent_key, self.parent_version
-        )
-
-
-class HeadCache:
-    """Conversation heads as this thread's connection last read or wrote them, so a read (and a
-    commit's version check) needs no statement. They are true only while no other connection
-    has committed to the file: every transaction of the thread first reads `PRAGMA
-    data_version` (which moves only for other connections' commits) and clears them when it
-    moved. Writes of this connection update or drop the heads they change. Used from the
-    database thread only."""
-
-    def __init__(self, size: int = ROW_CACHE_CONVERSATIONS) -> None:
-        self.size = size
-        self._heads: dict[str, Head] = {}
-
-    def get(self, key: str) -> Head | None:
-        """The head of `key`, if known."""
-        return self._heads.get(key)
-
-    def put(self, key: str, head: Head) -> None:
-        """Remember the head of `key` (the oldest goes past `size`)."""
-        self._heads.pop(key, None)
-        self._heads[key] = head
-        if len(self._heads) > self.size:
-            del self._heads[next(iter(self._heads))]
-
-    def drop(self, key: str) -> None:
-        """Forget `key` (a write this cache does not follow)."""
-        self._heads.pop(key, None)
-
-    def clear(self) -> None:
-        """Forget everything."""
-        self._heads.clear()
 
 
 class DatabaseThread:
@@ -126,6 +63,8 @@ class DatabaseThread:
         self._data_version: int | None = None  # PRAGMA data_version when the heads were true
         self.lost: str | None = None
         """Why the file this thread opened is no longer at its path (deleted, replaced)."""
+        self.dead: StoreError | None = None
+        """What every job gets once the thread has died (see `_die`)."""
         self._identity: tuple[int, int] | None = None
         self._wal: tuple[int, int] | None = None  # the -wal file's identity once it exists
         self._fd: int | None = None  # the database file, read-only: its header is checked
@@ -148,37 +87,113 @@ class DatabaseThread:
             found = os.fstat(self._fd)
             self._identity = (found.st_dev, found.st_ino)
         ready.set_result(None)
-        stopping = False
-        while not stopping:
-            job = self._jobs.get()
-            if job is None:
+        batch: list[_Job] = []
+        try:
+            stopping = False
+            while not stopping:
+                job = self._jobs.get()
+                if job is None:
+                    break
+                batch = [job]
+                while len(batch) < MAX_BATCH:  # what queued meanwhile shares one commit
+                    try:
+                        more = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stopping = True
+                        break
+                    batch.append(more)
+                self._run_batch(conn, batch)
+                batch = []
+        except BaseException as err:  # a bug: no caller may wait on a thread that is gone
+            self._die(conn, batch, err)
+        finally:
+            conn.close()
+            if self._fd is not None:
+                os.close(self._fd)
+
+    def _die(self, conn: sqlite3.Connection, batch: list[_Job], err: BaseException) -> None:
+        """The thread ends on `err`: its batch, what queued and every later job (`submit`
+        drains what it adds) fail with a `StoreError`; what was not committed is undone."""
+        self.dead = StoreError(
+            f"the SQLite store {self.path}'s database thread failed ({type(err).__name__}: "
+            f"{err}); nothing of its uncommitted writes was made. Open the store again."
+        )
+        self.dead.__cause__ = err
+        with contextlib.suppress(sqlite3.Error):
+            if conn.in_transaction:
+                conn.rollback()
+        _deliver([(job, None, self.dead) for job in batch])
+        self._drain()
+
+    def _drain(self) -> None:
+        """Fail every queued job with `dead` (the thread is gone)."""
+        failed: list[tuple[_Job, Any, BaseException | None]] = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
                 break
-            batch = [job]
-            while len(batch) < MAX_BATCH:  # what queued meanwhile shares one commit
-                try:
-                    more = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stopping = True
-                    break
-                batch.append(more)
-            self._run_batch(conn, batch)
-        conn.close()
-        if self._fd is not None:
-            os.close(self._fd)
+            if job is not None:
+                failed.append((job, None, self.dead))
+        _deliver(failed)
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
-        """Run the jobs in one transaction, each in its own savepoint (a job that raises undoes
-        only its own statements); hand back their outcomes once the transaction is durable.
+        """Run the jobs in one transaction; hand back their outcomes once it is durable.
 
-        Every job runs, even one whose caller stopped waiting: a caller cancelled after it
-        submitted a write never leaves that write half-decided."""
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        Jobs run without savepoints (two statements fewer per write). At the first write job
+        that raises (or any job after which SQLite has ended the transaction itself, as it
+        does on a full disk or an I/O error), the batch stops there: no later job's statement
+        runs, the transaction is undone and the batch runs again with a savepoint per write
+        (`_rerun`). Every job runs, even one whose caller stopped waiting: a caller cancelled
+        after it submitted a write never leaves that write half-decided."""
+        error = self._begin(conn)
+        if error is not None:
+            _deliver([(job, None, error) for job in batch])
+            return
+        outcomes = self._run_plain(conn, batch)
+        dropped: list[tuple[_Job, Any, BaseException | None]] = []
+        if outcomes is None:
+            self._undo(conn)
+            outcomes, dropped, error = self._rerun(conn, batch)
+            if error is not None:
+                _deliver(dropped + [(job, None, error) for job, _, _ in outcomes])
+                return
+            if not outcomes:  # every job was dropped: nothing to commit
+                _deliver(dropped)
+                return
+        # The file may have gone while the jobs ran (a large write takes a while): look again
+        # before committing, and undo rather than commit into a file no one else sees.
         lost = self._check_file()
         if lost is not None:
-            _deliver([(job, None, lost) for job in batch])
+            conn.rollback()
+            _deliver(dropped + [(job, None, lost) for job, _, _ in outcomes])
             return
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as err:
+            self._undo(conn)  # the caches may hold rows of the commits that were just undone
+            outcomes = [(job, None, err) for job, _, _ in outcomes]
+        else:  # and once more after: gone during the commit itself, the write is unseen
+            lost = self._check_file(committed=True)
+            if lost is not None:
+                outcomes = [(job, None, lost) for job, _, _ in outcomes]
+        _deliver(dropped + outcomes)
+
+    def _undo(self, conn: sqlite3.Connection) -> None:
+        """Undo the transaction, if SQLite has not already, and forget the caches (the jobs
+        that ran updated them as if they had committed)."""
+        if conn.in_transaction:
+            conn.rollback()
+        self.cache.clear()
+        self.heads.clear()
+
+    def _begin(self, conn: sqlite3.Connection) -> BaseException | None:
+        """Begin a transaction (an error: it did not begin, and nothing is open)."""
+        lost = self._check_file()
+        if lost is not None:
+            return lost
         try:
             conn.execute("BEGIN IMMEDIATE")
             # Holding the write lock: another process's commit since the last transaction
@@ -188,47 +203,98 @@ class DatabaseThread:
         except sqlite3.Error as err:
             if conn.in_transaction:
                 conn.rollback()
-            _deliver([(job, None, err) for job in batch])
-            return
+            return err
         if seen != self._data_version:
             self.heads.clear()
             self._data_version = seen
+        return None
+
+    @staticmethod
+    def _run_plain(
+        conn: sqlite3.Connection, batch: list[_Job]
+    ) -> list[tuple[_Job, Any, BaseException | None]] | None:
+        """Each job's outcome, run without savepoints; None at the first write job that raises
+        or the first job after which the transaction is gone (the batch stopped there: a later
+        job's statements would run outside any transaction, each committing on its own)."""
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
         for job in batch:
-            if job[3]:  # a read: two statements fewer per job (a pass reads once per turn)
-                try:
-                    outcomes.append((job, job[0](conn), None))
-                except BaseException as err:
-                    outcomes.append((job, None, err))
-                continue
-            conn.execute("SAVEPOINT job")
+            assert conn.in_transaction  # no statement of the write path outside a transaction
             try:
                 value = job[0](conn)
             except BaseException as err:
-                conn.execute("ROLLBACK TO job")
+                if not job[3] or not conn.in_transaction:
+                    return None
+                outcomes.append((job, None, err))  # a read has nothing to undo
+                continue
+            if not conn.in_transaction:
+                return None
+            outcomes.append((job, value, None))
+        return outcomes
+
+    def _rerun(
+        self, conn: sqlite3.Connection, batch: list[_Job]
+    ) -> tuple[
+        list[tuple[_Job, Any, BaseException | None]],
+        list[tuple[_Job, Any, BaseException | None]],
+        BaseException | None,
+    ]:
+        """Run the batch again, each write in its own savepoint, so a write that raises undoes
+        only its own statements. A job after which SQLite has undone the whole transaction
+        itself (disk full, an I/O error) cannot be undone alone: it fails with a `StoreError`
+        saying what SQLite said, and the batch runs again without it (the earlier jobs' work
+        was undone with it). Each round drops one job: at most the batch's size of rounds.
+        Returns the outcomes to commit, the dropped jobs' outcomes, and an error when a
+        transaction could not begin (nothing is then open)."""
+        jobs = list(batch)
+        dropped: list[tuple[_Job, Any, BaseException | None]] = []
+        while jobs:
+            error = self._begin(conn)
+            if error is not None:
+                return [(job, None, None) for job in jobs], dropped, error
+            outcomes, ended = self._run_saved(conn, jobs)
+            if ended is None:
+                return outcomes, dropped, None
+            at, cause = ended
+            self._undo(conn)
+            said = f": {cause}" if cause is not None else ""
+            failure = StoreError(
+                f"the SQLite store {self.path} failed{said}; SQLite undid the whole "
+                "transaction, so nothing of this write was made (check the disk's free "
+                "space and the file's health)."
+            )
+            failure.__cause__ = cause
+            dropped.append((jobs.pop(at), None, failure))
+        return [], dropped, None
+
+    @staticmethod
+    def _run_saved(
+        conn: sqlite3.Connection, jobs: list[_Job]
+    ) -> tuple[
+        list[tuple[_Job, Any, BaseException | None]], tuple[int, BaseException | None] | None
+    ]:
+        """Each job's outcome, a write in its own savepoint; and, when a job left no
+        transaction, its index and what it raised (the batch stopped there)."""
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        for at, job in enumerate(jobs):
+            assert conn.in_transaction  # no statement of the write path outside a transaction
+            if not job[3]:
+                conn.execute("SAVEPOINT job")
+            try:
+                value = job[0](conn)
+            except BaseException as err:
+                if not conn.in_transaction:
+                    return outcomes, (at, err)
+                if not job[3]:
+                    conn.execute("ROLLBACK TO job")
+                    conn.execute("RELEASE job")
                 outcomes.append((job, None, err))
-            else:
-                outcomes.append((job, value, None))
-            conn.execute("RELEASE job")
-        # The file may have gone while the jobs ran (a large write takes a while): look again
-        # before committing, and undo rather than commit into a file no one else sees.
-        lost = self._check_file()
-        if lost is not None:
-            conn.rollback()
-            _deliver([(job, None, lost) for job, _, _ in outcomes])
-            return
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as err:
-            if conn.in_transaction:
-                conn.rollback()
-            self.cache.clear()  # it may hold rows of the commits that were just undone
-            self.heads.clear()
-            outcomes = [(job, None, err) for job, _, _ in outcomes]
-        else:  # and once more after: gone during the commit itself, the write is unseen
-            lost = self._check_file(committed=True)
-            if lost is not None:
-                outcomes = [(job, None, lost) for job, _, _ in outcomes]
-        _deliver(outcomes)
+                continue
+            if not conn.in_transaction:
+                return outcomes, (at, None)
+            if not job[3]:
+                conn.execute("RELEASE job")
+            outcomes.append((job, value, None))
+        return outcomes, None
 
     def _check_file(self, *, committed: bool = False) -> StoreError | None:
         """A `StoreError` when the file at the path is not the one this thread opened.
@@ -295,7 +361,22 @@ class DatabaseThread:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._jobs.put((fn, loop, future, read_only))
+        if self.dead is not None:  # set before the thread drained: this job may be left
+            self._drain()
         return future
+
+    def submit_then(
+        self,
+        fn: Callable[[sqlite3.Connection], T],
+        then: Callable[[T | None, BaseException | None], None],
+    ) -> None:
+        """Run the write `fn(connection)` on the thread; `then(value, error)` is called on the
+        calling event loop with its outcome, in the one call that settles its batch there (no
+        future, and no loop callback of its own). `then` must not raise (what it raises is
+        reported to the loop's exception handler)."""
+        self._jobs.put((fn, asyncio.get_running_loop(), then, False))
+        if self.dead is not None:
+            self._drain()
 
     def stop(self) -> None:
         """Stop after the jobs already queued (waits unless called on the thread itself)."""
@@ -317,7 +398,7 @@ def thread_for(path: Path, connect: Callable[[Path], sqlite3.Connection]) -> Dat
             _writers.clear()
             _writers_pid = os.getpid()
         writer = _writers.get(path)
-        if writer is not None and writer.lost is not None:  # its file is gone: a new one
+        if writer is not None and (writer.lost or writer.dead) is not None:  # a new one
             del _writers[path]
             writer = None
         if writer is None:
@@ -341,19 +422,27 @@ def release(writer: DatabaseThread) -> None:
 
 def _deliver(outcomes: list[tuple[_Job, Any, BaseException | None]]) -> None:
     """Settle each job's future on its own loop: one thread-safe call per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, Any]]] = {}
-    for (_, loop, future, _), value, error in outcomes:
-        by_loop.setdefault(loop, []).append((future, value, error))
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Target, Any, Any]]] = {}
+    for (_, loop, target, _), value, error in outcomes:
+        by_loop.setdefault(loop, []).append((target, value, error))
     for loop, settled in by_loop.items():
         with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits any more
             loop.call_soon_threadsafe(_settle, settled)
 
 
-def _settle(settled: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
-    for future, value, error in settled:
-        if future.done():  # its caller was cancelled (the job still ran)
+def _settle(settled: list[tuple[_Target, Any, BaseException | None]]) -> None:
+    for target, value, error in settled:
+        if not isinstance(target, asyncio.Future):
+            try:
+                target(value, error)
+            except BaseException as err:  # the other jobs of the batch are still settled
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "a SQLite store job's outcome callback failed", "exception": err}
+                )
+            continue
+        if target.done():  # its caller was cancelled (the job still ran)
             continue
         if error is not None:
-            future.set_exception(error)
+            target.set_exception(error)
         else:
-            future.set_result(value)
+            target.set_result(value)

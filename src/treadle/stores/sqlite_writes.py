@@ -1,0 +1,179 @@
+"""The SQLite store's writes, as the database thread runs them: a commit's job, the rows'
+inserts, the head's moves, deletes. Kept apart from `treadle.stores.sqlite` (the backend's
+calls) so each stays readable; every function here runs on the database thread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from treadle.session import ChunkRow, Usage
+from treadle.stores.records import (
+    KEPT_METADATA,
+    RowCache,
+    encode_json,
+    encode_usage,
+    rows_text,
+)
+from treadle.stores.sqlite_heads import Head, HeadCache
+
+__all__ = [
+    "INSERT_ROW",
+    "UPDATE_HEAD",
+    "advance",
+    "commit_job",
+    "delete_keys",
+    "insert_rows",
+    "row_params",
+    "version_of",
+]
+
+
+def version_of(conn: sqlite3.Connection, key: str) -> int | None:
+    """The conversation's version as stored (None: no such conversation)."""
+    found = conn.execute("SELECT version FROM conversations WHERE key = ?", (key,)).fetchone()
+    return None if found is None else int(found[0])
+
+
+def insert_rows(
+    conn: sqlite3.Connection, key: str, start: int, rows: Sequence[ChunkRow], pass_id: str | None
+) -> None:
+    """Insert `rows` as the conversation's rows from `start` on."""
+    conn.executemany(INSERT_ROW, row_params(key, start, rows, pass_id))
+
+
+#: One row of a conversation.
+INSERT_ROW = "INSERT INTO rows (key, seq, pass_id, kind, payload) VALUES (?, ?, ?, ?, ?)"
+
+#: A commit's move of an existing conversation's head (the statement text is built once).
+UPDATE_HEAD = (
+    "UPDATE conversations SET version = ?, updated_at = ?, usage = ?, stop_reason = ?,"
+    " metadata = ? WHERE key = ?"
+)
+
+
+def row_params(
+    key: str, start: int, rows: Sequence[ChunkRow], pass_id: str | None
+) -> list[tuple[str, int, str | None, str, str]]:
+    """The `INSERT_ROW` parameters of `rows` from `start` on."""
+    return [(key, start + i, pass_id, k, p) for i, (k, p) in enumerate(rows_text(rows))]
+
+
+def advance(
+    conn: sqlite3.Connection,
+    key: str,
+    found: int | None,
+    version: int,
+    now: float,
+    **fields: Any,
+) -> None:
+    """Move the conversation row to `version` (creating it at a new key)."""
+    if found is None:
+        conn.execute(
+            "INSERT INTO conversations (key, version, usage, stop_reason, metadata, parent_key,"
+            " parent_version, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                key,
+                version,
+                fields.get("usage", encode_usage(Usage())),
+                fields.get("stop_reason"),
+                fields.get("metadata", "{}"),
+                fields.get("parent_key"),
+                fields.get("parent_version"),
+                now,
+                now,
+            ),
+        )
+        return
+    sets = ", ".join(f"{name} = ?" for name in fields)
+    conn.execute(
+        f"UPDATE conversations SET version = ?, updated_at = ?{', ' if sets else ''}{sets} "
+        "WHERE key = ?",
+        (version, now, *fields.values(), key),
+    )
+
+
+def commit_job(
+    cache: RowCache,
+    heads: HeadCache,
+    pass_id: str,
+    key: str,
+    base: int,
+    rows: Sequence[ChunkRow],
+    usage: Usage,
+    stop_reason: str | None,
+    metadata: Mapping[str, Any],
+    agent_rows: Sequence[ChunkRow],
+    recorded: bool,
+) -> Callable[[sqlite3.Connection], int]:
+    """The database thread's side of a commit: the new version, or `-1 - found` when the
+    conversation is at version `found`, not `base` (a conflict)."""
+    kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
+    status = "interrupted" if stop_reason == "interrupted" else "done"
+    # Only a pass that leaves a record needs its agent rows encoded (most passes do not).
+    keep_record = recorded or status != "done"
+    agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
+    # Encoded before the job: the database thread's work is every writer's wait (the
+    # rows are encoded there: a large commit must not hold the loop).
+    usage_text = encode_usage(usage)
+
+    def do(conn: sqlite3.Connection) -> int:
+        # Outside a transaction each statement would commit on its own (a torn commit).
+        assert conn.in_transaction
+        now = time.time()
+        head = heads.get(key)
+        found = head.version if head is not None else version_of(conn, key)
+        if (found or 0) != base:
+            conn.execute(
+                "UPDATE passes SET status = 'conflict', updated_at = ? WHERE pass_id = ?",
+                (now, pass_id),
+            )
+            return -1 - (found or 0)  # kept: the pass's conflict status
+        version = base + len(rows)
+        insert_rows(conn, key, base, rows, pass_id)
+        if found is None:
+            advance(
+                conn, key, found, version, now,
+                usage=usage_text, stop_reason=stop_reason, metadata=kept,
+            )  # fmt: skip
+        else:
+            conn.execute(UPDATE_HEAD, (version, now, usage_text, stop_reason, kept, key))
+        if keep_record:  # a pass that kept nothing pending needs no record
+            conn.execute(
+                "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
+                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT"
+                " (pass_id) DO UPDATE SET status = excluded.status, version ="
+                " excluded.version, metadata = excluded.metadata, updated_at ="
+                " excluded.updated_at",
+                (pass_id, key, status, version, agents, kept, now, now),
+            )
+            conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
+        if found is None:
+            cache.put(key, now, tuple(rows))
+            heads.put(key, Head(usage, stop_reason, kept, None, None, now, version))
+        else:
+            cache.extend(key, base, rows)
+            if head is not None:
+                heads.put(key, Head(
+                    usage, stop_reason, kept, head.parent_key, head.parent_version,
+                    head.created_at, version,
+                ))  # fmt: skip
+        return version
+
+    return do
+
+
+def delete_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
+    gone = 0
+    for key in keys:
+        conn.execute(
+            "DELETE FROM journal WHERE pass_id IN (SELECT pass_id FROM passes WHERE key = ?)",
+            (key,),
+        )
+        conn.execute("DELETE FROM passes WHERE key = ?", (key,))
+        conn.execute("DELETE FROM rows WHERE key = ?", (key,))
+        gone += conn.execute("DELETE FROM conversations WHERE key = ?", (key,)).rowcount
+    return gone

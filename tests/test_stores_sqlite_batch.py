@@ -1,0 +1,149 @@
+"""The SQLite thread's batches: jobs that queue up together share one transaction, and a job
+that fails undoes only its own writes, whatever ran before and after it in the batch.
+
+Real parts: a SQLite file and its database thread. The batch is formed for real: a first job
+holds the thread (on a `threading.Event`) while the others queue behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from treadle.session import ChunkRow, Usage
+from treadle.stores.sqlite import SqliteBackend
+
+#: A deadlock guard, never a timing assertion.
+GUARD_SECONDS = 60.0
+
+
+def test_a_write_that_fails_in_a_batch_undoes_only_its_own_statements(tmp_path: Path) -> None:
+    """A batch: commits of two conversations, a job that writes then raises, a third commit.
+    The failing job's write is gone and its error is its own; every commit lands once, at the
+    version it asked for (no `ConflictError` from a head the failed attempt had moved), and the
+    next turns continue from them."""
+
+    async def main() -> tuple[list[Any], list[int], list[int], int]:
+        backend = SqliteBackend(tmp_path / "t.db")
+        writer = backend._writer
+        assert writer is not None
+        try:
+            for key in ("a", "b", "c"):
+                await backend.append(key, [ChunkRow.user(f"start {key}")], None)
+                await backend.load(key)  # heads known to the thread
+            await writer.submit(lambda conn: conn.execute("CREATE TABLE side (x INTEGER)"))
+            hold, held = threading.Event(), threading.Event()
+
+            def blocker(conn: sqlite3.Connection) -> None:
+                held.set()
+                hold.wait(GUARD_SECONDS)
+
+            def fails(conn: sqlite3.Connection) -> None:
+                conn.execute("INSERT INTO side VALUES (1)")
+                raise ValueError("this job fails after its write")
+
+            def commit(key: str) -> Any:
+                reply = ChunkRow.from_message({"role": "assistant", "content": f"reply {key}"})
+                return backend.commit(
+                    f"p-{key}", key, 1, [reply], usage=Usage(), stop_reason="stop",
+                    metadata={}, agent_rows=(), recorded=False,
+                )  # fmt: skip
+
+            first = writer.submit(blocker)
+            while not held.is_set():
+                await asyncio.sleep(0.001)
+            tasks = [
+                asyncio.ensure_future(commit("a")),
+                asyncio.ensure_future(commit("b")),
+                asyncio.ensure_future(writer.submit(fails)),
+                asyncio.ensure_future(commit("c")),
+            ]
+            await asyncio.sleep(0.05)  # the tasks run to their submit (nothing can run yet)
+            hold.set()
+            await first
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            versions = [(await backend.load(k)).version for k in ("a", "b", "c")]
+            again = []
+            for k in ("a", "b", "c"):
+                again.append(
+                    await backend.commit(
+                        f"q-{k}",
+                        k,
+                        2,
+                        [ChunkRow.user("next")],
+                        usage=Usage(),
+                        stop_reason="stop",
+                        metadata={},
+                        agent_rows=(),
+                        recorded=False,
+                    )
+                )
+            side = await writer.submit(
+                lambda conn: int(conn.execute("SELECT count(*) FROM side").fetchone()[0])
+            )
+            return outcomes, versions, again, side
+        finally:
+            await backend.aclose()
+
+    outcomes, versions, again, side = asyncio.run(main())
+    assert outcomes[:2] == [2, 2] and outcomes[3] == 2, outcomes
+    assert isinstance(outcomes[2], ValueError), outcomes
+    assert versions == [2, 2, 2]
+    assert again == [3, 3, 3]
+    assert side == 0  # the failed job's insert was undone, alone
+
+
+def test_a_sqlite_commit_runs_without_a_task_and_is_waited_for(tmp_path: Path) -> None:
+    """On SQLite a pass's commit is a job of the database thread settled by one call on the
+    pass's loop: no commit task is made. A pass cancelled while that commit is in flight
+    still has it waited for by `asettled`, and the turn lands whole."""
+    from treadle import Session, arun_session_loop
+    from treadle.stores import Store
+    from treadle.stores.journal import inflight
+    from treadle.testing import ScriptedExecutor
+
+    async def main() -> tuple[list[str], list[str], int, list[str]]:
+        loop = asyncio.get_running_loop()
+        names: list[str] = []
+
+        def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
+            names.append(getattr(coro, "__name__", ""))
+            return asyncio.Task(coro, loop=loop)
+
+        def turn(message: str) -> Any:
+            return arun_session_loop(
+                Session.from_user_message(message),
+                Session.from_agent_prompt("x"),
+                executor=ScriptedExecutor([f"answer {message}"]),
+                store=store,
+                conversation="k",
+            )
+
+        async with Store.open(str(tmp_path / "s.db")) as store:
+            loop.set_task_factory(factory)
+            try:
+                await turn("A")
+                first = list(names)
+                task = asyncio.ensure_future(turn("B"))
+                while not inflight(store.backend):  # its commit is on its way
+                    await asyncio.sleep(0)
+                in_flight = len(inflight(store.backend))
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await asyncio.wait_for(store.asettled(), GUARD_SECONDS)  # a hang guard
+            finally:
+                loop.set_task_factory(None)
+            rows = [str(r.payload.get("content")) for r in (await store.conversation("k")).rows]
+            return first, rows, in_flight, [p.status for p in await store.apending("k")]
+
+    first, rows, in_flight, pending = asyncio.run(main())
+    assert "_commit" not in first, first
+    assert in_flight == 1
+    assert rows[:2] == ["A", "answer A"]
+    assert rows[2:] in ([], ["B", "answer B"])  # whole turn or none
+    assert pending == ([] if rows[2:] else ["cancelled"])
