@@ -107,3 +107,22 @@ def test_a_workers_input_rows_are_the_ones_the_driver_meant() -> None:
         item = PassItem.from_input(0, value)
         assert received_rows(item.messages) == Session.from_messages(item.messages).chunk_table
     assert received_rows([{"role": "narrator", "content": "x"}]) is None
+
+
+def test_request_usage_entries_that_do_not_all_fit_are_rebuilt_one_by_one() -> None:
+    # Every entry a dict, one of them another version's shape: the others are still rebuilt.
+    odd = {"request_usage": [USAGE, {"input_tokens": 1, "colour": "red"}], "agent": "a"}
+    received = received_session(_outcome(metadata=odd))
+    assert received.metadata["request_usage"] == (
+        RequestUsage(**USAGE),
+        {"input_tokens": 1, "colour": "red"},
+    )
+    assert received.metadata == _outcome(metadata=odd).session().metadata
+
+
+def test_a_received_session_grows_and_forks_like_any_other() -> None:
+    received = received_session(_outcome())
+    longer = received.add_user_message("again")
+    assert longer.to_messages() == [*MESSAGES, {"role": "user", "content": "again"}]
+    assert received.to_messages() == MESSAGES  # the table it grew from is unchanged
+    assert received.usage.total_tokens == 7 and received.lineage.usage == received.usage

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
-from treadle.session import Session, Usage, new_session_id
+from treadle.session import Session, SessionData, Usage, new_session_id
 from treadle.session.rows import KIND_OF_ROLE, ChunkRow, ChunkTable
 
 __all__ = [
@@ -175,7 +175,21 @@ def received_session(outcome: PassOutcome) -> Session:
     table = received_rows(outcome.messages)
     if table is None:
         return outcome.session()
-    return outcome._output(Session(table, operator="from_messages", kind="user"))
+    # One session with its data built once: `_output` builds a first session and copies its
+    # data into a second (`with_data`), a fifth of the rebuild (docs/performance.md, issue 33).
+    info = {
+        "status": outcome.status,
+        "attempts": outcome.attempts,
+        "worker": outcome.worker,
+        "input_session_id": outcome.session_id,
+    }
+    metadata = local_metadata(outcome.metadata)
+    metadata[OUTCOME_METADATA_KEY] = info
+    usage = outcome.usage
+    data = SessionData(
+        table, Usage(**usage) if usage else Usage(), cast(Any, outcome.stop_reason), metadata
+    )
+    return Session._derive(data, operator="from_messages", kind="user", parents=(), sandbox=None)
 
 
 def received_rows(messages: list[dict[str, Any]]) -> ChunkTable | None:
@@ -188,16 +202,17 @@ def received_rows(messages: list[dict[str, Any]]) -> ChunkTable | None:
     a caller may have edited them since (content an int, say): such rows are not refused here,
     as an in-process map, which runs the session itself, does not refuse them either."""
     rows: list[ChunkRow] = []
+    append, trusted, kinds = rows.append, ChunkRow._trusted, KIND_OF_ROLE
     for message in messages:
         role = message.get("role") if type(message) is dict else None
-        kind = KIND_OF_ROLE.get(role) if type(role) is str else None
+        kind = kinds.get(role) if type(role) is str else None
         if kind is None:
             return None
         payload = dict(message)  # the messages stay as they are (an outcome's record)
         if role != "developer":  # a row keeps only that role (see `ChunkRow`)
             del payload["role"]
-        rows.append(ChunkRow._trusted(kind, payload))
-    return ChunkTable(rows)
+        append(trusted(kind, payload))
+    return ChunkTable._trusted(rows)
 
 
 # Field names, once: `dataclasses.fields` on every item and outcome was a driver's hot spot.
@@ -295,8 +310,19 @@ def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
         out["guardrail_results"] = tuple(_rebuilt(_guardrail_result, r) for r in results)
     entries = metadata.get("request_usage")
     if isinstance(entries, (list, tuple)):
-        out["request_usage"] = tuple(_rebuilt(_request_usage, e) for e in entries)
+        out["request_usage"] = _request_usages(entries)
     return out
+
+
+def _request_usages(entries: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
+    """`request_usage` entries as `RequestUsage` values: one per completion, so the common case
+    (every entry a dict of its fields) is one loop with no call per entry beyond the build."""
+    try:
+        if all(type(e) is dict for e in entries):
+            return tuple([RequestUsage(**e) for e in entries])
+    except (KeyError, TypeError, ValueError):
+        pass  # one entry does not fit: each is rebuilt on its own, the misfits stay data
+    return tuple(_rebuilt(_request_usage, e) for e in entries)
 
 
 def _rebuilt(build: Any, data: Any) -> Any:
