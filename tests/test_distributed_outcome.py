@@ -6,8 +6,11 @@ results file, or built by hand, may hold anything)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from typing import Any
 
+import pydantic
 import pytest
 
 from treadle import ConfigurationError, Session
@@ -16,10 +19,12 @@ from treadle.distributed.outcome import (
     OUTCOME_METADATA_KEY,
     PassItem,
     PassOutcome,
+    portable_metadata,
     received_rows,
     received_session,
 )
 from treadle.loop import RequestUsage
+from treadle.loop.control import GuardrailResult, Tripwire
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "developer", "content": "Be brief."},
@@ -126,3 +131,42 @@ def test_a_received_session_grows_and_forks_like_any_other() -> None:
     assert longer.to_messages() == [*MESSAGES, {"role": "user", "content": "again"}]
     assert received.to_messages() == MESSAGES  # the table it grew from is unchanged
     assert received.usage.total_tokens == 7 and received.lineage.usage == received.usage
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+    tags: list[Any]
+
+
+class _Answer(pydantic.BaseModel):
+    text: str
+    score: float
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        None,
+        "plain",
+        _Answer(text="t", score=0.5),
+        _Point(1, [_Point(2, [])]),
+        {"p": [_Point(3, [])]},
+    ],
+)
+def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any) -> None:
+    # A worker sends its outcome without walking the metadata a second time (`_wire`): what it
+    # sends must be what `to_json` makes, whatever the pass's output and records hold.
+    trip = Tripwire(reason="r", guardrail="g", when="after", info={"n": [1, 2]})
+    metadata = {
+        "agent": "a",
+        "handoffs": ("b", "c"),
+        "output": output,
+        "tripwire": trip,
+        "guardrail_results": (GuardrailResult(guardrail="g", when="after", tripwire=trip),),
+        "request_usage": (RequestUsage(**USAGE), RequestUsage(**{**USAGE, "request_id": "q2"})),
+        "not_portable": object(),
+    }
+    outcome = _outcome(metadata=portable_metadata(metadata))
+    assert outcome._wire() == outcome.to_json()
+    assert json.dumps(outcome._wire()) == json.dumps(outcome.to_json())  # JSON data, all of it
