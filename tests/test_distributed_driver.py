@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from treadle import Agent, Provider, Session
-from treadle.distributed import PassFailed, amap, map_outcomes
+from treadle.distributed import PassFailed, amap, map_outcomes, read_results
+from treadle.errors import ProviderError
 from treadle.testing import FakeOpenAIServer, Reply
 from treadle.testing.sample_tools import shout_script, shouter
 
@@ -305,3 +306,70 @@ async def test_pending_sessions_from_an_async_source_keep_positions(tmp_path: Pa
             )
         ]
     _check_positions(outcomes, 20)
+
+
+def _refusing_script(request: dict[str, Any]) -> Reply:
+    return Reply.error(400, "no")
+
+
+@pytest.mark.parametrize("return_exceptions", [True, False])
+async def test_a_pending_input_whose_own_pass_fails_is_that_items_outcome(
+    return_exceptions: bool, tmp_path: Path
+) -> None:
+    # The input's producer pass fails (HTTP 400): as an in-process map, that error is the
+    # item's outcome (or raised, without return_exceptions), the other items run, and the map
+    # does not fail as a whole (it raised an ExceptionGroup from the driver's task group).
+    with (
+        FakeOpenAIServer(script=shout_script) as server,
+        FakeOpenAIServer(script=_refusing_script) as refusing,
+    ):
+        producer = Agent(
+            "producer", "x", provider=Provider(model="f", base_url=refusing.base_url, max_retries=0)
+        )
+        inputs = ["a", producer(Session.from_user_message("b")), "c"]
+        run = amap(
+            shouter(server.base_url),
+            inputs,
+            backend="process",
+            workers=1,
+            sandbox_base=str(tmp_path),
+            return_exceptions=return_exceptions,
+        )
+        if not return_exceptions:
+            with pytest.raises(ProviderError) as raised:
+                await asyncio.wait_for(run, 60)  # a guard against a hang, not a timing one
+            assert "1 of 3 items failed" in raised.value.__notes__[-1]
+            return
+        outs = await asyncio.wait_for(run, 60)
+    assert [type(o) for o in outs] == [Session, ProviderError, Session]
+    assert [o.final_text for o in outs if isinstance(o, Session)] == [_text("a"), _text("c")]
+    assert "HTTP 400" in str(outs[1])
+
+
+async def test_a_pending_input_whose_own_pass_fails_is_an_error_outcome(tmp_path: Path) -> None:
+    with (
+        FakeOpenAIServer(script=shout_script) as server,
+        FakeOpenAIServer(script=_refusing_script) as refusing,
+    ):
+        producer = Agent(
+            "producer", "x", provider=Provider(model="f", base_url=refusing.base_url, max_retries=0)
+        )
+        pending = producer(Session.from_user_message("b"))
+        inputs = ["a", pending, "c"]
+        outcomes = {
+            o.index: o
+            async for o in map_outcomes(
+                shouter(server.base_url),
+                inputs,
+                backend="process",
+                workers=1,
+                sandbox_base=str(tmp_path),
+                results_path=str(tmp_path / "r.jsonl"),
+            )
+        }
+    assert [outcomes[i].status for i in range(3)] == ["ok", "error", "ok"]
+    failed = outcomes[1]
+    assert failed.error is not None and failed.error.startswith("ProviderError: ")
+    assert (failed.worker, failed.attempts, failed.session_id) == ("driver", 0, pending.id)
+    written = {o.index: o for o in read_results(tmp_path / "r.jsonl")}
+    assert written[1].error == failed.error

@@ -31,7 +31,7 @@ from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.errors import ConfigurationError, WorkerLost
 from treadle.session import Session
 
-__all__ = ["WorkerLost", "WorkerPool", "drive"]
+__all__ = ["FailedInput", "WorkerLost", "WorkerPool", "drive"]
 
 
 class WorkerPool(Protocol):
@@ -191,7 +191,12 @@ async def drive(
                 if isinstance(value, Session):
                     try:
                         await value.wait_ready()
-                    except BaseException:  # its pass failed, or the map is cancelled: it ends
+                    except Exception as err:  # its own pass failed: that is this item's outcome
+                        waking = finished()
+                        if waking is not None:
+                            await waking
+                        return _failed_input(index, value, err)
+                    except BaseException:  # the map is cancelled: it ends
                         state["in_flight"] -= 1
                         raise
                 try:
@@ -320,6 +325,27 @@ async def drive(
             yield outcome
             undelivered.release()
         outcomes.result()  # a failing input iterable or a worker that cannot restart
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FailedInput(PassOutcome):
+    """The outcome of a pending input session whose own pass failed: status `error`, and
+    `cause`, that pass's exception, which `treadle.map` gives as the item's result (or raises),
+    as an in-process map does. `cause` stays in the driver's process: `to_json` leaves it out."""
+
+    cause: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def _failed_input(index: int, value: Session, err: Exception) -> FailedInput:
+    return FailedInput(
+        index=index,
+        session_id=value.id,
+        status="error",
+        attempts=0,
+        worker="driver",
+        error=f"{type(err).__name__}: {err}"[:2000],
+        cause=err,
+    )
 
 
 def _bad_input(index: int, err: Exception) -> PassOutcome:
