@@ -170,8 +170,8 @@ async def map_outcomes(
             )
             try:
                 async for outcome in stream:
-                    if writer is not None:
-                        writer.write(outcome)
+                    if writer is not None:  # an outcome it cannot write becomes an error
+                        outcome = writer.write(outcome)
                     yield outcome
             finally:
                 await stream.aclose()
