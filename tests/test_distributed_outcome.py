@@ -145,16 +145,16 @@ class _Answer(pydantic.BaseModel):
 
 
 @pytest.mark.parametrize(
-    "output",
+    ("output", "expected"),
     [
-        None,
-        "plain",
-        _Answer(text="t", score=0.5),
-        _Point(1, [_Point(2, [])]),
-        {"p": [_Point(3, [])]},
+        (None, None),
+        ("plain", "plain"),
+        (_Answer(text="t", score=0.5), {"text": "t", "score": 0.5}),
+        (_Point(1, [_Point(2, [])]), {"x": 1, "tags": [{"x": 2, "tags": []}]}),
+        ({"p": [_Point(3, [])]}, {"p": [{"x": 3, "tags": []}]}),
     ],
 )
-def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any) -> None:
+def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any, expected: Any) -> None:
     # A worker sends its outcome without walking the metadata a second time (`_wire`): what it
     # sends must be what `to_json` makes, whatever the pass's output and records hold.
     trip = Tripwire(reason="r", guardrail="g", when="after", info={"n": [1, 2]})
@@ -170,3 +170,18 @@ def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any) -> None
     outcome = _outcome(metadata=portable_metadata(metadata))
     assert outcome._wire() == outcome.to_json()
     assert json.dumps(outcome._wire()) == json.dumps(outcome.to_json())  # JSON data, all of it
+    # The values themselves, not only the two ways agreeing (both start from
+    # `portable_metadata`): the records kept, the tripwire without its `info`, nothing else.
+    trip_data = {"reason": "r", "guardrail": "g", "when": "after"}
+    want: dict[str, Any] = {
+        "agent": "a",
+        "handoffs": ["b", "c"],
+        "tripwire": trip_data,
+        "guardrail_results": [
+            {"guardrail": "g", "when": "after", "tripwire": trip_data, "tripped": True}
+        ],
+        "request_usage": [USAGE, {**USAGE, "request_id": "q2"}],
+    }
+    if expected is not None:
+        want["output"] = expected
+    assert json.loads(json.dumps(outcome._wire()["metadata"])) == want
