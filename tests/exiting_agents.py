@@ -46,3 +46,18 @@ hanging = Agent(
     hooks=HangOnce(),
     limits=Limits(deadline_seconds=0.5),
 )
+
+
+def _unwritable(output: Any) -> Any:
+    """An output no results file can hold as JSON, named by the user message's text."""
+    if output == "bytes":
+        return b"\x00\xff"
+    if output == "surrogate":
+        return "a\x00b\ud800"
+    return output
+
+
+unwritable = Agent(
+    "unwritable", "Echo.", provider=Provider(model="fake"), output_validators=[_unwritable]
+)
+"""Its output (validated in the worker) is bytes for `bytes`, a lone surrogate for `surrogate`."""

@@ -18,7 +18,15 @@ import pytest
 
 from treadle import ConfigurationError, Session
 from treadle.agents import Agent, handoff
-from treadle.distributed import AgentSpec, PassFailed, PassLost, amap, map
+from treadle.distributed import (
+    AgentSpec,
+    PassFailed,
+    PassLost,
+    amap,
+    map,
+    map_outcomes,
+    read_results,
+)
 from treadle.distributed.backends import local_concurrency
 from treadle.distributed.mapping import _result
 from treadle.distributed.outcome import PassItem, PassOutcome
@@ -251,6 +259,51 @@ def test_local_backend_takes_workers() -> None:
         assert server.max_in_flight <= 2
     with pytest.raises(ConfigurationError, match="workers must be"):
         map(agent, ["x"], workers=0)
+
+
+async def test_an_output_the_results_file_cannot_hold_fails_only_its_item(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The worker's output is bytes / a lone surrogate: the results file cannot encode it as
+    # JSON. That item's outcome is an error naming the value (also in the file); the others
+    # are written (the whole map failed with PydanticSerializationError).
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    inputs = ["a", "bytes", "surrogate", "d"]
+    results = tmp_path / "r.jsonl"
+    with FakeOpenAIServer(script="echo") as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        streamed = {
+            o.index: o
+            async for o in map_outcomes(
+                "exiting_agents:unwritable",
+                inputs,
+                backend="process",
+                workers=1,
+                sandbox_base=str(tmp_path),
+                results_path=str(results),
+            )
+        }
+        outs = await amap(
+            "exiting_agents:unwritable",
+            inputs,
+            backend="process",
+            workers=1,
+            sandbox_base=str(tmp_path),
+            results_path=str(tmp_path / "r2.jsonl"),
+            return_exceptions=True,
+        )
+    written = {o.index: o for o in read_results(results)}
+    assert sorted(written) == [0, 1, 2, 3]
+    for outcomes in (streamed, written):
+        assert [outcomes[i].status for i in range(4)] == ["ok", "error", "error", "ok"]
+        assert [outcomes[i].messages[-1]["content"] for i in (0, 3)] == ["a", "d"]
+        for i, kind in ((1, "bytes"), (2, "str")):
+            error = outcomes[i].error
+            assert error is not None and error.startswith("ResultsFileError: "), error
+            assert f"['metadata']['output'] ({kind})" in error, error
+            assert outcomes[i].messages is None and outcomes[i].metadata == {}
+    assert [type(o) for o in outs] == [Session, PassFailed, PassFailed, Session]
+    assert "ResultsFileError" in str(outs[1])
 
 
 @pytest.mark.slow  # five worker processes start (two, then one per loss): several seconds

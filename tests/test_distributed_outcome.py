@@ -6,8 +6,11 @@ results file, or built by hand, may hold anything)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from typing import Any
 
+import pydantic
 import pytest
 
 from treadle import ConfigurationError, Session
@@ -16,10 +19,12 @@ from treadle.distributed.outcome import (
     OUTCOME_METADATA_KEY,
     PassItem,
     PassOutcome,
+    portable_metadata,
     received_rows,
     received_session,
 )
 from treadle.loop import RequestUsage
+from treadle.loop.control import GuardrailResult, Tripwire
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "developer", "content": "Be brief."},
@@ -107,3 +112,76 @@ def test_a_workers_input_rows_are_the_ones_the_driver_meant() -> None:
         item = PassItem.from_input(0, value)
         assert received_rows(item.messages) == Session.from_messages(item.messages).chunk_table
     assert received_rows([{"role": "narrator", "content": "x"}]) is None
+
+
+def test_request_usage_entries_that_do_not_all_fit_are_rebuilt_one_by_one() -> None:
+    # Every entry a dict, one of them another version's shape: the others are still rebuilt.
+    odd = {"request_usage": [USAGE, {"input_tokens": 1, "colour": "red"}], "agent": "a"}
+    received = received_session(_outcome(metadata=odd))
+    assert received.metadata["request_usage"] == (
+        RequestUsage(**USAGE),
+        {"input_tokens": 1, "colour": "red"},
+    )
+    assert received.metadata == _outcome(metadata=odd).session().metadata
+
+
+def test_a_received_session_grows_and_forks_like_any_other() -> None:
+    received = received_session(_outcome())
+    longer = received.add_user_message("again")
+    assert longer.to_messages() == [*MESSAGES, {"role": "user", "content": "again"}]
+    assert received.to_messages() == MESSAGES  # the table it grew from is unchanged
+    assert received.usage.total_tokens == 7 and received.lineage.usage == received.usage
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+    tags: list[Any]
+
+
+class _Answer(pydantic.BaseModel):
+    text: str
+    score: float
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        (None, None),
+        ("plain", "plain"),
+        (_Answer(text="t", score=0.5), {"text": "t", "score": 0.5}),
+        (_Point(1, [_Point(2, [])]), {"x": 1, "tags": [{"x": 2, "tags": []}]}),
+        ({"p": [_Point(3, [])]}, {"p": [{"x": 3, "tags": []}]}),
+    ],
+)
+def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any, expected: Any) -> None:
+    # A worker sends its outcome without walking the metadata a second time (`_wire`): what it
+    # sends must be what `to_json` makes, whatever the pass's output and records hold.
+    trip = Tripwire(reason="r", guardrail="g", when="after", info={"n": [1, 2]})
+    metadata = {
+        "agent": "a",
+        "handoffs": ("b", "c"),
+        "output": output,
+        "tripwire": trip,
+        "guardrail_results": (GuardrailResult(guardrail="g", when="after", tripwire=trip),),
+        "request_usage": (RequestUsage(**USAGE), RequestUsage(**{**USAGE, "request_id": "q2"})),
+        "not_portable": object(),
+    }
+    outcome = _outcome(metadata=portable_metadata(metadata))
+    assert outcome._wire() == outcome.to_json()
+    assert json.dumps(outcome._wire()) == json.dumps(outcome.to_json())  # JSON data, all of it
+    # The values themselves, not only the two ways agreeing (both start from
+    # `portable_metadata`): the records kept, the tripwire without its `info`, nothing else.
+    trip_data = {"reason": "r", "guardrail": "g", "when": "after"}
+    want: dict[str, Any] = {
+        "agent": "a",
+        "handoffs": ["b", "c"],
+        "tripwire": trip_data,
+        "guardrail_results": [
+            {"guardrail": "g", "when": "after", "tripwire": trip_data, "tripped": True}
+        ],
+        "request_usage": [USAGE, {**USAGE, "request_id": "q2"}],
+    }
+    if expected is not None:
+        want["output"] = expected
+    assert json.loads(json.dumps(outcome._wire()["metadata"])) == want

@@ -20,6 +20,7 @@ from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
+    Awaitable,
     Callable,
     Iterable,
 )
@@ -30,7 +31,7 @@ from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.errors import ConfigurationError, WorkerLost
 from treadle.session import Session
 
-__all__ = ["WorkerLost", "WorkerPool", "drive"]
+__all__ = ["FailedInput", "WorkerLost", "WorkerPool", "drive"]
 
 
 class WorkerPool(Protocol):
@@ -130,47 +131,91 @@ async def drive(
     changed = asyncio.Condition()
     retry: deque[PassItem] = deque()
     history: dict[int, list[dict[str, Any]]] = {}
-    state = {"next": 0, "in_flight": 0, "exhausted": False}
+    state = {"next": 0, "in_flight": 0, "exhausted": False, "waiting": 0}
     generation = [0] * pool.size
     ready = [asyncio.Event() for _ in range(pool.size)]
     gates = [_SlotGate() for _ in range(pool.size)]
     for event in ready:
         event.set()
 
-    async def pull() -> Any:
-        try:
-            if async_source is not None:
-                return await anext(async_source)
-            assert sync_source is not None
-            return next(sync_source)
-        except (StopIteration, StopAsyncIteration):
-            return _DONE
+    pulling = asyncio.Lock()  # an async source's `anext` calls, one at a time
+
+    async def take() -> tuple[int, Any] | None:
+        """The next input and its position, or None at the end. A value gets its position in
+        the step that takes it from the source, so no input is ever placed after a later one."""
+        if sync_source is not None:
+            # `next` never awaits: the value and its position are one step, with no lock (a
+            # lock per pass was the scheduler's cost) and in the source's order.
+            value = next(sync_source, _DONE)
+        else:
+            assert async_source is not None
+            async with pulling:  # one `anext` at a time, each value numbered before the next
+                if state["exhausted"]:
+                    return None
+                try:
+                    value = await anext(async_source)
+                except StopAsyncIteration:
+                    return None
+                index = state["next"]
+                state["next"] += 1
+                return index, value
+        if value is _DONE:
+            return None
+        index = state["next"]
+        state["next"] += 1
+        return index, value
+
+    def finished() -> Awaitable[None] | None:
+        """One pass fewer in flight; what to await to wake the consumers waiting for the last."""
+        state["in_flight"] -= 1
+        return notify() if state["waiting"] else None
+
+    async def notify() -> None:
+        async with changed:
+            changed.notify_all()
 
     async def next_item() -> PassItem | PassOutcome | None:
-        async with changed:
-            while True:
-                if retry:
-                    state["in_flight"] += 1
-                    return retry.popleft()
-                if not state["exhausted"]:
-                    value = await pull()
-                    if value is _DONE:
-                        state["exhausted"] = True
-                        changed.notify_all()
-                        continue
-                    index = state["next"]
-                    state["next"] += 1
-                    if isinstance(value, Session):
-                        await value.wait_ready()
+        while True:
+            if retry:
+                state["in_flight"] += 1
+                return retry.popleft()
+            if not state["exhausted"]:
+                taken = await take()
+                if taken is None:
+                    state["exhausted"] = True
+                    continue
+                index, value = taken
+                # In flight from here: a consumer with nothing left to take waits for this one
+                # (its session may still be pending), as it waits for a pass that may come back.
+                state["in_flight"] += 1
+                if isinstance(value, Session):
                     try:
-                        item = PassItem.from_input(index, value, trace_context)
-                    except Exception as err:  # reported like a failed pass
-                        return _bad_input(index, err)
-                    state["in_flight"] += 1
-                    return item
-                if state["in_flight"] == 0:
-                    return None
-                await changed.wait()
+                        await value.wait_ready()
+                    except Exception as err:  # its own pass failed: that is this item's outcome
+                        waking = finished()
+                        if waking is not None:
+                            await waking
+                        return _failed_input(index, value, err)
+                    except BaseException:  # the map is cancelled: it ends
+                        state["in_flight"] -= 1
+                        raise
+                try:
+                    return PassItem.from_input(index, value, trace_context)
+                except Exception as err:  # reported like a failed pass
+                    waking = finished()
+                    if waking is not None:
+                        await waking
+                    return _bad_input(index, err)
+            if state["in_flight"] == 0:
+                return None
+            # Only the last consumers get here: they wait for a pass to end or come back.
+            state["waiting"] += 1
+            try:
+                async with changed:
+                    while not retry and state["in_flight"]:
+                        await changed.wait()
+            finally:
+                state["waiting"] -= 1
 
     async def restart(slot: int, seen: int) -> None:
         if generation[slot] != seen:  # another pass on this worker already restarted it
@@ -222,25 +267,50 @@ async def drive(
             if isinstance(item, PassOutcome):  # an input that is not a session
                 send(item)
                 continue
+            gate = gates[slot]
             try:
-                async with gates[slot].enter(alone=item.attempt > 1):
-                    await ready[slot].wait()
-                    seen = generation[slot]
-                    worker = pool.worker_name(slot)
+                if item.attempt == 1 and not gate.alone and not gate.waiting_alone:
+                    # The gate's common case inline (no context manager per pass), as `enter`.
+                    gate.sharing += 1
                     try:
-                        outcome = await asyncio.wait_for(pool.run(slot, item), call_timeout)
-                    except (WorkerLost, TimeoutError) as err:
-                        await lost(worker, item, err, send)
-                        await restart(slot, seen)
-                        continue
+                        outcome = await attempt(slot, item, send)
+                    finally:
+                        gate.sharing -= 1
+                        if gate.waiting_alone:
+                            async with gate.changed:
+                                gate.changed.notify_all()
+                else:
+                    async with gate.enter(alone=item.attempt > 1):
+                        outcome = await attempt(slot, item, send)
+                if outcome is None:
+                    continue
                 earlier = history.pop(item.index, None)
                 if earlier:
                     outcome = dataclasses.replace(outcome, history=(*earlier, *outcome.history))
                 send(outcome)
             finally:
-                async with changed:
-                    state["in_flight"] -= 1
-                    changed.notify_all()
+                waking = finished()  # only the last passes' consumers wait for the others
+                if waking is not None:
+                    await waking
+
+    async def attempt(
+        slot: int, item: PassItem, send: Callable[[PassOutcome], None]
+    ) -> PassOutcome | None:
+        """One attempt of `item` on `slot`'s worker (None: the worker was lost under it)."""
+        if not ready[slot].is_set():
+            await ready[slot].wait()
+        seen = generation[slot]
+        worker = pool.worker_name(slot)
+        try:
+            if call_timeout is None:
+                return await pool.run(slot, item)
+            # A deadline on this task, not `wait_for`'s extra task per pass (Python 3.11).
+            async with asyncio.timeout(call_timeout):
+                return await pool.run(slot, item)
+        except (WorkerLost, TimeoutError) as err:
+            await lost(worker, item, err, send)
+            await restart(slot, seen)
+            return None
 
     async def main(send: Callable[[PassOutcome], None]) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -255,6 +325,27 @@ async def drive(
             yield outcome
             undelivered.release()
         outcomes.result()  # a failing input iterable or a worker that cannot restart
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FailedInput(PassOutcome):
+    """The outcome of a pending input session whose own pass failed: status `error`, and
+    `cause`, that pass's exception, which `treadle.map` gives as the item's result (or raises),
+    as an in-process map does. `cause` stays in the driver's process: `to_json` leaves it out."""
+
+    cause: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def _failed_input(index: int, value: Session, err: Exception) -> FailedInput:
+    return FailedInput(
+        index=index,
+        session_id=value.id,
+        status="error",
+        attempts=0,
+        worker="driver",
+        error=f"{type(err).__name__}: {err}"[:2000],
+        cause=err,
+    )
 
 
 def _bad_input(index: int, err: Exception) -> PassOutcome:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import pydantic
 
 from treadle.agents.progress import Progress, known_length, settle_results
-from treadle.distributed.driver import WorkerPool, drive
+from treadle.distributed.driver import FailedInput, WorkerPool, drive
 from treadle.distributed.outcome import PassFailed, PassOutcome, pass_failure, received_session
 from treadle.distributed.results import ResultsWriter
 from treadle.distributed.spec import (
@@ -170,8 +170,8 @@ async def map_outcomes(
             )
             try:
                 async for outcome in stream:
-                    if writer is not None:
-                        writer.write(outcome)
+                    if writer is not None:  # an outcome it cannot write becomes an error
+                        outcome = writer.write(outcome)
                     yield outcome
             finally:
                 await stream.aclose()
@@ -186,7 +186,9 @@ def _as_pool(pool: Any) -> WorkerPool:
     return pool  # type: ignore[no-any-return]
 
 
-def _result(outcome: PassOutcome, agent: Any) -> Session | PassFailed:
+def _result(outcome: PassOutcome, agent: Any) -> Session | BaseException:
+    if isinstance(outcome, FailedInput) and outcome.cause is not None:
+        return outcome.cause  # the input's own pass failed: its error, as an in-process map
     if not outcome.ok:
         return pass_failure(outcome)
     session = received_session(outcome)  # from this map's own worker: no second validation

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
-from treadle.session import Session, Usage, new_session_id
+from treadle.session import Session, SessionData, Usage, new_session_id
 from treadle.session.rows import KIND_OF_ROLE, ChunkRow, ChunkTable
 
 __all__ = [
@@ -152,6 +152,14 @@ class PassOutcome:
         data["metadata"] = _json_data(self.metadata)
         return data
 
+    def _wire(self) -> dict[str, Any]:
+        """`to_json` of an outcome whose metadata `portable_metadata` made (JSON data already):
+        what a worker sends. Walking that metadata again (`_json_data`, a copy of every request's
+        usage) was the largest part of a worker's per-pass cost over the single process."""
+        data = {name: getattr(self, name) for name in _OUTCOME_FIELDS}
+        data["history"] = list(self.history)
+        return data
+
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PassOutcome:
         """The outcome from `to_json` output."""
@@ -175,7 +183,21 @@ def received_session(outcome: PassOutcome) -> Session:
     table = received_rows(outcome.messages)
     if table is None:
         return outcome.session()
-    return outcome._output(Session(table, operator="from_messages", kind="user"))
+    # One session with its data built once: `_output` builds a first session and copies its
+    # data into a second (`with_data`), a fifth of the rebuild (docs/performance.md, issue 33).
+    info = {
+        "status": outcome.status,
+        "attempts": outcome.attempts,
+        "worker": outcome.worker,
+        "input_session_id": outcome.session_id,
+    }
+    metadata = local_metadata(outcome.metadata)
+    metadata[OUTCOME_METADATA_KEY] = info
+    usage = outcome.usage
+    data = SessionData(
+        table, Usage(**usage) if usage else Usage(), cast(Any, outcome.stop_reason), metadata
+    )
+    return Session._derive(data, operator="from_messages", kind="user", parents=(), sandbox=None)
 
 
 def received_rows(messages: list[dict[str, Any]]) -> ChunkTable | None:
@@ -188,16 +210,17 @@ def received_rows(messages: list[dict[str, Any]]) -> ChunkTable | None:
     a caller may have edited them since (content an int, say): such rows are not refused here,
     as an in-process map, which runs the session itself, does not refuse them either."""
     rows: list[ChunkRow] = []
+    append, trusted, kinds = rows.append, ChunkRow._trusted, KIND_OF_ROLE
     for message in messages:
         role = message.get("role") if type(message) is dict else None
-        kind = KIND_OF_ROLE.get(role) if type(role) is str else None
+        kind = kinds.get(role) if type(role) is str else None
         if kind is None:
             return None
         payload = dict(message)  # the messages stay as they are (an outcome's record)
         if role != "developer":  # a row keeps only that role (see `ChunkRow`)
             del payload["role"]
-        rows.append(ChunkRow._trusted(kind, payload))
-    return ChunkTable(rows)
+        append(trusted(kind, payload))
+    return ChunkTable._trusted(rows)
 
 
 # Field names, once: `dataclasses.fields` on every item and outcome was a driver's hot spot.
@@ -208,23 +231,30 @@ _PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_rea
 
 
 def portable_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """An output session's metadata as JSON data for an outcome (objects become dicts)."""
+    """An output session's metadata as JSON data for an outcome (objects become dicts): what
+    `PassOutcome.to_json` would make of it, so a worker's outcome needs no second walk."""
     import pydantic
 
-    out: dict[str, Any] = {k: metadata[k] for k in _PORTABLE if k in metadata}
+    out: dict[str, Any] = {k: _json_data(metadata[k]) for k in _PORTABLE if k in metadata}
     value = metadata.get("output")
     if isinstance(value, pydantic.BaseModel):
         out["output"] = value.model_dump(mode="json")
     elif value is not None:
-        out["output"] = value
+        out["output"] = _json_data(value)
     trip = metadata.get("tripwire")
     if trip is not None and dataclasses.is_dataclass(trip) and not isinstance(trip, type):
-        out["tripwire"] = _plain(trip)
+        out["tripwire"] = _json_data(_plain(trip))
     if metadata.get("guardrail_results"):
         results = metadata["guardrail_results"]
-        out["guardrail_results"] = [{**_plain(r), "tripped": bool(r.tripped)} for r in results]
+        out["guardrail_results"] = [
+            _json_data({**_plain(r), "tripped": bool(r.tripped)}) for r in results
+        ]
     if metadata.get("request_usage"):
-        out["request_usage"] = [_plain(v) for v in metadata["request_usage"]]
+        # A `RequestUsage`'s fields are scalars: its plain dict is JSON data as it is.
+        out["request_usage"] = [
+            _plain(v) if type(v) is RequestUsage else _json_data(_plain(v))
+            for v in metadata["request_usage"]
+        ]
     return out
 
 
@@ -295,8 +325,19 @@ def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
         out["guardrail_results"] = tuple(_rebuilt(_guardrail_result, r) for r in results)
     entries = metadata.get("request_usage")
     if isinstance(entries, (list, tuple)):
-        out["request_usage"] = tuple(_rebuilt(_request_usage, e) for e in entries)
+        out["request_usage"] = _request_usages(entries)
     return out
+
+
+def _request_usages(entries: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
+    """`request_usage` entries as `RequestUsage` values: one per completion, so the common case
+    (every entry a dict of its fields) is one loop with no call per entry beyond the build."""
+    try:
+        if all(type(e) is dict for e in entries):
+            return tuple([RequestUsage(**e) for e in entries])
+    except (KeyError, TypeError, ValueError):
+        pass  # one entry does not fit: each is rebuilt on its own, the misfits stay data
+    return tuple(_rebuilt(_request_usage, e) for e in entries)
 
 
 def _rebuilt(build: Any, data: Any) -> Any:

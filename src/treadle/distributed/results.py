@@ -7,13 +7,15 @@ on the disk. This module must never hold more than the lines not yet written.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from pydantic_core import from_json, to_json
+from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from treadle.distributed.outcome import PassOutcome
 
@@ -45,9 +47,28 @@ class ResultsWriter:
             os.fsync(self._file.fileno())
             self._file.close()
 
-    def write(self, outcome: PassOutcome) -> None:
-        """Queue one outcome line (never blocks)."""
-        self._queue.put(to_json(outcome.to_json()) + b"\n")
+    def write(self, outcome: PassOutcome) -> PassOutcome:
+        """Queue one outcome line (never blocks); return the outcome written.
+
+        An outcome JSON cannot hold (an output of bytes, a lone surrogate) is written, and
+        returned, as `status="error"` naming the value: that item fails, not the map."""
+        data = outcome.to_json()
+        try:
+            line = to_json(data)
+        except PydanticSerializationError as err:
+            outcome = dataclasses.replace(
+                outcome,
+                status="error",
+                messages=None,
+                metadata={},
+                error=(
+                    "ResultsFileError: the outcome cannot be written to the results file as "
+                    f"JSON: {_unwritable(data)}: {err}"
+                )[:2000],
+            )
+            line = to_json(outcome.to_json())
+        self._queue.put(line + b"\n")
+        return outcome
 
     def close(self) -> None:
         """Write what is queued, fsync and close; re-raise a write error (blocks)."""
@@ -56,6 +77,22 @@ class ResultsWriter:
             self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _unwritable(value: Any, path: str = "") -> str:
+    """Where in `value` (an outcome's JSON data) the part JSON cannot hold is, with its type:
+    `['metadata']['output'] (bytes)`. Only walked when writing failed."""
+    parts: Any = ()
+    if isinstance(value, dict):
+        parts = value.items()
+    elif isinstance(value, (list, tuple)):
+        parts = enumerate(value)
+    for key, part in parts:
+        try:
+            to_json(part)
+        except PydanticSerializationError:
+            return _unwritable(part, f"{path}[{key!r}]")
+    return f"{path} ({type(value).__name__})"
 
 
 def read_results(path: str | os.PathLike[str]) -> Iterator[PassOutcome]:

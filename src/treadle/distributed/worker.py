@@ -106,7 +106,8 @@ class PassWorker:
         workspace: Path | None = None
         session: Session | None = None
         out: Session | None = None
-        deadline = asyncio.timeout(self.pass_timeout)
+        # No deadline and no trace parent (the common case) is no context manager per pass.
+        deadline = None if self.pass_timeout is None else asyncio.timeout(self.pass_timeout)
         try:  # from the session's rebuild on: an input it cannot rebuild fails this item alone
             session = _input_session(item.messages)
             if item.placement == "local":
@@ -119,10 +120,13 @@ class PassWorker:
                 session = session.to(Isolated.from_spec(item.placement_options))
             elif item.placement is not None:
                 session = session.to(item.placement)
-            # The map caller's span (another process) is the parent of this pass's span.
-            with use_parent(parent_from_carrier(item.trace_context)):
-                async with deadline:
-                    out = await self.agent.run(session)
+            if deadline is None and not item.trace_context:
+                out = await self.agent.run(session)
+            else:
+                # The map caller's span (another process) is the parent of this pass's span.
+                with use_parent(parent_from_carrier(item.trace_context)):
+                    async with deadline or contextlib.nullcontext():
+                        out = await self.agent.run(session)
             usage = out.usage
             return self._outcome(
                 item,
@@ -134,7 +138,7 @@ class PassWorker:
                 metadata=portable_metadata(out.metadata),
             )
         except TimeoutError as err:
-            if not deadline.expired():  # a timeout inside the pass (e.g. ProviderTimeout)
+            if deadline is None or not deadline.expired():  # inside the pass (ProviderTimeout)
                 return self._outcome(item, "error", error=_error_text(err))
             return self._outcome(
                 item, "timeout", error=f"TimeoutError: pass ran over {self.pass_timeout} s"
@@ -158,7 +162,8 @@ class PassWorker:
         gets an answer."""
         try:
             outcome = await self.run(item)
-            return outcome.to_json()
+            # Its metadata is `portable_metadata`'s, JSON data already: not walked again.
+            return outcome._wire()
         except Exception as err:
             log.exception("a worker's item failed outside its pass")
             data = item if isinstance(item, Mapping) else {}

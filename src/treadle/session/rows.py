@@ -333,6 +333,11 @@ class ChunkTable(Sequence[ChunkRow]):
         self._tuple: tuple[ChunkRow, ...] | None = None
 
     @classmethod
+    def _trusted(cls, rows: list[ChunkRow]) -> ChunkTable:
+        """A table owning `rows`, rows Treadle built itself (no per-row type check; hot path)."""
+        return cls._view(_Store(rows), len(rows))
+
+    @classmethod
     def _view(cls, store: _Store, n: int) -> ChunkTable:
         table = cls.__new__(cls)
         table._store = store

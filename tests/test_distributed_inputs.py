@@ -1,0 +1,148 @@
+"""The scheduler's input path (`treadle.distributed.driver.drive`) under a dense interleaving:
+pending sessions (passes still running on the runtime against the fake server) among plain
+inputs, every input at its own position, none lost, none run twice.
+
+The pool here runs in this process and answers each pass after a loop turn or three (it echoes
+the input's rows): worker processes answer a few passes a millisecond, too seldom to hit the
+windows these tests are about (a consumer taking an input while another's pending input has not
+got its position yet), which this pool hits within a few hundred inputs. Everything else is real:
+the sessions are outputs of real passes, still pending when the driver takes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from treadle import Agent, Provider, Session
+from treadle.distributed.driver import drive
+from treadle.distributed.outcome import PassItem, PassOutcome
+from treadle.testing import FakeOpenAIServer, Reply
+
+
+def _held_script(request: dict[str, Any]) -> Reply:
+    """Answer after the delay the user message names (`w3 2`: 2 ms)."""
+    text = next(m.get("content") for m in reversed(request["messages"]) if m["role"] == "user")
+    return Reply.text("ready").with_latency(float(str(text).split()[1]))
+
+
+class _EchoPool:
+    """One slot in this process: a pass's outcome is its input's rows, a loop turn or three on."""
+
+    size = 1
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.seen: list[int] = []
+
+    def worker_name(self, slot: int) -> str:
+        return "here:0"
+
+    async def run(self, slot: int, item: PassItem) -> PassOutcome:
+        self.seen.append(item.index)
+        for _ in range(self.rng.randrange(1, 4)):
+            await asyncio.sleep(0)
+        return PassOutcome(
+            index=item.index,
+            session_id=item.session_id,
+            status="ok",
+            attempts=item.attempt,
+            worker="here:0",
+            messages=item.messages,
+        )
+
+    async def restart(self, slot: int) -> None:
+        raise AssertionError("no worker is lost here")
+
+
+def _inputs(producer: Agent, rng: random.Random, n: int, share: float) -> Iterator[Any]:
+    """`n` inputs: a `share` of them pending sessions (started as they are taken, each held
+    0-4 ms by the server), the others strings; input `i`'s last user row starts `w<i> `."""
+    for i in range(n):
+        if rng.random() < share:
+            yield producer(Session.from_user_message(f"w{i} {rng.randrange(0, 5)}"))
+        else:
+            yield f"w{i} 0"
+
+
+def _check(outcomes: list[PassOutcome], pool: _EchoPool, n: int) -> None:
+    assert sorted(o.index for o in outcomes) == list(range(n)), "an input lost or run twice"
+    assert sorted(pool.seen) == list(range(n))
+    for o in outcomes:
+        assert o.messages is not None
+        last = [m["content"] for m in o.messages if m["role"] == "user"][-1]
+        assert last.split()[0] == f"w{o.index}", (o.index, last)
+
+
+@pytest.mark.parametrize(
+    ("n", "share", "concurrency"), [(300, 0.4, 8), (200, 0.7, 4), (150, 0.2, 16)]
+)
+async def test_pending_and_plain_inputs_from_an_iterable(
+    n: int, share: float, concurrency: int
+) -> None:
+    with FakeOpenAIServer(script=_held_script) as server:
+        producer = Agent(
+            "producer", "Say ready.", provider=Provider(model="f", base_url=server.base_url)
+        )
+        for seed in range(4):
+            pool = _EchoPool(seed)
+            source = _inputs(producer, random.Random(seed), n, share)
+            outcomes = [
+                o
+                async for o in drive(
+                    pool, source, concurrency=concurrency, max_attempts=2, call_timeout=None
+                )
+            ]
+            _check(outcomes, pool, n)
+
+
+async def test_pending_and_plain_inputs_from_an_async_source() -> None:
+    with FakeOpenAIServer(script=_held_script) as server:
+        producer = Agent(
+            "producer", "Say ready.", provider=Provider(model="f", base_url=server.base_url)
+        )
+
+        async def source(seed: int) -> AsyncIterator[Any]:
+            for value in _inputs(producer, random.Random(seed), 200, 0.4):
+                if seed % 2:
+                    await asyncio.sleep(0)
+                yield value
+
+        for seed in range(4):
+            pool = _EchoPool(seed)
+            outcomes = [
+                o
+                async for o in drive(
+                    pool, source(seed), concurrency=8, max_attempts=2, call_timeout=None
+                )
+            ]
+            _check(outcomes, pool, 200)
+
+
+async def test_an_input_that_cannot_be_an_item_fails_alone_among_pending_ones() -> None:
+    with FakeOpenAIServer(script=_held_script) as server:
+        producer = Agent(
+            "producer", "Say ready.", provider=Provider(model="f", base_url=server.base_url)
+        )
+
+        def source() -> Iterator[Any]:
+            for i, value in enumerate(_inputs(producer, random.Random(5), 120, 0.5)):
+                yield 42 if i % 10 == 3 else value
+
+        pool = _EchoPool(5)
+        outcomes = [
+            o async for o in drive(pool, source(), concurrency=8, max_attempts=2, call_timeout=None)
+        ]
+    assert sorted(o.index for o in outcomes) == list(range(120))
+    for o in outcomes:
+        if o.index % 10 == 3:
+            assert o.status == "error" and "Sessions or strs" in str(o.error)
+        else:
+            assert o.status == "ok" and o.messages is not None
+            assert [m for m in o.messages if m["role"] == "user"][-1]["content"].startswith(
+                f"w{o.index} "
+            )
