@@ -12,7 +12,6 @@ message. The expected values are computed here from the recording, independently
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from recorded_replies import replies_dir
 from treadle import Session
 from treadle.errors import MalformedResponse, ProviderError
 from treadle.llm import Provider, SSEDecoder, StreamAccumulator
@@ -30,17 +30,7 @@ from treadle.session.rows import text_of_content
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply
 
-
-def _replies_dir() -> Path | None:
-    named = os.environ.get("TREADLE_PROVIDER_REPLIES")
-    root = Path(__file__).resolve().parents[1]
-    candidates = [Path(named)] if named else []
-    candidates += [root.parent / "shared" / "provider-replies"]
-    candidates += [root.parent.parent / "shared" / "provider-replies"]
-    return next((c for c in candidates if c.is_dir()), None)
-
-
-REPLIES = _replies_dir()
+REPLIES = replies_dir()
 
 
 def _cases() -> list[tuple[str, Path, int, str]]:

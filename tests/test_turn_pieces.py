@@ -6,12 +6,11 @@ tool calls, content parts, several events per read, the recorded provider stream
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from recorded_replies import replies_dir
 from treadle import Session
 from treadle.llm import Provider
 from treadle.llm.deltas import ToolCallPiece, TurnDelta
@@ -26,17 +25,7 @@ from treadle.tools import ToolSet
 AGENT = Session.from_agent_prompt("Answer.")
 
 
-def _recorded() -> Path | None:
-    """The recorded provider streams beside the checkout (as `test_provider_replies` finds them)."""
-    named = os.environ.get("TREADLE_PROVIDER_REPLIES")
-    root = Path(__file__).resolve().parents[1]
-    candidates = [Path(named)] if named else []
-    candidates += [root.parent / "shared" / "provider-replies"]
-    candidates += [root.parent.parent / "shared" / "provider-replies"]
-    return next((c for c in candidates if c.is_dir()), None)
-
-
-RECORDED = _recorded()
+RECORDED = replies_dir()
 
 
 def _sse(*events: dict[str, Any]) -> bytes:
