@@ -7,7 +7,9 @@ pay for one commit); a job that fails undoes only its own writes (the batch stop
 runs again with a savepoint per job); a job's future is settled only once that transaction has
 committed. When SQLite undoes the whole transaction itself (disk full, an I/O error), the job
 it happened in fails with a `StoreError` and the batch runs again without it: no statement of
-a write ever runs outside a transaction, so nothing is half-written. A thread that dies fails
+a write ever runs outside a transaction, so nothing is half-written. A failure at the COMMIT
+itself (the write-ahead log cannot grow) fails every job of that transaction: none was written.
+A thread that dies fails
 its batch and every later job with a `StoreError` (no caller waits forever). A forked child
 starts its own threads (the parent's are not in it).
 """
