@@ -53,15 +53,16 @@ def quiet() -> list[list[dict[str, Any]]]:
     return warm_then_quiet({"kind": "announce", "n": 2}, "announce")
 
 
-def test_a_reply_of_too_many_slow_numbers_is_refused_unparsed(
-    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+def _refused(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float], arguments: dict[str, Any], what: str
 ) -> None:
+    """A reply made by `arguments` is refused unparsed as `what`, naming the server, with no
+    long hold; the server is restarted for the next call, and nothing of it is left."""
     server = _raw()
     try:
-        arguments = {"kind": "fill_floats", "size": CAP}
         body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
         assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
-        assert "numbers with a large exponent" in body["message"], body
+        assert what in body["message"], body
         assert server.label in body["message"], body
         bounded(parse_hold, stall)
         # the connection was closed with its process; the next call starts it again
@@ -70,6 +71,13 @@ def test_a_reply_of_too_many_slow_numbers_is_refused_unparsed(
     finally:
         server.close()
     assert server_children(settle_seconds=GUARD_SECONDS) == {}
+
+
+def test_a_reply_of_too_many_slow_numbers_is_refused_unparsed(
+    quiet: list[list[dict[str, Any]]], parse_hold: list[float]
+) -> None:
+    arguments = {"kind": "fill_floats", "size": CAP}
+    _refused(quiet, parse_hold, arguments, "numbers with a large exponent")
 
 
 def test_a_reply_of_slow_numbers_under_the_budget_is_read(
@@ -92,19 +100,8 @@ def test_a_reply_just_under_every_separate_budget_is_refused_by_its_total(
 ) -> None:
     # 199,806 containers, 24,997 costly exponents and 95 integers of 4,000 digits: each under
     # its own budget, together held `json.loads` 91 to 121 ms
-    server = _raw()
-    try:
-        arguments = {"kind": "combo", "lists": 66_600, "exps": 24_990, "ints": 95}
-        body, stall = beside_bystanders(lambda: _pass(server, "go", arguments), quiet)
-        assert body["ok"] is False and body["error_kind"] == "tool_execution_exception", body
-        assert "estimated parsing" in body["message"], body
-        assert server.label in body["message"], body
-        bounded(parse_hold, stall)
-        assert _pass(server, "go", {"kind": "ok"})["ok"] is True
-        assert server.restarts == 1
-    finally:
-        server.close()
-    assert server_children(settle_seconds=GUARD_SECONDS) == {}
+    arguments = {"kind": "combo", "lists": 66_600, "exps": 24_990, "ints": 95}
+    _refused(quiet, parse_hold, arguments, "estimated parsing")
 
 
 def test_a_reply_of_mixed_shapes_under_the_total_is_read(
