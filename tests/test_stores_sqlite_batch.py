@@ -147,3 +147,29 @@ def test_a_sqlite_commit_runs_without_a_task_and_is_waited_for(tmp_path: Path) -
     assert rows[:2] == ["A", "answer A"]
     assert rows[2:] in ([], ["B", "answer B"])  # whole turn or none
     assert pending == ([] if rows[2:] else ["cancelled"])
+
+
+def test_a_read_sqlite_fails_is_a_store_error(tmp_path: Path) -> None:
+    """A read is a future of the caller's loop (no coroutine of its own): an error SQLite
+    raises in it still reaches the caller as the `StoreError` every other call raises."""
+    from treadle.errors import StoreError
+
+    path = tmp_path / "t.db"
+
+    async def main() -> str:
+        backend = SqliteBackend(path)
+        try:
+            await backend.append("a", [ChunkRow.user("one")], None)
+            other = sqlite3.connect(path, isolation_level=None)
+            other.execute("DROP TABLE rows")  # as a damaged or foreign file would be
+            other.close()
+            try:
+                await backend.load("a")
+            except StoreError as err:
+                return str(err)
+            return "no error"
+        finally:
+            await backend.aclose()
+
+    said = asyncio.run(main())
+    assert "failed: no such table: rows" in said

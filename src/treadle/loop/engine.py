@@ -143,8 +143,8 @@ class _Pass:
         self.keep(rows)
         if self.writer is not None:
             await self.writer.rows(rows, turn_boundary=boundary)
-        if self.journal is not None:
-            await self.journal.rows(rows, turn_boundary=boundary)
+        if self.journal is not None and (flush := self.journal.rows_soon(rows)) is not None:
+            await flush  # a tool result (most rows are only buffered: no coroutine for them)
 
     def keep(self, rows: Sequence[ChunkRow]) -> None:
         """Add rows to the transcript (already persisted, or nothing persists)."""

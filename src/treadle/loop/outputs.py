@@ -27,8 +27,9 @@ async def open_conversation_of(
     `treadle.stores.journal`); the input as it is otherwise."""
     if plan.store is None or plan.conversation is None:
         return user
-    # Imported here: `import treadle` and passes without a store never load the stores.
-    from treadle.stores import open_conversation
+    # Imported here: `import treadle` and passes without a store never load the stores. From
+    # the module, not the package: a package's `from ... import` is a Python call every pass.
+    from treadle.stores.opening import open_conversation
 
     start = await open_conversation(
         plan.store.backend,
@@ -39,7 +40,9 @@ async def open_conversation_of(
         queue=plan.store.on_conflict == "queue",
     )
     run.journal = start.journal
-    run.table, run.usage = ChunkTable(start.rows), start.usage
+    # The committed rows were validated when read (or made by this process), the input's by
+    # its table: no per-row check again.
+    run.table, run.usage = ChunkTable._trusted(start.rows), start.usage
     run.user_metadata = start.metadata
     return SessionData(run.table, run.usage, None, start.metadata)
 
@@ -84,7 +87,7 @@ async def finish_outputs(run: _Pass, stop_reason: StopReason) -> None:
             run.table.rows,
             usage=run.usage,
             stop_reason=stop_reason,
-            metadata=plain_metadata(kept),
+            metadata=plain_metadata(kept) if kept else kept,
         )
         run.metadata["conversation"] = run.journal.key
 

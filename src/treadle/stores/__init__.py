@@ -2,7 +2,8 @@
 standard library) or PostgreSQL (the `treadle[postgres]` extra, imported only when used)."""
 
 from treadle.stores.backend import SCHEMA_VERSION, StoreBackend
-from treadle.stores.journal import ConversationJournal, ConversationStart, open_conversation
+from treadle.stores.journal import ConversationJournal
+from treadle.stores.opening import ConversationStart, open_conversation
 from treadle.stores.queueing import OnConflict
 from treadle.stores.records import ConversationInfo, PendingPass, StoredConversation
 from treadle.stores.store import DEFAULT_SQLITE_PATH, Store, check_store_arguments, store_options

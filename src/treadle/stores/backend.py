@@ -14,7 +14,7 @@ leaves a half-written commit behind (each method is one transaction).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from treadle.session import ChunkRow, Usage
@@ -44,8 +44,9 @@ class StoreBackend(Protocol):
         queue-per-conversation mode: see `treadle.stores.queueing`)."""
         ...
 
-    async def load(self, key: str) -> StoredConversation:
-        """The committed conversation (empty at version 0 for a new key)."""
+    def load(self, key: str) -> Awaitable[StoredConversation]:
+        """The committed conversation (empty at version 0 for a new key): a coroutine, or
+        (SQLite) a future of the calling loop, which saves every read two coroutine frames."""
         ...
 
     async def record(

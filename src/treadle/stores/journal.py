@@ -1,52 +1,36 @@
 """How a pass keeps a conversation in a store: it starts from the committed rows, makes its
 tool work durable as it goes, and commits its new rows in one transaction when it ends.
 
-`open_conversation` reads the conversation (or takes over a pending pass) and returns a
-`ConversationJournal`, which the pass calls as it calls its JSONL writer. Until the commit the
-pass's rows live in the store's journal, never in the conversation: a crash, a cancellation or a
-lost store leaves the conversation at its last committed version, and the journal lets another
-process resume. The assistant row that asks for tools is made durable together with the intents
-of those calls, before any of them runs, and each tool result as it finishes, so a crash loses
-only a reply the model is asked for again, never a tool outcome. An answer without tool calls is
-written once, by the commit. Never blocks the event loop.
+`treadle.stores.opening.open_conversation` reads the conversation (or takes over a pending
+pass) and returns a `ConversationJournal`, which the pass calls as it calls its JSONL writer.
+Until the commit the pass's rows live in the store's journal, never in the conversation: a
+crash, a cancellation or a lost store leaves the conversation at its last committed version,
+and the journal lets another process resume. The assistant row that asks for tools is made
+durable together with the intents of those calls, before any of them runs, and each tool
+result as it finishes, so a crash loses only a reply the model is asked for again, never a tool
+outcome. An answer without tool calls is written once, by the commit. Never blocks the event
+loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.errors import ConfigurationError, ConflictError
+from treadle.errors import ConflictError
 from treadle.session import ChunkRow, Usage
-from treadle.session.rows import in_call_order
 from treadle.stores.backend import JournalEntry, StoreBackend
 from treadle.stores.owner import lease_seconds
 from treadle.stores.queueing import KeyLock
-from treadle.stores.records import PendingPass, check_key, check_storable, conflict_error
 
-__all__ = ["ConversationJournal", "ConversationStart", "open_conversation"]
+__all__ = ["ConversationJournal", "inflight"]
 
 log = logging.getLogger("treadle.stores")
-
-
-@dataclass(slots=True)
-class ConversationStart:
-    """Where a pass on a stored conversation starts."""
-
-    rows: list[ChunkRow]
-    """The rows the pass continues from: the committed conversation, then its new input."""
-    usage: Usage
-    """The conversation's usage so far."""
-    metadata: dict[str, Any]
-    """What the last pass left (pending approvals) and tool calls of unknown outcome."""
-    journal: ConversationJournal
-    """Where the pass records its progress and commits."""
 
 
 @dataclass(slots=True)
@@ -81,6 +65,8 @@ class ConversationJournal:
     """Where the commit task hands its outcome to the pass (see `finish`)."""
     started: bool = False
     """True once the commit task's body runs (until then only its done callback settles it)."""
+    end: asyncio.Future[int] | None = None
+    """A commit without a task (`commit_soon`): its end, what `inflight` holds."""
 
     async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
         entries = [*self.buffered, *more]
@@ -108,11 +94,18 @@ class ConversationJournal:
 
     async def rows(self, rows: Sequence[ChunkRow], *, turn_boundary: bool = False) -> None:
         """New rows of the pass: a tool result is made durable at once, others with the next."""
-        entries = [("row", r) for r in rows]
-        if any(r.kind == "tool_result" for r in rows):
-            await self._flush(entries)
-        else:
-            self.buffered.extend(entries)
+        flush = self.rows_soon(rows)
+        if flush is not None:
+            await flush
+
+    def rows_soon(self, rows: Sequence[ChunkRow]) -> Coroutine[Any, Any, None] | None:
+        """`rows` without a coroutine when nothing is written now: the rows are buffered and
+        None is returned, or (a tool result among them) the flush to await is returned."""
+        for r in rows:
+            if r.kind == "tool_result":
+                return self._flush([("row", r) for r in rows])
+        self.buffered += [("row", r) for r in rows]
+        return None
 
     async def intents(self, calls: Sequence[tuple[str, str]]) -> None:
         """Record (durably, with the rows before them) that these calls are about to run."""
@@ -137,27 +130,30 @@ class ConversationJournal:
         If it does not land, the pass is recorded `cancelled` (`Store.pending()` lists it);
         `Store.asettled()` / `Store.aclose()` wait for such commits to settle.
         """
-        self._stop_heartbeat()
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
         # The commit task hands its outcome to `waiter` itself and leaves `inflight` itself:
         # no shield and no done callback once it runs, so a turn's commit wakes this task once
         # (a shield cost three more loop callbacks per turn). The waiter is cancelled with this
-        # task; the commit task is not.
+        # task; the commit task is not. (Futures are made without `loop.create_future`, a
+        # Python call each.)
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[int] = loop.create_future()
+        waiter: asyncio.Future[int] = asyncio.Future(loop=loop)
         self.waiter = waiter
         commit_soon = getattr(self.backend, "commit_soon", None)
         commit: asyncio.Future[int]
         if commit_soon is not None and self.held is None:
             # A backend that settles a commit by a call on this loop (SQLite) needs no task:
             # `commit` is only the commit's end, for `inflight`; `_landed` settles the pass.
-            commit = loop.create_future()
+            self.end = commit = asyncio.Future(loop=loop)
             self.started = True
             commit_soon(
-                functools.partial(self._landed, waiter, commit),
+                self._landed,
                 self.pass_id, self.key, self.base, rows[self.base :],
                 usage=usage, stop_reason=stop_reason, metadata=metadata,
                 agent_rows=self.agent_rows, recorded=self.recorded,
             )  # fmt: skip
+            inflight(self.backend).add(commit)  # settled on the database thread's reply, later
         else:
             commit = asyncio.ensure_future(
                 self._commit(
@@ -165,14 +161,15 @@ class ConversationJournal:
                     metadata=metadata,
                 )
             )  # fmt: skip
-        # An eager task factory (Python 3.12) may have run the commit to its end already,
-        # its `finally` included: only a commit still running is added (its `finally` is then
-        # still to come). A task cancelled before its first step never runs its body: until
-        # the body starts (and removes it), a done callback settles the pass in its place.
-        if not commit.done():
-            inflight(self.backend).add(commit)
-            if not self.started:
-                commit.add_done_callback(self._unstarted)
+            # An eager task factory (Python 3.12) may have run the commit to its end already,
+            # its `finally` included: only a commit still running is added (its `finally` is
+            # then still to come). A task cancelled before its first step never runs its body:
+            # until the body starts (and removes it), a done callback settles the pass in its
+            # place.
+            if not commit.done():
+                inflight(self.backend).add(commit)
+                if not self.started:
+                    commit.add_done_callback(self._unstarted)
         try:
             version = await waiter
         except asyncio.CancelledError as cancel:
@@ -257,12 +254,18 @@ class ConversationJournal:
         finally:
             inflight(self.backend).discard(asyncio.current_task())
 
-    def _landed(
-        self, waiter: asyncio.Future[int], commit: asyncio.Future[int], outcome: int | BaseException
-    ) -> None:
+    def _landed(self, outcome: int | BaseException) -> None:
         """A commit without a task (`commit_soon`) has its outcome, on this loop: settle the pass
         as `_commit` does (no lock to give back: only passes without one come here), then end
-        `commit` (what `Store.asettled` waits for)."""
+        `self.end` (what `Store.asettled` waits for)."""
+        waiter, commit = self.waiter, self.end
+        assert waiter is not None and commit is not None
+        if type(outcome) is int:  # landed (the common case first)
+            self.version = outcome
+            if not waiter.done():
+                waiter.set_result(outcome)
+            self._ended(commit, outcome)
+            return
         if isinstance(outcome, BaseException):
             if isinstance(outcome, Exception):
                 self.failure = outcome
@@ -358,10 +361,18 @@ def _outcome_error(waiter: asyncio.Future[int]) -> BaseException | None:
 
 def inflight(backend: StoreBackend) -> set[asyncio.Future[int]]:
     """The commits in flight on `backend` (strong references: the store owns them)."""
+    # Kept on the backend itself when it takes attributes: looked up twice every turn, where a
+    # weak dictionary's lookup is a Python call and a new weak reference.
+    found: set[asyncio.Future[int]] | None = getattr(backend, "_treadle_inflight", None)
+    if found is not None:
+        return found
     try:
         return _INFLIGHT[backend]
     except KeyError:
-        return _INFLIGHT.setdefault(backend, set())
+        found = _INFLIGHT.setdefault(backend, set())
+    with contextlib.suppress(AttributeError):  # a backend with __slots__: the weak dictionary
+        backend._treadle_inflight = found  # type: ignore[attr-defined]
+    return found
 
 
 #: Commits in flight, per backend (see `inflight`, `Store.asettled`).
@@ -370,105 +381,3 @@ _INFLIGHT: weakref.WeakKeyDictionary[Any, set[asyncio.Future[int]]] = weakref.We
 
 #: Ends of passes being recorded (strong references while their tasks run).
 _ENDING: set[asyncio.Future[None]] = set()
-
-
-async def open_conversation(
-    backend: StoreBackend,
-    conversation: str | PendingPass,
-    pass_id: str,
-    user_rows: Sequence[ChunkRow],
-    agent_rows: Sequence[ChunkRow],
-    *,
-    queue: bool = False,
-) -> ConversationStart:
-    """Read the conversation (or take over a pending pass) a pass continues.
-
-    With `queue` the pass first waits for the conversation's lock and holds it until it ends
-    (the store's `on_conflict="queue"` mode), so it reads the rows the previous pass committed.
-
-    The input rows are added after the committed ones, unless they already begin with all of
-    them (a session read with `store.conversation(key)` and extended): then only the rows past
-    them are new. Input that begins like the conversation but not with all of it was read from
-    an older version, and is a `ConflictError` (it would repeat rows).
-    """
-    if isinstance(conversation, PendingPass):
-        key = conversation.key
-    elif isinstance(conversation, str):
-        key = check_key(conversation)
-    else:
-        raise ConfigurationError(
-            "conversation= takes a key (str) or an item of store.pending(), got "
-            f"{type(conversation).__name__}."
-        )
-    check_storable(user_rows, "user input")
-    check_storable(agent_rows, "agent rows")
-    held = await backend.lock(key) if queue else None
-    try:
-        start = await _start(backend, conversation, key, pass_id, user_rows, agent_rows)
-    except BaseException:
-        if held is not None:
-            await held.release()
-        raise
-    start.journal.held = held
-    return start
-
-
-async def _start(
-    backend: StoreBackend,
-    conversation: str | PendingPass,
-    key: str,
-    pass_id: str,
-    user_rows: Sequence[ChunkRow],
-    agent_rows: Sequence[ChunkRow],
-) -> ConversationStart:
-    adopted: Sequence[ChunkRow] = ()
-    unknown: list[str] = []
-    if isinstance(conversation, PendingPass):
-        record = await backend.claim(conversation.pass_id)
-        adopted = in_call_order(record.rows)
-        answered = {str(r.payload.get("tool_call_id")) for r in adopted if r.kind == "tool_result"}
-        unknown = [cid for cid in record.intents if cid not in answered]
-    stored = await backend.load(key)
-    waiting = stored.metadata.get("pending_approvals")
-    if waiting and not isinstance(conversation, PendingPass):
-        # A new turn after an assistant row whose calls have no results would be a transcript
-        # no model accepts: the calls must be decided first (approved or denied).
-        names = ", ".join(str(c.get("name")) for c in waiting if isinstance(c, dict))
-        raise ConflictError(
-            f"conversation {key!r} waits for a decision on {names}; resume it first: "
-            "run_session_loop(Session(), agent, store=store, conversation=store.pending(key)[0], "
-            "approvals={call_id: True or False}).",
-            key=key,
-            expected=stored.version,
-            actual=stored.version,
-        )
-    committed = stored.rows
-    new = list(user_rows)
-    if committed:
-        n = len(committed)
-        if len(new) >= n and tuple(new[:n]) == committed:
-            new = new[n:]
-        elif len(new) > 1 and new[0] == committed[0]:
-            raise conflict_error(key, _read_version(new, committed), len(committed), new)
-    metadata: dict[str, Any] = dict(stored.metadata)
-    if unknown:
-        metadata["unknown_outcome_tool_calls"] = unknown
-    journal = ConversationJournal(backend, key, pass_id, len(committed), agent_rows)
-    if isinstance(conversation, PendingPass):
-        journal.claimed = (conversation.pass_id, record.status)
-    fresh = [*adopted, *new]
-    journal.buffered.extend(("row", r) for r in fresh)
-    # Calls of unknown outcome stay so: if this pass stops before it answers them, the next
-    # resume must not take them for calls that never started.
-    journal.buffered.extend(("intent", (cid, "")) for cid in unknown)
-    return ConversationStart([*committed, *fresh], stored.usage, metadata, journal)
-
-
-def _read_version(rows: Sequence[ChunkRow], committed: Sequence[ChunkRow]) -> int:
-    """How many committed rows `rows` begins with (the version it was read at)."""
-    n = 0
-    for mine, theirs in zip(rows, committed, strict=False):
-        if mine != theirs:
-            break
-        n += 1
-    return n

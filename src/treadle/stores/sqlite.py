@@ -139,7 +139,7 @@ class SqliteBackend:
             # A job handed to the thread always runs to its end, even if this caller is
             # cancelled meanwhile (a pass recording its own cancellation).
             return await writer.submit(fn, read_only=read_only)
-        except sqlite3.Error as err:
+        except sqlite3.Error as err:  # the thread maps it already; kept for a job's own raise
             raise StoreError(f"the SQLite store {self.path} failed: {err}.") from None
 
     async def lock(self, key: str) -> FileKeyLock:
@@ -149,8 +149,12 @@ class SqliteBackend:
             raise StoreError(f"the store {self.url} is closed; open a new Store.")
         return await FileKeyLock.acquire(self.path.with_name(self.path.name + ".locks"), key)
 
-    async def load(self, key: str) -> StoredConversation:
-        """The committed conversation (empty for a new key); only rows not cached are decoded."""
+    def load(self, key: str) -> asyncio.Future[StoredConversation]:
+        """The committed conversation (empty for a new key); only rows not cached are decoded.
+        A future of the calling loop (no coroutine of its own: a read is every turn's)."""
+        writer = self._writer
+        if writer is None:
+            raise StoreError(f"the store {self.url} is closed; open a new Store.")
         cache, heads = self._cache, self._heads
 
         def do(conn: sqlite3.Connection) -> StoredConversation:
@@ -175,7 +179,9 @@ class SqliteBackend:
                 cache.put(key, head.created_at, known)
             return head.stored(key, known)
 
-        return await self._run(do, read_only=True)
+        # Runs to its end even if the caller is cancelled; a `sqlite3.Error` arrives as the
+        # `StoreError` `_run` would raise (`DatabaseThread` maps it).
+        return writer.submit(do, read_only=True)
 
     async def record(
         self,

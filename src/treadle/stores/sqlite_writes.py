@@ -111,7 +111,10 @@ def commit_job(
 ) -> Callable[[sqlite3.Connection], int]:
     """The database thread's side of a commit: the new version, or `-1 - found` when the
     conversation is at version `found`, not `base` (a conflict)."""
-    kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
+    # Most passes keep nothing for the next one: no encoder call for an empty object.
+    kept = "{}"
+    if metadata:
+        kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
     status = "interrupted" if stop_reason == "interrupted" else "done"
     # Only a pass that leaves a record needs its agent rows encoded (most passes do not).
     keep_record = recorded or status != "done"
