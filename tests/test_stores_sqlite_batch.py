@@ -149,6 +149,50 @@ def test_a_sqlite_commit_runs_without_a_task_and_is_waited_for(tmp_path: Path) -
     assert pending == ([] if rows[2:] else ["cancelled"])
 
 
+def test_reads_take_no_write_lock_and_see_what_another_process_committed(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A batch of reads runs in a read transaction: while another process holds the file's
+    write lock (its transaction not yet committed) a read is served from the last committed
+    state, and once that process commits, the next read sees its rows (its `PRAGMA
+    data_version` moved: the heads this thread knew are read again). A read that took the write
+    lock would wait for the other writer and fail with "database is locked" (the busy timeout
+    is made short here)."""
+    from treadle.stores import sqlite as sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_MS", 200)
+    path = tmp_path / "t.db"
+
+    async def main() -> tuple[int, int, list[str]]:
+        backend = SqliteBackend(path)
+        try:
+            await backend.append("a", [ChunkRow.user("one")], None)
+            await backend.load("a")  # the head is known to the thread
+            other = sqlite3.connect(path, isolation_level=None)
+            try:
+                other.execute("BEGIN IMMEDIATE")
+                other.execute(
+                    "INSERT INTO rows (key, seq, pass_id, kind, payload) VALUES"
+                    ' (\'a\', 1, NULL, \'user\', \'{"role":"user","content":"two"}\')'
+                )
+                other.execute("UPDATE conversations SET version = 2 WHERE key = 'a'")
+                during = await asyncio.wait_for(backend.load("a"), GUARD_SECONDS)
+                other.execute("COMMIT")
+            finally:
+                if other.in_transaction:
+                    other.execute("ROLLBACK")
+                other.close()
+            after = await backend.load("a")
+            return during.version, after.version, [r.payload["content"] for r in after.rows]
+        finally:
+            await backend.aclose()
+
+    during, after, contents = asyncio.run(main())
+    assert during == 1
+    assert after == 2
+    assert contents == ["one", "two"]
+
+
 def test_a_read_sqlite_fails_is_a_store_error(tmp_path: Path) -> None:
     """A read is a future of the caller's loop (no coroutine of its own): an error SQLite
     raises in it still reaches the caller as the `StoreError` every other call raises."""

@@ -97,11 +97,11 @@ class DatabaseThread:
                 if job is None:
                     break
                 batch = [job]
-                while len(batch) < MAX_BATCH:  # what queued meanwhile shares one commit
-                    try:
-                        more = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
+                # What queued meanwhile shares one commit (this thread is the queue's only
+                # reader: not empty means a job is there, and no `queue.Empty` is raised and
+                # caught at the end of every batch).
+                while len(batch) < MAX_BATCH and not self._jobs.empty():
+                    more = self._jobs.get_nowait()
                     if more is None:
                         stopping = True
                         break
@@ -150,6 +150,12 @@ class DatabaseThread:
         runs, the transaction is undone and the batch runs again with a savepoint per write
         (`_rerun`). Every job runs, even one whose caller stopped waiting: a caller cancelled
         after it submitted a write never leaves that write half-decided."""
+        for job in batch:
+            if not job[3]:
+                break
+        else:  # only reads (a turn's reads often queue together): no write lock, no commit
+            self._run_reads(conn, batch)
+            return
         error = self._begin(conn)
         if error is not None:
             _deliver(self.path, [(job, None, error) for job in batch])
@@ -183,6 +189,26 @@ class DatabaseThread:
                 outcomes = [(job, None, lost) for job, _, _ in outcomes]
         _deliver(self.path, dropped + outcomes)
 
+    def _run_reads(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
+        """Run a batch of reads in one read transaction (`BEGIN` without `IMMEDIATE`: other
+        processes' writers are not held up, and there is nothing to commit or to check the
+        file for afterwards). Its `PRAGMA data_version` starts the read, so the heads are
+        checked against the snapshot the reads see."""
+        error = self._begin(conn, write=False)
+        if error is not None:
+            _deliver(self.path, [(job, None, error) for job in batch])
+            return
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        for job in batch:
+            try:
+                outcomes.append((job, job[0](conn), None))
+            except BaseException as err:  # a read has nothing to undo
+                outcomes.append((job, None, err))
+        with contextlib.suppress(sqlite3.Error):  # ends the read; nothing was written
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+        _deliver(self.path, outcomes)
+
     def _undo(self, conn: sqlite3.Connection) -> None:
         """Undo the transaction, if SQLite has not already, and forget the caches (the jobs
         that ran updated them as if they had committed)."""
@@ -191,16 +217,18 @@ class DatabaseThread:
         self.cache.clear()
         self.heads.clear()
 
-    def _begin(self, conn: sqlite3.Connection) -> BaseException | None:
-        """Begin a transaction (an error: it did not begin, and nothing is open)."""
+    def _begin(self, conn: sqlite3.Connection, *, write: bool = True) -> BaseException | None:
+        """Begin a transaction, holding the write lock unless not `write` (an error: it did
+        not begin, and nothing is open)."""
         lost = self._check_file()
         if lost is not None:
             return lost
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            # Holding the write lock: another process's commit since the last transaction
-            # moved data_version, and the heads may be stale (this connection's own commits
-            # leave it, and update the heads they change).
+            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            # Holding the write lock (or, for reads, starting the read's snapshot): another
+            # process's commit since the last transaction moved data_version, and the heads
+            # may be stale (this connection's own commits leave it, and update the heads
+            # they change).
             seen = conn.execute("PRAGMA data_version").fetchone()[0]
         except sqlite3.Error as err:
             if conn.in_transaction:

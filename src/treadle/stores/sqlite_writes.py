@@ -136,7 +136,13 @@ def commit_job(
             )
             return -1 - (found or 0)  # kept: the pass's conflict status
         version = base + len(rows)
-        insert_rows(conn, key, base, rows, pass_id)
+        # `row_params` inline (a turn's commit is this thread's most frequent job): each row's
+        # wire JSON is the one its model request encoded and cached.
+        numbered = enumerate(rows, base)
+        conn.executemany(
+            INSERT_ROW,
+            [(key, seq, pass_id, r.kind, r.message_json().decode()) for seq, r in numbered],
+        )
         if found is None:
             advance(
                 conn, key, found, version, now,
