@@ -13,20 +13,19 @@ never half-written.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from treadle.errors import ConfigurationError, ConflictError
+from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import JournalEntry
-from treadle.stores.batching import Batcher, encode_rows
-from treadle.stores.postgres_batch import commit_many, load_many
+from treadle.stores.batching import OFF_LOOP_ROWS, Batcher, encode_rows
+from treadle.stores.postgres_batch import commit_call, commit_many, commit_task, load_many
 from treadle.stores.postgres_home import PostgresHome
 from treadle.stores.postgres_open import DB_NOW
 from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations
 from treadle.stores.postgres_rows import write_rows
 from treadle.stores.records import (
-    KEPT_METADATA,
     RESUMABLE,
     ConversationInfo,
     PassRecord,
@@ -34,12 +33,12 @@ from treadle.stores.records import (
     StoredConversation,
     conflict_error,
     encode_json,
-    encode_usage,
     journal_record,
     journal_text,
     owner_check,
     owner_metadata,
     pending_from,
+    rows_text,
 )
 
 if TYPE_CHECKING:
@@ -158,23 +157,51 @@ class PostgresBackend(PostgresHome):
         recorded: bool = True,
     ) -> int:
         """Append a pass's rows at version `base` and settle the pass (one server-side call)."""
-        kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
-        status = "interrupted" if stop_reason == "interrupted" else "done"
-        # Only a pass that leaves a record needs its agent rows (treadle_commit's own test).
-        keep_record = recorded or status != "done"
-        agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
-        encoded = await encode_rows(rows)
-        call = (
-            pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
-            encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
-            (rows, usage),
-        )  # fmt: skip
+        encoded = await encode_rows(rows)  # a large commit is encoded off the loop
+        call = commit_call(pass_id, key, base, rows, encoded, usage, stop_reason, metadata,
+                           agent_rows, recorded)  # fmt: skip
         # Passes ending at once commit together (one round trip, one server commit), each
         # with its own version check (see treadle.stores.postgres_batch).
         version = await self._batchers()[1](call)
         if version < 0:
             raise conflict_error(key, base, -1 - version, rows)
         return version
+
+    def commit_soon(
+        self,
+        then: Callable[[int | BaseException], None],
+        pass_id: str,
+        key: str,
+        base: int,
+        rows: Sequence[ChunkRow],
+        *,
+        usage: Usage,
+        stop_reason: str | None,
+        metadata: Mapping[str, Any],
+        agent_rows: Sequence[ChunkRow],
+        recorded: bool = True,
+    ) -> None:
+        """`commit`, with its outcome (the new version, or the error `commit` would raise)
+        handed to `then` on this loop: queued into the batched commits, settled in the one call
+        that settles the batch here (`Batcher.submit_then`): no task, no future. Raises at once
+        only when the store is closed. Once handed over, the commit runs to its end whatever
+        happens to the caller."""
+        if self._closed:
+            raise StoreError(f"the store {self.url} is closed; open a new Store.")
+        kw: dict[str, Any] = {"usage": usage, "stop_reason": stop_reason, "metadata": metadata,
+                              "agent_rows": agent_rows, "recorded": recorded}  # fmt: skip
+        if len(rows) > OFF_LOOP_ROWS:  # its rows are encoded off the loop: a task awaits that
+            commit_task(self.commit(pass_id, key, base, rows, **kw), then)
+            return
+        call = commit_call(pass_id, key, base, rows, rows_text(rows), **kw)
+
+        def settle(outcome: int | BaseException) -> None:
+            if isinstance(outcome, int) and outcome < 0:
+                then(conflict_error(key, base, -1 - outcome, rows))
+            else:
+                then(outcome)
+
+        self._batchers()[1].submit_then(call, settle)
 
     async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
         """Move a pass from status `was` to `status` (no effect from any other status)."""

@@ -22,21 +22,34 @@ alone with a `StoreError` before anything is sent; the other passes of its batch
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pydantic_core
 
 from treadle.errors import StoreError
-from treadle.session import ChunkRow
+from treadle.session import ChunkRow, Usage
 from treadle.stores.batching import off_loop
-from treadle.stores.records import RowCache, StoredConversation, decode_row, stored_from_head
+from treadle.stores.records import (
+    KEPT_METADATA,
+    RowCache,
+    StoredConversation,
+    decode_row,
+    encode_json,
+    encode_usage,
+    stored_from_head,
+)
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
-__all__ = ["BATCH_BYTES", "COMMIT_CALL", "MESSAGE_LIMIT", "commit_many", "load_many"]
+__all__ = [
+    "BATCH_BYTES", "COMMIT_CALL", "MESSAGE_LIMIT", "commit_call", "commit_many", "commit_task",
+    "load_many",
+]  # fmt: skip
 
 # Parameters go in binary (`%b`): JSON payloads sent as a text-format array literal would be
 # quoted and backslash-escaped by the client and parsed back by the server.
@@ -84,6 +97,56 @@ _ROWS = (
     " AS t(key, lo, hi) JOIN treadle_rows r ON r.key = t.key AND r.seq >= t.lo"
     " AND r.seq < t.hi ORDER BY r.key, r.seq"
 )
+
+
+def commit_call(
+    pass_id: str,
+    key: str,
+    base: int,
+    rows: Sequence[ChunkRow],
+    encoded: Sequence[tuple[str, str]],
+    usage: Usage,
+    stop_reason: str | None,
+    metadata: Mapping[str, Any],
+    agent_rows: Sequence[ChunkRow],
+    recorded: bool,
+) -> tuple[Any, ...]:
+    """A pass's commit as a request of the batched commits: `COMMIT_CALL`'s parameters, then
+    its rows and usage (for the row cache once it landed). `encoded`: the rows' text."""
+    kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
+    status = "interrupted" if stop_reason == "interrupted" else "done"
+    # Only a pass that leaves a record needs its agent rows (treadle_commit's own test).
+    keep_record = recorded or status != "done"
+    agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
+    return (
+        pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
+        encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+        (rows, usage),
+    )  # fmt: skip
+
+
+#: Commit tasks of `commit_task` while they run (a task needs a strong reference).
+_TASKS: set[asyncio.Task[int]] = set()
+
+
+def commit_task(
+    commit: Coroutine[Any, Any, int], then: Callable[[int | BaseException], None]
+) -> None:
+    """Run `commit` as a task and hand its outcome to `then`: a `commit_soon` that must await
+    first. A task cancelled (a shutdown cancelling every task) hands over `CancelledError`, as
+    the journal's own commit task would end."""
+
+    def done(task: asyncio.Task[int]) -> None:
+        _TASKS.discard(task)
+        if task.cancelled():
+            then(asyncio.CancelledError())
+        else:
+            error = task.exception()
+            then(error if error is not None else task.result())
+
+    task = asyncio.ensure_future(commit)
+    _TASKS.add(task)
+    task.add_done_callback(done)
 
 
 async def load_many(
