@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -88,9 +89,12 @@ _FIELDS = (
     "recorded", "now",
 )  # fmt: skip
 
+#: The heads of the keys of one JSON array (encoded by pydantic-core in one call: a `text[]`
+#: parameter is dumped by psycopg element by element in Python).
 _HEADS = (
     "SELECT c.key, c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
-    " c.created_at, c.version FROM treadle_conversations c WHERE c.key = ANY(%b)"
+    " c.created_at, c.version FROM treadle_conversations c"
+    " WHERE c.key IN (SELECT json_array_elements_text(%b::json))"
 )
 _ROWS = (
     "SELECT r.key, r.kind, r.payload FROM unnest(%b::text[], %b::bigint[], %b::bigint[])"
@@ -155,7 +159,7 @@ async def load_many(
     """The committed conversations `keys` (empty for new keys), in two queries; only rows not
     in `cache` are fetched and decoded (off the loop when there are many)."""
     asked = list(dict.fromkeys(keys))
-    cur = await conn.execute(_HEADS, (asked,))
+    cur = await conn.execute(_HEADS, (_json_param(conn, asked),))
     heads = {str(h[0]): tuple(h[1:]) for h in await cur.fetchall()}
     known = {key: cache.get(key, head[5], head[6]) for key, head in heads.items()}
     short = [key for key, head in heads.items() if len(known[key]) < head[6]]
@@ -236,7 +240,7 @@ async def _commit_group(
     # stall the loop). It goes as UTF-8 bytes to a connection that speaks UTF-8 (the store's
     # own always do, see `CONNECT_OPTIONS`); another gets text, which psycopg encodes.
     rows = sum(len(calls[i][3]) for i in group)
-    utf8 = conn.info.encoding == "utf-8"
+    utf8 = _utf8(conn)
     try:
         param = await off_loop(
             rows, lambda: _batch_json(calls, utf8=utf8, order=group),
@@ -246,8 +250,6 @@ async def _commit_group(
         for i in group:
             results[i] = await _commit_alone(conn, calls[i], chars[i])
         return
-    if utf8:
-        conn.adapters.register_dumper(DumpedJson, _dumped_dumper())
     try:
         cur = await conn.execute(_COMMIT_MANY, (param,))
         for i, version in await cur.fetchall():
@@ -283,6 +285,27 @@ def _batch_json(
     items = [{"i": i, **dict(zip(_FIELDS, calls[i], strict=True))} for i in order]
     data = pydantic_core.to_json(items)
     return DumpedJson(data) if utf8 else data.decode()
+
+
+def _utf8(conn: AsyncConnection[Any]) -> bool:
+    """Whether `conn` speaks UTF-8 (the store's own connections always do, see
+    `CONNECT_OPTIONS`); if so it can take a `DumpedJson` (its dumper is registered here)."""
+    if conn.info.encoding != "utf-8":
+        return False
+    if conn not in _REGISTERED:  # once per connection
+        conn.adapters.register_dumper(DumpedJson, _dumped_dumper())
+        _REGISTERED.add(conn)
+    return True
+
+
+#: Connections `DumpedJson`'s dumper was registered on.
+_REGISTERED: weakref.WeakSet[AsyncConnection[Any]] = weakref.WeakSet()
+
+
+def _json_param(conn: AsyncConnection[Any], value: Any) -> DumpedJson | str:
+    """`value` as a `json` parameter of `conn`: UTF-8 bytes, or text psycopg encodes."""
+    data = pydantic_core.to_json(value)
+    return DumpedJson(data) if _utf8(conn) else data.decode()
 
 
 class DumpedJson:
