@@ -54,8 +54,9 @@ async def decode_rows(found: Sequence[tuple[str, str | bytes]], key: str) -> tup
     return await off_loop(len(found), lambda: tuple(decode_row(k, p, key) for k, p in found))
 
 
-#: A queued request: its value, the caller's loop, and the caller's future.
-_Request = tuple[A, asyncio.AbstractEventLoop, asyncio.Future[R]]
+#: A queued request: its value, the caller's loop, and the caller's future (or the callback
+#: `submit_then` was given).
+_Request = tuple[A, asyncio.AbstractEventLoop, "asyncio.Future[R] | Callable[[Any], None]"]
 
 
 class Batcher(Generic[A, R]):
@@ -110,15 +111,26 @@ class Batcher(Generic[A, R]):
 
     async def __call__(self, request: A) -> R:
         """Queue `request` and await its result."""
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue_request(request, future)
+        return await future
+
+    def submit_then(self, request: A, then: Callable[[R | BaseException], None]) -> None:
+        """Queue `request`; `then(outcome)` (its result or its error) is called on this loop in
+        the one call that settles its batch here: no future, no task, no loop callback of its
+        own. `then` must not raise (what it raises goes to the loop's exception handler).
+        Raises `StoreError` at once (and never calls `then`) when the batcher is closed."""
+        self._queue_request(request, then)
+
+    def _queue_request(self, request: A, target: asyncio.Future[R] | Callable[[Any], None]) -> None:
         loop = asyncio.get_running_loop()
         home = self._home
         if home is None:
             home = self._home = loop
-        future: asyncio.Future[R] = loop.create_future()
         with self._lock:
             if self._closed:
                 raise _stopped()
-            self._queue.append((request, loop, future))
+            self._queue.append((request, loop, target))
             start = self._running < self._concurrency
             if start:
                 self._running += 1
@@ -131,9 +143,8 @@ class Batcher(Generic[A, R]):
                 except RuntimeError:  # the home loop has closed: nothing would run it
                     with self._lock:
                         self._running -= 1
-                        self._queue = [q for q in self._queue if q[2] is not future]
+                        self._queue = [q for q in self._queue if q[2] is not target]
                     raise _stopped() from None
-        return await future
 
     def _spawn(self) -> None:
         task = asyncio.ensure_future(self._drain())
@@ -173,13 +184,13 @@ def _deliver(batch: Sequence[_Request[A, R]], results: Sequence[R | BaseExceptio
         here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
         here = None
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[R], Any]]] = {}
-    for (_, loop, future), result in zip(batch, results, strict=True):
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+    for (_, loop, target), result in zip(batch, results, strict=True):
         stopped = loop is not here and isinstance(result, asyncio.CancelledError)
         if stopped or isinstance(result, GeneratorExit):
             # The caller was not cancelled; the batch was (its home loop stops).
             result = StoreError("the store operation was cancelled: its event loop stopped.")
-        by_loop.setdefault(loop, []).append((future, result))
+        by_loop.setdefault(loop, []).append((target, result))
     for loop, settled in by_loop.items():
         if loop is here:
             _settle(settled)
@@ -188,8 +199,19 @@ def _deliver(batch: Sequence[_Request[A, R]], results: Sequence[R | BaseExceptio
                 loop.call_soon_threadsafe(_settle, settled)
 
 
-def _settle(settled: Sequence[tuple[asyncio.Future[R], Any]]) -> None:
-    for future, result in settled:
+def _settle(settled: Sequence[tuple[asyncio.Future[R] | Callable[[Any], None], Any]]) -> None:
+    for target, result in settled:
+        if not isinstance(target, asyncio.Future):  # `submit_then`'s callback
+            if isinstance(result, asyncio.CancelledError):  # the batch's loop stops
+                result = StoreError("the store operation was cancelled: its event loop stopped.")
+            try:
+                target(result)
+            except Exception as err:  # the other callers are still settled
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "a store batch's callback raised", "exception": err}
+                )
+            continue
+        future = target
         if future.done():  # its caller was cancelled (the request still ran)
             continue
         if isinstance(result, asyncio.CancelledError):

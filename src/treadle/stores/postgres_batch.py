@@ -22,21 +22,35 @@ alone with a `StoreError` before anything is sent; the other passes of its batch
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Sequence
+import time
+import weakref
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pydantic_core
 
 from treadle.errors import StoreError
-from treadle.session import ChunkRow
+from treadle.session import ChunkRow, Usage
 from treadle.stores.batching import off_loop
-from treadle.stores.records import RowCache, StoredConversation, decode_row, stored_from_head
+from treadle.stores.records import (
+    KEPT_METADATA,
+    RowCache,
+    StoredConversation,
+    decode_row,
+    encode_json,
+    encode_usage,
+    stored_from_head,
+)
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
-__all__ = ["BATCH_BYTES", "COMMIT_CALL", "MESSAGE_LIMIT", "commit_many", "load_many"]
+__all__ = [
+    "BATCH_BYTES", "COMMIT_CALL", "MESSAGE_LIMIT", "commit_call", "commit_many", "commit_task",
+    "load_many",
+]  # fmt: skip
 
 # Parameters go in binary (`%b`): JSON payloads sent as a text-format array literal would be
 # quoted and backslash-escaped by the client and parsed back by the server.
@@ -75,9 +89,12 @@ _FIELDS = (
     "recorded", "now",
 )  # fmt: skip
 
+#: The heads of the keys of one JSON array (encoded by pydantic-core in one call: a `text[]`
+#: parameter is dumped by psycopg element by element in Python).
 _HEADS = (
     "SELECT c.key, c.usage, c.stop_reason, c.metadata, c.parent_key, c.parent_version,"
-    " c.created_at, c.version FROM treadle_conversations c WHERE c.key = ANY(%b)"
+    " c.created_at, c.version FROM treadle_conversations c"
+    " WHERE c.key IN (SELECT json_array_elements_text(%b::json))"
 )
 _ROWS = (
     "SELECT r.key, r.kind, r.payload FROM unnest(%b::text[], %b::bigint[], %b::bigint[])"
@@ -86,13 +103,63 @@ _ROWS = (
 )
 
 
+def commit_call(
+    pass_id: str,
+    key: str,
+    base: int,
+    rows: Sequence[ChunkRow],
+    encoded: Sequence[tuple[str, str]],
+    usage: Usage,
+    stop_reason: str | None,
+    metadata: Mapping[str, Any],
+    agent_rows: Sequence[ChunkRow],
+    recorded: bool,
+) -> tuple[Any, ...]:
+    """A pass's commit as a request of the batched commits: `COMMIT_CALL`'s parameters, then
+    its rows and usage (for the row cache once it landed). `encoded`: the rows' text."""
+    kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
+    status = "interrupted" if stop_reason == "interrupted" else "done"
+    # Only a pass that leaves a record needs its agent rows (treadle_commit's own test).
+    keep_record = recorded or status != "done"
+    agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
+    return (
+        pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
+        encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+        (rows, usage),
+    )  # fmt: skip
+
+
+#: Commit tasks of `commit_task` while they run (a task needs a strong reference).
+_TASKS: set[asyncio.Task[int]] = set()
+
+
+def commit_task(
+    commit: Coroutine[Any, Any, int], then: Callable[[int | BaseException], None]
+) -> None:
+    """Run `commit` as a task and hand its outcome to `then`: a `commit_soon` that must await
+    first. A task cancelled (a shutdown cancelling every task) hands over `CancelledError`, as
+    the journal's own commit task would end."""
+
+    def done(task: asyncio.Task[int]) -> None:
+        _TASKS.discard(task)
+        if task.cancelled():
+            then(asyncio.CancelledError())
+        else:
+            error = task.exception()
+            then(error if error is not None else task.result())
+
+    task = asyncio.ensure_future(commit)
+    _TASKS.add(task)
+    task.add_done_callback(done)
+
+
 async def load_many(
     conn: AsyncConnection[Any], keys: Sequence[str], cache: RowCache
 ) -> list[StoredConversation]:
     """The committed conversations `keys` (empty for new keys), in two queries; only rows not
     in `cache` are fetched and decoded (off the loop when there are many)."""
     asked = list(dict.fromkeys(keys))
-    cur = await conn.execute(_HEADS, (asked,))
+    cur = await conn.execute(_HEADS, (_json_param(conn, asked),))
     heads = {str(h[0]): tuple(h[1:]) for h in await cur.fetchall()}
     known = {key: cache.get(key, head[5], head[6]) for key, head in heads.items()}
     short = [key for key, head in heads.items() if len(known[key]) < head[6]]
@@ -173,7 +240,7 @@ async def _commit_group(
     # stall the loop). It goes as UTF-8 bytes to a connection that speaks UTF-8 (the store's
     # own always do, see `CONNECT_OPTIONS`); another gets text, which psycopg encodes.
     rows = sum(len(calls[i][3]) for i in group)
-    utf8 = conn.info.encoding == "utf-8"
+    utf8 = _utf8(conn)
     try:
         param = await off_loop(
             rows, lambda: _batch_json(calls, utf8=utf8, order=group),
@@ -183,8 +250,6 @@ async def _commit_group(
         for i in group:
             results[i] = await _commit_alone(conn, calls[i], chars[i])
         return
-    if utf8:
-        conn.adapters.register_dumper(DumpedJson, _dumped_dumper())
     try:
         cur = await conn.execute(_COMMIT_MANY, (param,))
         for i, version in await cur.fetchall():
@@ -220,6 +285,27 @@ def _batch_json(
     items = [{"i": i, **dict(zip(_FIELDS, calls[i], strict=True))} for i in order]
     data = pydantic_core.to_json(items)
     return DumpedJson(data) if utf8 else data.decode()
+
+
+def _utf8(conn: AsyncConnection[Any]) -> bool:
+    """Whether `conn` speaks UTF-8 (the store's own connections always do, see
+    `CONNECT_OPTIONS`); if so it can take a `DumpedJson` (its dumper is registered here)."""
+    if conn.info.encoding != "utf-8":
+        return False
+    if conn not in _REGISTERED:  # once per connection
+        conn.adapters.register_dumper(DumpedJson, _dumped_dumper())
+        _REGISTERED.add(conn)
+    return True
+
+
+#: Connections `DumpedJson`'s dumper was registered on.
+_REGISTERED: weakref.WeakSet[AsyncConnection[Any]] = weakref.WeakSet()
+
+
+def _json_param(conn: AsyncConnection[Any], value: Any) -> DumpedJson | str:
+    """`value` as a `json` parameter of `conn`: UTF-8 bytes, or text psycopg encodes."""
+    data = pydantic_core.to_json(value)
+    return DumpedJson(data) if _utf8(conn) else data.decode()
 
 
 class DumpedJson:
