@@ -35,6 +35,7 @@ import anyio.lowlevel
 from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
 from treadle.session import Session, ToolCall
 from treadle.telemetry import tool_span
+from treadle.tools.bounded import bounded
 from treadle.tools.context import ToolContext
 from treadle.tools.results import (
     ResultSerialisationError,
@@ -285,9 +286,8 @@ async def _attempt(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     content = ""
     timed_out = False
     try:
-        with anyio.move_on_after(limit) as scope:
-            result = await run(item, ready.arguments, context)
-        timed_out = scope.cancelled_caught
+        # The timer is armed at the call's first wait (a call that never waits cannot overrun).
+        result, timed_out = await bounded(run(item, ready.arguments, context), limit)
         if not timed_out:
             # Inside the try: a result that cannot become JSON is the model's to hear about.
             content = success_content(result, max_chars=item.max_result_chars)
