@@ -1,4 +1,4 @@
-"""`tools.bounded`: a tool call's time limit, with the timer armed at the call's first wait."""
+"""`tools.tool.bounded`: a tool call's time limit, with the timer armed at the call's first wait."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import anyio.lowlevel
 import pytest
 
 from treadle.tools import run_tool_calls, tool
-from treadle.tools.bounded import bounded
+from treadle.tools.tool import bounded
 from treadle.tools.toolset import ToolSet
 
 

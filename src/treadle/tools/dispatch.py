@@ -35,7 +35,6 @@ import anyio.lowlevel
 from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
 from treadle.session import Session, ToolCall
 from treadle.telemetry import tool_span
-from treadle.tools.bounded import bounded
 from treadle.tools.context import ToolContext
 from treadle.tools.results import (
     ResultSerialisationError,
@@ -44,7 +43,7 @@ from treadle.tools.results import (
     success_content,
 )
 from treadle.tools.threads import run_sync_tool
-from treadle.tools.tool import Tool
+from treadle.tools.tool import Tool, bounded, invoke_tool
 from treadle.tools.toolset import ToolSet
 
 __all__ = [
@@ -122,10 +121,6 @@ def _parse_arguments(raw: str) -> dict[str, Any]:
 Runner = Callable[[Tool, dict[str, Any], ToolContext], Awaitable[Any]]
 
 
-async def _invoke(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
-    return await tool.invoke(arguments, context=context)
-
-
 _KINDS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
 
 
@@ -145,7 +140,7 @@ def _runner_of(executor: object) -> Runner:
     """How calls run: the tool's own implementation, or the executor's dispatch."""
     kind = _dispatch_kind(type(executor))
     if kind == "none":
-        return _invoke
+        return invoke_tool
     if isinstance(executor, AsyncToolExecutor):
         custom_async = executor
 
@@ -161,7 +156,7 @@ def _runner_of(executor: object) -> Runner:
             return await run_sync_tool(call)
 
         return run_sync
-    return _invoke
+    return invoke_tool
 
 
 def has_tool_dispatch(executor: object) -> bool:
