@@ -119,3 +119,31 @@ async def test_a_tool_that_returns_at_once_and_one_that_overruns_in_one_round() 
     outs = await run_tool_calls(calls, ToolSet([quick, slow]), session=None)
     assert [o.error_kind for o in outs] == [None, "timeout"]
     assert outs[0].content == '{"ok":true,"result":2}'
+
+
+async def test_a_call_that_waits_inside_its_own_cancel_scopes_runs_as_before() -> None:
+    # The timer of a call that waits comes after the call entered scopes of its own: it must
+    # not sit inside them (an anyio scope opened there broke their exit order).
+    async def scoped() -> str:
+        with anyio.fail_after(5), anyio.CancelScope():
+            await anyio.sleep(0.001)
+        async with anyio.create_task_group() as group:
+            group.start_soon(anyio.sleep, 0.001)
+        return "ok"
+
+    assert await bounded(scoped(), 5.0) == ("ok", False)
+
+    async def scoped_slow() -> str:
+        with anyio.fail_after(5):
+            await anyio.sleep(10)
+        return "late"
+
+    assert await bounded(scoped_slow(), 0.01) == (None, True)
+
+    async def own_timeout() -> str:
+        with anyio.fail_after(0.001):
+            await anyio.sleep(10)
+        return "late"
+
+    with pytest.raises(TimeoutError):
+        await bounded(own_timeout(), 5.0)

@@ -17,6 +17,7 @@ This module must never run a tool on the event loop thread when the tool is sync
 from __future__ import annotations
 
 import abc
+import asyncio
 import functools
 import inspect
 import re
@@ -432,10 +433,11 @@ def _takes_one(fn: Callable[..., Any]) -> bool:
 # without waiting (an async tool that returns at once, a cached answer) cannot time out, and a
 # cancel scope around it (a timer on the loop, a backend lookup, the current task) buys nothing.
 # `bounded` runs a coroutine's first step itself: a call that ends there is done with no scope;
-# one that waits goes on under a scope whose limit still counts from the call's start, so every
-# call that can overrun is stopped at the same moment as before. Anything but a coroutine is
-# awaited under the scope from the start. These live beside `Tool` so that a call's stack goes
-# dispatch -> tool -> the tool's own code, never back (tests/test_pass_walk.py).
+# one that waits goes on under asyncio's timeout, whose limit still counts from the call's start,
+# so every call that can overrun is stopped at the same moment as before. Anything but a
+# coroutine is awaited under an anyio scope from the start, as before. These live beside `Tool`
+# so that a call's stack goes dispatch -> tool -> the tool's own code, never back
+# (tests/test_pass_walk.py).
 
 _COROUTINE = types.CoroutineType
 
@@ -462,9 +464,18 @@ async def bounded(call: Awaitable[Any], limit: float) -> tuple[Any, bool]:
         signal = coro.send(None)  # the call's first step, up to its first wait
     except StopIteration as done:
         return done.value, False  # it never waited: no timer could have stopped it
-    with anyio.move_on_after(limit - (time.monotonic() - started)) as scope:
-        result = await _resumed(coro, signal)
-    return result, scope.cancelled_caught
+    # asyncio's own timeout, not an anyio scope: the call may have entered cancel scopes of its
+    # own before it waited (`with anyio.fail_after(...)`), and an anyio scope opened now would
+    # sit inside them and break their order when the call leaves them.
+    timeout = asyncio.timeout(limit - (time.monotonic() - started))
+    try:
+        async with timeout:
+            result = await _resumed(coro, signal)
+    except TimeoutError:
+        if not timeout.expired():
+            raise  # the call's own TimeoutError
+        return None, True
+    return result, False
 
 
 @types.coroutine
