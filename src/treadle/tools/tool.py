@@ -429,15 +429,10 @@ def _takes_one(fn: Callable[..., Any]) -> bool:
 
 
 # -- running one call under its time limit -------------------------------------------------------
-# A timer stops a call where the call waits, never between two waits, so a call that finishes
-# without waiting (an async tool that returns at once, a cached answer) cannot time out, and a
-# cancel scope around it (a timer on the loop, a backend lookup, the current task) buys nothing.
-# `bounded` runs a coroutine's first step itself: a call that ends there is done with no scope;
-# one that waits goes on under asyncio's timeout, whose limit still counts from the call's start,
-# so every call that can overrun is stopped at the same moment as before. Anything but a
-# coroutine is awaited under an anyio scope from the start, as before. These live beside `Tool`
-# so that a call's stack goes dispatch -> tool -> the tool's own code, never back
-# (tests/test_pass_walk.py).
+# A timer stops a call where it waits, never between two waits: a call that ends without waiting
+# cannot time out, and a scope around it bought nothing. `bounded` runs a coroutine's first step
+# itself; a call that waits goes on under asyncio's timeout, counted from the call's start. Beside
+# `Tool`, so a call's stack goes dispatch -> tool -> the tool's code (tests/test_pass_walk.py).
 
 _COROUTINE = types.CoroutineType
 
