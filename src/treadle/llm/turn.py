@@ -16,12 +16,13 @@ of the protocol belongs to the tools layer. Nothing here blocks the loop.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 import weakref
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast, runtime_checkable
 
 import anyio
 from pydantic import ValidationError
@@ -51,6 +52,28 @@ from treadle.llm.wire import (
 from treadle.runtime.threads import run_user_code
 from treadle.session import Usage
 from treadle.telemetry import current_pass
+
+if TYPE_CHECKING:
+    from treadle.llm.chunk_parse import parse_chunk, parse_event
+    from treadle.llm.client import get_client
+else:
+    # httpx and the chunk schema load with the first request, not with `treadle`; a name bound
+    # here is replaced by the real function on its first call. (An import statement inside the
+    # functions cost about 2 µs a call: `from a.b import c` looks for `a.b.__path__`, and a
+    # module without one formats an AttributeError message every time.)
+
+    def _on_first_call(module: str, name: str) -> Callable[..., Any]:
+        def first_call(*args: Any, **kwargs: Any) -> Any:
+            real = getattr(importlib.import_module(module), name)
+            globals()[name] = real
+            return real(*args, **kwargs)
+
+        first_call.__name__ = first_call.__qualname__ = name
+        return first_call
+
+    get_client = _on_first_call("treadle.llm.client", "get_client")
+    parse_chunk = _on_first_call("treadle.llm.chunk_parse", "parse_chunk")
+    parse_event = _on_first_call("treadle.llm.chunk_parse", "parse_event")
 
 __all__ = [
     "AssistantTurn",
@@ -102,8 +125,6 @@ class HttpExecutor:
 
     async def acomplete(self, request: CompletionRequest) -> ChatCompletion:
         """Send the request and return the whole completion."""
-        from treadle.llm.client import get_client  # httpx loads with the first request
-
         provider = _require_provider(request)
         try:
             return await get_client(provider).complete(provider, request.body())
@@ -113,8 +134,6 @@ class HttpExecutor:
 
     async def astream(self, request: CompletionRequest) -> AsyncGenerator[ChatCompletionChunk]:
         """Send the request with `stream: true` and yield chunks as they arrive."""
-        from treadle.llm.client import get_client
-
         provider = _require_provider(request)
         try:
             async for chunk in get_client(provider).stream(provider, request.body()):
@@ -321,8 +340,6 @@ async def _turn(
 
 async def _complete(request: CompletionRequest, tries: Tries) -> ChatCompletion:
     """`HttpExecutor.acomplete`, noting the retries and the request id in `tries`."""
-    from treadle.llm.client import get_client
-
     provider = _require_provider(request)
     try:
         return await get_client(provider).complete(provider, request.body(), tries)
@@ -346,9 +363,6 @@ async def _fold_stream(
     the fold numbered their tool calls. In-band errors are raised by the client's parser; a
     stream torn after its first events raises `TornStream` for `request_turn` to restart.
     """
-    from treadle.llm.chunk_parse import parse_chunk, parse_event
-    from treadle.llm.client import get_client
-
     provider = _require_provider(request)
     acc = StreamAccumulator()
     try:

@@ -21,11 +21,12 @@ if TYPE_CHECKING:
     from treadle.llm.provider import Provider
     from treadle.loop.control import Limits
     from treadle.loop.engine import run_pass
-    from treadle.loop.events import Event
+    from treadle.loop.events import Event, PassStopped
     from treadle.loop.hooks import Hooks
     from treadle.loop.planning import pass_output, plan_in_order, plan_pass
     from treadle.loop.tooling import ToolUseBehavior
     from treadle.runtime.background import submit
+    from treadle.runtime.streams import produce
     from treadle.stores import PendingPass, Store  # loaded with the first pass using a store
 else:
     # The engine, the runtime, the tool and model layers load with the first pass, not with
@@ -38,6 +39,10 @@ else:
     plan_in_order = on_first_call(globals(), "treadle.loop.planning", "plan_in_order")
     pass_output = on_first_call(globals(), "treadle.loop.planning", "pass_output")
     submit = on_first_call(globals(), "treadle.runtime.background", "submit")
+    # The memory streams load with the first streamed pass. (An import statement in
+    # `stream_session_loop` cost about 2 µs a pass: see docs/performance.md, fifth round.)
+    produce = on_first_call(globals(), "treadle.runtime.streams", "produce")
+    PassStopped = on_first_call(globals(), "treadle.loop.events", "PassStopped")
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
@@ -254,16 +259,11 @@ async def stream_session_loop(
         send_event = send
         return await run_pass(plan, out_id)
 
-    # The memory streams load with the first streamed pass, not with `import treadle`.
-    from treadle.runtime.streams import produce
-
     # Leaving early cancels the pass: it must not outlive its iterator.
     async with produce(pass_events) as events:
         async for event in events:
             yield event
         data = events.result()  # re-raises the pass's error
-    from treadle.loop.events import PassStopped
-
     yield PassStopped(
         session_id=out_id,
         seq=next_seq,

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -54,6 +53,7 @@ from treadle.loop.outputs import (
 )
 from treadle.loop.plan import PassPlan, pending_tool_calls, unique_call_ids
 from treadle.loop.request_usage import request_entries
+from treadle.loop.snapshot import Snapshot
 from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_tools
 from treadle.runtime.busy_gc import RUNNING_PASS
@@ -121,23 +121,21 @@ class _Pass:
     def hook_context(self) -> HookContext:
         return HookContext(self.plan.agent_name, self.out_id, self.pass_usage)
 
-    @contextmanager
-    def snapshot(self) -> Iterator[Session]:
-        """The output so far, as the `Session` tools and callbacks see; its sandbox share is
-        released when the step ends rather than whenever it is garbage collected."""
+    def snapshot(self) -> Snapshot:
+        """The output so far, as the `Session` tools and callbacks see (`with run.snapshot() as
+        session`); its sandbox share is released when the step ends rather than whenever it is
+        garbage collected."""
         plan = self.plan
-        session = Session._derive(
-            SessionData(self.table, self.usage, None, dict(self.metadata)),
-            operator="run_session_loop",
-            kind="output",
-            parents=[plan.user, plan.agent],
-            sandbox=plan.user.sandbox_handle,
-            id=self.out_id,
+        return Snapshot(
+            Session._derive(
+                SessionData(self.table, self.usage, None, dict(self.metadata)),
+                operator="run_session_loop",
+                kind="output",
+                parents=[plan.user, plan.agent],
+                sandbox=plan.user.sandbox_handle,
+                id=self.out_id,
+            )
         )
-        try:
-            yield session
-        finally:
-            session.close_sandbox()
 
     async def append(self, rows: Sequence[ChunkRow], *, boundary: bool) -> None:
         self.keep(rows)
