@@ -185,3 +185,36 @@ def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any, expecte
     if expected is not None:
         want["output"] = expected
     assert json.loads(json.dumps(outcome._wire()["metadata"])) == want
+
+
+def _as_rows(outcome: PassOutcome) -> PassOutcome:
+    """`outcome` as a process worker sends it: its rows as `(kind, payload)` pairs."""
+    table = Session.from_messages(outcome.messages or []).chunk_table
+    rows = [(row.kind, row.payload) for row in table]
+    return dataclasses.replace(outcome, messages=None, rows=rows)
+
+
+def test_an_outcome_sent_as_rows_is_the_one_sent_as_messages() -> None:
+    # A worker sends its output's rows as they are (no `to_messages`); the session the map
+    # builds, what a caller of `map_outcomes` or a results file gets, are the same as from
+    # messages.
+    outcome = _outcome()
+    sent = _as_rows(outcome)
+    _same(received_session(sent), received_session(outcome))
+    _same(received_session(sent), outcome.session())
+    _same(sent.session(), outcome.session())
+    assert sent._public() == outcome and sent._public().rows is None
+    assert sent.to_json() == outcome.to_json() and "rows" not in sent.to_json()
+    assert PassOutcome.from_json(sent._wire()).rows == sent.rows  # what crosses the pipe
+    mapped = _result(sent, None)
+    assert isinstance(mapped, Session)
+    _same(mapped, received_session(outcome))
+
+
+def test_rows_no_worker_of_this_version_sends_take_the_validating_path() -> None:
+    bad = dataclasses.replace(_outcome(), messages=None, rows=[("narrator", {"content": "x"})])
+    with pytest.raises(ConfigurationError, match="narrator"):
+        received_session(bad)
+    not_pairs = dataclasses.replace(_outcome(), messages=None, rows=[("user",)])  # type: ignore[list-item]
+    with pytest.raises((ConfigurationError, TypeError, ValueError)):
+        received_session(not_pairs)

@@ -110,3 +110,38 @@ async def test_an_input_a_worker_cannot_unpickle_is_lost_alone(
     assert isinstance(lost, PassLost)
     assert "could not read" in str(lost.outcome.error), lost.outcome.error
     assert "OnlyInTheDriver" in str(lost.outcome.error), lost.outcome.error
+
+
+def test_frames_are_read_as_a_connection_writes_them_whatever_the_split() -> None:
+    # Both ends read the socket on their event loops, in whatever pieces it hands over: the
+    # frames are `Connection.send_bytes`'s (a worker's first message is still read by one).
+    import random
+    import socket
+    from multiprocessing.connection import Connection
+
+    from treadle.distributed.pipe import Frames, frame
+
+    payloads = [b"", b"x", bytes(range(256)) * 3, b"y" * 70_000, b"z" * 5]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        sender = Connection(theirs.detach())
+        wire = b""
+        for payload in payloads:
+            sender.send_bytes(payload)
+            while len(wire) < sum(len(frame(p)) for p in payloads[: payloads.index(payload) + 1]):
+                wire += ours.recv(1 << 20)
+        sender.close()
+    assert wire == b"".join(frame(p) for p in payloads)  # our frames are its frames
+    chance = random.Random(7)
+    for _ in range(50):
+        frames, got, at = Frames(), [], 0
+        while at < len(wire):
+            step = chance.choice((1, 3, 4, 5, 17, 4096, 100_000))
+            got += frames.feed(wire[at : at + step])
+            at += step
+        assert got == payloads and frames.partial == 0
+    torn = Frames()
+    assert torn.feed(frame(b"abc")[:-1]) == [] and torn.partial == 6  # a frame cut at EOF
+    # Past 2 GiB the length is -1 then 8 bytes (the header alone checked: no 2 GiB here).
+    long_head = frame(b"")[:0] + (-1).to_bytes(4, "big", signed=True) + (3).to_bytes(8, "big")
+    assert Frames().feed(long_head + b"abc") == [b"abc"]

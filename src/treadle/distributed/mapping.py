@@ -121,6 +121,48 @@ async def map_outcomes(
     Outcomes arrive in completion order; `outcome.index` is the input position. When tracing
     is on, the span current here is the parent of every pass's span on the workers.
     """
+    stream = _outcomes(
+        agent,
+        sessions,
+        backend=backend,
+        workers=workers,
+        concurrency=concurrency,
+        max_attempts=max_attempts,
+        pass_timeout=pass_timeout,
+        call_timeout=call_timeout,
+        results_path=results_path,
+        rate_limit=rate_limit,
+        sandbox_base=sandbox_base,
+        ray_address=ray_address,
+        api_key_env=api_key_env,
+        worker_init=worker_init,
+    )
+    try:
+        async for outcome in stream:
+            yield outcome._public()  # `messages`, not the worker's rows
+    finally:
+        await stream.aclose()
+
+
+async def _outcomes(
+    agent: Any,
+    sessions: Iterable[Any] | AsyncIterable[Any],
+    *,
+    backend: str = "process",
+    workers: int | None = None,
+    concurrency: int = 64,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    pass_timeout: float | None = None,
+    call_timeout: float | None = None,
+    results_path: str | None = None,
+    rate_limit: RateLimitMode = "split",
+    sandbox_base: str | None = None,
+    ray_address: str | None = None,
+    api_key_env: str = DEFAULT_API_KEY_ENV,
+    worker_init: str | Callable[[], object] | None = None,
+) -> AsyncGenerator[PassOutcome, None]:
+    """`map_outcomes`, each output's rows left in the form its worker sent them
+    (`PassOutcome.rows`): what `treadle.map` builds its output sessions from."""
     _check(backend, concurrency, max_attempts, rate_limit, workers)
     if isinstance(agent, str):  # "package.module:agent": the caller's process imports it too
         agent = resolve_tool(import_path(agent, "agent"))
@@ -171,7 +213,7 @@ async def map_outcomes(
             try:
                 async for outcome in stream:
                     if writer is not None:  # an outcome it cannot write becomes an error
-                        outcome = writer.write(outcome)
+                        outcome = writer.write(outcome._public())
                     yield outcome
             finally:
                 await stream.aclose()
@@ -204,7 +246,8 @@ def _result(outcome: PassOutcome, agent: Any) -> Session | BaseException:
     except pydantic.ValidationError as error:
         name = getattr(output_type, "__name__", repr(output_type))
         reason = f"OutputRebuildError: the output could not be rebuilt here as {name}: {error}"
-        return PassFailed(dataclasses.replace(outcome, status="error", error=reason))
+        failed = dataclasses.replace(outcome._public(), status="error", error=reason)
+        return PassFailed(failed)
     return session.with_data(metadata={**session.data.metadata, "output": output})
 
 
@@ -238,7 +281,7 @@ async def remote_map_iter(
     """`treadle.map_iter` on a distributed backend: `(index, output session or
     PassFailed)` as each pass ends (options as for `map_outcomes`)."""
     local = _local_agent(agent)
-    stream = map_outcomes(agent, sessions, **options)
+    stream = _outcomes(agent, sessions, **options)
     try:
         async for outcome in stream:
             yield outcome.index, _result(outcome, local)

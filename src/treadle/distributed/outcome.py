@@ -9,6 +9,7 @@ module must never hold a live `Session` in an outcome: outcomes are data.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -17,7 +18,14 @@ from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
 from treadle.session import Session, SessionData, Usage, new_session_id
-from treadle.session.rows import KIND_OF_ROLE, ChunkRow, ChunkTable
+from treadle.session.rows import (
+    KIND_OF_ROLE,
+    ROLE_OF_KIND,
+    ROW_KINDS,
+    ChunkRow,
+    ChunkTable,
+    RowKind,
+)
 
 __all__ = [
     "OUTCOME_METADATA_KEY",
@@ -112,6 +120,13 @@ class PassOutcome:
     metadata: dict[str, Any] = field(default_factory=dict)
     """The output's metadata as JSON data: `output` (a structured output, dumped), `agent`,
     `handoffs`, `tripwire`, `guardrail_results`, `request_usage`, `handled_error`, ..."""
+    rows: list[tuple[RowKind, dict[str, Any]]] | None = field(
+        default=None, compare=False, repr=False
+    )
+    """(internal) The output's rows as `(kind, payload)` pairs, the form a process worker sends
+    them in: it skips `to_messages` and the driver builds rows from them without copying a
+    message. `treadle.map` builds its output sessions from them; every outcome a caller sees
+    (`map_outcomes`, `PassWorker.run`, the results file) has `messages` instead (`_public`)."""
 
     @property
     def ok(self) -> bool:
@@ -121,9 +136,16 @@ class PassOutcome:
     def session(self) -> Session:
         """The output session rebuilt from the outcome (raises `PassFailed` if it failed,
         `PassLost` when its workers were lost)."""
-        if self.status != "ok" or self.messages is None:
-            raise pass_failure(self)
-        return self._output(Session.from_messages(self.messages))
+        outcome = self._public()
+        if outcome.status != "ok" or outcome.messages is None:
+            raise pass_failure(outcome)
+        return outcome._output(Session.from_messages(outcome.messages))
+
+    def _public(self) -> PassOutcome:
+        """This outcome as a caller sees it: `messages` made from the worker's `rows`."""
+        if self.rows is None:
+            return self
+        return dataclasses.replace(self, messages=rows_messages(self.rows), rows=None)
 
     def _output(self, base: Session) -> Session:
         """`base` (the rows) with this outcome's usage, stop reason and metadata."""
@@ -147,7 +169,9 @@ class PassOutcome:
         worker's CPU in a fan-out of short passes. Metadata gets the conversion asdict made (a
         dataclass value anywhere in it becomes a dict).
         """
-        data = {name: getattr(self, name) for name in _OUTCOME_FIELDS}
+        data = {name: getattr(self, name) for name in _JSON_FIELDS}
+        if self.rows is not None:
+            data["messages"] = rows_messages(self.rows)
         data["history"] = list(self.history)
         data["metadata"] = _json_data(self.metadata)
         return data
@@ -156,7 +180,9 @@ class PassOutcome:
         """`to_json` of an outcome whose metadata `portable_metadata` made (JSON data already):
         what a worker sends. Walking that metadata again (`_json_data`, a copy of every request's
         usage) was the largest part of a worker's per-pass cost over the single process."""
-        data = {name: getattr(self, name) for name in _OUTCOME_FIELDS}
+        data = {name: getattr(self, name) for name in _JSON_FIELDS}
+        if self.rows is not None:  # the rows as they are (`from_json` takes them back)
+            data["rows"] = self.rows
         data["history"] = list(self.history)
         return data
 
@@ -178,9 +204,12 @@ def received_session(outcome: PassOutcome) -> Session:
     no worker of this version sends (an unknown role, not a dict) takes the validating path, which
     names the problem. Anything else (a results file, an outcome built by hand) uses
     `outcome.session()`."""
-    if outcome.status != "ok" or outcome.messages is None:
+    if outcome.status != "ok" or (outcome.messages is None and outcome.rows is None):
         raise pass_failure(outcome)
-    table = received_rows(outcome.messages)
+    if outcome.rows is not None:
+        table = _pairs_table(outcome.rows)
+    else:
+        table = received_rows(outcome.messages)  # type: ignore[arg-type]
     if table is None:
         return outcome.session()
     # One session with its data built once: `_output` builds a first session and copies its
@@ -223,9 +252,35 @@ def received_rows(messages: list[dict[str, Any]]) -> ChunkTable | None:
     return ChunkTable._trusted(rows)
 
 
+def _pairs_table(pairs: list[tuple[RowKind, dict[str, Any]]]) -> ChunkTable | None:
+    """The rows of a worker's `(kind, payload)` pairs, the payloads taken as they are (the
+    worker's own rows, pickled to this process); None for a pair no worker of this version
+    sends (then the validating rebuild names the problem)."""
+    trusted, kinds = ChunkRow._trusted, ROW_KINDS
+    try:
+        rows = [trusted(kind, payload) for kind, payload in pairs]
+    except (TypeError, ValueError):  # not pairs
+        return None
+    for row in rows:
+        if row.kind not in kinds or type(row.payload) is not dict:
+            return None
+    return ChunkTable._trusted(rows)
+
+
+def rows_messages(pairs: list[tuple[RowKind, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A worker's `(kind, payload)` rows as OpenAI messages (what `to_messages` makes)."""
+    roles = ROLE_OF_KIND
+    out = []
+    for kind, payload in pairs:
+        kept = payload.get("role") if type(payload) is dict else None
+        out.append({"role": kept if isinstance(kept, str) else roles.get(kind, kind), **payload})
+    return out
+
+
 # Field names, once: `dataclasses.fields` on every item and outcome was a driver's hot spot.
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PassItem))
 _OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(PassOutcome))
+_JSON_FIELDS = tuple(name for name in _OUTCOME_FIELDS if name != "rows")
 
 _PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
 
@@ -250,12 +305,20 @@ def portable_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
             _json_data({**_plain(r), "tripped": bool(r.tripped)}) for r in results
         ]
     if metadata.get("request_usage"):
-        # A `RequestUsage`'s fields are scalars: its plain dict is JSON data as it is.
+        # A `RequestUsage`'s fields are scalars: its plain dict is JSON data as it is, made in
+        # C (`attrgetter`, `zip`): `_plain`'s loop per field was a third of this function.
+        names, values = _USAGE_NAMES, _usage_values
         out["request_usage"] = [
-            _plain(v) if type(v) is RequestUsage else _json_data(_plain(v))
+            dict(zip(names, values(v), strict=True))
+            if type(v) is RequestUsage
+            else _json_data(_plain(v))
             for v in metadata["request_usage"]
         ]
     return out
+
+
+_USAGE_NAMES = tuple(f.name for f in dataclasses.fields(RequestUsage))
+_usage_values = operator.attrgetter(*_USAGE_NAMES)
 
 
 _SCALARS = frozenset({str, int, float, bool})

@@ -10,17 +10,65 @@ message that cannot be pickled, and never drop one silently.
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["dumps_batch", "refuse_outcome", "what_cannot_cross"]
+__all__ = ["Frames", "dumps_batch", "frame", "refuse_outcome", "what_cannot_cross"]
 
 log = logging.getLogger("treadle.distributed")
 
 
 def _dumps(value: Any) -> bytes:
     return bytes(ForkingPickler.dumps(value))
+
+
+def frame(payload: bytes) -> bytes:
+    """`payload` with the length header `multiprocessing.connection.Connection` reads (a
+    worker's end of the pipe is one): 4 bytes big-endian, or -1 and 8 bytes past 2 GiB."""
+    n = len(payload)
+    if n > 0x7FFFFFFF:
+        return struct.pack("!iQ", -1, n) + payload
+    return struct.pack("!i", n) + payload
+
+
+class Frames:
+    """The payloads of `Connection.send_bytes` frames, from bytes as a socket hands them over
+    (any split): `feed(data)` returns the frames it completed, in order."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        out: list[bytes] = []
+        start, end = 0, len(buffer)
+        while end - start >= 4:
+            (n,) = _HEAD.unpack_from(buffer, start)
+            head = 4
+            if n == -1:  # a frame past 2 GiB: its length follows in 8 bytes
+                if end - start < 12:
+                    break
+                (n,) = _LONG.unpack_from(buffer, start + 4)
+                head = 12
+            if end - start < head + n:
+                break
+            out.append(bytes(buffer[start + head : start + head + n]))
+            start += head + n
+        if start:
+            del buffer[:start]
+        return out
+
+    @property
+    def partial(self) -> int:
+        """Bytes of a frame not yet complete (at EOF: a frame the peer did not finish)."""
+        return len(self._buffer)
+
+
+_HEAD = struct.Struct("!i")
+_LONG = struct.Struct("!Q")
 
 
 def dumps_batch(batch: Any, refuse: Callable[[Any, Exception], Any | None]) -> bytes:

@@ -101,6 +101,10 @@ class PassWorker:
 
     async def run(self, item: PassItem | Mapping[str, Any]) -> PassOutcome:
         """Run one pass; every failure (error, timeout) is reported in the outcome."""
+        return (await self._run(item))._public()
+
+    async def _run(self, item: PassItem | Mapping[str, Any]) -> PassOutcome:
+        """`run`, the output's rows left as the worker sends them (`PassOutcome.rows`)."""
         if not isinstance(item, PassItem):
             item = PassItem.from_json(item)
         workspace: Path | None = None
@@ -131,7 +135,9 @@ class PassWorker:
             return self._outcome(
                 item,
                 "ok",
-                messages=out.to_messages(),
+                # The rows as they are: `to_messages` built a dict per row here, and the driver
+                # took each apart again into a row (docs/performance.md, process workers).
+                rows=[(row.kind, row.payload) for row in out.chunk_table],
                 # Four ints: `dataclasses.asdict` deep-copies, at a worker's per-pass cost.
                 usage={f: getattr(usage, f) for f in _USAGE_FIELDS},
                 stop_reason=out.stop_reason,
@@ -161,7 +167,7 @@ class PassWorker:
         item's error outcome, so the task running it never dies silently and its caller always
         gets an answer."""
         try:
-            outcome = await self.run(item)
+            outcome = await self._run(item)
             # Its metadata is `portable_metadata`'s, JSON data already: not walked again.
             return outcome._wire()
         except Exception as err:
