@@ -50,7 +50,7 @@ def _tool_kinds(out: Session) -> list[str | None]:
     ]
 
 
-# -- a call that waits past its limit -- -----------------------------------------------------------
+# -- a call that waits past its limit ------------------------------------------------------------
 async def test_a_call_that_waits_past_its_limit_is_cancelled_where_it_waits() -> None:
     seen: list[str] = []
 
@@ -156,7 +156,7 @@ async def test_a_call_that_waits_inside_its_own_cancel_scopes_runs_as_before() -
     assert "TimeoutError" in content
 
 
-# -- a call that waits again after its cancellation (level-triggered) -- ---------------------------
+# -- a call that waits again after its cancellation (level-triggered) ----------------------------
 async def test_a_tool_that_waits_in_its_cleanup_is_cancelled_there_too() -> None:
     seen: list[str] = []
 
@@ -287,7 +287,7 @@ async def test_an_agent_as_tool_times_out_with_its_sub_pass_s_cleanup() -> None:
     assert seen == ["cleanup cancelled"]
 
 
-# -- shields and the deadline a tool sees -- -------------------------------------------------------
+# -- shields and the deadline a tool sees --------------------------------------------------------
 async def test_a_shielded_part_of_a_tool_runs_to_its_end_past_the_limit() -> None:
     seen: list[str] = []
 
