@@ -9,11 +9,18 @@ their lazily loaded names once instead (docs/performance.md, issue 33's fifth ro
 from __future__ import annotations
 
 import builtins
+import sys
 from typing import Any
 
 import pytest
 
-from treadle import Provider, Session, arun_session_loop, stream_session_loop, tool
+from treadle import (
+    Provider,
+    Session,
+    arun_session_loop,
+    stream_session_loop,
+    tool,
+)
 from treadle.testing import FakeOpenAIServer
 
 
@@ -30,7 +37,11 @@ async def test_streamed_rounds_and_streams_import_nothing_once_warm(
     real = builtins.__import__
 
     def counting(name: str, *args: Any, **kwargs: Any) -> Any:
-        imported.append(name)
+        # Only treadle's own statements: sniffio (under every anyio cancel scope, such as a tool
+        # call's time limit) runs `from asyncio import current_task` at each call.
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.split(".")[0] == "treadle":
+            imported.append(f"{caller}: {name}")
         return real(name, *args, **kwargs)
 
     agent = Session.from_agent_prompt("Use tools.")
@@ -49,3 +60,35 @@ async def test_streamed_rounds_and_streams_import_nothing_once_warm(
         await passes()
         monkeypatch.undo()
     assert imported == []
+
+
+async def test_a_patch_of_get_client_at_the_first_request_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # llm/turn.py binds `get_client` on its first call; a patch in place then (a test's
+    # monkeypatch of treadle.llm.client) must not stay in use once it is undone.
+    import treadle.llm.client as client
+    import treadle.llm.turn as turn
+
+    stand_in = vars(turn)["_on_first_call"]  # a fresh stand-in, as at import
+    monkeypatch.setattr(
+        turn, "get_client", stand_in("treadle.llm.client", "get_client", "treadle.llm.registry")
+    )
+    real = client.get_client
+    calls: list[int] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    agent = Session.from_agent_prompt("x")
+    with FakeOpenAIServer(script="echo") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", stream=True)
+        with monkeypatch.context() as patch:
+            patch.setattr(client, "get_client", spy)
+            await arun_session_loop(Session.from_user_message("a"), agent, agent_provider=provider)
+        during = len(calls)
+        await arun_session_loop(Session.from_user_message("b"), agent, agent_provider=provider)
+    assert during >= 1  # the patch in place got the first request
+    assert len(calls) == during  # and was not kept once undone
+    assert vars(turn)["get_client"] is real  # the real function is bound from then on

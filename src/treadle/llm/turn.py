@@ -60,18 +60,22 @@ else:
     # httpx and the chunk schema load with the first request, not with `treadle`; a name bound
     # here is replaced by the real function on its first call. (An import statement inside the
     # functions cost about 2 µs a call: `from a.b import c` looks for `a.b.__path__`, and a
-    # module without one formats an AttributeError message every time.)
+    # module without one formats an AttributeError message every time.) As loop/first_call.py
+    # does, the name is bound only to the function defined in `home`: a patch in place at the
+    # first call (a test's monkeypatch) gets that call, and the next call looks again.
 
-    def _on_first_call(module: str, name: str) -> Callable[..., Any]:
+    def _on_first_call(module: str, name: str, home: str = "") -> Callable[..., Any]:
         def first_call(*args: Any, **kwargs: Any) -> Any:
             real = getattr(importlib.import_module(module), name)
-            globals()[name] = real
+            if getattr(real, "__module__", None) == (home or module):  # not a patch: keep it
+                globals()[name] = real
             return real(*args, **kwargs)
 
         first_call.__name__ = first_call.__qualname__ = name
         return first_call
 
-    get_client = _on_first_call("treadle.llm.client", "get_client")
+    # Looked up where the request path always found it; defined in the registry module.
+    get_client = _on_first_call("treadle.llm.client", "get_client", "treadle.llm.registry")
     parse_chunk = _on_first_call("treadle.llm.chunk_parse", "parse_chunk")
     parse_event = _on_first_call("treadle.llm.chunk_parse", "parse_event")
 

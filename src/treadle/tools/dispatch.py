@@ -43,7 +43,7 @@ from treadle.tools.results import (
     success_content,
 )
 from treadle.tools.threads import run_sync_tool
-from treadle.tools.tool import Tool, bounded, invoke_tool
+from treadle.tools.tool import Tool
 from treadle.tools.toolset import ToolSet
 
 __all__ = [
@@ -121,6 +121,10 @@ def _parse_arguments(raw: str) -> dict[str, Any]:
 Runner = Callable[[Tool, dict[str, Any], ToolContext], Awaitable[Any]]
 
 
+async def _invoke(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
+    return await tool.invoke(arguments, context=context)
+
+
 _KINDS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
 
 
@@ -140,7 +144,7 @@ def _runner_of(executor: object) -> Runner:
     """How calls run: the tool's own implementation, or the executor's dispatch."""
     kind = _dispatch_kind(type(executor))
     if kind == "none":
-        return invoke_tool
+        return _invoke
     if isinstance(executor, AsyncToolExecutor):
         custom_async = executor
 
@@ -156,7 +160,7 @@ def _runner_of(executor: object) -> Runner:
             return await run_sync_tool(call)
 
         return run_sync
-    return invoke_tool
+    return _invoke
 
 
 def has_tool_dispatch(executor: object) -> bool:
@@ -281,8 +285,9 @@ async def _attempt(ready: _Ready, run: Runner, context: ToolContext) -> ToolOutc
     content = ""
     timed_out = False
     try:
-        # The timer is armed at the call's first wait (a call that never waits cannot overrun).
-        result, timed_out = await bounded(run(item, ready.arguments, context), limit)
+        with anyio.move_on_after(limit) as scope:
+            result = await run(item, ready.arguments, context)
+        timed_out = scope.cancelled_caught
         if not timed_out:
             # Inside the try: a result that cannot become JSON is the model's to hear about.
             content = success_content(result, max_chars=item.max_result_chars)

@@ -17,17 +17,14 @@ This module must never run a tool on the event loop thread when the tool is sync
 from __future__ import annotations
 
 import abc
-import asyncio
 import functools
 import inspect
 import re
-import time
 import types
 import typing
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, Literal, overload
 
-import anyio
 import pydantic
 import pydantic_core
 from typing_extensions import ParamSpec, TypeVar
@@ -45,8 +42,6 @@ __all__ = [
     "ResourceKey",
     "TimeoutPolicy",
     "Tool",
-    "bounded",
-    "invoke_tool",
     "tool",
 ]
 
@@ -426,72 +421,3 @@ def _takes_one(fn: Callable[..., Any]) -> bool:
     except TypeError:
         return False
     return True
-
-
-# -- running one call under its time limit -------------------------------------------------------
-# A timer stops a call where it waits, never between two waits: a call that ends without waiting
-# cannot time out, and a scope around it bought nothing. `bounded` runs a coroutine's first step
-# itself; a call that waits goes on under asyncio's timeout, counted from the call's start. Beside
-# `Tool`, so a call's stack goes dispatch -> tool -> the tool's code (tests/test_pass_walk.py).
-
-_COROUTINE = types.CoroutineType
-
-
-async def invoke_tool(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
-    """Run `tool` itself with validated `arguments` (the runner without a custom executor)."""
-    return await tool.invoke(arguments, context=context)
-
-
-async def bounded(call: Awaitable[Any], limit: float) -> tuple[Any, bool]:
-    """`(result, timed_out)` of awaiting `call` for at most `limit` seconds from now.
-
-    A timed-out call is cancelled where it waits (result None). Its exceptions propagate, as an
-    `await` inside `anyio.move_on_after(limit)` would let them.
-    """
-    result: Any = None
-    if type(call) is not _COROUTINE:
-        with anyio.move_on_after(limit) as scope:
-            result = await call
-        return result, scope.cancelled_caught
-    coro: Coroutine[Any, Any, Any] = call
-    started = time.monotonic()
-    try:
-        signal = coro.send(None)  # the call's first step, up to its first wait
-    except StopIteration as done:
-        return done.value, False  # it never waited: no timer could have stopped it
-    # asyncio's own timeout, not an anyio scope: the call may have entered cancel scopes of its
-    # own before it waited (`with anyio.fail_after(...)`), and an anyio scope opened now would
-    # sit inside them and break their order when the call leaves them.
-    timeout = asyncio.timeout(limit - (time.monotonic() - started))
-    try:
-        async with timeout:
-            result = await _resumed(coro, signal)
-    except TimeoutError:
-        if not timeout.expired():
-            raise  # the call's own TimeoutError
-        return None, True
-    return result, False
-
-
-@types.coroutine
-def _resumed(coro: Coroutine[Any, Any, Any], signal: Any) -> Generator[Any, Any, Any]:
-    """Go on awaiting `coro`, whose first step yielded `signal` to the task: what `await coro`
-    does from there (a cancellation thrown in reaches the call where it waits)."""
-    while True:
-        try:
-            sent = yield signal
-        except GeneratorExit:
-            coro.close()
-            raise
-        except BaseException as exc:  # a cancellation, most often: the call decides what it does
-            try:
-                signal = coro.throw(exc)
-            except StopIteration as done:
-                return done.value
-            continue
-        if sent is None:  # what an asyncio task always sends: plain delegation from here on
-            return (yield from coro)
-        try:
-            signal = coro.send(sent)
-        except StopIteration as done:
-            return done.value
