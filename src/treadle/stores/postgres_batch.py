@@ -4,7 +4,9 @@ that end them, many at a time on one connection (see `treadle.stores.batching.Ba
 A batch of reads is two queries whatever its size: the heads of every conversation asked for,
 then the rows not yet cached. A conversation whose stored data does not decode is that key's
 `StoreError` alone; a read query that fails (a key the database cannot hold) with the connection
-still up is run again one key at a time, so only that key sees the error. A batch of commits is one statement calling `treadle_commit` once
+still up is run again one key at a time, so only that key sees the error.
+
+A batch of commits is one statement calling `treadle_commit` once
 per pass over one JSON parameter holding every pass's parameters (one round trip, one server
 commit, and one value to send, encoded by pydantic-core in one call instead of thirteen arrays
 converted element by element in Python), in key order so two processes' batches take their
