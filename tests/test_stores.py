@@ -183,11 +183,12 @@ def test_store_and_conversation_go_together(store: Store) -> None:
 
 
 def test_a_pass_that_lost_the_race_writes_nothing_and_says_so(store: Store) -> None:
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
 
     @make_tool
     def slow() -> str:
-        """Wait for the test."""
+        """Say the loser has read, then wait for the test."""
+        started.set()
         release.wait(CHILD_TIMEOUT)
         return "done"
 
@@ -199,6 +200,9 @@ def test_a_pass_that_lost_the_race_writes_nothing_and_says_so(store: Store) -> N
         store=store,
         conversation="race",
     )
+    # Reads go out in up to two batches on separate connections: the loser has read (and is
+    # in its tool) only once `slow` started, so the winner starts after it.
+    assert started.wait(CHILD_TIMEOUT)
     winner = run_session_loop(
         Session.from_user_message("second"),
         AGENT,

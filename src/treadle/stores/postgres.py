@@ -73,13 +73,18 @@ class PostgresBackend(PostgresHome):
 
         return await self._batchers()[0](key)
 
-    async def _load_many(self, keys: list[str]) -> list[StoredConversation]:
-        async def body() -> list[StoredConversation]:
+    async def _load_many(self, keys: list[str]) -> list[StoredConversation | BaseException]:
+        """Read a batch: each key's conversation, or its own error (a read that failed alone:
+        see `postgres_batch.load_many`)."""
+        import psycopg
+
+        async def body() -> list[StoredConversation | BaseException]:
             pool = await self._connection_pool()
             async with pool.connection() as conn:
                 return await load_many(conn, keys, self._cache)
 
-        return await self._guarded(body)
+        results = await self._guarded(body)
+        return [self._failed(r) if isinstance(r, psycopg.Error) else r for r in results]
 
     async def _commit_many(self, calls: list[tuple[Any, ...]]) -> list[int | BaseException]:
         """Commit a batch (each call's last item is its rows and usage, for the cache); a

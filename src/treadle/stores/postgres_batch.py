@@ -2,7 +2,11 @@
 that end them, many at a time on one connection (see `treadle.stores.batching.Batcher`).
 
 A batch of reads is two queries whatever its size: the heads of every conversation asked for,
-then the rows not yet cached. A batch of commits is one statement calling `treadle_commit` once
+then the rows not yet cached. A conversation whose stored data does not decode is that key's
+`StoreError` alone; a read query that fails (a key the database cannot hold) with the connection
+still up is run again one key at a time, so only that key sees the error.
+
+A batch of commits is one statement calling `treadle_commit` once
 per pass over one JSON parameter holding every pass's parameters (one round trip, one server
 commit, and one value to send, encoded by pydantic-core in one call instead of thirteen arrays
 converted element by element in Python), in key order so two processes' batches take their
@@ -155,13 +159,43 @@ def commit_task(
 
 async def load_many(
     conn: AsyncConnection[Any], keys: Sequence[str], cache: RowCache
-) -> list[StoredConversation]:
+) -> list[StoredConversation | BaseException]:
     """The committed conversations `keys` (empty for new keys), in two queries; only rows not
-    in `cache` are fetched and decoded (off the loop when there are many)."""
+    in `cache` are fetched and decoded (off the loop when there are many). A key whose stored
+    data is damaged gets its `StoreError` alone. If the batch's query fails (a key the database
+    cannot hold, say) and the connection is still there, the keys are read again one at a time,
+    so only the failing key gets the error (a `psycopg.Error`, or a `StoreError`)."""
+    import psycopg
+
+    try:
+        return await _load_batch(conn, keys, cache)
+    except psycopg.Error:
+        if conn.broken or conn.closed or len(set(keys)) < 2:
+            raise  # the connection is gone (every read failed with it), or the key was alone
+    except UnicodeError:  # a key psycopg could not encode: nothing was sent
+        pass
+    alone: dict[str, StoredConversation | BaseException] = {}
+    for key in dict.fromkeys(keys):
+        try:
+            alone[key] = (await _load_batch(conn, [key], cache))[0]
+        except psycopg.Error as err:
+            if conn.broken or conn.closed:
+                raise
+            alone[key] = err
+        except UnicodeError as err:  # psycopg could not encode the key: nothing was sent
+            alone[key] = StoreError(f"conversation {key!r} cannot be read from PostgreSQL: {err}.")
+    return [alone[key] for key in keys]
+
+
+async def _load_batch(
+    conn: AsyncConnection[Any], keys: Sequence[str], cache: RowCache
+) -> list[StoredConversation | BaseException]:
+    """`load_many`'s two queries for `keys`; a query that fails raises."""
     asked = list(dict.fromkeys(keys))
     cur = await conn.execute(_HEADS, (_json_param(conn, asked),))
     heads = {str(h[0]): tuple(h[1:]) for h in await cur.fetchall()}
     known = {key: cache.get(key, head[5], head[6]) for key, head in heads.items()}
+    bad: dict[str, StoreError] = {}  # keys whose stored rows do not decode: their error alone
     short = [key for key, head in heads.items() if len(known[key]) < head[6]]
     if short:
         cur = await conn.execute(
@@ -169,24 +203,46 @@ async def load_many(
         )
         found = await cur.fetchall()
 
-        def decode() -> dict[str, tuple[ChunkRow, ...]]:
-            fetched: dict[str, list[ChunkRow]] = {key: [] for key in short}
+        def decode() -> dict[str, tuple[ChunkRow, ...] | StoreError]:
+            fetched: dict[str, list[ChunkRow] | StoreError] = {key: [] for key in short}
             for key, kind, payload in found:
-                fetched[key].append(decode_row(kind, payload, key))
-            return {key: tuple(rows) for key, rows in fetched.items()}
+                rows = fetched[key]
+                if isinstance(rows, list):
+                    try:
+                        rows.append(decode_row(kind, payload, key))
+                    except StoreError as err:
+                        fetched[key] = err
+            return {k: v if isinstance(v, StoreError) else tuple(v) for k, v in fetched.items()}
 
         # Off the loop by the batch's total: many conversations just under the threshold each
         # would otherwise all be decoded on it, one after another.
         decoded = await off_loop(len(found), decode)
         for key in short:
-            known[key] += decoded[key]
+            rows = decoded[key]
+            if isinstance(rows, StoreError):
+                bad[key] = rows
+                continue
+            known[key] += rows
             cache.put(key, heads[key][5], known[key])
-    return [
-        stored_from_head(key, known[key], heads[key], cache.usage(key, heads[key][0]))
-        if key in heads
-        else StoredConversation(key)
-        for key in keys
-    ]
+    return [_stored(key, known, heads, cache, bad) for key in keys]
+
+
+def _stored(
+    key: str,
+    known: Mapping[str, tuple[ChunkRow, ...]],
+    heads: Mapping[str, tuple[Any, ...]],
+    cache: RowCache,
+    bad: Mapping[str, StoreError],
+) -> StoredConversation | BaseException:
+    """`key`'s conversation from its head and rows, or its own error (damaged data)."""
+    if key in bad:
+        return bad[key]
+    if key not in heads:
+        return StoredConversation(key)
+    try:
+        return stored_from_head(key, known[key], heads[key], cache.usage(key, heads[key][0]))
+    except StoreError as err:  # its usage or metadata do not decode
+        return err
 
 
 async def commit_many(

@@ -1,0 +1,149 @@
+"""A read that fails fails alone: conversations read in the same batch as a conversation whose
+stored rows are damaged (rewritten by hand in SQL), or as a key the database cannot hold (an
+emoji on a LATIN1 PostgreSQL database), still get their rows; only the failing key sees its
+error. Real parts: a SQLite file, a throwaway PostgreSQL cluster (tests/pg_cluster.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+from typing import Any
+
+from pg_cluster import Cluster
+from treadle import Session, run_session_loop
+from treadle.errors import StoreError
+from treadle.session import ChunkRow
+from treadle.stores import Store
+from treadle.stores.records import StoredConversation
+from treadle.testing import ScriptedExecutor
+
+AGENT = Session.from_agent_prompt("Answer briefly.")
+DAMAGED = '{"role":"user","content":{"not":"text"},"x":1}'
+EMOJI = "\U0001f600"
+
+
+def _damage(url: str, key: str) -> None:
+    """Rewrite `key`'s stored row behind the store's back, as a hand-written SQL fix might."""
+    if url.startswith("sqlite:///"):
+        with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
+            assert conn.execute(
+                "UPDATE rows SET payload = ? WHERE key = ?", (DAMAGED, key)
+            ).rowcount
+        return
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute("UPDATE treadle_rows SET payload = %s WHERE key = %s", (DAMAGED, key))
+        assert cur.rowcount == 1
+
+
+def _read_all(store: Store, keys: list[str]) -> dict[str, Any]:
+    """Every key's texts, or its error: the reads are started together (one batch, or two)."""
+    lazy = [(key, store.conversation(key)) for key in keys]
+    out: dict[str, Any] = {}
+    for key, session in lazy:
+        try:
+            out[key] = [r.content for r in session.rows]
+        except StoreError as err:
+            out[key] = err
+    return out
+
+
+def test_a_damaged_conversation_fails_only_its_own_read(url: str) -> None:
+    keys = ["a", "b", "bad", "c"]
+    with Store.open(url) as store:
+        for key in keys:
+            store.append(key, [ChunkRow.user(key)])
+    _damage(url, "bad")
+    for _ in range(3):
+        with Store.open(url) as store:  # a fresh cache: every row is read from the database
+            out = _read_all(store, keys)
+        assert {k: v for k, v in out.items() if k != "bad"} == {"a": ["a"], "b": ["b"], "c": ["c"]}
+        assert isinstance(out["bad"], StoreError)
+        assert "conversation 'bad' holds an invalid row" in str(out["bad"])
+
+
+def test_a_postgres_read_batch_with_a_damaged_conversation_fails_only_that_key(
+    pg: Cluster,
+) -> None:
+    """The batch itself, with every key in it for certain: one result per key."""
+    url = pg.new_database()
+    keys = ["a", "bad", "c", "new"]
+    with Store.open(url) as store:
+        for key in keys[:3]:
+            store.append(key, [ChunkRow.user(key)])
+    _damage(url, "bad")
+
+    async def main() -> list[Any]:
+        async with Store.postgres(url) as store:
+            backend: Any = store.backend
+            return list(await backend._on_runtime(lambda: backend._load_many(keys)))
+
+    a, bad, c, new = asyncio.run(main())
+    assert isinstance(a, StoredConversation) and [r.content for r in a.rows] == ["a"]
+    assert isinstance(c, StoredConversation) and [r.content for r in c.rows] == ["c"]
+    assert isinstance(new, StoredConversation) and new.rows == ()
+    assert isinstance(bad, StoreError) and "conversation 'bad'" in str(bad)
+
+
+def _latin1_database(pg: Cluster) -> str:
+    import psycopg
+
+    name = f"latin1_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0"
+        )
+    return pg.dsn(name)
+
+
+def test_a_key_a_latin1_database_cannot_hold_fails_only_its_own_read_and_pass(
+    pg: Cluster,
+) -> None:
+    """A read batch that fails is read again key by key, as a commit batch is committed again
+    pass by pass: the emoji key alone gets the `StoreError`."""
+    url = _latin1_database(pg)
+    keys = ["a", "b", EMOJI, "c"]
+    with Store.open(url) as store:
+        for key in ("a", "b", "c"):
+            store.append(key, [ChunkRow.user(key)])
+        for _ in range(3):
+            out = _read_all(store, keys)
+            assert {k: v for k, v in out.items() if k != EMOJI} == {
+                "a": ["a"], "b": ["b"], "c": ["c"],
+            }  # fmt: skip
+            assert isinstance(out[EMOJI], StoreError)
+            assert "LATIN1" in str(out[EMOJI])
+        passes = [
+            (key, run_session_loop(
+                Session.from_user_message("hi"), AGENT, executor=ScriptedExecutor(["ok"]),
+                store=store, conversation=key,
+            ))
+            for key in ("p", EMOJI, "q", "r")
+        ]  # fmt: skip
+        versions: dict[str, Any] = {}
+        for key, outcome in passes:
+            try:
+                versions[key] = outcome.metadata["version"]
+            except StoreError as err:
+                versions[key] = err
+        assert {k: v for k, v in versions.items() if k != EMOJI} == {"p": 2, "q": 2, "r": 2}
+        assert isinstance(versions[EMOJI], StoreError)
+
+
+def test_a_postgres_read_batch_that_fails_is_read_again_key_by_key(pg: Cluster) -> None:
+    url = _latin1_database(pg)
+    with Store.open(url) as store:
+        store.append("a", [ChunkRow.user("a")])
+
+    async def main() -> list[Any]:
+        async with Store.postgres(url) as store:
+            backend: Any = store.backend
+            batch = ["a", EMOJI, "new"]
+            return list(await backend._on_runtime(lambda: backend._load_many(batch)))
+
+    a, emoji, new = asyncio.run(main())
+    assert [r.content for r in a.rows] == ["a"] and new.rows == ()
+    assert isinstance(emoji, StoreError) and "LATIN1" in str(emoji)
