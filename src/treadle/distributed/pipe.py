@@ -15,7 +15,15 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["Frames", "dumps_batch", "frame", "refuse_outcome", "what_cannot_cross"]
+__all__ = [
+    "MAX_FRAME",
+    "FrameError",
+    "Frames",
+    "dumps_batch",
+    "frame",
+    "refuse_outcome",
+    "what_cannot_cross",
+]
 
 log = logging.getLogger("treadle.distributed")
 
@@ -33,14 +41,32 @@ def frame(payload: bytes) -> bytes:
     return struct.pack("!i", n) + payload
 
 
+class FrameError(ValueError):
+    """Bytes on a worker's socket that no `Connection` writes (a frame length below -1, or one
+    past `MAX_FRAME`): the peer's code is broken or hostile, and nothing after it can be read.
+    `frames` holds the frames completed before it."""
+
+    def __init__(self, message: str, frames: list[bytes]) -> None:
+        super().__init__(message)
+        self.frames = frames
+
+
+#: The longest frame read (1 TiB): a longer length is garbage, not a frame to wait for.
+MAX_FRAME = 1 << 40
+
+
 class Frames:
     """The payloads of `Connection.send_bytes` frames, from bytes as a socket hands them over
-    (any split): `feed(data)` returns the frames it completed, in order."""
+    (any split): `feed(data)` returns the frames it completed, in order, and raises
+    `FrameError` on a length no `Connection` writes (then on every later call)."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._error = ""
 
     def feed(self, data: bytes) -> list[bytes]:
+        if self._error:
+            raise FrameError(self._error, [])
         buffer = self._buffer
         buffer += data
         out: list[bytes] = []
@@ -48,10 +74,14 @@ class Frames:
         while end - start >= 4:
             (n,) = _HEAD.unpack_from(buffer, start)
             head = 4
-            if n == -1:  # a frame past 2 GiB: its length follows in 8 bytes
-                if end - start < 12:
+            if n < 0:
+                if n != -1:  # a length of -4 read as one never moved on: a loop forever
+                    self._refuse(n, out)
+                if end - start < 12:  # a frame past 2 GiB: its length follows in 8 bytes
                     break
                 (n,) = _LONG.unpack_from(buffer, start + 4)
+                if n > MAX_FRAME:
+                    self._refuse(n, out)
                 head = 12
             if end - start < head + n:
                 break
@@ -65,6 +95,11 @@ class Frames:
     def partial(self) -> int:
         """Bytes of a frame not yet complete (at EOF: a frame the peer did not finish)."""
         return len(self._buffer)
+
+    def _refuse(self, length: int, frames: list[bytes]) -> None:
+        self._error = f"a frame length {length}, which no Connection writes"
+        self._buffer = bytearray()
+        raise FrameError(self._error, frames)
 
 
 _HEAD = struct.Struct("!i")
