@@ -188,3 +188,38 @@ async def test_a_worker_that_writes_a_negative_frame_length_loses_its_passes(
     assert isinstance(lost, PassLost)
     assert "frame that cannot be read" in str(lost.outcome.error), lost.outcome.error
     assert "length -4" in str(lost.outcome.error), lost.outcome.error
+
+
+def test_an_output_that_cannot_be_pickled_names_the_field_a_caller_knows() -> None:
+    # A worker sends its rows as (kind, payload) pairs; the error names the output's messages
+    # and metadata as a caller reads them, not the wire's `['rows'][0][1]`.
+    import pickle
+    import threading
+
+    from treadle.distributed.pipe import refuse_outcome
+
+    lock = threading.Lock()
+    wire = {
+        "index": 3,
+        "session_id": "s",
+        "status": "ok",
+        "attempts": 1,
+        "worker": "w",
+        "rows": [("user", {"content": "hi"}), ("assistant", {"content": "x", "extra": [lock]})],
+        "usage": {},
+        "history": [],
+        "metadata": {},
+    }
+    for outcome, where in (
+        (wire, "messages[1]['extra'][0] (_thread.lock)"),
+        (
+            {**wire, "rows": [], "metadata": {"output": {"lock": lock}}},
+            "metadata['output']['lock']",
+        ),
+    ):
+        try:
+            pickle.dumps(outcome)
+        except TypeError as err:
+            kind, call_id, failed = refuse_outcome(("done", 7, outcome), err)
+        assert (kind, call_id, failed["status"], failed["index"]) == ("done", 7, "error", 3)
+        assert f"({where}" in failed["error"], failed["error"]

@@ -202,13 +202,15 @@ def received_session(outcome: PassOutcome) -> Session:
     `treadle.map(..., backend="process" | "ray")` returns): `outcome.session()`, but its rows are
     built without validating them again.
 
-    The worker built those rows (its output session's `to_messages()`, pickled over a socket to
-    the process that spawned it: rows its loop validated, after the input's rows as the caller
-    passed them, which an in-process map does not validate again either), and validating them
-    again was two thirds of the driver's CPU per pass (docs/performance.md, issue 33). A message
-    no worker of this version sends (an unknown role, not a dict) takes the validating path, which
-    names the problem. Anything else (a results file, an outcome built by hand) uses
-    `outcome.session()`."""
+    The worker built those rows (its output session's rows as `(kind, payload)` pairs, or
+    `messages` from a Ray worker, pickled to the process that spawned it: rows its loop
+    validated, after the input's rows as the caller passed them, which an in-process map does
+    not validate again either), and validating them again was two thirds of the driver's CPU per
+    pass (docs/performance.md, issue 33). Only their shape is checked: a row no worker of this
+    version sends (not a pair, a payload not a dict, a role that disagrees with its kind, an
+    unknown kind or role) takes the validating path, which raises `PassFailed` naming the row
+    (`MalformedOutput: ...`) or `ConfigurationError` naming the field. Anything else (a results
+    file, an outcome built by hand) uses `outcome.session()`."""
     if outcome.status != "ok" or (outcome.messages is None and outcome.rows is None):
         raise pass_failure(outcome)
     if outcome.rows is not None:

@@ -1,4 +1,5 @@
-"""Batches of pipe messages as bytes, for the process backend's sender threads (both ends).
+"""Batches of pipe messages as bytes, and the frames they cross in, for both ends of a process
+worker's socket (each end reads and writes it on its event loop: `Frames`, `frame`).
 
 A batch is pickled whole (one pickle per loop turn); when that fails because one message holds a
 value pickle refuses (a lock in an output, a str subclass that refuses pickling in an input),
@@ -151,12 +152,13 @@ def what_cannot_cross(value: Any, where: str = "") -> str:
 
 
 def refuse_outcome(message: Any, err: Exception) -> Any:
-    """(a worker's sender thread) An outcome pickle refused: that pass fails, naming the value."""
+    """(a worker, sending a batch) An outcome pickle refused: that pass fails, naming the value
+    as a caller reads the output (`messages[1]['content']`, `metadata['output']['lock']`)."""
     if not (isinstance(message, tuple) and message[0] == "done"):
         log.error("a message to the driver could not be pickled: %r", err)
         return None
     _kind, call_id, outcome = message
-    where = what_cannot_cross(outcome)
+    where = _where_in_outcome(outcome)
     error = (
         f"{type(err).__name__}: the pass's output cannot be sent back from its worker"
         f" ({where or 'its data'} cannot be pickled: {err})"
@@ -175,3 +177,22 @@ def refuse_outcome(message: Any, err: Exception) -> Any:
     except Exception:  # its usage or history holds the value: send the bare failure
         failed.update(usage={}, history=[])
     return ("done", call_id, failed)
+
+
+def _where_in_outcome(outcome: Any) -> str:
+    """`what_cannot_cross` in a wire outcome, named by the fields a caller knows: its rows are
+    the output's `messages` (a row's payload is its message, less the role)."""
+    if type(outcome) is not dict:
+        return what_cannot_cross(outcome)
+    for name, value in outcome.items():
+        if name == "rows" and type(value) is list:
+            for i, row in enumerate(value):
+                payload = row[1] if type(row) is tuple and len(row) == 2 else row
+                found = what_cannot_cross(payload, f"messages[{i}]")
+                if found:
+                    return found
+            continue
+        found = what_cannot_cross(value, str(name))
+        if found:
+            return found
+    return ""
