@@ -267,19 +267,18 @@ def _pairs_table(pairs: list[tuple[RowKind, dict[str, Any]]]) -> ChunkTable | No
         return None
     rows: list[ChunkRow] = []
     append, trusted, kinds, kind_of_role = rows.append, ChunkRow._trusted, ROW_KINDS, KIND_OF_ROLE
-    for pair in pairs:
-        if type(pair) is not tuple or len(pair) != 2:
-            return None
-        kind, payload = pair
-        if type(kind) is not str or kind not in kinds or type(payload) is not dict:
-            return None
-        # A row keeps a role only when it is its kind's (`developer`, a system row): a role
-        # that disagrees would reach the caller's output beside the kind.
-        if "role" in payload and (
-            type(payload["role"]) is not str or kind_of_role.get(payload["role"]) != kind
-        ):
-            return None
-        append(trusted(kind, payload))
+    try:  # a pair of another length: ValueError; an unhashable kind or role: TypeError
+        for pair in pairs:
+            kind, payload = pair
+            if type(pair) is not tuple or kind not in kinds or type(payload) is not dict:
+                return None
+            # A row keeps a role only when it is its kind's (`developer`, a system row): a role
+            # that disagrees would reach the caller's output beside the kind.
+            if "role" in payload and kind_of_role.get(payload["role"]) != kind:
+                return None
+            append(trusted(kind, payload))
+    except (TypeError, ValueError):
+        return None
     return ChunkTable._trusted(rows)
 
 
