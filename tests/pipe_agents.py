@@ -8,7 +8,8 @@ from typing import Any
 
 from treadle.agents import Agent
 from treadle.llm import Provider
-from treadle.testing.sample_tools import shout
+from treadle.testing.sample_tools import shout as shout_upper
+from treadle.tools import tool
 
 
 def lock_the_evil_one(output: Any) -> Any:
@@ -21,7 +22,38 @@ def lock_the_evil_one(output: Any) -> Any:
 locker = Agent(
     "locker",
     "Shout.",
-    tools=[shout],
+    tools=[shout_upper],
     provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
     output_validators=[lock_the_evil_one],
+)
+
+
+def _driver_link_transport() -> Any:
+    """This worker's end of its socket (the worker process's `_DriverLink`)."""
+    import gc
+
+    for value in gc.get_objects():
+        if type(value).__name__ == "_DriverLink":
+            return value.transport
+    raise RuntimeError("not in a process worker")
+
+
+@tool
+async def shout(text: str) -> str:
+    """Return the text in upper case; for `garble`, first write a frame header of length -4 to
+    the driver (what a worker's broken or hostile code could write on its socket).
+
+    Args:
+        text: What to shout.
+    """
+    if text == "garble":
+        _driver_link_transport().write(b"\xff\xff\xff\xfc" + b"rest")
+    return text.upper()
+
+
+garbler = Agent(
+    "garbler",
+    "Shout.",
+    tools=[shout],
+    provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
 )

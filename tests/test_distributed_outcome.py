@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from typing import Any
 
 import pydantic
@@ -17,6 +18,7 @@ from treadle import ConfigurationError, Session
 from treadle.distributed.mapping import _result
 from treadle.distributed.outcome import (
     OUTCOME_METADATA_KEY,
+    PassFailed,
     PassItem,
     PassOutcome,
     portable_metadata,
@@ -212,9 +214,42 @@ def test_an_outcome_sent_as_rows_is_the_one_sent_as_messages() -> None:
 
 
 def test_rows_no_worker_of_this_version_sends_take_the_validating_path() -> None:
-    bad = dataclasses.replace(_outcome(), messages=None, rows=[("narrator", {"content": "x"})])
+    unknown = [("narrator", {"content": "x"})]
+    narrating = dataclasses.replace(_outcome(), messages=None, rows=unknown)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="narrator"):
-        received_session(bad)
-    not_pairs = dataclasses.replace(_outcome(), messages=None, rows=[("user",)])  # type: ignore[list-item]
-    with pytest.raises((ConfigurationError, TypeError, ValueError)):
-        received_session(not_pairs)
+        received_session(narrating)
+    # Rows no worker sends fail that pass with an error naming the row, wherever they are read:
+    # the map's output (one item, not the whole map), map_outcomes and the results file.
+    hostile = {
+        "row 0 is not a (kind, payload) pair": [("user",)],
+        "row 1 is not a (kind, payload) pair": [("user", {"content": "a"}), "abc"],
+        "row 0's payload is a str, not a dict": [("user", "notadict")],
+        "row 0 (user) has the role 'system'": [("user", {"content": "x", "role": "system"})],
+        "the rows are a str, not a list": "abc",
+        "row 0's kind is a list, not a str": [(["user"], {"content": "x"})],
+        "row 0 (user) has the role None": [("user", {"content": "x", "role": None})],
+        "row 0 (system) has the role ['developer']": [("system", {"role": ["developer"]})],
+    }
+    for problem, rows in hostile.items():
+        bad = dataclasses.replace(_outcome(), messages=None, rows=rows)  # type: ignore[arg-type]
+        with pytest.raises(PassFailed, match=re.escape(problem)):
+            received_session(bad)
+        failed = _result(bad, None)
+        assert isinstance(failed, PassFailed), failed
+        assert failed.outcome.status == "error" and failed.outcome.messages is None
+        assert failed.outcome.error == f"MalformedOutput: the worker's output: {problem}"
+        assert bad._public() == failed.outcome and bad.to_json() == failed.outcome.to_json()
+    # An unknown kind fails that item too (the validating rebuild names it).
+    narrator = _result(narrating, None)
+    assert isinstance(narrator, PassFailed) and "narrator" in str(narrator.outcome.error)
+
+
+def test_a_system_row_that_keeps_its_developer_role_is_trusted() -> None:
+    # The one role a row's payload keeps (`ChunkRow`): it agrees with its kind.
+    outcome = _outcome(messages=[{"role": "developer", "content": "be brief"}])
+    sent = _as_rows(outcome)
+    assert sent.rows == [("system", {"role": "developer", "content": "be brief"})]
+    received, rebuilt = received_session(sent), outcome.session()
+    assert received.chunk_table == rebuilt.chunk_table
+    assert received.to_messages() == rebuilt.to_messages() == outcome.messages
+    assert sent._public() == outcome

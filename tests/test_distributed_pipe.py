@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipe_agents import locker
+from pipe_agents import garbler, locker
 from treadle import Session
 from treadle.distributed import AgentSpec, PassFailed, PassLost, amap
 from treadle.distributed.process import ProcessPool
@@ -145,3 +145,81 @@ def test_frames_are_read_as_a_connection_writes_them_whatever_the_split() -> Non
     # Past 2 GiB the length is -1 then 8 bytes (the header alone checked: no 2 GiB here).
     long_head = frame(b"")[:0] + (-1).to_bytes(4, "big", signed=True) + (3).to_bytes(8, "big")
     assert Frames().feed(long_head + b"abc") == [b"abc"]
+
+
+def test_a_frame_length_no_connection_writes_is_refused() -> None:
+    # A negative length (other than -1, the long form's mark) or one past any machine's memory
+    # is garbage on the socket: refused at once, naming it, never read as a frame (a length of
+    # -4 used to loop forever on the event loop).
+    from treadle.distributed.pipe import FrameError, Frames, frame
+
+    for head in (-2, -3, -4, -5, -(2**31)):
+        frames = Frames()
+        with pytest.raises(FrameError, match=f"length {head}") as caught:
+            frames.feed(frame(b"ok") + head.to_bytes(4, "big", signed=True) + b"rest")
+        assert caught.value.frames == [b"ok"]  # the frames before it are still read
+        with pytest.raises(FrameError):  # and it stays broken
+            frames.feed(frame(b"later"))
+    absurd = (-1).to_bytes(4, "big", signed=True) + (2**63).to_bytes(8, "big")
+    with pytest.raises(FrameError, match=f"length {2**63}"):
+        Frames().feed(absurd)
+
+
+async def test_a_worker_that_writes_a_negative_frame_length_loses_its_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with FakeOpenAIServer(script=shout_script) as server:
+        monkeypatch.setattr(
+            garbler, "provider", Provider(model="fake", base_url=server.base_url, api_key="k")
+        )
+        out = await asyncio.wait_for(
+            amap(
+                garbler,
+                ["a", "garble", "b"],
+                backend="process",
+                workers=1,
+                max_attempts=2,
+                return_exceptions=True,
+            ),
+            60,
+        )
+    assert [type(o).__name__ for o in out] == ["Session", "PassLost", "Session"], out
+    lost = out[1]
+    assert isinstance(lost, PassLost)
+    assert "frame that cannot be read" in str(lost.outcome.error), lost.outcome.error
+    assert "length -4" in str(lost.outcome.error), lost.outcome.error
+
+
+def test_an_output_that_cannot_be_pickled_names_the_field_a_caller_knows() -> None:
+    # A worker sends its rows as (kind, payload) pairs; the error names the output's messages
+    # and metadata as a caller reads them, not the wire's `['rows'][0][1]`.
+    import pickle
+    import threading
+
+    from treadle.distributed.pipe import refuse_outcome
+
+    lock = threading.Lock()
+    wire = {
+        "index": 3,
+        "session_id": "s",
+        "status": "ok",
+        "attempts": 1,
+        "worker": "w",
+        "rows": [("user", {"content": "hi"}), ("assistant", {"content": "x", "extra": [lock]})],
+        "usage": {},
+        "history": [],
+        "metadata": {},
+    }
+    for outcome, where in (
+        (wire, "messages[1]['extra'][0] (_thread.lock)"),
+        (
+            {**wire, "rows": [], "metadata": {"output": {"lock": lock}}},
+            "metadata['output']['lock']",
+        ),
+    ):
+        try:
+            pickle.dumps(outcome)
+        except TypeError as err:
+            kind, call_id, failed = refuse_outcome(("done", 7, outcome), err)
+        assert (kind, call_id, failed["status"], failed["index"]) == ("done", 7, "error", 3)
+        assert f"({where}" in failed["error"], failed["error"]

@@ -233,7 +233,13 @@ def _result(outcome: PassOutcome, agent: Any) -> Session | BaseException:
         return outcome.cause  # the input's own pass failed: its error, as an in-process map
     if not outcome.ok:
         return pass_failure(outcome)
-    session = received_session(outcome)  # from this map's own worker: no second validation
+    try:  # from this map's own worker: no second validation
+        session = received_session(outcome)
+    except PassFailed as failure:  # rows no worker of this version sends: this item fails
+        return failure
+    except ConfigurationError as error:  # (a message or a row the validating rebuild refused)
+        reason = f"MalformedOutput: the worker's output: {error}"
+        return PassFailed(dataclasses.replace(outcome._public(), status="error", error=reason))
     value = outcome.metadata.get("output")
     output_type = _answering_type(agent, outcome.metadata)
     if output_type is None or not isinstance(value, dict):

@@ -145,7 +145,12 @@ class PassOutcome:
         """This outcome as a caller sees it: `messages` made from the worker's `rows`."""
         if self.rows is None:
             return self
-        return dataclasses.replace(self, messages=rows_messages(self.rows), rows=None)
+        try:
+            messages = rows_messages(self.rows)
+        except _MalformedRows as err:  # that pass fails, naming the row (not the whole map)
+            error = f"MalformedOutput: the worker's output: {err}"
+            return dataclasses.replace(self, status="error", error=error, messages=None, rows=None)
+        return dataclasses.replace(self, messages=messages, rows=None)
 
     def _output(self, base: Session) -> Session:
         """`base` (the rows) with this outcome's usage, stop reason and metadata."""
@@ -169,9 +174,9 @@ class PassOutcome:
         worker's CPU in a fan-out of short passes. Metadata gets the conversion asdict made (a
         dataclass value anywhere in it becomes a dict).
         """
-        data = {name: getattr(self, name) for name in _JSON_FIELDS}
         if self.rows is not None:
-            data["messages"] = rows_messages(self.rows)
+            return self._public().to_json()
+        data = {name: getattr(self, name) for name in _JSON_FIELDS}
         data["history"] = list(self.history)
         data["metadata"] = _json_data(self.metadata)
         return data
@@ -197,13 +202,15 @@ def received_session(outcome: PassOutcome) -> Session:
     `treadle.map(..., backend="process" | "ray")` returns): `outcome.session()`, but its rows are
     built without validating them again.
 
-    The worker built those rows (its output session's `to_messages()`, pickled over a socket to
-    the process that spawned it: rows its loop validated, after the input's rows as the caller
-    passed them, which an in-process map does not validate again either), and validating them
-    again was two thirds of the driver's CPU per pass (docs/performance.md, issue 33). A message
-    no worker of this version sends (an unknown role, not a dict) takes the validating path, which
-    names the problem. Anything else (a results file, an outcome built by hand) uses
-    `outcome.session()`."""
+    The worker built those rows (its output session's rows as `(kind, payload)` pairs, or
+    `messages` from a Ray worker, pickled to the process that spawned it: rows its loop
+    validated, after the input's rows as the caller passed them, which an in-process map does
+    not validate again either), and validating them again was two thirds of the driver's CPU per
+    pass (docs/performance.md, issue 33). Only their shape is checked: a row no worker of this
+    version sends (not a pair, a payload not a dict, a role that disagrees with its kind, an
+    unknown kind or role) takes the validating path, which raises `PassFailed` naming the row
+    (`MalformedOutput: ...`) or `ConfigurationError` naming the field. Anything else (a results
+    file, an outcome built by hand) uses `outcome.session()`."""
     if outcome.status != "ok" or (outcome.messages is None and outcome.rows is None):
         raise pass_failure(outcome)
     if outcome.rows is not None:
@@ -256,24 +263,54 @@ def _pairs_table(pairs: list[tuple[RowKind, dict[str, Any]]]) -> ChunkTable | No
     """The rows of a worker's `(kind, payload)` pairs, the payloads taken as they are (the
     worker's own rows, pickled to this process); None for a pair no worker of this version
     sends (then the validating rebuild names the problem)."""
-    trusted, kinds = ChunkRow._trusted, ROW_KINDS
-    try:
-        rows = [trusted(kind, payload) for kind, payload in pairs]
-    except (TypeError, ValueError):  # not pairs
+    if type(pairs) is not list:
         return None
-    for row in rows:
-        if row.kind not in kinds or type(row.payload) is not dict:
-            return None
+    rows: list[ChunkRow] = []
+    append, trusted, kinds, kind_of_role = rows.append, ChunkRow._trusted, ROW_KINDS, KIND_OF_ROLE
+    try:  # a pair of another length: ValueError; an unhashable kind or role: TypeError
+        for pair in pairs:
+            kind, payload = pair
+            if type(pair) is not tuple or kind not in kinds or type(payload) is not dict:
+                return None
+            # A row keeps a role only when it is its kind's (`developer`, a system row): a role
+            # that disagrees would reach the caller's output beside the kind.
+            if "role" in payload and kind_of_role.get(payload["role"]) != kind:
+                return None
+            append(trusted(kind, payload))
+    except (TypeError, ValueError):
+        return None
     return ChunkTable._trusted(rows)
 
 
+class _MalformedRows(ValueError):
+    """A worker's rows no worker of this version sends, beyond what validating them can name."""
+
+
 def rows_messages(pairs: list[tuple[RowKind, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """A worker's `(kind, payload)` rows as OpenAI messages (what `to_messages` makes)."""
-    roles = ROLE_OF_KIND
-    out = []
-    for kind, payload in pairs:
-        kept = payload.get("role") if type(payload) is dict else None
-        out.append({"role": kept if isinstance(kept, str) else roles.get(kind, kind), **payload})
+    """A worker's `(kind, payload)` rows as OpenAI messages (what `to_messages` makes).
+
+    Raises `_MalformedRows`, naming the row, for what is not a list of `(kind, payload)` pairs
+    with dict payloads whose role (if kept) agrees with their kind; an unknown kind is left to
+    `Session.from_messages`, which names it."""
+    if type(pairs) is not list:
+        raise _MalformedRows(f"the rows are a {type(pairs).__name__}, not a list")
+    roles, kind_of_role = ROLE_OF_KIND, KIND_OF_ROLE
+    out: list[dict[str, Any]] = []
+    for i, pair in enumerate(pairs):
+        if type(pair) is not tuple or len(pair) != 2:
+            raise _MalformedRows(f"row {i} is not a (kind, payload) pair")
+        kind, payload = pair
+        if type(kind) is not str:
+            raise _MalformedRows(f"row {i}'s kind is a {type(kind).__name__}, not a str")
+        if type(payload) is not dict:
+            raise _MalformedRows(f"row {i}'s payload is a {type(payload).__name__}, not a dict")
+        if "role" in payload:
+            kept = payload["role"]
+            if type(kept) is not str or kind_of_role.get(kept) != kind:
+                raise _MalformedRows(f"row {i} ({kind[:40]}) has the role {kept!r:.60}")
+            out.append({"role": kept, **payload})
+        else:
+            out.append({"role": roles.get(kind, kind), **payload})
     return out
 
 

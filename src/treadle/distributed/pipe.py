@@ -1,4 +1,5 @@
-"""Batches of pipe messages as bytes, for the process backend's sender threads (both ends).
+"""Batches of pipe messages as bytes, and the frames they cross in, for both ends of a process
+worker's socket (each end reads and writes it on its event loop: `Frames`, `frame`).
 
 A batch is pickled whole (one pickle per loop turn); when that fails because one message holds a
 value pickle refuses (a lock in an output, a str subclass that refuses pickling in an input),
@@ -15,7 +16,15 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["Frames", "dumps_batch", "frame", "refuse_outcome", "what_cannot_cross"]
+__all__ = [
+    "MAX_FRAME",
+    "FrameError",
+    "Frames",
+    "dumps_batch",
+    "frame",
+    "refuse_outcome",
+    "what_cannot_cross",
+]
 
 log = logging.getLogger("treadle.distributed")
 
@@ -33,14 +42,32 @@ def frame(payload: bytes) -> bytes:
     return struct.pack("!i", n) + payload
 
 
+class FrameError(ValueError):
+    """Bytes on a worker's socket that no `Connection` writes (a frame length below -1, or one
+    past `MAX_FRAME`): the peer's code is broken or hostile, and nothing after it can be read.
+    `frames` holds the frames completed before it."""
+
+    def __init__(self, message: str, frames: list[bytes]) -> None:
+        super().__init__(message)
+        self.frames = frames
+
+
+#: The longest frame read (1 TiB): a longer length is garbage, not a frame to wait for.
+MAX_FRAME = 1 << 40
+
+
 class Frames:
     """The payloads of `Connection.send_bytes` frames, from bytes as a socket hands them over
-    (any split): `feed(data)` returns the frames it completed, in order."""
+    (any split): `feed(data)` returns the frames it completed, in order, and raises
+    `FrameError` on a length no `Connection` writes (then on every later call)."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._error = ""
 
     def feed(self, data: bytes) -> list[bytes]:
+        if self._error:
+            raise FrameError(self._error, [])
         buffer = self._buffer
         buffer += data
         out: list[bytes] = []
@@ -48,10 +75,14 @@ class Frames:
         while end - start >= 4:
             (n,) = _HEAD.unpack_from(buffer, start)
             head = 4
-            if n == -1:  # a frame past 2 GiB: its length follows in 8 bytes
-                if end - start < 12:
+            if n < 0:
+                if n != -1:  # a length of -4 read as one never moved on: a loop forever
+                    self._refuse(n, out)
+                if end - start < 12:  # a frame past 2 GiB: its length follows in 8 bytes
                     break
                 (n,) = _LONG.unpack_from(buffer, start + 4)
+                if n > MAX_FRAME:
+                    self._refuse(n, out)
                 head = 12
             if end - start < head + n:
                 break
@@ -65,6 +96,11 @@ class Frames:
     def partial(self) -> int:
         """Bytes of a frame not yet complete (at EOF: a frame the peer did not finish)."""
         return len(self._buffer)
+
+    def _refuse(self, length: int, frames: list[bytes]) -> None:
+        self._error = f"a frame length {length}, which no Connection writes"
+        self._buffer = bytearray()
+        raise FrameError(self._error, frames)
 
 
 _HEAD = struct.Struct("!i")
@@ -116,12 +152,13 @@ def what_cannot_cross(value: Any, where: str = "") -> str:
 
 
 def refuse_outcome(message: Any, err: Exception) -> Any:
-    """(a worker's sender thread) An outcome pickle refused: that pass fails, naming the value."""
+    """(a worker, sending a batch) An outcome pickle refused: that pass fails, naming the value
+    as a caller reads the output (`messages[1]['content']`, `metadata['output']['lock']`)."""
     if not (isinstance(message, tuple) and message[0] == "done"):
         log.error("a message to the driver could not be pickled: %r", err)
         return None
     _kind, call_id, outcome = message
-    where = what_cannot_cross(outcome)
+    where = _where_in_outcome(outcome)
     error = (
         f"{type(err).__name__}: the pass's output cannot be sent back from its worker"
         f" ({where or 'its data'} cannot be pickled: {err})"
@@ -140,3 +177,22 @@ def refuse_outcome(message: Any, err: Exception) -> Any:
     except Exception:  # its usage or history holds the value: send the bare failure
         failed.update(usage={}, history=[])
     return ("done", call_id, failed)
+
+
+def _where_in_outcome(outcome: Any) -> str:
+    """`what_cannot_cross` in a wire outcome, named by the fields a caller knows: its rows are
+    the output's `messages` (a row's payload is its message, less the role)."""
+    if type(outcome) is not dict:
+        return what_cannot_cross(outcome)
+    for name, value in outcome.items():
+        if name == "rows" and type(value) is list:
+            for i, row in enumerate(value):
+                payload = row[1] if type(row) is tuple and len(row) == 2 else row
+                found = what_cannot_cross(payload, f"messages[{i}]")
+                if found:
+                    return found
+            continue
+        found = what_cannot_cross(value, str(name))
+        if found:
+            return found
+    return ""

@@ -30,6 +30,7 @@ from typing import Any
 from treadle.distributed.driver import WorkerLost
 from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.distributed.pipe import (
+    FrameError,
     Frames,
     dumps_batch,
     frame,
@@ -90,15 +91,24 @@ class _Worker(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        for payload in self._frames.feed(data):
+        try:
+            payloads, garbage = self._frames.feed(data), None
+        except FrameError as err:  # bytes no Connection writes: nothing after them is readable
+            payloads, garbage = err.frames, err
+        for payload in payloads:
             try:
                 batch = ForkingPickler.loads(payload)
             except Exception as err:  # a message this driver cannot read: its passes are lost
-                self.fail(WorkerLost(f"worker {self.name} sent a batch that cannot be read: {err}"))
-                if self._transport is not None:
-                    self._transport.abort()
+                self._unreadable(f"a batch that cannot be read: {err}")
                 return
             self.on_batch(batch)
+        if garbage is not None:
+            self._unreadable(f"a frame that cannot be read ({garbage})")
+
+    def _unreadable(self, what: str) -> None:
+        self.fail(WorkerLost(f"worker {self.name} sent {what}"))
+        if self._transport is not None:
+            self._transport.abort()
 
     def eof_received(self) -> bool:
         return False  # close our end too: connection_lost follows

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from treadle.distributed.pipe import Frames, dumps_batch, frame, refuse_outcome
+from treadle.distributed.pipe import FrameError, Frames, dumps_batch, frame, refuse_outcome
 from treadle.distributed.process import _STOP_GRACE, LEASE_TIMEOUT
 
 __all__: list[str] = []
@@ -75,19 +75,28 @@ class _DriverLink(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        for payload in self.frames.feed(data):
+        try:
+            payloads, garbage = self.frames.feed(data), None
+        except FrameError as err:  # bytes no Connection writes: nothing after them is readable
+            payloads, garbage = err.frames, err
+        for payload in payloads:
             try:
                 batch = ForkingPickler.loads(payload)
             except Exception as err:  # e.g. a class only the driver has: which pass is unknown
-                # Say why and end: the driver retries the batch's passes alone, on new workers.
-                self.post(("unreadable", f"{type(err).__name__}: {err}"))
-                if self.transport is not None:
-                    self.transport.pause_reading()
-                self.on_batch(None)
+                self._unreadable(f"{type(err).__name__}: {err}")
                 return
             self.on_batch(batch)
             if batch is None:  # the stop message: nothing follows it
                 return
+        if garbage is not None:
+            self._unreadable(f"FrameError: {garbage}")
+
+    def _unreadable(self, why: str) -> None:
+        # Say why and end: the driver retries the batch's passes alone, on new workers.
+        self.post(("unreadable", why))
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self.on_batch(None)
 
     def eof_received(self) -> bool:
         self.on_batch(None)  # the driver is gone: stop
