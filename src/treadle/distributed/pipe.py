@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -101,6 +101,28 @@ class Frames:
         self._error = f"a frame length {length}, which no Connection writes"
         self._buffer = bytearray()
         raise FrameError(self._error, frames)
+
+
+class Unreadable(Exception):
+    """A message on a worker's socket that cannot be read; the text says which and why."""
+
+
+def messages(frames: Frames, data: bytes) -> Iterator[Any]:
+    """The messages `data` completes on `frames`, unpickled, in order. Raises `Unreadable` at the
+    first that cannot be read (a payload pickle refuses, or bytes no `Connection` writes), after
+    yielding every message before it: both ends of the socket read their peer this way."""
+    try:
+        payloads, garbage = frames.feed(data), None
+    except FrameError as err:  # bytes no Connection writes: nothing after them is readable
+        payloads, garbage = err.frames, err
+    for payload in payloads:
+        try:
+            message = ForkingPickler.loads(payload)
+        except Exception as err:  # e.g. a class only the peer has
+            raise Unreadable(f"a batch that cannot be read: {type(err).__name__}: {err}") from err
+        yield message
+    if garbage is not None:
+        raise Unreadable(f"a frame that cannot be read ({garbage})")
 
 
 _HEAD = struct.Struct("!i")

@@ -30,10 +30,11 @@ from typing import Any
 from treadle.distributed.driver import WorkerLost
 from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.distributed.pipe import (
-    FrameError,
     Frames,
+    Unreadable,
     dumps_batch,
     frame,
+    messages,
     what_cannot_cross,
 )
 from treadle.errors import ConfigurationError
@@ -92,18 +93,10 @@ class _Worker(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            payloads, garbage = self._frames.feed(data), None
-        except FrameError as err:  # bytes no Connection writes: nothing after them is readable
-            payloads, garbage = err.frames, err
-        for payload in payloads:
-            try:
-                batch = ForkingPickler.loads(payload)
-            except Exception as err:  # a message this driver cannot read: its passes are lost
-                self._unreadable(f"a batch that cannot be read: {err}")
-                return
-            self.on_batch(batch)
-        if garbage is not None:
-            self._unreadable(f"a frame that cannot be read ({garbage})")
+            for batch in messages(self._frames, data):
+                self.on_batch(batch)
+        except Unreadable as err:  # its passes are lost: nothing after it can be read
+            self._unreadable(str(err))
 
     def _unreadable(self, what: str) -> None:
         self.fail(WorkerLost(f"worker {self.name} sent {what}"))

@@ -20,10 +20,16 @@ import os
 import socket
 import sys
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from treadle.distributed.pipe import FrameError, Frames, dumps_batch, frame, refuse_outcome
+from treadle.distributed.pipe import (
+    Frames,
+    Unreadable,
+    dumps_batch,
+    frame,
+    messages,
+    refuse_outcome,
+)
 from treadle.distributed.process import _STOP_GRACE, LEASE_TIMEOUT
 
 __all__: list[str] = []
@@ -76,20 +82,12 @@ class _DriverLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            payloads, garbage = self.frames.feed(data), None
-        except FrameError as err:  # bytes no Connection writes: nothing after them is readable
-            payloads, garbage = err.frames, err
-        for payload in payloads:
-            try:
-                batch = ForkingPickler.loads(payload)
-            except Exception as err:  # e.g. a class only the driver has: which pass is unknown
-                self._unreadable(f"{type(err).__name__}: {err}")
-                return
-            self.on_batch(batch)
-            if batch is None:  # the stop message: nothing follows it
-                return
-        if garbage is not None:
-            self._unreadable(f"FrameError: {garbage}")
+            for batch in messages(self.frames, data):
+                self.on_batch(batch)
+                if batch is None:  # the stop message: nothing follows it
+                    return
+        except Unreadable as err:  # which pass it held is unknown: say why and stop
+            self._unreadable(str(err))
 
     def _unreadable(self, why: str) -> None:
         # Say why and end: the driver retries the batch's passes alone, on new workers.
