@@ -194,34 +194,23 @@ async def test_whole_body_capped() -> None:
     assert body(out)["result"].endswith("chars]")
 
 
-def overlapping(intervals: list[tuple[float, float]]) -> bool:
-    """True when every interval overlaps every other one (all ran at the same time)."""
-    latest_start = max(s for s, _ in intervals)
-    earliest_end = min(e for _, e in intervals)
-    return latest_start < earliest_end
-
-
 async def test_sync_tools_run_concurrently() -> None:
-    intervals: list[tuple[float, float]] = []
-    lock = threading.Lock()
-
+    # A barrier all eight calls must reach together: it opens only if they all run at once, so
+    # a loaded machine that starts a thread late cannot fail it (as timed intervals could).
+    barrier = threading.Barrier(8, timeout=60)
     loop_thread = threading.get_ident()
 
     @tool
     def nap(i: int) -> int:
-        """Sleeps."""
+        """Waits for the other calls."""
         assert threading.get_ident() != loop_thread  # never on the event loop
-        start = time.monotonic()
-        time.sleep(0.2)
-        with lock:
-            intervals.append((start, time.monotonic()))
+        barrier.wait()  # BrokenBarrierError (an error result) unless all eight run at once
         return i
 
     outs = await run_tool_calls(
         [call("nap", {"i": i}, id=str(i)) for i in range(8)], ToolSet([nap]), session=None
     )
     assert [body(o)["result"] for o in outs] == list(range(8))
-    assert len(intervals) == 8 and overlapping(intervals)
 
 
 async def test_resource_keys_order_calls_and_others_overlap() -> None:
