@@ -9,18 +9,14 @@ thread. Tasks are counted with a task factory that records each coroutine's name
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import threading
 from typing import Any
 
 from pg_cluster import Cluster
-from treadle import Session, arun_session_loop
+from store_commits import cancel_a_commit_in_flight
 from treadle.errors import StoreError
-from treadle.stores import Store
 from treadle.stores.batching import Batcher
-from treadle.stores.journal import inflight
-from treadle.testing import ScriptedExecutor
 
 #: A hang guard, never a timing assertion.
 GUARD_SECONDS = 60.0
@@ -80,42 +76,7 @@ def test_a_postgres_commit_runs_without_a_task_and_is_waited_for(pg: Cluster) ->
     still has it waited for by `asettled`, and the turn lands whole or not at all."""
     dsn = pg.new_database()
 
-    async def main() -> tuple[list[str], list[str], int, list[str]]:
-        loop = asyncio.get_running_loop()
-        names: list[str] = []
-
-        def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
-            names.append(getattr(coro, "__name__", ""))
-            return asyncio.Task(coro, loop=loop)
-
-        def turn(message: str) -> Any:
-            return arun_session_loop(
-                Session.from_user_message(message),
-                Session.from_agent_prompt("x"),
-                executor=ScriptedExecutor([f"answer {message}"]),
-                store=store,
-                conversation="k",
-            )
-
-        async with Store.open(dsn) as store:
-            loop.set_task_factory(factory)
-            try:
-                await turn("A")
-                first = list(names)
-                task = asyncio.ensure_future(turn("B"))
-                while not inflight(store.backend):  # its commit is on its way
-                    await asyncio.sleep(0)
-                in_flight = len(inflight(store.backend))
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                await asyncio.wait_for(store.asettled(), GUARD_SECONDS)  # a hang guard
-            finally:
-                loop.set_task_factory(None)
-            rows = [str(r.payload.get("content")) for r in (await store.conversation("k")).rows]
-            return first, rows, in_flight, [p.status for p in await store.apending("k")]
-
-    first, rows, in_flight, pending = asyncio.run(main())
+    first, rows, in_flight, pending = cancel_a_commit_in_flight(dsn)
     assert "_commit" not in first, first
     assert in_flight == 1
     assert rows[:2] == ["A", "answer A"]

@@ -8,12 +8,12 @@ holds the thread (on a `threading.Event`) while the others queue behind it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
 
+from store_commits import cancel_a_commit_in_flight
 from treadle.session import ChunkRow, Usage
 from treadle.stores.sqlite import SqliteBackend
 
@@ -101,47 +101,7 @@ def test_a_sqlite_commit_runs_without_a_task_and_is_waited_for(tmp_path: Path) -
     """On SQLite a pass's commit is a job of the database thread settled by one call on the
     pass's loop: no commit task is made. A pass cancelled while that commit is in flight
     still has it waited for by `asettled`, and the turn lands whole."""
-    from treadle import Session, arun_session_loop
-    from treadle.stores import Store
-    from treadle.stores.journal import inflight
-    from treadle.testing import ScriptedExecutor
-
-    async def main() -> tuple[list[str], list[str], int, list[str]]:
-        loop = asyncio.get_running_loop()
-        names: list[str] = []
-
-        def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
-            names.append(getattr(coro, "__name__", ""))
-            return asyncio.Task(coro, loop=loop)
-
-        def turn(message: str) -> Any:
-            return arun_session_loop(
-                Session.from_user_message(message),
-                Session.from_agent_prompt("x"),
-                executor=ScriptedExecutor([f"answer {message}"]),
-                store=store,
-                conversation="k",
-            )
-
-        async with Store.open(str(tmp_path / "s.db")) as store:
-            loop.set_task_factory(factory)
-            try:
-                await turn("A")
-                first = list(names)
-                task = asyncio.ensure_future(turn("B"))
-                while not inflight(store.backend):  # its commit is on its way
-                    await asyncio.sleep(0)
-                in_flight = len(inflight(store.backend))
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                await asyncio.wait_for(store.asettled(), GUARD_SECONDS)  # a hang guard
-            finally:
-                loop.set_task_factory(None)
-            rows = [str(r.payload.get("content")) for r in (await store.conversation("k")).rows]
-            return first, rows, in_flight, [p.status for p in await store.apending("k")]
-
-    first, rows, in_flight, pending = asyncio.run(main())
+    first, rows, in_flight, pending = cancel_a_commit_in_flight(str(tmp_path / "s.db"))
     assert "_commit" not in first, first
     assert in_flight == 1
     assert rows[:2] == ["A", "answer A"]
