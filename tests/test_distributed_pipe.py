@@ -26,6 +26,19 @@ class Unpicklable(str):
         raise TypeError("cannot pickle Unpicklable")
 
 
+async def middle_lost(agent: Any, items: list[Any]) -> PassLost:
+    """Map `items` on one worker: the first and last pass end as sessions, the middle one's
+    worker is lost; that `PassLost`."""
+    out = await asyncio.wait_for(
+        amap(agent, items, backend="process", workers=1, max_attempts=2, return_exceptions=True),
+        60,
+    )
+    assert [type(o).__name__ for o in out] == ["Session", "PassLost", "Session"], out
+    lost = out[1]
+    assert isinstance(lost, PassLost)
+    return lost
+
+
 async def test_an_input_that_cannot_be_pickled_fails_alone() -> None:
     with FakeOpenAIServer(script=shout_script) as server:
         bad = Session.from_messages([{"role": "user", "content": Unpicklable("boom")}])
@@ -94,20 +107,7 @@ async def test_an_input_a_worker_cannot_unpickle_is_lost_alone(
     monkeypatch.setattr(sys.modules["__main__"], "OnlyInTheDriver", OnlyInTheDriver, raising=False)
     with FakeOpenAIServer(script=shout_script) as server:
         odd = Session.from_messages([{"role": "user", "content": OnlyInTheDriver("boom")}])
-        out = await asyncio.wait_for(
-            amap(
-                shouter(server.base_url),
-                ["a", odd, "b"],
-                backend="process",
-                workers=1,
-                max_attempts=2,
-                return_exceptions=True,
-            ),
-            60,
-        )
-    assert [type(o).__name__ for o in out] == ["Session", "PassLost", "Session"], out
-    lost = out[1]
-    assert isinstance(lost, PassLost)
+        lost = await middle_lost(shouter(server.base_url), ["a", odd, "b"])
     assert "could not read" in str(lost.outcome.error), lost.outcome.error
     assert "OnlyInTheDriver" in str(lost.outcome.error), lost.outcome.error
 
@@ -172,20 +172,7 @@ async def test_a_worker_that_writes_a_negative_frame_length_loses_its_passes(
         monkeypatch.setattr(
             garbler, "provider", Provider(model="fake", base_url=server.base_url, api_key="k")
         )
-        out = await asyncio.wait_for(
-            amap(
-                garbler,
-                ["a", "garble", "b"],
-                backend="process",
-                workers=1,
-                max_attempts=2,
-                return_exceptions=True,
-            ),
-            60,
-        )
-    assert [type(o).__name__ for o in out] == ["Session", "PassLost", "Session"], out
-    lost = out[1]
-    assert isinstance(lost, PassLost)
+        lost = await middle_lost(garbler, ["a", "garble", "b"])
     assert "frame that cannot be read" in str(lost.outcome.error), lost.outcome.error
     assert "length -4" in str(lost.outcome.error), lost.outcome.error
 
