@@ -17,6 +17,7 @@ from treadle.errors import ConfigurationError
 from treadle.llm import EndpointLimiter, Provider, build_request_body, get_client
 from treadle.llm import limiter as endpoint_limiter
 from treadle.llm.learned_limits import LearnedLimits, parse_duration
+from treadle.llm.limiter import Permit
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_limits import RateLimits, format_duration
 
@@ -225,6 +226,46 @@ async def test_the_first_wave_goes_at_once_and_the_rest_wait_for_the_first_reply
         limiter.release(permit)
     limiter.release(after)
     assert limiter.active == 0 and limiter._wave_out == 0
+
+
+async def test_the_first_waves_replies_leave_room_for_what_its_requests_cost() -> None:
+    # 400 tokens per 0.5 s. Each request is estimated at 17 tokens from its body and charged 19
+    # (its reply's tokens too). The wave of 16 leaves the server 400 - 16 x 19 = 96: five more
+    # fit at once. Seen on a loaded machine: the 15 replies still out were counted at 17 each,
+    # and each later reply of the wave gave back room the requests sent after it had taken, so
+    # seven went at once and two were refused.
+    clock = VirtualClock()
+    server = RateLimits(None, 400, window=0.5, now=clock.now)
+    replies: list[tuple[Permit, dict[str, str]]] = []
+
+    def answer_one() -> None:
+        permit, headers = replies.pop(0)
+        limiter.observe(permit, headers)
+        limiter.release(permit, 19)
+
+    async def sleep(seconds: float) -> None:  # while time passes, the rest of the wave answers
+        while replies:
+            answer_one()
+        await clock.sleep(seconds)
+
+    limiter = EndpointLimiter(100, learn=True, first_wave=16, clock=clock, sleep=sleep)
+    for _ in range(16):
+        permit = await limiter.acquire(17)
+        admitted, headers, _ = server.take(19, clock.now)
+        assert admitted
+        replies.append((permit, dict(headers)))
+    answer_one()
+    sent_at_once = 0
+    for _ in range(6):  # (later ones meet the refill's rounding: the mirror paces at 800/s too)
+        permit = await limiter.acquire(17)
+        assert permit.mark is not None
+        sent_at_once += clock.now == 1000.0
+        admitted, _, _ = server.take(19, clock.now)
+        assert admitted, f"refused {clock.now - 1000.0:.4f} s in, {sent_at_once} sent at once"
+        if replies:  # the wave's replies keep coming in between
+            answer_one()
+    assert sent_at_once == 5
+    assert server.rejected == 0
 
 
 async def test_a_probe_without_reply_hands_probing_on() -> None:

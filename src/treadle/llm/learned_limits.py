@@ -210,7 +210,7 @@ class LearnedLimits:
     """
 
     __slots__ = ("paused_until", "penalty", "probing", "requests", "share", "taken_requests",
-                 "taken_tokens", "tokens", "unseen_tokens")  # fmt: skip
+                 "taken_tokens", "tokens", "unseen_tokens", "usage_seen")  # fmt: skip
 
     def __init__(self, share: float = 1.0) -> None:
         if not (0.0 < share <= 1.0):
@@ -225,6 +225,8 @@ class LearnedLimits:
         self.taken_tokens = 0
         self.unseen_tokens = 0.0
         """Average tokens a request is charged beyond its estimate (its reply): added up front."""
+        self.usage_seen = False
+        """True once a reply's usage corrected an estimate (`unseen_tokens` is measured)."""
         self.probing: _Probing | None = None
         """Without rate headers, after a 429: (when, taken_requests, the paced bucket)."""
 
@@ -239,12 +241,14 @@ class LearnedLimits:
         now: float,
         *,
         sent: float | None = None,
-        mark: tuple[int, int] = (0, 0),
+        mark: tuple[int, int] | None = None,
     ) -> bool:
         """Learn from one reply's headers; False when it carried none (the usual, cheap case).
 
-        `sent` is when its request was admitted and `mark` the `(taken_requests, taken_tokens)`
-        counts just after it (None: treat the reply as current).
+        `sent` is when its request was admitted (None: unknown, so no refill is credited since)
+        and `mark` the `(taken_requests, taken_tokens)` counts just after it: what was taken
+        since is not in the reply's `remaining` yet. None treats the reply as current; `(0, 0)`
+        is a request sent before anything was counted (the first wave): all of it came after.
         """
         got = False
         age = 0.0 if sent is None else max(0.0, now - sent)
@@ -273,8 +277,8 @@ class LearnedLimits:
                 else:
                     self.tokens = bucket
             taken = self.taken_requests if kind == "requests" else self.taken_tokens
-            since = taken - mark[0 if kind == "requests" else 1] if sent is not None else 0
-            if bucket.measured and sent is not None:
+            since = taken - mark[0 if kind == "requests" else 1] if mark is not None else 0
+            if bucket.measured and sent is not None and mark is not None:
                 bucket.measure(remaining, sent, mark[0 if kind == "requests" else 1])
             bucket.observe(limit, min(remaining, limit), reset, now, age=age, since=max(since, 0))
             if remaining > 0 and self.penalty < 1.0:
@@ -383,10 +387,24 @@ class LearnedLimits:
             self.tokens.level -= tokens
         return mark
 
-    def correct(self, estimated: int, actual: int) -> None:
-        """The server reported `actual` tokens for a request admitted as `estimated`."""
+    def correct(self, estimated: int, actual: int, *, counted: bool = True) -> None:
+        """The server reported `actual` tokens for a request admitted as `estimated`.
+
+        `counted` is False for a request of the first wave, sent before anything was learned:
+        it is not in the counts, and only teaches what a request costs beyond its estimate.
+        """
         charged = estimated + round(self.unseen_tokens)
-        self.unseen_tokens += (actual - estimated - self.unseen_tokens) * 0.1
+        if self.usage_seen:
+            self.unseen_tokens += (actual - estimated - self.unseen_tokens) * 0.1
+        else:
+            # The first report is taken whole: from a prior of 0 the average would need about
+            # ten replies to learn a reply's tokens, and until then the first wave's unanswered
+            # requests (room left for each at this cost) would be under-counted, enough to be
+            # refused once the mirror hands their room out.
+            self.unseen_tokens = float(actual - estimated)
+            self.usage_seen = True
+        if not counted:
+            return
         self.taken_tokens += actual - charged
         if self.tokens is not None:
             self.tokens.level -= actual - charged

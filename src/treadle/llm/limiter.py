@@ -242,12 +242,18 @@ class EndpointLimiter:
             retry_after = parse_retry_after(headers) if refused else None
             age = now - permit.started if permit.leased else 0.0
             shared.report(age, mark if permit.leased else None, headers, refused, now, retry_after)
+        sent: float | None = None
         if permit.leased:  # the broker paces; this mirror only stands by (its share)
             mark = None
-        sent = permit.started if mark is not None else None
-        if mark is not None:
+        elif mark is not None:
+            sent = permit.started
             self._answered = max(self._answered, mark[0])
-        if learned.observe(headers, now, sent=sent, mark=mark or (0, 0)):
+        else:
+            # Sent before anything was counted (the first wave): every request counted so far
+            # went after it, so none of them is in its reply's `remaining`. Taken as current,
+            # its reply would give back room those requests took.
+            mark = (0, 0)
+        if learned.observe(headers, now, sent=sent, mark=mark):
             self._fast = False
         if refused:
             learned.refused(parse_retry_after(headers), now, sent=permit.started or None)
@@ -308,7 +314,10 @@ class EndpointLimiter:
             if self._probing:  # another may go in its place
                 self._probes_out -= 1
         if actual_tokens is not None:
-            if permit.mark is not None and self.learned is not None and not permit.leased:
-                self.learned.correct(permit.tokens, actual_tokens)
+            learned = self.learned
+            if learned is not None and learned.known and not permit.leased:
+                # A first-wave reply (no mark) teaches the cost too: its siblings still out are
+                # counted at that cost while the mirror hands out room.
+                learned.correct(permit.tokens, actual_tokens, counted=permit.mark is not None)
             permit.tokens = actual_tokens
         self._freed.set()
