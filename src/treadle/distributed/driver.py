@@ -152,7 +152,10 @@ async def drive(
         if sync_source is not None:
             # `next` never awaits: the value and its position are one step, with no lock (a
             # lock per pass was the scheduler's cost) and in the source's order.
-            value = next(sync_source, _DONE)
+            try:
+                value = next(sync_source, _DONE)
+            except asyncio.CancelledError as err:
+                raise _source_cancelled(err) from err
         else:
             assert async_source is not None
             async with pulling:  # one `anext` at a time, each value numbered before the next
@@ -269,6 +272,8 @@ async def drive(
     async def consume(slot: int, send: Callable[[PassOutcome], None]) -> None:
         carried: tuple[int, Any] | BaseException | None = None  # what a chain took last
         while True:
+            if isinstance(carried, asyncio.CancelledError):  # the iterable's own, see `take`
+                raise _source_cancelled(carried) from carried
             if isinstance(carried, BaseException):  # the input iterable failed: the map fails
                 raise carried
             await undelivered.acquire()
@@ -344,8 +349,8 @@ async def drive(
                 return outcome  # a suspect waiting, a restart, no budget: the loop waits
             try:  # taken in the source's order and numbered in the same step, as `take`
                 value = next(source, _DONE)
-            except Exception as err:  # raised once this outcome is delivered
-                carried = err
+            except BaseException as err:  # raised once this outcome is delivered: any error
+                carried = err  # escaping the read callback would abort the worker's socket
                 return outcome
             if value is _DONE:
                 state["exhausted"] = True
@@ -356,7 +361,7 @@ async def drive(
             if not isinstance(value, Session) and not undelivered.locked():
                 try:
                     following = PassItem.from_input(index, value, trace_context)
-                except Exception:  # `prepare` reports it, as for any input
+                except BaseException:  # `prepare` meets it again, in the loop, as for any input
                     following = None
             if following is None:
                 carried = (index, value)
@@ -412,6 +417,14 @@ async def drive(
             yield outcome
             undelivered.release()
         outcomes.result()  # a failing input iterable or a worker that cannot restart
+
+
+def _source_cancelled(err: asyncio.CancelledError) -> RuntimeError:
+    """The error for a sync input iterable whose `next` raised CancelledError: `next` never
+    awaits, so it is the iterable's own error, not the map's cancellation; raised as it is, the
+    consumer's task would end as cancelled, its task group would drop it, and the map would end
+    as if every input were done."""
+    return RuntimeError(f"the input iterable raised CancelledError: {err}")
 
 
 def _acquire_now(semaphore: asyncio.Semaphore) -> None:

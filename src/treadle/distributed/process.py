@@ -251,13 +251,15 @@ class _Chain:
             return
         try:
             following = self.step(PassOutcome.from_json(data))
-        except Exception as err:  # the scheduler's task raises it, as `run` would
-            self.future.set_exception(err)
-            return
-        if isinstance(following, PassItem):
-            self.send(following)
-        else:
-            self.future.set_result(following)
+            if isinstance(following, PassItem):
+                self.send(following)
+            else:
+                self.future.set_result(following)
+        except BaseException as err:  # the scheduler's task raises it, as `run`
+            # would; out of the read callback it would abort the socket with the chain already
+            # out of `pending`, and the task would wait for ever.
+            if not self.future.done():
+                self.future.set_exception(err)
 
     def set_exception(self, err: BaseException) -> None:
         if not self.future.done():
