@@ -202,29 +202,37 @@ async def test_an_input_that_cannot_be_an_item_fails_alone_among_pending_ones(
             )
 
 
-async def test_a_chain_pulls_no_more_than_the_undelivered_bound() -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+async def test_a_chain_pulls_no_more_than_the_undelivered_bound(mixed: bool) -> None:
     """A caller that takes its outcomes slowly: the chained passes stop at the bound the
     scheduler keeps (passes in flight plus outcomes not yet taken, 2 x concurrency), as its
-    tasks do, and every input still comes out once."""
-    pulled = 0
-
-    def source() -> Iterator[str]:
-        nonlocal pulled
-        for i in range(200):
-            pulled += 1
-            yield f"w{i} 0"
-
-    pool = _ChainedEchoPool(7)
-    outcomes: list[PassOutcome] = []
+    tasks do, and every input still comes out once. Mixed: every other input a session, which a
+    chain takes but hands to the loop, and that input counts against the bound too."""
     most = 0
-    async for outcome in drive(pool, source(), concurrency=4, max_attempts=2, call_timeout=None):
-        outcomes.append(outcome)
-        most = max(most, pulled - len(outcomes))
-        for _ in range(5):  # the caller is slow: the passes run ahead meanwhile
-            await asyncio.sleep(0)
-    assert sorted(o.index for o in outcomes) == list(range(200))
+    for seed, slow in [(seed, slow) for seed in range(6) for slow in (0, 1, 2, 5)]:
+        pulled = 0
+
+        def source() -> Iterator[Any]:
+            nonlocal pulled
+            for i in range(200):
+                pulled += 1
+                if mixed and i % 2:
+                    yield Session.from_user_message(f"w{i} 0")
+                else:
+                    yield f"w{i} 0"
+
+        pool = _ChainedEchoPool(seed)
+        outcomes: list[PassOutcome] = []
+        async for outcome in drive(
+            pool, source(), concurrency=4, max_attempts=2, call_timeout=None
+        ):
+            outcomes.append(outcome)
+            most = max(most, pulled - len(outcomes))
+            for _ in range(slow):  # the caller is slow: the passes run ahead meanwhile
+                await asyncio.sleep(0)
+        assert sorted(o.index for o in outcomes) == list(range(200))
+        assert pool.chained > 0
     assert most <= 2 * 4
-    assert pool.chained > 0
 
 
 async def test_an_input_iterable_failing_mid_chain_fails_the_map_after_earlier_outcomes() -> None:

@@ -276,13 +276,14 @@ async def drive(
                 raise _source_cancelled(carried) from carried
             if isinstance(carried, BaseException):  # the input iterable failed: the map fails
                 raise carried
-            await undelivered.acquire()
             item: PassItem | PassOutcome | None
             if carried is not None:  # an input a chain took that needs more than its callback
+                # Its budget was taken with it (`chained`), so a held input counts as well.
                 state["in_flight"] += 1
                 item = await prepare(*carried)
                 carried = None
             else:
+                await undelivered.acquire()
                 item = await next_item()
             if item is None:
                 undelivered.release()
@@ -327,7 +328,7 @@ async def drive(
         wait for anything: no task resumed and no future per pass (the scheduler was a third
         of the driver's CPU, docs/performance.md). Returns the last pass's outcome (None: the
         worker was lost under it), for the loop to deliver, and an input taken meanwhile that
-        needs the loop (a session, one that fails, one past the budget) or the error the input
+        needs the loop (a session, one that fails; with its budget taken) or the error the input
         iterable raised."""
         if not ready[slot].is_set():
             await ready[slot].wait()
@@ -347,27 +348,31 @@ async def drive(
                 return outcome  # a retry, the end, a waiting consumer: the loop's cases
             if gate.waiting_alone or generation[slot] != seen or undelivered.locked():
                 return outcome  # a suspect waiting, a restart, no budget: the loop waits
+            # The next input's budget before the input: an input the loop must take over
+            # (`carried`) keeps it, so a chain never holds one past the bound while it waits.
+            _acquire_now(undelivered)
             try:  # taken in the source's order and numbered in the same step, as `take`
                 value = next(source, _DONE)
             except BaseException as err:  # raised once this outcome is delivered: any error
-                carried = err  # escaping the read callback would abort the worker's socket
+                undelivered.release()  # escaping the read callback would abort the socket
+                carried = err
                 return outcome
             if value is _DONE:
+                undelivered.release()
                 state["exhausted"] = True
                 return outcome
             index = state["next"]
             state["next"] += 1
             following: PassItem | None = None
-            if not isinstance(value, Session) and not undelivered.locked():
+            if not isinstance(value, Session):
                 try:
                     following = PassItem.from_input(index, value, trace_context)
                 except BaseException:  # `prepare` meets it again, in the loop, as for any input
                     following = None
             if following is None:
-                carried = (index, value)
+                carried = (index, value)  # with the budget just taken
                 return outcome
-            _acquire_now(undelivered)
-            # The next pass takes this one's place in flight (the count stays) and its budget.
+            # The next pass takes this one's place in flight (the count stays).
             send(outcome)  # a first attempt: no earlier history to join
             current = following
             return following
