@@ -256,3 +256,28 @@ async def test_an_input_iterable_failing_mid_chain_fails_the_map_after_earlier_o
     assert errors is not None and "the source broke" in str(errors.exceptions[0])
     assert sorted(o.index for o in outcomes) == list(range(40))
     assert pool.chained > 0
+
+
+@pytest.mark.parametrize("pool_type", [_EchoPool, _ChainedEchoPool])
+async def test_a_sync_source_raising_cancelled_error_fails_the_map(
+    pool_type: type[_EchoPool],
+) -> None:
+    """`next` of a sync iterable never awaits, so a CancelledError from it is the iterable's
+    own error: the map fails with it (as a RuntimeError), on the tasks' path and the chain's,
+    where raised as it is the consumer's task would end as cancelled and the map as if done."""
+
+    def source() -> Iterator[str]:
+        for i in range(40):
+            yield f"w{i} 0"
+        raise asyncio.CancelledError("the source stopped")
+
+    outcomes: list[PassOutcome] = []
+    with pytest.raises(ExceptionGroup) as raised:
+        async for outcome in drive(
+            pool_type(5), source(), concurrency=4, max_attempts=2, call_timeout=None
+        ):
+            outcomes.append(outcome)
+    errors = raised.value.subgroup(RuntimeError)
+    assert errors is not None
+    assert isinstance(errors.exceptions[0].__cause__, asyncio.CancelledError)
+    assert sorted(o.index for o in outcomes) == list(range(40))
