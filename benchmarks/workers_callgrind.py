@@ -72,8 +72,8 @@ def _child(mode: str, n: int, out: str) -> None:
                 options: dict[str, Any] = {"concurrency": CONCURRENCY, "max_attempts": 1,
                                            "call_timeout": None}  # fmt: skip
                 _ = [o async for o in drive(pool, inputs[:CONCURRENCY], **options)]
-                outcomes = [o async for o in drive(pool, inputs, **options)]
-                sessions = [_result(o, agent) for o in outcomes]
+                # Each output rebuilt as it arrives, as `treadle.map` does (`remote_map_iter`).
+                sessions = [_result(o, agent) async for o in drive(pool, inputs, **options)]
                 assert all(getattr(s, "stop_reason", None) == "final_answer" for s in sessions)
             finally:
                 await pool.close()

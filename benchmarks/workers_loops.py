@@ -77,14 +77,15 @@ def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
             before = sum(proc_cpu_seconds(pid) for pid in pids)
             meter.start()
             # What `treadle.map(..., backend="process")` does past its pool's start-up: drive
-            # the passes and rebuild each outcome as the caller's output session.
-            outcomes = [
-                o
+            # the passes and rebuild each outcome as the caller's output session as it arrives
+            # (`remote_map_iter`), keeping the sessions, not the outcomes: keeping every
+            # outcome too made the driver's collections walk objects no caller keeps.
+            sessions = [
+                _result(o, agent)
                 async for o in drive(
                     pool, inputs, concurrency=CONCURRENCY, max_attempts=1, call_timeout=None
                 )
             ]
-            sessions = [_result(o, agent) for o in outcomes]
             meter.stop()
             worker_cpu = sum(proc_cpu_seconds(pid) for pid in pids) - before
         finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -59,6 +59,54 @@ class _EchoPool:
         raise AssertionError("no worker is lost here")
 
 
+class _ChainedEchoPool(_EchoPool):
+    """`_EchoPool` that also chains passes as the process pool does (`run_chained`): each
+    outcome goes to the scheduler's `step` from a loop callback, a turn or three on, and the
+    item it returns runs next, with no task of the scheduler resumed in between."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.chained = 0  # passes started from a callback (the chain's, not the scheduler's)
+
+    async def run_chained(
+        self, slot: int, item: PassItem, step: Callable[[PassOutcome], PassItem | PassOutcome]
+    ) -> PassOutcome:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[PassOutcome] = loop.create_future()
+
+        def answer(item: PassItem, turns: int) -> None:
+            if future.done():  # the map was closed: its task no longer waits
+                return
+            if turns:
+                loop.call_soon(answer, item, turns - 1)
+                return
+            outcome = PassOutcome(
+                index=item.index,
+                session_id=item.session_id,
+                status="ok",
+                attempts=item.attempt,
+                worker="here:0",
+                messages=item.messages,
+            )
+            try:
+                following = step(outcome)
+            except Exception as err:
+                future.set_exception(err)
+                return
+            if isinstance(following, PassItem):
+                self.chained += 1
+                start(following)
+            else:
+                future.set_result(following)
+
+        def start(item: PassItem) -> None:
+            self.seen.append(item.index)
+            answer(item, self.rng.randrange(0, 3))
+
+        loop.call_soon(start, item)
+        return await future
+
+
 def _inputs(producer: Agent, rng: random.Random, n: int, share: float) -> Iterator[Any]:
     """`n` inputs: a `share` of them pending sessions (started as they are taken, each held
     0-4 ms by the server), the others strings; input `i`'s last user row starts `w<i> `."""
@@ -78,18 +126,19 @@ def _check(outcomes: list[PassOutcome], pool: _EchoPool, n: int) -> None:
         assert last.split()[0] == f"w{o.index}", (o.index, last)
 
 
+@pytest.mark.parametrize("pool_type", [_EchoPool, _ChainedEchoPool])
 @pytest.mark.parametrize(
-    ("n", "share", "concurrency"), [(300, 0.4, 8), (200, 0.7, 4), (150, 0.2, 16)]
+    ("n", "share", "concurrency"), [(300, 0.4, 8), (200, 0.7, 4), (150, 0.2, 16), (300, 0.0, 8)]
 )
 async def test_pending_and_plain_inputs_from_an_iterable(
-    n: int, share: float, concurrency: int
+    n: int, share: float, concurrency: int, pool_type: type[_EchoPool]
 ) -> None:
     with FakeOpenAIServer(script=_held_script) as server:
         producer = Agent(
             "producer", "Say ready.", provider=Provider(model="f", base_url=server.base_url)
         )
         for seed in range(4):
-            pool = _EchoPool(seed)
+            pool = pool_type(seed)
             source = _inputs(producer, random.Random(seed), n, share)
             outcomes = [
                 o
@@ -98,6 +147,8 @@ async def test_pending_and_plain_inputs_from_an_iterable(
                 )
             ]
             _check(outcomes, pool, n)
+            if isinstance(pool, _ChainedEchoPool):  # the chain ran, not only the tasks
+                assert pool.chained > n // 10
 
 
 async def test_pending_and_plain_inputs_from_an_async_source() -> None:
@@ -123,7 +174,10 @@ async def test_pending_and_plain_inputs_from_an_async_source() -> None:
             _check(outcomes, pool, 200)
 
 
-async def test_an_input_that_cannot_be_an_item_fails_alone_among_pending_ones() -> None:
+@pytest.mark.parametrize("pool_type", [_EchoPool, _ChainedEchoPool])
+async def test_an_input_that_cannot_be_an_item_fails_alone_among_pending_ones(
+    pool_type: type[_EchoPool],
+) -> None:
     with FakeOpenAIServer(script=_held_script) as server:
         producer = Agent(
             "producer", "Say ready.", provider=Provider(model="f", base_url=server.base_url)
@@ -133,7 +187,7 @@ async def test_an_input_that_cannot_be_an_item_fails_alone_among_pending_ones() 
             for i, value in enumerate(_inputs(producer, random.Random(5), 120, 0.5)):
                 yield 42 if i % 10 == 3 else value
 
-        pool = _EchoPool(5)
+        pool = pool_type(5)
         outcomes = [
             o async for o in drive(pool, source(), concurrency=8, max_attempts=2, call_timeout=None)
         ]
@@ -146,3 +200,84 @@ async def test_an_input_that_cannot_be_an_item_fails_alone_among_pending_ones() 
             assert [m for m in o.messages if m["role"] == "user"][-1]["content"].startswith(
                 f"w{o.index} "
             )
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+async def test_a_chain_pulls_no_more_than_the_undelivered_bound(mixed: bool) -> None:
+    """A caller that takes its outcomes slowly: the chained passes stop at the bound the
+    scheduler keeps (passes in flight plus outcomes not yet taken, 2 x concurrency), as its
+    tasks do, and every input still comes out once. Mixed: every other input a session, which a
+    chain takes but hands to the loop, and that input counts against the bound too."""
+    most = 0
+    for seed, slow in [(seed, slow) for seed in range(6) for slow in (0, 1, 2, 5)]:
+        pulled = 0
+
+        def source() -> Iterator[Any]:
+            nonlocal pulled
+            for i in range(200):
+                pulled += 1
+                if mixed and i % 2:
+                    yield Session.from_user_message(f"w{i} 0")
+                else:
+                    yield f"w{i} 0"
+
+        pool = _ChainedEchoPool(seed)
+        outcomes: list[PassOutcome] = []
+        async for outcome in drive(
+            pool, source(), concurrency=4, max_attempts=2, call_timeout=None
+        ):
+            outcomes.append(outcome)
+            most = max(most, pulled - len(outcomes))
+            for _ in range(slow):  # the caller is slow: the passes run ahead meanwhile
+                await asyncio.sleep(0)
+        assert sorted(o.index for o in outcomes) == list(range(200))
+        assert pool.chained > 0
+    assert most <= 2 * 4
+
+
+async def test_an_input_iterable_failing_mid_chain_fails_the_map_after_earlier_outcomes() -> None:
+    """The iterable raises while a chain takes the next input: the map raises that error, and
+    the outcome the chain held when it took the input was delivered first."""
+
+    def source() -> Iterator[str]:
+        for i in range(40):
+            yield f"w{i} 0"
+        raise RuntimeError("the source broke")
+
+    pool = _ChainedEchoPool(3)
+    outcomes: list[PassOutcome] = []
+    # In the scheduler's task group, as when its tasks take the input (test_distributed_driver).
+    with pytest.raises(ExceptionGroup) as raised:
+        async for outcome in drive(
+            pool, source(), concurrency=4, max_attempts=2, call_timeout=None
+        ):
+            outcomes.append(outcome)
+    errors = raised.value.subgroup(RuntimeError)
+    assert errors is not None and "the source broke" in str(errors.exceptions[0])
+    assert sorted(o.index for o in outcomes) == list(range(40))
+    assert pool.chained > 0
+
+
+@pytest.mark.parametrize("pool_type", [_EchoPool, _ChainedEchoPool])
+async def test_a_sync_source_raising_cancelled_error_fails_the_map(
+    pool_type: type[_EchoPool],
+) -> None:
+    """`next` of a sync iterable never awaits, so a CancelledError from it is the iterable's
+    own error: the map fails with it (as a RuntimeError), on the tasks' path and the chain's,
+    where raised as it is the consumer's task would end as cancelled and the map as if done."""
+
+    def source() -> Iterator[str]:
+        for i in range(40):
+            yield f"w{i} 0"
+        raise asyncio.CancelledError("the source stopped")
+
+    outcomes: list[PassOutcome] = []
+    with pytest.raises(ExceptionGroup) as raised:
+        async for outcome in drive(
+            pool_type(5), source(), concurrency=4, max_attempts=2, call_timeout=None
+        ):
+            outcomes.append(outcome)
+    errors = raised.value.subgroup(RuntimeError)
+    assert errors is not None
+    assert isinstance(errors.exceptions[0].__cause__, asyncio.CancelledError)
+    assert sorted(o.index for o in outcomes) == list(range(40))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import pickle
 import re
 from typing import Any
 
@@ -21,6 +22,7 @@ from treadle.distributed.outcome import (
     PassFailed,
     PassItem,
     PassOutcome,
+    local_metadata,
     portable_metadata,
     received_rows,
     received_session,
@@ -253,3 +255,20 @@ def test_a_system_row_that_keeps_its_developer_role_is_trusted() -> None:
     assert received.chunk_table == rebuilt.chunk_table
     assert received.to_messages() == rebuilt.to_messages() == outcome.messages
     assert sent._public() == outcome
+
+
+def test_request_usage_entries_crossing_the_pipe_are_rebuilt_field_by_field() -> None:
+    # Unpickled keys (equal to the field names, not the same strings) are read by name into
+    # the positional build: every field lands where it belongs, whatever the keys' order, and
+    # an entry as long as a full one but with another key stays data.
+    full: dict[str, Any] = {f.name: f"v-{f.name}" for f in dataclasses.fields(RequestUsage)}
+    shuffled = dict(reversed(list(full.items())))
+    other = {**{k: v for k, v in full.items() if k != "agent"}, "colour": "red"}
+    for entries in ([full, shuffled], [full, other]):
+        metadata = pickle.loads(pickle.dumps({"request_usage": entries}))
+        rebuilt = local_metadata(metadata)["request_usage"]
+        for entry, value in zip(entries, rebuilt, strict=True):
+            if "colour" in entry:
+                assert value == entry
+            else:
+                assert value == RequestUsage(**full)

@@ -53,6 +53,12 @@ class WorkerPool(Protocol):
 
 
 _DONE = object()
+#: A pool's `run_chained(slot, item, step)` (the process pool's): runs `item` on `slot`'s worker,
+#: hands each outcome to `step` in its read callback, runs the item `step` returns next, and
+#: returns the outcome `step` gives back (`WorkerLost` when the worker is lost under a pass).
+_RunChained = Callable[
+    [int, PassItem, Callable[[PassOutcome], "PassItem | PassOutcome"]], Awaitable[PassOutcome]
+]
 
 
 class _SlotGate:
@@ -146,7 +152,10 @@ async def drive(
         if sync_source is not None:
             # `next` never awaits: the value and its position are one step, with no lock (a
             # lock per pass was the scheduler's cost) and in the source's order.
-            value = next(sync_source, _DONE)
+            try:
+                value = next(sync_source, _DONE)
+            except asyncio.CancelledError as err:
+                raise _source_cancelled(err) from err
         else:
             assert async_source is not None
             async with pulling:  # one `anext` at a time, each value numbered before the next
@@ -184,28 +193,10 @@ async def drive(
                 if taken is None:
                     state["exhausted"] = True
                     continue
-                index, value = taken
                 # In flight from here: a consumer with nothing left to take waits for this one
                 # (its session may still be pending), as it waits for a pass that may come back.
                 state["in_flight"] += 1
-                if isinstance(value, Session):
-                    try:
-                        await value.wait_ready()
-                    except Exception as err:  # its own pass failed: that is this item's outcome
-                        waking = finished()
-                        if waking is not None:
-                            await waking
-                        return _failed_input(index, value, err)
-                    except BaseException:  # the map is cancelled: it ends
-                        state["in_flight"] -= 1
-                        raise
-                try:
-                    return PassItem.from_input(index, value, trace_context)
-                except Exception as err:  # reported like a failed pass
-                    waking = finished()
-                    if waking is not None:
-                        await waking
-                    return _bad_input(index, err)
+                return await prepare(*taken)
             if state["in_flight"] == 0:
                 return None
             # Only the last consumers get here: they wait for a pass to end or come back.
@@ -216,6 +207,27 @@ async def drive(
                         await changed.wait()
             finally:
                 state["waiting"] -= 1
+
+    async def prepare(index: int, value: Any) -> PassItem | PassOutcome:
+        """The item of an input taken (and counted in flight), or its outcome if it fails."""
+        if isinstance(value, Session):
+            try:
+                await value.wait_ready()
+            except Exception as err:  # its own pass failed: that is this item's outcome
+                waking = finished()
+                if waking is not None:
+                    await waking
+                return _failed_input(index, value, err)
+            except BaseException:  # the map is cancelled: it ends
+                state["in_flight"] -= 1
+                raise
+        try:
+            return PassItem.from_input(index, value, trace_context)
+        except Exception as err:  # reported like a failed pass
+            waking = finished()
+            if waking is not None:
+                await waking
+            return _bad_input(index, err)
 
     async def restart(slot: int, seen: int) -> None:
         if generation[slot] != seen:  # another pass on this worker already restarted it
@@ -258,9 +270,21 @@ async def drive(
         )
 
     async def consume(slot: int, send: Callable[[PassOutcome], None]) -> None:
+        carried: tuple[int, Any] | BaseException | None = None  # what a chain took last
         while True:
-            await undelivered.acquire()
-            item = await next_item()
+            if isinstance(carried, asyncio.CancelledError):  # the iterable's own, see `take`
+                raise _source_cancelled(carried) from carried
+            if isinstance(carried, BaseException):  # the input iterable failed: the map fails
+                raise carried
+            item: PassItem | PassOutcome | None
+            if carried is not None:  # an input a chain took that needs more than its callback
+                # Its budget was taken with it (`chained`), so a held input counts as well.
+                state["in_flight"] += 1
+                item = await prepare(*carried)
+                carried = None
+            else:
+                await undelivered.acquire()
+                item = await next_item()
             if item is None:
                 undelivered.release()
                 return
@@ -273,7 +297,10 @@ async def drive(
                     # The gate's common case inline (no context manager per pass), as `enter`.
                     gate.sharing += 1
                     try:
-                        outcome = await attempt(slot, item, send)
+                        if run_chained is not None:
+                            outcome, carried = await chained(run_chained, slot, item, send)
+                        else:
+                            outcome = await attempt(slot, item, send)
                     finally:
                         gate.sharing -= 1
                         if gate.waiting_alone:
@@ -284,7 +311,7 @@ async def drive(
                         outcome = await attempt(slot, item, send)
                 if outcome is None:
                     continue
-                earlier = history.pop(item.index, None)
+                earlier = history.pop(outcome.index, None)  # a chain's last pass: its own
                 if earlier:
                     outcome = dataclasses.replace(outcome, history=(*earlier, *outcome.history))
                 send(outcome)
@@ -292,6 +319,70 @@ async def drive(
                 waking = finished()  # only the last passes' consumers wait for the others
                 if waking is not None:
                     await waking
+
+    async def chained(
+        run: _RunChained, slot: int, item: PassItem, send: Callable[[PassOutcome], None]
+    ) -> tuple[PassOutcome | None, tuple[int, Any] | BaseException | None]:
+        """`item` and the inputs after it on `slot`'s worker, each sent from the pool's read
+        callback as the pass before it ends, for as long as this consumer's loop would not
+        wait for anything: no task resumed and no future per pass (the scheduler was a third
+        of the driver's CPU, docs/performance.md). Returns the last pass's outcome (None: the
+        worker was lost under it), for the loop to deliver, and an input taken meanwhile that
+        needs the loop (a session, one that fails; with its budget taken) or the error the input
+        iterable raised."""
+        if not ready[slot].is_set():
+            await ready[slot].wait()
+        seen = generation[slot]
+        worker = pool.worker_name(slot)
+        gate = gates[slot]
+        source = sync_source
+        assert source is not None
+        current = item
+        carried: tuple[int, Any] | BaseException | None = None
+
+        def step(outcome: PassOutcome) -> PassItem | PassOutcome:
+            """In the read callback: the next item for this worker, or `outcome` back to the
+            loop (which then delivers it as it delivers any)."""
+            nonlocal current, carried
+            if retry or state["exhausted"] or state["waiting"] or gate.alone:
+                return outcome  # a retry, the end, a waiting consumer: the loop's cases
+            if gate.waiting_alone or generation[slot] != seen or undelivered.locked():
+                return outcome  # a suspect waiting, a restart, no budget: the loop waits
+            # The next input's budget before the input: an input the loop must take over
+            # (`carried`) keeps it, so a chain never holds one past the bound while it waits.
+            _acquire_now(undelivered)
+            try:  # taken in the source's order and numbered in the same step, as `take`
+                value = next(source, _DONE)
+            except BaseException as err:  # raised once this outcome is delivered: any error
+                undelivered.release()  # escaping the read callback would abort the socket
+                carried = err
+                return outcome
+            if value is _DONE:
+                undelivered.release()
+                state["exhausted"] = True
+                return outcome
+            index = state["next"]
+            state["next"] += 1
+            following: PassItem | None = None
+            if not isinstance(value, Session):
+                try:
+                    following = PassItem.from_input(index, value, trace_context)
+                except BaseException:  # `prepare` meets it again, in the loop, as for any input
+                    following = None
+            if following is None:
+                carried = (index, value)  # with the budget just taken
+                return outcome
+            # The next pass takes this one's place in flight (the count stays).
+            send(outcome)  # a first attempt: no earlier history to join
+            current = following
+            return following
+
+        try:
+            return await run(slot, item, step), carried
+        except WorkerLost as err:
+            await lost(worker, current, err, send)
+            await restart(slot, seen)
+            return None, carried
 
     async def attempt(
         slot: int, item: PassItem, send: Callable[[PassOutcome], None]
@@ -312,6 +403,12 @@ async def drive(
             await restart(slot, seen)
             return None
 
+    # Passes chain on a worker from the pool's callbacks where the loop's cases allow it (a
+    # sync source, no per-call deadline; a pool without `run_chained`, e.g. Ray, never chains).
+    run_chained = getattr(pool, "run_chained", None)
+    if sync_source is None or call_timeout is not None:
+        run_chained = None
+
     async def main(send: Callable[[PassOutcome], None]) -> None:
         async with asyncio.TaskGroup() as tg:
             for slot in range(pool.size):
@@ -325,6 +422,20 @@ async def drive(
             yield outcome
             undelivered.release()
         outcomes.result()  # a failing input iterable or a worker that cannot restart
+
+
+def _source_cancelled(err: asyncio.CancelledError) -> RuntimeError:
+    """The error for a sync input iterable whose `next` raised CancelledError: `next` never
+    awaits, so it is the iterable's own error, not the map's cancellation; raised as it is, the
+    consumer's task would end as cancelled, its task group would drop it, and the map would end
+    as if every input were done."""
+    return RuntimeError(f"the input iterable raised CancelledError: {err}")
+
+
+def _acquire_now(semaphore: asyncio.Semaphore) -> None:
+    """`semaphore.acquire()` when it is not locked, from a callback: what `acquire` does
+    without suspending (CPython 3.11-3.13)."""
+    semaphore._value -= 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -356,6 +356,7 @@ def portable_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 _USAGE_NAMES = tuple(f.name for f in dataclasses.fields(RequestUsage))
 _usage_values = operator.attrgetter(*_USAGE_NAMES)
+_usage_items = operator.itemgetter(*_USAGE_NAMES)
 
 
 _SCALARS = frozenset({str, int, float, bool})
@@ -433,6 +434,13 @@ def _request_usages(entries: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
     """`request_usage` entries as `RequestUsage` values: one per completion, so the common case
     (every entry a dict of its fields) is one loop with no call per entry beyond the build."""
     try:
+        # Positional, by the field names' order: the entries' keys were unpickled, so they are
+        # equal to the parameter names but not the same strings, and `RequestUsage(**e)` then
+        # compared each keyword with the names before it (a fifth of the driver's rebuild, in
+        # instructions; docs/performance.md). An entry with other keys takes the keyword path.
+        n, values = len(_USAGE_NAMES), _usage_items
+        if all(type(e) is dict and len(e) == n for e in entries):
+            return tuple([RequestUsage(*values(e)) for e in entries])
         if all(type(e) is dict for e in entries):
             return tuple([RequestUsage(**e) for e in entries])
     except (KeyError, TypeError, ValueError):

@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -78,7 +79,7 @@ class _Worker(asyncio.Protocol):
         self.process = process
         self.pool = pool
         self.name = f"process:{process.pid}"
-        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.pending: dict[int, asyncio.Future[Any] | _Chain] = {}
         self.loop = loop
         self.ready: asyncio.Future[str] = loop.create_future()
         self.lost = False
@@ -216,6 +217,55 @@ class _Worker(asyncio.Protocol):
             await self._closed
 
 
+class _Chain:
+    """Passes run one after another on one worker, each next one sent from the socket's read
+    callback as the one before it ends (`ProcessPool.run_chained`). It stands in the worker's
+    `pending` where `run` puts a future, so an outcome, a refused input and a lost worker reach
+    it as they reach a future; its own future is what the scheduler's task awaits, once for
+    the whole chain instead of once per pass."""
+
+    __slots__ = ("call_id", "calls", "future", "step", "worker")
+
+    def __init__(
+        self,
+        worker: _Worker,
+        calls: Iterator[int],
+        step: Callable[[PassOutcome], PassItem | PassOutcome],
+    ) -> None:
+        self.worker = worker
+        self.calls = calls
+        self.step = step
+        self.future: asyncio.Future[PassOutcome] = worker.loop.create_future()
+        self.call_id = -1
+
+    def send(self, item: PassItem) -> None:
+        self.call_id = call_id = next(self.calls)
+        self.worker.pending[call_id] = self
+        self.worker.post((call_id, item.to_json()))
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def set_result(self, data: Any) -> None:
+        if self.future.done():  # its task was cancelled: the map is closing
+            return
+        try:
+            following = self.step(PassOutcome.from_json(data))
+            if isinstance(following, PassItem):
+                self.send(following)
+            else:
+                self.future.set_result(following)
+        except BaseException as err:  # the scheduler's task raises it, as `run`
+            # would; out of the read callback it would abort the socket with the chain already
+            # out of `pending`, and the task would wait for ever.
+            if not self.future.done():
+                self.future.set_exception(err)
+
+    def set_exception(self, err: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
+
+
 class ProcessPool:
     """`size` worker processes (spawned), each running passes of `spec` on its own loop."""
 
@@ -326,6 +376,22 @@ class ProcessPool:
             return PassOutcome.from_json(await future)
         finally:
             worker.pending.pop(call_id, None)
+
+    async def run_chained(
+        self, slot: int, item: PassItem, step: Callable[[PassOutcome], PassItem | PassOutcome]
+    ) -> PassOutcome:
+        """Run `item` on the worker of `slot`, then each item `step` returns for the outcome
+        before it, sent from the socket's read callback; return the outcome `step` gives back.
+        Raises `WorkerLost` if the worker is lost under the pass in flight."""
+        worker = self._workers[slot]
+        if worker is None or worker.lost:
+            raise WorkerLost(f"worker slot {slot} has no live worker")
+        chain = _Chain(worker, self._calls, step)
+        chain.send(item)
+        try:
+            return await chain.future
+        finally:  # cancelled (the map closed early): a late outcome finds no one
+            worker.pending.pop(chain.call_id, None)
 
     async def restart(self, slot: int) -> None:
         """Replace the worker of `slot`: reap the old process, spawn a new one (whose janitor
