@@ -149,7 +149,11 @@ def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> N
                 index = len(calls)
             else:
                 index = last["index"]
-        current = next((c for c in calls if c["index"] == index), None)
+        current = None
+        for call in calls:  # a loop, not `next()` over a generator: per tool-call delta
+            if call["index"] == index:
+                current = call
+                break
         if current is not None and call_id and current.get("id") and call_id != current["id"]:
             # The same index with another id: a server numbering every call 0. A new call.
             index = max(c["index"] for c in calls) + 1
