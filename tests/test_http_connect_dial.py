@@ -241,6 +241,17 @@ def test_a_host_is_told_literal_or_name_once_with_the_same_answers() -> None:
     assert len(dial._literals) <= dial.MAX_CACHED_NAMES
 
 
+def test_a_host_longer_than_any_name_is_not_kept() -> None:
+    # A hostile base URL's megabyte-long host, one per connection attempt, kept 256 MB alive.
+    from treadle._http import dial
+
+    dial._literals.clear()
+    long = "a" * 100_000 + ".test"
+    assert dial._literal(long, 443) is None
+    assert dial._literal("b" * 253, 443) is None
+    assert set(dial._literals) == {"b" * 253}
+
+
 async def test_ipv6_literals_connect() -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6")

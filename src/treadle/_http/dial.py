@@ -82,9 +82,10 @@ def _literal(host: str, port: int) -> Address | None:
             family = None
         else:
             family = socket.AF_INET6 if version == 6 else socket.AF_INET
-        if len(_literals) >= MAX_CACHED_NAMES:
-            _literals.clear()
-        _literals[host] = family
+        if len(host) <= MAX_LITERAL_HOST:  # no valid name or literal is longer: not kept
+            if len(_literals) >= MAX_CACHED_NAMES:
+                _literals.clear()
+            _literals[host] = family
     if family is None:
         return None
     if family == socket.AF_INET6:
@@ -93,6 +94,9 @@ def _literal(host: str, port: int) -> Address | None:
 
 
 _UNKNOWN = -1
+MAX_LITERAL_HOST = 255
+"""Longest host kept in `_literals` (a DNS name has at most 253 characters): a hostile base URL
+with a megabyte-long host is told afresh each time, not kept."""
 _literals: dict[str, int | None] = {}
 """Host -> the socket family of an IP literal, None for a name; at most `MAX_CACHED_NAMES`."""
 

@@ -295,6 +295,6 @@ class StreamAccumulator:
                 {"index": index, "message": message, "finish_reason": self._finish[index]}
             )
         body = {**self._top, "object": "chat.completion", "choices": choices}
-        # The validator itself, not `model_validate`: the classmethod passes seven keyword
+        # The validator itself, not `model_validate`: the classmethod passes six keyword
         # arguments on (about 3 µs a reply, once per streamed round). Same schema, same errors.
         return _validate_completion(body)
