@@ -88,6 +88,53 @@ def test_deferred_schemas_build_once_when_threads_race_to_first_use() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+_RACE_DIRECT = r"""
+import sys, threading
+sys.setswitchinterval(1e-6)
+from treadle.llm.accumulate import _validate_completion
+from treadle.llm.chunk_parse import parse_chunk
+from treadle.llm.client import _parse_completion
+from treadle.tools import tool
+
+@tool
+def add(a: int, b: int) -> int:
+    "Add."
+    return a + b
+
+gate, errors = threading.Barrier(8), []
+reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                      "finish_reason": "stop"}]}
+import json
+raw = json.dumps(reply).encode()
+
+def work():
+    gate.wait()
+    try:
+        assert _validate_completion(reply).choices[0].message.content == "hi"
+        assert parse_chunk(b'{"choices": []}', None, None)[0].choices == []
+        assert _parse_completion(raw, None).choices[0].message.content == "hi"
+        assert add.validate({"a": "1", "b": 2}) == {"a": 1, "b": 2}
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(errors)
+"""
+
+
+def test_direct_validator_calls_build_deferred_schemas_once_when_threads_race() -> None:
+    # The stream's final check, a typed chunk, a whole reply and a tool's arguments call the
+    # model's validator itself, not `model_validate`: its first use is pydantic's stand-in,
+    # which must build the schema once under `DeferredModel`'s lock for eight racing threads.
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", _RACE_DIRECT], capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_stores_transcripts_and_event_streams_load_with_the_first_pass_using_them() -> None:
     """Passes without `store=`, `persist=` or `stream_session_loop` never need them (issue 33's
     import target: about 30 ms of CPU between them)."""

@@ -84,7 +84,8 @@ def parse_chunk(
 ) -> tuple[ChatCompletionChunk, int | None, bool]:
     """`(chunk, usage total or None, finished)` of one payload, as a typed chunk."""
     try:
-        chunk = ChatCompletionChunk.model_validate_json(data)
+        # The validator itself: `model_validate_json` adds keyword passing (about 3 µs) per event.
+        chunk: ChatCompletionChunk = ChatCompletionChunk.__pydantic_validator__.validate_json(data)
     except ValidationError as exc:
         raise _bad_event(data, api_key, request_id) from exc
     extra = chunk.model_extra

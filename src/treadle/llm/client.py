@@ -402,7 +402,8 @@ class ModelClient:
 
 def _parse_completion(content: bytes, request_id: str | None) -> ChatCompletion:
     try:
-        result = ChatCompletion.model_validate_json(content)
+        # The validator itself: `model_validate_json` adds keyword passing (about 3 µs a reply).
+        result: ChatCompletion = ChatCompletion.__pydantic_validator__.validate_json(content)
     except ValidationError as exc:
         try:
             payload = from_json(content)

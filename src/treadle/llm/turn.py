@@ -403,7 +403,7 @@ def turn_of(completion: ChatCompletion, request_id: str | None = None) -> Assist
         payload["tool_calls"] = [
             _call_payload(i, call) for i, call in enumerate(message.tool_calls)
         ]
-    extra = message.model_extra
+    extra = message.__pydantic_extra__  # `model_extra`, without its property call
     if extra:
         # Keep provider fields such as reasoning_content; `role` is implied by the row kind.
         for key, value in extra.items():
@@ -412,7 +412,7 @@ def turn_of(completion: ChatCompletion, request_id: str | None = None) -> Assist
     usage = completion.usage
     wire_usage = usage.model_dump() if usage is not None else None
     if not wire_usage or not any(wire_usage.get(k) for k in ("prompt_tokens", "total_tokens")):
-        wire_usage = provider_usage(completion.model_extra) or wire_usage
+        wire_usage = provider_usage(completion.__pydantic_extra__) or wire_usage
     return AssistantTurn(
         payload, Usage.from_wire(wire_usage), completion.finish_reason, completion, request_id
     )
@@ -423,11 +423,11 @@ def _call_payload(i: int, call: MessageToolCall) -> dict[str, Any]:
     gets the one its tool_result row will answer."""
     fn = call.function
     function: dict[str, Any]
-    if fn.model_extra:  # provider fields beside name and arguments: kept as dumped
+    if fn.__pydantic_extra__:  # provider fields beside name and arguments: kept as dumped
         function = {**fn.model_dump(exclude_none=True), "name": fn.name, "arguments": fn.arguments}
     else:  # the dump would be exactly these two (every round's case: no second serialisation)
         function = {"name": fn.name, "arguments": fn.arguments}
-    if call.model_extra:
+    if call.__pydantic_extra__:
         return {
             **call.model_dump(exclude_none=True),
             "id": call.id or f"call_{i}",
