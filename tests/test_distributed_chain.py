@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from mcp_helpers import alive
 from treadle.distributed import PassItem, PassOutcome, map_outcomes
 from treadle.distributed.process import ProcessPool
 from treadle.testing import FakeOpenAIServer
@@ -47,14 +48,6 @@ def chained(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(ProcessPool, "run_chained", counting)
     return counts
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def _collect(
@@ -110,7 +103,7 @@ async def test_a_source_raising_a_base_exception_mid_chain_fails_the_map(
     assert all(o.index < 120 for o in outcomes)
     assert len({o.index for o in outcomes}) == len(outcomes)
     pids = {int(o.worker.rsplit(":", 1)[1]) for o in outcomes}
-    assert pids and not [pid for pid in pids if _alive(pid)]
+    assert pids and not [pid for pid in pids if alive(pid)]
 
 
 def _said(outcome: PassOutcome) -> str:
