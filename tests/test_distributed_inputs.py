@@ -30,6 +30,18 @@ def _held_script(request: dict[str, Any]) -> Reply:
     return Reply.text("ready").with_latency(float(str(text).split()[1]))
 
 
+def _echo(item: PassItem) -> PassOutcome:
+    """The outcome an echo pass gives: the item's own messages back."""
+    return PassOutcome(
+        index=item.index,
+        session_id=item.session_id,
+        status="ok",
+        attempts=item.attempt,
+        worker="here:0",
+        messages=item.messages,
+    )
+
+
 class _EchoPool:
     """One slot in this process: a pass's outcome is its input's rows, a loop turn or three on."""
 
@@ -46,14 +58,7 @@ class _EchoPool:
         self.seen.append(item.index)
         for _ in range(self.rng.randrange(1, 4)):
             await asyncio.sleep(0)
-        return PassOutcome(
-            index=item.index,
-            session_id=item.session_id,
-            status="ok",
-            attempts=item.attempt,
-            worker="here:0",
-            messages=item.messages,
-        )
+        return _echo(item)
 
     async def restart(self, slot: int) -> None:
         raise AssertionError("no worker is lost here")
@@ -80,16 +85,8 @@ class _ChainedEchoPool(_EchoPool):
             if turns:
                 loop.call_soon(answer, item, turns - 1)
                 return
-            outcome = PassOutcome(
-                index=item.index,
-                session_id=item.session_id,
-                status="ok",
-                attempts=item.attempt,
-                worker="here:0",
-                messages=item.messages,
-            )
             try:
-                following = step(outcome)
+                following = step(_echo(item))
             except Exception as err:
                 future.set_exception(err)
                 return
