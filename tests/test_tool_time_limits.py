@@ -157,22 +157,27 @@ async def test_a_call_that_waits_inside_its_own_cancel_scopes_runs_as_before() -
 
 
 # -- a call that waits again after its cancellation (level-triggered) ----------------------------
+async def _wait_then_clean_up(seen: list[str]) -> str:
+    """Waits; when cancelled, waits again to clean up and says in `seen` how that ended."""
+    try:
+        await anyio.sleep(10)
+    except asyncio.CancelledError:
+        try:
+            await anyio.sleep(10)
+            seen.append("cleanup ran to its end")
+        except asyncio.CancelledError:
+            seen.append("cleanup cancelled")
+        raise
+    return "late"
+
+
 async def test_a_tool_that_waits_in_its_cleanup_is_cancelled_there_too() -> None:
     seen: list[str] = []
 
     @tool(timeout=LIMIT)
     async def cleanup() -> str:
         """Cleans up (with a wait) when cancelled."""
-        try:
-            await anyio.sleep(10)
-        except asyncio.CancelledError:
-            try:
-                await anyio.sleep(10)
-                seen.append("cleanup ran to its end")
-            except asyncio.CancelledError:
-                seen.append("cleanup cancelled")
-            raise
-        return "late"
+        return await _wait_then_clean_up(seen)
 
     assert (await _run(cleanup))[0] == "timeout"
     assert seen == ["cleanup cancelled"]
@@ -230,16 +235,7 @@ def _cleaning(seen: list[str]) -> Tool:
     @tool
     async def cleaner(round: int) -> str:
         """Cleans up (with a wait) when cancelled."""
-        try:
-            await anyio.sleep(10)
-        except asyncio.CancelledError:
-            try:
-                await anyio.sleep(10)
-                seen.append("cleanup ran to its end")
-            except asyncio.CancelledError:
-                seen.append("cleanup cancelled")
-            raise
-        return "late"
+        return await _wait_then_clean_up(seen)
 
     return cleaner
 
