@@ -5,6 +5,7 @@ fail when the CI environment variable is set (CI installs `postgresql`)."""
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -30,3 +31,16 @@ def cluster() -> Iterator[PostgresCluster]:
         yield running
     finally:
         running.remove()
+
+
+def latin1_database(pg: PostgresCluster) -> str:
+    """The DSN of a new LATIN1 database in `pg` (keys and rows it cannot hold fail there)."""
+    import psycopg
+
+    name = f"latin1_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0"
+        )
+    return pg.dsn(name)

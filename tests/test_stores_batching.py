@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pg_cluster import Cluster
+from pg_cluster import Cluster, latin1_database
 from treadle import Provider, Session, arun_session_loop
 from treadle.errors import ConflictError
 from treadle.runtime import get_runtime
@@ -380,20 +380,6 @@ def test_a_batch_parameter_carries_any_text_as_a_list_would(pg: Cluster) -> None
     asyncio.run(main())
 
 
-def _latin1_database(pg: Cluster) -> str:
-    import uuid
-
-    import psycopg
-
-    name = f"latin1_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
-        conn.execute(
-            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
-            "TEMPLATE template0"
-        )
-    return pg.dsn(name)
-
-
 @pytest.mark.parametrize("where", ["latin1-database", "PGCLIENTENCODING", "dsn-options"])
 def test_a_large_group_commit_keeps_text_whatever_the_client_encoding(
     pg: Cluster, monkeypatch: pytest.MonkeyPatch, where: str
@@ -411,7 +397,7 @@ def test_a_large_group_commit_keeps_text_whatever_the_client_encoding(
 
     text = "café 漢 🙂"
     if where == "latin1-database":
-        dsn, text = _latin1_database(pg), "café"  # all LATIN1 can hold
+        dsn, text = latin1_database(pg), "café"  # all LATIN1 can hold
     elif where == "PGCLIENTENCODING":
         dsn = pg.new_database()
         monkeypatch.setenv("PGCLIENTENCODING", "LATIN1")

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import uuid
 from typing import Any
 
-from pg_cluster import Cluster
+from pg_cluster import Cluster, latin1_database
 from treadle import Session, run_session_loop
 from treadle.errors import StoreError
 from treadle.session import ChunkRow
@@ -87,24 +86,12 @@ def test_a_postgres_read_batch_with_a_damaged_conversation_fails_only_that_key(
     assert isinstance(bad, StoreError) and "conversation 'bad'" in str(bad)
 
 
-def _latin1_database(pg: Cluster) -> str:
-    import psycopg
-
-    name = f"latin1_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
-        conn.execute(
-            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
-            "TEMPLATE template0"
-        )
-    return pg.dsn(name)
-
-
 def test_a_key_a_latin1_database_cannot_hold_fails_only_its_own_read_and_pass(
     pg: Cluster,
 ) -> None:
     """A read batch that fails is read again key by key, as a commit batch is committed again
     pass by pass: the emoji key alone gets the `StoreError`."""
-    url = _latin1_database(pg)
+    url = latin1_database(pg)
     keys = ["a", "b", EMOJI, "c"]
     with Store.open(url) as store:
         for key in ("a", "b", "c"):
@@ -134,7 +121,7 @@ def test_a_key_a_latin1_database_cannot_hold_fails_only_its_own_read_and_pass(
 
 
 def test_a_postgres_read_batch_that_fails_is_read_again_key_by_key(pg: Cluster) -> None:
-    url = _latin1_database(pg)
+    url = latin1_database(pg)
     with Store.open(url) as store:
         store.append("a", [ChunkRow.user("a")])
 
