@@ -215,15 +215,17 @@ async def test_remaining_only_endpoints_are_paced_by_a_measured_rate() -> None:
 
 
 async def test_retry_after_only_endpoints_are_paced_after_the_first_storm() -> None:
-    with FakeOpenAIServer(
-        "echo", requests_per_minute=20, rate_window=0.5, rate_headers="none"
-    ) as server:
-        assert await _fan_out(server, 100) == 0
-        assert server.limits is not None
-        paced = server.limits.rejected
-    with FakeOpenAIServer(
-        "echo", requests_per_minute=20, rate_window=0.5, rate_headers="none"
-    ) as server:
+    # The same fan-out with and without learning, at once. Without learning each refused
+    # request retries as soon as its short wait ends, so that count is bounded by how fast the
+    # client can retry: about 1,700 429s idle, 850-1,500 beside busy builders. The paced count
+    # is bounded by time (the pace, not the CPU): 5-25 idle, 2-49 under the same load. A ratio
+    # of the two failed once on a loaded machine; each is held to its own bound instead.
+    def limited() -> FakeOpenAIServer:
+        return FakeOpenAIServer(
+            "echo", requests_per_minute=20, rate_window=0.5, rate_headers="none"
+        )
+
+    async def unpaced_fan_out(server: FakeOpenAIServer) -> None:
         provider = Provider(
             model="m", base_url=server.base_url, max_retries=30, learn_rate_limits=False
         )
@@ -234,9 +236,14 @@ async def test_retry_after_only_endpoints_are_paced_after_the_first_storm() -> N
         await asyncio.gather(
             *(client.complete(provider, body) for _ in range(100)), return_exceptions=True
         )
-        assert server.limits is not None
-        unpaced = server.limits.rejected
-    assert paced * 10 < unpaced
+
+    with limited() as learning, limited() as not_learning:
+        failed, _ = await asyncio.gather(_fan_out(learning, 100), unpaced_fan_out(not_learning))
+        assert failed == 0
+        assert learning.limits is not None and not_learning.limits is not None
+        paced, unpaced = learning.limits.rejected, not_learning.limits.rejected
+    assert unpaced > 300  # the fan-out storms this endpoint when nothing paces it
+    assert paced < 100  # paced: fewer 429s in all than requests, the first storm included
 
 
 async def test_a_pushed_pause_drops_the_permits_in_hand(no_shared_limits: None) -> None:
