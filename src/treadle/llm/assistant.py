@@ -1,0 +1,160 @@
+"""The finished model turn: `AssistantTurn`, and how a reply becomes one.
+
+`turn_of` reads a whole `ChatCompletion` (a non-streamed reply, or a fold validated as a
+whole); `folded_turn` reads a folded stream directly, its events each already checked against
+the chunk schema, and builds the `ChatCompletion` only when someone reads `completion`. Pure: no
+I/O. `treadle.llm.turn` re-exports these names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError
+from typing import Any
+
+from treadle.llm.accumulate import StreamAccumulator
+from treadle.llm.inband import provider_usage
+from treadle.llm.wire import ChatCompletion, MessageToolCall
+from treadle.session import Usage
+
+__all__ = ["AssistantTurn", "folded_turn", "turn_of"]
+
+_FIELDS = ("payload", "usage", "finish_reason", "completion", "request_id")
+
+
+class AssistantTurn:
+    """A finished model turn: the assistant row's payload, its usage and why it ended.
+
+    Immutable. `completion` is the reply as a `ChatCompletion`; for a streamed reply it is
+    validated from the folded events when first read (a pass reads it only for `after`
+    guardrails and tracing), the payload and usage being read from the fold directly.
+    """
+
+    __slots__ = ("_fold", "_got", "finish_reason", "payload", "request_id", "usage", "wire")
+
+    payload: dict[str, Any]
+    """The assistant row payload: `content`, `tool_calls`, and provider fields kept as sent."""
+    usage: Usage
+    """This request's usage (`requests == 1`)."""
+    finish_reason: str | None
+    """The provider's finish reason (`stop`, `tool_calls`, `length`, ...)."""
+    request_id: str | None
+    """The reply's `x-request-id` header, when Treadle's client carried it and it had one."""
+    wire: tuple[Any, str]
+    """The reply's usage as sent (a `CompletionUsage`, its dict, or None) and its id."""
+    _got: ChatCompletion | None
+    _fold: StreamAccumulator | None
+
+    def __init__(
+        self,
+        payload: dict[str, Any],
+        usage: Usage,
+        finish_reason: str | None,
+        completion: ChatCompletion | None,
+        request_id: str | None = None,
+        *,
+        fold: StreamAccumulator | None = None,
+        wire: tuple[Any, str] | None = None,
+    ) -> None:
+        if completion is None and fold is None:
+            raise TypeError("AssistantTurn needs its completion")
+        setter = object.__setattr__
+        setter(self, "payload", payload)
+        setter(self, "usage", usage)
+        setter(self, "finish_reason", finish_reason)
+        setter(self, "_got", completion)
+        setter(self, "request_id", request_id)
+        setter(self, "_fold", fold)
+        if wire is None:
+            assert completion is not None
+            wire = (completion.usage, completion.id)
+        setter(self, "wire", wire)
+
+    @property
+    def completion(self) -> ChatCompletion:
+        """The reply as received (what `after` guardrails inspect)."""
+        got: ChatCompletion | None = self._got
+        if got is None:
+            assert self._fold is not None
+            got = self._fold.result()
+            object.__setattr__(self, "_got", got)
+        return got
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not AssistantTurn:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # the payload is a dict
+
+    def __repr__(self) -> str:
+        values = zip(_FIELDS, self._fields(), strict=True)
+        return f"AssistantTurn({', '.join(f'{n}={v!r}' for n, v in values)})"
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.payload, self.usage, self.finish_reason, self.completion, self.request_id)
+
+
+def folded_turn(acc: StreamAccumulator, request_id: str | None = None) -> AssistantTurn:
+    """The `AssistantTurn` of a folded stream: `turn_of(acc.result())`, mostly without it.
+
+    Every event was validated against the chunk schema as it came; a reply of the plain shape
+    (`StreamAccumulator.plain_turn`) becomes its payload directly and its `completion` is built
+    when first read. Any other goes through the whole validation and `turn_of`, as before.
+    """
+    plain = acc.plain_turn()
+    if plain is None:
+        return turn_of(acc.result(), request_id)
+    payload, finish_reason, wire_usage, top = plain
+    if not wire_usage or not (wire_usage.get("prompt_tokens") or wire_usage.get("total_tokens")):
+        wire_usage = provider_usage(acc.provider_fields()) or wire_usage
+    wire = (top.get("usage"), top.get("id", ""))
+    usage = Usage.from_wire(wire_usage)
+    return AssistantTurn(payload, usage, finish_reason, None, request_id, fold=acc, wire=wire)
+
+
+def turn_of(completion: ChatCompletion, request_id: str | None = None) -> AssistantTurn:
+    """The `AssistantTurn` of one whole completion (`request_id`: the reply's `x-request-id`)."""
+    message = completion.message
+    payload: dict[str, Any] = {"content": message.content}
+    if message.tool_calls:
+        payload["tool_calls"] = [
+            _call_payload(i, call) for i, call in enumerate(message.tool_calls)
+        ]
+    extra = message.__pydantic_extra__  # `model_extra`, without its property call
+    if extra:
+        # Keep provider fields such as reasoning_content; `role` is implied by the row kind.
+        for key, value in extra.items():
+            if key != "role" and value is not None:
+                payload[key] = value
+    usage = completion.usage
+    wire_usage = usage.model_dump() if usage is not None else None
+    if not wire_usage or not any(wire_usage.get(k) for k in ("prompt_tokens", "total_tokens")):
+        wire_usage = provider_usage(completion.__pydantic_extra__) or wire_usage
+    return AssistantTurn(
+        payload, Usage.from_wire(wire_usage), completion.finish_reason, completion, request_id
+    )
+
+
+def _call_payload(i: int, call: MessageToolCall) -> dict[str, Any]:
+    """A tool call of the reply as the assistant row keeps it; an empty id (Gemini's endpoint)
+    gets the one its tool_result row will answer."""
+    fn = call.function
+    function: dict[str, Any]
+    if fn.__pydantic_extra__:  # provider fields beside name and arguments: kept as dumped
+        function = {**fn.model_dump(exclude_none=True), "name": fn.name, "arguments": fn.arguments}
+    else:  # the dump would be exactly these two (every round's case: no second serialisation)
+        function = {"name": fn.name, "arguments": fn.arguments}
+    if call.__pydantic_extra__:
+        return {
+            **call.model_dump(exclude_none=True),
+            "id": call.id or f"call_{i}",
+            "type": call.type or "function",
+            "function": function,
+        }
+    return {"id": call.id or f"call_{i}", "type": call.type or "function", "function": function}
