@@ -7,7 +7,9 @@ the rest (provider fields on a call, content parts) through the whole validation
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from typing import Any
 
 import pytest
@@ -185,6 +187,8 @@ def test_a_turn_stays_immutable() -> None:
     with pytest.raises(TypeError):
         hash(turn)
     assert "completion=ChatCompletion(" in repr(turn)
+    for again in (pickle.loads(pickle.dumps(turn)), copy.copy(turn), copy.deepcopy(turn)):
+        assert again == turn and again.wire[1] == turn.wire[1]
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

@@ -96,6 +96,10 @@ class AssistantTurn:
         values = zip(_FIELDS, self._fields(), strict=True)
         return f"AssistantTurn({', '.join(f'{n}={v!r}' for n, v in values)})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickle and copy rebuild it through `__init__` (`__setattr__` refuses), completion built.
+        return (AssistantTurn, self._fields())
+
     def _fields(self) -> tuple[Any, ...]:
         return (self.payload, self.usage, self.finish_reason, self.completion, self.request_id)
 
