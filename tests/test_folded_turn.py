@@ -8,11 +8,15 @@ the rest (provider fields on a call, content parts) through the whole validation
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
+import sys
+import threading
 from typing import Any
 
 import pytest
+from pydantic import TypeAdapter
 
 from recorded_replies import replies_dir
 from treadle import Session
@@ -24,6 +28,7 @@ from treadle.llm.chunk_parse import parse_event
 from treadle.llm.sse import DONE
 from treadle.llm.wire import ChatCompletion
 from treadle.loop import Guardrail, GuardrailInput, run_session_loop
+from treadle.session import Usage
 from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply, ToolCallSpec
 
@@ -189,6 +194,95 @@ def test_a_turn_stays_immutable() -> None:
     assert "completion=ChatCompletion(" in repr(turn)
     for again in (pickle.loads(pickle.dumps(turn)), copy.copy(turn), copy.deepcopy(turn)):
         assert again == turn and again.wire[1] == turn.wire[1]
+
+
+def test_a_turn_is_the_dataclass_it_was() -> None:
+    """`AssistantTurn` is public: dataclasses' functions, `match` and pydantic see its fields."""
+    names = ["payload", "usage", "finish_reason", "completion", "request_id"]
+    folded, whole = _both(STREAMS["tool calls"])
+    assert dataclasses.is_dataclass(folded) and AssistantTurn.__match_args__ == tuple(names)
+    for turn in (folded, whole):
+        assert [f.name for f in dataclasses.fields(turn)] == names
+        assert list(dataclasses.asdict(turn)) == names
+        changed = dataclasses.replace(turn, finish_reason="length")
+        assert (changed.finish_reason, changed.payload) == ("length", turn.payload)
+        assert changed.completion == whole.completion and changed.wire[1] == "c1"
+        match turn:
+            case AssistantTurn(payload, usage, reason):
+                assert (payload, usage, reason) == (whole.payload, whole.usage, "tool_calls")
+            case _:
+                pytest.fail("no positional match")
+    adapter = TypeAdapter(AssistantTurn)
+    assert adapter.dump_json(folded) == adapter.dump_json(whole)
+    back = adapter.validate_json(adapter.dump_json(folded))
+    assert back == whole and back.wire == (whole.completion.usage, "c1")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        folded.finish_reason = "stop"  # type: ignore[misc]
+    # A turn made without its completion keeps None there, as the dataclass did.
+    bare = AssistantTurn({"content": "x"}, Usage.from_wire(None), None, None)
+    completion: object = bare.completion  # typed as the reply: None only when made so
+    assert (completion, bare.request_id, bare.wire) == (None, None, (None, ""))
+    assert bare == AssistantTurn({"content": "x"}, Usage.from_wire(None), None, None)
+
+
+def test_threads_reading_a_lazy_completion_first_build_it_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Threads reading `completion` at once get the same one, built once."""
+    built: list[object] = []
+    real = accumulate_module._validate_completion
+
+    def counting(body: dict[str, Any]) -> ChatCompletion:
+        built.append(body)
+        return real(body)
+
+    monkeypatch.setattr(accumulate_module, "_validate_completion", counting)
+    calls = [{"index": i, "id": f"c{i}", "function": {"name": "f", "arguments": "{}"}}
+             for i in range(50)]  # fmt: skip
+    events = [_ev({"content": "x", "tool_calls": calls}, "tool_calls")]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, inside the build
+    try:
+        for _ in range(40):
+            turn = folded_turn(_fold(events))
+            seen: list[ChatCompletion] = []
+            barrier = threading.Barrier(4)
+
+            def read(
+                turn: AssistantTurn = turn,
+                seen: list[ChatCompletion] = seen,
+                barrier: threading.Barrier = barrier,
+            ) -> None:
+                barrier.wait()
+                seen.append(turn.completion)
+
+            threads = [threading.Thread(target=read) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert len(seen) == 4 and all(got is seen[0] for got in seen)
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(built) == 40
+
+
+class _Mine(AssistantTurn):
+    """A subclass, as a caller may make one."""
+
+    __slots__ = ()
+
+
+def test_a_subclass_keeps_its_equality_and_type() -> None:
+    """Equality and pickling use the instance's class, as a dataclass's do."""
+    acc = _fold(STREAMS["text"])
+    whole = turn_of(acc.result())
+    args = (whole.payload, whole.usage, whole.finish_reason, whole.completion)
+    mine, again = _Mine(*args), _Mine(*args)
+    assert mine == again and mine != whole and whole != mine
+    for copied in (pickle.loads(pickle.dumps(mine)), copy.copy(mine), copy.deepcopy(mine)):
+        assert type(copied) is _Mine and copied == mine
+    assert repr(mine).startswith("_Mine(payload=")
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

@@ -8,8 +8,9 @@ I/O. `treadle.llm.turn` re-exports these names.
 
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError
-from typing import Any
+import threading
+from dataclasses import MISSING, dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from treadle.llm.accumulate import StreamAccumulator
 from treadle.llm.inband import provider_usage
@@ -18,17 +19,23 @@ from treadle.session import Usage
 
 __all__ = ["AssistantTurn", "folded_turn", "turn_of"]
 
-_FIELDS = ("payload", "usage", "finish_reason", "completion", "request_id")
+# Taken only by a turn's first read of a completion not built yet (guardrails, tracing): one
+# lock for all turns, so a turn costs no lock of its own.
+_BUILD = threading.Lock()
 
 
+@dataclass(init=False, eq=False, repr=False, frozen=True)
 class AssistantTurn:
     """A finished model turn: the assistant row's payload, its usage and why it ended.
 
-    Immutable. `completion` is the reply as a `ChatCompletion`; for a streamed reply it is
-    validated from the folded events when first read (a pass reads it only for `after`
-    guardrails and tracing), the payload and usage being read from the fold directly.
+    A frozen dataclass of `payload`, `usage`, `finish_reason`, `completion` and `request_id`.
+    `completion` is the reply as a `ChatCompletion`; for a streamed reply it is validated from
+    the folded events when first read (a pass reads it only for `after` guardrails and
+    tracing), the payload and usage being read from the fold directly.
     """
 
+    # Hand-written slots, `__init__`, `__eq__` and `__repr__` (the decorator makes only the
+    # fields, `__match_args__` and the frozen `__setattr__`): `completion` is a property.
     __slots__ = ("_fold", "_got", "finish_reason", "payload", "request_id", "usage", "wire")
 
     payload: dict[str, Any]
@@ -37,12 +44,15 @@ class AssistantTurn:
     """This request's usage (`requests == 1`)."""
     finish_reason: str | None
     """The provider's finish reason (`stop`, `tool_calls`, `length`, ...)."""
+    if not TYPE_CHECKING:  # the field, in its place; type checkers see the property below
+        completion: ChatCompletion
     request_id: str | None
     """The reply's `x-request-id` header, when Treadle's client carried it and it had one."""
-    wire: tuple[Any, str]
-    """The reply's usage as sent (a `CompletionUsage`, its dict, or None) and its id."""
-    _got: ChatCompletion | None
-    _fold: StreamAccumulator | None
+    if TYPE_CHECKING:  # not fields: annotated for type checkers only
+        wire: tuple[Any, str]
+        """The reply's usage as sent (a `CompletionUsage`, its dict, or None) and its id."""
+        _got: ChatCompletion | None
+        _fold: StreamAccumulator | None
 
     def __init__(
         self,
@@ -55,8 +65,6 @@ class AssistantTurn:
         fold: StreamAccumulator | None = None,
         wire: tuple[Any, str] | None = None,
     ) -> None:
-        if completion is None and fold is None:
-            raise TypeError("AssistantTurn needs its completion")
         setter = object.__setattr__
         setter(self, "payload", payload)
         setter(self, "usage", usage)
@@ -65,43 +73,63 @@ class AssistantTurn:
         setter(self, "request_id", request_id)
         setter(self, "_fold", fold)
         if wire is None:
-            assert completion is not None
-            wire = (completion.usage, completion.id)
+            wire = (completion.usage, completion.id) if completion is not None else (None, "")
         setter(self, "wire", wire)
 
     @property
     def completion(self) -> ChatCompletion:
         """The reply as received (what `after` guardrails inspect)."""
-        got: ChatCompletion | None = self._got
-        if got is None:
-            assert self._fold is not None
-            got = self._fold.result()
-            object.__setattr__(self, "_got", got)
+        got = self._got
+        if got is None and self._fold is not None:
+            got = self._build()
+        # None only when the turn was made so (the dataclass took it unchecked).
+        return cast(ChatCompletion, got)
+
+    @completion.setter
+    def completion(self, value: ChatCompletion) -> None:
+        # Reached only through `object.__setattr__` (the frozen `__setattr__` refuses the rest):
+        # pydantic's validation of a turn sets each field so, never calling `__init__`.
+        setter = object.__setattr__
+        setter(self, "_got", value)
+        setter(self, "_fold", None)
+        setter(self, "wire", (value.usage, value.id) if value is not None else (None, ""))
+
+    def _build(self) -> ChatCompletion:
+        """The fold's completion, validated once whichever threads read it first."""
+        with _BUILD:
+            got = self._got
+            if got is None:
+                assert self._fold is not None
+                got = self._fold.result()
+                object.__setattr__(self, "_got", got)
         return got
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
     def __eq__(self, other: object) -> bool:
-        if type(other) is not AssistantTurn:
+        if other.__class__ is not self.__class__:
             return NotImplemented
+        assert isinstance(other, AssistantTurn)
         return self._fields() == other._fields()
 
     __hash__ = None  # type: ignore[assignment]  # the payload is a dict
 
     def __repr__(self) -> str:
         values = zip(_FIELDS, self._fields(), strict=True)
-        return f"AssistantTurn({', '.join(f'{n}={v!r}' for n, v in values)})"
+        inner = ", ".join(f"{n}={v!r}" for n, v in values)
+        return f"{self.__class__.__qualname__}({inner})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickle and copy rebuild it through `__init__` (`__setattr__` refuses), completion built.
-        return (AssistantTurn, self._fields())
+        return (self.__class__, self._fields())
 
     def _fields(self) -> tuple[Any, ...]:
         return (self.payload, self.usage, self.finish_reason, self.completion, self.request_id)
+
+
+_FIELDS = ("payload", "usage", "finish_reason", "completion", "request_id")
+# The fields' defaults as the plain dataclass had them (pydantic and `fields()` read them):
+# `completion` has none (its class attribute is the property), `request_id` None (a slot).
+AssistantTurn.__dataclass_fields__["completion"].default = MISSING
+AssistantTurn.__dataclass_fields__["request_id"].default = None
 
 
 def folded_turn(acc: StreamAccumulator, request_id: str | None = None) -> AssistantTurn:
