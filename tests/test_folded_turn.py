@@ -283,6 +283,17 @@ def test_a_subclass_keeps_its_equality_and_type() -> None:
     for copied in (pickle.loads(pickle.dumps(mine)), copy.copy(mine), copy.deepcopy(mine)):
         assert type(copied) is _Mine and copied == mine
     assert repr(mine).startswith("_Mine(payload=")
+    tagged = _Tagged(*args, tag=3)
+    for copied in (pickle.loads(pickle.dumps(tagged)), copy.deepcopy(tagged)):
+        assert type(copied) is _Tagged and copied == tagged and copied.tag == 3
+        assert copied.wire == whole.wire
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tagged(AssistantTurn):
+    """A dataclass subclass with a field of its own."""
+
+    tag: int = 0
 
 
 def _provider(server: FakeOpenAIServer) -> Provider:

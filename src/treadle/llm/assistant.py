@@ -9,7 +9,7 @@ I/O. `treadle.llm.turn` re-exports these names.
 from __future__ import annotations
 
 import threading
-from dataclasses import MISSING, dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
 from treadle.llm.accumulate import StreamAccumulator
@@ -35,7 +35,8 @@ class AssistantTurn:
     """
 
     # Hand-written slots, `__init__`, `__eq__` and `__repr__` (the decorator makes only the
-    # fields, `__match_args__` and the frozen `__setattr__`): `completion` is a property.
+    # fields, `__match_args__` and the frozen `__setattr__`); at run time `completion` is a
+    # property over `_got` and `_fold`. Type checkers see the plain frozen dataclass.
     __slots__ = ("_fold", "_got", "finish_reason", "payload", "request_id", "usage", "wire")
 
     payload: dict[str, Any]
@@ -44,15 +45,13 @@ class AssistantTurn:
     """This request's usage (`requests == 1`)."""
     finish_reason: str | None
     """The provider's finish reason (`stop`, `tool_calls`, `length`, ...)."""
-    if not TYPE_CHECKING:  # the field, in its place; type checkers see the property below
-        completion: ChatCompletion
-    request_id: str | None
-    """The reply's `x-request-id` header, when Treadle's client carried it and it had one."""
-    if TYPE_CHECKING:  # not fields: annotated for type checkers only
-        wire: tuple[Any, str]
-        """The reply's usage as sent (a `CompletionUsage`, its dict, or None) and its id."""
-        _got: ChatCompletion | None
-        _fold: StreamAccumulator | None
+    completion: ChatCompletion
+    """The reply as received (what `after` guardrails inspect)."""
+    if TYPE_CHECKING:
+        request_id: str | None = None
+        """The reply's `x-request-id` header, when Treadle's client carried it and it had one."""
+    else:  # a slot has no class default: set on the field below
+        request_id: str | None
 
     def __init__(
         self,
@@ -65,6 +64,12 @@ class AssistantTurn:
         fold: StreamAccumulator | None = None,
         wire: tuple[Any, str] | None = None,
     ) -> None:
+        # Not fields (declared here, not in the class body, so no type checker takes them for
+        # ones): `wire` is the reply's usage as sent (a `CompletionUsage`, its dict, or None)
+        # and its id, what a pass's request entry reads instead of `completion`.
+        self.wire: tuple[Any, str]
+        self._got: ChatCompletion | None
+        self._fold: StreamAccumulator | None
         setter = object.__setattr__
         setter(self, "payload", payload)
         setter(self, "usage", usage)
@@ -76,23 +81,25 @@ class AssistantTurn:
             wire = (completion.usage, completion.id) if completion is not None else (None, "")
         setter(self, "wire", wire)
 
-    @property
-    def completion(self) -> ChatCompletion:
-        """The reply as received (what `after` guardrails inspect)."""
+    def _completion(self) -> ChatCompletion:
+        """The reply as received (what `after` guardrails inspect); a streamed reply's is
+        validated from its fold when first read."""
         got = self._got
         if got is None and self._fold is not None:
             got = self._build()
         # None only when the turn was made so (the dataclass took it unchecked).
         return cast(ChatCompletion, got)
 
-    @completion.setter
-    def completion(self, value: ChatCompletion) -> None:
+    def _set_completion(self, value: ChatCompletion | None) -> None:
         # Reached only through `object.__setattr__` (the frozen `__setattr__` refuses the rest):
-        # pydantic's validation of a turn sets each field so, never calling `__init__`.
+        # pydantic's validation and unpickling set each field so, never calling `__init__`.
         setter = object.__setattr__
         setter(self, "_got", value)
         setter(self, "_fold", None)
         setter(self, "wire", (value.usage, value.id) if value is not None else (None, ""))
+
+    if not TYPE_CHECKING:
+        completion = property(_completion, _set_completion, doc=_completion.__doc__)
 
     def _build(self) -> ChatCompletion:
         """The fold's completion, validated once whichever threads read it first."""
@@ -118,14 +125,26 @@ class AssistantTurn:
         return f"{self.__class__.__qualname__}({inner})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Pickle and copy rebuild it through `__init__` (`__setattr__` refuses), completion built.
-        return (self.__class__, self._fields())
+        # Pickle and copy set each field of the instance's class (a dataclass subclass's own
+        # too), as the frozen dataclass's state did; `completion` is built and sets `wire`.
+        values = tuple((f.name, getattr(self, f.name)) for f in fields(self))
+        return (_rebuilt, (self.__class__, values))
 
     def _fields(self) -> tuple[Any, ...]:
         return (self.payload, self.usage, self.finish_reason, self.completion, self.request_id)
 
 
 _FIELDS = ("payload", "usage", "finish_reason", "completion", "request_id")
+
+
+def _rebuilt(cls: type[AssistantTurn], values: tuple[tuple[str, Any], ...]) -> AssistantTurn:
+    """A pickled or copied turn: its fields set past the frozen `__setattr__`, as pickle did."""
+    turn = cls.__new__(cls)
+    for name, value in values:
+        object.__setattr__(turn, name, value)
+    return turn
+
+
 # The fields' defaults as the plain dataclass had them (pydantic and `fields()` read them):
 # `completion` has none (its class attribute is the property), `request_id` None (a slot).
 AssistantTurn.__dataclass_fields__["completion"].default = MISSING
