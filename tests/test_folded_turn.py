@@ -289,6 +289,15 @@ def test_a_subclass_keeps_its_equality_and_type() -> None:
         assert copied.wire == whole.wire
 
 
+def test_a_turn_pickled_as_the_plain_dataclass_loads() -> None:
+    """A pickle of the plain slotted dataclass (`__newobj__` and its field values) still loads."""
+    whole = turn_of(_fold(STREAMS["text"]).result(), "req-1")
+    state = [whole.payload, whole.usage, whole.finish_reason, whole.completion, "req-1"]
+    old = AssistantTurn.__new__(AssistantTurn)
+    old.__setstate__(state)  # what unpickling did with the dataclass's `__getstate__` list
+    assert old == whole and old.wire == whole.wire
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tagged(AssistantTurn):
     """A dataclass subclass with a field of its own."""

@@ -130,6 +130,11 @@ class AssistantTurn:
         values = tuple((f.name, getattr(self, f.name)) for f in fields(self))
         return (_rebuilt, (self.__class__, values))
 
+    def __setstate__(self, state: list[Any]) -> None:
+        # A pickle of the plain slotted dataclass (its `__getstate__` listed the field values).
+        for field, value in zip(fields(self), state, strict=False):
+            object.__setattr__(self, field.name, value)
+
     def _fields(self) -> tuple[Any, ...]:
         return (self.payload, self.usage, self.finish_reason, self.completion, self.request_id)
 
