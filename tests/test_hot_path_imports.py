@@ -92,3 +92,40 @@ async def test_a_patch_of_get_client_at_the_first_request_is_not_kept(
     assert during >= 1  # the patch in place got the first request
     assert len(calls) == during  # and was not kept once undone
     assert vars(turn)["get_client"] is real  # the real function is bound from then on
+
+
+async def test_a_tool_calls_time_limit_asks_sniffio_nothing_once_warm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The limit is anyio's own scope of the running backend (the class found once), not one
+    found through sniffio twice a call (`move_on_after`: an import statement each time)."""
+    import anyio
+    import sniffio
+
+    from treadle.tools import dispatch
+
+    asked: list[str] = []
+    real = sniffio.current_async_library
+
+    def counting() -> str:
+        frame = sys._getframe(1)
+        while frame is not None:  # asked on behalf of a tool call's limit?
+            if frame.f_code.co_filename == dispatch.__file__:
+                asked.append(frame.f_code.co_name)
+                break
+            frame = frame.f_back  # type: ignore[assignment]
+        return real()
+
+    agent = Session.from_agent_prompt("Use tools.")
+    with FakeOpenAIServer(script="tool_loop") as server:
+        provider = Provider(model="m", base_url=server.base_url, api_key="k", stream=True)
+        user = Session.from_user_message("go")
+        await arun_session_loop(user, agent, agent_provider=provider, tools=[noop])
+        monkeypatch.setattr(sniffio, "current_async_library", counting)
+        out = await arun_session_loop(user, agent, agent_provider=provider, tools=[noop])
+        scope = dispatch._move_on_after(5.0)
+        monkeypatch.undo()
+    assert out.stop_reason == "final_answer" and any(r.calls for r in out.rows)
+    assert asked == []
+    assert type(scope) is type(anyio.move_on_after(5.0))
+    assert 0 < scope.deadline - anyio.current_time() <= 5.0

@@ -136,6 +136,12 @@ _CALL_FIELDS = frozenset({"index", "id", "type", "function"})
 _NOT_TOP = frozenset({"choices", "object"})  # an event's fields the completion does not take
 _FIRST_TOP = frozenset({"id", "created", "model"})  # the first non-empty value stays
 _FUNCTION_FIELDS = frozenset({"name", "arguments"})
+_DECLARED_TOP = frozenset({"id", "created", "model", "usage"})  # the rest: provider fields
+
+
+def _index_of(call: dict[str, Any]) -> int:
+    index: int = call["index"]
+    return index
 
 
 def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
@@ -274,6 +280,64 @@ class StreamAccumulator:
                 _merge_calls(self._calls[index], calls)
         if reason is not None:
             self._finish[index] = reason
+
+    def plain_turn(
+        self,
+    ) -> tuple[dict[str, Any], str | None, dict[str, Any] | None, dict[str, Any]] | None:
+        """The first choice as the assistant row's payload, without building a `ChatCompletion`.
+
+        `(payload, finish reason, wire usage, the completion's top-level fields)`; None
+        when the reply is not of the plain shape this reads by hand (content text or absent,
+        tool calls with no field beyond id, type, name and arguments, each of its schema type),
+        and `result()` with `turn_of` must give the turn. Every event was checked against the
+        chunk schema already; what the whole's validation would add is checked here: the types
+        of what was folded, and no choices at all (`MalformedResponse`, as `result()` says).
+        The payload is what `turn_of(result())` gives (`tests/test_folded_turn.py`).
+        """
+        choices = self._choices
+        if not choices:
+            raise MalformedResponse("The stream ended without any choices; retry the request.")
+        index = min(choices) if len(choices) > 1 else next(iter(choices))
+        message = choices[index]
+        content = message["content"]
+        if (content is not None and type(content) is not str) or type(message["role"]) is not str:
+            return None
+        payload: dict[str, Any] = {"content": content}
+        calls = self._calls[index]
+        if calls:
+            if len(calls) > 1:
+                calls = sorted(calls, key=_index_of)
+            tool_calls = []
+            for i, call in enumerate(calls):
+                if len(call) > 4 or not _CALL_FIELDS.issuperset(call):
+                    return None  # provider fields on the call: dumped as `turn_of` does
+                fn = call["function"]
+                name, arguments = fn["name"], fn["arguments"]
+                call_id, kind = call.get("id") or f"call_{i}", call.get("type") or "function"
+                if (
+                    len(fn) != 2
+                    or type(name) is not str
+                    or type(arguments) is not str
+                    or type(call_id) is not str
+                    or type(kind) is not str
+                ):
+                    return None
+                function = {"name": name, "arguments": arguments}
+                tool_calls.append({"id": call_id, "type": kind, "function": function})
+            payload["tool_calls"] = tool_calls
+        if len(message) > 2:  # provider fields such as reasoning_content, kept as sent
+            for key, value in message.items():
+                if key != "role" and key != "content" and value is not None:
+                    payload[key] = value
+        top = self._top
+        usage = top.get("usage")
+        if usage is not None and type(usage) is not dict:
+            return None
+        return payload, self._finish[index], usage, top
+
+    def provider_fields(self) -> dict[str, Any]:
+        """The completion's fields beyond the schema's (`x_groq`, `system_fingerprint`, ...)."""
+        return {k: v for k, v in self._top.items() if k not in _DECLARED_TOP}
 
     def result(self) -> ChatCompletion:
         """The accumulated completion; `MalformedResponse` if no choice was ever streamed."""

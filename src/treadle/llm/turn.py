@@ -21,7 +21,6 @@ import inspect
 import logging
 import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast, runtime_checkable
 
 import anyio
@@ -29,6 +28,9 @@ from pydantic import ValidationError
 
 from treadle.errors import ConfigurationError, MalformedResponse, ProviderError
 from treadle.llm.accumulate import StreamAccumulator
+from treadle.llm.assistant import AssistantTurn as AssistantTurn
+from treadle.llm.assistant import folded_turn
+from treadle.llm.assistant import turn_of as turn_of
 from treadle.llm.attempt import TornStream, Tries
 from treadle.llm.deltas import (
     DeltaSink,
@@ -40,17 +42,12 @@ from treadle.llm.deltas import (
     pieces_of,
     with_pieces,
 )
-from treadle.llm.inband import error_in, provider_usage, with_status_from_body
+from treadle.llm.inband import error_in, with_status_from_body
 from treadle.llm.provider import Provider
 from treadle.llm.request import CompletionRequest
 from treadle.llm.retry import backoff_delay
-from treadle.llm.wire import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    MessageToolCall,
-)
+from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
 from treadle.runtime.threads import run_user_code
-from treadle.session import Usage
 from treadle.telemetry import current_pass
 
 if TYPE_CHECKING:
@@ -230,22 +227,6 @@ def coerce_completion(raw: object) -> ChatCompletion:
     return completion
 
 
-@dataclass(frozen=True, slots=True)
-class AssistantTurn:
-    """A finished model turn: the assistant row's payload, its usage and why it ended."""
-
-    payload: dict[str, Any]
-    """The assistant row payload: `content`, `tool_calls`, and provider fields kept as sent."""
-    usage: Usage
-    """This request's usage (`requests == 1`)."""
-    finish_reason: str | None
-    """The provider's finish reason (`stop`, `tool_calls`, `length`, ...)."""
-    completion: ChatCompletion
-    """The reply as received (what `after` guardrails inspect)."""
-    request_id: str | None = None
-    """The reply's `x-request-id` header, when Treadle's client carried it and it had one."""
-
-
 async def request_turn(
     executor: ModelExecutor,
     request: CompletionRequest,
@@ -309,8 +290,8 @@ async def _turn(
         isinstance(executor, HttpExecutor) and type(executor).astream is HttpExecutor.astream
     )
     if request.stream and own_stream:  # not a subclass's own astream
-        completion = await _fold_stream(request, on_delta, tries, on_pieces)
-        return turn_of(completion, tries.request_id)
+        acc = await _fold_stream(request, on_delta, tries, on_pieces)
+        return folded_turn(acc, tries.request_id)
     on_delta = with_pieces(on_delta, on_pieces)
     if request.stream and isinstance(executor, HttpExecutor):
         acc = StreamAccumulator()
@@ -357,8 +338,8 @@ async def _fold_stream(
     on_delta: DeltaSink | None,
     tries: Tries,
     on_pieces: PieceSink | None = None,
-) -> ChatCompletion:
-    """A streamed reply from the pooled client folded into its completion.
+) -> StreamAccumulator:
+    """A streamed reply from the pooled client, folded.
 
     The fast form of the streamed branch of `_turn` (same errors and deltas), reading the events
     of each network read at once. Without a callback to feed the events stay dicts checked
@@ -366,6 +347,7 @@ async def _fold_stream(
     end either way. `on_pieces` alone keeps the dicts too: its pieces are read from them after
     the fold numbered their tool calls. In-band errors are raised by the client's parser; a
     stream torn after its first events raises `TornStream` for `request_turn` to restart.
+    `folded_turn` makes the turn: no `ChatCompletion` unless someone reads it.
     """
     provider = _require_provider(request)
     acc = StreamAccumulator()
@@ -392,46 +374,4 @@ async def _fold_stream(
     except RuntimeError as err:
         _raise_if_foreign_loop(provider, err)
         raise
-    return acc.result()
-
-
-def turn_of(completion: ChatCompletion, request_id: str | None = None) -> AssistantTurn:
-    """The `AssistantTurn` of one whole completion (`request_id`: the reply's `x-request-id`)."""
-    message = completion.message
-    payload: dict[str, Any] = {"content": message.content}
-    if message.tool_calls:
-        payload["tool_calls"] = [
-            _call_payload(i, call) for i, call in enumerate(message.tool_calls)
-        ]
-    extra = message.__pydantic_extra__  # `model_extra`, without its property call
-    if extra:
-        # Keep provider fields such as reasoning_content; `role` is implied by the row kind.
-        for key, value in extra.items():
-            if key != "role" and value is not None:
-                payload[key] = value
-    usage = completion.usage
-    wire_usage = usage.model_dump() if usage is not None else None
-    if not wire_usage or not any(wire_usage.get(k) for k in ("prompt_tokens", "total_tokens")):
-        wire_usage = provider_usage(completion.__pydantic_extra__) or wire_usage
-    return AssistantTurn(
-        payload, Usage.from_wire(wire_usage), completion.finish_reason, completion, request_id
-    )
-
-
-def _call_payload(i: int, call: MessageToolCall) -> dict[str, Any]:
-    """A tool call of the reply as the assistant row keeps it; an empty id (Gemini's endpoint)
-    gets the one its tool_result row will answer."""
-    fn = call.function
-    function: dict[str, Any]
-    if fn.__pydantic_extra__:  # provider fields beside name and arguments: kept as dumped
-        function = {**fn.model_dump(exclude_none=True), "name": fn.name, "arguments": fn.arguments}
-    else:  # the dump would be exactly these two (every round's case: no second serialisation)
-        function = {"name": fn.name, "arguments": fn.arguments}
-    if call.__pydantic_extra__:
-        return {
-            **call.model_dump(exclude_none=True),
-            "id": call.id or f"call_{i}",
-            "type": call.type or "function",
-            "function": function,
-        }
-    return {"id": call.id or f"call_{i}", "type": call.type or "function", "function": function}
+    return acc

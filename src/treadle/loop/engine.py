@@ -170,9 +170,11 @@ class _Pass:
             await fire(self.hooks, "on_model_start", self.hook_context(), request.messages())
         started = time.monotonic()
         turn = await self.complete_traced(request)
-        done = turn.completion  # the entry is built when the pass ends: a round keeps 4 values
+        # Entries are built when the pass ends. `turn.wire`, not `turn.completion` (a streamed
+        # turn builds that only when read): the reply's usage as sent and its id.
+        wire, reply_id = turn.wire
         latency = time.monotonic() - started
-        self.entries.append((done.usage, done.id, turn.usage, latency, turn.request_id or done.id))
+        self.entries.append((wire, reply_id, turn.usage, latency, turn.request_id or reply_id))
         return turn
 
     async def complete_traced(self, request: CompletionRequest) -> AssistantTurn:

@@ -13,7 +13,7 @@ Pure values; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,16 @@ def _detail(value: Any, whole: int) -> int:
     return value
 
 
+def _nested(wire: Any, group: str, key: str) -> Any:
+    """`wire[group][key]` of a usage as sent: a `CompletionUsage` (its provider fields), its dict
+    (a streamed reply's), or None."""
+    if wire is None:
+        return None
+    fields = wire if isinstance(wire, Mapping) else wire.model_extra
+    details = fields.get(group) if fields else None
+    return details.get(key) if isinstance(details, Mapping) else None
+
+
 def request_usage_of(
     wire: Any,
     response_id: str,
@@ -72,16 +82,18 @@ def request_usage_of(
     request_id: str,
     agent: str | None,
 ) -> RequestUsage:
-    """The entry for one completion: its `CompletionUsage` as received (or None), its id, the
-    counted `Usage`, the latency, its request id and the agent's name. Ids are cleaned as
-    errors clean them (`treadle.errors.clean_id`); a request id with nothing printable left
-    falls back to the response id."""
+    """The entry for one completion: its usage as received (a `CompletionUsage`, its dict, or
+    None), its id, the counted `Usage`, the latency, its request id and the agent's name. Ids
+    are cleaned as errors clean them (`treadle.errors.clean_id`); a request id with nothing
+    printable left falls back to the response id."""
     response = clean_id(response_id)
     return RequestUsage(
         usage.prompt_tokens,
         usage.completion_tokens,
-        _detail(wire.cached_tokens, usage.prompt_tokens) if wire is not None else 0,
-        _detail(wire.reasoning_tokens, usage.completion_tokens) if wire is not None else 0,
+        _detail(_nested(wire, "prompt_tokens_details", "cached_tokens"), usage.prompt_tokens),
+        _detail(
+            _nested(wire, "completion_tokens_details", "reasoning_tokens"), usage.completion_tokens
+        ),
         response,
         latency,
         agent,
