@@ -13,6 +13,7 @@ from treadle.stores.records import (
     StoredConversation,
     decode_json,
     decode_usage,
+    stored_conversation,
 )
 
 __all__ = ["Head", "HeadCache"]
@@ -44,7 +45,7 @@ class Head:
     def stored(self, key: str, rows: tuple[ChunkRow, ...]) -> StoredConversation:
         """The conversation with this head and its `rows` (its own copy of the metadata)."""
         meta = {} if self.metadata == "{}" else decode_json(self.metadata, key)
-        return StoredConversation(
+        return stored_conversation(
             key, rows, self.usage, self.stop_reason, meta, self.parent_key, self.parent_version
         )
 
