@@ -21,8 +21,9 @@ __all__ = ["Head", "HeadCache"]
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call a field
 class Head:
-    """A conversation's head row, decoded: what a read returns besides its rows (never changed
-    once made: a write makes a new one)."""
+    """A conversation's head row, decoded: what a read returns besides its rows. A commit of
+    this thread moves its head in place (version, usage, stop reason, metadata); nothing else
+    holds a head (a read copies its fields out), and a batch that is undone clears them all."""
 
     usage: Usage
     stop_reason: str | None
