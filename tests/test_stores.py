@@ -431,6 +431,45 @@ def test_a_pending_approval_is_finished_by_another_process(
         ).synchronize()
 
 
+def test_each_commit_on_a_key_moves_what_a_read_gives_of_its_last_pass(store: Store) -> None:
+    # One process, one key, read after every commit: each read gives the last pass's stop
+    # reason and metadata (SQLite moves its cached head in place; a field left behind would
+    # show the previous pass's).
+    from store_worker import deploy
+
+    def turn(text: str, *replies: Any, **kw: Any) -> Session:
+        return run_session_loop(
+            Session.from_user_message(text) if text else Session(),
+            AGENT,
+            executor=ScriptedExecutor(list(replies)),
+            tools=[deploy],
+            store=store,
+            **kw,
+        )
+
+    assert turn("hello", "hi", conversation="m").stop_reason == "final_answer"
+    first = store.conversation("m")
+    assert (first.stop_reason, first.pending_approvals) == ("final_answer", [])
+    assert "interrupt_reason" not in first.metadata
+    call = tool_call("deploy", {"target": "prod"}, id="d1")
+    assert turn("deploy", call, conversation="m").stop_reason == "interrupted"
+    waiting = store.conversation("m")
+    assert (waiting.stop_reason, waiting.metadata["version"]) == ("interrupted", 4)
+    assert waiting.metadata["interrupt_reason"] == "approval required for deploy"
+    assert [a["id"] for a in waiting.pending_approvals] == ["d1"]
+    (pending,) = store.pending("m")
+    resumed = turn("", "deployed", conversation=pending, approvals={"d1": True})
+    assert resumed.stop_reason == "final_answer"
+    done = store.conversation("m")
+    assert (done.stop_reason, done.metadata["version"]) == ("final_answer", 6)
+    assert done.pending_approvals == []
+    assert "interrupt_reason" not in done.metadata
+    # The approval is settled: the next turn follows it (no "waits for a decision on deploy").
+    after = turn("and then?", "fine", conversation="m")
+    assert [t for _, t in _texts(after)][-2:] == ["and then?", "fine"]
+    assert store.conversation("m").stop_reason == "final_answer"
+
+
 # -- lineage and retention -------------------------------------------------------------------
 
 
