@@ -490,6 +490,35 @@ def test_fork_branches_a_conversation_and_keeps_its_parent(store: Store) -> None
         store.fork("trunk", "other", version=9)
 
 
+def test_a_fork_starts_from_its_parents_whole_usage_as_documented(
+    store: Store, server: FakeOpenAIServer
+) -> None:
+    # The store keeps one running usage total a conversation, none a pass or a row: a fork
+    # cannot tell what the passes up to its fork point used, and starts from the parent's total
+    # when it was made (docs/stores.md, StoredConversation.usage).
+    for text in ("one", "two"):
+        run_session_loop(
+            Session.from_user_message(text),
+            AGENT,
+            provider=_provider(server),
+            store=store,
+            conversation="spent",
+        ).synchronize()
+    assert store.conversation("spent").usage.requests == 2
+    branch = store.fork("spent", "spent-branch", version=2)  # the first pass's rows only
+    assert [t for _, t in _texts(branch)] == ["one", "one"]  # the echo server's reply
+    assert branch.usage == store.conversation("spent").usage  # both passes', not the first's
+    run_session_loop(
+        Session.from_user_message("three"),
+        AGENT,
+        provider=_provider(server),
+        store=store,
+        conversation="spent-branch",
+    ).synchronize()
+    assert store.conversation("spent-branch").usage.requests == 3  # its own passes add to it
+    assert store.conversation("spent").usage.requests == 2  # and never to the parent's
+
+
 def test_delete_and_prune(store: Store) -> None:
     store.append("a", [ChunkRow.user("x")])
     store.append("b", [ChunkRow.user("y")])

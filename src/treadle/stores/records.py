@@ -75,7 +75,9 @@ class StoredConversation:
     rows: tuple[ChunkRow, ...] = ()
     """Every committed row, in commit order."""
     usage: Usage = field(default_factory=Usage)
-    """Token usage summed over every committed pass."""
+    """Token usage summed over every committed pass. A fork starts from its parent's total
+    when it was made (every pass the parent had committed, also those after the fork point:
+    the store keeps one total a conversation, none a pass) and adds its own passes."""
     stop_reason: str | None = None
     """The stop reason of the last committed pass."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
