@@ -431,6 +431,45 @@ def test_a_pending_approval_is_finished_by_another_process(
         ).synchronize()
 
 
+def test_each_commit_on_a_key_moves_what_a_read_gives_of_its_last_pass(store: Store) -> None:
+    # One process, one key, read after every commit: each read gives the last pass's stop
+    # reason and metadata (SQLite moves its cached head in place; a field left behind would
+    # show the previous pass's).
+    from store_worker import deploy
+
+    def turn(text: str, *replies: Any, **kw: Any) -> Session:
+        return run_session_loop(
+            Session.from_user_message(text) if text else Session(),
+            AGENT,
+            executor=ScriptedExecutor(list(replies)),
+            tools=[deploy],
+            store=store,
+            **kw,
+        )
+
+    assert turn("hello", "hi", conversation="m").stop_reason == "final_answer"
+    first = store.conversation("m")
+    assert (first.stop_reason, first.pending_approvals) == ("final_answer", [])
+    assert "interrupt_reason" not in first.metadata
+    call = tool_call("deploy", {"target": "prod"}, id="d1")
+    assert turn("deploy", call, conversation="m").stop_reason == "interrupted"
+    waiting = store.conversation("m")
+    assert (waiting.stop_reason, waiting.metadata["version"]) == ("interrupted", 4)
+    assert waiting.metadata["interrupt_reason"] == "approval required for deploy"
+    assert [a["id"] for a in waiting.pending_approvals] == ["d1"]
+    (pending,) = store.pending("m")
+    resumed = turn("", "deployed", conversation=pending, approvals={"d1": True})
+    assert resumed.stop_reason == "final_answer"
+    done = store.conversation("m")
+    assert (done.stop_reason, done.metadata["version"]) == ("final_answer", 6)
+    assert done.pending_approvals == []
+    assert "interrupt_reason" not in done.metadata
+    # The approval is settled: the next turn follows it (no "waits for a decision on deploy").
+    after = turn("and then?", "fine", conversation="m")
+    assert [t for _, t in _texts(after)][-2:] == ["and then?", "fine"]
+    assert store.conversation("m").stop_reason == "final_answer"
+
+
 # -- lineage and retention -------------------------------------------------------------------
 
 
@@ -449,6 +488,35 @@ def test_fork_branches_a_conversation_and_keeps_its_parent(store: Store) -> None
         store.fork("trunk", "branch")
     with pytest.raises(ConfigurationError, match="versions 0 to 3"):
         store.fork("trunk", "other", version=9)
+
+
+def test_a_fork_starts_from_its_parents_whole_usage_as_documented(
+    store: Store, server: FakeOpenAIServer
+) -> None:
+    # The store keeps one running usage total a conversation, none a pass or a row: a fork
+    # cannot tell what the passes up to its fork point used, and starts from the parent's total
+    # when it was made (docs/stores.md, StoredConversation.usage).
+    for text in ("one", "two"):
+        run_session_loop(
+            Session.from_user_message(text),
+            AGENT,
+            provider=_provider(server),
+            store=store,
+            conversation="spent",
+        ).synchronize()
+    assert store.conversation("spent").usage.requests == 2
+    branch = store.fork("spent", "spent-branch", version=2)  # the first pass's rows only
+    assert [t for _, t in _texts(branch)] == ["one", "one"]  # the echo server's reply
+    assert branch.usage == store.conversation("spent").usage  # both passes', not the first's
+    run_session_loop(
+        Session.from_user_message("three"),
+        AGENT,
+        provider=_provider(server),
+        store=store,
+        conversation="spent-branch",
+    ).synchronize()
+    assert store.conversation("spent-branch").usage.requests == 3  # its own passes add to it
+    assert store.conversation("spent").usage.requests == 2  # and never to the parent's
 
 
 def test_delete_and_prune(store: Store) -> None:

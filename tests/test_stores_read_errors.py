@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from dataclasses import FrozenInstanceError, fields
 from typing import Any
+
+import pytest
 
 from pg_cluster import Cluster, latin1_database
 from treadle import Session, run_session_loop
 from treadle.errors import StoreError
-from treadle.session import ChunkRow
+from treadle.session import ChunkRow, Usage
 from treadle.stores import Store
-from treadle.stores.records import StoredConversation
+from treadle.stores.records import _SETS, StoredConversation, stored_conversation
 from treadle.testing import ScriptedExecutor
 
 AGENT = Session.from_agent_prompt("Answer briefly.")
@@ -134,3 +137,18 @@ def test_a_postgres_read_batch_that_fails_is_read_again_key_by_key(pg: Cluster) 
     a, emoji, new = asyncio.run(main())
     assert [r.content for r in a.rows] == ["a"] and new.rows == ()
     assert isinstance(emoji, StoreError) and "LATIN1" in str(emoji)
+
+
+def test_the_read_paths_stored_conversation_is_the_dataclass_whole_and_frozen() -> None:
+    # Reads build their StoredConversation through its slots' setters (not the frozen
+    # __init__): every field set, the same value, equality and repr, still frozen. A field
+    # added to the dataclass and not to the builder fails the first assert.
+    assert len(_SETS) == len(fields(StoredConversation))
+    rows = (ChunkRow.user("hi"),)
+    usage = Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3, requests=1)
+    built = stored_conversation("k", rows, usage, "stop", {"a": 1}, "parent", 3)
+    made = StoredConversation("k", rows, usage, "stop", {"a": 1}, "parent", 3)
+    assert built == made and repr(built) == repr(made) and built.version == 1
+    assert type(built) is StoredConversation
+    with pytest.raises(FrozenInstanceError):
+        built.key = "x"  # type: ignore[misc]

@@ -147,7 +147,9 @@ def plan_in_order(
     if approvals is not None and not isinstance(approvals, Mapping):
         raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
     if store is not None or conversation is not None:
-        from treadle.stores import check_store_arguments  # loads with the first store
+        # Loads with the first store. From the module, not the package: a package's
+        # `from ... import` runs importlib's `_handle_fromlist` (Python) on every pass.
+        from treadle.stores.store import check_store_arguments
 
         check_store_arguments(store, conversation)
     if agent_provider is not None and not isinstance(agent_provider, Provider):

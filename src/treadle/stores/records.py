@@ -75,7 +75,9 @@ class StoredConversation:
     rows: tuple[ChunkRow, ...] = ()
     """Every committed row, in commit order."""
     usage: Usage = field(default_factory=Usage)
-    """Token usage summed over every committed pass."""
+    """Token usage summed over every committed pass. A fork starts from its parent's total
+    when it was made (every pass the parent had committed, also those after the fork point:
+    the store keeps one total a conversation, none a pass) and adds its own passes."""
     stop_reason: str | None = None
     """The stop reason of the last committed pass."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
@@ -89,6 +91,41 @@ class StoredConversation:
     def version(self) -> int:
         """The version: the number of committed rows (a new key is at version 0)."""
         return len(self.rows)
+
+
+# A read builds one `StoredConversation` a turn: the frozen dataclass's `__init__` sets each
+# field through `object.__setattr__` (about 10k instructions for the seven), where the slots'
+# own setters do the same in a fifth of that. Same object, same checks on the way out.
+_NEW = object.__new__
+_SETS = tuple(
+    StoredConversation.__dict__[name].__set__
+    for name in (
+        "key", "rows", "usage", "stop_reason", "metadata", "parent_key", "parent_version"
+    )
+)  # fmt: skip
+
+
+def stored_conversation(
+    key: str,
+    rows: tuple[ChunkRow, ...],
+    usage: Usage,
+    stop_reason: str | None,
+    metadata: Mapping[str, Any],
+    parent_key: str | None,
+    parent_version: int | None,
+) -> StoredConversation:
+    """`StoredConversation(key, rows, ...)` with every field given, built without the frozen
+    `__init__` (see `_SETS`): a store's read path."""
+    found: StoredConversation = _NEW(StoredConversation)
+    s_key, s_rows, s_usage, s_stop, s_meta, s_parent, s_version = _SETS
+    s_key(found, key)
+    s_rows(found, rows)
+    s_usage(found, usage)
+    s_stop(found, stop_reason)
+    s_meta(found, metadata)
+    s_parent(found, parent_key)
+    s_version(found, parent_version)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,4 +422,4 @@ def stored_from_head(
     meta = {} if head[2] == "{}" else decode_json(head[2], key)  # most heads keep nothing
     if usage is None:
         usage = decode_usage(head[0], key)
-    return StoredConversation(key, rows, usage, head[1], meta, head[3], head[4])
+    return stored_conversation(key, rows, usage, head[1], meta, head[3], head[4])

@@ -13,6 +13,7 @@ from treadle.stores.records import (
     StoredConversation,
     decode_json,
     decode_usage,
+    stored_conversation,
 )
 
 __all__ = ["Head", "HeadCache"]
@@ -20,8 +21,9 @@ __all__ = ["Head", "HeadCache"]
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call a field
 class Head:
-    """A conversation's head row, decoded: what a read returns besides its rows (never changed
-    once made: a write makes a new one)."""
+    """A conversation's head row, decoded: what a read returns besides its rows. A commit of
+    this thread moves its head in place (version, usage, stop reason, metadata); nothing else
+    holds a head (a read copies its fields out), and a batch that is undone clears them all."""
 
     usage: Usage
     stop_reason: str | None
@@ -44,7 +46,7 @@ class Head:
     def stored(self, key: str, rows: tuple[ChunkRow, ...]) -> StoredConversation:
         """The conversation with this head and its `rows` (its own copy of the metadata)."""
         meta = {} if self.metadata == "{}" else decode_json(self.metadata, key)
-        return StoredConversation(
+        return stored_conversation(
             key, rows, self.usage, self.stop_reason, meta, self.parent_key, self.parent_version
         )
 

@@ -165,11 +165,9 @@ def commit_job(
             heads.put(key, Head(usage, stop_reason, kept, None, None, now, version))
         else:
             cache.extend(key, base, rows)
-            if head is not None:
-                heads.put(key, Head(
-                    usage, stop_reason, kept, head.parent_key, head.parent_version,
-                    head.created_at, version,
-                ))  # fmt: skip
+            if head is not None:  # moved in place: a new `Head` was a Python __init__ a turn
+                head.usage, head.stop_reason, head.metadata = usage, stop_reason, kept
+                head.version = version
         return version
 
     return do

@@ -236,7 +236,9 @@ class Store:
 
     async def afork(self, key: str, new_key: str, *, version: int | None = None) -> Session:
         """Branch conversation `key` (at `version`, default its latest) into the new key
-        `new_key`; the branch as a `Session`. Its lineage names the parent conversation."""
+        `new_key`; the branch as a `Session`. Its lineage names the parent conversation. Its
+        usage starts as the parent's whole total when forked, not the usage up to `version`
+        (the store keeps one usage total a conversation, none a pass)."""
         at = await self.backend.fork(check_key(key), check_key(new_key, "new key"), version)
         return Session._derive(
             await self._conversation_data(new_key),
