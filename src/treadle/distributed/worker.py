@@ -127,8 +127,8 @@ class PassWorker:
         back; the output's rows as `PassOutcome.rows`).
 
         No `PassItem` and no `PassOutcome` is built on this path: a frozen dataclass costs
-        about 1.6 k instructions a field to build (`object.__setattr__` per field), and the two
-        were about 30 k a pass of a worker's excess over the single process
+        about 1.6 k instructions a field to build (`object.__setattr__` per field); without the
+        two, and the dict `_wire` made of the outcome, a worker's pass costs 42 k fewer
         (docs/performance.md, process workers, eighth round)."""
         index, session_id, messages, placement, attempt, trace_context, placement_options = (
             _item_fields(item)
