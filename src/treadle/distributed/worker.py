@@ -217,7 +217,8 @@ class PassWorker:
     def _failed(
         self, index: int, session_id: str, attempt: int, status: str, error: str
     ) -> dict[str, Any]:
-        """The wire form of a pass that did not finish (`PassOutcome`'s defaults otherwise)."""
+        """The wire form of a pass that did not finish: every key `PassOutcome.to_json` gives,
+        the fields a failed pass has no value for at `PassOutcome`'s defaults."""
         record = {"attempt": attempt, "worker": self.name, "status": status, "error": error}
         return {
             "index": index,
@@ -225,8 +226,12 @@ class PassWorker:
             "status": status,
             "attempts": attempt,
             "worker": self.name,
+            "messages": None,
+            "usage": {},
+            "stop_reason": None,
             "error": error,
             "history": [record],
+            "metadata": {},
         }
 
     def close(self) -> None:
