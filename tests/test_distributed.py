@@ -359,6 +359,9 @@ async def test_every_per_item_failure_in_a_worker_is_that_items_outcome(tmp_path
     assert [o["index"] for o in outs] == [3, 3, 3]
     assert "ConfigurationError: message 0" in outs[1]["error"]
     assert outs[2]["error"].startswith("TypeError")
+    # A pass that failed sends every key an outcome's `to_json` has, as one that finished does.
+    shape = PassOutcome(3, "s-3", "error", 1, "w").to_json().keys()
+    assert outs[1].keys() == outs[2].keys() == shape
     assert (broken["index"], broken["status"]) == (9, "error")
     assert "input 9 could not be run" in broken["error"]
     assert (nothing["index"], nothing["status"]) == (-1, "error")

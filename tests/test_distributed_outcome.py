@@ -159,8 +159,9 @@ class _Answer(pydantic.BaseModel):
     ],
 )
 def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any, expected: Any) -> None:
-    # A worker sends its outcome without walking the metadata a second time (`_wire`): what it
-    # sends must be what `to_json` makes, whatever the pass's output and records hold.
+    # A worker sends its outcome's metadata as `portable_metadata` made it, without walking it
+    # a second time: that must be what `to_json` makes, whatever the pass's output and records
+    # hold.
     trip = Tripwire(reason="r", guardrail="g", when="after", info={"n": [1, 2]})
     metadata = {
         "agent": "a",
@@ -172,8 +173,9 @@ def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any, expecte
         "not_portable": object(),
     }
     outcome = _outcome(metadata=portable_metadata(metadata))
-    assert outcome._wire() == outcome.to_json()
-    assert json.dumps(outcome._wire()) == json.dumps(outcome.to_json())  # JSON data, all of it
+    sent = outcome.metadata
+    assert sent == outcome.to_json()["metadata"]
+    assert json.dumps(sent) == json.dumps(outcome.to_json()["metadata"])  # JSON data, all of it
     # The values themselves, not only the two ways agreeing (both start from
     # `portable_metadata`): the records kept, the tripwire without its `info`, nothing else.
     trip_data = {"reason": "r", "guardrail": "g", "when": "after"}
@@ -188,7 +190,7 @@ def test_a_workers_outcome_crosses_as_to_json_would_make_it(output: Any, expecte
     }
     if expected is not None:
         want["output"] = expected
-    assert json.loads(json.dumps(outcome._wire()["metadata"])) == want
+    assert json.loads(json.dumps(sent)) == want
 
 
 def _as_rows(outcome: PassOutcome) -> PassOutcome:
@@ -209,7 +211,8 @@ def test_an_outcome_sent_as_rows_is_the_one_sent_as_messages() -> None:
     _same(sent.session(), outcome.session())
     assert sent._public() == outcome and sent._public().rows is None
     assert sent.to_json() == outcome.to_json() and "rows" not in sent.to_json()
-    assert PassOutcome.from_json(sent._wire()).rows == sent.rows  # what crosses the pipe
+    wire = {**outcome.to_json(), "messages": None, "rows": sent.rows}  # what crosses the pipe
+    assert PassOutcome.from_json(wire).rows == sent.rows and PassOutcome.from_json(wire) == sent
     mapped = _result(sent, None)
     assert isinstance(mapped, Session)
     _same(mapped, received_session(outcome))
@@ -272,3 +275,20 @@ def test_request_usage_entries_crossing_the_pipe_are_rebuilt_field_by_field() ->
                 assert value == entry
             else:
                 assert value == RequestUsage(**full)
+
+
+def test_a_wire_outcome_with_every_field_is_built_as_the_keyword_call_builds_it() -> None:
+    # A worker's outcome has every field and is built positionally; its keys come unpickled
+    # (equal, not the same strings) and in any order. The same outcome as the keyword call
+    # makes, history a tuple; a dict of as many keys with one unknown is refused as before.
+    sent = _as_rows(_outcome())
+    wire = {**sent.to_json(), "messages": None, "rows": sent.rows}
+    shuffled = pickle.loads(pickle.dumps(dict(reversed(list(wire.items())))))
+    built = PassOutcome.from_json(shuffled)
+    assert built == PassOutcome(**{**wire, "history": tuple(wire["history"])})
+    assert type(built.history) is tuple and built.rows == sent.rows
+    assert PassOutcome.from_json({**wire, "history": []}).history == ()
+    odd = {**{k: v for k, v in wire.items() if k != "rows"}, "bogus": 1}
+    assert len(odd) == len(wire)
+    with pytest.raises(TypeError, match="bogus"):
+        PassOutcome.from_json(odd)

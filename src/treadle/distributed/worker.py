@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import operator
 import os
 import shutil
 import socket
@@ -36,6 +37,10 @@ log = logging.getLogger("treadle.distributed")
 _FLUSH_SECONDS = 5.0
 
 _USAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Usage))
+_usage_values = operator.attrgetter(*_USAGE_FIELDS)
+_ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PassItem))
+_item_values = operator.itemgetter(*_ITEM_FIELDS)
+_item_attributes = operator.attrgetter(*_ITEM_FIELDS)
 
 RateGate = Callable[[], Awaitable[None]]
 """Awaited before every model request when the rate limit is one shared bucket."""
@@ -49,6 +54,20 @@ def worker_name() -> str:
 def _error_text(err: BaseException) -> str:
     text = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {text}"[:2000]
+
+
+def _item_fields(item: PassItem | Mapping[str, Any]) -> tuple[Any, ...]:
+    """An item's fields in `PassItem`'s order. A driver's item (a dict of exactly those keys)
+    is read as it is; anything else goes through `PassItem.from_json`, whose error names the
+    problem (and fails this item alone)."""
+    if type(item) is dict and len(item) == len(_ITEM_FIELDS):
+        try:
+            return _item_values(item)  # type: ignore[no-any-return]
+        except KeyError:
+            pass  # another key: `from_json` refuses it as it always did
+    if not isinstance(item, PassItem):
+        item = PassItem.from_json(item)
+    return _item_attributes(item)
 
 
 def _input_session(messages: Any) -> Session:
@@ -101,56 +120,69 @@ class PassWorker:
 
     async def run(self, item: PassItem | Mapping[str, Any]) -> PassOutcome:
         """Run one pass; every failure (error, timeout) is reported in the outcome."""
-        return (await self._run(item))._public()
+        return PassOutcome.from_json(await self._run(item))._public()
 
-    async def _run(self, item: PassItem | Mapping[str, Any]) -> PassOutcome:
-        """`run`, the output's rows left as the worker sends them (`PassOutcome.rows`)."""
-        if not isinstance(item, PassItem):
-            item = PassItem.from_json(item)
+    async def _run(self, item: PassItem | Mapping[str, Any]) -> dict[str, Any]:
+        """`run`, as the wire form a process worker sends (`PassOutcome.from_json` takes it
+        back; the output's rows as `PassOutcome.rows`).
+
+        No `PassItem` and no `PassOutcome` is built on this path: a frozen dataclass costs
+        about 1.6 k instructions a field to build (`object.__setattr__` per field); without the
+        two, and the dict `_wire` made of the outcome, a worker's pass costs 42 k fewer
+        (docs/performance.md, process workers, eighth round)."""
+        index, session_id, messages, placement, attempt, trace_context, placement_options = (
+            _item_fields(item)
+        )
         workspace: Path | None = None
         session: Session | None = None
         out: Session | None = None
         # No deadline and no trace parent (the common case) is no context manager per pass.
         deadline = None if self.pass_timeout is None else asyncio.timeout(self.pass_timeout)
         try:  # from the session's rebuild on: an input it cannot rebuild fails this item alone
-            session = _input_session(item.messages)
-            if item.placement == "local":
-                workspace = self.root / f"{item.index}-{item.attempt}-{item.session_id[:8]}"
+            session = _input_session(messages)
+            if placement == "local":
+                workspace = self.root / f"{index}-{attempt}-{session_id[:8]}"
                 await asyncio.to_thread(workspace.mkdir)
                 session = session.to(str(workspace))
-            elif item.placement_options is not None:  # the caller's limits, mounts and env
+            elif placement_options is not None:  # the caller's limits, mounts and env
                 from treadle.sandbox import Isolated
 
-                session = session.to(Isolated.from_spec(item.placement_options))
-            elif item.placement is not None:
-                session = session.to(item.placement)
-            if deadline is None and not item.trace_context:
+                session = session.to(Isolated.from_spec(placement_options))
+            elif placement is not None:
+                session = session.to(placement)
+            if deadline is None and not trace_context:
                 out = await self.agent.run(session)
             else:
                 # The map caller's span (another process) is the parent of this pass's span.
-                with use_parent(parent_from_carrier(item.trace_context)):
+                with use_parent(parent_from_carrier(trace_context)):
                     async with deadline or contextlib.nullcontext():
                         out = await self.agent.run(session)
             usage = out.usage
-            return self._outcome(
-                item,
-                "ok",
+            name = self.name
+            return {
+                "index": index,
+                "session_id": session_id,
+                "status": "ok",
+                "attempts": attempt,
+                "worker": name,
+                "messages": None,
+                # Four ints: `dataclasses.asdict` deep-copies, at a worker's per-pass cost.
+                "usage": dict(zip(_USAGE_FIELDS, _usage_values(usage), strict=True)),
+                "stop_reason": out.stop_reason,
+                "error": None,
+                "history": [{"attempt": attempt, "worker": name, "status": "ok", "error": None}],
+                "metadata": portable_metadata(out.metadata),
                 # The rows as they are: `to_messages` built a dict per row here, and the driver
                 # took each apart again into a row (docs/performance.md, process workers).
-                rows=[(row.kind, row.payload) for row in out.chunk_table],
-                # Four ints: `dataclasses.asdict` deep-copies, at a worker's per-pass cost.
-                usage={f: getattr(usage, f) for f in _USAGE_FIELDS},
-                stop_reason=out.stop_reason,
-                metadata=portable_metadata(out.metadata),
-            )
+                "rows": [(row.kind, row.payload) for row in out.chunk_table],
+            }
         except TimeoutError as err:
             if deadline is None or not deadline.expired():  # inside the pass (ProviderTimeout)
-                return self._outcome(item, "error", error=_error_text(err))
-            return self._outcome(
-                item, "timeout", error=f"TimeoutError: pass ran over {self.pass_timeout} s"
-            )
+                return self._failed(index, session_id, attempt, "error", _error_text(err))
+            why = f"TimeoutError: pass ran over {self.pass_timeout} s"
+            return self._failed(index, session_id, attempt, "timeout", why)
         except Exception as err:  # a failing pass is its own outcome, never the worker's end
-            return self._outcome(item, "error", error=_error_text(err))
+            return self._failed(index, session_id, attempt, "error", _error_text(err))
         finally:
             if out is not None:
                 out.close_sandbox()
@@ -167,9 +199,8 @@ class PassWorker:
         item's error outcome, so the task running it never dies silently and its caller always
         gets an answer."""
         try:
-            outcome = await self._run(item)
             # Its metadata is `portable_metadata`'s, JSON data already: not walked again.
-            return outcome._wire()
+            return await self._run(item)
         except Exception as err:
             log.exception("a worker's item failed outside its pass")
             data = item if isinstance(item, Mapping) else {}
@@ -183,22 +214,25 @@ class PassWorker:
                 "error": f"input {index} could not be run: {_error_text(err)}"[:2000],
             }
 
-    def _outcome(self, item: PassItem, status: Any, **fields: Any) -> PassOutcome:
-        record = {
-            "attempt": item.attempt,
-            "worker": self.name,
+    def _failed(
+        self, index: int, session_id: str, attempt: int, status: str, error: str
+    ) -> dict[str, Any]:
+        """The wire form of a pass that did not finish: every key `PassOutcome.to_json` gives,
+        the fields a failed pass has no value for at `PassOutcome`'s defaults."""
+        record = {"attempt": attempt, "worker": self.name, "status": status, "error": error}
+        return {
+            "index": index,
+            "session_id": session_id,
             "status": status,
-            "error": fields.get("error"),
+            "attempts": attempt,
+            "worker": self.name,
+            "messages": None,
+            "usage": {},
+            "stop_reason": None,
+            "error": error,
+            "history": [record],
+            "metadata": {},
         }
-        return PassOutcome(
-            index=item.index,
-            session_id=item.session_id,
-            status=status,
-            attempts=item.attempt,
-            worker=self.name,
-            history=(record,),
-            **fields,
-        )
 
     def close(self) -> None:
         """Remove this worker's sandbox root and export buffered telemetry (blocks; call when no
