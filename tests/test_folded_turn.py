@@ -33,6 +33,20 @@ from treadle.testing import FakeOpenAIServer
 from treadle.testing.fake_replies import Reply, ToolCallSpec
 
 
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The bodies every `ChatCompletion` validation of the fold got, in order."""
+    bodies: list[object] = []
+    real = accumulate_module._validate_completion
+
+    def counting(body: dict[str, Any]) -> ChatCompletion:
+        bodies.append(body)
+        return real(body)
+
+    monkeypatch.setattr(accumulate_module, "_validate_completion", counting)
+    return bodies
+
+
 def _fold(events: list[dict[str, Any]]) -> StreamAccumulator:
     """The events through the turn's parser (schema checks) and fold."""
     acc = StreamAccumulator()
@@ -164,17 +178,7 @@ def test_a_stream_without_choices_is_malformed_either_way() -> None:
         acc.result()
 
 
-def test_a_plain_turn_builds_its_completion_only_when_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    built: list[object] = []
-    real = accumulate_module._validate_completion
-
-    def counting(body: dict[str, Any]) -> ChatCompletion:
-        built.append(body)
-        return real(body)
-
-    monkeypatch.setattr(accumulate_module, "_validate_completion", counting)
+def test_a_plain_turn_builds_its_completion_only_when_read(built: list[object]) -> None:
     turn = folded_turn(_fold(STREAMS["tool calls"]))
     assert built == []
     first = turn.completion
@@ -225,18 +229,8 @@ def test_a_turn_is_the_dataclass_it_was() -> None:
     assert bare == AssistantTurn({"content": "x"}, Usage.from_wire(None), None, None)
 
 
-def test_threads_reading_a_lazy_completion_first_build_it_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_threads_reading_a_lazy_completion_first_build_it_once(built: list[object]) -> None:
     """Threads reading `completion` at once get the same one, built once."""
-    built: list[object] = []
-    real = accumulate_module._validate_completion
-
-    def counting(body: dict[str, Any]) -> ChatCompletion:
-        built.append(body)
-        return real(body)
-
-    monkeypatch.setattr(accumulate_module, "_validate_completion", counting)
     calls = [{"index": i, "id": f"c{i}", "function": {"name": "f", "arguments": "{}"}}
              for i in range(50)]  # fmt: skip
     events = [_ev({"content": "x", "tool_calls": calls}, "tool_calls")]
@@ -310,17 +304,9 @@ def _provider(server: FakeOpenAIServer) -> Provider:
 
 
 def test_a_streamed_pass_builds_no_completion_and_its_guardrail_gets_one(
-    monkeypatch: pytest.MonkeyPatch,
+    built: list[object],
 ) -> None:
     """A pass reads the turn's payload and usage; an `after` guardrail still gets the reply."""
-    built: list[object] = []
-    real = accumulate_module._validate_completion
-
-    def counting(body: dict[str, Any]) -> ChatCompletion:
-        built.append(body)
-        return real(body)
-
-    monkeypatch.setattr(accumulate_module, "_validate_completion", counting)
 
     def lookup(key: str) -> str:
         """Look a key up."""
