@@ -140,7 +140,9 @@ def test_large_arguments_are_checked_off_the_loop(monkeypatch: pytest.MonkeyPatc
     assert _pass(tool, {"items": [1, 2]})["ok"] is True  # small and cheap: on the loop
     assert _pass(tool, {"items": list(range(5000))})["ok"] is True  # large: on a worker
     bad = _pass(tool, {"items": "not a list" * 10_000})  # large and wrong: still refused
-    assert bad["ok"] is False and bad["error_kind"] == "invalid_tool_arguments"
+    # Seen once as `tool_execution_exception` in a loaded fresh-clone run, not reproduced in 75
+    # loaded runs since: the whole result is in the message so the next failure says why.
+    assert bad["ok"] is False and bad["error_kind"] == "invalid_tool_arguments", bad
     assert threads == [True, False, False]
     assert server.calls == 2
 
