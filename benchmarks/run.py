@@ -58,7 +58,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "goodput_workers": (16, 60, 600, 600),
         "store_conversations": 1000,
         "store_turns": 10,
-        "store_reps": 3,
+        "store_reps": 5,
     },
     "quick": {
         "serial_n": 60,

@@ -74,3 +74,38 @@ def test_the_many_cores_scenario_runs_every_job_first_once(monkeypatch: pytest.M
     assert len(labels) == 7 and sum(label.endswith("(before)") for label in labels) == 2
     firsts = {ran[start] for start in range(0, len(ran), len(labels))}
     assert firsts == labels
+
+
+def test_the_store_scenario_pairs_each_repetition_with_its_own_no_store_run() -> None:
+    # A slow stretch of the machine moves one repetition's labels together: ratios taken
+    # repetition by repetition cancel it, a ratio of two medians from different minutes does
+    # not. Here the store costs 1.2x in every repetition while the machine halves its speed.
+    from benchmarks import stores_bench
+    from benchmarks.scenarios import Result
+
+    samples = {"no store": [1.0, 2.0, 4.0], "sqlite": [1.2, 2.4, 4.8]}
+    assert stores_bench.paired_ratios(samples)["sqlite"] == pytest.approx([1.2, 1.2, 1.2])
+    runs = {
+        label: [{"wall": v * 1.5, "cpu": v, "loop_cpu": v, "other_cpu": 0.0} for v in values]
+        for label, values in {**samples, "sqlite": [1.2, 2.0, 6.0]}.items()
+    }
+    result = Result("s9", "t", [])
+    stores_bench._fill(result, runs, 100)
+    sqlite = next(row for row in result.rows if row["label"] == "sqlite")
+    assert sqlite["cpu x no store"] == pytest.approx(1.2)  # median of 1.2, 1.0, 1.5
+    assert (sqlite["cpu x min"], sqlite["cpu x max"]) == pytest.approx((1.0, 1.5))
+    assert [t.name for t in result.targets] == ["S9 sqlite store: x no store (client CPU, paired)"]
+    assert "1.50x their CPU" in result.notes[-1]
+
+
+def test_each_store_job_of_a_repetition_gets_its_own_database_file(tmp_path: Path) -> None:
+    # With --baseline-src, "sqlite" and "sqlite before" ran on the same file in a repetition:
+    # the second continued the first's 1,000 conversations (twice the rows to read and index).
+    from benchmarks import stores_bench
+
+    url = f"sqlite:///{tmp_path / 'bench.db'}"
+    files = {
+        stores_bench._fresh(url, label, 0, str(tmp_path), None)
+        for label in ("sqlite", "sqlite before")
+    }
+    assert len(files) == 2
