@@ -4,10 +4,13 @@
 `echo` script, no latency: the store's cost is not hidden behind the model's). Each turn is one
 pass; without a store the application keeps each conversation's session in memory and extends
 it, with a store (`sqlite`, and `postgres` on a throwaway local cluster when PostgreSQL is
-installed) each turn reads the conversation from the store and commits its rows. Reports wall
-seconds (median over interleaved repetitions, each in a fresh worker pinned to the client CPU)
-and the ratio to no store, with the worker's CPU seconds and the PostgreSQL server's (its
-processes' CPU over the run: on a loaded machine the CPU figures move less than the wall).
+installed) each turn reads the conversation from the store and commits its rows. Every job runs
+in a fresh worker pinned to the client CPU; each store job runs next to a no-store job of its
+own, and its ratios (client CPU, the goal's; wall) are taken to that job only, the medians over
+the repetitions reported with the CPU ratios' range, the worker's loop and other threads' CPU
+and the PostgreSQL server's (its processes' CPU over the job). The goal reads CPU because other
+load on the fake server's CPU slows the no-store run most (it needs the server most), which
+pulls the wall ratio down (docs/performance.md, "Is S9 measuring the store?").
 With `--baseline-src`, each store also runs with that checkout's treadle ("before"), in the same
 run. Never asserts on timing.
 
@@ -178,49 +181,69 @@ def store_overhead(h: Harness, size: dict[str, Any]) -> Result:
                     stores[f"{label} before"] = stores[label]
                     srcs[f"{label} before"] = str(before)
             found: dict[str, list[dict[str, float]]] = {label: [] for label in stores}
+            bases: dict[str, list[dict[str, float]]] = {label: [] for label in stores}
             db_pid = _server_pid(cluster)
-            labels = list(stores)
+            labels = [label for label in stores if label != "no store"]
+
+            def run(label: str, rep: int) -> dict[str, float]:
+                job = {"store": stores[label], "conversations": n, "turns": turns}
+                if stores[label] is not None:  # a fresh database file / keys per job
+                    job["store"] = _fresh(stores[label], label, rep, tmp, cluster)
+                db_before = _tree_cpu(db_pid) if db_pid else 0.0
+                got = _run_job(job, server.url, srcs[label])
+                got["db"] = (_tree_cpu(db_pid) - db_before) if db_pid else 0.0
+                found[label].append(got)
+                h.log(
+                    f"    {label:<15} wall {got['wall']:8.3f} s  cpu {got['cpu']:7.3f} s  "
+                    f"(loop {got.get('loop_cpu', 0.0):6.2f}, other threads "
+                    f"{got.get('other_cpu', 0.0):5.2f})  db {got['db']:7.3f} s"
+                )
+                return got
+
+            # Each store job runs next to a no-store job of its own, before it or after it in
+            # turn, and is compared with that one only: this machine's speed drifts by tens
+            # of percent within a minute, and a pair of neighbours shares most of a drift.
             for rep in range(reps):
-                for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
-                    job = {"store": stores[label], "conversations": n, "turns": turns}
-                    if stores[label] is not None:  # a fresh database file / keys per rep
-                        job["store"] = _fresh(stores[label], label, rep, tmp, cluster)
-                    db_before = _tree_cpu(db_pid) if db_pid else 0.0
-                    got = _run_job(job, server.url, srcs[label])
-                    got["db"] = (_tree_cpu(db_pid) - db_before) if db_pid else 0.0
-                    found[label].append(got)
-                    h.log(
-                        f"    {label:<15} wall {got['wall']:8.3f} s  cpu {got['cpu']:7.3f} s  "
-                        f"(loop {got.get('loop_cpu', 0.0):6.2f}, other threads "
-                        f"{got.get('other_cpu', 0.0):5.2f})  db {got['db']:7.3f} s"
-                    )
+                for i, label in enumerate(
+                    labels[rep % len(labels) :] + labels[: rep % len(labels)]
+                ):
+                    if (rep + i) % 2 == 0:
+                        base = run("no store", rep)
+                        run(label, rep)
+                    else:
+                        run(label, rep)
+                        base = run("no store", rep)
+                    bases[label].append(base)
+            bases["no store"] = found["no store"]
         finally:
             if cluster is not None:
                 cluster.remove()
-    _fill(result, found, n * turns)
+    _fill(result, found, bases, n * turns)
     return result
 
 
-def paired_ratios(
-    samples: dict[str, list[float]], base: str = "no store"
-) -> dict[str, list[float]]:
-    """Each label's ratio to `base` repetition by repetition (the i-th sample over the i-th
-    sample of `base`, taken in the same minute of the run), so a slow or fast stretch of the
-    machine moves both sides of a ratio together instead of one side of a median."""
-    return {
-        label: [value / ref for value, ref in zip(values, samples[base], strict=True)]
-        for label, values in samples.items()
-    }
+def paired_ratios(values: list[float], bases: list[float]) -> list[float]:
+    """Each sample's ratio to the no-store sample it was paired with (the run next to it), so
+    a slow or fast stretch of the machine moves both sides of a ratio together instead of
+    one side of a median."""
+    return [value / base for value, base in zip(values, bases, strict=True)]
 
 
-def _fill(result: Result, found: dict[str, list[dict[str, float]]], turns: int) -> None:
-    """The table, the targets and the notes from every label's repetitions."""
+def _fill(
+    result: Result,
+    found: dict[str, list[dict[str, float]]],
+    bases: dict[str, list[dict[str, float]]],
+    turns: int,
+) -> None:
+    """The table, the targets and the notes from every label's jobs (`bases[label][i]`: the
+    no-store job `found[label][i]` is compared with)."""
 
-    def of(key: str) -> dict[str, list[float]]:
-        return {label: [got.get(key, 0.0) for got in runs] for label, runs in found.items()}
+    def of(key: str, jobs: dict[str, list[dict[str, float]]] = found) -> dict[str, list[float]]:
+        return {label: [got.get(key, 0.0) for got in runs] for label, runs in jobs.items()}
 
     walls, cpus = of("wall"), of("cpu")
-    wall_x, cpu_x = paired_ratios(walls), paired_ratios(cpus)
+    wall_x = {k: paired_ratios(v, of("wall", bases)[k]) for k, v in walls.items()}
+    cpu_x = {k: paired_ratios(v, of("cpu", bases)[k]) for k, v in cpus.items()}
     for label in found:
         result.rows.append(
             {
@@ -250,8 +273,8 @@ def _fill(result: Result, found: dict[str, list[dict[str, float]]], turns: int) 
     # then falls below what the store costs the client. See docs/performance.md.
     waited = median([w / c for w, c in zip(walls["no store"], cpus["no store"], strict=True)])
     result.notes.append(
-        "goal statistic: the median over repetitions of each repetition's client CPU (every "
-        "thread of the pinned worker) over the no-store run's in the same repetition; "
+        "goal statistic: the median over repetitions of each store run's client CPU (every "
+        "thread of the pinned worker) over the no-store run next to it; "
         f"the no-store runs' wall was {waited:.2f}x their CPU (above about 1.1, the client "
         "was not the bottleneck and the wall ratios understate the store's cost)"
     )

@@ -76,21 +76,22 @@ def test_the_many_cores_scenario_runs_every_job_first_once(monkeypatch: pytest.M
     assert firsts == labels
 
 
-def test_the_store_scenario_pairs_each_repetition_with_its_own_no_store_run() -> None:
-    # A slow stretch of the machine moves one repetition's labels together: ratios taken
-    # repetition by repetition cancel it, a ratio of two medians from different minutes does
-    # not. Here the store costs 1.2x in every repetition while the machine halves its speed.
+def test_the_store_scenario_compares_each_store_run_with_its_own_no_store_run() -> None:
+    # A slow stretch of the machine moves neighbouring runs together: ratios taken pair by
+    # pair cancel it, a ratio of two medians from different minutes does not. Here the store
+    # costs 1.2x in every pair while the machine halves its speed twice.
     from benchmarks import stores_bench
     from benchmarks.scenarios import Result
 
-    samples = {"no store": [1.0, 2.0, 4.0], "sqlite": [1.2, 2.4, 4.8]}
-    assert stores_bench.paired_ratios(samples)["sqlite"] == pytest.approx([1.2, 1.2, 1.2])
-    runs = {
-        label: [{"wall": v * 1.5, "cpu": v, "loop_cpu": v, "other_cpu": 0.0} for v in values]
-        for label, values in {**samples, "sqlite": [1.2, 2.0, 6.0]}.items()
-    }
+    assert stores_bench.paired_ratios([1.2, 2.4, 4.8], [1.0, 2.0, 4.0]) == pytest.approx([1.2] * 3)
+
+    def job(cpu: float) -> dict[str, float]:
+        return {"wall": cpu * 1.5, "cpu": cpu, "loop_cpu": cpu, "other_cpu": 0.0}
+
+    base = [job(v) for v in (1.0, 2.0, 4.0)]
+    found = {"no store": base, "sqlite": [job(v) for v in (1.2, 2.0, 6.0)]}
     result = Result("s9", "t", [])
-    stores_bench._fill(result, runs, 100)
+    stores_bench._fill(result, found, {"no store": base, "sqlite": base}, 100)
     sqlite = next(row for row in result.rows if row["label"] == "sqlite")
     assert sqlite["cpu x no store"] == pytest.approx(1.2)  # median of 1.2, 1.0, 1.5
     assert (sqlite["cpu x min"], sqlite["cpu x max"]) == pytest.approx((1.0, 1.5))
