@@ -6,11 +6,12 @@ pass; without a store the application keeps each conversation's session in memor
 it, with a store (`sqlite`, and `postgres` on a throwaway local cluster when PostgreSQL is
 installed) each turn reads the conversation from the store and commits its rows. Every job runs
 in a fresh worker pinned to the client CPU; each store job runs next to a no-store job of its
-own, and its ratios (client CPU, the goal's; wall) are taken to that job only, the medians over
+own, and its ratios (wall, the issue's; client CPU) are taken to that job only, the medians over
 the repetitions reported with the CPU ratios' range, the worker's loop and other threads' CPU
-and the PostgreSQL server's (its processes' CPU over the job). The goal reads CPU because other
-load on the fake server's CPU slows the no-store run most (it needs the server most), which
-pulls the wall ratio down (docs/performance.md, "Is S9 measuring the store?").
+and the PostgreSQL server's (its processes' CPU over the job). Both medians must meet the goal:
+other load on the fake server's CPU slows the no-store run most (it needs the server most),
+which pulls the wall ratio down, and the CPU ratio is what that cannot flatter
+(docs/performance.md, "Is S9 measuring the store?").
 With `--baseline-src`, each store also runs with that checkout's treadle ("before"), in the same
 run. Never asserts on timing.
 
@@ -262,19 +263,23 @@ def _fill(
         )
         result.series[label] = median(walls[label])
         if label != "no store" and not label.endswith(" before"):
-            ratio = median(cpu_x[label])
-            result.targets.append(
-                Target(f"S9 {label} store: x no store (client CPU, paired)", ratio,
-                       f"< {STORE_OVERHEAD_GOAL}", ratio < STORE_OVERHEAD_GOAL)
-            )  # fmt: skip
+            # Both must pass: the issue's goal reads wall time, and the client's CPU is what
+            # other load on the model server's CPU cannot flatter (see the note below).
+            for kind, ratios in (("wall", wall_x), ("client CPU", cpu_x)):
+                ratio = median(ratios[label])
+                result.targets.append(
+                    Target(f"S9 {label} store: x no store ({kind}, paired)", ratio,
+                           f"< {STORE_OVERHEAD_GOAL}", ratio < STORE_OVERHEAD_GOAL)
+                )  # fmt: skip
     # The no-store run needs the model server most (its client is the fastest, and the
     # server spent 1.1-1.6 s of CPU on its 10,000 requests against 0.8-1.0 s on a store
     # run's): other load on the server's CPU stretches its wall first, and the wall ratio
     # then falls below what the store costs the client. See docs/performance.md.
     waited = median([w / c for w, c in zip(walls["no store"], cpus["no store"], strict=True)])
     result.notes.append(
-        "goal statistic: the median over repetitions of each store run's client CPU (every "
-        "thread of the pinned worker) over the no-store run next to it; "
+        "goal statistics (both must pass): the medians over repetitions of each store run's "
+        "wall and client CPU (every thread of the pinned worker) over the no-store run next "
+        "to it; "
         f"the no-store runs' wall was {waited:.2f}x their CPU (above about 1.1, the client "
         "was not the bottleneck and the wall ratios understate the store's cost)"
     )

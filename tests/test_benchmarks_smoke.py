@@ -95,7 +95,10 @@ def test_the_store_scenario_compares_each_store_run_with_its_own_no_store_run() 
     sqlite = next(row for row in result.rows if row["label"] == "sqlite")
     assert sqlite["cpu x no store"] == pytest.approx(1.2)  # median of 1.2, 1.0, 1.5
     assert (sqlite["cpu x min"], sqlite["cpu x max"]) == pytest.approx((1.0, 1.5))
-    assert [t.name for t in result.targets] == ["S9 sqlite store: x no store (client CPU, paired)"]
+    assert [(t.name, t.value) for t in result.targets] == [
+        ("S9 sqlite store: x no store (wall, paired)", pytest.approx(1.2)),
+        ("S9 sqlite store: x no store (client CPU, paired)", pytest.approx(1.2)),
+    ]
     assert "1.50x their CPU" in result.notes[-1]
 
 
