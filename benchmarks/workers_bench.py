@@ -96,8 +96,21 @@ def many_cores(h: Harness, size: dict[str, Any]) -> Result:
         )
         result.series[label] = completions / wall
     single = cpu.get(SINGLE, float("nan"))
+    # The ratio: the median over repetitions of each repetition's own ratio, the row's CPU
+    # against the single process's run in the same repetition (paired: the jobs of one
+    # repetition run back to back, under about the same load from other work). The ratio of
+    # the two medians paired nothing: the single process's CPU moved by a third between
+    # repetitions of one run, and every row's ratio with it (docs/performance.md, ninth round).
+    paired = _paired_ratios(data)
     for row in result.rows:
-        row["x single (CPU)"] = cpu[row["label"]] / single
+        ratios = paired.get(row["label"])
+        row["x single (CPU)"] = median(ratios) if ratios else cpu[row["label"]] / single
+        if ratios and row["label"] != SINGLE:
+            result.notes.append(
+                f"{row['label']}: x single per repetition {min(ratios):.2f}-{max(ratios):.2f}"
+                f" (median {median(ratios):.3f}; ratio of the medians"
+                f" {cpu[row['label']] / single:.3f})"
+            )
         label = row["label"]
         if label != SINGLE and not label.endswith("(before)") and FRESH not in label:
             ratio = row["x single (CPU)"]
@@ -130,3 +143,15 @@ def many_cores(h: Harness, size: dict[str, Any]) -> Result:
         "on a 2-CPU machine two workers share a CPU with the server"
     )
     return result
+
+
+def _paired_ratios(data: dict[str, list[Any]]) -> dict[str, list[float]]:
+    """Each row's CPU per repetition over the single process's in the same repetition (none
+    when a row's samples and the single process's do not pair up, e.g. a skipped job)."""
+    single = [s.cpu + float(s.extra["worker_cpu"]) for s in data.get(SINGLE, [])]
+    out: dict[str, list[float]] = {}
+    for label, samples in data.items():
+        if len(samples) == len(single) and all(single):
+            cpus = [s.cpu + float(s.extra["worker_cpu"]) for s in samples]
+            out[label] = [c / base for c, base in zip(cpus, single, strict=True)]
+    return out

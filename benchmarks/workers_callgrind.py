@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import glob
+import json
 import os
 import re
 import subprocess
@@ -34,8 +35,9 @@ def _total(path: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def _child(mode: str, n: int, out: str) -> None:
-    """(under callgrind) One run: `single`, or `pool` whose worker runs under callgrind too."""
+def _child(mode: str, n: int, out: str, workers: int = 1) -> None:
+    """(under callgrind) One run: `single`, or `pool` of `workers` workers, each under callgrind
+    too; a pool's run writes how many timed passes each worker ran (`{out}.passes`)."""
     from benchmarks.server import ServerProcess
     from benchmarks.workers_loops import CONCURRENCY, _agent
     from benchmarks.workload import API_KEY
@@ -66,30 +68,41 @@ def _child(mode: str, n: int, out: str) -> None:
         spec = AgentSpec.from_agent(agent, api_key_env="TREADLE_BENCH_KEY")
 
         async def main() -> None:
-            pool = pool_module.ProcessPool(spec.to_json(), size=1, api_key=API_KEY)
+            pool = pool_module.ProcessPool(spec.to_json(), size=workers, api_key=API_KEY)
             await pool.start()
             try:
                 options: dict[str, Any] = {"concurrency": CONCURRENCY, "max_attempts": 1,
                                            "call_timeout": None}  # fmt: skip
-                _ = [o async for o in drive(pool, inputs[:CONCURRENCY], **options)]
+                warm = inputs[: CONCURRENCY * workers]  # every worker warms its concurrency
+                _ = [o async for o in drive(pool, warm, **options)]
                 # Each output rebuilt as it arrives, as `treadle.map` does (`remote_map_iter`).
-                sessions = [_result(o, agent) async for o in drive(pool, inputs, **options)]
+                sessions = []
+                async for o in drive(pool, inputs, **options):
+                    pid = o.worker.rsplit(":", 1)[-1]
+                    passes[pid] = passes.get(pid, 0) + 1
+                    sessions.append(_result(o, agent))
                 assert all(getattr(s, "stop_reason", None) == "final_answer" for s in sessions)
             finally:
                 await pool.close()
 
+        passes: dict[str, int] = {}
         asyncio.run(main())
+        Path(f"{out}.passes").write_text(json.dumps(passes))
 
 
-def _run(mode: str, n: int, tmp: str) -> dict[str, int]:
-    out = f"{tmp}/{mode}-{n}"
+def _run(mode: str, n: int, tmp: str, workers: int = 1) -> dict[str, Any]:
+    out = f"{tmp}/{mode}{workers if mode == 'pool' else ''}-{n}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.driver.%p",
                sys.executable, "-m", "benchmarks.workers_callgrind",
-               "--child", mode, str(n), out]  # fmt: skip
+               "--child", mode, str(n), out, str(workers)]  # fmt: skip
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
-    totals = {"driver": sum(_total(p) for p in glob.glob(f"{out}.driver.*"))}
-    totals["worker"] = sum(_total(p) for p in glob.glob(f"{out}.worker.*"))
+    totals: dict[str, Any] = {"driver": sum(_total(p) for p in glob.glob(f"{out}.driver.*"))}
+    files = sorted(glob.glob(f"{out}.worker.*"), key=lambda p: int(p.rsplit(".", 1)[-1]))
+    totals["worker"] = sum(_total(p) for p in files)
+    if mode == "pool":  # each worker's total and timed passes, in the order they were spawned
+        passes = json.loads(Path(f"{out}.passes").read_text())
+        totals["each"] = [(_total(p), passes.get(p.rsplit(".", 1)[-1], 0)) for p in files]
     return totals
 
 
@@ -100,10 +113,11 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=400)
     parser.add_argument("--only", choices=("single", "pool"), help="run one side only")
     parser.add_argument("--keep", help="write the callgrind files here (for callgrind_annotate)")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=1, help="the pool's size (default 1)")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child[0], int(args.child[1]), args.child[2])
+        _child(args.child[0], int(args.child[1]), args.child[2], int(args.child[3]))
         return
     modes = (args.only,) if args.only else ("single", "pool")
     # Byte-compile first: a worker runs `python -I`, which ignores PYTHONDONTWRITEBYTECODE and
@@ -116,18 +130,34 @@ def main() -> None:
         tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory())
         os.makedirs(tmp, exist_ok=True)
         per: dict[str, dict[str, float]] = {}
+        each: list[str] = []
         for mode in modes:
-            small, large = _run(mode, args.small, tmp), _run(mode, args.large, tmp)
-            per[mode] = {k: (large[k] - small[k]) / (args.large - args.small) for k in small}
+            small = _run(mode, args.small, tmp, args.workers)
+            large = _run(mode, args.large, tmp, args.workers)
+            per[mode] = {
+                k: (large[k] - small[k]) / (args.large - args.small) for k in ("driver", "worker")
+            }
+            # With 2+ workers, each worker's own instructions a pass it ran: the difference of
+            # its two totals over the difference of its timed passes (the n-th spawned worker of
+            # each run paired; their warm-ups are the same size).
+            for i, ((ins_s, n_s), (ins_l, n_l)) in enumerate(
+                zip(small.get("each", []), large.get("each", []), strict=False)
+            ):
+                if n_l != n_s:
+                    each.append(f"worker {i + 1}: {(ins_l - ins_s) / (n_l - n_s):,.0f} a pass"
+                                f" ({n_s} -> {n_l} passes)")  # fmt: skip
     print(f"instructions per pass (3 tool rounds, 4 completions), {args.small} -> {args.large}:")
     single = per["single"]["driver"] if "single" in per else float("nan")
     print(f"  single process     {single:12,.0f}   1.000x")
     if "pool" not in per:
         return
     driver, worker = per["pool"]["driver"], per["pool"]["worker"]
-    print(f"  1 worker: driver   {driver:12,.0f}   {driver / single:.3f}x")
-    print(f"  1 worker: worker   {worker:12,.0f}   {worker / single:.3f}x")
-    print(f"  1 worker: total    {driver + worker:12,.0f}   {(driver + worker) / single:.3f}x")
+    w = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
+    print(f"  {w}: driver   {driver:12,.0f}   {driver / single:.3f}x")
+    print(f"  {w}: workers  {worker:12,.0f}   {worker / single:.3f}x")
+    print(f"  {w}: total    {driver + worker:12,.0f}   {(driver + worker) / single:.3f}x")
+    for line in each:
+        print(f"    {line}")
 
 
 if __name__ == "__main__":

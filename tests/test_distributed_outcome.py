@@ -292,3 +292,25 @@ def test_a_wire_outcome_with_every_field_is_built_as_the_keyword_call_builds_it(
     assert len(odd) == len(wire)
     with pytest.raises(TypeError, match="bogus"):
         PassOutcome.from_json(odd)
+
+
+def test_a_workers_request_usage_crosses_as_tuples_and_comes_back_as_before() -> None:
+    # A worker sends each `RequestUsage` as the tuple of its fields (fewer objects to pickle and
+    # unpickle than a dict of eight keys); a caller's outcome (`map_outcomes`, the results file)
+    # still has the dicts `to_json` gives, and the output session the `RequestUsage` values.
+    usages = (RequestUsage(**USAGE), RequestUsage(**{**USAGE, "request_id": "q2"}))
+    compact = portable_metadata({"agent": "a", "request_usage": usages}, compact=True)
+    assert compact["request_usage"] == [tuple(USAGE.values()), (*list(USAGE.values())[:-1], "q2")]
+    plain = portable_metadata({"agent": "a", "request_usage": usages})
+    sent = pickle.loads(pickle.dumps(_as_rows(_outcome(metadata=compact))))
+    before = pickle.loads(pickle.dumps(_as_rows(_outcome(metadata=plain))))
+    assert sent._public() == before._public()
+    assert (
+        sent._public().to_json() == before._public().to_json() == _outcome(metadata=plain).to_json()
+    )
+    assert received_session(sent).metadata["request_usage"] == usages
+    assert received_session(sent).to_messages() == received_session(before).to_messages()
+    # A tuple of another length is no entry a worker sends: it stays data on both paths.
+    odd = _as_rows(_outcome(metadata={"request_usage": [(1, 2)]}))
+    assert odd._public().metadata["request_usage"] == [(1, 2)]
+    assert received_session(odd).metadata["request_usage"] == ((1, 2),)

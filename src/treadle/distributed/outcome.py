@@ -150,7 +150,8 @@ class PassOutcome:
         except _MalformedRows as err:  # that pass fails, naming the row (not the whole map)
             error = f"MalformedOutput: the worker's output: {err}"
             return dataclasses.replace(self, status="error", error=error, messages=None, rows=None)
-        return dataclasses.replace(self, messages=messages, rows=None)
+        metadata = _expanded_usage(self.metadata)
+        return dataclasses.replace(self, messages=messages, metadata=metadata, rows=None)
 
     def _output(self, base: Session) -> Session:
         """`base` (the rows) with this outcome's usage, stop reason and metadata."""
@@ -325,9 +326,13 @@ _HISTORY = _OUTCOME_FIELDS.index("history")
 _PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
 
 
-def portable_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+def portable_metadata(metadata: Mapping[str, Any], *, compact: bool = False) -> dict[str, Any]:
     """An output session's metadata as JSON data for an outcome (objects become dicts): what
-    `PassOutcome.to_json` would make of it, so a worker's outcome needs no second walk."""
+    `PassOutcome.to_json` would make of it, so a worker's outcome needs no second walk.
+
+    `compact` (a process worker's wire form): each `RequestUsage` entry as the tuple of its
+    fields, not a dict (`_public`, `received_session` take it back): fewer objects to pickle
+    and unpickle (docs/performance.md, process workers, ninth round)."""
     import pydantic
 
     out: dict[str, Any] = {k: _json_data(metadata[k]) for k in _PORTABLE if k in metadata}
@@ -347,12 +352,13 @@ def portable_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     if metadata.get("request_usage"):
         # A `RequestUsage`'s fields are scalars: its plain dict is JSON data as it is, made in
         # C (`attrgetter`, `zip`): `_plain`'s loop per field was a third of this function.
-        names, values = _USAGE_NAMES, _usage_values
+        names, values, entries = _USAGE_NAMES, _usage_values, metadata["request_usage"]
+        compact = compact and all(type(v) is RequestUsage for v in entries)  # else all dicts
         out["request_usage"] = [
-            dict(zip(names, values(v), strict=True))
+            (values(v) if compact else dict(zip(names, values(v), strict=True)))
             if type(v) is RequestUsage
             else _json_data(_plain(v))
-            for v in metadata["request_usage"]
+            for v in entries
         ]
     return out
 
@@ -433,6 +439,16 @@ def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _expanded_usage(metadata: dict[str, Any]) -> dict[str, Any]:
+    """A worker's wire metadata with its compact request usage as the dicts `to_json` gives."""
+    entries = metadata.get("request_usage") if type(metadata) is dict else None
+    if type(entries) is not list or not all(type(e) is tuple for e in entries):
+        return metadata
+    n, names = len(_USAGE_NAMES), _USAGE_NAMES  # a tuple of another length is left as it is
+    expanded = [dict(zip(names, e, strict=True)) if len(e) == n else e for e in entries]
+    return {**metadata, "request_usage": expanded}
+
+
 def _request_usages(entries: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
     """`request_usage` entries as `RequestUsage` values: one per completion, so the common case
     (every entry a dict of its fields) is one loop with no call per entry beyond the build."""
@@ -442,6 +458,8 @@ def _request_usages(entries: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
         # compared each keyword with the names before it (a fifth of the driver's rebuild, in
         # instructions; docs/performance.md). An entry with other keys takes the keyword path.
         n, values = len(_USAGE_NAMES), _usage_items
+        if all(type(e) is tuple and len(e) == n for e in entries):  # a worker's compact form
+            return tuple([RequestUsage(*e) for e in entries])
         if all(type(e) is dict and len(e) == n for e in entries):
             return tuple([RequestUsage(*values(e)) for e in entries])
         if all(type(e) is dict for e in entries):

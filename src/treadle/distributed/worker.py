@@ -171,7 +171,8 @@ class PassWorker:
                 "stop_reason": out.stop_reason,
                 "error": None,
                 "history": [{"attempt": attempt, "worker": name, "status": "ok", "error": None}],
-                "metadata": portable_metadata(out.metadata),
+                # Request usage as tuples: `_public` and `received_session` take them back.
+                "metadata": portable_metadata(out.metadata, compact=True),
                 # The rows as they are: `to_messages` built a dict per row here, and the driver
                 # took each apart again into a row (docs/performance.md, process workers).
                 "rows": [(row.kind, row.payload) for row in out.chunk_table],
