@@ -98,13 +98,19 @@ def many_cores(h: Harness, size: dict[str, Any]) -> Result:
     single = cpu.get(SINGLE, float("nan"))
     # The ratio: the median over repetitions of each repetition's own ratio, the row's CPU
     # against the single process's run in the same repetition (paired: the jobs of one
-    # repetition run back to back, under about the same load from other work). The ratio of
+    # repetition run within a few jobs of each other, under about the same load from other
+    # work; the harness rotates their order). The ratio of
     # the two medians paired nothing: the single process's CPU moved by a third between
     # repetitions of one run, and every row's ratio with it (docs/performance.md, ninth round).
     paired = _paired_ratios(data)
     for row in result.rows:
         ratios = paired.get(row["label"])
         row["x single (CPU)"] = median(ratios) if ratios else cpu[row["label"]] / single
+        if not ratios and row["label"] != SINGLE:  # say so: its target reads another statistic
+            result.notes.append(
+                f"{row['label']}: its repetitions do not pair with the single process's (a job"
+                " skipped): x single is the ratio of the medians, not paired"
+            )
         if ratios and row["label"] != SINGLE:
             result.notes.append(
                 f"{row['label']}: x single per repetition {min(ratios):.2f}-{max(ratios):.2f}"

@@ -373,3 +373,43 @@ async def test_a_pending_input_whose_own_pass_fails_is_an_error_outcome(tmp_path
     assert (failed.worker, failed.attempts, failed.session_id) == ("driver", 0, pending.id)
     written = {o.index: o for o in read_results(tmp_path / "r.jsonl")}
     assert written[1].error == failed.error
+
+
+async def test_request_usage_from_real_workers_reaches_callers_as_field_dicts(
+    tmp_path: Path,
+) -> None:
+    # Workers send each request's usage as a tuple of its fields (docs/performance.md, process
+    # workers, ninth round); `map_outcomes`, the results file and the output sessions must give
+    # what they gave before: a dict per request with the field names, a `RequestUsage` value.
+    from treadle.loop import RequestUsage
+
+    results = tmp_path / "r.jsonl"
+    with FakeOpenAIServer(script=shout_script) as server:
+        outcomes = [
+            o
+            async for o in map_outcomes(
+                shouter(server.base_url),
+                ["a", "b", "c"],
+                backend="process",
+                workers=2,
+                results_path=str(results),
+                sandbox_base=str(tmp_path),
+            )
+        ]
+    names = {
+        "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens",
+        "response_id", "latency_seconds", "agent", "request_id",
+    }  # fmt: skip
+    written = {o.index: o for o in read_results(results)}
+    assert sorted(written) == [0, 1, 2]
+    for outcome in outcomes:
+        assert outcome.status == "ok"
+        for seen in (outcome, written[outcome.index]):
+            usage = seen.metadata["request_usage"]
+            assert len(usage) == 2  # the tool call's round and the answer's
+            assert all(type(u) is dict and set(u) == names for u in usage), usage
+            assert all(u["input_tokens"] > 0 and u["output_tokens"] > 0 for u in usage)
+        session = outcome.session()
+        kept = session.metadata["request_usage"]
+        assert all(type(u) is RequestUsage for u in kept)
+        assert [u.input_tokens for u in kept] == [u["input_tokens"] for u in usage]

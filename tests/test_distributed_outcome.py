@@ -310,6 +310,11 @@ def test_a_workers_request_usage_crosses_as_tuples_and_comes_back_as_before() ->
     )
     assert received_session(sent).metadata["request_usage"] == usages
     assert received_session(sent).to_messages() == received_session(before).to_messages()
+    # An outcome whose rows are malformed fails its item, and its caller still gets the dicts.
+    bad = dataclasses.replace(sent, rows="not rows")
+    failed = bad._public()
+    assert failed.status == "error" and "MalformedOutput" in (failed.error or "")
+    assert failed.metadata["request_usage"] == plain["request_usage"]
     # A tuple of another length is no entry a worker sends: it stays data on both paths.
     odd = _as_rows(_outcome(metadata={"request_usage": [(1, 2)]}))
     assert odd._public().metadata["request_usage"] == [(1, 2)]

@@ -145,12 +145,14 @@ class PassOutcome:
         """This outcome as a caller sees it: `messages` made from the worker's `rows`."""
         if self.rows is None:
             return self
+        metadata = _expanded_usage(self.metadata)  # a failed item's caller gets the dicts too
         try:
             messages = rows_messages(self.rows)
         except _MalformedRows as err:  # that pass fails, naming the row (not the whole map)
             error = f"MalformedOutput: the worker's output: {err}"
-            return dataclasses.replace(self, status="error", error=error, messages=None, rows=None)
-        metadata = _expanded_usage(self.metadata)
+            return dataclasses.replace(
+                self, status="error", error=error, messages=None, metadata=metadata, rows=None
+            )
         return dataclasses.replace(self, messages=messages, metadata=metadata, rows=None)
 
     def _output(self, base: Session) -> Session:
