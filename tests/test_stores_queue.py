@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,7 @@ from treadle.llm.request import CompletionRequest
 from treadle.session import ChunkRow
 from treadle.stores import Store
 from treadle.testing import FakeOpenAIServer, ScriptedExecutor
+from treadle.testing.postgres import PostgresCluster
 from treadle.testing.scripted import tool_call
 
 WORKER = str(Path(__file__).with_name("store_worker.py"))
@@ -215,3 +217,35 @@ def test_fifty_queued_appender_processes_each_start_from_the_last_commit(url: st
         assert (user.kind, answer.kind) == ("user", "assistant")
         assert answer.content == user.content
     assert sorted(str(u.content) for u, _ in pairs) == sorted(f"msg {i}" for i in range(50))
+
+
+def test_a_lock_granted_as_its_caller_is_cancelled_is_given_back(pg: PostgresCluster) -> None:
+    # Waiting for a conversation's PostgreSQL lock runs on the runtime's loop; a caller on
+    # another loop that is cancelled just as the server grants it got nothing back, and the
+    # lock's connection stayed open holding it: every later pass on the conversation waited
+    # forever (seen in test_stores_cancel's queue mode under load). `run` here finishes the
+    # wait and then cancels the caller, the exact window, every time.
+    import psycopg
+
+    from treadle.stores.queueing import PostgresKeyLock
+
+    dsn = pg.new_database()
+
+    async def granted_then_cancelled(fn: Any, cancellable: bool) -> Any:
+        if not cancellable:  # the release
+            return await fn()
+        await fn()
+        raise asyncio.CancelledError
+
+    async def main() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await PostgresKeyLock.acquire(dsn, "k", 5.0, granted_then_cancelled)
+        probe = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        try:
+            cur = await probe.execute("SELECT pg_try_advisory_lock(hashtextextended('k', 1))")
+            row = await cur.fetchone()
+            assert row is not None and row[0] is True  # free: the granted lock was given back
+        finally:
+            await probe.close()
+
+    asyncio.run(main())

@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -132,6 +133,15 @@ class PostgresKeyLock:
 
         from treadle.stores.postgres_open import CONNECT_OPTIONS
 
+        # The wait runs on the runtime's loop and its caller may be on another: a caller
+        # cancelled just as the server grants the lock gets nothing back, and the connection
+        # would stay open holding it (every later pass on the conversation waiting forever).
+        # So the grant and the caller's giving up meet under a lock: whichever comes second
+        # closes the connection.
+        handoff = threading.Lock()
+        abandoned = False
+        granted: list[AsyncConnection[Any]] = []
+
         async def take() -> AsyncConnection[Any]:
             conn = await psycopg.AsyncConnection.connect(
                 dsn, connect_timeout=max(1, int(connect_seconds)), **CONNECT_OPTIONS
@@ -143,9 +153,22 @@ class PostgresKeyLock:
             except BaseException:  # cancelled or failed while waiting: drop the connection
                 await conn.close()
                 raise
-            return conn
+            with handoff:
+                if not abandoned:
+                    granted.append(conn)
+                    return conn
+            await conn.close()  # its caller has given up: nobody would release it
+            raise asyncio.CancelledError
 
-        return cls(await run(take, True), run)
+        try:
+            return cls(await run(take, True), run)
+        except BaseException:
+            with handoff:
+                abandoned = True
+                late = granted[:]
+            for conn in late:  # granted as its caller gave up: give it back
+                await cls(conn, run).release()
+            raise
 
     async def release(self) -> None:
         """Close the lock's connection, which releases it (safe to call twice; never raises)."""
