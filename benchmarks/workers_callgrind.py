@@ -48,7 +48,7 @@ def _child(mode: str, n: int, out: str, workers: int = 1) -> None:
         if mode == "single":
             import treadle
 
-            treadle.map(agent, inputs[:CONCURRENCY], concurrency=CONCURRENCY)
+            treadle.map(agent, [f"warm {i}" for i in range(CONCURRENCY)], concurrency=CONCURRENCY)
             outs = treadle.map(agent, inputs, concurrency=CONCURRENCY)
             assert all(o.stop_reason == "final_answer" for o in outs)
             return
@@ -73,7 +73,11 @@ def _child(mode: str, n: int, out: str, workers: int = 1) -> None:
             try:
                 options: dict[str, Any] = {"concurrency": CONCURRENCY, "max_attempts": 1,
                                            "call_timeout": None}  # fmt: skip
-                warm = inputs[: CONCURRENCY * workers]  # every worker warms its concurrency
+                # Every worker warms its whole concurrency (all its connections open) from
+                # inputs of their own: a slice of the timed inputs gave a 100-pass run of 2
+                # workers 100 warm-up passes, not 128, and the short worker's missing warm-up
+                # and connects were charged to the 100 -> 400 difference as work a pass.
+                warm = [f"warm {i}" for i in range(CONCURRENCY * workers)]
                 _ = [o async for o in drive(pool, warm, **options)]
                 # Each output rebuilt as it arrives, as `treadle.map` does (`remote_map_iter`).
                 sessions = []
