@@ -16,6 +16,7 @@ Pure: no I/O, never raises on unknown fields (they are kept).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,9 +140,8 @@ _FUNCTION_FIELDS = frozenset({"name", "arguments"})
 _DECLARED_TOP = frozenset({"id", "created", "model", "usage"})  # the rest: provider fields
 
 
-def _index_of(call: dict[str, Any]) -> int:
-    index: int = call["index"]
-    return index
+# A folded call's position among the choice's calls (a sort key, in C).
+_index_of = operator.itemgetter("index")
 
 
 def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
