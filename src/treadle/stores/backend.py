@@ -56,9 +56,16 @@ class StoreBackend(Protocol):
         version: int,
         agent_rows: Sequence[ChunkRow],
         entries: Sequence[JournalEntry],
+        *,
+        start: int,
+        supersedes: str | None = None,
     ) -> None:
-        """Make `entries` of a running pass durable (the first call records the pass itself,
-        based on `version`)."""
+        """Make `entries` of a running pass durable as its journal entries from number `start`
+        on, keeping any entry already there (a caller cancelled while a write was in flight
+        never learns whether it landed, and writes the same entries at the same place again);
+        the first call records the pass itself, based on `version`. `supersedes`: the pass a
+        resume took over (`claim`), which becomes `resumed` in the same transaction (the
+        resume's journal holds its rows from now on)."""
         ...
 
     async def commit(
@@ -89,8 +96,11 @@ class StoreBackend(Protocol):
         ...
 
     async def claim(self, pass_id: str) -> PassRecord:
-        """Take over a pending pass for a resume: its journal, or `ConflictError` when another
-        process took it first or the conversation moved on."""
+        """Take over a pending pass for a resume: its journal (and its status before), or
+        `ConflictError` when another process took it first or the conversation moved on. The
+        pass is recorded `running`, owned by this process (`owner`), until the resume's first
+        `record` supersedes it or the resume gives it back (`settle`): a resume that never gets
+        that far leaves it to be taken over again once this process no longer runs it."""
         ...
 
     async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 from treadle.errors import ConflictError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import JournalEntry, StoreBackend
-from treadle.stores.owner import lease_seconds
+from treadle.stores.owner import LIVE, lease_seconds
 from treadle.stores.queueing import KeyLock
 
 __all__ = ["ConversationJournal", "inflight"]
@@ -33,7 +33,7 @@ __all__ = ["ConversationJournal", "inflight"]
 log = logging.getLogger("treadle.stores")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class ConversationJournal:
     """The pass's side of a stored conversation (the same calls as its JSONL writer)."""
 
@@ -67,15 +67,39 @@ class ConversationJournal:
     """True once the commit task's body runs (until then only its done callback settles it)."""
     end: asyncio.Future[int] | None = None
     """A commit without a task (`commit_soon`): its end, what `inflight` holds."""
+    journaled: int = 0
+    """How many journal entries the pass has sent: the next write's place."""
+    unsure: list[tuple[int, list[JournalEntry]]] = field(default_factory=list)
+    """Writes (place, entries) sent but not known to have landed (see `_flush`)."""
 
     async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
         entries = [*self.buffered, *more]
-        if entries:
-            self.recorded = True
-            await self.backend.record(self.pass_id, self.key, self.base, self.agent_rows, entries)
-            if lease and self.heartbeat is None:
-                self.heartbeat = asyncio.ensure_future(self._renew_lease())
         self.buffered.clear()
+        if not entries:
+            return
+        if not self.recorded:  # recorded `running` from now on: this process runs it
+            LIVE[self.pass_id] = self
+        self.recorded = True
+        # Each write has its own place, taken before it is sent (tool results of one round
+        # flush at once). Until it is known to have landed it stays in `unsure`: cancelled
+        # while in flight (it goes on, wherever the backend runs it, and may land after the
+        # pass's later calls) or failed, it is written again at the same place when the pass
+        # records its end, before the end is settled; the backend keeps the first copy (see
+        # `StoreBackend.record`), so nothing is journaled twice and no late write makes an
+        # ended pass look `running`.
+        write = (self.journaled, entries)
+        self.journaled += len(entries)
+        self.unsure.append(write)
+        await self._write(*write)
+        self.unsure.remove(write)
+        if lease and self.heartbeat is None:
+            self.heartbeat = asyncio.ensure_future(self._renew_lease())
+
+    async def _write(self, start: int, entries: Sequence[JournalEntry]) -> None:
+        await self.backend.record(
+            self.pass_id, self.key, self.base, self.agent_rows, entries,
+            start=start, supersedes=None if self.claimed is None else self.claimed[0],
+        )  # fmt: skip
 
     async def _renew_lease(self) -> None:
         """Every third of the lease, renew it: a long tool call on another host must not look
@@ -286,6 +310,7 @@ class ConversationJournal:
         self._ended(commit, outcome)
 
     def _ended(self, commit: asyncio.Future[int], version: int) -> None:
+        self._unlive()
         inflight(self.backend).discard(commit)
         if not commit.done():
             commit.set_result(version)
@@ -304,9 +329,16 @@ class ConversationJournal:
             self.waiter.cancel()
 
     async def _release(self) -> None:
+        self._unlive()
         held, self.held = self.held, None
         if held is not None:
             await held.release()
+
+    def _unlive(self) -> None:
+        """The pass has ended: no record of it (or of the pass it took over) is run here now."""
+        for pass_id in (self.pass_id, *(() if self.claimed is None else (self.claimed[0],))):
+            if LIVE.get(pass_id) is self:
+                del LIVE[pass_id]
 
     async def aclose(self, error: BaseException | None) -> None:
         """The pass ended without a commit: keep what it had, resumable.
@@ -341,10 +373,13 @@ class ConversationJournal:
     async def _record_end(self, status: str) -> None:
         try:
             if self.recorded or self.buffered:
+                for write in list(self.unsure):  # again, at its place: before the end
+                    await self._write(*write)
+                    self.unsure.remove(write)
                 await self._flush(lease=False)  # the pass is ending: no lease to renew
                 await self.backend.settle(self.pass_id, status)
-            elif self.claimed is not None:
-                await self.backend.settle(self.claimed[0], self.claimed[1], was="resumed")
+            elif self.claimed is not None:  # give the pass it took over back, as it was
+                await self.backend.settle(self.claimed[0], self.claimed[1], was="running")
         except Exception as err:  # the store itself may be what failed
             log.warning("could not record the end of pass %s: %s", self.pass_id, err)
         finally:  # recorded (or not): the next pass in the queue starts from the same rows

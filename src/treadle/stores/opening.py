@@ -5,6 +5,9 @@ takes over a pending pass) and returns the rows to continue from with the pass's
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +17,9 @@ from treadle.session import ChunkRow, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import StoreBackend
 from treadle.stores.journal import ConversationJournal
+from treadle.stores.owner import LIVE
 from treadle.stores.records import (
+    PassRecord,
     PendingPass,
     StoredConversation,
     check_key,
@@ -23,6 +28,8 @@ from treadle.stores.records import (
 )
 
 __all__ = ["ConversationStart", "open_conversation"]
+
+log = logging.getLogger("treadle.stores")
 
 
 @dataclass(slots=True)
@@ -94,23 +101,99 @@ async def _start(
 ) -> ConversationStart:
     if not isinstance(conversation, PendingPass):
         return _started(backend, key, pass_id, user_rows, agent_rows, await backend.load(key))
-    record = await backend.claim(conversation.pass_id)
+    record, stored, token = await _take_over(backend, conversation.pass_id, key)
     adopted = in_call_order(record.rows)
     answered = {str(r.payload.get("tool_call_id")) for r in adopted if r.kind == "tool_result"}
     unknown = [cid for cid in record.intents if cid not in answered]
-    stored = await backend.load(key)
     metadata: dict[str, Any] = dict(stored.metadata)
     if unknown:
         metadata["unknown_outcome_tool_calls"] = unknown
-    new = _new_rows(key, user_rows, stored.rows)
+    try:
+        new = _new_rows(key, user_rows, stored.rows)
+    except BaseException:
+        del LIVE[conversation.pass_id], token
+        _schedule_give_back(backend, conversation.pass_id, record.status)
+        raise
     journal = ConversationJournal(backend, key, pass_id, len(stored.rows), agent_rows)
     journal.claimed = (conversation.pass_id, record.status)
+    LIVE[conversation.pass_id] = journal  # until its first write supersedes it, or it ends
     fresh = [*adopted, *new]
     journal.buffered.extend(("row", r) for r in fresh)
     # Calls of unknown outcome stay so: if this pass stops before it answers them, the next
     # resume must not take them for calls that never started.
     journal.buffered.extend(("intent", (cid, "")) for cid in unknown)
     return ConversationStart([*stored.rows, *fresh], stored.usage, metadata, journal)
+
+
+class _Taking:
+    """What `LIVE` holds for a pass a resume took over, until its journal exists."""
+
+    __slots__ = ("__weakref__",)
+
+
+#: Passes a resume in this process is taking over (the takeover in flight).
+_TAKING: set[str] = set()
+#: Give-backs of takeovers whose resume was cancelled (strong references while they run).
+_GIVING: set[asyncio.Task[None]] = set()
+
+
+async def _take_over(
+    backend: StoreBackend, taking: str, key: str
+) -> tuple[PassRecord, StoredConversation, _Taking]:
+    """Take pending pass `taking` over (`claim`) and read its conversation; the token `LIVE`
+    holds for it (the caller keeps it until the pass's journal takes its place).
+
+    The takeover records the pass `running`, owned by this process (`StoreBackend.claim`); from
+    then on this process runs it (`LIVE`) until the resume's journal supersedes it or gives it
+    back. A resume cancelled (or failing) in between gives it back itself: the takeover runs
+    as a task of its own, so a cancellation that arrives while it is in flight (it lands all the
+    same, wherever the backend runs it) still sees its outcome, and settles the pass back to
+    its status before. Whatever prevents that too (the loop ends first) leaves the pass
+    `running` but out of `LIVE`: resumable in this process, and in others once this one ends.
+    """
+    if taking in LIVE or taking in _TAKING:  # one resume of a pass at a time in a process
+        raise ConflictError(
+            f"pass {taking} is being resumed in this process; wait for that resume to end.",
+            key=key,
+        )
+    _TAKING.add(taking)
+    token = _Taking()
+    try:
+        claim = asyncio.ensure_future(backend.claim(taking))
+        try:
+            record = await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            claim.add_done_callback(functools.partial(_give_back, backend, taking))
+            raise
+        LIVE[taking] = token  # runs here now (its journal takes the place when made)
+        try:
+            stored = await backend.load(key)
+        except BaseException:
+            del LIVE[taking]
+            _schedule_give_back(backend, taking, record.status)
+            raise
+    finally:
+        _TAKING.discard(taking)
+    return record, stored, token
+
+
+def _give_back(backend: StoreBackend, taking: str, claim: asyncio.Future[PassRecord]) -> None:
+    """A takeover whose resume was cancelled while it was in flight has ended: if it landed,
+    give the pass back."""
+    if not claim.cancelled() and claim.exception() is None:
+        _schedule_give_back(backend, taking, claim.result().status)
+
+
+def _schedule_give_back(backend: StoreBackend, taking: str, status: str) -> None:
+    async def give_back() -> None:
+        try:
+            await backend.settle(taking, status, was="running")
+        except Exception as err:  # the store itself may be what failed
+            log.warning("could not give pass %s back after its resume ended: %s", taking, err)
+
+    task = asyncio.ensure_future(give_back())
+    _GIVING.add(task)
+    task.add_done_callback(_GIVING.discard)
 
 
 def _started(

@@ -12,17 +12,29 @@ it: `OWNER_LEASE_SECONDS`, or `TREADLE_OWNER_LEASE_SECONDS` in the owner's envir
 renews the lease (a heartbeat every third of it) while the pass runs, so a long pass stays owned
 for as long as its process lives, and a dead owner's lease runs out. A pass whose owner is alive
 is listed by `Store.pending()` as not resumable and a takeover of it is refused.
+
+Inside the owner's own process the pid says nothing about one pass: a pass cancelled, or a resume
+cancelled while its takeover was in flight, may leave a record `running` that nothing in the
+process runs any more. So this process keeps the passes it runs in `LIVE` (by pass id, while
+their journal lives: a pass registers when it first records, a resume while it takes a pass
+over), and a record it owns is alive only while its pass id is there.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
-__all__ = ["OWNER_LEASE_SECONDS", "lease_seconds", "owner_alive", "this_owner"]
+__all__ = ["LIVE", "OWNER_LEASE_SECONDS", "lease_seconds", "owner_alive", "this_owner"]
+
+#: The passes this process runs on a stored conversation, by pass id (the pass's journal, or a
+#: resume's token while it takes the pass over): weak, so a pass whose coroutine was dropped
+#: without ending (its loop closed) leaves with its journal.
+LIVE: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 #: How long a running pass recorded on another host counts as owned after its last write (or
 #: heartbeat) by default.
@@ -94,8 +106,11 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def owner_alive(metadata: object, updated_at: float, now: float) -> bool:
-    """True when the owner recorded in a running pass's `metadata` may still run it."""
+def owner_alive(
+    metadata: object, updated_at: float, now: float, pass_id: str | None = None
+) -> bool:
+    """True when the owner recorded in a running pass's `metadata` may still run it (given the
+    pass's id, an owner that is this process runs it only while the pass is in `LIVE`)."""
     owner = metadata.get("owner") if isinstance(metadata, Mapping) else None
     if not isinstance(owner, Mapping):
         return False  # recorded before owners were: resumable, as before
@@ -111,7 +126,9 @@ def owner_alive(metadata: object, updated_at: float, now: float) -> bool:
             lease = OWNER_LEASE_SECONDS  # recorded before leases were
         return now - updated_at < lease
     if pid == os.getpid():
-        return bool(start == _start_id(pid))
+        if start != _start_id(pid):
+            return False
+        return pass_id is None or pass_id in LIVE
     if not _pid_exists(pid):
         return False
     return start is None or _start_id(pid) in (None, start)

@@ -31,6 +31,7 @@ from treadle.stores.records import (
     PassRecord,
     PendingPass,
     StoredConversation,
+    claimed_metadata,
     conflict_error,
     encode_json,
     journal_record,
@@ -111,8 +112,13 @@ class PostgresBackend(PostgresHome):
         version: int,
         agent_rows: Sequence[ChunkRow],
         entries: Sequence[JournalEntry],
+        *,
+        start: int,
+        supersedes: str | None = None,
     ) -> None:
-        """Make a running pass's journal entries durable (one transaction)."""
+        """Make a running pass's journal entries durable (one transaction), as its entries
+        from `start` on: entries already there are kept, so a write repeated after one whose
+        outcome its caller never learned adds nothing twice."""
         agents = encode_json([r.to_message() for r in agent_rows])
 
         async def do(conn: AsyncConnection[Any]) -> None:
@@ -126,14 +132,16 @@ class PostgresBackend(PostgresHome):
                     f" updated_at = {DB_NOW}",
                     (pass_id, key, version, agents, owner_metadata()),
                 )
-                cur = await conn.execute(
-                    "SELECT count(*) FROM treadle_journal WHERE pass_id = %s", (pass_id,)
-                )
-                start = ((await cur.fetchone()) or (0,))[0]
+                if supersedes is not None:  # the resume now holds the pass it took's journal
+                    await conn.execute(
+                        f"UPDATE treadle_passes SET status = 'resumed', updated_at = {DB_NOW}"
+                        " WHERE pass_id = %s AND status = 'running'",
+                        (supersedes,),
+                    )
                 async with conn.cursor() as cur:
                     await cur.executemany(
                         "INSERT INTO treadle_journal (pass_id, seq, entry, kind, body)"
-                        " VALUES (%s, %s, %s, %s, %s)",
+                        " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (pass_id, seq) DO NOTHING",
                         [(pass_id, start + i, *journal_text(e)) for i, e in enumerate(entries)],
                     )
 
@@ -254,16 +262,18 @@ class PostgresBackend(PostgresHome):
                 actual = (await self._lock(conn, key)) or 0
                 if actual != version:
                     raise conflict_error(key, int(version), actual, ())
+                taken, was = claimed_metadata(meta, key, status)
+                # On the server's clock, as a running pass's lease is (`record`, `renew`).
                 await conn.execute(
-                    "UPDATE treadle_passes SET status = 'resumed', updated_at = %s"
-                    " WHERE pass_id = %s",
-                    (time.time(), pass_id),
+                    "UPDATE treadle_passes SET status = 'running', metadata = %s,"
+                    f" updated_at = {DB_NOW} WHERE pass_id = %s",
+                    (taken, pass_id),
                 )
                 cur = await conn.execute(
                     "SELECT entry, kind, body FROM treadle_journal WHERE pass_id = %s ORDER BY seq",
                     (pass_id,),
                 )
-                return journal_record(await cur.fetchall(), key, status)
+                return journal_record(await cur.fetchall(), key, was)
 
         return await self._run(do)
 

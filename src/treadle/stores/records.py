@@ -312,7 +312,9 @@ def pending_from(
     (the database server's on PostgreSQL), this machine's when not given."""
     metadata = decode_json(meta, key)
     clock = time.time() if now is None else float(now)
-    alive = status == "running" and owner_alive(metadata, float(updated), clock)
+    alive = status == "running" and owner_alive(metadata, float(updated), clock, pass_id)
+    if status == "running" and not alive:  # a takeover that nobody runs: its status before it
+        status = resumed_from(metadata, status)
     approvals = metadata.get("pending_approvals") if isinstance(metadata, dict) else None
     reason = metadata.get("interrupt_reason") if isinstance(metadata, dict) else None
     messages = decode_json(agents, key)
@@ -335,7 +337,7 @@ def owner_check(
     """`ConflictError` when a claimed `running` pass's owner process is still alive (`now` as
     in `pending_from`)."""
     clock = time.time() if now is None else float(now)
-    if status == "running" and owner_alive(decode_json(meta, key), float(updated), clock):
+    if status == "running" and owner_alive(decode_json(meta, key), float(updated), clock, pass_id):
         raise ConflictError(
             f"pass {pass_id} is still running in a live process; wait for it to end (or stop "
             "that process) before resuming it.",
@@ -346,6 +348,26 @@ def owner_check(
 def owner_metadata() -> str:
     """The metadata a running pass is recorded with: its owner process."""
     return encode_json({"owner": this_owner()})
+
+
+def resumed_from(metadata: object, status: str) -> str:
+    """The status a pass had before a takeover made it `running` (`status` when it had none)."""
+    was = metadata.get("resumed_from") if isinstance(metadata, Mapping) else None
+    return was if isinstance(was, str) and was in RESUMABLE else status
+
+
+def claimed_metadata(meta: str, key: str, status: str) -> tuple[str, str]:
+    """A pass taken over for a resume: its metadata as the takeover records it (this process
+    its owner, its status before the takeover kept, whatever it held kept too), and that
+    status. A takeover records the pass `running`, owned by the resuming process, until the
+    resume records rows of its own (then it is `resumed`) or gives it back: a resume that never
+    gets that far leaves it to be taken over again once its owner is gone."""
+    found = decode_json(meta, key)
+    metadata = dict(found) if isinstance(found, Mapping) else {}
+    was = resumed_from(metadata, status) if status == "running" else status
+    metadata["owner"] = this_owner()
+    metadata["resumed_from"] = was
+    return encode_json(metadata), was
 
 
 #: Conversations whose validated rows a backend keeps in memory (least recently used go first).

@@ -30,6 +30,7 @@ from treadle.stores.records import (
     PassRecord,
     PendingPass,
     StoredConversation,
+    claimed_metadata,
     conflict_error,
     decode_row,
     encode_json,
@@ -190,8 +191,13 @@ class SqliteBackend:
         version: int,
         agent_rows: Sequence[ChunkRow],
         entries: Sequence[JournalEntry],
+        *,
+        start: int,
+        supersedes: str | None = None,
     ) -> None:
-        """Make a running pass's journal entries durable (one transaction)."""
+        """Make a running pass's journal entries durable (one transaction), as its entries
+        from `start` on: entries already there are kept, so a write repeated after one whose
+        outcome its caller never learned adds nothing twice."""
         agents = encode_json([r.to_message() for r in agent_rows])
 
         def do(conn: sqlite3.Connection) -> None:
@@ -202,11 +208,15 @@ class SqliteBackend:
                 "ON CONFLICT (pass_id) DO UPDATE SET updated_at = excluded.updated_at",
                 (pass_id, key, version, agents, owner_metadata(), now, now),
             )
-            start = conn.execute(
-                "SELECT count(*) FROM journal WHERE pass_id = ?", (pass_id,)
-            ).fetchone()[0]
+            if supersedes is not None:  # the resume now holds the journal of the pass it took
+                conn.execute(
+                    "UPDATE passes SET status = 'resumed', updated_at = ? WHERE pass_id = ?"
+                    " AND status = 'running'",
+                    (now, supersedes),
+                )
             conn.executemany(
-                "INSERT INTO journal (pass_id, seq, entry, kind, body) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO journal (pass_id, seq, entry, kind, body) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (pass_id, seq) DO NOTHING",
                 [(pass_id, start + i, *journal_text(e)) for i, e in enumerate(entries)],
             )
 
@@ -332,14 +342,16 @@ class SqliteBackend:
             actual = version_of(conn, key) or 0
             if actual != version:
                 raise conflict_error(key, version, actual, ())
+            taken, was = claimed_metadata(meta, key, status)
             conn.execute(
-                "UPDATE passes SET status = 'resumed', updated_at = ? WHERE pass_id = ?",
-                (time.time(), pass_id),
+                "UPDATE passes SET status = 'running', metadata = ?, updated_at = ?"
+                " WHERE pass_id = ?",
+                (taken, time.time(), pass_id),
             )
             entries = conn.execute(
                 "SELECT entry, kind, body FROM journal WHERE pass_id = ? ORDER BY seq", (pass_id,)
             ).fetchall()
-            return journal_record(entries, key, status)
+            return journal_record(entries, key, was)
 
         return await self._run(do)
 
