@@ -15,14 +15,17 @@ call is wrapped only to cancel the caller the moment it starts; it still does it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from treadle import Session, arun_session_loop, tool
+from treadle.errors import ConflictError
 from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 from treadle.testing.scripted import tool_call
@@ -271,3 +274,220 @@ async def test_results_of_parallel_calls_are_each_journaled_once(store: Store) -
     rows = (await store.conversation("k")).rows
     results = [r.payload["tool_call_id"] for r in rows if r.kind == "tool_result"]
     assert len(results) == 3 and len(set(results)) == 3, results
+
+
+class Deploys:
+    """A `deploy` tool needing approval that counts its runs."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+        @tool(needs_approval=True)
+        async def deploy(target: str) -> str:
+            """Deploy `target`."""
+            self.runs += 1
+            await asyncio.sleep(0.001)
+            return f"deployed {target}"
+
+        self.tool = deploy
+
+
+async def _resume_all(store: Store, deploys: Deploys, rounds: int = 4) -> None:
+    """Resume whatever `k` has pending, approving what each item lists, until nothing is."""
+    for _ in range(rounds):
+        found = await store.apending("k")
+        if not found:
+            return
+        item = found[0]
+        await arun_session_loop(
+            Session(),
+            AGENT,
+            executor=ScriptedExecutor(["Deployed."]),
+            tools=[deploys.tool],
+            store=store,
+            conversation=item,
+            approvals={a["id"]: True for a in item.pending_approvals},
+        )
+    assert await store.apending("k") == []
+
+
+async def test_a_resume_that_decides_nothing_leaves_one_pending_pass(store: Store) -> None:
+    deploys = Deploys()
+    await arun_session_loop(
+        Session.from_user_message("deploy x"),
+        AGENT,
+        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
+        tools=[deploys.tool],
+        store=store,
+        conversation="k",
+    )
+    (first,) = await store.apending("k")
+    out = await arun_session_loop(
+        Session(), AGENT, executor=ScriptedExecutor([]), tools=[deploys.tool], store=store,
+        conversation=first,
+    )  # fmt: skip
+    assert out.stop_reason == "interrupted"
+    (again,) = await store.apending("k")  # one pass waits, not the old one beside it
+    assert again.pending_approvals == first.pending_approvals
+    await _resume_all(store, deploys)
+    assert deploys.runs == 1
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_resume_cut_off_at_its_intent_never_runs_the_call_twice(
+    store: Store, when: str
+) -> None:
+    """The resume is cancelled as its intent write starts, or once it has landed (the tool may
+    or may not have started): whatever is listed next says what still waits, and resuming it
+    (approving what it lists) never runs the call a second time."""
+    deploys = Deploys()
+    await arun_session_loop(
+        Session.from_user_message("deploy x"),
+        AGENT,
+        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
+        tools=[deploys.tool],
+        store=store,
+        conversation="k",
+    )
+    (first,) = await store.apending("k")
+    victim: dict[str, asyncio.Future[Any]] = {}
+    real = store.backend.record
+
+    async def record(*args: Any, **kw: Any) -> None:
+        target = victim.pop("task", None) if any(e[0] == "intent" for e in args[4]) else None
+        if target is not None and when == "before":
+            target.cancel()
+        await real(*args, **kw)
+        if target is not None and when == "after":
+            target.cancel()
+
+    store.backend.record = record  # type: ignore[method-assign]
+    task = asyncio.ensure_future(
+        arun_session_loop(
+            Session(), AGENT, executor=ScriptedExecutor(["Deployed."]), tools=[deploys.tool],
+            store=store, conversation=first,
+            approvals={first.pending_approvals[0]["id"]: True},
+        )
+    )  # fmt: skip
+    victim["task"] = task
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await store.asettled()
+    listed = await store.apending("k")
+    assert len(listed) <= 1, listed
+    await _resume_all(store, deploys)
+    assert deploys.runs <= 1
+    rows = (await store.conversation("k")).rows
+    results = [r.payload["tool_call_id"] for r in rows if r.kind == "tool_result"]
+    assert len(results) == 1, [r.kind for r in rows]
+
+
+async def test_a_takeover_given_back_late_is_never_set_back_under_another_resume(
+    store: Store,
+) -> None:
+    """A resume cancelled while its takeover is in flight gives the pass back once the
+    takeover lands (slowed here): until then no other resume in the process takes it, so
+    the give-back never lands under a resume that runs it."""
+    deploys = Deploys()
+    await arun_session_loop(
+        Session.from_user_message("deploy x"),
+        AGENT,
+        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
+        tools=[deploys.tool],
+        store=store,
+        conversation="k",
+    )
+    (first,) = await store.apending("k")
+    approve = {first.pending_approvals[0]["id"]: True}
+    real_settle = store.backend.settle
+
+    async def slow_settle(*args: Any, **kw: Any) -> None:
+        await asyncio.sleep(0.05)
+        await real_settle(*args, **kw)
+
+    store.backend.settle = slow_settle  # type: ignore[method-assign]
+    victim = _cancel_at(store, "claim")
+    task = asyncio.ensure_future(
+        arun_session_loop(
+            Session(), AGENT, executor=ScriptedExecutor(["never"]), tools=[deploys.tool],
+            store=store, conversation=first, approvals=approve,
+        )
+    )  # fmt: skip
+    victim["task"] = task
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    refused = 0
+    for _ in range(100):  # at once, and until the give-back has landed
+        try:
+            await arun_session_loop(
+                Session(), AGENT, executor=ScriptedExecutor(["Deployed."]),
+                tools=[deploys.tool], store=store, conversation=first, approvals=approve,
+            )  # fmt: skip
+            break
+        except ConflictError as err:
+            assert "being resumed in this process" in str(err), err
+            refused += 1
+            await asyncio.sleep(0.01)
+    assert refused >= 1  # the first try met the give-back still in flight
+    await store.asettled()
+    assert await store.apending("k") == []
+    assert deploys.runs == 1
+
+
+def test_a_resume_whose_loop_closed_mid_takeover_leaves_the_pass_resumable(url: str) -> None:
+    """A resume on a loop that is closed (without cancelling its tasks) while its takeover is
+    in flight: the process does not keep the pass as its own; a resume on another loop runs
+    it."""
+    store = Store.open(url)
+    try:
+        deploys = Deploys()
+        first = None
+
+        async def waiting() -> Any:
+            await arun_session_loop(
+                Session.from_user_message("deploy x"), AGENT,
+                executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
+                tools=[deploys.tool], store=store, conversation="k",
+            )  # fmt: skip
+            (found,) = await store.apending("k")
+            return found
+
+        first = asyncio.run(waiting())
+        approve = {first.pending_approvals[0]["id"]: True}
+        real = store.backend.claim
+        started = threading.Event()
+
+        async def claim(pass_id: str) -> Any:
+            started.set()
+            return await real(pass_id)
+
+        store.backend.claim = claim  # type: ignore[method-assign]
+        loop = asyncio.new_event_loop()
+        resume = loop.create_task(
+            arun_session_loop(
+                Session(), AGENT, executor=ScriptedExecutor(["never"]), tools=[deploys.tool],
+                store=store, conversation=first, approvals=approve,
+            )
+        )  # fmt: skip
+        while not started.is_set():
+            loop.run_until_complete(asyncio.sleep(0))
+        loop.close()  # its resume never runs again
+        del resume
+        store.backend.claim = real  # type: ignore[method-assign]
+
+        async def resume() -> str:
+            for _ in range(200):
+                listed = await store.apending("k")
+                if listed and listed[0].resumable:
+                    break
+                await asyncio.sleep(0.01)
+            out = await arun_session_loop(
+                Session(), AGENT, executor=ScriptedExecutor(["Deployed."]),
+                tools=[deploys.tool], store=store, conversation=listed[0], approvals=approve,
+            )  # fmt: skip
+            return str(out.rows[-1].payload["content"])
+
+        assert asyncio.run(resume()) == "Deployed."
+        assert deploys.runs == 1
+    finally:
+        store.close(grace=5)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -368,14 +368,19 @@ def approvals_of(
     approvals: Mapping[str, bool | str] | None,
     calls: Sequence[ToolCall],
     metadata: dict[str, Any],
+    started: Collection[str] = (),
 ) -> dict[str, str] | None:
     """The denied calls of a round (id -> reason), or None when some call still waits for a
-    decision (then `metadata` holds `pending_approvals` and `approval_reason`)."""
+    decision (then `metadata` holds `pending_approvals` and `approval_reason`). A call in
+    `started` (recorded as started by a pass this one resumes, its outcome unknown) was decided
+    before it started: it is never asked for again (given again, the approval would run it a
+    second time); the round answers it as of unknown outcome."""
     waiting = [
         c
         for c in calls
         if c.name in tools
         and tools[c.name].needs_approval
+        and c.id not in started
         and approval_decision(approvals, c.id) is None
     ]
     if waiting:

@@ -329,7 +329,9 @@ class _Pass:
         self, calls: Sequence[ToolCall], *, resuming: bool = False
     ) -> StopReason | None:
         plan = self.plan
-        denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata)
+        started = self.user_metadata.get("unknown_outcome_tool_calls", ()) if resuming else ()
+        unknown = set(started)
+        denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata, unknown)
         if denied is None:
             return self.interrupt(self.metadata.pop("approval_reason"))
         rejected: dict[str, str] = {}
@@ -345,9 +347,6 @@ class _Pass:
                 self.events.emit(ToolStarted, call_id=c.id, name=c.name, arguments=c.arguments)
             if self.hooks is not None:
                 await fire(self.hooks, "on_tool_start", self.hook_context(), c)
-        unknown: set[str] = set()
-        if resuming:
-            unknown = set(self.user_metadata.get("unknown_outcome_tool_calls", ()))
         if self.writer is not None:  # before any tool runs: a crash leaves its intent behind
             await self.writer.intents([(c.id, c.name) for c in calls if c.id not in denied])
         if self.journal is not None:

@@ -25,7 +25,7 @@ from typing import Any
 from treadle.errors import ConflictError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import JournalEntry, StoreBackend
-from treadle.stores.owner import LIVE, lease_seconds
+from treadle.stores.owner import LIVE, Running, lease_seconds
 from treadle.stores.queueing import KeyLock
 
 __all__ = ["ConversationJournal", "inflight"]
@@ -71,14 +71,34 @@ class ConversationJournal:
     """How many journal entries the pass has sent: the next write's place."""
     unsure: list[tuple[int, list[JournalEntry]]] = field(default_factory=list)
     """Writes (place, entries) sent but not known to have landed (see `_flush`)."""
+    running: Running | None = None
+    """What `LIVE` holds for this pass (and the pass it took over) while this process runs it."""
 
-    async def _flush(self, more: Sequence[JournalEntry] = (), *, lease: bool = True) -> None:
+    def run_here(self, *pass_ids: str) -> None:
+        """This process runs the pass (it is recorded `running` from its first write on), and
+        the pass it took over, if any."""
+        if self.running is None:
+            self.running = Running(asyncio.get_running_loop())
+        for pass_id in pass_ids:
+            LIVE[pass_id] = self.running
+
+    async def take(self) -> None:
+        """A resume's first write, right after its takeover: the pass records itself (with
+        what it adopted) and supersedes the pass it took over in the same transaction, so
+        the resume's own record (with its lease and heartbeat) holds the pass from now on,
+        even when it ends without another write (a resume that stops for the same approval
+        again)."""
+        await self._flush(force=True)
+
+    async def _flush(
+        self, more: Sequence[JournalEntry] = (), *, lease: bool = True, force: bool = False
+    ) -> None:
         entries = [*self.buffered, *more]
         self.buffered.clear()
-        if not entries:
+        if not entries and not force:
             return
         if not self.recorded:  # recorded `running` from now on: this process runs it
-            LIVE[self.pass_id] = self
+            self.run_here(self.pass_id)
         self.recorded = True
         # Each write has its own place, taken before it is sent (tool results of one round
         # flush at once). Until it is known to have landed it stays in `unsure`: cancelled
@@ -336,8 +356,11 @@ class ConversationJournal:
 
     def _unlive(self) -> None:
         """The pass has ended: no record of it (or of the pass it took over) is run here now."""
+        running, self.running = self.running, None
+        if running is None:
+            return
         for pass_id in (self.pass_id, *(() if self.claimed is None else (self.claimed[0],))):
-            if LIVE.get(pass_id) is self:
+            if LIVE.get(pass_id) is running:
                 del LIVE[pass_id]
 
     async def aclose(self, error: BaseException | None) -> None:

@@ -16,8 +16,8 @@ from treadle.errors import ConfigurationError, ConflictError
 from treadle.session import ChunkRow, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import StoreBackend
-from treadle.stores.journal import ConversationJournal
-from treadle.stores.owner import LIVE
+from treadle.stores.journal import ConversationJournal, inflight
+from treadle.stores.owner import LIVE, Running, runs_here
 from treadle.stores.records import (
     PassRecord,
     PendingPass,
@@ -101,7 +101,8 @@ async def _start(
 ) -> ConversationStart:
     if not isinstance(conversation, PendingPass):
         return _started(backend, key, pass_id, user_rows, agent_rows, await backend.load(key))
-    record, stored, token = await _take_over(backend, conversation.pass_id, key)
+    taking = conversation.pass_id
+    record, stored, running = await _take_over(backend, taking, key)
     adopted = in_call_order(record.rows)
     answered = {str(r.payload.get("tool_call_id")) for r in adopted if r.kind == "tool_result"}
     unknown = [cid for cid in record.intents if cid not in answered]
@@ -111,89 +112,115 @@ async def _start(
     try:
         new = _new_rows(key, user_rows, stored.rows)
     except BaseException:
-        del LIVE[conversation.pass_id], token
-        _schedule_give_back(backend, conversation.pass_id, record.status)
+        if LIVE.get(taking) is running:
+            del LIVE[taking]
+        _give_back_soon(backend, taking, record.status, running.loop)
         raise
     journal = ConversationJournal(backend, key, pass_id, len(stored.rows), agent_rows)
-    journal.claimed = (conversation.pass_id, record.status)
-    LIVE[conversation.pass_id] = journal  # until its first write supersedes it, or it ends
+    journal.claimed = (taking, record.status)
+    journal.running = running  # this process runs the pass taken over, and now this one
     fresh = [*adopted, *new]
     journal.buffered.extend(("row", r) for r in fresh)
     # Calls of unknown outcome stay so: if this pass stops before it answers them, the next
     # resume must not take them for calls that never started.
     journal.buffered.extend(("intent", (cid, "")) for cid in unknown)
+    try:
+        await journal.take()
+    except BaseException as err:  # its end is recorded (the write again first): resumable
+        await journal.aclose(err)
+        raise
     return ConversationStart([*stored.rows, *fresh], stored.usage, metadata, journal)
 
 
-class _Taking:
-    """What `LIVE` holds for a pass a resume took over, until its journal exists."""
-
-    __slots__ = ("__weakref__",)
-
-
-#: Passes a resume in this process is taking over (the takeover in flight).
-_TAKING: set[str] = set()
-#: Give-backs of takeovers whose resume was cancelled (strong references while they run).
-_GIVING: set[asyncio.Task[None]] = set()
+#: Passes a resume in this process is taking over, with the loop doing it: from the takeover's
+#: start until the resume's journal holds the pass, or the takeover is given back (a resume
+#: cancelled mid-takeover). A loop closed meanwhile can finish neither: its entries are stale.
+_TAKING: dict[str, asyncio.AbstractEventLoop] = {}
 
 
 async def _take_over(
     backend: StoreBackend, taking: str, key: str
-) -> tuple[PassRecord, StoredConversation, _Taking]:
-    """Take pending pass `taking` over (`claim`) and read its conversation; the token `LIVE`
-    holds for it (the caller keeps it until the pass's journal takes its place).
+) -> tuple[PassRecord, StoredConversation, Running]:
+    """Take pending pass `taking` over (`claim`) and read its conversation; what `LIVE` holds
+    for it (the caller keeps it: the pass's journal takes it over).
 
     The takeover records the pass `running`, owned by this process (`StoreBackend.claim`); from
-    then on this process runs it (`LIVE`) until the resume's journal supersedes it or gives it
-    back. A resume cancelled (or failing) in between gives it back itself: the takeover runs
-    as a task of its own, so a cancellation that arrives while it is in flight (it lands all the
-    same, wherever the backend runs it) still sees its outcome, and settles the pass back to
-    its status before. Whatever prevents that too (the loop ends first) leaves the pass
-    `running` but out of `LIVE`: resumable in this process, and in others once this one ends.
+    then on this process runs it (`LIVE`) until the resume's first write supersedes it or the
+    resume gives it back. A resume cancelled (or failing) before gives it back itself: the
+    takeover runs as a task of its own, so a cancellation that arrives while it is in flight
+    (it lands all the same, wherever the backend runs it) still sees its outcome, and settles
+    the pass back to its status before; until then no other resume in this process takes it
+    (one that did could be set back under it). Whatever prevents the give-back (the loop ends
+    first) leaves the pass `running` but not run here: resumable in this process, and in others
+    once this one ends.
     """
-    if taking in LIVE or taking in _TAKING:  # one resume of a pass at a time in a process
+    loop = asyncio.get_running_loop()
+    held = _TAKING.get(taking)
+    if runs_here(taking) or (held is not None and not held.is_closed()):
         raise ConflictError(
             f"pass {taking} is being resumed in this process; wait for that resume to end.",
             key=key,
         )
-    _TAKING.add(taking)
-    token = _Taking()
+    _TAKING[taking] = loop
+    handed = False  # the give-back, not this call, ends the `_TAKING` entry
     try:
         claim = asyncio.ensure_future(backend.claim(taking))
         try:
             record = await asyncio.shield(claim)
         except asyncio.CancelledError:
-            claim.add_done_callback(functools.partial(_give_back, backend, taking))
+            claim.add_done_callback(functools.partial(_claimed_late, backend, taking, loop))
+            handed = True
             raise
-        LIVE[taking] = token  # runs here now (its journal takes the place when made)
+        running = Running(loop)
+        LIVE[taking] = running  # runs here now (the resume's journal keeps `running`)
         try:
             stored = await backend.load(key)
         except BaseException:
             del LIVE[taking]
-            _schedule_give_back(backend, taking, record.status)
+            _give_back_soon(backend, taking, record.status, loop)
+            handed = True
             raise
     finally:
-        _TAKING.discard(taking)
-    return record, stored, token
+        if not handed and _TAKING.get(taking) is loop:
+            del _TAKING[taking]
+    return record, stored, running
 
 
-def _give_back(backend: StoreBackend, taking: str, claim: asyncio.Future[PassRecord]) -> None:
+def _claimed_late(
+    backend: StoreBackend,
+    taking: str,
+    loop: asyncio.AbstractEventLoop,
+    claim: asyncio.Future[PassRecord],
+) -> None:
     """A takeover whose resume was cancelled while it was in flight has ended: if it landed,
-    give the pass back."""
+    give the pass back (then let other resumes in), else let them in now."""
     if not claim.cancelled() and claim.exception() is None:
-        _schedule_give_back(backend, taking, claim.result().status)
+        _give_back_soon(backend, taking, claim.result().status, loop)
+    elif _TAKING.get(taking) is loop:
+        del _TAKING[taking]
 
 
-def _schedule_give_back(backend: StoreBackend, taking: str, status: str) -> None:
-    async def give_back() -> None:
+def _give_back_soon(
+    backend: StoreBackend, taking: str, status: str, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Settle a pass this process took over back to `status`, in a task `Store.asettled`
+    waits for; until it has, no other resume in this process takes the pass over."""
+    _TAKING[taking] = loop
+
+    async def give_back() -> int:
         try:
             await backend.settle(taking, status, was="running")
         except Exception as err:  # the store itself may be what failed
             log.warning("could not give pass %s back after its resume ended: %s", taking, err)
+        finally:
+            if _TAKING.get(taking) is loop:
+                del _TAKING[taking]
+        return 0
 
     task = asyncio.ensure_future(give_back())
-    _GIVING.add(task)
-    task.add_done_callback(_GIVING.discard)
+    settling = inflight(backend)
+    settling.add(task)
+    task.add_done_callback(settling.discard)
 
 
 def _started(

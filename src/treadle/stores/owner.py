@@ -22,6 +22,7 @@ over), and a record it owns is alive only while its pass id is there.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import weakref
@@ -29,12 +30,38 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
-__all__ = ["LIVE", "OWNER_LEASE_SECONDS", "lease_seconds", "owner_alive", "this_owner"]
+__all__ = [
+    "LIVE",
+    "OWNER_LEASE_SECONDS",
+    "Running",
+    "lease_seconds",
+    "owner_alive",
+    "runs_here",
+    "this_owner",
+]
 
-#: The passes this process runs on a stored conversation, by pass id (the pass's journal, or a
-#: resume's token while it takes the pass over): weak, so a pass whose coroutine was dropped
-#: without ending (its loop closed) leaves with its journal.
-LIVE: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+class Running:
+    """What `LIVE` holds for a pass this process runs: the event loop that runs it (a pass whose
+    loop has closed is not run any more, whatever still references it)."""
+
+    __slots__ = ("__weakref__", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+
+#: The passes this process runs on a stored conversation, by pass id (held by the pass's
+#: journal, or by a resume while it takes the pass over): weak, so a pass whose coroutine was
+#: dropped without ending leaves with its journal.
+LIVE: weakref.WeakValueDictionary[str, Running] = weakref.WeakValueDictionary()
+
+
+def runs_here(pass_id: str) -> bool:
+    """True while this process runs pass `pass_id` (in `LIVE`, on a loop not closed)."""
+    held = LIVE.get(pass_id)
+    return held is not None and not held.loop.is_closed()
+
 
 #: How long a running pass recorded on another host counts as owned after its last write (or
 #: heartbeat) by default.
@@ -128,7 +155,7 @@ def owner_alive(
     if pid == os.getpid():
         if start != _start_id(pid):
             return False
-        return pass_id is None or pass_id in LIVE
+        return pass_id is None or runs_here(pass_id)
     if not _pid_exists(pid):
         return False
     return start is None or _start_id(pid) in (None, start)

@@ -31,6 +31,7 @@ from treadle.stores.records import (
     PassRecord,
     PendingPass,
     StoredConversation,
+    carried_metadata,
     claimed_metadata,
     conflict_error,
     encode_json,
@@ -123,6 +124,13 @@ class PostgresBackend(PostgresHome):
 
         async def do(conn: AsyncConnection[Any]) -> None:
             async with conn.transaction():
+                meta = owner_metadata()
+                if supersedes is not None:
+                    cur = await conn.execute(
+                        "SELECT metadata FROM treadle_passes WHERE pass_id = %s", (supersedes,)
+                    )
+                    taken = await cur.fetchone()
+                    meta = carried_metadata(taken[0] if taken else None, key)
                 # The owner's lease runs on the server's clock (`DB_NOW`): every machine
                 # judges it the same way, whatever its own clock says.
                 await conn.execute(
@@ -130,7 +138,7 @@ class PostgresBackend(PostgresHome):
                     f" metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
                     f" {DB_NOW}, {DB_NOW}) ON CONFLICT (pass_id) DO UPDATE SET"
                     f" updated_at = {DB_NOW}",
-                    (pass_id, key, version, agents, owner_metadata()),
+                    (pass_id, key, version, agents, meta),
                 )
                 if supersedes is not None:  # the resume now holds the pass it took's journal
                     await conn.execute(

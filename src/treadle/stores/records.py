@@ -350,6 +350,21 @@ def owner_metadata() -> str:
     return encode_json({"owner": this_owner()})
 
 
+def carried_metadata(meta: str | None, key: str) -> str:
+    """The metadata a resume's own pass is recorded with: its owner (this process), and what
+    the pass it took over held for a resume (the approvals it waits for, why it stopped), so a
+    resume that ends before it answers them is listed with them."""
+    found = decode_json(meta, key) if meta else None
+    carried = (
+        {k: v for k, v in found.items() if k not in _OWNED} if isinstance(found, Mapping) else {}
+    )
+    return encode_json({**carried, "owner": this_owner()})
+
+
+#: Metadata keys that belong to one pass's record, not carried to the pass that resumes it.
+_OWNED = frozenset({"owner", "resumed_from"})
+
+
 def resumed_from(metadata: object, status: str) -> str:
     """The status a pass had before a takeover made it `running` (`status` when it had none)."""
     was = metadata.get("resumed_from") if isinstance(metadata, Mapping) else None

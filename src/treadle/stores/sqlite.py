@@ -30,6 +30,7 @@ from treadle.stores.records import (
     PassRecord,
     PendingPass,
     StoredConversation,
+    carried_metadata,
     claimed_metadata,
     conflict_error,
     decode_row,
@@ -202,11 +203,17 @@ class SqliteBackend:
 
         def do(conn: sqlite3.Connection) -> None:
             now = time.time()
+            meta = owner_metadata()
+            if supersedes is not None:
+                taken = conn.execute(
+                    "SELECT metadata FROM passes WHERE pass_id = ?", (supersedes,)
+                ).fetchone()
+                meta = carried_metadata(taken[0] if taken else None, key)
             conn.execute(
                 "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
                 " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, ?, ?, ?) "
                 "ON CONFLICT (pass_id) DO UPDATE SET updated_at = excluded.updated_at",
-                (pass_id, key, version, agents, owner_metadata(), now, now),
+                (pass_id, key, version, agents, meta, now, now),
             )
             if supersedes is not None:  # the resume now holds the journal of the pass it took
                 conn.execute(
