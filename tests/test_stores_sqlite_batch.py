@@ -177,3 +177,55 @@ def test_a_read_sqlite_fails_is_a_store_error(tmp_path: Path) -> None:
 
     said = asyncio.run(main())
     assert "failed: no such table: rows" in said
+
+
+def test_each_commit_leaves_its_own_stop_reason_and_kept_metadata_in_the_file(
+    tmp_path: Path,
+) -> None:
+    """A commit that keeps the head's stop reason and metadata writes only what moved (its
+    version, usage, time); one that changes them writes them: a fresh backend (no cache) reads
+    each commit's own, however the ones before it ended."""
+    path = tmp_path / "heads.db"
+    ends: list[tuple[str | None, dict[str, str]]] = [
+        ("stop", {}),
+        ("stop", {}),  # the same as the head's
+        ("length", {"interrupt_reason": "why"}),
+        ("length", {"interrupt_reason": "why"}),  # the same again
+        ("stop", {}),  # back
+    ]
+
+    async def main() -> list[tuple[str | None, dict[str, Any], int, int]]:
+        seen = []
+        for i, (stop, meta) in enumerate(ends):
+            backend = SqliteBackend(path)
+            try:
+                await backend.load("k")  # the head cached, as a pass's read leaves it
+                await backend.commit(
+                    f"p{i}", "k", 2 * i, [ChunkRow.user(f"u{i}")],
+                    usage=Usage(1, 1, 2, 2 * i + 1),
+                    stop_reason=stop, metadata=meta, agent_rows=(), recorded=False,
+                )  # fmt: skip
+                # Again, with the head cached from the commit before: the second commit of
+                # each backend takes the head it moved in place.
+                await backend.commit(
+                    f"q{i}", "k", 2 * i + 1, [ChunkRow.user(f"v{i}")],
+                    usage=Usage(1, 1, 2, 2 * i + 2),
+                    stop_reason=stop, metadata=meta, agent_rows=(), recorded=False,
+                )  # fmt: skip
+            finally:
+                await backend.aclose()
+            fresh = SqliteBackend(path)
+            try:
+                got = await fresh.load("k")
+                seen.append((got.stop_reason, dict(got.metadata), got.version, got.usage.requests))
+            finally:
+                await fresh.aclose()
+            # The next backend's commits start from this version.
+            ends_at = got.version
+            assert ends_at == 2 * (i + 1)
+        return seen
+
+    seen = asyncio.run(main())
+    assert [(s, m) for s, m, _, _ in seen] == ends
+    assert [v for _, _, v, _ in seen] == [2, 4, 6, 8, 10]
+    assert [r for _, _, _, r in seen] == [2, 4, 6, 8, 10]  # each backend's last commit's usage
