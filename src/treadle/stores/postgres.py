@@ -167,7 +167,21 @@ class PostgresBackend(PostgresHome):
                            agent_rows, recorded)  # fmt: skip
         # Passes ending at once commit together (one round trip, one server commit), each
         # with its own version check (see treadle.stores.postgres_batch).
-        version = await self._batchers()[1](call)
+        commits = self._batchers()[1]
+        held = self._locks.take(key)  # queue mode: the lock goes back where the commit ends
+        if held is None:
+            version = await commits(call)
+        else:
+
+            async def commit_and_release() -> int:
+                # On the runtime's loop: the lock is given back once the commit has ended,
+                # whatever becomes of the caller's loop (closed with the commit in flight).
+                try:
+                    return await commits(call)
+                finally:
+                    await held.release()
+
+            version = await self._on_runtime(commit_and_release)
         if version < 0:
             raise conflict_error(key, base, -1 - version, rows)
         return version

@@ -408,12 +408,33 @@ class DatabaseThread:
         if self.dead is not None:
             self._drain()
 
+    def submit_here(
+        self,
+        fn: Callable[[sqlite3.Connection], T],
+        then: Callable[[T | None, BaseException | None], None],
+    ) -> None:
+        """Run the write `fn(connection)`; `then(value, error)` is called on this thread once
+        its transaction is durable (or failed), whatever becomes of the caller's loop. `then`
+        must not raise."""
+        self._jobs.put((fn, _HERE, then, False))  # type: ignore[arg-type]
+        if self.dead is not None:
+            self._drain()
+
     def stop(self) -> None:
         """Stop after the jobs already queued (waits unless called on the thread itself)."""
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
 
+
+class _Here:
+    """The "loop" of a job settled on the database thread itself (`submit_here`)."""
+
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
+        fn(*args)
+
+
+_HERE = _Here()
 
 _writers: dict[Path, DatabaseThread] = {}
 _writers_lock = threading.Lock()
