@@ -12,10 +12,13 @@ holding the database's write lock (a SQLite connection in a transaction, a Postg
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -191,3 +194,42 @@ def test_a_lock_of_a_closed_loop_is_given_back(url: str, where: str) -> None:
     finally:
         release.set()
         store.close(grace=GUARD)
+
+
+def _lock_files_open() -> int:
+    """How many of this process's file descriptors are conversation lock files."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found += ".locks" in os.readlink(f"/proc/self/fd/{fd}")
+    return found
+
+
+def test_passes_cancelled_as_they_open_the_lock_file_leak_no_descriptor(tmp_path: Path) -> None:
+    """A SQLite lock file is opened on a worker thread: a pass cancelled meanwhile closes it
+    when the open ends (else each such pass kept a descriptor, and under a low `ulimit -n`
+    every later pass failed to open its lock file)."""
+    url = str(tmp_path / "s.db")
+
+    async def main() -> int:
+        async with Store.open(url, on_conflict="queue") as store:
+            for i in range(140):
+                task = asyncio.ensure_future(
+                    arun_session_loop(
+                        Session.from_user_message(f"m{i}"),
+                        AGENT,
+                        executor=ScriptedExecutor(["x"]),
+                        store=store,
+                        conversation=f"k{i % 7}",
+                    )
+                )
+                for _ in range(i % 7):  # cancelled at each early step in turn
+                    await asyncio.sleep(0)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await store.asettled()
+            await asyncio.sleep(0.3)  # the worker threads' opens have ended
+            return _lock_files_open()
+
+    assert asyncio.run(main()) == 0

@@ -190,14 +190,34 @@ class FileKeyLock(_Held):
         """Wait (without blocking the loop) until this process holds `key`'s lock."""
         name = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
+        # The file is opened on a worker thread; a caller cancelled meanwhile gets nothing
+        # back, so the open and the caller's giving up meet under a lock: whichever comes
+        # second closes the file (else each such pass kept a descriptor for good).
+        handoff = threading.Lock()
+        abandoned = False
+        opened: list[int] = []
+
         def open_file() -> int:
             directory.mkdir(parents=True, exist_ok=True)
-            return os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            with handoff:
+                if not abandoned:
+                    opened.append(fd)
+                    return fd
+            os.close(fd)
+            return -1
 
         try:
             fd = await asyncio.to_thread(open_file)
         except OSError as err:
             raise StoreError(f"cannot open the lock file of conversation {key!r}: {err}.") from None
+        except BaseException:
+            with handoff:
+                abandoned = True
+                late = opened[:]
+            for fd in late:
+                os.close(fd)
+            raise
         held = cls(fd, asyncio.get_running_loop())
         _WATCH.add(held)  # its loop may close while it waits, or holds
         pause = _FIRST_PAUSE
