@@ -143,8 +143,9 @@ class PostgresHome:
 
         return await self._on_runtime(body)
 
-    async def aclose(self) -> None:
-        """Close the pool (safe to call twice)."""
+    async def aclose(self, grace: float = 30.0) -> None:
+        """Close the pool (safe to call twice; `grace` is the protocol's: the pool's close
+        bounds its own wait)."""
         if self._closed:
             return
 

@@ -477,11 +477,12 @@ class SqliteBackend:
 
         return await self._run(do)
 
-    async def aclose(self) -> None:
-        """Let go of the file's writer thread (it stops with its last user)."""
+    async def aclose(self, grace: float = 30.0) -> None:
+        """Let go of the file's writer thread (it stops with its last user, waited for at most
+        `grace` seconds: see `DatabaseThread.stop`)."""
         writer, self._writer = self._writer, None
         if writer is not None:
-            await asyncio.to_thread(release, writer)
+            await asyncio.to_thread(release, writer, grace)
 
 
 def _settle_one(
