@@ -27,6 +27,7 @@ from treadle import Session, arun_session_loop, run_session_loop
 from treadle import tool as make_tool
 from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
+from treadle.testing.postgres import PostgresCluster
 from treadle.testing.scripted import tool_call
 
 AGENT = Session.from_agent_prompt("Answer briefly.")
@@ -233,3 +234,77 @@ def test_passes_cancelled_as_they_open_the_lock_file_leak_no_descriptor(tmp_path
             return _lock_files_open()
 
     assert asyncio.run(main()) == 0
+
+
+def _terminate_lock_holders(dsn: str) -> int:
+    """End (as an administrator, an idle-session timeout or a failover would) every server
+    session holding a conversation lock of the database; how many."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        pids = admin.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ).fetchall()
+        for (pid,) in pids:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    return len(pids)
+
+
+@pytest.mark.parametrize("first_ends", ["last", "first"])
+def test_a_pass_that_lost_its_postgres_lock_fails_with_a_store_error(
+    pg: PostgresCluster, first_ends: str
+) -> None:
+    """The server ends the connection holding a running pass's conversation lock: another pass
+    then takes the lock and runs. The first pass must not commit from what it read (it fails
+    with `StoreError` saying it lost the lock, listed by `pending()` as any failed pass is until
+    the conversation moves on), and neither pass meets a `ConflictError`, whichever ends
+    first."""
+    from treadle.errors import StoreError
+
+    dsn = pg.new_database()
+    store = Store.open(dsn, on_conflict="queue")
+    gates = {"first": threading.Event(), "second": threading.Event()}
+    running = {"first": threading.Event(), "second": threading.Event()}
+
+    @make_tool
+    def work(who: str) -> str:
+        """Wait for the test."""
+        running[who].set()
+        gates[who].wait(GUARD)
+        return f"{who} worked"
+
+    def start(who: str) -> Session:
+        return run_session_loop(
+            Session.from_user_message(who),
+            AGENT,
+            executor=ScriptedExecutor([tool_call("work", {"who": who}), f"{who} answer"]),
+            tools=[work],
+            store=store,
+            conversation="k",
+        )
+
+    try:
+        store.append("k", [])
+        first = start("first")
+        assert running["first"].wait(GUARD)
+        assert _terminate_lock_holders(dsn) == 1
+        second = start("second")
+        assert running["second"].wait(GUARD)  # it has the lock: the first's is gone
+        order = ["second", "first"] if first_ends == "last" else ["first", "second"]
+        for who in order:
+            gates[who].set()
+            with contextlib.suppress(Exception):  # ended: its outcome is checked below
+                (first if who == "first" else second).synchronize(GUARD)
+            if order == ["first", "second"] and who == "first":  # kept, as a failed pass is
+                assert "failed" in [p.status for p in store.pending("k")]
+        with pytest.raises(StoreError, match="lost the lock"):
+            first.synchronize(GUARD)
+        assert second.synchronize(GUARD).metadata["version"] == 4
+        contents = [str(r.payload.get("content")) for r in store.conversation("k").rows]
+        assert contents[0] == "second" and "first" not in contents
+        assert store.pending("k") == []  # the conversation moved on past the failed pass
+    finally:
+        for gate in gates.values():
+            gate.set()
+        store.close(grace=GUARD)

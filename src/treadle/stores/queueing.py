@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import fcntl
 import hashlib
 import os
@@ -99,16 +100,13 @@ class _Held:
         self.owner = owner
         """The loop of the caller that took (or waits for) the lock."""
         self.committing = False
+        self.key: str | None = None
+        self.registry: HeldLocks | None = None  # the backend's, once its caller has it
         self._guard = threading.Lock()
-        self._index: tuple[dict[str, Any], str] | None = None  # where `HeldLocks` keeps it
 
     def _forget(self) -> None:
-        """Leave the watcher and the backend's `HeldLocks` (before the lock is free: a later
-        holder of the key must not be forgotten in its place)."""
+        """Leave the watcher (the lock is given back)."""
         _WATCH.discard(self)
-        index, self._index = self._index, None
-        if index is not None and index[0].get(index[1]) is self:
-            del index[0][index[1]]
 
     def drop(self) -> None:
         """Give the lock back now, from any thread (safe to call twice; never raises)."""
@@ -120,26 +118,29 @@ class _Held:
 
 
 class HeldLocks:
-    """The conversation locks a backend's passes hold in this process, by key (one at a time a
-    key: the lock excludes passes of one process too), so a commit can give its pass's lock back
-    where it completes (see the module)."""
-
-    def __init__(self) -> None:
-        self._by_key: dict[str, _Held] = {}
+    """The conversation locks a backend's passes hold in this process, so a commit can give its
+    pass's lock back where it completes (see the module). The lock a pass took is found through
+    the pass's context (`_TAKEN`, which its commit task inherits), not by key: a PostgreSQL lock
+    lost with its connection leaves two passes of one key in the process, each with its own."""
 
     def add(self, key: str, lock: _Held) -> None:
-        """`lock` is held for `key` by a caller that has it."""
-        lock._index = (self._by_key, key)
-        self._by_key[key] = lock
+        """`lock`, of `key`, is held by the calling task (a pass, or an append)."""
+        lock.key, lock.registry = key, self
+        _TAKEN.set(lock)
 
     def take(self, key: str) -> KeyLock | None:
-        """The lock held for `key`, if any and no commit took it yet: the caller's commit now
-        gives it back when it completes (`drop`), whatever happens to the caller's loop."""
-        lock = self._by_key.get(key)
-        if lock is None or lock.committing:
+        """The lock the calling pass holds for `key`, if any and no commit took it yet: the
+        caller's commit now gives it back when it completes (`drop`), whatever happens to the
+        caller's loop."""
+        lock = _TAKEN.get()
+        if lock is None or lock.registry is not self or lock.key != key or lock.committing:
             return None
         lock.committing = True
         return lock
+
+
+#: The lock the current pass took last (see `HeldLocks`).
+_TAKEN: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("treadle_lock", default=None)
 
 
 class _Watch:
@@ -314,6 +315,20 @@ class PostgresKeyLock(_Held):
             for held in late:  # granted as its caller gave up: give it back
                 await held.release()
             raise
+
+    async def lost(self) -> str | None:
+        """Why the lock is no longer held (its connection ended: the server terminated it, a
+        failover), or None: one round trip on its connection, on the runtime's loop."""
+        import psycopg
+
+        conn = self._conn
+        if conn is None:
+            return "it was given back"
+        try:
+            await conn.execute("SELECT 1")
+        except psycopg.Error as err:
+            return " ".join(str(err).split()) or type(err).__name__
+        return None
 
     def drop(self) -> None:
         """Close the lock's connection on its loop, which releases it (any thread; safe to call
