@@ -339,7 +339,7 @@ class PostgresKeyLock(_Held):
             return
         self._forget()
         with contextlib.suppress(RuntimeError):  # the runtime's loop is gone, and the socket
-            asyncio.run_coroutine_threadsafe(conn.close(), self._home)
+            asyncio.run_coroutine_threadsafe(_unlock_and_close(conn), self._home)
 
     async def release(self) -> None:
         """Close the lock's connection, which releases it (safe to call twice; never raises)."""
@@ -350,7 +350,15 @@ class PostgresKeyLock(_Held):
         self._forget()
 
         async def close() -> None:
-            await conn.close()
+            await _unlock_and_close(conn)
 
         with contextlib.suppress(Exception):
             await self._run(close, False)
+
+
+async def _unlock_and_close(conn: AsyncConnection[Any]) -> None:
+    """Unlock, then close: the server frees a closed connection's locks only as its backend
+    exits, a moment later; unlocked first, the lock is free when this returns."""
+    with contextlib.suppress(Exception):  # a lost connection holds nothing
+        await conn.execute("SELECT pg_advisory_unlock_all()")
+    await conn.close()
