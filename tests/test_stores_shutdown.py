@@ -10,6 +10,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,49 @@ def test_a_commit_postgres_cannot_take_fails_alone_with_a_store_error(pg: Cluste
         assert sorted(c.key for c in store.conversations()) == ["ok1", "ok2"]
     finally:
         store.close()
+
+
+def test_a_sqlite_close_waits_at_most_grace_for_a_commit_stuck_on_another_clients_lock(
+    tmp_path: Path,
+) -> None:
+    """Another client holds the file's write lock; a cancelled pass's commit waits for it (up
+    to the 60 s busy timeout) on the database thread. `aclose(grace=...)` gives up on it after
+    `grace` and leaves the thread (a daemon) to the database: it used to join the thread for
+    up to 30 s more, while the promise is "at most `grace`". The other client keeps its lock
+    until `aclose` has returned, so a close that waited for the commit would be the hang."""
+    import sqlite3
+
+    from treadle import Session, arun_session_loop
+    from treadle.testing import ScriptedExecutor
+
+    path = tmp_path / "s.db"
+    closed = threading.Event()
+
+    async def main() -> None:
+        store = Store.open(str(path))
+        await store.aappend("k", [])
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            task = asyncio.ensure_future(
+                arun_session_loop(
+                    Session.from_user_message("u"),
+                    Session.from_agent_prompt("A."),
+                    executor=ScriptedExecutor(["x"]),
+                    store=store,
+                    conversation="k",
+                )
+            )
+            await asyncio.sleep(0.3)  # its commit waits for the other client's lock by now
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # The guard only catches the hang (the old close took 30 s more); it asserts no time.
+            await asyncio.wait_for(store.aclose(grace=0.2), 15)
+            closed.set()
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+
+    asyncio.run(main())
+    assert closed.is_set()

@@ -127,6 +127,7 @@ class StoreBackend(Protocol):
         """Delete conversations not changed since `before` (epoch seconds); how many."""
         ...
 
-    async def aclose(self) -> None:
-        """Release connections and threads (safe to call twice)."""
+    async def aclose(self, grace: float = 30.0) -> None:
+        """Release connections and threads (safe to call twice), waiting at most `grace`
+        seconds for work still running."""
         ...

@@ -25,6 +25,7 @@ from treadle.stores.postgres_home import PostgresHome
 from treadle.stores.postgres_open import DB_NOW
 from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations
 from treadle.stores.postgres_rows import write_rows
+from treadle.stores.queueing import KeyLock, PostgresKeyLock
 from treadle.stores.records import (
     RESUMABLE,
     ConversationInfo,
@@ -183,10 +184,40 @@ class PostgresBackend(PostgresHome):
                            agent_rows, recorded)  # fmt: skip
         # Passes ending at once commit together (one round trip, one server commit), each
         # with its own version check (see treadle.stores.postgres_batch).
-        version = await self._batchers()[1](call)
+        commits = self._batchers()[1]
+        held = self._locks.take(key)  # queue mode: the lock goes back where the commit ends
+        if held is None:
+            version = await commits(call)
+        else:
+
+            async def commit_and_release() -> int:
+                # On the runtime's loop: the lock is given back once the commit has ended,
+                # whatever becomes of the caller's loop (closed with the commit in flight).
+                try:
+                    await self._check_held(held, key)
+                    version = await commits(call)
+                    if version < 0:  # a conflict in queue mode: the lock was lost meanwhile?
+                        await self._check_held(held, key)
+                    return version
+                finally:
+                    await held.release()
+
+            version = await self._on_runtime(commit_and_release)
         if version < 0:
             raise conflict_error(key, base, -1 - version, rows)
         return version
+
+    async def _check_held(self, held: KeyLock, key: str) -> None:
+        """A `StoreError` when the pass's conversation lock was lost (its connection ended):
+        another pass may have taken it and run from the same rows, so the pass must not commit
+        from what it read, and its failure is no conflict (queue mode promises none)."""
+        why = await held.lost() if isinstance(held, PostgresKeyLock) else None
+        if why is not None:
+            raise StoreError(
+                f"the pass lost the lock of conversation {key!r} ({why}): another pass may have "
+                "run from the same rows meanwhile, so nothing was written; the pass is kept "
+                "resumable (store.pending(key))."
+            )
 
     def commit_soon(
         self,

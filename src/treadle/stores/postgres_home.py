@@ -20,7 +20,7 @@ from treadle.runtime import get_runtime
 from treadle.stores.batching import Batcher
 from treadle.stores.hop import LoopHop
 from treadle.stores.postgres_open import display_url, open_pool
-from treadle.stores.queueing import PostgresKeyLock
+from treadle.stores.queueing import HeldLocks, PostgresKeyLock
 from treadle.stores.records import RowCache, StoredConversation
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class PostgresHome:
         self._commits: Batcher[tuple[Any, ...], int] | None = None
         self._hop: LoopHop | None = None  # how callers on other loops reach the runtime's
         self._handovers: list[Batcher[Any, Any] | LoopHop] = []  # closed when its loop stops
+        self._locks = HeldLocks()  # queue mode: the conversation locks its passes hold
 
     @property
     def url(self) -> str:
@@ -102,7 +103,9 @@ class PostgresHome:
     async def lock(self, key: str) -> PostgresKeyLock:
         """Hold `key`'s conversation lock (queue mode; see `treadle.stores.queueing`)."""
         await self._on_runtime(self._connection_pool)  # the schema exists, the DSN connects
-        return await PostgresKeyLock.acquire(self._dsn, key, self._connect_timeout, self._on_home)
+        held = await PostgresKeyLock.acquire(self._dsn, key, self._connect_timeout, self._on_home)
+        self._locks.add(key, held)
+        return held
 
     async def _guarded(self, fn: Callable[[], Awaitable[T]]) -> T:
         import psycopg
@@ -140,8 +143,9 @@ class PostgresHome:
 
         return await self._on_runtime(body)
 
-    async def aclose(self) -> None:
-        """Close the pool (safe to call twice)."""
+    async def aclose(self, grace: float = 30.0) -> None:
+        """Close the pool (safe to call twice; `grace` is the protocol's: the pool's close
+        bounds its own wait)."""
         if self._closed:
             return
 

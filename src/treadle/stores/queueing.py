@@ -14,16 +14,25 @@ The lock holds across processes and dies with its holder:
 - PostgreSQL: a session advisory lock on a connection of its own (outside the pool: waiters
   holding pool connections would starve the holder's commit). Closing the connection, or the
   holder's process dying, releases it.
+
+A lock is given back whatever happens to the loop that took it: a commit gives it back where it
+completes (SQLite's database thread, PostgreSQL's runtime loop: `KeyLock.committing`), so a
+loop closed with the commit in flight does not keep it; and a lock whose loop was closed before
+its commit started (a pass left mid-tool, or waiting for its turn, by `run_until_complete` and
+`loop.close()` without cancelling its tasks) is given back by a watcher thread (`watch`), which
+runs only while this process holds a lock and looks every `_WATCH_PERIOD` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import fcntl
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -36,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ON_CONFLICT",
     "FileKeyLock",
+    "HeldLocks",
     "KeyLock",
     "OnConflict",
     "PostgresKeyLock",
@@ -54,6 +64,8 @@ ON_CONFLICT: tuple[OnConflict, ...] = ("raise", "queue")
 
 _FIRST_PAUSE = 0.002
 _MAX_PAUSE = 0.05
+#: How often the watcher looks for locks whose loop has closed (only while any lock is held).
+_WATCH_PERIOD = 0.1
 
 
 def check_on_conflict(value: object) -> OnConflict:
@@ -68,15 +80,110 @@ def check_on_conflict(value: object) -> OnConflict:
 class KeyLock(Protocol):
     """A held conversation lock."""
 
+    committing: bool
+    """True once a commit took over giving it back (see `HeldLocks.take`)."""
+
+    def drop(self) -> None:
+        """Give the lock back now, from any thread (safe to call twice; never raises)."""
+        ...
+
     async def release(self) -> None:
         """Give the lock back (safe to call twice; never raises)."""
         ...
 
 
-class FileKeyLock:
+class _Held:
+    """What both kinds of lock share: the loop that took it, and giving it back from any thread
+    exactly once (`drop`), as the watcher and a commit's end may."""
+
+    def __init__(self, owner: asyncio.AbstractEventLoop) -> None:
+        self.owner = owner
+        """The loop of the caller that took (or waits for) the lock."""
+        self.committing = False
+        self.key: str | None = None
+        self.registry: HeldLocks | None = None  # the backend's, once its caller has it
+        self._guard = threading.Lock()
+
+    def _forget(self) -> None:
+        """Leave the watcher (the lock is given back)."""
+        _WATCH.discard(self)
+
+    def drop(self) -> None:
+        """Give the lock back now, from any thread (safe to call twice; never raises)."""
+        raise NotImplementedError
+
+    async def release(self) -> None:
+        """Give the lock back (safe to call twice; never raises)."""
+        raise NotImplementedError
+
+
+class HeldLocks:
+    """The conversation locks a backend's passes hold in this process, so a commit can give its
+    pass's lock back where it completes (see the module). The lock a pass took is found through
+    the pass's context (`_TAKEN`, which its commit task inherits), not by key: a PostgreSQL lock
+    lost with its connection leaves two passes of one key in the process, each with its own."""
+
+    def add(self, key: str, lock: _Held) -> None:
+        """`lock`, of `key`, is held by the calling task (a pass, or an append)."""
+        lock.key, lock.registry = key, self
+        _TAKEN.set(lock)
+
+    def take(self, key: str) -> KeyLock | None:
+        """The lock the calling pass holds for `key`, if any and no commit took it yet: the
+        caller's commit now gives it back when it completes (`drop`), whatever happens to the
+        caller's loop."""
+        lock = _TAKEN.get()
+        if lock is None or lock.registry is not self or lock.key != key or lock.committing:
+            return None
+        lock.committing = True
+        return lock
+
+
+#: The lock the current pass took last (see `HeldLocks`).
+_TAKEN: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("treadle_lock", default=None)
+
+
+class _Watch:
+    """Gives back the locks whose loop was closed before a commit took them (see the module):
+    one daemon thread, started with the first lock held and asleep while none is."""
+
+    def __init__(self) -> None:
+        self._held: set[_Held] = set()
+        self._cond = threading.Condition()
+        self._pid: int | None = None
+
+    def add(self, lock: _Held) -> None:
+        with self._cond:
+            self._held.add(lock)
+            if self._pid != os.getpid():  # first use, or a forked child (no thread of ours)
+                self._pid = os.getpid()
+                threading.Thread(target=self._serve, name="treadle-lock-watch", daemon=True).start()
+            elif len(self._held) == 1:
+                self._cond.notify()
+
+    def discard(self, lock: _Held) -> None:
+        with self._cond:
+            self._held.discard(lock)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._held:
+                    self._cond.wait()
+                orphans = [h for h in self._held if not h.committing and h.owner.is_closed()]
+            for lock in orphans:  # nothing will ever run its holder's release
+                lock.drop()
+            time.sleep(_WATCH_PERIOD)
+
+
+_WATCH = _Watch()
+
+
+class FileKeyLock(_Held):
     """A conversation's lock in a SQLite store: `flock` on its lock file (see the module)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, owner: asyncio.AbstractEventLoop) -> None:
+        super().__init__(owner)
         self._fd: int | None = fd
 
     @classmethod
@@ -84,15 +191,36 @@ class FileKeyLock:
         """Wait (without blocking the loop) until this process holds `key`'s lock."""
         name = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
+        # The file is opened on a worker thread; a caller cancelled meanwhile gets nothing
+        # back, so the open and the caller's giving up meet under a lock: whichever comes
+        # second closes the file (else each such pass kept a descriptor for good).
+        handoff = threading.Lock()
+        abandoned = False
+        opened: list[int] = []
+
         def open_file() -> int:
             directory.mkdir(parents=True, exist_ok=True)
-            return os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            with handoff:
+                if not abandoned:
+                    opened.append(fd)
+                    return fd
+            os.close(fd)
+            return -1
 
         try:
             fd = await asyncio.to_thread(open_file)
         except OSError as err:
             raise StoreError(f"cannot open the lock file of conversation {key!r}: {err}.") from None
-        held = cls(fd)
+        except BaseException:
+            with handoff:
+                abandoned = True
+                late = opened[:]
+            for fd in late:
+                os.close(fd)
+            raise
+        held = cls(fd, asyncio.get_running_loop())
+        _WATCH.add(held)  # its loop may close while it waits, or holds
         pause = _FIRST_PAUSE
         try:
             while True:
@@ -106,23 +234,37 @@ class FileKeyLock:
             await held.release()
             raise
 
-    async def release(self) -> None:
-        """Close the lock file, which releases the `flock` (safe to call twice)."""
-        fd, self._fd = self._fd, None
+    def drop(self) -> None:
+        """Close the lock file, which releases the `flock` (any thread; safe to call twice)."""
+        with self._guard:
+            fd, self._fd = self._fd, None
         if fd is not None:
+            self._forget()
             # Closing a file that was only locked, never written, does no I/O: safe on the loop,
             # and a pass ending under cancellation must release without awaiting a thread.
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    async def release(self) -> None:
+        """Close the lock file, which releases the `flock` (safe to call twice)."""
+        self.drop()
 
-class PostgresKeyLock:
+
+class PostgresKeyLock(_Held):
     """A conversation's lock in a PostgreSQL store: a session advisory lock on a connection of
-    its own (see the module), opened and closed on the runtime's loop by `run`."""
+    its own (see the module), opened and closed on the runtime's loop (`home`)."""
 
-    def __init__(self, conn: AsyncConnection[Any], run: RunOnHome) -> None:
+    def __init__(
+        self,
+        conn: AsyncConnection[Any],
+        run: RunOnHome,
+        owner: asyncio.AbstractEventLoop,
+        home: asyncio.AbstractEventLoop,
+    ) -> None:
+        super().__init__(owner)
         self._conn: AsyncConnection[Any] | None = conn
         self._run = run
+        self._home = home
 
     @classmethod
     async def acquire(
@@ -137,12 +279,14 @@ class PostgresKeyLock:
         # cancelled just as the server grants the lock gets nothing back, and the connection
         # would stay open holding it (every later pass on the conversation waiting forever).
         # So the grant and the caller's giving up meet under a lock: whichever comes second
-        # closes the connection.
+        # closes the connection. A caller whose loop closes never gives up: the grant is
+        # watched from the start (see the module).
         handoff = threading.Lock()
         abandoned = False
-        granted: list[AsyncConnection[Any]] = []
+        granted: list[PostgresKeyLock] = []
+        owner = asyncio.get_running_loop()
 
-        async def take() -> AsyncConnection[Any]:
+        async def take() -> PostgresKeyLock:
             conn = await psycopg.AsyncConnection.connect(
                 dsn, connect_timeout=max(1, int(connect_seconds)), **CONNECT_OPTIONS
             )
@@ -153,31 +297,68 @@ class PostgresKeyLock:
             except BaseException:  # cancelled or failed while waiting: drop the connection
                 await conn.close()
                 raise
+            held = cls(conn, run, owner, asyncio.get_running_loop())
             with handoff:
                 if not abandoned:
-                    granted.append(conn)
-                    return conn
-            await conn.close()  # its caller has given up: nobody would release it
+                    granted.append(held)
+                    _WATCH.add(held)
+                    return held
+            await held.release()  # its caller has given up: nobody would release it
             raise asyncio.CancelledError
 
         try:
-            return cls(await run(take, True), run)
+            return await run(take, True)  # type: ignore[no-any-return]
         except BaseException:
             with handoff:
                 abandoned = True
                 late = granted[:]
-            for conn in late:  # granted as its caller gave up: give it back
-                await cls(conn, run).release()
+            for held in late:  # granted as its caller gave up: give it back
+                await held.release()
             raise
+
+    async def lost(self) -> str | None:
+        """Why the lock is no longer held (its connection ended: the server terminated it, a
+        failover), or None: one round trip on its connection, on the runtime's loop."""
+        import psycopg
+
+        conn = self._conn
+        if conn is None:
+            return "it was given back"
+        try:
+            await conn.execute("SELECT 1")
+        except psycopg.Error as err:
+            return " ".join(str(err).split()) or type(err).__name__
+        return None
+
+    def drop(self) -> None:
+        """Close the lock's connection on its loop, which releases it (any thread; safe to call
+        twice; never raises)."""
+        with self._guard:
+            conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        self._forget()
+        with contextlib.suppress(RuntimeError):  # the runtime's loop is gone, and the socket
+            asyncio.run_coroutine_threadsafe(_unlock_and_close(conn), self._home)
 
     async def release(self) -> None:
         """Close the lock's connection, which releases it (safe to call twice; never raises)."""
-        conn, self._conn = self._conn, None
+        with self._guard:
+            conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._forget()
 
         async def close() -> None:
-            await conn.close()
+            await _unlock_and_close(conn)
 
         with contextlib.suppress(Exception):
             await self._run(close, False)
+
+
+async def _unlock_and_close(conn: AsyncConnection[Any]) -> None:
+    """Unlock, then close: the server frees a closed connection's locks only as its backend
+    exits, a moment later; unlocked first, the lock is free when this returns."""
+    with contextlib.suppress(Exception):  # a lost connection holds nothing
+        await conn.execute("SELECT pg_advisory_unlock_all()")
+    await conn.close()

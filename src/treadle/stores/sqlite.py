@@ -13,6 +13,7 @@ Never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import time
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
-from treadle.stores.queueing import FileKeyLock
+from treadle.stores.queueing import FileKeyLock, HeldLocks, KeyLock
 from treadle.stores.records import (
     RESUMABLE,
     ConversationInfo,
@@ -127,6 +128,7 @@ class SqliteBackend:
         self._writer: DatabaseThread | None = thread_for(self.path, _connect)
         self._cache = self._writer.cache  # touched only on the database thread
         self._heads = self._writer.heads  # likewise
+        self._locks = HeldLocks()  # queue mode: the conversation locks its passes hold
 
     @property
     def url(self) -> str:
@@ -149,7 +151,9 @@ class SqliteBackend:
         under `<db>.locks/`."""
         if self._writer is None:
             raise StoreError(f"the store {self.url} is closed; open a new Store.")
-        return await FileKeyLock.acquire(self.path.with_name(self.path.name + ".locks"), key)
+        held = await FileKeyLock.acquire(self.path.with_name(self.path.name + ".locks"), key)
+        self._locks.add(key, held)
+        return held
 
     def load(self, key: str) -> asyncio.Future[StoredConversation]:
         """The committed conversation (empty for a new key); only rows not cached are decoded.
@@ -256,10 +260,35 @@ class SqliteBackend:
             agent_rows,
             recorded,
         )
-        version = await self._run(job)
+        held = self._locks.take(key)  # queue mode: the lock goes back where the commit ends
+        if held is None:
+            version = await self._run(job)
+        else:
+            version = await self._commit_and_drop(job, held)
         if version < 0:
             raise conflict_error(key, base, -1 - version, rows)
         return version
+
+    async def _commit_and_drop(
+        self, job: Callable[[sqlite3.Connection], int], held: KeyLock
+    ) -> int:
+        """Run the commit `job`, giving the conversation's lock back on the database thread as
+        soon as the transaction is durable (or failed): whatever becomes of the caller's loop
+        (closed with the commit in flight), the next pass on the key starts from it."""
+        writer = self._writer
+        if writer is None:
+            held.drop()
+            raise StoreError(f"the store {self.url} is closed; open a new Store.")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+
+        def then(value: int | None, error: BaseException | None) -> None:
+            held.drop()
+            with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody waits
+                loop.call_soon_threadsafe(_settle_one, self.path, future, value, error)
+
+        writer.submit_here(job, then)
+        return await future
 
     def commit_soon(
         self,
@@ -467,8 +496,22 @@ class SqliteBackend:
 
         return await self._run(do)
 
-    async def aclose(self) -> None:
-        """Let go of the file's writer thread (it stops with its last user)."""
+    async def aclose(self, grace: float = 30.0) -> None:
+        """Let go of the file's writer thread (it stops with its last user, waited for at most
+        `grace` seconds: see `DatabaseThread.stop`)."""
         writer, self._writer = self._writer, None
         if writer is not None:
-            await asyncio.to_thread(release, writer)
+            await asyncio.to_thread(release, writer, grace)
+
+
+def _settle_one(
+    path: Path, future: asyncio.Future[int], value: int | None, error: BaseException | None
+) -> None:
+    if future.done():  # its caller was cancelled (the commit still ran)
+        return
+    if isinstance(error, sqlite3.Error):
+        future.set_exception(StoreError(f"the SQLite store {path} failed: {error}."))
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(-1 if value is None else value)

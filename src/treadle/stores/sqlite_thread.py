@@ -25,23 +25,16 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeVar
 
 from treadle.errors import StoreError
 from treadle.stores.records import RowCache
 from treadle.stores.sqlite_heads import Head, HeadCache
+from treadle.stores.sqlite_jobs import HERE, Job, deliver
 
 __all__ = ["DatabaseThread", "Head", "HeadCache", "release", "thread_for"]
 
 T = TypeVar("T")
-
-#: What a job's outcome goes to on its loop: a future, or a function called with
-#: `(value, error)` (no future, no callback scheduled: see `DatabaseThread.submit_then`).
-_Target: TypeAlias = "asyncio.Future[Any] | Callable[[Any, BaseException | None], None]"
-
-#: A job: the function to run with the connection, the loop and target awaiting it, and whether
-#: it only reads (it then needs no savepoint: there is nothing of its own to undo).
-_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, _Target, bool]
 
 #: The first 16 bytes of every SQLite database file.
 _HEADER = b"SQLite format 3\x00"
@@ -70,7 +63,8 @@ class DatabaseThread:
         self._identity: tuple[int, int] | None = None
         self._wal: tuple[int, int] | None = None  # the -wal file's identity once it exists
         self._fd: int | None = None  # the database file, read-only: its header is checked
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._conn: sqlite3.Connection | None = None  # its connection, once open (to interrupt)
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._serve, args=(ready,), name=f"treadle-sqlite {path.name}", daemon=True
@@ -88,8 +82,9 @@ class DatabaseThread:
             self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             found = os.fstat(self._fd)
             self._identity = (found.st_dev, found.st_ino)
+        self._conn = conn
         ready.set_result(None)
-        batch: list[_Job] = []
+        batch: list[Job] = []
         try:
             stopping = False
             while not stopping:
@@ -115,7 +110,7 @@ class DatabaseThread:
             if self._fd is not None:
                 os.close(self._fd)
 
-    def _die(self, conn: sqlite3.Connection, batch: list[_Job], err: BaseException) -> None:
+    def _die(self, conn: sqlite3.Connection, batch: list[Job], err: BaseException) -> None:
         """The thread ends on `err`: its batch, what queued and every later job (`submit`
         drains what it adds) fail with a `StoreError`; what was not committed is undone."""
         self.dead = StoreError(
@@ -126,12 +121,12 @@ class DatabaseThread:
         with contextlib.suppress(sqlite3.Error):
             if conn.in_transaction:
                 conn.rollback()
-        _deliver(self.path, [(job, None, self.dead) for job in batch])
+        deliver(self.path, [(job, None, self.dead) for job in batch])
         self._drain()
 
     def _drain(self) -> None:
         """Fail every queued job with `dead` (the thread is gone)."""
-        failed: list[tuple[_Job, Any, BaseException | None]] = []
+        failed: list[tuple[Job, Any, BaseException | None]] = []
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -139,9 +134,9 @@ class DatabaseThread:
                 break
             if job is not None:
                 failed.append((job, None, self.dead))
-        _deliver(self.path, failed)
+        deliver(self.path, failed)
 
-    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[Job]) -> None:
         """Run the jobs in one transaction; hand back their outcomes once it is durable.
 
         Jobs run without savepoints (two statements fewer per write). At the first write job
@@ -158,25 +153,25 @@ class DatabaseThread:
             return
         error = self._begin(conn)
         if error is not None:
-            _deliver(self.path, [(job, None, error) for job in batch])
+            deliver(self.path, [(job, None, error) for job in batch])
             return
         outcomes = self._run_plain(conn, batch)
-        dropped: list[tuple[_Job, Any, BaseException | None]] = []
+        dropped: list[tuple[Job, Any, BaseException | None]] = []
         if outcomes is None:
             self._undo(conn)
             outcomes, dropped, error = self._rerun(conn, batch)
             if error is not None:
-                _deliver(self.path, dropped + [(job, None, error) for job, _, _ in outcomes])
+                deliver(self.path, dropped + [(job, None, error) for job, _, _ in outcomes])
                 return
             if not outcomes:  # every job was dropped: nothing to commit
-                _deliver(self.path, dropped)
+                deliver(self.path, dropped)
                 return
         # The file may have gone while the jobs ran (a large write takes a while): look again
         # before committing, and undo rather than commit into a file no one else sees.
         lost = self._check_file()
         if lost is not None:
             conn.rollback()
-            _deliver(self.path, dropped + [(job, None, lost) for job, _, _ in outcomes])
+            deliver(self.path, dropped + [(job, None, lost) for job, _, _ in outcomes])
             return
         try:
             conn.execute("COMMIT")
@@ -187,18 +182,18 @@ class DatabaseThread:
             lost = self._check_file(committed=True)
             if lost is not None:
                 outcomes = [(job, None, lost) for job, _, _ in outcomes]
-        _deliver(self.path, dropped + outcomes)
+        deliver(self.path, dropped + outcomes)
 
-    def _run_reads(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
+    def _run_reads(self, conn: sqlite3.Connection, batch: list[Job]) -> None:
         """Run a batch of reads in one read transaction (`BEGIN` without `IMMEDIATE`: other
         processes' writers are not held up, and there is nothing to commit or to check the
         file for afterwards). Its `PRAGMA data_version` starts the read, so the heads are
         checked against the snapshot the reads see."""
         error = self._begin(conn, write=False)
         if error is not None:
-            _deliver(self.path, [(job, None, error) for job in batch])
+            deliver(self.path, [(job, None, error) for job in batch])
             return
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[tuple[Job, Any, BaseException | None]] = []
         for job in batch:
             try:
                 outcomes.append((job, job[0](conn), None))
@@ -207,7 +202,7 @@ class DatabaseThread:
         with contextlib.suppress(sqlite3.Error):  # ends the read; nothing was written
             if conn.in_transaction:
                 conn.execute("COMMIT")
-        _deliver(self.path, outcomes)
+        deliver(self.path, outcomes)
 
     def _undo(self, conn: sqlite3.Connection) -> None:
         """Undo the transaction, if SQLite has not already, and forget the caches (the jobs
@@ -241,12 +236,12 @@ class DatabaseThread:
 
     @staticmethod
     def _run_plain(
-        conn: sqlite3.Connection, batch: list[_Job]
-    ) -> list[tuple[_Job, Any, BaseException | None]] | None:
+        conn: sqlite3.Connection, batch: list[Job]
+    ) -> list[tuple[Job, Any, BaseException | None]] | None:
         """Each job's outcome, run without savepoints; None at the first write job that raises
         or the first job after which the transaction is gone (the batch stopped there: a later
         job's statements would run outside any transaction, each committing on its own)."""
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[tuple[Job, Any, BaseException | None]] = []
         for job in batch:
             assert conn.in_transaction  # no statement of the write path outside a transaction
             try:
@@ -262,10 +257,10 @@ class DatabaseThread:
         return outcomes
 
     def _rerun(
-        self, conn: sqlite3.Connection, batch: list[_Job]
+        self, conn: sqlite3.Connection, batch: list[Job]
     ) -> tuple[
-        list[tuple[_Job, Any, BaseException | None]],
-        list[tuple[_Job, Any, BaseException | None]],
+        list[tuple[Job, Any, BaseException | None]],
+        list[tuple[Job, Any, BaseException | None]],
         BaseException | None,
     ]:
         """Run the batch again, each write in its own savepoint, so a write that raises undoes
@@ -276,7 +271,7 @@ class DatabaseThread:
         Returns the outcomes to commit, the dropped jobs' outcomes, and an error when a
         transaction could not begin (nothing is then open)."""
         jobs = list(batch)
-        dropped: list[tuple[_Job, Any, BaseException | None]] = []
+        dropped: list[tuple[Job, Any, BaseException | None]] = []
         while jobs:
             error = self._begin(conn)
             if error is not None:
@@ -298,13 +293,13 @@ class DatabaseThread:
 
     @staticmethod
     def _run_saved(
-        conn: sqlite3.Connection, jobs: list[_Job]
+        conn: sqlite3.Connection, jobs: list[Job]
     ) -> tuple[
-        list[tuple[_Job, Any, BaseException | None]], tuple[int, BaseException | None] | None
+        list[tuple[Job, Any, BaseException | None]], tuple[int, BaseException | None] | None
     ]:
         """Each job's outcome, a write in its own savepoint; and, when a job left no
         transaction, its index and what it raised (the batch stopped there)."""
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[tuple[Job, Any, BaseException | None]] = []
         for at, job in enumerate(jobs):
             assert conn.in_transaction  # no statement of the write path outside a transaction
             if not job[3]:
@@ -408,11 +403,30 @@ class DatabaseThread:
         if self.dead is not None:
             self._drain()
 
-    def stop(self) -> None:
-        """Stop after the jobs already queued (waits unless called on the thread itself)."""
+    def submit_here(
+        self,
+        fn: Callable[[sqlite3.Connection], T],
+        then: Callable[[T | None, BaseException | None], None],
+    ) -> None:
+        """Run the write `fn(connection)`; `then(value, error)` is called on this thread once
+        its transaction is durable (or failed), whatever becomes of the caller's loop. `then`
+        must not raise."""
+        self._jobs.put((fn, HERE, then, False))  # type: ignore[arg-type]
+        if self.dead is not None:
+            self._drain()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the jobs already queued (waits, at most `timeout` seconds, unless called
+        on the thread itself). A thread still busy then (a write waiting for another client's
+        lock, up to the busy timeout) is left to end alone: a daemon, its statement interrupted
+        (a busy wait is not: its job runs, or fails, when the wait ends)."""
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=max(0.0, timeout))
+            conn = self._conn
+            if self._thread.is_alive() and conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.interrupt()
 
 
 _writers: dict[Path, DatabaseThread] = {}
@@ -437,8 +451,9 @@ def thread_for(path: Path, connect: Callable[[Path], sqlite3.Connection]) -> Dat
         return writer
 
 
-def release(writer: DatabaseThread) -> None:
-    """One user fewer; the thread stops (closing its connection) with its last user."""
+def release(writer: DatabaseThread, timeout: float = 30.0) -> None:
+    """One user fewer; the thread stops (closing its connection) with its last user, waited
+    for at most `timeout` seconds (see `DatabaseThread.stop`)."""
     with _writers_lock:
         writer.users -= 1
         if writer.users > 0:
@@ -447,34 +462,4 @@ def release(writer: DatabaseThread) -> None:
             del _writers[writer.path]
         elif writer.lost is None:  # a forked parent's thread, which is not in this process
             return
-    writer.stop()
-
-
-def _deliver(path: Path, outcomes: list[tuple[_Job, Any, BaseException | None]]) -> None:
-    """Settle each job's future on its own loop: one thread-safe call per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Target, Any, Any]]] = {}
-    for (_, loop, target, _), value, error in outcomes:
-        by_loop.setdefault(loop, []).append((target, value, error))
-    for loop, settled in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits any more
-            loop.call_soon_threadsafe(_settle, path, settled)
-
-
-def _settle(path: Path, settled: list[tuple[_Target, Any, BaseException | None]]) -> None:
-    for target, value, error in settled:
-        if not isinstance(target, asyncio.Future):
-            try:
-                target(value, error)
-            except BaseException as err:  # the other jobs of the batch are still settled
-                asyncio.get_running_loop().call_exception_handler(
-                    {"message": "a SQLite store job's outcome callback failed", "exception": err}
-                )
-            continue
-        if target.done():  # its caller was cancelled (the job still ran)
-            continue
-        if error is not None:
-            if isinstance(error, sqlite3.Error):  # what the store's callers catch
-                error = StoreError(f"the SQLite store {path} failed: {error}.")
-            target.set_exception(error)
-        else:
-            target.set_result(value)
+    writer.stop(timeout)

@@ -334,6 +334,8 @@ class Store:
         rolls it back when its connection goes; its pass is then recorded as that transaction
         leaves it (`done`, or `running` until its lease runs out and another process resumes it).
         """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         try:
             async with asyncio.timeout(grace):
                 await self.asettled()
@@ -344,7 +346,9 @@ class Store:
                 sum(not c.done() for c in inflight(self.backend)),
                 grace,
             )
-        await self.backend.aclose()
+        # The rest of `grace` bounds the backend's own wait (SQLite's database thread, still
+        # busy with a commit stuck on another client's lock, is then left to end alone).
+        await self.backend.aclose(grace=max(0.0, deadline - loop.time()))
 
     def close(self, grace: float = 30.0) -> None:
         """Release the store's connections (blocks; safe to call twice; see `aclose`)."""
