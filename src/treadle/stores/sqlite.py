@@ -26,23 +26,16 @@ from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
 from treadle.stores.queueing import FileKeyLock, HeldLocks, KeyLock
 from treadle.stores.records import (
-    RESUMABLE,
     ConversationInfo,
     PassRecord,
     PendingPass,
     StoredConversation,
-    carried_metadata,
-    claimed_metadata,
     conflict_error,
     decode_row,
     encode_json,
     encode_usage,
-    journal_record,
-    journal_text,
-    owner_check,
-    owner_metadata,
-    pending_from,
 )
+from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
 from treadle.stores.sqlite_writes import (
     advance,
@@ -204,34 +197,7 @@ class SqliteBackend:
         from `start` on: entries already there are kept, so a write repeated after one whose
         outcome its caller never learned adds nothing twice."""
         agents = encode_json([r.to_message() for r in agent_rows])
-
-        def do(conn: sqlite3.Connection) -> None:
-            now = time.time()
-            meta = owner_metadata()
-            if supersedes is not None:
-                taken = conn.execute(
-                    "SELECT metadata FROM passes WHERE pass_id = ?", (supersedes,)
-                ).fetchone()
-                meta = carried_metadata(taken[0] if taken else None, key)
-            conn.execute(
-                "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
-                " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, ?, ?, ?) "
-                "ON CONFLICT (pass_id) DO UPDATE SET updated_at = excluded.updated_at",
-                (pass_id, key, version, agents, meta, now, now),
-            )
-            if supersedes is not None:  # the resume now holds the journal of the pass it took
-                conn.execute(
-                    "UPDATE passes SET status = 'resumed', updated_at = ? WHERE pass_id = ?"
-                    " AND status = 'running'",
-                    (now, supersedes),
-                )
-            conn.executemany(
-                "INSERT INTO journal (pass_id, seq, entry, kind, body) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT (pass_id, seq) DO NOTHING",
-                [(pass_id, start + i, *journal_text(e)) for i, e in enumerate(entries)],
-            )
-
-        await self._run(do)
+        await self._run(record_job(pass_id, key, version, agents, entries, start, supersedes))
 
     async def commit(
         self,
@@ -361,35 +327,7 @@ class SqliteBackend:
 
     async def claim(self, pass_id: str) -> PassRecord:
         """Take over a pending pass: its journal, or `ConflictError`."""
-
-        def do(conn: sqlite3.Connection) -> PassRecord:
-            found = conn.execute(
-                "SELECT key, status, version, metadata, updated_at FROM passes WHERE pass_id = ?",
-                (pass_id,),
-            ).fetchone()
-            if found is None or found[1] not in RESUMABLE:
-                raise ConflictError(
-                    f"pass {pass_id} is not pending (another process resumed it, or it ended); "
-                    "list what is pending with store.pending().",
-                    key=found[0] if found else "",
-                )
-            key, status, version, meta, updated = found
-            owner_check(pass_id, key, status, meta, updated)
-            actual = version_of(conn, key) or 0
-            if actual != version:
-                raise conflict_error(key, version, actual, ())
-            taken, was = claimed_metadata(meta, key, status)
-            conn.execute(
-                "UPDATE passes SET status = 'running', metadata = ?, updated_at = ?"
-                " WHERE pass_id = ?",
-                (taken, time.time(), pass_id),
-            )
-            entries = conn.execute(
-                "SELECT entry, kind, body FROM journal WHERE pass_id = ? ORDER BY seq", (pass_id,)
-            ).fetchall()
-            return journal_record(entries, key, was)
-
-        return await self._run(do)
+        return await self._run(claim_job(pass_id))
 
     async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
         """Append rows at the end (or only at version `expected`)."""
@@ -409,19 +347,7 @@ class SqliteBackend:
 
     async def pending(self, key: str | None) -> list[PendingPass]:
         """Passes a resume may pick up, oldest first."""
-
-        def do(conn: sqlite3.Connection) -> list[PendingPass]:
-            where = "AND p.key = ?" if key is not None else ""
-            found = conn.execute(
-                "SELECT p.pass_id, p.key, p.status, p.version, p.updated_at, p.metadata,"
-                " p.agent_rows FROM passes p LEFT JOIN conversations c ON c.key = p.key"
-                " WHERE p.status IN ('running', 'interrupted', 'cancelled', 'failed')"
-                f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
-                (key,) if key is not None else (),
-            ).fetchall()
-            return [pending_from(*item) for item in found]
-
-        return await self._run(do)
+        return await self._run(pending_job(key))
 
     async def conversations(self) -> list[ConversationInfo]:
         """Every conversation, most recently changed first."""
