@@ -25,6 +25,7 @@ runs only while this process holds a lock and looks every `_WATCH_PERIOD` second
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import contextvars
@@ -92,7 +93,7 @@ class KeyLock(Protocol):
         ...
 
 
-class _Held:
+class _Held(abc.ABC):
     """What both kinds of lock share: the loop that took it, and giving it back from any thread
     exactly once (`drop`), as the watcher and a commit's end may."""
 
@@ -108,13 +109,13 @@ class _Held:
         """Leave the watcher (the lock is given back)."""
         _WATCH.discard(self)
 
+    @abc.abstractmethod
     def drop(self) -> None:
         """Give the lock back now, from any thread (safe to call twice; never raises)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def release(self) -> None:
         """Give the lock back (safe to call twice; never raises)."""
-        raise NotImplementedError
 
 
 class HeldLocks:
