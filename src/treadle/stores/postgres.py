@@ -328,7 +328,18 @@ class PostgresBackend(PostgresHome):
                     return await write_rows(conn, key, found, base, encoded, None, {})
             raise conflict_error(key, expected, base, rows)
 
-        return await self._run(do)
+        held = self._locks.take(key)  # queue mode: the lock goes back where the append ends
+        if held is None:
+            return await self._run(do)
+
+        async def append_and_release() -> int:
+            try:  # on the runtime's loop, whatever becomes of the caller's (see `commit`)
+                await self._check_held(held, key)
+                return await self._run(do)
+            finally:
+                await held.release()
+
+        return await self._on_runtime(append_and_release)
 
     async def pending(self, key: str | None) -> list[PendingPass]:
         """Passes a resume may pick up, oldest first."""

@@ -127,21 +127,26 @@ class HeldLocks:
     def add(self, key: str, lock: _Held) -> None:
         """`lock`, of `key`, is held by the calling task (a pass, or an append)."""
         lock.key, lock.registry = key, self
-        _TAKEN.set(lock)
+        # A new mapping, not the one the context holds: a pass a tool starts (a sub-agent on
+        # another conversation) must not replace the lock of the pass around it.
+        _TAKEN.set({**(_TAKEN.get() or {}), (id(self), key): lock})
 
     def take(self, key: str) -> KeyLock | None:
         """The lock the calling pass holds for `key`, if any and no commit took it yet: the
         caller's commit now gives it back when it completes (`drop`), whatever happens to the
         caller's loop."""
-        lock = _TAKEN.get()
-        if lock is None or lock.registry is not self or lock.key != key or lock.committing:
+        lock = (_TAKEN.get() or {}).get((id(self), key))
+        if lock is None or lock.registry is not self or lock.committing:
             return None
         lock.committing = True
         return lock
 
 
-#: The lock the current pass took last (see `HeldLocks`).
-_TAKEN: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("treadle_lock", default=None)
+#: The locks the current pass (and the passes around it) took, by registry and key (see
+#: `HeldLocks`).
+_TAKEN: contextvars.ContextVar[dict[tuple[int, str], _Held] | None] = contextvars.ContextVar(
+    "treadle_locks", default=None
+)
 
 
 class _Watch:
@@ -180,6 +185,25 @@ class _Watch:
 _WATCH = _Watch()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a tool's `multiprocessing` helper) shares the parent's open lock files:
+    an `flock` lives as long as any copy of its file is open, so the child would hold the
+    parent's conversations for as long as it lives (even after the parent ended). It closes its
+    copies, without unlocking (that would unlock the parent's), and forgets them."""
+    held, _WATCH._held = _WATCH._held, set()
+    _WATCH._cond = threading.Condition()
+    _WATCH._pid = None
+    for lock in held:
+        if isinstance(lock, FileKeyLock):
+            fd, lock._fd = lock._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class FileKeyLock(_Held):
     """A conversation's lock in a SQLite store: `flock` on its lock file (see the module)."""
 
@@ -198,12 +222,13 @@ class FileKeyLock(_Held):
         handoff = threading.Lock()
         abandoned = False
         opened: list[int] = []
+        caller = asyncio.get_running_loop()
 
         def open_file() -> int:
             directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             with handoff:
-                if not abandoned:
+                if not abandoned and not caller.is_closed():  # closed: nobody takes it
                     opened.append(fd)
                     return fd
             os.close(fd)
@@ -353,8 +378,11 @@ class PostgresKeyLock(_Held):
         async def close() -> None:
             await _unlock_and_close(conn)
 
-        with contextlib.suppress(Exception):
+        try:
             await self._run(close, False)
+        except Exception:  # the store closed meanwhile (it runs no more work): close it anyway
+            with contextlib.suppress(RuntimeError):  # the runtime's loop is gone, and the socket
+                asyncio.run_coroutine_threadsafe(_unlock_and_close(conn), self._home)
 
 
 async def _unlock_and_close(conn: AsyncConnection[Any]) -> None:

@@ -343,7 +343,8 @@ class SqliteBackend:
             self._heads.drop(key)  # read again when next asked for
             return base + len(rows)
 
-        return await self._run(do)
+        held = self._locks.take(key)  # queue mode: the lock goes back where the append ends
+        return await (self._run(do) if held is None else self._commit_and_drop(do, held))
 
     async def pending(self, key: str | None) -> list[PendingPass]:
         """Passes a resume may pick up, oldest first."""
