@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 from treadle import Session, arun_session_loop, tool
-from treadle.errors import ConflictError
+from treadle.errors import ConfigurationError, ConflictError
+from treadle.session import ChunkRow
 from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 from treadle.testing.scripted import tool_call
@@ -140,7 +141,6 @@ async def test_a_resume_cancelled_at_its_takeover_leaves_the_pass_resumable(stor
     with pytest.raises(asyncio.CancelledError):
         await task
     await store.asettled()
-    await asyncio.sleep(0.05)  # let the takeover land wherever it runs
     (again,) = await store.apending("k")
     assert again.pass_id == pending.pass_id
     assert again.resumable
@@ -206,7 +206,6 @@ async def test_another_process_resumes_a_pass_whose_takeover_was_cancelled(
     with pytest.raises(asyncio.CancelledError):
         await task
     await store.asettled()
-    await asyncio.sleep(0.05)
     done = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-c", CHILD, url],
@@ -491,3 +490,122 @@ def test_a_resume_whose_loop_closed_mid_takeover_leaves_the_pass_resumable(url: 
         assert deploys.runs == 1
     finally:
         store.close(grace=5)
+
+
+async def _waiting(store: Store, deploys: Deploys) -> Any:
+    await arun_session_loop(
+        Session.from_user_message("deploy x"),
+        AGENT,
+        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
+        tools=[deploys.tool],
+        store=store,
+        conversation="k",
+    )
+    (found,) = await store.apending("k")
+    return found
+
+
+async def test_an_append_to_a_conversation_waiting_for_a_decision_is_refused(
+    store: Store,
+) -> None:
+    deploys = Deploys()
+    first = await _waiting(store, deploys)
+    with pytest.raises(ConflictError, match="waits for a decision on deploy"):
+        await store.aappend("k", [ChunkRow.user("more")])
+    assert [p.pass_id for p in await store.apending("k")] == [first.pass_id]
+    await _resume_all(store, deploys)
+    assert deploys.runs == 1
+
+
+async def test_a_resume_with_a_new_message_and_calls_undecided_is_refused(store: Store) -> None:
+    deploys = Deploys()
+    first = await _waiting(store, deploys)
+    with pytest.raises(ConfigurationError, match="waits for decisions"):
+        await arun_session_loop(
+            Session.from_user_message("never mind"), AGENT, executor=ScriptedExecutor(["x"]),
+            tools=[deploys.tool], store=store, conversation=first,
+        )  # fmt: skip
+    await store.asettled()
+    (again,) = await store.apending("k")  # given back, still waiting
+    assert again.pending_approvals == first.pending_approvals and again.resumable
+    await _resume_all(store, deploys)
+    assert deploys.runs == 1
+
+
+async def test_a_started_call_is_not_reported_denied(store: Store) -> None:
+    """A call recorded as started whose resume is then denied: it may have run, so the model is
+    told its outcome is unknown, not that the user refused it."""
+    deploys = Deploys()
+    first = await _waiting(store, deploys)
+    call_id = first.pending_approvals[0]["id"]
+    real = store.backend.record
+    victim: dict[str, asyncio.Future[Any]] = {}
+
+    async def record(*args: Any, **kw: Any) -> None:
+        await real(*args, **kw)
+        if any(e[0] == "intent" for e in args[4]) and (target := victim.pop("task", None)):
+            target.cancel()  # once the intent is durable
+
+    store.backend.record = record  # type: ignore[method-assign]
+    task = asyncio.ensure_future(
+        arun_session_loop(
+            Session(), AGENT, executor=ScriptedExecutor(["Deployed."]), tools=[deploys.tool],
+            store=store, conversation=first, approvals={call_id: True},
+        )
+    )  # fmt: skip
+    victim["task"] = task
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await store.asettled()
+    (listed,) = await store.apending("k")
+    await arun_session_loop(
+        Session(), AGENT, executor=ScriptedExecutor(["ok"]), tools=[deploys.tool],
+        store=store, conversation=listed, approvals={call_id: False},
+    )  # fmt: skip
+    rows = (await store.conversation("k")).rows
+    (result,) = [r for r in rows if r.kind == "tool_result"]
+    assert "may or may not have run" in str(result.payload["content"])
+    assert deploys.runs <= 1
+
+
+async def test_settled_waits_for_the_takeover_of_a_cancelled_resume(store: Store) -> None:
+    """The takeover of a resume cancelled while it is in flight (slowed here) lands after the
+    resume is gone: `asettled()` waits for it and its give-back, so what `pending()` lists
+    next is what a resume can take."""
+    deploys = Deploys()
+    first = await _waiting(store, deploys)
+    real = store.backend.claim
+
+    async def slow_claim(pass_id: str) -> Any:
+        await asyncio.sleep(0.08)
+        return await real(pass_id)
+
+    store.backend.claim = slow_claim  # type: ignore[method-assign]
+    task = asyncio.ensure_future(
+        arun_session_loop(
+            Session(), AGENT, executor=ScriptedExecutor(["never"]), tools=[deploys.tool],
+            store=store, conversation=first,
+            approvals={first.pending_approvals[0]["id"]: True},
+        )
+    )  # fmt: skip
+    await asyncio.sleep(0.01)  # in the takeover
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await store.asettled()
+    (again,) = await store.apending("k")
+    assert again.resumable
+    await _resume_all(store, deploys)
+    assert deploys.runs == 1
+
+
+@pytest.mark.parametrize("value", [0, [], {"approve": False}, None])
+def test_approvals_take_only_true_false_or_a_reason(value: Any) -> None:
+    from treadle import run_session_loop
+
+    with pytest.raises(ConfigurationError, match="approvals must map"):
+        out = run_session_loop(
+            Session.from_user_message("hi"), AGENT, executor=ScriptedExecutor(["x"]),
+            approvals={"call_1": value},
+        )  # fmt: skip
+        assert out.rows  # validated at the call: never reached

@@ -392,6 +392,8 @@ def approvals_of(
     metadata.pop("pending_approvals", None)
     denied: dict[str, str] = {}
     for c in calls:
+        if c.id in started:  # it may have run: a denial now would tell the model it did not
+            continue
         decision = approval_decision(approvals, c.id)
         if decision is False or isinstance(decision, str):
             denied[c.id] = decision if isinstance(decision, str) else ""

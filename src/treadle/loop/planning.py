@@ -144,7 +144,10 @@ def plan_in_order(
         raise ConfigurationError(
             f"hooks must be a treadle Hooks (subclass it), got {type(hooks).__name__}."
         )
-    if approvals is not None and not isinstance(approvals, Mapping):
+    if approvals is not None and (
+        not isinstance(approvals, Mapping)
+        or not all(isinstance(d, bool | str) for d in approvals.values())
+    ):  # a stray 0, [] or dict would read as an approval
         raise ConfigurationError("approvals must map tool call ids to True, False or a reason.")
     if store is not None or conversation is not None:
         # Loads with the first store. From the module, not the package: a package's

@@ -6,7 +6,6 @@ takes over a pending pass) and returns the rows to continue from with the pass's
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from treadle.stores.records import (
     check_key,
     check_storable,
     conflict_error,
+    waiting_error,
 )
 
 __all__ = ["ConversationStart", "open_conversation"]
@@ -111,6 +111,13 @@ async def _start(
         metadata["unknown_outcome_tool_calls"] = unknown
     try:
         new = _new_rows(key, user_rows, stored.rows)
+        if new and stored.metadata.get("pending_approvals"):
+            # The new rows would follow tool calls that have no results (and the decisions
+            # would be lost with them): the calls are decided first, in a resume of their own.
+            raise ConfigurationError(
+                f"conversation {key!r} waits for decisions on tool calls: resume it with "
+                "approvals= and no new message first, then send the message as a new turn."
+            )
     except BaseException:
         if LIVE.get(taking) is running:
             del LIVE[taking]
@@ -168,7 +175,11 @@ async def _take_over(
         try:
             record = await asyncio.shield(claim)
         except asyncio.CancelledError:
-            claim.add_done_callback(functools.partial(_claimed_late, backend, taking, loop))
+            # `Store.asettled` waits for the takeover and, once it lands, its give-back.
+            late = asyncio.ensure_future(_claimed_late(backend, taking, loop, claim))
+            settling = inflight(backend)
+            settling.add(late)
+            late.add_done_callback(settling.discard)
             handed = True
             raise
         running = Running(loop)
@@ -176,7 +187,7 @@ async def _take_over(
         try:
             stored = await backend.load(key)
         except BaseException:
-            del LIVE[taking]
+            LIVE.pop(taking, None)
             _give_back_soon(backend, taking, record.status, loop)
             handed = True
             raise
@@ -186,18 +197,34 @@ async def _take_over(
     return record, stored, running
 
 
-def _claimed_late(
+async def _claimed_late(
     backend: StoreBackend,
     taking: str,
     loop: asyncio.AbstractEventLoop,
     claim: asyncio.Future[PassRecord],
+) -> int:
+    """The takeover of a resume cancelled while it was in flight: once it ends, give the pass
+    back if it landed (then let other resumes in), else let them in now."""
+    try:
+        record = await claim
+    except BaseException:  # it did not land (or its loop is ending): nothing to give back
+        if _TAKING.get(taking) is loop:
+            del _TAKING[taking]
+        return 0
+    await _give_back(backend, taking, record.status, loop)
+    return 0
+
+
+async def _give_back(
+    backend: StoreBackend, taking: str, status: str, loop: asyncio.AbstractEventLoop
 ) -> None:
-    """A takeover whose resume was cancelled while it was in flight has ended: if it landed,
-    give the pass back (then let other resumes in), else let them in now."""
-    if not claim.cancelled() and claim.exception() is None:
-        _give_back_soon(backend, taking, claim.result().status, loop)
-    elif _TAKING.get(taking) is loop:
-        del _TAKING[taking]
+    try:
+        await backend.settle(taking, status, was="running")
+    except Exception as err:  # the store itself may be what failed
+        log.warning("could not give pass %s back after its resume ended: %s", taking, err)
+    finally:
+        if _TAKING.get(taking) is loop:
+            del _TAKING[taking]
 
 
 def _give_back_soon(
@@ -208,13 +235,7 @@ def _give_back_soon(
     _TAKING[taking] = loop
 
     async def give_back() -> int:
-        try:
-            await backend.settle(taking, status, was="running")
-        except Exception as err:  # the store itself may be what failed
-            log.warning("could not give pass %s back after its resume ended: %s", taking, err)
-        finally:
-            if _TAKING.get(taking) is loop:
-                del _TAKING[taking]
+        await _give_back(backend, taking, status, loop)
         return 0
 
     task = asyncio.ensure_future(give_back())
@@ -232,19 +253,9 @@ def _started(
     stored: StoredConversation,
 ) -> ConversationStart:
     """Where a new pass on `key` starts, from the conversation as read."""
-    waiting = stored.metadata.get("pending_approvals") if stored.metadata else None
-    if waiting:
-        # A new turn after an assistant row whose calls have no results would be a transcript
-        # no model accepts: the calls must be decided first (approved or denied).
-        names = ", ".join(str(c.get("name")) for c in waiting if isinstance(c, dict))
-        raise ConflictError(
-            f"conversation {key!r} waits for a decision on {names}; resume it first: "
-            "run_session_loop(Session(), agent, store=store, conversation=store.pending(key)[0], "
-            "approvals={call_id: True or False}).",
-            key=key,
-            expected=stored.version,
-            actual=stored.version,
-        )
+    refused = waiting_error(key, stored.metadata, stored.version) if stored.metadata else None
+    if refused is not None:
+        raise refused
     committed = stored.rows
     new = _new_rows(key, user_rows, committed)
     journal = ConversationJournal(

@@ -35,6 +35,7 @@ from treadle.stores.records import (
     carried_metadata,
     claimed_metadata,
     conflict_error,
+    decode_json,
     encode_json,
     journal_record,
     journal_text,
@@ -42,6 +43,7 @@ from treadle.stores.records import (
     owner_metadata,
     pending_from,
     rows_text,
+    waiting_error,
 )
 
 if TYPE_CHECKING:
@@ -324,6 +326,16 @@ class PostgresBackend(PostgresHome):
             async with conn.transaction():
                 found = await self._lock(conn, key)
                 base = found or 0
+                if found is not None:  # a pass waiting for decisions keeps its rows last
+                    cur = await conn.execute(
+                        "SELECT metadata FROM treadle_conversations WHERE key = %s", (key,)
+                    )
+                    head = await cur.fetchone()
+                    meta = decode_json(head[0], key) if head else None
+                    if (expected is None or expected == base) and (
+                        refused := waiting_error(key, meta, base)
+                    ):
+                        raise refused
                 if expected is None or expected == base:
                     return await write_rows(conn, key, found, base, encoded, None, {})
             raise conflict_error(key, expected, base, rows)

@@ -350,6 +350,24 @@ def owner_metadata() -> str:
     return encode_json({"owner": this_owner()})
 
 
+def waiting_error(key: str, metadata: object, version: int) -> ConflictError | None:
+    """The `ConflictError` of a new turn or an append on a conversation whose last pass waits
+    for decisions on tool calls (None when it waits for none): rows after tool calls that have
+    no results make a transcript no model accepts, and would bury the pending approval."""
+    waiting = metadata.get("pending_approvals") if isinstance(metadata, Mapping) else None
+    if not waiting:
+        return None
+    names = ", ".join(str(c.get("name")) for c in waiting if isinstance(c, Mapping))
+    return ConflictError(
+        f"conversation {key!r} waits for a decision on {names}; resume it first: "
+        "run_session_loop(Session(), agent, store=store, conversation=store.pending(key)[0], "
+        "approvals={call_id: True or False}).",
+        key=key,
+        expected=version,
+        actual=version,
+    )
+
+
 def carried_metadata(meta: str | None, key: str) -> str:
     """The metadata a resume's own pass is recorded with: its owner (this process), and what
     the pass it took over held for a resume (the approvals it waits for, why it stopped), so a

@@ -31,9 +31,11 @@ from treadle.stores.records import (
     PendingPass,
     StoredConversation,
     conflict_error,
+    decode_json,
     decode_row,
     encode_json,
     encode_usage,
+    waiting_error,
 )
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
@@ -334,10 +336,17 @@ class SqliteBackend:
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
-            found = version_of(conn, key)
+            head = conn.execute(
+                "SELECT version, metadata FROM conversations WHERE key = ?", (key,)
+            ).fetchone()
+            found = None if head is None else int(head[0])
             base = found or 0
             if expected is not None and expected != base:
                 raise conflict_error(key, expected, base, rows)
+            if head is not None and (
+                refused := waiting_error(key, decode_json(head[1], key), base)
+            ):
+                raise refused
             insert_rows(conn, key, base, rows, None)
             advance(conn, key, found, base + len(rows), now)
             self._heads.drop(key)  # read again when next asked for
