@@ -609,3 +609,40 @@ def test_approvals_take_only_true_false_or_a_reason(value: Any) -> None:
             approvals={"call_1": value},
         )  # fmt: skip
         assert out.rows  # validated at the call: never reached
+
+
+async def test_decisions_made_on_a_resume_that_stops_again_are_kept(store: Store) -> None:
+    """Two calls wait; a resume decides one and stops for the other: the next resume, given
+    only the one `pending()` lists, runs both (the first decision was kept)."""
+    ran: list[str] = []
+
+    @tool(needs_approval=True)
+    def deploy(target: str) -> str:
+        """Deploy `target`."""
+        ran.append(target)
+        return f"deployed {target}"
+
+    from treadle.testing.scripted import tool_calls
+
+    await arun_session_loop(
+        Session.from_user_message("deploy a and b"), AGENT,
+        executor=ScriptedExecutor([tool_calls([("deploy", {"target": "a"}),
+                                               ("deploy", {"target": "b"})])]),
+        tools=[deploy], store=store, conversation="k",
+    )  # fmt: skip
+    (first,) = await store.apending("k")
+    a, b = (c["id"] for c in first.pending_approvals)
+    out = await arun_session_loop(
+        Session(), AGENT, executor=ScriptedExecutor([]), tools=[deploy], store=store,
+        conversation=first, approvals={a: True},
+    )  # fmt: skip
+    assert out.stop_reason == "interrupted"
+    (second,) = await store.apending("k")
+    assert [c["id"] for c in second.pending_approvals] == [b]
+    out = await arun_session_loop(
+        Session(), AGENT, executor=ScriptedExecutor(["both deployed"]), tools=[deploy],
+        store=store, conversation=second, approvals={b: True},
+    )  # fmt: skip
+    assert out.rows[-1].payload["content"] == "both deployed"
+    assert sorted(ran) == ["a", "b"]
+    assert await store.apending("k") == []

@@ -369,12 +369,17 @@ def approvals_of(
     calls: Sequence[ToolCall],
     metadata: dict[str, Any],
     started: Collection[str] = (),
+    prior: Mapping[str, bool | str] | None = None,
 ) -> dict[str, str] | None:
     """The denied calls of a round (id -> reason), or None when some call still waits for a
     decision (then `metadata` holds `pending_approvals` and `approval_reason`). A call in
     `started` (recorded as started by a pass this one resumes, its outcome unknown) was decided
     before it started: it is never asked for again (given again, the approval would run it a
-    second time); the round answers it as of unknown outcome."""
+    second time); the round answers it as of unknown outcome. `prior`: decisions given to an
+    earlier pass on this round that stopped for others (kept in `approval_decisions`): a
+    decision is given once, however many resumes the round takes."""
+    if prior:
+        approvals = {**prior, **(approvals or {})}
     waiting = [
         c
         for c in calls
@@ -388,8 +393,12 @@ def approvals_of(
             {"id": c.id, "name": c.name, "arguments": c.arguments} for c in waiting
         ]
         metadata["approval_reason"] = "approval required for " + ", ".join(c.name for c in waiting)
+        decided = {c.id: d for c in calls if (d := approval_decision(approvals, c.id)) is not None}
+        if decided:  # kept for the resume that decides the rest
+            metadata["approval_decisions"] = decided
         return None
     metadata.pop("pending_approvals", None)
+    metadata.pop("approval_decisions", None)
     denied: dict[str, str] = {}
     for c in calls:
         if c.id in started:  # it may have run: a denial now would tell the model it did not

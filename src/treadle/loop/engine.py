@@ -331,7 +331,8 @@ class _Pass:
         plan = self.plan
         started = self.user_metadata.get("unknown_outcome_tool_calls", ()) if resuming else ()
         unknown = set(started)
-        denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata, unknown)
+        prior = self.user_metadata.get("approval_decisions") if resuming else None
+        denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata, unknown, prior)
         if denied is None:
             return self.interrupt(self.metadata.pop("approval_reason"))
         rejected: dict[str, str] = {}

@@ -260,7 +260,7 @@ def rows_text(rows: Sequence[ChunkRow]) -> list[tuple[str, str]]:
 
 
 #: Metadata of a pass that the conversation keeps for the next pass (and `Store.conversation`).
-KEPT_METADATA = ("pending_approvals", "interrupt_reason")
+KEPT_METADATA = ("pending_approvals", "interrupt_reason", "approval_decisions")
 
 
 def conflict_error(key: str, expected: int, actual: int, rows: Sequence[ChunkRow]) -> ConflictError:
