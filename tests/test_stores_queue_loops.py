@@ -30,6 +30,10 @@ from treadle.testing import ScriptedExecutor
 from treadle.testing.postgres import PostgresCluster
 from treadle.testing.scripted import tool_call
 
+#: Tasks of loops these tests close on purpose, kept for the session: collected mid-suite,
+#: a coroutine would run its `finally` blocks inside another test (GeneratorExit, asyncio's
+#: destroyed-task log).
+KEEP: list[asyncio.Task[Any]] = []
 AGENT = Session.from_agent_prompt("Answer briefly.")
 #: A hang guard (generous, for a loaded machine), never a time assertion.
 GUARD = 120
@@ -119,6 +123,7 @@ def test_a_commit_in_flight_on_a_closed_loop_gives_the_lock_back(url: str) -> No
             try:
                 loop.run_until_complete(first())
             finally:
+                KEEP.extend(asyncio.all_tasks(loop))  # see KEEP
                 loop.close()  # its tasks (the commit's) are never run again
             assert entered.is_set()
         store.backend.commit = real  # type: ignore[method-assign]
@@ -186,6 +191,7 @@ def test_a_lock_of_a_closed_loop_is_given_back(url: str, where: str) -> None:
         try:
             loop.run_until_complete(closed())
         finally:
+            KEEP.extend(asyncio.all_tasks(loop))  # see KEEP
             loop.close()  # the pass on it never runs again
         release.set()
         if holder is not None:

@@ -21,6 +21,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,10 @@ from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 from treadle.testing.scripted import tool_call
 
+#: Tasks of loops these tests close on purpose, kept for the session: collected mid-suite,
+#: a coroutine would run its `finally` blocks inside another test (GeneratorExit, asyncio's
+#: destroyed-task log).
+KEEP: list[asyncio.Task[Any]] = []
 AGENT = Session.from_agent_prompt("A.")
 GUARD = 30.0
 
@@ -137,6 +142,7 @@ def test_an_append_left_on_a_closed_loop_keeps_the_lock_until_it_lands(tmp_path:
             await asyncio.sleep(0.3)  # the append waits on the write lock
 
         loop.run_until_complete(orphan())
+        KEEP.extend(asyncio.all_tasks(loop))  # see KEEP
         loop.close()  # without cancelling: the append is in flight on the database thread
         time.sleep(0.5)  # longer than the lock watcher's period
 

@@ -31,6 +31,10 @@ from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 from treadle.testing.scripted import tool_call
 
+#: Tasks of loops these tests close on purpose, kept for the session: collected mid-suite,
+#: a coroutine would run its `finally` blocks inside another test (GeneratorExit, asyncio's
+#: destroyed-task log).
+KEEP: list[asyncio.Task[Any]] = []
 AGENT = Session.from_agent_prompt("Deploy when asked.")
 
 
@@ -470,6 +474,7 @@ def test_a_resume_whose_loop_closed_mid_takeover_leaves_the_pass_resumable(url: 
         )  # fmt: skip
         while not started.is_set():
             loop.run_until_complete(asyncio.sleep(0))
+        KEEP.extend(asyncio.all_tasks(loop))  # see KEEP
         loop.close()  # its resume never runs again
         del resume
         store.backend.claim = real  # type: ignore[method-assign]
