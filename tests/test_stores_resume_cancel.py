@@ -113,12 +113,14 @@ async def test_a_journal_write_cancelled_in_flight_is_kept_once(store: Store) ->
     assert len(ids) == len(set(ids)), ids
 
 
-async def _waiting_for_approval(store: Store) -> Any:
+async def _waiting(store: Store, deploy_tool: Any = deploy) -> Any:
+    """Conversation `k` after a pass that stopped for an approval of `deploy_tool`: its
+    pending pass."""
     await arun_session_loop(
         Session.from_user_message("deploy x"),
         AGENT,
         executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
-        tools=[deploy],
+        tools=[deploy_tool],
         store=store,
         conversation="k",
     )
@@ -126,24 +128,26 @@ async def _waiting_for_approval(store: Store) -> Any:
     return pending
 
 
-async def test_a_resume_cancelled_at_its_takeover_leaves_the_pass_resumable(store: Store) -> None:
-    pending = await _waiting_for_approval(store)
-    call_id = pending.pending_approvals[0]["id"]
+async def _resume_cancelled_at_claim(store: Store, pending: Any, deploy_tool: Any = deploy) -> None:
+    """A resume of `pending` approving its call, cancelled the moment its takeover starts (the
+    takeover itself goes on)."""
     victim = _cancel_at(store, "claim")
     task = asyncio.ensure_future(
         arun_session_loop(
-            Session(),
-            AGENT,
-            executor=ScriptedExecutor(["never"]),
-            tools=[deploy],
-            store=store,
-            conversation=pending,
-            approvals={call_id: True},
+            Session(), AGENT, executor=ScriptedExecutor(["never"]), tools=[deploy_tool],
+            store=store, conversation=pending,
+            approvals={pending.pending_approvals[0]["id"]: True},
         )
-    )
+    )  # fmt: skip
     victim["task"] = task
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_resume_cancelled_at_its_takeover_leaves_the_pass_resumable(store: Store) -> None:
+    pending = await _waiting(store)
+    call_id = pending.pending_approvals[0]["id"]
+    await _resume_cancelled_at_claim(store, pending)
     await store.asettled()
     (again,) = await store.apending("k")
     assert again.pass_id == pending.pass_id
@@ -193,22 +197,8 @@ store.close()
 async def test_another_process_resumes_a_pass_whose_takeover_was_cancelled(
     store: Store, url: str
 ) -> None:
-    pending = await _waiting_for_approval(store)
-    victim = _cancel_at(store, "claim")
-    task = asyncio.ensure_future(
-        arun_session_loop(
-            Session(),
-            AGENT,
-            executor=ScriptedExecutor(["never"]),
-            tools=[deploy],
-            store=store,
-            conversation=pending,
-            approvals={pending.pending_approvals[0]["id"]: True},
-        )
-    )
-    victim["task"] = task
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    pending = await _waiting(store)
+    await _resume_cancelled_at_claim(store, pending)
     await store.asettled()
     done = await asyncio.to_thread(
         subprocess.run,
@@ -316,15 +306,7 @@ async def _resume_all(store: Store, deploys: Deploys, rounds: int = 4) -> None:
 
 async def test_a_resume_that_decides_nothing_leaves_one_pending_pass(store: Store) -> None:
     deploys = Deploys()
-    await arun_session_loop(
-        Session.from_user_message("deploy x"),
-        AGENT,
-        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
-        tools=[deploys.tool],
-        store=store,
-        conversation="k",
-    )
-    (first,) = await store.apending("k")
+    first = await _waiting(store, deploys.tool)
     out = await arun_session_loop(
         Session(), AGENT, executor=ScriptedExecutor([]), tools=[deploys.tool], store=store,
         conversation=first,
@@ -344,15 +326,7 @@ async def test_a_resume_cut_off_at_its_intent_never_runs_the_call_twice(
     or may not have started): whatever is listed next says what still waits, and resuming it
     (approving what it lists) never runs the call a second time."""
     deploys = Deploys()
-    await arun_session_loop(
-        Session.from_user_message("deploy x"),
-        AGENT,
-        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
-        tools=[deploys.tool],
-        store=store,
-        conversation="k",
-    )
-    (first,) = await store.apending("k")
+    first = await _waiting(store, deploys.tool)
     victim: dict[str, asyncio.Future[Any]] = {}
     real = store.backend.record
 
@@ -392,15 +366,7 @@ async def test_a_takeover_given_back_late_is_never_set_back_under_another_resume
     takeover lands (slowed here): until then no other resume in the process takes it, so
     the give-back never lands under a resume that runs it."""
     deploys = Deploys()
-    await arun_session_loop(
-        Session.from_user_message("deploy x"),
-        AGENT,
-        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
-        tools=[deploys.tool],
-        store=store,
-        conversation="k",
-    )
-    (first,) = await store.apending("k")
+    first = await _waiting(store, deploys.tool)
     approve = {first.pending_approvals[0]["id"]: True}
     real_settle = store.backend.settle
 
@@ -409,16 +375,7 @@ async def test_a_takeover_given_back_late_is_never_set_back_under_another_resume
         await real_settle(*args, **kw)
 
     store.backend.settle = slow_settle  # type: ignore[method-assign]
-    victim = _cancel_at(store, "claim")
-    task = asyncio.ensure_future(
-        arun_session_loop(
-            Session(), AGENT, executor=ScriptedExecutor(["never"]), tools=[deploys.tool],
-            store=store, conversation=first, approvals=approve,
-        )
-    )  # fmt: skip
-    victim["task"] = task
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await _resume_cancelled_at_claim(store, first, deploys.tool)
     refused = 0
     for _ in range(100):  # at once, and until the give-back has landed
         try:
@@ -497,24 +454,11 @@ def test_a_resume_whose_loop_closed_mid_takeover_leaves_the_pass_resumable(url: 
         store.close(grace=5)
 
 
-async def _waiting(store: Store, deploys: Deploys) -> Any:
-    await arun_session_loop(
-        Session.from_user_message("deploy x"),
-        AGENT,
-        executor=ScriptedExecutor([tool_call("deploy", {"target": "x"})]),
-        tools=[deploys.tool],
-        store=store,
-        conversation="k",
-    )
-    (found,) = await store.apending("k")
-    return found
-
-
 async def test_an_append_to_a_conversation_waiting_for_a_decision_is_refused(
     store: Store,
 ) -> None:
     deploys = Deploys()
-    first = await _waiting(store, deploys)
+    first = await _waiting(store, deploys.tool)
     with pytest.raises(ConflictError, match="waits for a decision on deploy"):
         await store.aappend("k", [ChunkRow.user("more")])
     assert [p.pass_id for p in await store.apending("k")] == [first.pass_id]
@@ -524,7 +468,7 @@ async def test_an_append_to_a_conversation_waiting_for_a_decision_is_refused(
 
 async def test_a_resume_with_a_new_message_and_calls_undecided_is_refused(store: Store) -> None:
     deploys = Deploys()
-    first = await _waiting(store, deploys)
+    first = await _waiting(store, deploys.tool)
     with pytest.raises(ConfigurationError, match="waits for decisions"):
         await arun_session_loop(
             Session.from_user_message("never mind"), AGENT, executor=ScriptedExecutor(["x"]),
@@ -541,7 +485,7 @@ async def test_a_started_call_is_not_reported_denied(store: Store) -> None:
     """A call recorded as started whose resume is then denied: it may have run, so the model is
     told its outcome is unknown, not that the user refused it."""
     deploys = Deploys()
-    first = await _waiting(store, deploys)
+    first = await _waiting(store, deploys.tool)
     call_id = first.pending_approvals[0]["id"]
     real = store.backend.record
     victim: dict[str, asyncio.Future[Any]] = {}
@@ -578,7 +522,7 @@ async def test_settled_waits_for_the_takeover_of_a_cancelled_resume(store: Store
     resume is gone: `asettled()` waits for it and its give-back, so what `pending()` lists
     next is what a resume can take."""
     deploys = Deploys()
-    first = await _waiting(store, deploys)
+    first = await _waiting(store, deploys.tool)
     real = store.backend.claim
 
     async def slow_claim(pass_id: str) -> Any:
