@@ -154,6 +154,26 @@ def test_approval_interrupts_then_runs_or_denies(decision: bool | str, ok: bool)
     assert resumed.pending_approvals == []
 
 
+def test_an_approval_decides_one_call_not_a_later_call_with_the_same_id() -> None:
+    """Providers that number calls per reply (`call_0` every round) or send none (Treadle names
+    them `call_<n>`): the approval given for the first round's call must not run the second
+    round's different call that reuses its id; that one is asked for again."""
+    ex = ScriptedExecutor(
+        [
+            tool_call("deploy", {"target": "staging"}, id="call_0"),
+            tool_call("deploy", {"target": "PRODUCTION"}, id="call_0"),
+            "done",
+        ]
+    )
+    out = run_session_loop(Session.from_user_message("ship"), AGENT, executor=ex, tools=[deploy])
+    resumed = run_session_loop(out, AGENT, executor=ex, tools=[deploy], approvals={"call_0": True})
+    assert resumed.stop_reason == "interrupted"
+    assert resumed.pending_approvals == [
+        {"id": "call_0", "name": "deploy", "arguments": '{"target":"PRODUCTION"}'}
+    ]
+    assert [r["result"] for r in _results(resumed)] == ["deployed to staging"]
+
+
 # -- limits --------------------------------------------------------------------------------------
 def test_limits_max_steps_and_tool_calls() -> None:
     loop = tool_call("add", {"a": 1, "b": 1})

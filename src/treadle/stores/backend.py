@@ -95,9 +95,11 @@ class StoreBackend(Protocol):
         """Renew a running pass's owner lease (its `updated_at`); no effect once it ended."""
         ...
 
-    async def claim(self, pass_id: str) -> PassRecord:
-        """Take over a pending pass for a resume: its journal (and its status before), or
-        `ConflictError` when another process took it first or the conversation moved on. The
+    async def claim(self, pass_id: str, key: str) -> PassRecord:
+        """Take over a pending pass of conversation `key` for a resume: its journal (and its
+        status before), or `ConflictError` when another process took it first or the
+        conversation moved on (`ConfigurationError` when the pass is another conversation's:
+        a `PendingPass` whose key was changed). The
         pass is recorded `running`, owned by this process (`owner`), until the resume's first
         `record` supersedes it or the resume gives it back (`settle`): a resume that never gets
         that far leaves it to be taken over again once this process no longer runs it."""

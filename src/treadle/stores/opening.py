@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.errors import ConfigurationError, ConflictError
-from treadle.session import ChunkRow, Usage
+from treadle.session import ChunkRow, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import StoreBackend
 from treadle.stores.journal import ConversationJournal, inflight
@@ -26,6 +26,7 @@ from treadle.stores.records import (
     conflict_error,
     waiting_error,
 )
+from treadle.tools.results import error_content
 
 __all__ = ["ConversationStart", "open_conversation"]
 
@@ -110,7 +111,7 @@ async def _start(
     if unknown:
         metadata["unknown_outcome_tool_calls"] = unknown
     try:
-        new = _new_rows(key, user_rows, stored.rows)
+        new = _answered_first((*stored.rows, *adopted), _new_rows(key, user_rows, stored.rows))
         if new and stored.metadata.get("pending_approvals"):
             # The new rows would follow tool calls that have no results (and the decisions
             # would be lost with them): the calls are decided first, in a resume of their own.
@@ -171,7 +172,7 @@ async def _take_over(
     _TAKING[taking] = loop
     handed = False  # the give-back, not this call, ends the `_TAKING` entry
     try:
-        claim = asyncio.ensure_future(backend.claim(taking))
+        claim = asyncio.ensure_future(backend.claim(taking, key))
         try:
             record = await asyncio.shield(claim)
         except asyncio.CancelledError:
@@ -257,11 +258,51 @@ def _started(
     if refused is not None:
         raise refused
     committed = stored.rows
-    new = _new_rows(key, user_rows, committed)
+    new = _answered_first(committed, _new_rows(key, user_rows, committed))
     journal = ConversationJournal(
         backend, key, pass_id, len(committed), agent_rows, [("row", r) for r in new]
     )
     return ConversationStart([*committed, *new], stored.usage, dict(stored.metadata), journal)
+
+
+def _answered_first(committed: tuple[ChunkRow, ...], new: Sequence[ChunkRow]) -> Sequence[ChunkRow]:
+    """`new`, with a "no result" row for each call the conversation's last assistant row made
+    that has none yet, before the first new row that is not a tool result: a conversation can
+    end inside a round (a session imported or appended so, a fork cut between a call and its
+    result, a pass interrupted mid-round), and a message after calls without results is a
+    transcript the model's API refuses. Without new rows the pass runs those calls instead (a
+    resume: `pending_tool_calls`); results the new rows bring themselves are kept."""
+    if not new or not committed:
+        return new
+    answered: set[str] = set()
+    calls: Sequence[ToolCall] = ()
+    for row in reversed(committed):
+        if row.kind == "tool_result":
+            answered.add(str(row.payload.get("tool_call_id")))
+            continue
+        calls = row.calls if row.kind == "assistant" else ()
+        break
+    answered.update(str(r.payload.get("tool_call_id")) for r in new if r.kind == "tool_result")
+    missing = [c for c in calls if c.id not in answered]
+    if not missing:
+        return new
+    at = next((i for i, r in enumerate(new) if r.kind != "tool_result"), len(new))
+    filler = [
+        ChunkRow._trusted(
+            "tool_result",
+            {
+                "tool_call_id": c.id,
+                "name": c.name,
+                "content": error_content(
+                    "no_result",
+                    "no result: the conversation went on with a new message before this call "
+                    "returned (it may not have run, or its outcome is unknown)",
+                ),
+            },
+        )
+        for c in missing
+    ]
+    return [*new[:at], *filler, *new[at:]]
 
 
 def _new_rows(

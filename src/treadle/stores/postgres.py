@@ -33,6 +33,7 @@ from treadle.stores.records import (
     PendingPass,
     StoredConversation,
     carried_metadata,
+    check_pass_key,
     claimed_metadata,
     conflict_error,
     decode_json,
@@ -41,7 +42,7 @@ from treadle.stores.records import (
     journal_text,
     owner_check,
     owner_metadata,
-    pending_from,
+    pending_list,
     rows_text,
     waiting_error,
 )
@@ -281,8 +282,9 @@ class PostgresBackend(PostgresHome):
 
         await self._run(do)
 
-    async def claim(self, pass_id: str) -> PassRecord:
+    async def claim(self, pass_id: str, key: str) -> PassRecord:
         """Take over a pending pass: its journal, or `ConflictError`."""
+        claimed_key = key
 
         async def do(conn: AsyncConnection[Any]) -> PassRecord:
             async with conn.transaction():
@@ -292,6 +294,7 @@ class PostgresBackend(PostgresHome):
                     (pass_id,),
                 )
                 found = await cur.fetchone()
+                check_pass_key(pass_id, found and found[0], claimed_key)
                 if found is None or found[1] not in RESUMABLE:
                     raise ConflictError(
                         f"pass {pass_id} is not pending (another process resumed it, or it "
@@ -367,7 +370,7 @@ class PostgresBackend(PostgresHome):
                 f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
                 (key,) if key is not None else (),
             )
-            return [pending_from(*item) for item in await cur.fetchall()]
+            return pending_list(await cur.fetchall(), key)
 
         return await self._run(do)
 

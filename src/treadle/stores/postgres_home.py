@@ -58,6 +58,7 @@ class PostgresHome:
         self._hop: LoopHop | None = None  # how callers on other loops reach the runtime's
         self._handovers: list[Batcher[Any, Any] | LoopHop] = []  # closed when its loop stops
         self._locks = HeldLocks()  # queue mode: the conversation locks its passes hold
+        self._waiting: set[asyncio.Future[Any]] = set()  # on the runtime loop: lock waits
 
     @property
     def url(self) -> str:
@@ -103,9 +104,32 @@ class PostgresHome:
     async def lock(self, key: str) -> PostgresKeyLock:
         """Hold `key`'s conversation lock (queue mode; see `treadle.stores.queueing`)."""
         await self._on_runtime(self._connection_pool)  # the schema exists, the DSN connects
-        held = await PostgresKeyLock.acquire(self._dsn, key, self._connect_timeout, self._on_home)
+        held = await PostgresKeyLock.acquire(
+            self._dsn, key, self._connect_timeout, self._on_home_waiting
+        )
         self._locks.add(key, held)
         return held
+
+    async def _on_home_waiting(self, fn: Callable[[], Awaitable[T]], cancellable: bool) -> T:
+        # A lock's wait, in a task of its own on the runtime's loop that closing the store
+        # cancels: a pass waiting for its turn then fails with a StoreError at once instead of
+        # waiting for the holder to end (its wait is on the server, on a connection of its own).
+        async def tracked() -> T:
+            wait = asyncio.ensure_future(fn())
+            self._waiting.add(wait)
+            try:
+                return await wait
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and wait.cancelled() and task is not None and not task.cancelling():
+                    raise StoreError(
+                        f"the store {self._url} was closed while this pass waited for its turn."
+                    ) from None
+                raise
+            finally:
+                self._waiting.discard(wait)
+
+        return await self._on_home(tracked, cancellable)
 
     async def _guarded(self, fn: Callable[[], Awaitable[T]]) -> T:
         import psycopg
@@ -152,6 +176,8 @@ class PostgresHome:
         async def close() -> None:
             pool, self._pool = self._pool, None
             self._closed = True
+            for wait in list(self._waiting):  # passes waiting for their turn: a StoreError
+                wait.cancel()
             if pool is not None:
                 await pool.close()
 

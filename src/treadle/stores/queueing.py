@@ -212,8 +212,11 @@ class FileKeyLock(_Held):
         self._fd: int | None = fd
 
     @classmethod
-    async def acquire(cls, directory: Path, key: str) -> FileKeyLock:
-        """Wait (without blocking the loop) until this process holds `key`'s lock."""
+    async def acquire(
+        cls, directory: Path, key: str, closed: Callable[[], str | None]
+    ) -> FileKeyLock:
+        """Wait (without blocking the loop) until this process holds `key`'s lock; a
+        `StoreError` as soon as `closed()` names the store closed meanwhile."""
         name = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
         # The file is opened on a worker thread; a caller cancelled meanwhile gets nothing
@@ -254,6 +257,10 @@ class FileKeyLock(_Held):
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     return held
                 except BlockingIOError:
+                    if (store := closed()) is not None:  # nobody could commit what it would run
+                        raise StoreError(
+                            f"the store {store} was closed while this pass waited for its turn."
+                        ) from None
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, _MAX_PAUSE)
         except BaseException:  # cancelled while waiting: the file must not leak

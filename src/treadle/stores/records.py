@@ -8,6 +8,7 @@ value that does not parse is a `StoreError` naming the conversation.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -298,6 +299,27 @@ def journal_record(
     return PassRecord(tuple(rows), tuple(intents), status)
 
 
+log = logging.getLogger("treadle.stores")
+
+
+def pending_list(found: Sequence[Sequence[Any]], key: str | None) -> list[PendingPass]:
+    """`pending()`'s answer from its rows (the fields `pending_from` takes). A damaged record
+    fails only the listing of its own conversation: listing every conversation leaves it out
+    with an error in the log, so one bad record does not hide every other pending pass."""
+    listed = []
+    for item in found:
+        try:
+            listed.append(pending_from(*item))
+        except (StoreError, ConfigurationError, ValueError, TypeError) as err:
+            damage = StoreError(
+                f"the pending pass {item[0]} of conversation {item[1]!r} is damaged: {err}"
+            )
+            if key is not None:
+                raise damage from None
+            log.error("%s (left out of store.pending())", damage)
+    return listed
+
+
 def pending_from(
     pass_id: str,
     key: str,
@@ -329,6 +351,16 @@ def pending_from(
         tuple(ChunkRow.from_message(m) for m in messages if isinstance(m, dict)),
         not alive,
     )
+
+
+def check_pass_key(pass_id: str, stored_key: object, claimed_key: str) -> None:
+    """`ConfigurationError` when the pass a resume takes over is another conversation's (a
+    `PendingPass` whose key was changed): its rows would go on in the wrong conversation."""
+    if stored_key is not None and stored_key != claimed_key:
+        raise ConfigurationError(
+            f"pass {pass_id} belongs to conversation {stored_key!r}, not {claimed_key!r}: "
+            "resume an item of store.pending() as it was listed."
+        )
 
 
 def owner_check(

@@ -146,7 +146,11 @@ class SqliteBackend:
         under `<db>.locks/`."""
         if self._writer is None:
             raise StoreError(f"the store {self.url} is closed; open a new Store.")
-        held = await FileKeyLock.acquire(self.path.with_name(self.path.name + ".locks"), key)
+        held = await FileKeyLock.acquire(
+            self.path.with_name(self.path.name + ".locks"),
+            key,
+            lambda: self.url if self._writer is None else None,
+        )
         self._locks.add(key, held)
         return held
 
@@ -327,9 +331,9 @@ class SqliteBackend:
 
         await self._run(do)
 
-    async def claim(self, pass_id: str) -> PassRecord:
+    async def claim(self, pass_id: str, key: str) -> PassRecord:
         """Take over a pending pass: its journal, or `ConflictError`."""
-        return await self._run(claim_job(pass_id))
+        return await self._run(claim_job(pass_id, key))
 
     async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
         """Append rows at the end (or only at version `expected`)."""

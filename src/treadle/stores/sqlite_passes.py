@@ -16,13 +16,14 @@ from treadle.stores.records import (
     PassRecord,
     PendingPass,
     carried_metadata,
+    check_pass_key,
     claimed_metadata,
     conflict_error,
     journal_record,
     journal_text,
     owner_check,
     owner_metadata,
-    pending_from,
+    pending_list,
 )
 from treadle.stores.sqlite_writes import version_of
 
@@ -69,7 +70,7 @@ def record_job(
     return do
 
 
-def claim_job(pass_id: str) -> Callable[[sqlite3.Connection], PassRecord]:
+def claim_job(pass_id: str, claimed_key: str) -> Callable[[sqlite3.Connection], PassRecord]:
     """`SqliteBackend.claim`'s transaction (see `StoreBackend.claim`)."""
 
     def do(conn: sqlite3.Connection) -> PassRecord:
@@ -77,6 +78,7 @@ def claim_job(pass_id: str) -> Callable[[sqlite3.Connection], PassRecord]:
             "SELECT key, status, version, metadata, updated_at FROM passes WHERE pass_id = ?",
             (pass_id,),
         ).fetchone()
+        check_pass_key(pass_id, found and found[0], claimed_key)
         if found is None or found[1] not in RESUMABLE:
             raise ConflictError(
                 f"pass {pass_id} is not pending (another process resumed it, or it ended); "
@@ -113,6 +115,6 @@ def pending_job(key: str | None) -> Callable[[sqlite3.Connection], list[PendingP
             f" AND p.version = coalesce(c.version, 0) {where} ORDER BY p.updated_at",
             (key,) if key is not None else (),
         ).fetchall()
-        return [pending_from(*item) for item in found]
+        return pending_list(found, key)
 
     return do
