@@ -238,3 +238,14 @@ async def test_a_pass_interrupted_mid_round_then_a_new_message(store: Store, thr
     (sent,) = requests
     _assert_every_call_answered_before_the_next_message(sent)
     assert await store.apending("k") == []
+
+
+@pytest.mark.parametrize("key", ["k\x00", "k" * 600])
+async def test_a_pending_pass_with_an_unusable_key_is_refused(store: Store, key: str) -> None:
+    first = await _waiting(store, "k")
+    with pytest.raises(ConfigurationError, match="conversation key"):
+        await arun_session_loop(
+            Session(), AGENT, executor=ScriptedExecutor(["x"]), tools=[deploy], store=store,
+            conversation=dataclasses.replace(first, key=key),
+        )  # fmt: skip
+    assert [p.pass_id for p in await store.apending("k")] == [first.pass_id]

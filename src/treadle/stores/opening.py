@@ -67,7 +67,7 @@ async def open_conversation(
     an older version, and is a `ConflictError` (it would repeat rows).
     """
     if isinstance(conversation, PendingPass):
-        key = conversation.key
+        key = check_key(conversation.key)  # a value the caller may have built or changed
     elif isinstance(conversation, str):
         key = check_key(conversation)
     else:
