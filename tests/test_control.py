@@ -113,6 +113,29 @@ def test_interrupt_after_tool_call_then_resume_runs_it_first() -> None:
     assert [m["role"] for m in ex2.requests[0].messages()][-1] == "tool"
 
 
+def test_a_new_message_after_an_interrupted_round_answers_its_calls_first() -> None:
+    """Interrupted with the calls asked for and not run, then continued with a new message
+    instead of a resume: each call gets a "no result" row before the message (a message after
+    calls without results is a transcript OpenAI-style APIs refuse)."""
+
+    def stop_on_calls(row: Any, control: PassControl) -> None:
+        if row.kind == "assistant" and row.calls:
+            control.interrupt("wait")
+
+    ex = ScriptedExecutor([tool_call("add", {"a": 1, "b": 2}, id="c1")])
+    out = run_session_loop(
+        Session.from_user_message("add"), AGENT, executor=ex, tools=[add], on_message=stop_on_calls
+    )
+    ex2 = ScriptedExecutor(["4"])
+    again = run_session_loop(
+        out.add_user_message("no, 2+2?"), AGENT, executor=ex2, tools=[add]
+    ).synchronize()
+    roles = [m["role"] for m in ex2.requests[0].messages()]
+    assert roles[-3:] == ["assistant", "tool", "user"]
+    assert "no result" in ex2.requests[0].messages()[-2]["content"]
+    assert again.chunk_table.kinds()[-4:] == ["assistant", "tool_result", "user", "assistant"]
+
+
 def test_interrupt_after_a_tool_result() -> None:
     seen: list[str] = []
 

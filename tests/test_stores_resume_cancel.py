@@ -417,9 +417,9 @@ def test_a_resume_whose_loop_closed_mid_takeover_leaves_the_pass_resumable(url: 
         real = store.backend.claim
         started = threading.Event()
 
-        async def claim(pass_id: str) -> Any:
+        async def claim(pass_id: str, key: str) -> Any:
             started.set()
-            return await real(pass_id)
+            return await real(pass_id, key)
 
         store.backend.claim = claim  # type: ignore[method-assign]
         loop = asyncio.new_event_loop()
@@ -525,9 +525,9 @@ async def test_settled_waits_for_the_takeover_of_a_cancelled_resume(store: Store
     first = await _waiting(store, deploys.tool)
     real = store.backend.claim
 
-    async def slow_claim(pass_id: str) -> Any:
+    async def slow_claim(pass_id: str, key: str) -> Any:
         await asyncio.sleep(0.08)
-        return await real(pass_id)
+        return await real(pass_id, key)
 
     store.backend.claim = slow_claim  # type: ignore[method-assign]
     task = asyncio.ensure_future(

@@ -7,10 +7,11 @@ pass (`engine._Pass`) and never blocks the event loop (the writer and the journa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from treadle.loop.plan import PassPlan, plain_metadata
+from treadle.loop.plan import PassPlan, no_result_rows, plain_metadata, unanswered_gap
 from treadle.session import ChunkRow, ChunkTable, SessionData
 from treadle.session.stops import StopReason
 
@@ -26,7 +27,13 @@ async def open_conversation_of(
     """With `store=` and `conversation=`: the stored conversation first, then the input (see
     `treadle.stores.journal`); the input as it is otherwise."""
     if plan.store is None or plan.conversation is None:
-        return user
+        gap = unanswered_gap(user.table.rows)
+        if gap is None:
+            return user
+        at, missing = gap  # a new message after calls without results: answered first
+        rows = user.table.rows
+        run.table = ChunkTable._trusted([*rows[:at], *no_result_rows(missing), *rows[at:]])
+        return dataclasses.replace(user, table=run.table)
     # Imported here: `import treadle` and passes without a store never load the stores. From
     # the module, not the package: a package's `from ... import` is a Python call every pass.
     from treadle.stores.opening import open_conversation

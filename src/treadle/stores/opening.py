@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.errors import ConfigurationError, ConflictError
+from treadle.loop.plan import no_result_rows
 from treadle.session import ChunkRow, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import StoreBackend
@@ -26,7 +27,6 @@ from treadle.stores.records import (
     conflict_error,
     waiting_error,
 )
-from treadle.tools.results import error_content
 
 __all__ = ["ConversationStart", "open_conversation"]
 
@@ -284,25 +284,10 @@ def _answered_first(committed: tuple[ChunkRow, ...], new: Sequence[ChunkRow]) ->
         break
     answered.update(str(r.payload.get("tool_call_id")) for r in new if r.kind == "tool_result")
     missing = [c for c in calls if c.id not in answered]
-    if not missing:
+    at = next((i for i, r in enumerate(new) if r.kind != "tool_result"), None)
+    if not missing or at is None:  # results only: the pass runs the calls still unanswered
         return new
-    at = next((i for i, r in enumerate(new) if r.kind != "tool_result"), len(new))
-    filler = [
-        ChunkRow._trusted(
-            "tool_result",
-            {
-                "tool_call_id": c.id,
-                "name": c.name,
-                "content": error_content(
-                    "no_result",
-                    "no result: the conversation went on with a new message before this call "
-                    "returned (it may not have run, or its outcome is unknown)",
-                ),
-            },
-        )
-        for c in missing
-    ]
-    return [*new[:at], *filler, *new[at:]]
+    return [*new[:at], *no_result_rows(missing), *new[at:]]
 
 
 def _new_rows(
