@@ -377,7 +377,13 @@ def approvals_of(
     before it started: it is never asked for again (given again, the approval would run it a
     second time); the round answers it as of unknown outcome. `prior`: decisions given to an
     earlier pass on this round that stopped for others (kept in `approval_decisions`): a
-    decision is given once, however many resumes the round takes."""
+    decision is given once, however many resumes the round takes.
+
+    A round that is decided spends the decisions on its calls: `approvals` (the pass's own copy,
+    `PassPlan.approvals`) loses their ids, so a later call that reuses an id (providers that
+    number calls per reply, or send none and get `call_<n>`) is asked for again: a decision is
+    for the call the user saw."""
+    given = approvals
     if prior:
         approvals = {**prior, **(approvals or {})}
     waiting = [
@@ -406,6 +412,9 @@ def approvals_of(
         decision = approval_decision(approvals, c.id)
         if decision is False or isinstance(decision, str):
             denied[c.id] = decision if isinstance(decision, str) else ""
+    if isinstance(given, dict):
+        for c in calls:
+            given.pop(c.id, None)
     return denied
 
 

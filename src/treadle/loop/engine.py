@@ -85,10 +85,6 @@ class _Pass:
         self.pass_usage = Usage()
         self.metadata: dict[str, Any] = {}
         self.tool_calls_run = 0
-        # Call ids a round has decided: a decision given with `approvals=` is for the call the
-        # user saw, not a later call reusing its id (providers that number calls per reply,
-        # or send none and get `call_<n>`): that one is asked for again.
-        self.decided_ids: set[str] = set()
         self.tools = plan.tools  # offered in the next request (less tools disabled now)
         self.gated: tuple[Tool, ...] = ()
         self.budget_fired = False
@@ -336,14 +332,9 @@ class _Pass:
         started = self.user_metadata.get("unknown_outcome_tool_calls", ()) if resuming else ()
         unknown = set(started)
         prior = self.user_metadata.get("approval_decisions") if resuming else None
-        approvals = plan.approvals
-        if approvals and self.decided_ids:
-            approvals = {k: v for k, v in approvals.items() if k not in self.decided_ids}
-        denied = approvals_of(plan.tools, approvals, calls, self.metadata, unknown, prior)
+        denied = approvals_of(plan.tools, plan.approvals, calls, self.metadata, unknown, prior)
         if denied is None:
             return self.interrupt(self.metadata.pop("approval_reason"))
-        if plan.approvals:
-            self.decided_ids.update(c.id for c in calls)
         rejected: dict[str, str] = {}
         if plan.tool_guardrails:
             screened = await screen_tool_calls(self, calls, denied)

@@ -11,9 +11,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from treadle.loop.plan import PassPlan, no_result_rows, plain_metadata, unanswered_gap
+from treadle.loop.plan import PassPlan, plain_metadata
 from treadle.session import ChunkRow, ChunkTable, SessionData
 from treadle.session.stops import StopReason
+from treadle.tools.unanswered import no_result_rows, unanswered_gap
 
 if TYPE_CHECKING:
     from treadle.loop.engine import _Pass

@@ -16,11 +16,10 @@ from treadle.loop.hooks import Hooks
 from treadle.loop.request_usage import RequestUsage
 from treadle.loop.soft_stop import StopRequest
 from treadle.loop.tooling import ToolUseBehavior
-from treadle.session import ChunkRow, ChunkTable, Session, ToolCall
+from treadle.session import ChunkTable, Session, ToolCall
 from treadle.session.rows import valid_text
 from treadle.telemetry import TraceParent
 from treadle.tools import ToolSet
-from treadle.tools.results import error_content
 
 if TYPE_CHECKING:  # the stores load with the first pass that uses one
     from treadle.stores import PendingPass, Store
@@ -45,6 +44,7 @@ class PassPlan:
     guardrails: Sequence[Guardrail] = ()
     on_message: Callable[..., Any] | None = None
     approvals: Mapping[str, bool | str] | None = None
+    """The pass's own copy of `approvals=`: each decided round spends its calls' ids."""
     emit: Callable[[Event], None] | None = None
     trace_parent: TraceParent | None = None
     """The caller's tracing context (None when tracing is off)."""
@@ -83,39 +83,6 @@ def pending_tool_calls(table: ChunkTable) -> list[ToolCall]:
         else:
             return []
     return []
-
-
-def unanswered_gap(rows: Sequence[ChunkRow]) -> tuple[int, list[ToolCall]] | None:
-    """Where `rows` go on past tool calls that have no result: the index of the first row after
-    the last assistant row's calls (and their results) that is not a tool result, with the calls
-    still unanswered; None when there is no such gap (calls at the very end are pending: a
-    resume runs them). Scans back only to the last assistant row."""
-    last = next((i for i in range(len(rows) - 1, -1, -1) if rows[i].kind == "assistant"), None)
-    if last is None or not rows[last].calls:
-        return None
-    after = rows[last + 1 :]
-    answered = {str(r.payload.get("tool_call_id")) for r in after if r.kind == "tool_result"}
-    missing = [c for c in rows[last].calls if c.id not in answered]
-    at = next((i for i, r in enumerate(after) if r.kind != "tool_result"), None)
-    if not missing or at is None:
-        return None
-    return last + 1 + at, missing
-
-
-def no_result_rows(calls: Sequence[ToolCall]) -> list[ChunkRow]:
-    """A "no result" tool result for each of `calls`: a conversation went on with a new message
-    past calls without results (a session imported or appended so, a fork cut between a call
-    and its result, a pass interrupted mid-round), and a message after calls without results is
-    a transcript OpenAI-style APIs refuse."""
-    content = error_content(
-        "no_result",
-        "no result: the conversation went on with a new message before this call returned "
-        "(it may not have run, or its outcome is unknown)",
-    )
-    return [
-        ChunkRow._trusted("tool_result", {"tool_call_id": c.id, "name": c.name, "content": content})
-        for c in calls
-    ]
 
 
 def unique_call_ids(payload: dict[str, Any]) -> dict[str, Any]:

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.errors import ConfigurationError, ConflictError
-from treadle.loop.plan import no_result_rows
 from treadle.session import ChunkRow, ToolCall, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import StoreBackend
 from treadle.stores.journal import ConversationJournal, inflight
 from treadle.stores.owner import LIVE, Running, runs_here
+from treadle.stores.pass_records import waiting_error
 from treadle.stores.records import (
     PassRecord,
     PendingPass,
@@ -25,8 +25,8 @@ from treadle.stores.records import (
     check_key,
     check_storable,
     conflict_error,
-    waiting_error,
 )
+from treadle.tools.unanswered import no_result_rows
 
 __all__ = ["ConversationStart", "open_conversation"]
 

@@ -20,6 +20,15 @@ from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import JournalEntry
 from treadle.stores.batching import OFF_LOOP_ROWS, Batcher, encode_rows
+from treadle.stores.pass_records import (
+    carried_metadata,
+    check_pass_key,
+    claimed_metadata,
+    owner_check,
+    owner_metadata,
+    pending_list,
+    waiting_error,
+)
 from treadle.stores.postgres_batch import commit_call, commit_many, commit_task, load_many
 from treadle.stores.postgres_home import PostgresHome
 from treadle.stores.postgres_open import DB_NOW
@@ -32,19 +41,12 @@ from treadle.stores.records import (
     PassRecord,
     PendingPass,
     StoredConversation,
-    carried_metadata,
-    check_pass_key,
-    claimed_metadata,
     conflict_error,
     decode_json,
     encode_json,
     journal_record,
     journal_text,
-    owner_check,
-    owner_metadata,
-    pending_list,
     rows_text,
-    waiting_error,
 )
 
 if TYPE_CHECKING:

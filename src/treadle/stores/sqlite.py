@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
+from treadle.stores.pass_records import waiting_error
 from treadle.stores.queueing import FileKeyLock, HeldLocks, KeyLock
 from treadle.stores.records import (
     ConversationInfo,
@@ -35,7 +36,6 @@ from treadle.stores.records import (
     decode_row,
     encode_json,
     encode_usage,
-    waiting_error,
 )
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for

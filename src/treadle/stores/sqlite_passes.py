@@ -11,19 +11,21 @@ from collections.abc import Callable, Sequence
 
 from treadle.errors import ConflictError
 from treadle.stores.backend import JournalEntry
+from treadle.stores.pass_records import (
+    carried_metadata,
+    check_pass_key,
+    claimed_metadata,
+    owner_check,
+    owner_metadata,
+    pending_list,
+)
 from treadle.stores.records import (
     RESUMABLE,
     PassRecord,
     PendingPass,
-    carried_metadata,
-    check_pass_key,
-    claimed_metadata,
     conflict_error,
     journal_record,
     journal_text,
-    owner_check,
-    owner_metadata,
-    pending_list,
 )
 from treadle.stores.sqlite_writes import version_of
 
