@@ -217,7 +217,8 @@ async def test_remaining_only_endpoints_are_paced_by_a_measured_rate() -> None:
 async def test_retry_after_only_endpoints_are_paced_after_the_first_storm() -> None:
     # The same fan-out with and without learning, at once. Without learning each refused
     # request retries as soon as its short wait ends, so that count is bounded by how fast the
-    # client can retry: about 1,700 429s idle, 850-1,500 beside busy builders. The paced count
+    # client can retry: about 1,700 429s idle, 850-1,500 beside busy builders, 290 once under
+    # four parallel test and benchmark jobs on 2 cores. The paced count
     # is bounded by time (the pace, not the CPU): 5-25 idle, 2-49 under the same load. A ratio
     # of the two failed once on a loaded machine; each is held to its own bound instead.
     def limited() -> FakeOpenAIServer:
@@ -242,7 +243,7 @@ async def test_retry_after_only_endpoints_are_paced_after_the_first_storm() -> N
         assert failed == 0
         assert learning.limits is not None and not_learning.limits is not None
         paced, unpaced = learning.limits.rejected, not_learning.limits.rejected
-    assert unpaced > 300  # the fan-out storms this endpoint when nothing paces it
+    assert unpaced > 150  # the fan-out storms this endpoint when nothing paces it
     assert paced < 100  # paced: fewer 429s in all than requests, the first storm included
 
 
