@@ -253,7 +253,9 @@ class Store:
         return self._wait(self.afork(key, new_key, version=version))
 
     async def adelete(self, key: str) -> bool:
-        """Delete a conversation with its passes; True when it existed."""
+        """Delete a conversation with its passes (also the records of passes on `key` that
+        never committed, such as a first turn cancelled); True when the key held any of them.
+        A pass still running on it then fails with `ConflictError` and writes nothing back."""
         return await self.backend.delete(check_key(key))
 
     def delete(self, key: str) -> bool:
@@ -261,7 +263,8 @@ class Store:
         return self._wait(self.adelete(key))
 
     async def aprune(self, *, older_than_days: float) -> int:
-        """Delete conversations not changed for `older_than_days` days; how many."""
+        """Delete conversations not changed for `older_than_days` days, and the records of
+        passes that never committed on keys without a conversation, as old; how many keys."""
         if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)):
             raise ConfigurationError("older_than_days must be a number of days.")
         if older_than_days < 0:
