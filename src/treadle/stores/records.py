@@ -239,12 +239,19 @@ def decode_usage(text: str | bytes | None, key: str) -> Usage:
     u = decode_json(text, key)
     if not isinstance(u, dict):
         return Usage()
-    return Usage(
-        int(u.get("prompt_tokens", 0)),
-        int(u.get("completion_tokens", 0)),
-        int(u.get("total_tokens", 0)),
-        int(u.get("requests", 0)),
-    )
+    try:
+        return Usage(
+            int(u.get("prompt_tokens", 0)),
+            int(u.get("completion_tokens", 0)),
+            int(u.get("total_tokens", 0)),
+            int(u.get("requests", 0)),
+        )
+    except (TypeError, ValueError, OverflowError):  # a count that is text, a list, 1e400
+        shown = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        raise StoreError(
+            f"conversation {key!r} holds a usage that is not token counts ({shown!r:.80}); "
+            "the store is damaged (delete the conversation or restore it from an export)."
+        ) from None
 
 
 def encode_usage(usage: Usage) -> str:
