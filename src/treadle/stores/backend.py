@@ -17,14 +17,36 @@ from __future__ import annotations
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from treadle.errors import ConfigurationError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.queueing import KeyLock
 from treadle.stores.records import ConversationInfo, PassRecord, PendingPass, StoredConversation
 
-__all__ = ["SCHEMA_VERSION", "JournalEntry", "StoreBackend"]
+__all__ = ["SCHEMA_VERSION", "JournalEntry", "StoreBackend", "schema_found"]
 
 #: The schema version a backend creates and migrates to (see each backend's `MIGRATIONS`).
 SCHEMA_VERSION = 3
+
+
+def schema_found(found: object, where: str) -> int:
+    """The schema version `max(version)` of a store's `treadle_schema` table gave (`found`;
+    None: no row yet, 0), or `ConfigurationError`: the table holds something else than a
+    version number (another application's table, or a hand edit), or a newer Treadle's."""
+    if found is None:
+        return 0
+    if isinstance(found, bool) or not isinstance(found, int):
+        raise ConfigurationError(
+            f"{where} has a treadle_schema table whose version is {found!r:.40}, not a number: "
+            "it was not made by Treadle, or was edited; use another database for the store "
+            "(or drop that table if nothing else uses it)."
+        )
+    if found > SCHEMA_VERSION:
+        raise ConfigurationError(
+            f"the store's schema is version {found}, newer than this Treadle's "
+            f"{SCHEMA_VERSION}; upgrade Treadle."
+        )
+    return found
+
 
 #: One journal entry of an uncommitted pass: `("row", row)` or `("intent", (call_id, name))`.
 JournalEntry = tuple[str, Any]

@@ -10,7 +10,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from treadle.errors import ConfigurationError
-from treadle.stores.backend import SCHEMA_VERSION
+from treadle.stores.backend import SCHEMA_VERSION, schema_found
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -255,12 +255,7 @@ async def open_pool(
                 "CREATE TABLE IF NOT EXISTS treadle_schema (version INTEGER NOT NULL)"
             )
             cur = await conn.execute("SELECT max(version) FROM treadle_schema")
-            found = ((await cur.fetchone()) or (None,))[0] or 0
-            if found > SCHEMA_VERSION:
-                raise ConfigurationError(
-                    f"the store's schema is version {found}, newer than this Treadle's "
-                    f"{SCHEMA_VERSION}; upgrade Treadle."
-                )
+            found = schema_found(((await cur.fetchone()) or (None,))[0], f"the database {url}")
             for version in sorted(v for v in MIGRATIONS if v > found):
                 for statement in MIGRATIONS[version]:
                     await conn.execute(statement)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
-from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
+from treadle.stores.backend import SCHEMA_VERSION, JournalEntry, schema_found
 from treadle.stores.pass_records import waiting_error
 from treadle.stores.queueing import FileKeyLock, HeldLocks, KeyLock
 from treadle.stores.records import (
@@ -91,7 +91,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        _migrate(conn)
+        _migrate(conn, path)
     except (sqlite3.Error, OSError) as err:
         raise ConfigurationError(
             f"cannot open the SQLite store {path}: {err}; check the path and its permissions."
@@ -99,23 +99,24 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _migrate(conn: sqlite3.Connection) -> None:
+def _migrate(conn: sqlite3.Connection, path: Path) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.execute("CREATE TABLE IF NOT EXISTS treadle_schema (version INTEGER NOT NULL)")
-        found = conn.execute("SELECT max(version) FROM treadle_schema").fetchone()[0] or 0
-        if found > SCHEMA_VERSION:
-            raise ConfigurationError(
-                f"the store's schema is version {found}, newer than this Treadle's "
-                f"{SCHEMA_VERSION}; upgrade Treadle."
-            )
+        found = schema_found(
+            conn.execute("SELECT max(version) FROM treadle_schema").fetchone()[0],
+            f"the SQLite file {path}",
+        )
         for version in sorted(v for v in MIGRATIONS if v > found):
             for statement in MIGRATIONS[version]:
                 conn.execute(statement)
             conn.execute("INSERT INTO treadle_schema VALUES (?)", (version,))
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        # A statement that failed may have ended the transaction already (or none began: a
+        # path such as /dev/null): a ROLLBACK then would replace its error with its own.
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
         raise
 
 
