@@ -18,7 +18,7 @@ import pytest
 
 from treadle import Session, arun_session_loop, tool
 from treadle.errors import ConflictError
-from treadle.session import ChunkRow
+from treadle.session import ChunkRow, Usage
 from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 from treadle.testing.scripted import tool_call
@@ -172,5 +172,58 @@ def test_delete_and_prune_remove_records_of_first_turns_that_never_committed(url
             assert await store.adelete("user-1") is False  # nothing left of it
         assert _counts(url) == (0, 0)
         assert "private text" not in _everything(url)
+
+    asyncio.run(main())
+
+
+async def _commit(store: Store, pass_id: str, key: str, base: int, **kw: Any) -> int:
+    backend: Any = store.backend
+    version: int = await backend.commit(
+        pass_id, key, base, [ChunkRow.user(f"{pass_id} row")], usage=Usage(),
+        stop_reason="stop", metadata={}, agent_rows=[], **kw,
+    )  # fmt: skip
+    return version
+
+
+def test_the_commit_itself_checks_the_conversation_it_read(url: str) -> None:
+    """The commit paths alone (no journal write after the delete: a pass whose model answers
+    while the key is deleted and started again): a commit based on the old conversation is a
+    `ConflictError` when sent alone and when batched with another pass's commit, which lands;
+    a recorded pass whose record a delete took conflicts too, even on a key that is new again."""
+
+    async def main() -> None:
+        async with Store.open(url) as store:
+            await store.aappend("k", [ChunkRow.user("OLD-SECRET a"), ChunkRow.user("b")])
+            read = await store.backend.load("k")
+            assert read.created_at is not None
+            assert await store.adelete("k")
+            await store.aappend("k", [ChunkRow.user("new a"), ChunkRow.user("new b")])
+            with pytest.raises(ConflictError, match="deleted"):
+                await _commit(store, "alone", "k", 2, recorded=False, born=read.created_at)
+            stale, fresh = await asyncio.gather(
+                _commit(store, "stale", "k", 2, recorded=False, born=read.created_at),
+                _commit(store, "fresh", "other", 0, recorded=False, born=0.0),
+                return_exceptions=True,
+            )
+            assert isinstance(stale, ConflictError) and fresh == 1
+            now = await store.backend.load("k")
+            assert [r.content for r in now.rows] == ["new a", "new b"]
+            assert await _commit(store, "current", "k", 2, recorded=False, born=now.created_at) == 3
+            # A recorded first turn on a new key whose record a delete took: its commit would
+            # bring the deleted text back under the key.
+            backend: Any = store.backend
+            await backend.record(
+                "gone", "n", 0, [], [("row", ChunkRow.user("OLD-SECRET q"))], start=0, born=0.0
+            )
+            assert await store.adelete("n")
+            with pytest.raises(ConflictError):
+                await _commit(store, "gone", "n", 0, recorded=True, born=0.0)
+            with pytest.raises(ConflictError, match="deleted"):  # and its later writes
+                await backend.record(
+                    "gone", "n", 0, [], [("row", ChunkRow.user("OLD-SECRET r"))], start=1,
+                    born=0.0,
+                )  # fmt: skip
+            assert await store.aconversations() != [] and (await store.backend.load("n")).rows == ()
+        assert "OLD-SECRET" not in _everything(url)
 
     asyncio.run(main())
