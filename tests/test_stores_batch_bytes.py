@@ -27,7 +27,8 @@ from treadle.stores.records import encode_usage
 async def _call(key: str, text: str, rows: int = 1) -> tuple[Any, ...]:
     encoded = await encode_rows([ChunkRow.user(f"{text} {i}") for i in range(rows)])
     return (f"pass-{key}", key, 0, [k for k, _ in encoded], [p for _, p in encoded],
-            encode_usage(Usage()), "stop", "{}", "done", "[]", False, time.time())  # fmt: skip
+            encode_usage(Usage()), "stop", "{}", "done", "[]", False, time.time(),
+            None)  # fmt: skip
 
 
 def _sizes(sent: list[tuple[Any, ...]]) -> list[int]:

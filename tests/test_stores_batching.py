@@ -148,7 +148,7 @@ def test_a_commit_that_fails_in_a_batch_fails_alone(pg: Cluster) -> None:
 
     def call(pass_id: str, key: str, base: Any) -> tuple[Any, ...]:
         return (pass_id, key, base, ["user"], ['{"content":"hi"}'], "{}", None, "{}", "done",
-                "[]", False, time.time())  # fmt: skip
+                "[]", False, time.time(), None)  # fmt: skip
 
     async def main() -> list[int | BaseException]:
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
@@ -321,6 +321,7 @@ def test_many_ordinary_conversations_in_one_batch_are_handled_off_the_loop(
                         "[]",
                         False,
                         time.time(),
+                        None,
                     )
                 )
             sent: list[tuple[Any, ...]] = []
@@ -357,7 +358,8 @@ def test_a_batch_parameter_carries_any_text_as_a_list_would(pg: Cluster) -> None
     from treadle.stores import postgres_batch
 
     items = ['{"a": "q\\"uote"}', "", "back\\slash", "{brace}", "é 漢 🙂", "NULL", "x" * 5000]
-    call = ("p", "k", 0, ["user"] * len(items), items, "{}", None, "{}", "done", "", False, 1.5)
+    call = ("p", "k", 0, ["user"] * len(items), items, "{}", None, "{}", "done", "", False, 1.5,
+            None)  # fmt: skip
 
     async def main() -> None:
         conn = await psycopg.AsyncConnection.connect(pg.new_database(), autocommit=True)
@@ -412,7 +414,7 @@ def test_a_large_group_commit_keeps_text_whatever_the_client_encoding(
             out.append(
                 (f"pass-{key}-{base}", key, base, [k for k, _ in encoded],
                  [p for _, p in encoded], encode_usage(Usage()), "stop", "{}", "done", "[]",
-                 False, time.time())
+                 False, time.time(), None)
             )  # fmt: skip
         return out
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from treadle import Session, load_session, run_session_loop
 from treadle.errors import ConflictError
+from treadle.session import ChunkRow
 from treadle.stores import Store
 from treadle.testing import ScriptedExecutor
 
@@ -80,3 +81,32 @@ def test_sessions_and_show_on_a_store(tmp_path: Path) -> None:
     assert "imported" in imported.stdout
     with Store.sqlite(tmp_path / "other.db") as other:
         assert [r.content for r in other.conversation("bob").rows] == ["two", "answer two"]
+
+
+def test_an_import_stopped_at_an_existing_key_can_be_run_again(tmp_path: Path) -> None:
+    """A directory import stops at the first key the store already has (nothing of that file is
+    written), says how to go on, and `--skip-existing` then imports the rest, leaving the
+    existing conversations as they are."""
+    exported = tmp_path / "exported"
+    with Store.sqlite(tmp_path / "src.db") as source:
+        for key in ("a", "b", "c", "d"):
+            source.append(key, [ChunkRow.user(f"text of {key}")])
+        for key in ("a", "b", "c", "d"):
+            source.export_jsonl(key, exported / f"{key}.jsonl")
+    dst = tmp_path / "dst.db"
+    with Store.sqlite(dst) as target:
+        target.append("c", [ChunkRow.user("another c")])
+    url = f"sqlite:///{dst}"
+    first = treadle("sessions", "--store", url, "--import", str(exported), cwd=tmp_path)
+    assert first.returncode != 0
+    assert "'c' already exists" in first.stderr and "--skip-existing" in first.stderr
+    assert "2 file(s) were imported before it" in first.stderr
+    again = treadle(
+        "sessions", "--store", url, "--import", str(exported), "--skip-existing", cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr
+    assert "skipped" in again.stdout and "c.jsonl" in again.stdout
+    with Store.sqlite(dst) as target:
+        assert sorted(i.key for i in target.conversations()) == ["a", "b", "c", "d"]
+        assert [r.content for r in target.conversation("c").rows] == ["another c"]
+        assert [r.content for r in target.conversation("d").rows] == ["text of d"]

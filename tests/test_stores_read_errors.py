@@ -152,3 +152,36 @@ def test_the_read_paths_stored_conversation_is_the_dataclass_whole_and_frozen() 
     assert type(built) is StoredConversation
     with pytest.raises(FrozenInstanceError):
         built.key = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "usage",
+    ['{"prompt_tokens": "abc"}', '{"prompt_tokens": 1e400}', '{"requests": [1]}'],
+    ids=["text", "huge", "list"],
+)
+def test_a_head_with_damaged_usage_fails_only_its_own_read_with_a_store_error(
+    url: str, usage: str
+) -> None:
+    keys = ["good1", "bad", "good2"]
+    with Store.open(url) as store:
+        for key in keys:
+            store.append(key, [ChunkRow.user(key)])
+    if url.startswith("sqlite:///"):
+        with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
+            conn.execute("UPDATE conversations SET usage = ? WHERE key = 'bad'", (usage,))
+    else:
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE treadle_conversations SET usage = %s WHERE key = 'bad'", (usage,))
+    with Store.open(url) as store:  # a fresh cache: the heads are read from the database
+        lazy = [(key, store.conversation(key)) for key in keys]  # read together: one batch
+        out: dict[str, Any] = {}
+        for key, session in lazy:
+            try:
+                out[key] = [r.content for r in session.rows]
+            except Exception as err:  # its type is what is checked
+                out[key] = err
+    assert out["good1"] == ["good1"] and out["good2"] == ["good2"]
+    assert isinstance(out["bad"], StoreError), repr(out["bad"])
+    assert "conversation 'bad'" in str(out["bad"]) and "usage" in str(out["bad"])

@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--import", dest="imports", action="append", type=Path, default=[],
         help="with --store: import a .jsonl file (or a directory of them)",
     )  # fmt: skip
+    sessions.add_argument(
+        "--skip-existing", action="store_true",
+        help="with --import: leave files whose key the store already has (re-run an import)",
+    )  # fmt: skip
     sessions.add_argument("--export", type=Path, help="with --store: write each conversation here")
     return parser
 
@@ -365,8 +369,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from treadle.cli.stores import store_sessions_command
 
         return store_sessions_command(
-            args.store, console, as_json=args.json, imports=args.imports, export=args.export
-        )
+            args.store, console, as_json=args.json, imports=args.imports, export=args.export,
+            skip_existing=args.skip_existing,
+        )  # fmt: skip
     if args.command == "sessions":
         from treadle.cli.show import sessions_command
 

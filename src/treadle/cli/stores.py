@@ -2,7 +2,8 @@
 command line.
 
 `sessions --store URL` lists the store's conversations and its pending passes; with `--import`
-it imports JSONL session files (each as a new conversation), with `--export DIR` it writes every
+it imports JSONL session files (each as a new conversation; `--skip-existing` leaves out those
+whose key the store has, so a stopped import can run again), with `--export DIR` it writes every
 conversation as a JSONL file. `show store:KEY` renders one stored conversation like a session
 file. The store comes from `--store`, else `TREADLE_STORE`, else `.treadle/treadle.db`.
 """
@@ -62,19 +63,11 @@ def store_sessions_command(
     as_json: bool = False,
     imports: Sequence[Path] = (),
     export: Path | None = None,
+    skip_existing: bool = False,
 ) -> int:
     """Run `treadle sessions --store URL`; returns the exit code."""
     with open_cli_store(url) as store:
-        for path in imports:
-            files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-            for file in files:
-                try:
-                    key, version = store.import_jsonl(file)
-                except (PersistenceError, ConflictError) as err:  # ConflictError: key exists
-                    raise CliFailure(
-                        f"{file} was not imported: {err}", "", EXIT_CODES["usage"]
-                    ) from None
-                console.line(f"imported {file} as {key} ({version} rows)")
+        _import_files(store, console, imports, skip_existing=skip_existing)
         infos = store.conversations()
         if export is not None:
             failed = []
@@ -132,6 +125,42 @@ def store_sessions_command(
                 ],
             )  # fmt: skip
     return EXIT_CODES["ok"]
+
+
+def _import_files(
+    store: Store, console: Console, imports: Sequence[Path], *, skip_existing: bool
+) -> None:
+    """`--import`: each file (or each `.jsonl` of a directory, in name order) as a new
+    conversation. The first file that fails stops the import (each file is its own transaction:
+    the ones before it stay imported); its error says how to go on. With `skip_existing` a file
+    whose key the store already has is left out instead, so a stopped import can be run again."""
+    imported = 0
+    for path in imports:
+        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+        for file in files:
+            try:
+                key, version = store.import_jsonl(file)
+            except ConflictError as err:  # the key exists
+                if skip_existing:
+                    console.line(f"skipped {file}: {err}")
+                    continue
+                raise CliFailure(
+                    f"{file} was not imported: {err} {imported} file(s) were imported before "
+                    "it; run the same command again with --skip-existing to import the rest "
+                    "(files whose key the store already has are left out).",
+                    "",
+                    EXIT_CODES["usage"],
+                ) from None
+            except PersistenceError as err:
+                raise CliFailure(
+                    f"{file} was not imported: {err} {imported} file(s) were imported before "
+                    "it; fix or move the file, then run the same command again with "
+                    "--skip-existing (files already imported are left out).",
+                    "",
+                    EXIT_CODES["usage"],
+                ) from None
+            imported += 1
+            console.line(f"imported {file} as {key} ({version} rows)")
 
 
 def show_stored(target: str, url: str | None, console: Console) -> int:

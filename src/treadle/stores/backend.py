@@ -17,14 +17,36 @@ from __future__ import annotations
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from treadle.errors import ConfigurationError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.queueing import KeyLock
 from treadle.stores.records import ConversationInfo, PassRecord, PendingPass, StoredConversation
 
-__all__ = ["SCHEMA_VERSION", "JournalEntry", "StoreBackend"]
+__all__ = ["SCHEMA_VERSION", "JournalEntry", "StoreBackend", "schema_found"]
 
 #: The schema version a backend creates and migrates to (see each backend's `MIGRATIONS`).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+
+
+def schema_found(found: object, where: str) -> int:
+    """The schema version `max(version)` of a store's `treadle_schema` table gave (`found`;
+    None: no row yet, 0), or `ConfigurationError`: the table holds something else than a
+    version number (another application's table, or a hand edit), or a newer Treadle's."""
+    if found is None:
+        return 0
+    if isinstance(found, bool) or not isinstance(found, int):
+        raise ConfigurationError(
+            f"{where} has a treadle_schema table whose version is {found!r:.40}, not a number: "
+            "it was not made by Treadle, or was edited; use another database for the store "
+            "(or drop that table if nothing else uses it)."
+        )
+    if found > SCHEMA_VERSION:
+        raise ConfigurationError(
+            f"the store's schema is version {found}, newer than this Treadle's "
+            f"{SCHEMA_VERSION}; upgrade Treadle."
+        )
+    return found
+
 
 #: One journal entry of an uncommitted pass: `("row", row)` or `("intent", (call_id, name))`.
 JournalEntry = tuple[str, Any]
@@ -59,13 +81,18 @@ class StoreBackend(Protocol):
         *,
         start: int,
         supersedes: str | None = None,
+        born: float | None = None,
     ) -> None:
         """Make `entries` of a running pass durable as its journal entries from number `start`
         on, keeping any entry already there (a caller cancelled while a write was in flight
         never learns whether it landed, and writes the same entries at the same place again);
         the first call records the pass itself, based on `version`. `supersedes`: the pass a
         resume took over (`claim`), which becomes `resumed` in the same transaction (the
-        resume's journal holds its rows from now on)."""
+        resume's journal holds its rows from now on). `born`: the `created_at` of the
+        conversation the pass read (0.0: none; None: not checked). A write that finds no record
+        of its pass is refused with `ConflictError` unless it is the first (`start` 0) and the
+        conversation is still the one read: a delete or prune took the record with its
+        conversation, and nothing of the pass may come back."""
         ...
 
     async def commit(
@@ -80,11 +107,14 @@ class StoreBackend(Protocol):
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
         recorded: bool = True,
+        born: float | None = None,
     ) -> int:
         """Append `rows` at version `base` in one transaction and settle the pass; the new
-        version, or `ConflictError` when the conversation is no longer at `base`. `recorded`
-        False says the pass never called `record` (a pass that ends done then needs no record
-        of its own)."""
+        version, or `ConflictError` when the conversation is no longer at `base`, is not the
+        one the pass read (its `created_at` is not `born`: 0.0 when the pass found none, None
+        not checked), or, with `born` given, the pass's record is gone (a recorded pass whose
+        conversation was deleted meanwhile). `recorded` False says the pass never called
+        `record` (a pass that ends done then needs no record of its own)."""
         ...
 
     async def settle(self, pass_id: str, status: str, *, was: str = "running") -> None:
@@ -122,11 +152,14 @@ class StoreBackend(Protocol):
         ...
 
     async def delete(self, key: str) -> bool:
-        """Delete a conversation, its passes and journal; True when it existed."""
+        """Delete a conversation, its passes and journal (also the records of passes on the key
+        that never committed); True when the key held any of them."""
         ...
 
     async def prune(self, before: float) -> int:
-        """Delete conversations not changed since `before` (epoch seconds); how many."""
+        """Delete conversations not changed since `before` (epoch seconds), and the records of
+        passes that never committed on keys without a conversation, none changed since
+        `before`; how many keys."""
         ...
 
     async def aclose(self, grace: float = 30.0) -> None:

@@ -73,6 +73,9 @@ class ConversationJournal:
     """Writes (place, entries) sent but not known to have landed (see `_flush`)."""
     running: Running | None = None
     """What `LIVE` holds for this pass (and the pass it took over) while this process runs it."""
+    born: float | None = None
+    """The read conversation's `created_at` (0.0: the key had none): its writes and commit land
+    only on that conversation, not on one started again under the key after a delete."""
 
     def run_here(self, *pass_ids: str) -> None:
         """This process runs the pass (it is recorded `running` from its first write on), and
@@ -119,6 +122,7 @@ class ConversationJournal:
         await self.backend.record(
             self.pass_id, self.key, self.base, self.agent_rows, entries,
             start=start, supersedes=None if self.claimed is None else self.claimed[0],
+            born=self.born,
         )  # fmt: skip
 
     async def _renew_lease(self) -> None:
@@ -195,7 +199,7 @@ class ConversationJournal:
                 self._landed,
                 self.pass_id, self.key, self.base, rows[self.base :],
                 usage=usage, stop_reason=stop_reason, metadata=metadata,
-                agent_rows=self.agent_rows, recorded=self.recorded,
+                agent_rows=self.agent_rows, recorded=self.recorded, born=self.born,
             )  # fmt: skip
             inflight(self.backend).add(commit)  # settled on the database thread's reply, later
         else:
@@ -272,6 +276,7 @@ class ConversationJournal:
                     metadata=metadata,
                     agent_rows=self.agent_rows,
                     recorded=self.recorded,
+                    born=self.born,
                 )
             except BaseException as err:
                 if isinstance(err, Exception):

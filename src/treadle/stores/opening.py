@@ -125,6 +125,7 @@ async def _start(
         _give_back_soon(backend, taking, record.status, running.loop)
         raise
     journal = ConversationJournal(backend, key, pass_id, len(stored.rows), agent_rows)
+    journal.born = stored.created_at or 0.0
     journal.claimed = (taking, record.status)
     journal.running = running  # this process runs the pass taken over, and now this one
     fresh = [*adopted, *new]
@@ -262,6 +263,7 @@ def _started(
     journal = ConversationJournal(
         backend, key, pass_id, len(committed), agent_rows, [("row", r) for r in new]
     )
+    journal.born = stored.created_at or 0.0
     return ConversationStart([*committed, *new], stored.usage, dict(stored.metadata), journal)
 
 

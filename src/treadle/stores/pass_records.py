@@ -11,12 +11,20 @@ from typing import Any
 from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow
 from treadle.stores.owner import owner_alive, this_owner
-from treadle.stores.records import RESUMABLE, PendingPass, decode_json, encode_json
+from treadle.stores.records import (
+    RESUMABLE,
+    PendingPass,
+    conflict_error,
+    decode_json,
+    encode_json,
+)
 
 __all__ = [
     "carried_metadata",
+    "check_first_write",
     "check_pass_key",
     "claimed_metadata",
+    "gone_error",
     "owner_check",
     "owner_metadata",
     "pending_from",
@@ -162,3 +170,38 @@ def claimed_metadata(meta: str, key: str, status: str) -> tuple[str, str]:
 
 
 #: Conversations whose validated rows a backend keeps in memory (least recently used go first).
+
+
+def gone_error(key: str, pass_id: str, version: int) -> ConflictError:
+    """The `ConflictError` of a running pass whose conversation was deleted (its record with
+    it) while it ran: nothing more of it is written (the deleted user's text stays deleted)."""
+    return ConflictError(
+        f"conversation {key!r} was deleted while pass {pass_id} ran (or deleted and started "
+        "again): nothing more of the pass was written; start a new pass to go on.",
+        key=key,
+        expected=version,
+        actual=version,
+    )
+
+
+def check_first_write(
+    pass_id: str,
+    key: str,
+    version: int,
+    start: int,
+    born: float | None,
+    head: tuple[int | None, float],
+) -> None:
+    """A `record` that finds no record of its pass: refused (`ConflictError`) unless it is the
+    pass's first write (`start` 0) and the conversation is still the one it read (`head`: its
+    version and `created_at` now, (None, 0.0) when there is none; `born` as the pass read it,
+    None: not checked). A later write without a record is a pass whose conversation a delete
+    or prune took (with the record) while it ran: writing it again would bring back what was
+    deleted."""
+    if start > 0:
+        raise gone_error(key, pass_id, version)
+    found, created = head
+    if born is not None and created != born:
+        if born:  # the conversation it read is gone (another may hold the key now)
+            raise gone_error(key, pass_id, version)
+        raise conflict_error(key, version, found or 0, ())  # another writer started the key

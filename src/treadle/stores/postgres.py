@@ -22,6 +22,7 @@ from treadle.stores.backend import JournalEntry
 from treadle.stores.batching import OFF_LOOP_ROWS, Batcher, encode_rows
 from treadle.stores.pass_records import (
     carried_metadata,
+    check_first_write,
     check_pass_key,
     claimed_metadata,
     owner_check,
@@ -32,7 +33,7 @@ from treadle.stores.pass_records import (
 from treadle.stores.postgres_batch import commit_call, commit_many, commit_task, load_many
 from treadle.stores.postgres_home import PostgresHome
 from treadle.stores.postgres_open import DB_NOW
-from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations
+from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations, prune_orphans
 from treadle.stores.postgres_rows import write_rows
 from treadle.stores.queueing import KeyLock, PostgresKeyLock
 from treadle.stores.records import (
@@ -122,30 +123,25 @@ class PostgresBackend(PostgresHome):
         *,
         start: int,
         supersedes: str | None = None,
+        born: float | None = None,
     ) -> None:
         """Make a running pass's journal entries durable (one transaction), as its entries
         from `start` on: entries already there are kept, so a write repeated after one whose
-        outcome its caller never learned adds nothing twice."""
+        outcome its caller never learned adds nothing twice. Refused (`ConflictError`) once the
+        pass's conversation was deleted (see `StoreBackend.record`)."""
         agents = encode_json([r.to_message() for r in agent_rows])
 
         async def do(conn: AsyncConnection[Any]) -> None:
             async with conn.transaction():
-                meta = owner_metadata()
-                if supersedes is not None:
-                    cur = await conn.execute(
-                        "SELECT metadata FROM treadle_passes WHERE pass_id = %s", (supersedes,)
-                    )
-                    taken = await cur.fetchone()
-                    meta = carried_metadata(taken[0] if taken else None, key)
                 # The owner's lease runs on the server's clock (`DB_NOW`): every machine
                 # judges it the same way, whatever its own clock says.
-                await conn.execute(
-                    "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
-                    f" metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
-                    f" {DB_NOW}, {DB_NOW}) ON CONFLICT (pass_id) DO UPDATE SET"
-                    f" updated_at = {DB_NOW}",
-                    (pass_id, key, version, agents, meta),
+                cur = await conn.execute(
+                    f"UPDATE treadle_passes SET updated_at = {DB_NOW} WHERE pass_id = %s",
+                    (pass_id,),
                 )
+                if not cur.rowcount:  # its first write (or its conversation was deleted)
+                    await self._first_write(conn, pass_id, key, version, agents, start,
+                                            supersedes, born)  # fmt: skip
                 if supersedes is not None:  # the resume now holds the pass it took's journal
                     await conn.execute(
                         f"UPDATE treadle_passes SET status = 'resumed', updated_at = {DB_NOW}"
@@ -160,6 +156,39 @@ class PostgresBackend(PostgresHome):
                     )
 
         await self._run(do)
+
+    async def _first_write(
+        self,
+        conn: AsyncConnection[Any],
+        pass_id: str,
+        key: str,
+        version: int,
+        agents: str,
+        start: int,
+        supersedes: str | None,
+        born: float | None,
+    ) -> None:
+        """Record a pass at its first write (`record`), or refuse a write whose record a
+        delete took (`check_first_write`)."""
+        cur = await conn.execute(
+            "SELECT version, created_at FROM treadle_conversations WHERE key = %s", (key,)
+        )
+        head = await cur.fetchone()
+        found = (None, 0.0) if head is None else (int(head[0]), float(head[1]))
+        check_first_write(pass_id, key, version, start, born, found)
+        meta = owner_metadata()
+        if supersedes is not None:
+            cur = await conn.execute(
+                "SELECT metadata FROM treadle_passes WHERE pass_id = %s", (supersedes,)
+            )
+            taken = await cur.fetchone()
+            meta = carried_metadata(taken[0] if taken else None, key)
+        await conn.execute(
+            "INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows,"
+            f" metadata, created_at, updated_at) VALUES (%s, %s, 'running', %s, %s, %s,"
+            f" {DB_NOW}, {DB_NOW}) ON CONFLICT (pass_id) DO UPDATE SET updated_at = {DB_NOW}",
+            (pass_id, key, version, agents, meta),
+        )  # the same first write, repeated at once on another connection, may land first
 
     async def _lock(self, conn: AsyncConnection[Any], key: str) -> int | None:
         """Take the conversation's write lock (to the end of the transaction); its version."""
@@ -182,11 +211,12 @@ class PostgresBackend(PostgresHome):
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
         recorded: bool = True,
+        born: float | None = None,
     ) -> int:
         """Append a pass's rows at version `base` and settle the pass (one server-side call)."""
         encoded = await encode_rows(rows)  # a large commit is encoded off the loop
         call = commit_call(pass_id, key, base, rows, encoded, usage, stop_reason, metadata,
-                           agent_rows, recorded)  # fmt: skip
+                           agent_rows, recorded, born)  # fmt: skip
         # Passes ending at once commit together (one round trip, one server commit), each
         # with its own version check (see treadle.stores.postgres_batch).
         commits = self._batchers()[1]
@@ -237,6 +267,7 @@ class PostgresBackend(PostgresHome):
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
         recorded: bool = True,
+        born: float | None = None,
     ) -> None:
         """`commit`, with its outcome (the new version, or the error `commit` would raise)
         handed to `then` on this loop: queued into the batched commits, settled in the one call
@@ -246,7 +277,8 @@ class PostgresBackend(PostgresHome):
         if self._closed:
             raise StoreError(f"the store {self.url} is closed; open a new Store.")
         kw: dict[str, Any] = {"usage": usage, "stop_reason": stop_reason, "metadata": metadata,
-                              "agent_rows": agent_rows, "recorded": recorded}  # fmt: skip
+                              "agent_rows": agent_rows, "recorded": recorded,
+                              "born": born}  # fmt: skip
         if len(rows) > OFF_LOOP_ROWS:  # its rows are encoded off the loop: a task awaits that
             commit_task(self.commit(pass_id, key, base, rows, **kw), then)
             return
@@ -422,7 +454,8 @@ class PostgresBackend(PostgresHome):
         return await self._run(do)
 
     async def delete(self, key: str) -> bool:
-        """Delete a conversation with its passes and journal."""
+        """Delete a conversation with its passes and journal (also a key holding only the
+        records of passes that never committed); True when the key held anything."""
 
         async def do(conn: AsyncConnection[Any]) -> bool:
             async with conn.transaction():
@@ -433,7 +466,8 @@ class PostgresBackend(PostgresHome):
         return await self._run(do)
 
     async def prune(self, before: float) -> int:
-        """Delete conversations not changed since `before`.
+        """Delete conversations not changed since `before`, then the records of passes that
+        never committed on keys without a conversation, none changed since `before`.
 
         The age is checked again under each conversation's lock, in the transaction that
         deletes it: one a pass committed to meanwhile is kept. Conversations go in chunks of
@@ -456,6 +490,6 @@ class PostgresBackend(PostgresHome):
                 for key in keys:
                     self._cache.drop(key)
                 gone += len(keys)
-            return gone
+            return gone + await prune_orphans(conn, before)
 
         return await self._run(do)

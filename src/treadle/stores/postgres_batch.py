@@ -70,7 +70,7 @@ MESSAGE_LIMIT = (1 << 30) - (1 << 20)
 
 #: One pass's commit (see `postgres_open.COMMIT_FUNCTION`): the new version, or -1 - the
 #: version found when the conversation moved.
-COMMIT_CALL = "SELECT treadle_commit(%b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b)"
+COMMIT_CALL = "SELECT treadle_commit(%b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b, %b)"
 
 #: Every pass of a batch: one JSON array of their parameters (`_batch_json`), one object per
 #: pass, evaluated in the array's order (sorted by key). A pass's kinds and payloads are JSON
@@ -81,16 +81,16 @@ _COMMIT_MANY = (
     " ORDER BY o),"
     " ARRAY(SELECT e FROM json_array_elements_text(u.payloads) WITH ORDINALITY AS p(e, o)"
     " ORDER BY o),"
-    " u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now)"
+    " u.usage, u.stop, u.meta, u.status, u.agents, u.recorded, u.now, u.born)"
     " FROM json_to_recordset(%b::json) AS u(i int, pass text, key text, base bigint,"
     " kinds json, payloads json, usage text, stop text, meta text, status text, agents text,"
-    " recorded bool, now float8)"
+    " recorded bool, now float8, born float8)"
 )
 
 #: The fields of a pass's object in `_COMMIT_MANY`'s parameter, in `COMMIT_CALL`'s order.
 _FIELDS = (
     "pass", "key", "base", "kinds", "payloads", "usage", "stop", "meta", "status", "agents",
-    "recorded", "now",
+    "recorded", "now", "born",
 )  # fmt: skip
 
 #: The heads of the keys of one JSON array (encoded by pydantic-core in one call: a `text[]`
@@ -118,17 +118,20 @@ def commit_call(
     metadata: Mapping[str, Any],
     agent_rows: Sequence[ChunkRow],
     recorded: bool,
+    born: float | None = None,
 ) -> tuple[Any, ...]:
     """A pass's commit as a request of the batched commits: `COMMIT_CALL`'s parameters, then
-    its rows and usage (for the row cache once it landed). `encoded`: the rows' text."""
+    its rows and usage (for the row cache once it landed). `encoded`: the rows' text; `born`:
+    the read conversation's `created_at` (see `StoreBackend.commit`)."""
     kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
     status = "interrupted" if stop_reason == "interrupted" else "done"
-    # Only a pass that leaves a record needs its agent rows (treadle_commit's own test).
-    keep_record = recorded or status != "done"
-    agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
+    # Only a pass that leaves a new record needs its agent rows (treadle_commit's own test;
+    # a recorded pass's record holds them already).
+    new_record = (recorded or status != "done") and not (recorded and born is not None)
+    agents = encode_json([r.to_message() for r in agent_rows]) if new_record else ""
     return (
         pass_id, key, base, [k for k, _ in encoded], [p for _, p in encoded],
-        encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(),
+        encode_usage(usage), stop_reason, kept, status, agents, recorded, time.time(), born,
         (rows, usage),
     )  # fmt: skip
 

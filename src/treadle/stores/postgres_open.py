@@ -10,7 +10,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from treadle.errors import ConfigurationError
-from treadle.stores.backend import SCHEMA_VERSION
+from treadle.stores.backend import SCHEMA_VERSION, schema_found
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -70,13 +70,13 @@ BEGIN
 END
 $$"""
 
-#: The commit in use (schema version 2). The head row is locked (`FOR UPDATE`) before the version
+#: The commit of schema version 2. The head row is locked (`FOR UPDATE`) before the version
 #: check, and moved before any row is written: a delete or prune that got to the head first
 #: (holding its row lock, or the conversation's advisory lock as they now take) is waited for,
 #: and the pass then finds the conversation gone and conflicts instead of writing rows that no
 #: head points to. A head that moves no row (it vanished anyway) is a conflict too. A new head
 #: first clears rows an older release may have left without one, so such a key works again.
-COMMIT_FUNCTION = """
+_COMMIT_FUNCTION_2 = """
 CREATE OR REPLACE FUNCTION treadle_commit(
     p_pass TEXT, p_key TEXT, p_base BIGINT, p_kinds TEXT[], p_payloads TEXT[], p_usage TEXT,
     p_stop TEXT, p_meta TEXT, p_status TEXT, p_agents TEXT, p_recorded BOOLEAN,
@@ -120,6 +120,66 @@ BEGIN
 END
 $$"""
 
+#: The commit in use (schema version 3): version 2's, which also checks that the conversation
+#: is the one the pass read (`p_born`, its `created_at` then; 0: there was none; NULL: not
+#: checked), in the head's own `SELECT`: a key deleted and started again may be back at the
+#: pass's version (ABA). A recorded pass that read the conversation (`p_recorded`, `p_born`)
+#: settles its record before any row is written, and conflicts when the record is gone: a
+#: delete or prune took it with its conversation while the pass ran. (A new overload: version
+#: 2's stays for processes of the release before, which refuse this schema at their next start.)
+COMMIT_FUNCTION = """
+CREATE OR REPLACE FUNCTION treadle_commit(
+    p_pass TEXT, p_key TEXT, p_base BIGINT, p_kinds TEXT[], p_payloads TEXT[], p_usage TEXT,
+    p_stop TEXT, p_meta TEXT, p_status TEXT, p_agents TEXT, p_recorded BOOLEAN,
+    p_now DOUBLE PRECISION, p_born DOUBLE PRECISION
+) RETURNS BIGINT LANGUAGE plpgsql AS $$
+DECLARE
+    head BIGINT;
+    born DOUBLE PRECISION;
+    target BIGINT := p_base + cardinality(p_kinds);
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, 0));
+    SELECT version, created_at INTO head, born FROM treadle_conversations WHERE key = p_key
+        FOR UPDATE;
+    IF coalesce(head, 0) <> p_base OR (p_born IS NOT NULL AND coalesce(born, 0) <> p_born) THEN
+        UPDATE treadle_passes SET status = 'conflict', updated_at = p_now WHERE pass_id = p_pass;
+        RETURN -1 - coalesce(head, 0);
+    END IF;
+    IF p_recorded AND p_born IS NOT NULL THEN
+        UPDATE treadle_passes SET status = p_status, version = target, metadata = p_meta,
+            updated_at = p_now WHERE pass_id = p_pass;
+        IF NOT FOUND THEN
+            RETURN -1 - coalesce(head, 0);
+        END IF;
+        DELETE FROM treadle_journal WHERE pass_id = p_pass;
+    ELSIF p_recorded OR p_status <> 'done' THEN
+        INSERT INTO treadle_passes (pass_id, key, status, version, agent_rows, metadata,
+            created_at, updated_at) VALUES (p_pass, p_key, p_status, target, p_agents, p_meta,
+            p_now, p_now)
+        ON CONFLICT (pass_id) DO UPDATE SET status = p_status, version = target,
+            metadata = p_meta, updated_at = p_now;
+        DELETE FROM treadle_journal WHERE pass_id = p_pass;
+    END IF;
+    IF head IS NULL THEN
+        DELETE FROM treadle_rows WHERE key = p_key;
+        INSERT INTO treadle_conversations (key, version, usage, stop_reason, metadata,
+            created_at, updated_at) VALUES (p_key, target, p_usage, p_stop, p_meta, p_now, p_now);
+    ELSE
+        UPDATE treadle_conversations SET version = target, usage = p_usage, stop_reason = p_stop,
+            metadata = p_meta, updated_at = p_now WHERE key = p_key AND version = p_base;
+        IF NOT FOUND THEN
+            UPDATE treadle_passes SET status = 'conflict', updated_at = p_now
+                WHERE pass_id = p_pass;
+            RETURN -1;
+        END IF;
+    END IF;
+    INSERT INTO treadle_rows (key, seq, pass_id, kind, payload)
+        SELECT p_key, p_base + t.o - 1, p_pass, t.k, t.p
+        FROM unnest(p_kinds, p_payloads) WITH ORDINALITY AS t(k, p, o);
+    RETURN target;
+END
+$$"""
+
 #: Schema migrations, by the version they reach; each runs once, in one transaction.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -140,7 +200,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             body TEXT NOT NULL, PRIMARY KEY (pass_id, seq))""",
         _COMMIT_FUNCTION_1,
     ),
-    2: (COMMIT_FUNCTION,),
+    2: (_COMMIT_FUNCTION_2,),
+    3: (COMMIT_FUNCTION,),
 }
 assert max(MIGRATIONS) == SCHEMA_VERSION
 
@@ -194,12 +255,7 @@ async def open_pool(
                 "CREATE TABLE IF NOT EXISTS treadle_schema (version INTEGER NOT NULL)"
             )
             cur = await conn.execute("SELECT max(version) FROM treadle_schema")
-            found = ((await cur.fetchone()) or (None,))[0] or 0
-            if found > SCHEMA_VERSION:
-                raise ConfigurationError(
-                    f"the store's schema is version {found}, newer than this Treadle's "
-                    f"{SCHEMA_VERSION}; upgrade Treadle."
-                )
+            found = schema_found(((await cur.fetchone()) or (None,))[0], f"the database {url}")
             for version in sorted(v for v in MIGRATIONS if v > found):
                 for statement in MIGRATIONS[version]:
                     await conn.execute(statement)

@@ -84,6 +84,10 @@ class StoredConversation:
     """The conversation this one was forked from (None for a root)."""
     parent_version: int | None = None
     """The version of `parent_key` it was forked at."""
+    created_at: float | None = field(default=None, compare=False)
+    """When this conversation was created under its key (seconds since the epoch; None for a
+    new key): a key deleted and used again is another conversation, with another `created_at`
+    (a pass commits only onto the conversation it read, not merely the same version)."""
 
     @property
     def version(self) -> int:
@@ -98,7 +102,8 @@ _NEW = object.__new__
 _SETS = tuple(
     StoredConversation.__dict__[name].__set__
     for name in (
-        "key", "rows", "usage", "stop_reason", "metadata", "parent_key", "parent_version"
+        "key", "rows", "usage", "stop_reason", "metadata", "parent_key", "parent_version",
+        "created_at",
     )
 )  # fmt: skip
 
@@ -111,11 +116,12 @@ def stored_conversation(
     metadata: Mapping[str, Any],
     parent_key: str | None,
     parent_version: int | None,
+    created_at: float | None = None,
 ) -> StoredConversation:
     """`StoredConversation(key, rows, ...)` with every field given, built without the frozen
     `__init__` (see `_SETS`): a store's read path."""
     found: StoredConversation = _NEW(StoredConversation)
-    s_key, s_rows, s_usage, s_stop, s_meta, s_parent, s_version = _SETS
+    s_key, s_rows, s_usage, s_stop, s_meta, s_parent, s_version, s_created = _SETS
     s_key(found, key)
     s_rows(found, rows)
     s_usage(found, usage)
@@ -123,6 +129,7 @@ def stored_conversation(
     s_meta(found, metadata)
     s_parent(found, parent_key)
     s_version(found, parent_version)
+    s_created(found, created_at)
     return found
 
 
@@ -232,12 +239,19 @@ def decode_usage(text: str | bytes | None, key: str) -> Usage:
     u = decode_json(text, key)
     if not isinstance(u, dict):
         return Usage()
-    return Usage(
-        int(u.get("prompt_tokens", 0)),
-        int(u.get("completion_tokens", 0)),
-        int(u.get("total_tokens", 0)),
-        int(u.get("requests", 0)),
-    )
+    try:
+        return Usage(
+            int(u.get("prompt_tokens", 0)),
+            int(u.get("completion_tokens", 0)),
+            int(u.get("total_tokens", 0)),
+            int(u.get("requests", 0)),
+        )
+    except (TypeError, ValueError, OverflowError):  # a count that is text, a list, 1e400
+        shown = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        raise StoreError(
+            f"conversation {key!r} holds a usage that is not token counts ({shown!r:.80}); "
+            "the store is damaged (delete the conversation or restore it from an export)."
+        ) from None
 
 
 def encode_usage(usage: Usage) -> str:
@@ -262,10 +276,20 @@ KEPT_METADATA = ("pending_approvals", "interrupt_reason", "approval_decisions")
 
 
 def conflict_error(key: str, expected: int, actual: int, rows: Sequence[ChunkRow]) -> ConflictError:
+    """The `ConflictError` of a write based on version `expected` of `key`, which is at
+    `actual` (the same version: the conversation read was deleted, and the key started again)."""
+    if actual == expected:
+        what = (
+            f"conversation {key!r} was deleted since this writer read it (at version "
+            f"{expected}), and the key holds another conversation now"
+        )
+    else:
+        what = (
+            f"conversation {key!r} is at version {actual}, not {expected} as this writer read "
+            "it: another writer appended first (or the conversation was deleted)"
+        )
     return ConflictError(
-        f"conversation {key!r} is at version {actual}, not {expected} as this writer read it: "
-        "another writer appended first, so nothing was written; read the conversation again "
-        "and retry.",
+        f"{what}, so nothing was written; read the conversation again and retry.",
         key=key,
         expected=expected,
         actual=actual,
@@ -364,9 +388,9 @@ def stored_from_head(
     key: str, rows: tuple[ChunkRow, ...], head: Sequence[Any], usage: Usage | None = None
 ) -> StoredConversation:
     """A conversation from its rows and its head row as both backends select it: (usage,
-    stop_reason, metadata, version, parent_key, ...); `usage` is the head's, when already
-    decoded."""
+    stop_reason, metadata, parent_key, parent_version, created_at, version); `usage` is the
+    head's, when already decoded."""
     meta = {} if head[2] == "{}" else decode_json(head[2], key)  # most heads keep nothing
     if usage is None:
         usage = decode_usage(head[0], key)
-    return stored_conversation(key, rows, usage, head[1], meta, head[3], head[4])
+    return stored_conversation(key, rows, usage, head[1], meta, head[3], head[4], head[5])

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from treadle.errors import ConfigurationError, ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
-from treadle.stores.backend import SCHEMA_VERSION, JournalEntry
+from treadle.stores.backend import SCHEMA_VERSION, JournalEntry, schema_found
 from treadle.stores.pass_records import waiting_error
 from treadle.stores.queueing import FileKeyLock, HeldLocks, KeyLock
 from treadle.stores.records import (
@@ -40,6 +40,7 @@ from treadle.stores.records import (
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
 from treadle.stores.sqlite_writes import (
+    ORPHAN_KEYS,
     advance,
     commit_job,
     delete_keys,
@@ -76,6 +77,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     # Version 2 changed PostgreSQL's commit function only; SQLite's writes are whole
     # transactions on one file already, so its schema stays as it was.
     2: (),
+    # Version 3 changed PostgreSQL's commit function only (it checks the conversation's
+    # `created_at`, which both schemas hold already).
+    3: (),
 }
 assert max(MIGRATIONS) == SCHEMA_VERSION
 
@@ -87,7 +91,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        _migrate(conn)
+        _migrate(conn, path)
     except (sqlite3.Error, OSError) as err:
         raise ConfigurationError(
             f"cannot open the SQLite store {path}: {err}; check the path and its permissions."
@@ -95,23 +99,24 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _migrate(conn: sqlite3.Connection) -> None:
+def _migrate(conn: sqlite3.Connection, path: Path) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.execute("CREATE TABLE IF NOT EXISTS treadle_schema (version INTEGER NOT NULL)")
-        found = conn.execute("SELECT max(version) FROM treadle_schema").fetchone()[0] or 0
-        if found > SCHEMA_VERSION:
-            raise ConfigurationError(
-                f"the store's schema is version {found}, newer than this Treadle's "
-                f"{SCHEMA_VERSION}; upgrade Treadle."
-            )
+        found = schema_found(
+            conn.execute("SELECT max(version) FROM treadle_schema").fetchone()[0],
+            f"the SQLite file {path}",
+        )
         for version in sorted(v for v in MIGRATIONS if v > found):
             for statement in MIGRATIONS[version]:
                 conn.execute(statement)
             conn.execute("INSERT INTO treadle_schema VALUES (?)", (version,))
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        # A statement that failed may have ended the transaction already (or none began: a
+        # path such as /dev/null): a ROLLBACK then would replace its error with its own.
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
         raise
 
 
@@ -198,12 +203,14 @@ class SqliteBackend:
         *,
         start: int,
         supersedes: str | None = None,
+        born: float | None = None,
     ) -> None:
         """Make a running pass's journal entries durable (one transaction), as its entries
         from `start` on: entries already there are kept, so a write repeated after one whose
-        outcome its caller never learned adds nothing twice."""
+        outcome its caller never learned adds nothing twice. Refused (`ConflictError`) once the
+        pass's conversation was deleted (see `StoreBackend.record`)."""
         agents = encode_json([r.to_message() for r in agent_rows])
-        await self._run(record_job(pass_id, key, version, agents, entries, start, supersedes))
+        await self._run(record_job(pass_id, key, version, agents, entries, start, supersedes, born))
 
     async def commit(
         self,
@@ -217,6 +224,7 @@ class SqliteBackend:
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
         recorded: bool = True,
+        born: float | None = None,
     ) -> int:
         """Append a pass's rows at version `base` and settle the pass (one transaction)."""
         job = commit_job(
@@ -231,6 +239,7 @@ class SqliteBackend:
             metadata,
             agent_rows,
             recorded,
+            born,
         )
         held = self._locks.take(key)  # queue mode: the lock goes back where the commit ends
         if held is None:
@@ -275,6 +284,7 @@ class SqliteBackend:
         metadata: Mapping[str, Any],
         agent_rows: Sequence[ChunkRow],
         recorded: bool = True,
+        born: float | None = None,
     ) -> None:
         """`commit`, with its outcome (the new version, or the error `commit` would raise)
         handed to `then` on this loop once durable: no task and no future, one call from the
@@ -295,6 +305,7 @@ class SqliteBackend:
             metadata,
             agent_rows,
             recorded,
+            born,
         )
 
         def settle(version: int | None, error: BaseException | None) -> None:
@@ -408,7 +419,8 @@ class SqliteBackend:
         return await self._run(do)
 
     async def delete(self, key: str) -> bool:
-        """Delete a conversation with its passes and journal."""
+        """Delete a conversation with its passes and journal (also a key holding only the
+        records of passes that never committed); True when the key held anything."""
 
         def do(conn: sqlite3.Connection) -> bool:
             gone = delete_keys(conn, [key])
@@ -419,7 +431,8 @@ class SqliteBackend:
         return await self._run(do)
 
     async def prune(self, before: float) -> int:
-        """Delete conversations not changed since `before`."""
+        """Delete conversations not changed since `before`, and keys holding only records of
+        passes that never committed, none changed since `before`; how many keys."""
 
         def do(conn: sqlite3.Connection) -> int:
             keys = [
@@ -428,6 +441,7 @@ class SqliteBackend:
                     "SELECT key FROM conversations WHERE updated_at < ?", (before,)
                 )
             ]
+            keys += [k for (k,) in conn.execute(ORPHAN_KEYS, (before,))]
             gone = delete_keys(conn, keys)
             for key in keys:
                 self._cache.drop(key)

@@ -47,8 +47,9 @@ class Head:
         """The conversation with this head and its `rows` (its own copy of the metadata)."""
         meta = {} if self.metadata == "{}" else decode_json(self.metadata, key)
         return stored_conversation(
-            key, rows, self.usage, self.stop_reason, meta, self.parent_key, self.parent_version
-        )
+            key, rows, self.usage, self.stop_reason, meta, self.parent_key, self.parent_version,
+            self.created_at,
+        )  # fmt: skip
 
 
 class HeadCache:

@@ -13,6 +13,7 @@ from treadle.errors import ConflictError
 from treadle.stores.backend import JournalEntry
 from treadle.stores.pass_records import (
     carried_metadata,
+    check_first_write,
     check_pass_key,
     claimed_metadata,
     owner_check,
@@ -27,7 +28,7 @@ from treadle.stores.records import (
     journal_record,
     journal_text,
 )
-from treadle.stores.sqlite_writes import version_of
+from treadle.stores.sqlite_writes import head_of, version_of
 
 __all__ = ["claim_job", "pending_job", "record_job"]
 
@@ -40,23 +41,27 @@ def record_job(
     entries: Sequence[JournalEntry],
     start: int,
     supersedes: str | None,
+    born: float | None = None,
 ) -> Callable[[sqlite3.Connection], None]:
     """`SqliteBackend.record`'s transaction (see `StoreBackend.record`)."""
 
     def do(conn: sqlite3.Connection) -> None:
         now = time.time()
-        meta = owner_metadata()
-        if supersedes is not None:
-            taken = conn.execute(
-                "SELECT metadata FROM passes WHERE pass_id = ?", (supersedes,)
-            ).fetchone()
-            meta = carried_metadata(taken[0] if taken else None, key)
-        conn.execute(
-            "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
-            " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, ?, ?, ?) "
-            "ON CONFLICT (pass_id) DO UPDATE SET updated_at = excluded.updated_at",
-            (pass_id, key, version, agents, meta, now, now),
-        )
+        if not conn.execute(
+            "UPDATE passes SET updated_at = ? WHERE pass_id = ?", (now, pass_id)
+        ).rowcount:
+            check_first_write(pass_id, key, version, start, born, head_of(conn, key))
+            meta = owner_metadata()
+            if supersedes is not None:
+                taken = conn.execute(
+                    "SELECT metadata FROM passes WHERE pass_id = ?", (supersedes,)
+                ).fetchone()
+                meta = carried_metadata(taken[0] if taken else None, key)
+            conn.execute(
+                "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
+                " created_at, updated_at) VALUES (?, ?, 'running', ?, ?, ?, ?, ?)",
+                (pass_id, key, version, agents, meta, now, now),
+            )
         if supersedes is not None:  # the resume now holds the journal of the pass it took
             conn.execute(
                 "UPDATE passes SET status = 'resumed', updated_at = ? WHERE pass_id = ?"

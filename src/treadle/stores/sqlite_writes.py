@@ -22,11 +22,13 @@ from treadle.stores.sqlite_heads import Head, HeadCache
 
 __all__ = [
     "INSERT_ROW",
+    "ORPHAN_KEYS",
     "UPDATE_HEAD",
     "UPDATE_HEAD_MOVED",
     "advance",
     "commit_job",
     "delete_keys",
+    "head_of",
     "insert_rows",
     "row_params",
     "version_of",
@@ -37,6 +39,14 @@ def version_of(conn: sqlite3.Connection, key: str) -> int | None:
     """The conversation's version as stored (None: no such conversation)."""
     found = conn.execute("SELECT version FROM conversations WHERE key = ?", (key,)).fetchone()
     return None if found is None else int(found[0])
+
+
+def head_of(conn: sqlite3.Connection, key: str) -> tuple[int | None, float]:
+    """The conversation's version and `created_at` as stored ((None, 0.0): none)."""
+    found = conn.execute(
+        "SELECT version, created_at FROM conversations WHERE key = ?", (key,)
+    ).fetchone()
+    return (None, 0.0) if found is None else (int(found[0]), float(found[1]))
 
 
 def insert_rows(
@@ -113,17 +123,26 @@ def commit_job(
     metadata: Mapping[str, Any],
     agent_rows: Sequence[ChunkRow],
     recorded: bool,
+    born: float | None = None,
 ) -> Callable[[sqlite3.Connection], int]:
     """The database thread's side of a commit: the new version, or `-1 - found` when the
-    conversation is at version `found`, not `base` (a conflict)."""
+    conversation is at version `found`, not `base`, or is not the one the pass read (its
+    `created_at` is not `born`; 0.0: there was none; None: not checked), or the pass's record
+    is gone (its conversation was deleted while it ran): a conflict."""
     # Most passes keep nothing for the next one: no encoder call for an empty object.
     kept = "{}"
     if metadata:
         kept = encode_json({k: metadata[k] for k in KEPT_METADATA if k in metadata})
     status = "interrupted" if stop_reason == "interrupted" else "done"
-    # Only a pass that leaves a record needs its agent rows encoded (most passes do not).
+    # Only a pass that leaves a new record needs its agent rows encoded (most passes do not;
+    # a recorded pass's record holds them already).
     keep_record = recorded or status != "done"
-    agents = encode_json([r.to_message() for r in agent_rows]) if keep_record else ""
+    # A pass that read the conversation (`born`) and recorded itself has its record (unless a
+    # delete took it): settled in place, which fails when it is gone.
+    settle_only = recorded and born is not None
+    agents = (
+        encode_json([r.to_message() for r in agent_rows]) if keep_record and not settle_only else ""
+    )
     # Encoded before the job: the database thread's work is every writer's wait (the
     # rows are encoded there: a large commit must not hold the loop).
     usage_text = encode_usage(usage)
@@ -133,14 +152,42 @@ def commit_job(
         assert conn.in_transaction
         now = time.time()
         head = heads.get(key)
-        found = head.version if head is not None else version_of(conn, key)
-        if (found or 0) != base:
+        if head is not None:
+            found: int | None = head.version
+            created = head.created_at
+        else:
+            found, created = head_of(conn, key)
+        # The version alone is not the conversation: one deleted and started again under the
+        # same key may be back at it (ABA); its `created_at` (in the same head) tells them apart.
+        if (found or 0) != base or (born is not None and created != born):
             conn.execute(
                 "UPDATE passes SET status = 'conflict', updated_at = ? WHERE pass_id = ?",
                 (now, pass_id),
             )
             return -1 - (found or 0)  # kept: the pass's conflict status
         version = base + len(rows)
+        if settle_only:
+            # Its record is there unless a delete (or prune) took it with its conversation
+            # while the pass ran: then nothing of the pass may land (the same one statement
+            # its settling always took, moved before the rows).
+            if not conn.execute(
+                "UPDATE passes SET status = ?, version = ?, metadata = ?, updated_at = ?"
+                " WHERE pass_id = ?",
+                (status, version, kept, now, pass_id),
+            ).rowcount:
+                return -1 - (found or 0)
+            conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
+        elif keep_record:  # a pass that kept nothing pending needs no record
+            conn.execute(
+                "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
+                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT"
+                " (pass_id) DO UPDATE SET status = excluded.status, version ="
+                " excluded.version, metadata = excluded.metadata, updated_at ="
+                " excluded.updated_at",
+                (pass_id, key, status, version, agents, kept, now, now),
+            )
+            if recorded:
+                conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
         # `row_params` inline (a turn's commit is this thread's most frequent job): each row's
         # wire JSON is the one its model request encoded and cached.
         numbered = enumerate(rows, base)
@@ -160,16 +207,6 @@ def commit_job(
             conn.execute(UPDATE_HEAD_MOVED, (version, now, usage_text, key))
         else:
             conn.execute(UPDATE_HEAD, (version, now, usage_text, stop_reason, kept, key))
-        if keep_record:  # a pass that kept nothing pending needs no record
-            conn.execute(
-                "INSERT INTO passes (pass_id, key, status, version, agent_rows, metadata,"
-                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT"
-                " (pass_id) DO UPDATE SET status = excluded.status, version ="
-                " excluded.version, metadata = excluded.metadata, updated_at ="
-                " excluded.updated_at",
-                (pass_id, key, status, version, agents, kept, now, now),
-            )
-            conn.execute("DELETE FROM journal WHERE pass_id = ?", (pass_id,))
         if found is None:
             cache.put(key, now, tuple(rows))
             heads.put(key, Head(usage, stop_reason, kept, None, None, now, version))
@@ -184,13 +221,25 @@ def commit_job(
 
 
 def delete_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
+    """Delete the conversations `keys` with their rows, and every pass record and journal of
+    those keys (also of passes that never committed: a first turn cancelled on a new key holds
+    its user's text there alone); how many keys held anything."""
     gone = 0
     for key in keys:
         conn.execute(
             "DELETE FROM journal WHERE pass_id IN (SELECT pass_id FROM passes WHERE key = ?)",
             (key,),
         )
-        conn.execute("DELETE FROM passes WHERE key = ?", (key,))
+        passes = conn.execute("DELETE FROM passes WHERE key = ?", (key,)).rowcount
         conn.execute("DELETE FROM rows WHERE key = ?", (key,))
-        gone += conn.execute("DELETE FROM conversations WHERE key = ?", (key,)).rowcount
+        heads = conn.execute("DELETE FROM conversations WHERE key = ?", (key,)).rowcount
+        gone += bool(heads or passes)
     return gone
+
+
+#: Keys whose only data are pass records not changed since a time: passes that never committed
+#: (a first turn cancelled or failed on a new key), which no conversation's age covers.
+ORPHAN_KEYS = (
+    "SELECT p.key FROM passes p WHERE NOT EXISTS (SELECT 1 FROM conversations c"
+    " WHERE c.key = p.key) GROUP BY p.key HAVING max(p.updated_at) < ?"
+)

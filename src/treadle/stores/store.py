@@ -238,8 +238,20 @@ class Store:
         """Branch conversation `key` (at `version`, default its latest) into the new key
         `new_key`; the branch as a `Session`. Its lineage names the parent conversation. Its
         usage starts as the parent's whole total when forked, not the usage up to `version`
-        (the store keeps one usage total a conversation, none a pass)."""
-        at = await self.backend.fork(check_key(key), check_key(new_key, "new key"), version)
+        (the store keeps one usage total a conversation, none a pass). `version` must be an
+        int of 0 or more (`ConfigurationError` otherwise, before the store is asked)."""
+        check_key(key)
+        check_key(new_key, "new key")
+        # A float, bool or str slips through a range check (1.5 made a head at a version no
+        # row count matches): only an int names a version.
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 0
+        ):
+            raise ConfigurationError(
+                f"fork(version=) takes an int of 0 or more (or None: the latest), got "
+                f"{version!r:.60}."
+            )
+        at = await self.backend.fork(key, new_key, version)
         return Session._derive(
             await self._conversation_data(new_key),
             operator=f"fork:{key}@{at}",
@@ -253,7 +265,9 @@ class Store:
         return self._wait(self.afork(key, new_key, version=version))
 
     async def adelete(self, key: str) -> bool:
-        """Delete a conversation with its passes; True when it existed."""
+        """Delete a conversation with its passes (also the records of passes on `key` that
+        never committed, such as a first turn cancelled); True when the key held any of them.
+        A pass still running on it then fails with `ConflictError` and writes nothing back."""
         return await self.backend.delete(check_key(key))
 
     def delete(self, key: str) -> bool:
@@ -261,7 +275,8 @@ class Store:
         return self._wait(self.adelete(key))
 
     async def aprune(self, *, older_than_days: float) -> int:
-        """Delete conversations not changed for `older_than_days` days; how many."""
+        """Delete conversations not changed for `older_than_days` days, and the records of
+        passes that never committed on keys without a conversation, as old; how many keys."""
         if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)):
             raise ConfigurationError("older_than_days must be a number of days.")
         if older_than_days < 0:
