@@ -197,6 +197,21 @@ def test_an_approval_decides_one_call_not_a_later_call_with_the_same_id() -> Non
     assert [r["result"] for r in _results(resumed)] == ["deployed to staging"]
 
 
+def test_decisions_for_calls_not_in_the_decided_round_are_not_kept_for_later() -> None:
+    ex = ScriptedExecutor(
+        [
+            tool_call("deploy", {"target": "staging"}, id="call_0"),
+            tool_call("deploy", {"target": "PRODUCTION"}, id="call_1"),
+            "done",
+        ]
+    )
+    out = run_session_loop(Session.from_user_message("ship"), AGENT, executor=ex, tools=[deploy])
+    stale = {"call_0": True, "call_1": True}  # call_1 was never shown to the user
+    resumed = run_session_loop(out, AGENT, executor=ex, tools=[deploy], approvals=stale)
+    assert resumed.stop_reason == "interrupted"
+    assert [a["id"] for a in resumed.pending_approvals] == ["call_1"]
+
+
 # -- limits --------------------------------------------------------------------------------------
 def test_limits_max_steps_and_tool_calls() -> None:
     loop = tool_call("add", {"a": 1, "b": 1})

@@ -16,6 +16,8 @@ Both backends: a SQLite file and a database of the throwaway PostgreSQL cluster.
 from __future__ import annotations
 
 import dataclasses
+import json
+import socket
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -66,18 +68,27 @@ async def _waiting(store: Store, key: str) -> Any:
     return pending
 
 
-def _damage_pass_record(url: str, pass_id: str) -> None:
-    """Overwrite the stored metadata of pass `pass_id` with text that is not JSON."""
+def _set_pass_record(url: str, pass_id: str, status: str, metadata: str) -> None:
+    """Overwrite the stored status and metadata of pass `pass_id`."""
     if url.startswith("sqlite:///"):
         with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
-            conn.execute("UPDATE passes SET metadata = '{not json' WHERE pass_id = ?", (pass_id,))
+            conn.execute(
+                "UPDATE passes SET status = ?, metadata = ? WHERE pass_id = ?",
+                (status, metadata, pass_id),
+            )
         return
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as pg:
         pg.execute(
-            "UPDATE treadle_passes SET metadata = '{not json' WHERE pass_id = %s", (pass_id,)
+            "UPDATE treadle_passes SET status = %s, metadata = %s WHERE pass_id = %s",
+            (status, metadata, pass_id),
         )
+
+
+def _damage_pass_record(url: str, pass_id: str) -> None:
+    """Overwrite the stored metadata of pass `pass_id` with text that is not JSON."""
+    _set_pass_record(url, pass_id, "interrupted", "{not json")
 
 
 async def test_a_pending_pass_given_another_key_is_refused(store: Store) -> None:
@@ -249,3 +260,46 @@ async def test_a_pending_pass_with_an_unusable_key_is_refused(store: Store, key:
             conversation=dataclasses.replace(first, key=key),
         )  # fmt: skip
     assert [p.pass_id for p in await store.apending("k")] == [first.pass_id]
+
+
+async def test_a_running_record_with_an_impossible_pid_is_resumable(url: str, store: Store) -> None:
+    """An owner pid past the C int's range (`os.kill` raises OverflowError): no process has it,
+    so the pass is resumable, and `pending()` still lists every conversation."""
+    bad = await _waiting(store, "a")
+    good = await _waiting(store, "b")
+    owner = json.dumps({"owner": {"pid": 2**70, "host": socket.gethostname(), "start": "x"}})
+    _set_pass_record(url, bad.pass_id, "running", owner)
+    listed = {p.key: p for p in await store.apending()}
+    assert set(listed) == {"a", "b"} and listed["a"].resumable
+    assert listed["b"].pass_id == good.pass_id
+
+
+@pytest.mark.parametrize("stored", [False, True])
+async def test_input_with_a_gap_of_its_own_is_answered_first(store: Store, stored: bool) -> None:
+    """The no-store flow (a pass interrupted at its calls, then `add_user_message`) with a
+    store added: the input itself holds calls without results before a message."""
+    if stored:
+        await store.aappend("k", [ChunkRow.user("hello"), _assistant("earlier")])
+    call = ChunkRow.from_message(
+        {"role": "assistant", "content": None, "tool_calls": [_call("q", "look")]}
+    )
+    given = Session.from_messages([{"role": "user", "content": "look q up"}]).append(
+        call, ChunkRow.user("never mind")
+    )
+    requests: list[list[dict[str, Any]]] = []
+    await arun_session_loop(
+        given, AGENT, executor=ScriptedExecutor([_answers(requests)]), tools=[look],
+        store=store, conversation="k",
+    )  # fmt: skip
+    (sent,) = requests
+    _assert_every_call_answered_before_the_next_message(sent)
+    kinds = [r.kind for r in (await store.conversation("k")).rows]
+    assert kinds[-5:] == ["user", "assistant", "tool_result", "user", "assistant"]
+
+
+def _call(call_id: str, name: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+def _assistant(text: str) -> ChunkRow:
+    return ChunkRow.from_message({"role": "assistant", "content": text})

@@ -379,10 +379,11 @@ def approvals_of(
     earlier pass on this round that stopped for others (kept in `approval_decisions`): a
     decision is given once, however many resumes the round takes.
 
-    A round that is decided spends the decisions on its calls: `approvals` (the pass's own copy,
-    `PassPlan.approvals`) loses their ids, so a later call that reuses an id (providers that
-    number calls per reply, or send none and get `call_<n>`) is asked for again: a decision is
-    for the call the user saw."""
+    A round that is decided spends the decisions given for it: `approvals` (the pass's own
+    copy, `PassPlan.approvals`) loses its calls' ids, and all of it once a round with a call
+    needing approval is decided (the calls the user was shown), so a later call that reuses an
+    id (providers that number calls per reply, or send none and get `call_<n>`) is asked for
+    again: a decision is for the call the user saw."""
     given = approvals
     if prior:
         approvals = {**prior, **(approvals or {})}
@@ -413,8 +414,11 @@ def approvals_of(
         if decision is False or isinstance(decision, str):
             denied[c.id] = decision if isinstance(decision, str) else ""
     if isinstance(given, dict):
-        for c in calls:
-            given.pop(c.id, None)
+        if any(c.name in tools and tools[c.name].needs_approval for c in calls):
+            given.clear()  # the decisions were for these calls: none is left for later ones
+        else:
+            for c in calls:
+                given.pop(c.id, None)
     return denied
 
 

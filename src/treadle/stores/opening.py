@@ -26,7 +26,7 @@ from treadle.stores.records import (
     check_storable,
     conflict_error,
 )
-from treadle.tools.unanswered import no_result_rows
+from treadle.tools.unanswered import no_result_rows, unanswered_gap
 
 __all__ = ["ConversationStart", "open_conversation"]
 
@@ -268,13 +268,19 @@ def _started(
 
 
 def _answered_first(committed: tuple[ChunkRow, ...], new: Sequence[ChunkRow]) -> Sequence[ChunkRow]:
-    """`new`, with a "no result" row for each call the conversation's last assistant row made
-    that has none yet, before the first new row that is not a tool result: a conversation can
-    end inside a round (a session imported or appended so, a fork cut between a call and its
-    result, a pass interrupted mid-round), and a message after calls without results is a
-    transcript the model's API refuses. Without new rows the pass runs those calls instead (a
-    resume: `pending_tool_calls`); results the new rows bring themselves are kept."""
-    if not new or not committed:
+    """`new`, with a "no result" row for each tool call that has none before the first new row
+    that is not a tool result: a conversation can end inside a round (a session imported or
+    appended so, a fork cut between a call and its result, a pass interrupted mid-round), the
+    input can hold such a gap itself (a session interrupted, then given a new message), and a
+    message after calls without results is a transcript the model's API refuses. Input of
+    results only leaves the pass to run the calls still unanswered (a resume:
+    `pending_tool_calls`); results the input brings itself are kept."""
+    if not new:
+        return new
+    gap = unanswered_gap(new)  # within the input (scans back to its last assistant row)
+    if gap is not None:
+        new = [*new[: gap[0]], *no_result_rows(gap[1]), *new[gap[0] :]]
+    if not committed:
         return new
     answered: set[str] = set()
     calls: Sequence[ToolCall] = ()

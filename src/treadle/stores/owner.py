@@ -130,6 +130,8 @@ def _pid_exists(pid: int) -> bool:
         return False
     except PermissionError:  # alive, owned by another user
         return True
+    except (OverflowError, OSError):  # no process can have it (a pid past the C int's range)
+        return False
     return True
 
 

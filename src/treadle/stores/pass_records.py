@@ -44,7 +44,7 @@ def pending_list(found: Sequence[Sequence[Any]], key: str | None) -> list[Pendin
     for item in found:
         try:
             listed.append(pending_from(*item))
-        except (StoreError, ConfigurationError, ValueError, TypeError) as err:
+        except (StoreError, ConfigurationError, ValueError, TypeError, ArithmeticError) as err:
             damage = StoreError(
                 f"the pending pass {item[0]} of conversation {item[1]!r} is damaged: {err}"
             )
