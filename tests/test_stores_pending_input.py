@@ -303,3 +303,44 @@ def _call(call_id: str, name: str) -> dict[str, Any]:
 
 def _assistant(text: str) -> ChunkRow:
     return ChunkRow.from_message({"role": "assistant", "content": text})
+
+
+async def test_an_append_after_calls_without_results_answers_them_first(store: Store) -> None:
+    def stop_at_calls(row: ChunkRow, control: Any) -> None:
+        if row.kind == "assistant" and row.calls:
+            control.interrupt("the user interrupted")
+
+    await arun_session_loop(
+        Session.from_user_message("look x up"), AGENT,
+        executor=ScriptedExecutor([tool_call("look", {"target": "x"})]), tools=[look],
+        store=store, conversation="k", on_message=stop_at_calls,
+    )  # fmt: skip
+    assert await store.aappend("k", [ChunkRow.user("never mind")]) == 4
+    kinds = [r.kind for r in (await store.conversation("k")).rows]
+    assert kinds == ["user", "assistant", "tool_result", "user"]
+    requests: list[list[dict[str, Any]]] = []
+    await arun_session_loop(
+        Session.from_user_message("2+2?"), AGENT, executor=ScriptedExecutor([_answers(requests)]),
+        tools=[look], store=store, conversation="k",
+    )  # fmt: skip
+    _assert_every_call_answered_before_the_next_message(requests[0])
+
+
+async def test_a_transcript_with_a_gap_is_imported_answered(store: Store, tmp_path: Any) -> None:
+    """A session file written before passes answered such calls: user, calls, user, answer."""
+    lines = [
+        {"type": "header", "schema": 1, "session_id": "old", "parent_ids": [],
+         "operator": "run_session_loop", "created_at": 1.0, "placement": None, "agent_rows": []},
+        {"type": "row", "kind": "user", "payload": {"content": "look q up"}},
+        {"type": "row", "kind": "assistant", "payload": {"content": None,
+                                                         "tool_calls": [_call("q", "look")]}},
+        {"type": "row", "kind": "user", "payload": {"content": "never mind"}},
+        {"type": "row", "kind": "assistant", "payload": {"content": "ok"}},
+        {"type": "trailer", "rows": 4, "usage": {}, "stop_reason": "final_answer",
+         "metadata": {}},
+    ]  # fmt: skip
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert await store.aimport_jsonl(path, key="old") == ("old", 5)
+    rows = (await store.conversation("old")).rows
+    assert [r.kind for r in rows] == ["user", "assistant", "tool_result", "user", "assistant"]

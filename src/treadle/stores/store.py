@@ -23,14 +23,16 @@ from typing import Any, TypeVar
 
 import pydantic_core
 
-from treadle.errors import ConfigurationError
+from treadle.errors import ConfigurationError, ConflictError
 from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData
 from treadle.session.session import new_session_id
 from treadle.stores.backend import StoreBackend
 from treadle.stores.journal import inflight
+from treadle.stores.pass_records import waiting_error
 from treadle.stores.queueing import OnConflict, check_on_conflict
 from treadle.stores.records import ConversationInfo, PendingPass, check_key
+from treadle.tools.unanswered import answer_gaps
 
 __all__ = ["DEFAULT_SQLITE_PATH", "Store", "check_store_arguments", "store_options"]
 
@@ -214,10 +216,10 @@ class Store:
             raise ConfigurationError("expected_version must be an int (a version read earlier).")
         try:
             if self.on_conflict != "queue":
-                return await self.backend.append(key, found, expected_version)
+                return await self._append_answered(key, found, expected_version)
             held = await self.backend.lock(key)
             try:
-                return await self.backend.append(key, found, expected_version)
+                return await self._append_answered(key, found, expected_version)
             finally:
                 await held.release()
         except pydantic_core.PydanticSerializationError as err:
@@ -227,6 +229,29 @@ class Store:
                 "rows that cannot be stored (text must be valid Unicode, without lone "
                 f"surrogates): {' '.join(str(err).split()):.200}; nothing was written."
             ) from None
+
+    async def _append_answered(
+        self, key: str, rows: Sequence[ChunkRow], expected: int | None
+    ) -> int:
+        # Rows that go on past tool calls without results get "no result" rows first (as a
+        # pass's input does): written at the version read, so the calls answered are the last.
+        if all(r.kind == "tool_result" for r in rows):
+            return await self.backend.append(key, rows, expected)
+        for _ in range(3):  # another writer moved the conversation between read and write
+            stored = await self.backend.load(key)
+            version = len(stored.rows)
+            if refused := waiting_error(key, stored.metadata, version):
+                raise refused  # its calls wait for decisions, not for "no result"
+            answered = answer_gaps(rows, stored.rows)
+            if len(answered) == len(rows):
+                return await self.backend.append(key, rows, expected)
+            at = expected if expected is not None else version
+            try:
+                return await self.backend.append(key, answered, at)
+            except ConflictError:
+                if expected is not None:
+                    raise
+        return await self.backend.append(key, answer_gaps(rows), expected)
 
     def append(
         self, key: str, rows: Iterable[ChunkRow] | Session, *, expected_version: int | None = None

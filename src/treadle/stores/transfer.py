@@ -21,6 +21,7 @@ from treadle.persist.reader import LoadedSession, load_session
 from treadle.runtime.threads import run_internal_io
 from treadle.stores.backend import StoreBackend
 from treadle.stores.records import check_key
+from treadle.tools.unanswered import answer_gaps
 
 __all__ = ["MAX_IMPORT_BYTES", "export_jsonl", "import_jsonl"]
 
@@ -77,7 +78,9 @@ async def import_jsonl(
     loaded = await run_internal_io(lambda: _load_bounded(Path(path)))
     target = check_key(key if key is not None else loaded.session.id)
     try:
-        version = await backend.append(target, loaded.session.rows, 0)
+        # A transcript written before passes answered calls left without results (a session
+        # interrupted, then given a message) is stored as a model would accept it.
+        version = await backend.append(target, answer_gaps(loaded.session.rows), 0)
     except ConflictError as err:
         raise ConflictError(
             f"conversation {target!r} already exists in the store (version {err.actual}); "

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from treadle.session import ChunkRow, ToolCall
 from treadle.tools.results import error_content
 
-__all__ = ["no_result_rows", "unanswered_gap"]
+__all__ = ["answer_gaps", "no_result_rows", "unanswered_gap"]
 
 
 def unanswered_gap(rows: Sequence[ChunkRow]) -> tuple[int, list[ToolCall]] | None:
@@ -42,3 +42,36 @@ def no_result_rows(calls: Sequence[ToolCall]) -> list[ChunkRow]:
         ChunkRow._trusted("tool_result", {"tool_call_id": c.id, "name": c.name, "content": content})
         for c in calls
     ]
+
+
+def answer_gaps(rows: Sequence[ChunkRow], after: Sequence[ChunkRow] = ()) -> list[ChunkRow]:
+    """`rows` with a "no result" row before each row that follows tool calls without results
+    (every gap, not only the last: a whole transcript written before the rule, or appended
+    rows); `after` is what `rows` continue (a conversation's rows so far: its last calls are
+    answered too when `rows` go on with a message). Calls at the very end stay pending."""
+    waiting = unanswered_tail(after)
+    fixed: list[ChunkRow] = []
+    for row in rows:
+        if row.kind == "tool_result":
+            waiting.pop(str(row.payload.get("tool_call_id")), None)
+        elif waiting:
+            fixed.extend(no_result_rows(list(waiting.values())))
+            waiting = {}
+        if row.kind == "assistant":
+            waiting = {c.id: c for c in row.calls}
+        fixed.append(row)
+    return fixed
+
+
+def unanswered_tail(rows: Sequence[ChunkRow]) -> dict[str, ToolCall]:
+    """The calls of the last assistant row of `rows` that no later row answers, when only tool
+    results follow it (by id; empty otherwise)."""
+    answered: set[str] = set()
+    for row in reversed(rows):
+        if row.kind == "tool_result":
+            answered.add(str(row.payload.get("tool_call_id")))
+        elif row.kind == "assistant":
+            return {c.id: c for c in row.calls if c.id not in answered}
+        else:
+            return {}
+    return {}
