@@ -394,3 +394,26 @@ def test_the_handoff_cap_calls_the_max_turns_handler() -> None:
     assert out.final_text == "too many transfers"
     assert out.metadata["handled_error"] == "max_turns"
     assert [c.agent for c in contexts] == [f"s{MAX_HANDOFFS_PER_RUN}"]
+
+
+def test_a_handoff_with_an_input_filter_is_refused_on_a_stored_conversation(tmp_path: Any) -> None:
+    """A store keeps every row of the conversation: the filter could not hide them from the
+    target, whose input (the filtered rows) would be added after them again."""
+    from treadle.stores import Store
+    from treadle.testing import ScriptedExecutor
+
+    billing = Agent("billing", "You bill.", executor=ScriptedExecutor(["billed"]))
+    middle = Agent(
+        "middle", "Route.", executor=ScriptedExecutor(["x"]),
+        handoffs=[handoff(billing, input_filter=remove_tool_rows)],
+    )  # fmt: skip
+    triage = Agent("triage", "Route.", executor=ScriptedExecutor(["x"]), handoffs=[middle])
+    with Store.sqlite(tmp_path / "s.db") as store:
+        out = triage(Session.from_user_message("refund"), store=store, conversation="k")
+        with pytest.raises(ConfigurationError, match="from 'middle' to 'billing' has an input_f"):
+            out.synchronize()
+        assert store.conversation("k").rows == ()
+        # Without the filter the same run commits once, the user's message once.
+        plain = Agent("triage", "Route.", executor=ScriptedExecutor(["hi"]), handoffs=[billing])
+        plain(Session.from_user_message("refund"), store=store, conversation="k").synchronize()
+        assert [r.kind for r in store.conversation("k").rows] == ["user", "assistant"]

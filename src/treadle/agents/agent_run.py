@@ -22,6 +22,7 @@ from treadle.agents.handoffs import (
     MAX_HANDOFFS_PER_RUN,
     Handoff,
     HandoffChoice,
+    check_no_input_filter,
     handoff_rows,
     transfer_calls,
     transfer_result,
@@ -149,6 +150,8 @@ class AgentRun:
         self.agent = agent
         self.stored = stored or {}
         """`store=` and `conversation=` for every pass of the run (empty without a store)."""
+        if self.stored:
+            check_no_input_filter(agent)
         self.deps = deps
         self.settings = settings or _NO_SETTINGS
         self.run_id = run_id

@@ -351,3 +351,24 @@ def handoff(
         input_filter=input_filter,
         is_enabled=is_enabled,
     )
+
+
+def check_no_input_filter(agent: Agent) -> None:
+    """`ConfigurationError` when a handoff reachable from `agent` has an `input_filter`, for a
+    run on a stored conversation: the store keeps the conversation's rows as they are, so the
+    filter could not hide them from the target (its rows would be added again after them)."""
+    seen: set[int] = set()
+    waiting = [agent]
+    while waiting:
+        current = waiting.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for target in current.handoffs:
+            if target.input_filter is not None:
+                raise ConfigurationError(
+                    f"the handoff from {current.name!r} to {target.agent.name!r} has an "
+                    "input_filter, which a stored conversation cannot apply (the store keeps "
+                    "every row the target would see): drop the filter, or run without store=."
+                )
+            waiting.append(target.agent)
