@@ -12,6 +12,7 @@ import pytest
 
 from treadle import RuntimeLoopError, Session
 from treadle.runtime import get_runtime, run_lazy, submit
+from treadle.runtime.background import Runtime
 
 
 async def _value(x: int, delay: float = 0.0) -> int:
@@ -247,3 +248,32 @@ def test_shutdown_drains_then_a_new_runtime_starts(tmp_path: object) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split() == ["exiting", "finished"]  # drained at exit, not dropped
+
+
+def test_a_value_settles_inside_its_task_and_the_runtime_counts_it_ended() -> None:
+    """A coroutine's value is handed over in its task's last step, not one loop iteration later
+    by a done callback (the blocked reader waited for that iteration); the runtime has counted
+    the work as ended by then, and what waited for its place can start."""
+    rt = Runtime(max_started=1)
+    try:
+        release: asyncio.Future[None] | None = None
+        ready = threading.Event()
+
+        async def held() -> int:
+            nonlocal release
+            release = asyncio.get_running_loop().create_future()
+            ready.set()
+            await release
+            return 5
+
+        first, second = rt.submit(held()), rt.submit(_value(6))
+        assert ready.wait(timeout=60)
+        seen: list[tuple[object, int]] = []
+        first.add_done_callback(lambda _: seen.append((asyncio.current_task(), rt.pending)))
+        rt.call_soon(lambda: release.set_result(None) if release is not None else None)
+        assert first.result(timeout=60) == 5
+        assert seen == [(first._task, 1)]  # in the task; the second one started, not ended
+        assert second.result(timeout=60) == 6
+        assert rt.pending == 0
+    finally:
+        rt.shutdown(5)
