@@ -298,8 +298,9 @@ class Runtime:
             self.loop.call_soon(lazy._cancel_task)
         self._tasks.add(task)
         self._lazies[task] = lazy._future
-        # Errors, cancellations (also before the first step) and a death settle here; a value
-        # settles inside the task (`_finished`), which takes this callback off.
+        # Errors, cancellations (also before the first step), a death and a value no thread
+        # waits for settle here; a value a blocked thread waits for settles inside the task
+        # (`_finished`), which takes this callback off.
         task.add_done_callback(self._settle)
 
     def _ended_one(self, task: asyncio.Task[Any]) -> Settling[Any] | None:
@@ -314,7 +315,8 @@ class Runtime:
         return future
 
     def _finished(self, task: asyncio.Task[T], value: T) -> None:
-        """A started pass returned `value`: settle it now, inside its task's last step.
+        """A started pass returned `value` to a blocked reader: settle it now, inside its task's
+        last step.
 
         A done callback runs one loop iteration later (one more `epoll_wait` and pass of the
         loop, about 2 µs), and the blocked reader waited for it; taken off here, the task ends
@@ -397,7 +399,10 @@ async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T], runtime: Ru
             "other passes were not affected."
         ) from err
     task = lazy._task
-    if task is not None:  # always set before the first step; None only for a bare call
+    # A thread blocked on the value (the serial facade's reader) is woken in this step. Else the
+    # done callback settles it a loop iteration later, as before: passes stepping later in this
+    # iteration must not see it done before a cancel asked before they started reaches them.
+    if task is not None and lazy._future.has_blocked_reader():
         runtime._finished(task, value)
     return value
 

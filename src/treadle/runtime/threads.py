@@ -74,7 +74,7 @@ class _ThreadState(threading.local):
     """What a worker thread running a pass's user code holds (nothing on other threads)."""
 
     # A class default: a thread that never set its slot reads None without `getattr`'s
-    # AttributeError (raised and caught inside it: about 5k instructions, twice for every
+    # AttributeError (raised and caught inside it: about 4k instructions, twice for every
     # lazy pass, at its submit and at its read; docs/performance.md, the facade's hand-off).
     slot: tuple[asyncio.AbstractEventLoop, anyio.CapacityLimiter] | None = None
 
