@@ -296,13 +296,15 @@ def test_cancel_asked_before_the_first_step_stops_a_pass_whose_input_ends_meanwh
         return Session.from_user_message("late")
 
     blocker = submit(hold_the_loop())
-    assert holding.wait(60)
-    pending_input = run_lazy(later())
-    executor = ScriptedExecutor(["x"])
-    out = run_session_loop(pending_input, Session.from_agent_prompt("sys"), executor=executor)
-    out.cancel()
-    gate.set()
-    held.set()
+    try:
+        assert holding.wait(60)
+        pending_input = run_lazy(later())
+        executor = ScriptedExecutor(["x"])
+        out = run_session_loop(pending_input, Session.from_agent_prompt("sys"), executor=executor)
+        out.cancel()
+        gate.set()
+    finally:
+        held.set()  # whatever failed above, the loop is not left held for other tests
     blocker.result(timeout=60)
     done = out.synchronize(timeout=60)
     assert done.stop_reason == "cancelled"
