@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--baseline-src",
-        help="another checkout's src/ to run as 'treadle before' in s1, s2 and s13",
+        help="another checkout's src/ to run as 'treadle before' in s1, s2, s6a and s13 "
+        "(in s1 and s6a its lazy and await rows)",
     )
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")

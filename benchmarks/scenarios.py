@@ -59,10 +59,15 @@ def _peer_jobs(size: dict[str, Any], kind: str, params: dict[str, Any]) -> list[
     return [Job(f"{p} (peer)", p, kind, params, reps=1) for p in PEERS]
 
 
-def _baseline(size: dict[str, Any], kind: str, params: dict[str, Any]) -> list[Job]:
+def _baseline(
+    size: dict[str, Any],
+    kind: str,
+    params: dict[str, Any],
+    label: str = "treadle before (baseline)",
+) -> list[Job]:
     """Treadle from another checkout (`--baseline-src`), for before/after in the same run."""
     src = size.get("baseline_src")
-    return [Job("treadle before (baseline)", "treadle", kind, params, src=src)] if src else []
+    return [Job(label, "treadle", kind, params, src=src)] if src else []
 
 
 def per_round(h: Harness, size: dict[str, Any], *, stream: bool) -> Result:
@@ -81,6 +86,9 @@ def per_round(h: Harness, size: dict[str, Any], *, stream: bool) -> Result:
     if not size["variants"]:
         jobs = [jobs[0], jobs[3]]
     jobs += _baseline(size, "serial", params)  # streamed too: "nothing slower" is checked both ways
+    if size["variants"]:  # the facade's cost is the gap between these two: both, before and after
+        await_params = {**params, "variant": "await"}
+        jobs += _baseline(size, "serial", await_params, "treadle before (await arun)")
     jobs += _peer_jobs(size, "serial", params) if not stream else []
     key, title = (
         ("s6a", "6a. Per-round overhead, streamed")

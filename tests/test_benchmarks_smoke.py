@@ -76,6 +76,28 @@ def test_the_many_cores_scenario_runs_every_job_first_once(monkeypatch: pytest.M
     assert firsts == labels
 
 
+def test_the_streamed_round_scenario_runs_the_baselines_lazy_and_await_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The lazy facade's cost is the gap between the two rows: with `--baseline-src` both get a
+    # "before" row in the same run (only the lazy one had one).
+    from benchmarks import harness, scenarios
+
+    ran: list[tuple[str, object, object]] = []
+
+    def record(job: harness.Job, url: str, timeout: float = 0.0) -> dict[str, object]:
+        ran.append((job.label, job.params.get("variant"), job.src))
+        return {"wall": 1.0, "cpu": 1.0, "peak_rss": 0}
+
+    monkeypatch.setattr(harness, "run_worker", record)
+    size = {"serial_n": 1, "serial_reps": 1, "variants": True, "peers": False,
+            "baseline_src": "/elsewhere/src"}  # fmt: skip
+    result = scenarios.per_round(harness.Harness(log=lambda *_: None), size, stream=True)
+    before = {(label, variant) for label, variant, src in ran if src == "/elsewhere/src"}
+    assert before == {("treadle before (baseline)", None), ("treadle before (await arun)", "await")}
+    assert {"treadle before (baseline)", "treadle before (await arun)"} <= set(result.series)
+
+
 def test_the_store_scenario_compares_each_store_run_with_its_own_no_store_run() -> None:
     # A slow stretch of the machine moves neighbouring runs together: ratios taken pair by
     # pair cancel it, a ratio of two medians from different minutes does not. Here the store

@@ -94,14 +94,23 @@ def test_merge_from_the_runtime_thread_does_not_raise() -> None:
 
 
 def test_a_failed_side_fails_the_merge_without_waiting_for_the_other() -> None:
-    gate = threading.Event()
-    with FakeOpenAIServer(script=_script) as server:
+    gate, merged_made = threading.Event(), threading.Event()
+
+    def script(request: dict[str, Any]) -> Reply:
+        if request["messages"][-1]["content"] == "fail":
+            # The failure waits for the merge: a side that failed before `merge` is read by it
+            # and raises there (on a loaded machine the pass could end before the next line).
+            assert merged_made.wait(60)
+        return _script(request)
+
+    with FakeOpenAIServer(script=script) as server:
         slow = _gated_pass(server, gate, "slow done")
         provider = Provider(model="m", base_url=server.base_url, api_key="k", max_retries=0)
         failing = run_session_loop(
             Session.from_user_message("fail"), AGENT, agent_provider=provider
         )
         merged = slow.merge(failing)
+        merged_made.set()
         with pytest.raises(Exception, match="bad request"):
             merged.synchronize(timeout=30)  # settles with the error while `slow` still runs
         assert not slow.done()

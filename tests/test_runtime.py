@@ -7,11 +7,13 @@ import inspect
 import os
 import sys
 import threading
+from typing import Any
 
 import pytest
 
-from treadle import RuntimeLoopError, Session
+from treadle import RuntimeLoopError, Session, run_session_loop
 from treadle.runtime import get_runtime, run_lazy, submit
+from treadle.runtime.background import Runtime
 
 
 async def _value(x: int, delay: float = 0.0) -> int:
@@ -247,3 +249,64 @@ def test_shutdown_drains_then_a_new_runtime_starts(tmp_path: object) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split() == ["exiting", "finished"]  # drained at exit, not dropped
+
+
+def test_a_value_settles_inside_its_task_and_the_runtime_counts_it_ended() -> None:
+    """A value a thread is blocked on is handed over in its task's last step, not one loop
+    iteration later by a done callback (the blocked reader waited for that iteration); the
+    runtime has counted the work as ended by then, and what waited for its place can start."""
+    rt = Runtime(max_started=1)
+    try:
+        mine: list[Any] = []
+
+        async def held() -> int:
+            while not (mine and mine[0]._future._waiters):
+                await asyncio.sleep(0)  # until the test's thread blocks reading this value
+            return 5
+
+        first = rt.submit(held())
+        seen: list[tuple[object, int]] = []
+        first.add_done_callback(lambda _: seen.append((asyncio.current_task(), rt.pending)))
+        second = rt.submit(_value(6))
+        mine.append(first)
+        assert first.result(timeout=60) == 5
+        assert seen == [(first._task, 1)]  # in the task; the second one started, not ended
+        assert second.result(timeout=60) == 6
+        assert rt.pending == 0
+    finally:
+        rt.shutdown(5)
+
+
+def test_cancel_asked_before_the_first_step_stops_a_pass_whose_input_ends_meanwhile() -> None:
+    """The runtime's loop is held while a pass and its pending input are submitted, the pass is
+    cancelled and the input is let through: once the loop runs, both start in one iteration and
+    the input ends in its first step. The pass must still stop cleanly before any request (its
+    cancel is delivered once its body started), not run to its answer."""
+    from treadle.testing.scripted import ScriptedExecutor
+
+    held, holding, gate = threading.Event(), threading.Event(), threading.Event()
+
+    async def hold_the_loop() -> None:
+        holding.set()
+        held.wait(60)  # on purpose: nothing runs on the loop until the test has done its part
+
+    async def later() -> Session:
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return Session.from_user_message("late")
+
+    blocker = submit(hold_the_loop())
+    try:
+        assert holding.wait(60)
+        pending_input = run_lazy(later())
+        executor = ScriptedExecutor(["x"])
+        out = run_session_loop(pending_input, Session.from_agent_prompt("sys"), executor=executor)
+        out.cancel()
+        gate.set()
+    finally:
+        held.set()  # whatever failed above, the loop is not left held for other tests
+    blocker.result(timeout=60)
+    done = out.synchronize(timeout=60)
+    assert done.stop_reason == "cancelled"
+    assert [r.payload["content"] for r in done.rows] == ["late"]
+    assert executor.requests == []

@@ -109,6 +109,9 @@ class Runtime:
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
         )
         self._thread.start()
+        # Compared on every submission and blocking read: an attribute, not `Thread.ident`'s
+        # property call.
+        self._ident = self._thread.ident
         started.wait()
 
     def _run(self, started: threading.Event) -> None:
@@ -189,7 +192,7 @@ class Runtime:
 
     def in_loop_thread(self) -> bool:
         """True when called on the runtime's own loop thread."""
-        return threading.get_ident() == self._thread.ident
+        return threading.get_ident() == self._ident
 
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Run `fn` on the loop thread soon (directly when already there)."""
@@ -206,7 +209,7 @@ class Runtime:
         # `pid` is this process's id, read by the caller (once per submission: a system call).
         future: Settling[T] = Settling()
         lazy = LazyValue(future, self)
-        on_loop = threading.get_ident() == self._thread.ident  # asked once: per-pass cost
+        on_loop = threading.get_ident() == self._ident  # asked once: per-pass cost
         with self._state:
             refused = self._closed or self._dead is not None or self._pid != pid
             if not refused and not on_loop:
@@ -289,23 +292,43 @@ class Runtime:
             if self._unstarted.pop(lazy._future, None) is None and lazy._future.done():
                 coro.close()  # failed already by `_died`
                 return
-        task = self.loop.create_task(_started(coro, lazy))
+        task = self.loop.create_task(_started(coro, lazy, self))
         lazy._task = task
         if lazy._cancel_asked:  # cancelled while it waited to start
             self.loop.call_soon(lazy._cancel_task)
         self._tasks.add(task)
         self._lazies[task] = lazy._future
-        task.add_done_callback(lambda t: self._settle(t, lazy._future))
+        # Errors, cancellations (also before the first step), a death and a value no thread
+        # waits for settle here; a value a blocked thread waits for settles inside the task
+        # (`_finished`), which takes this callback off.
+        task.add_done_callback(self._settle)
 
-    def _settle(self, task: asyncio.Task[T], future: Settling[T]) -> None:
+    def _ended_one(self, task: asyncio.Task[Any]) -> Settling[Any] | None:
+        """Forget `task`, start what waited for its place; its value's slot (None: forgotten)."""
         self._tasks.discard(task)
-        self._lazies.pop(task, None)
+        future = self._lazies.pop(task, None)
         self._ended += 1
         if self._waiting:
             self._start_waiting()
         if self._collector.raised is not None:
             self._collector.update(len(self._tasks) + len(self._waiting))
-        if future.done():  # failed already by `_died`
+        return future
+
+    def _finished(self, task: asyncio.Task[T], value: T) -> None:
+        """A started pass returned `value` to a blocked reader: settle it now, inside its task's
+        last step.
+
+        A done callback runs one loop iteration later (one more `epoll_wait` and pass of the
+        loop, about 2 µs), and the blocked reader waited for it; taken off here, the task ends
+        with no callback to run (docs/performance.md, the lazy facade's hand-off)."""
+        task.remove_done_callback(self._settle)
+        future = self._ended_one(task)
+        if future is not None and not future.done():  # else failed already by `_died`
+            future.set_result(value)
+
+    def _settle(self, task: asyncio.Task[Any]) -> None:
+        future = self._ended_one(task)
+        if future is None or future.done():  # failed already by `_died`
             return
         if task.cancelled():
             future.cancel()
@@ -364,10 +387,10 @@ class Runtime:
         await self.loop.shutdown_default_executor()
 
 
-async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> T:
+async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T], runtime: Runtime) -> T:
     lazy._started = True
     try:
-        return await coro
+        value = await coro
     except (SystemExit, KeyboardInterrupt) as err:
         # asyncio re-raises these out of `run_forever`, which would kill the loop thread and
         # every other pass with it; they end this work only, and every read re-raises this.
@@ -375,6 +398,13 @@ async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T]) -> T:
             f"user code raised {type(err).__name__}({err}) inside this pass, which ended it; "
             "other passes were not affected."
         ) from err
+    task = lazy._task
+    # A thread blocked on the value (the serial facade's reader) is woken in this step. Else the
+    # done callback settles it a loop iteration later, as before: passes stepping later in this
+    # iteration must not see it done before a cancel asked before they started reaches them.
+    if task is not None and lazy._future.has_blocked_reader():
+        runtime._finished(task, value)
+    return value
 
 
 def _max_started() -> int:

@@ -59,6 +59,10 @@ class Settling(Generic[T]):
         """True once cancelled."""
         return self._state == _CANCELLED
 
+    def has_blocked_reader(self) -> bool:
+        """True while a thread waits in `result` or `exception` (a hint, read without the lock)."""
+        return bool(self._waiters)
+
     def result(self, timeout: float | None = None) -> T:
         """The value (blocking up to `timeout` seconds); re-raises the error it settled with."""
         try:

@@ -69,7 +69,17 @@ USER_CODE_THREADS = 40
 #: Threads per event loop for the runtime's own file I/O (the JSONL writer).
 INTERNAL_IO_THREADS = 16
 
-_local = threading.local()
+
+class _ThreadState(threading.local):
+    """What a worker thread running a pass's user code holds (nothing on other threads)."""
+
+    # A class default: a thread that never set its slot reads None without `getattr`'s
+    # AttributeError (raised and caught inside it: about 4k instructions, twice for every
+    # lazy pass, at its submit and at its read; docs/performance.md, the facade's hand-off).
+    slot: tuple[asyncio.AbstractEventLoop, anyio.CapacityLimiter] | None = None
+
+
+_local = _ThreadState()
 _stats_lock = threading.Lock()
 _abandoned_total = 0
 _abandoned_running = 0
@@ -185,7 +195,7 @@ def _resize(limiter: anyio.CapacityLimiter, delta: int) -> None:
 
 def in_worker_thread() -> bool:
     """True on a worker thread running user code for a pass (a sync tool, callback, guardrail)."""
-    return getattr(_local, "slot", None) is not None
+    return _local.slot is not None
 
 
 @contextlib.contextmanager
@@ -196,8 +206,7 @@ def lending_slot() -> Iterator[None]:
     and shrinks back after; the waiting thread resumes at once (never queues for a slot), so the
     pool is briefly over its cap rather than ever deadlocked.
     """
-    slot: tuple[asyncio.AbstractEventLoop, anyio.CapacityLimiter] | None
-    slot = getattr(_local, "slot", None)
+    slot = _local.slot
     if slot is None:
         yield
         return
