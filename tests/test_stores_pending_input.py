@@ -230,15 +230,7 @@ def test_closing_the_store_fails_a_pass_waiting_for_its_turn(url: str) -> None:
 
 @pytest.mark.parametrize("through", ["key", "pending"])
 async def test_a_pass_interrupted_mid_round_then_a_new_message(store: Store, through: str) -> None:
-    def stop_at_calls(row: ChunkRow, control: Any) -> None:
-        if row.kind == "assistant" and row.calls:
-            control.interrupt("the user interrupted")
-
-    await arun_session_loop(
-        Session.from_user_message("look x up"), AGENT,
-        executor=ScriptedExecutor([tool_call("look", {"target": "x"})]), tools=[look],
-        store=store, conversation="k", on_message=stop_at_calls,
-    )  # fmt: skip
+    await _interrupted_at_its_calls(store)
     (interrupted,) = await store.apending("k")
     requests: list[list[dict[str, Any]]] = []
     await arun_session_loop(
@@ -306,15 +298,7 @@ def _assistant(text: str) -> ChunkRow:
 
 
 async def test_an_append_after_calls_without_results_answers_them_first(store: Store) -> None:
-    def stop_at_calls(row: ChunkRow, control: Any) -> None:
-        if row.kind == "assistant" and row.calls:
-            control.interrupt("the user interrupted")
-
-    await arun_session_loop(
-        Session.from_user_message("look x up"), AGENT,
-        executor=ScriptedExecutor([tool_call("look", {"target": "x"})]), tools=[look],
-        store=store, conversation="k", on_message=stop_at_calls,
-    )  # fmt: skip
+    await _interrupted_at_its_calls(store)
     assert await store.aappend("k", [ChunkRow.user("never mind")]) == 4
     kinds = [r.kind for r in (await store.conversation("k")).rows]
     assert kinds == ["user", "assistant", "tool_result", "user"]
@@ -344,3 +328,18 @@ async def test_a_transcript_with_a_gap_is_imported_answered(store: Store, tmp_pa
     assert await store.aimport_jsonl(path, key="old") == ("old", 5)
     rows = (await store.conversation("old")).rows
     assert [r.kind for r in rows] == ["user", "assistant", "tool_result", "user", "assistant"]
+
+
+async def _interrupted_at_its_calls(store: Store) -> None:
+    """Conversation `k` after a pass interrupted (`on_message`) once the model asked for a call:
+    user, then the assistant's call without a result."""
+
+    def stop_at_calls(row: ChunkRow, control: Any) -> None:
+        if row.kind == "assistant" and row.calls:
+            control.interrupt("the user interrupted")
+
+    await arun_session_loop(
+        Session.from_user_message("look x up"), AGENT,
+        executor=ScriptedExecutor([tool_call("look", {"target": "x"})]), tools=[look],
+        store=store, conversation="k", on_message=stop_at_calls,
+    )  # fmt: skip
