@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.errors import ConfigurationError, ConflictError
-from treadle.session import ChunkRow, ToolCall, Usage
+from treadle.session import ChunkRow, Usage
 from treadle.session.rows import in_call_order
 from treadle.stores.backend import StoreBackend
 from treadle.stores.journal import ConversationJournal, inflight
@@ -26,7 +26,7 @@ from treadle.stores.records import (
     check_storable,
     conflict_error,
 )
-from treadle.tools.unanswered import no_result_rows, unanswered_gap
+from treadle.tools.unanswered import answer_gaps
 
 __all__ = ["ConversationStart", "open_conversation"]
 
@@ -268,34 +268,14 @@ def _started(
 
 
 def _answered_first(committed: tuple[ChunkRow, ...], new: Sequence[ChunkRow]) -> Sequence[ChunkRow]:
-    """`new`, with a "no result" row for each tool call that has none before the first new row
-    that is not a tool result: a conversation can end inside a round (a session imported or
-    appended so, a fork cut between a call and its result, a pass interrupted mid-round), the
-    input can hold such a gap itself (a session interrupted, then given a new message), and a
-    message after calls without results is a transcript the model's API refuses. Input of
-    results only leaves the pass to run the calls still unanswered (a resume:
+    """`new`, with a "no result" row for each tool call that has none before the first row
+    that goes on past it (`answer_gaps`): a conversation can end inside a round (a session
+    imported or appended so, a fork cut between a call and its result, a pass interrupted
+    mid-round), the input can hold such a gap itself (a session interrupted, then given a new
+    message), and a message after calls without results is a transcript the model's API
+    refuses. Input of results only leaves the pass to run the calls still unanswered (a resume:
     `pending_tool_calls`); results the input brings itself are kept."""
-    if not new:
-        return new
-    gap = unanswered_gap(new)  # within the input (scans back to its last assistant row)
-    if gap is not None:
-        new = [*new[: gap[0]], *no_result_rows(gap[1]), *new[gap[0] :]]
-    if not committed:
-        return new
-    answered: set[str] = set()
-    calls: Sequence[ToolCall] = ()
-    for row in reversed(committed):
-        if row.kind == "tool_result":
-            answered.add(str(row.payload.get("tool_call_id")))
-            continue
-        calls = row.calls if row.kind == "assistant" else ()
-        break
-    answered.update(str(r.payload.get("tool_call_id")) for r in new if r.kind == "tool_result")
-    missing = [c for c in calls if c.id not in answered]
-    at = next((i for i, r in enumerate(new) if r.kind != "tool_result"), None)
-    if not missing or at is None:  # results only: the pass runs the calls still unanswered
-        return new
-    return [*new[:at], *no_result_rows(missing), *new[at:]]
+    return answer_gaps(new, committed) if new else new
 
 
 def _new_rows(
