@@ -62,8 +62,8 @@ class PostgresHome:
         self._cache = SharedRowCache()  # one for every loop's reads and commits
         self._prepared = False  # the schema exists (checked by the first connection)
         self._loop_pools: dict[asyncio.AbstractEventLoop, LoopPool] = {}  # see _local
-        self._loop_pools_lock = threading.Lock()
-        self._sweeping = False  # the runtime's loop looks for closed loops (see _sweep)
+        self._loop_pools_lock = threading.RLock()  # _gone runs under it (a sweep)
+        self._sweeper: Runtime | None = None  # the runtime looking for closed loops, if any
         self._loads: Batcher[str, StoredConversation] | None = None  # on the runtime loop
         self._commits: Batcher[tuple[Any, ...], int] | None = None
         self._hop: LoopHop | None = None  # how callers on other loops reach the runtime's
@@ -117,7 +117,8 @@ class PostgresHome:
                 return None  # past the cap: this loop takes the hop
             pool = LoopPool(loop, self._pool_size, self._connect, self._forget_pool)
             self._loop_pools[loop] = pool
-            start_sweep, self._sweeping = not self._sweeping, True
+            start_sweep = self._sweeper is not runtime
+            self._sweeper = runtime
         if start_sweep:  # the runtime's loop looks for loops closed without closing theirs
             runtime.loop.call_soon_threadsafe(self._sweep_later)
         return pool
@@ -142,17 +143,14 @@ class PostgresHome:
         return bool(self._loop_pools)
 
     def _sweep_later(self) -> None:
-        """On the runtime's loop, every `SWEEP_SECONDS` while any loop has a pool."""
-        if self._sweep_closed():
-            loop = asyncio.get_running_loop()
-            loop.call_later(postgres_loops.SWEEP_SECONDS, self._sweep_later)
-        else:
-            with self._loop_pools_lock:
-                self._sweeping = bool(self._loop_pools)
-            if self._sweeping:  # one came meanwhile
-                asyncio.get_running_loop().call_later(
-                    postgres_loops.SWEEP_SECONDS, self._sweep_later
-                )
+        """On the runtime's loop, every `SWEEP_SECONDS` while any loop has a pool (a runtime
+        that stops takes its sweep along: the next loop's pool starts one on the new one)."""
+        with self._loop_pools_lock:
+            go_on = self._sweep_closed()
+            if not go_on:
+                self._sweeper = None
+        if go_on:
+            asyncio.get_running_loop().call_later(postgres_loops.SWEEP_SECONDS, self._sweep_later)
 
     @contextlib.asynccontextmanager
     async def _connection(self, local: LoopPool | None) -> AsyncIterator[AsyncConnection[Any]]:
