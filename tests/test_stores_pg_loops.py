@@ -274,3 +274,37 @@ def test_a_loops_connection_killed_mid_read_is_a_store_error_and_the_next_read_w
         store.close()
     assert isinstance(first, StoreError), first
     assert after == ["hi"]
+
+
+def test_queue_mode_passes_on_two_loops_take_turns(pg: Cluster, own_pools: None) -> None:
+    """Passes on one conversation from two loops with their own pools, in queue mode: each
+    reads what the one before committed (no `ConflictError`), and every turn lands whole."""
+    store = Store.postgres(pg.new_database(), on_conflict="queue")
+
+    async def passes(name: str) -> list[int]:
+        versions = []
+        for turn in range(3):
+            out = await arun_session_loop(
+                Session.from_user_message(f"{name}{turn}"),
+                AGENT,
+                executor=ScriptedExecutor([f"{name}{turn} answer"]),
+                store=store,
+                conversation="k",
+            )
+            versions.append(int(out.metadata["version"]))
+        return versions
+
+    try:
+        with loop_thread() as a, loop_thread() as b:
+            ran_a = asyncio.run_coroutine_threadsafe(passes("a"), a.loop)
+            ran_b = asyncio.run_coroutine_threadsafe(passes("b"), b.loop)
+            versions = ran_a.result(GUARD) + ran_b.result(GUARD)
+            pools = store.backend._loop_pools
+            assert pools[a.loop].connections >= 1 and pools[b.loop].connections >= 1
+        assert sorted(versions) == [2, 4, 6, 8, 10, 12]
+        rows = texts(store.conversation("k"))
+        assert len(rows) == 12
+        for i in range(0, 12, 2):  # each turn whole: its message, then its answer
+            assert rows[i + 1] == f"{rows[i]} answer"
+    finally:
+        store.close()
