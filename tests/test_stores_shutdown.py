@@ -74,10 +74,16 @@ def test_a_batch_destroyed_with_its_stopped_loop_fails_its_callers(
     asyncio.run(main())
 
 
-def test_a_runtime_stopping_mid_batch_fails_callers_on_other_loops(pg: Cluster) -> None:
+def test_a_runtime_stopping_mid_batch_fails_callers_on_other_loops(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import psycopg
 
     from treadle.runtime import shutdown
+    from treadle.stores import postgres_loops
+
+    # The caller's loop reaches the runtime's pool by the hop (it never gets its own pool).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 1 << 30)
 
     url = pg.new_database()
     store = Store.postgres(url)

@@ -162,6 +162,9 @@ class Batcher(Generic[A, R]):
             try:
                 results: Sequence[R | BaseException] = await self._run([r for r, _, _ in batch])
             except BaseException as err:  # every request of the batch fails with it
+                if self._closed and isinstance(err, asyncio.CancelledError):
+                    # Cancelled by `close`, not by its callers (who may share its loop).
+                    err = _stopped()
                 results = [err] * len(batch)
                 if not isinstance(err, Exception):  # cancelled or destroyed (the loop stops)
                     with self._lock:

@@ -1,7 +1,9 @@
 """The PostgreSQL conversation store: psycopg 3, async, pooled (the `treadle[postgres]` extra).
 
-The pool lives on the Treadle runtime's event loop and every call reaches it from any loop
-(`treadle.stores.postgres_home.PostgresHome`, this backend's base). The first use connects once
+The store's first pool lives on the Treadle runtime's event loop and every call can reach it
+from any loop; a loop that uses the store enough gets a pool of its own (see
+`treadle.stores.postgres_home.PostgresHome`, this backend's base, and
+`treadle.stores.postgres_loops`). The first use connects once
 with a timeout, so a DSN that does not connect is a `ConfigurationError` naming what failed,
 fast; then it creates or migrates the schema under an advisory lock (several processes may
 start at once). Every write is one transaction holding a per-conversation advisory lock, so a
@@ -12,6 +14,7 @@ never half-written.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +35,7 @@ from treadle.stores.pass_records import (
 )
 from treadle.stores.postgres_batch import commit_call, commit_many, commit_task, load_many
 from treadle.stores.postgres_home import PostgresHome
+from treadle.stores.postgres_loops import LoopPool
 from treadle.stores.postgres_open import DB_NOW
 from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations, prune_orphans
 from treadle.stores.postgres_rows import write_rows
@@ -65,8 +69,17 @@ class PostgresBackend(PostgresHome):
     def _batchers(
         self,
     ) -> tuple[Batcher[str, StoredConversation], Batcher[tuple[Any, ...], int]]:
-        """The batched reads and commits, run on the runtime's loop and awaited from any loop
-        without a task there per call (see `Batcher`)."""
+        """The batched reads and commits: the running loop's own (see `_local`), or those run
+        on the runtime's loop and awaited from any loop without a task there per call (see
+        `Batcher`)."""
+        local = self._local()
+        if local is not None:
+            if local.batchers is None:
+                local.batchers = (
+                    Batcher(functools.partial(self._load_many, local=local), home=local.loop),
+                    Batcher(functools.partial(self._commit_many, local=local), home=local.loop),
+                )
+            return local.batchers
         runtime = self._home()
         loads, commits = self._loads, self._commits
         if loads is None or commits is None:
@@ -82,27 +95,31 @@ class PostgresBackend(PostgresHome):
 
         return await self._batchers()[0](key)
 
-    async def _load_many(self, keys: list[str]) -> list[StoredConversation | BaseException]:
-        """Read a batch: each key's conversation, or its own error (a read that failed alone:
-        see `postgres_batch.load_many`)."""
+    async def _load_many(
+        self, keys: list[str], local: LoopPool | None = None
+    ) -> list[StoredConversation | BaseException]:
+        """Read a batch (on `local`, a loop's own pool, or the runtime's): each key's
+        conversation, or its own error (a read that failed alone: see
+        `postgres_batch.load_many`)."""
         import psycopg
 
         async def body() -> list[StoredConversation | BaseException]:
-            pool = await self._connection_pool()
-            async with pool.connection() as conn:
+            async with self._connection(local) as conn:
                 return await load_many(conn, keys, self._cache)
 
         results = await self._guarded(body)
         return [self._failed(r) if isinstance(r, psycopg.Error) else r for r in results]
 
-    async def _commit_many(self, calls: list[tuple[Any, ...]]) -> list[int | BaseException]:
-        """Commit a batch (each call's last item is its rows and usage, for the cache); a
-        conflict is a negative version, as `treadle_commit` returns it."""
+    async def _commit_many(
+        self, calls: list[tuple[Any, ...]], local: LoopPool | None = None
+    ) -> list[int | BaseException]:
+        """Commit a batch (on `local`, or the runtime's pool; each call's last item is its rows
+        and usage, for the cache); a conflict is a negative version, as `treadle_commit`
+        returns it."""
         import psycopg
 
         async def body() -> list[int | BaseException]:
-            pool = await self._connection_pool()
-            async with pool.connection() as conn:
+            async with self._connection(local) as conn:
                 return await commit_many(conn, [call[:-1] for call in calls])
 
         results = await self._guarded(body)
@@ -219,15 +236,16 @@ class PostgresBackend(PostgresHome):
                            agent_rows, recorded, born)  # fmt: skip
         # Passes ending at once commit together (one round trip, one server commit), each
         # with its own version check (see treadle.stores.postgres_batch).
-        commits = self._batchers()[1]
         held = self._locks.take(key)  # queue mode: the lock goes back where the commit ends
         if held is None:
-            version = await commits(call)
+            version = await self._batchers()[1](call)
         else:
 
             async def commit_and_release() -> int:
-                # On the runtime's loop: the lock is given back once the commit has ended,
-                # whatever becomes of the caller's loop (closed with the commit in flight).
+                # On the runtime's loop, with its batchers: the lock is given back once the
+                # commit has ended, whatever becomes of the caller's loop (closed with the
+                # commit in flight).
+                commits = self._batchers()[1]
                 try:
                     await self._check_held(held, key)
                     version = await commits(call)

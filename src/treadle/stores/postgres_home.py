@@ -1,27 +1,34 @@
-"""Where a PostgreSQL store's pool lives and how its calls reach it (`PostgresHome`, the base
-of `treadle.stores.postgres.PostgresBackend`).
+"""Where a PostgreSQL store's pools live and how its calls reach them (`PostgresHome`, the
+base of `treadle.stores.postgres.PostgresBackend`).
 
-The pool lives on the Treadle runtime's event loop (psycopg's async pool belongs to the loop
-that opened it); a call from another loop awaits the runtime without blocking its own loop.
-The first use connects once with a timeout, so a DSN that does not connect is a
-`ConfigurationError` naming what failed, fast (`postgres_open.open_pool`). When the runtime's
-loop stops, every caller still waiting on it gets a `StoreError`, and the pool closes.
+The store's first pool lives on the Treadle runtime's event loop (psycopg's async pool belongs
+to the loop that opened it): the sync API's calls run there, and a call from another loop
+awaits the runtime without blocking its own loop. A loop that uses the store enough gets a
+pool of its own (`treadle.stores.postgres_loops`: how many, and when each closes), so its hot
+path (the batched reads and commits) no longer crosses threads. The first use connects once
+with a timeout, so a DSN that does not connect is a `ConfigurationError` naming what failed,
+fast (`postgres_open.prepare`). When the runtime's loop stops, every caller still waiting on it
+gets a `StoreError`, and the store closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from treadle.errors import ConfigurationError, StoreError
 from treadle.runtime import get_runtime
+from treadle.stores import postgres_loops
 from treadle.stores.batching import Batcher
 from treadle.stores.hop import LoopHop
-from treadle.stores.postgres_open import display_url, open_pool
+from treadle.stores.postgres_loops import LoopPool, SharedRowCache
+from treadle.stores.postgres_open import connect, display_url, open_pool, prepare
 from treadle.stores.queueing import HeldLocks, PostgresKeyLock
-from treadle.stores.records import RowCache, StoredConversation
+from treadle.stores.records import StoredConversation
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -52,7 +59,11 @@ class PostgresHome:
         self._opening: asyncio.Lock | None = None
         self._closed = False
         self._runtime: Runtime | None = None  # where the pool lives, once it does
-        self._cache = RowCache()  # touched only on the runtime loop
+        self._cache = SharedRowCache()  # one for every loop's reads and commits
+        self._prepared = False  # the schema exists (checked by the first connection)
+        self._loop_pools: dict[asyncio.AbstractEventLoop, LoopPool] = {}  # see _local
+        self._loop_pools_lock = threading.RLock()  # _gone runs under it (a sweep)
+        self._sweeper: Runtime | None = None  # the runtime looking for closed loops, if any
         self._loads: Batcher[str, StoredConversation] | None = None  # on the runtime loop
         self._commits: Batcher[tuple[Any, ...], int] | None = None
         self._hop: LoopHop | None = None  # how callers on other loops reach the runtime's
@@ -78,6 +89,80 @@ class PostgresHome:
             self._handovers = []
             runtime.add_shutdown_hook(functools.partial(_close_all, self._handovers))
         return runtime
+
+    # -- a calling loop's own pool (see treadle.stores.postgres_loops) --------------------------
+    def _local(self) -> LoopPool | None:
+        """The running loop's own pool, once the loop has made enough calls to get one; None
+        on the runtime's loop, for a loop past the cap, and until then (the hop is taken)."""
+        loop = asyncio.get_running_loop()
+        pool = self._loop_pools.get(loop)
+        if pool is None:
+            runtime = self._runtime
+            if self._closed or (runtime is not None and runtime.loop is loop):
+                return None
+            pool = self._new_loop_pool(loop)
+            if pool is None:
+                return None
+        if pool.calls < postgres_loops.OWN_POOL_AFTER:
+            pool.calls += 1
+            return None
+        return None if pool.closed else pool
+
+    def _new_loop_pool(self, loop: asyncio.AbstractEventLoop) -> LoopPool | None:
+        runtime = self._home()
+        if runtime.loop is loop:
+            return None
+        self._sweep_closed()
+        with self._loop_pools_lock:
+            if len(self._loop_pools) >= postgres_loops.LOOP_POOLS:
+                return None  # past the cap: this loop takes the hop
+            pool = LoopPool(loop, self._pool_size, self._connect, self._forget_pool)
+            self._loop_pools[loop] = pool
+            start_sweep = self._sweeper is not runtime
+            self._sweeper = runtime
+        if start_sweep:  # the runtime's loop looks for loops closed without closing theirs
+            runtime.loop.call_soon_threadsafe(self._sweep_later)
+        return pool
+
+    async def _connect(self) -> AsyncConnection[Any]:
+        """A new connection of a loop's own pool (the schema checked first, once)."""
+        if not self._prepared:
+            await prepare(self._dsn, self._url, self._connect_timeout)
+            self._prepared = True
+        return await connect(self._dsn, self._connect_timeout)
+
+    def _forget_pool(self, pool: LoopPool) -> None:
+        with self._loop_pools_lock:
+            if self._loop_pools.get(pool.loop) is pool:
+                del self._loop_pools[pool.loop]
+
+    def _sweep_closed(self) -> bool:
+        """Close the sockets of pools whose loop has closed; whether any pool is left."""
+        for pool in list(self._loop_pools.values()):
+            if pool.loop.is_closed():
+                pool.abandon()
+        return bool(self._loop_pools)
+
+    def _sweep_later(self) -> None:
+        """On the runtime's loop, every `SWEEP_SECONDS` while any loop has a pool (a runtime
+        that stops takes its sweep along: the next loop's pool starts one on the new one)."""
+        with self._loop_pools_lock:
+            go_on = self._sweep_closed()
+            if not go_on:
+                self._sweeper = None
+        if go_on:
+            asyncio.get_running_loop().call_later(postgres_loops.SWEEP_SECONDS, self._sweep_later)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, local: LoopPool | None) -> AsyncIterator[AsyncConnection[Any]]:
+        """A connection of the loop's own pool (`local`), or of the runtime's."""
+        if local is not None:
+            async with local.connection() as conn:
+                yield conn
+        else:
+            pool = await self._connection_pool()
+            async with pool.connection() as conn:
+                yield conn
 
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
         # An operation, once started, runs to its end even if its caller is cancelled meanwhile
@@ -154,18 +239,23 @@ class PostgresHome:
                 self._pool = await open_pool(
                     self._dsn, self._url, self._pool_size, self._connect_timeout
                 )
+                self._prepared = True
                 # A store never closed still closes its pool when the runtime stops (its
                 # connections and maintenance tasks live on the runtime's loop).
                 self._home().add_shutdown_hook(self.aclose)
         return self._pool
 
     async def _run(self, fn: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
+        local = self._local()
+
         async def body() -> T:
-            pool = await self._connection_pool()
-            async with pool.connection() as conn:
+            async with self._connection(local) as conn:
                 return await fn(conn)
 
-        return await self._on_runtime(body)
+        if local is None:
+            return await self._on_runtime(body)
+        # Once started, it runs to its end even if its caller is cancelled (as on the runtime).
+        return await local.run(self._guarded(body))
 
     async def aclose(self, grace: float = 30.0) -> None:
         """Close the pool (safe to call twice; `grace` is the protocol's: the pool's close
@@ -181,6 +271,7 @@ class PostgresHome:
             if pool is not None:
                 await pool.close()
 
+        await self._close_loop_pools()
         runtime = self._runtime
         if runtime is not None and runtime.in_loop_thread():
             await close()  # the runtime's own shutdown hook lands here
@@ -188,6 +279,25 @@ class PostgresHome:
             await runtime.submit(close()).wait()
         else:  # never connected, or its loop is gone along with the pool's connections
             self._closed, self._pool = True, None
+
+    async def _close_loop_pools(self) -> None:
+        """Close every loop's own pool: this loop's now, another's on it (a closed loop's
+        sockets at once)."""
+        self._closed = True  # no loop gets a new pool, no call starts
+        here = asyncio.get_running_loop()
+        for pool in list(self._loop_pools.values()):
+            if pool.loop is here:
+                await pool.close()
+                continue
+            if pool.loop.is_closed():
+                pool.abandon()
+                continue
+            closing = pool.close()
+            try:
+                asyncio.run_coroutine_threadsafe(closing, pool.loop)
+            except RuntimeError:  # its loop closed just now
+                closing.close()
+                pool.abandon()
 
 
 async def _close_all(handovers: list[Batcher[Any, Any] | LoopHop]) -> None:

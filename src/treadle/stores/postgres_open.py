@@ -1,7 +1,8 @@
 """Opening a PostgreSQL store: the DSN checked, one first connection (whose error says what
 failed), the schema created or migrated under an advisory lock, then the pool.
 
-Runs on the Treadle runtime's loop (the pool belongs to the loop that opens it).
+The pool runs on the Treadle runtime's loop (it belongs to the loop that opens it); `connect`
+opens the connections of a calling loop's own pool (`treadle.stores.postgres_loops`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ if TYPE_CHECKING:
     from psycopg import AsyncConnection
     from psycopg_pool import AsyncConnectionPool
 
-__all__ = ["CONNECT_OPTIONS", "DB_NOW", "MIGRATIONS", "display_url", "open_pool"]
+__all__ = [
+    "CONNECT_OPTIONS", "DB_NOW", "MIGRATIONS", "connect", "display_url", "open_pool", "prepare",
+]  # fmt: skip
 
 #: What every connection of the store is opened with. The client encoding is UTF8 whatever the
 #: database, PGCLIENTENCODING or the DSN (`client_encoding`, `options=-c ...`) say: a large
@@ -230,11 +233,43 @@ async def open_pool(
     dsn: str, url: str, pool_size: int, connect_seconds: float
 ) -> AsyncConnectionPool[AsyncConnection[Any]]:
     """Connect once (a clear error if that fails), create or migrate the schema, open the pool."""
-    import psycopg
     from psycopg_pool import AsyncConnectionPool
 
-    timeout = connect_seconds
+    await prepare(dsn, url, connect_seconds)
+    pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=pool_size,
+        kwargs=dict(CONNECT_OPTIONS),
+        timeout=max(connect_seconds, 30.0),
+        open=False,
+    )
+    await pool.open(wait=True, timeout=connect_seconds)
+    return pool
 
+
+async def connect(dsn: str, connect_seconds: float) -> AsyncConnection[Any]:
+    """One connection of the store (`CONNECT_OPTIONS`), within `connect_seconds`; an error
+    says what failed (a `psycopg.OperationalError`)."""
+    import psycopg
+
+    try:
+        return await asyncio.wait_for(
+            psycopg.AsyncConnection.connect(
+                dsn, connect_timeout=max(1, int(connect_seconds)), **CONNECT_OPTIONS
+            ),
+            connect_seconds,
+        )
+    except TimeoutError:
+        raise psycopg.OperationalError("no answer within the connect timeout") from None
+
+
+async def prepare(dsn: str, url: str, connect_seconds: float) -> None:
+    """Connect once (a clear `ConfigurationError` if that fails) and create or migrate the
+    schema (under an advisory lock: several processes, or loops, may start at once)."""
+    import psycopg
+
+    timeout = connect_seconds
     try:  # one plain connection first: its error says what failed (the pool's would not)
         conn = await asyncio.wait_for(
             psycopg.AsyncConnection.connect(
@@ -262,13 +297,3 @@ async def open_pool(
                 await conn.execute("INSERT INTO treadle_schema VALUES (%s)", (version,))
     finally:
         await conn.close()
-    pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
-        dsn,
-        min_size=1,
-        max_size=pool_size,
-        kwargs=dict(CONNECT_OPTIONS),
-        timeout=max(timeout, 30.0),
-        open=False,
-    )
-    await pool.open(wait=True, timeout=timeout)
-    return pool

@@ -96,6 +96,9 @@ class Store:
 
         Needs `pip install 'treadle[postgres]'`. The first use connects (within
         `connect_timeout` seconds); a DSN that does not connect is a `ConfigurationError`.
+        `pool_size` bounds each of the store's pools: the runtime's, and one of each event
+        loop that uses the store enough (at most four at once; see docs/stores.md,
+        "PostgreSQL connections").
         """
         from treadle.stores.postgres import PostgresBackend
 
