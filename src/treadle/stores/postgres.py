@@ -45,6 +45,7 @@ from treadle.stores.records import (
     conflict_error,
     decode_json,
     encode_json,
+    exists_error,
     journal_record,
     journal_text,
     rows_text,
@@ -355,13 +356,18 @@ class PostgresBackend(PostgresHome):
 
         return await self._run(do)
 
-    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
-        """Append rows at the end (or only at version `expected`)."""
+    async def append(
+        self, key: str, rows: Sequence[ChunkRow], expected: int | None, *, new: bool = False
+    ) -> int:
+        """Append rows at the end (or only at version `expected`; with `new`, only to a key
+        that holds no conversation)."""
         encoded = await encode_rows(rows)  # a large import is encoded off the loop
 
         async def do(conn: AsyncConnection[Any]) -> int:
             async with conn.transaction():
                 found = await self._lock(conn, key)
+                if new and found is not None:
+                    raise exists_error(key, found)
                 base = found or 0
                 if found is not None:  # a pass waiting for decisions keeps its rows last
                     cur = await conn.execute(

@@ -297,6 +297,17 @@ def conflict_error(key: str, expected: int, actual: int, rows: Sequence[ChunkRow
     )
 
 
+def exists_error(key: str, version: int) -> ConflictError:
+    """The `ConflictError` of a write meant for a new key (an import) to `key`, which holds a
+    conversation at `version` (0: created, no rows yet; it exists all the same, as for a fork)."""
+    return ConflictError(
+        f"conversation {key!r} already exists (version {version}), so nothing was written.",
+        key=key,
+        expected=0,
+        actual=version,
+    )
+
+
 def journal_text(entry: tuple[str, Any]) -> tuple[str, str, str]:
     """`(entry, kind, body)` columns of a journal entry."""
     what, value = entry

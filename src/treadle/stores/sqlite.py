@@ -36,6 +36,7 @@ from treadle.stores.records import (
     decode_row,
     encode_json,
     encode_usage,
+    exists_error,
 )
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
@@ -346,8 +347,11 @@ class SqliteBackend:
         """Take over a pending pass: its journal, or `ConflictError`."""
         return await self._run(claim_job(pass_id, key))
 
-    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
-        """Append rows at the end (or only at version `expected`)."""
+    async def append(
+        self, key: str, rows: Sequence[ChunkRow], expected: int | None, *, new: bool = False
+    ) -> int:
+        """Append rows at the end (or only at version `expected`; with `new`, only to a key
+        that holds no conversation)."""
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
@@ -355,6 +359,8 @@ class SqliteBackend:
                 "SELECT version, metadata FROM conversations WHERE key = ?", (key,)
             ).fetchone()
             found = None if head is None else int(head[0])
+            if new and found is not None:
+                raise exists_error(key, found)
             base = found or 0
             if expected is not None and expected != base:
                 raise conflict_error(key, expected, base, rows)
