@@ -80,3 +80,17 @@ def test_an_import_into_an_existing_empty_conversation_is_refused(url: str, tmp_
         with pytest.raises(ConflictError, match="already exists"):
             store.import_jsonl(source, key="e")
         assert store.conversation("e").rows == ()
+
+
+@pytest.mark.parametrize("version", [None, 0])
+def test_a_fork_of_a_key_that_does_not_exist_is_refused(url: str, version: int | None) -> None:
+    """No branch naming a conversation that is not there: a `ConfigurationError` naming the
+    key, as a version out of range is, and nothing is made. An empty conversation exists and
+    forks (at version 0)."""
+    with Store.open(url) as store:
+        with pytest.raises(ConfigurationError, match="'nowhere' does not exist"):
+            store.fork("nowhere", "f", version=version)
+        assert store.conversations() == []
+        store.append("empty", [])
+        assert store.fork("empty", "f", version=version).rows == ()
+        assert sorted(c.key for c in store.conversations()) == ["empty", "f"]

@@ -48,6 +48,7 @@ from treadle.stores.records import (
     exists_error,
     journal_record,
     journal_text,
+    missing_error,
     rows_text,
 )
 
@@ -431,7 +432,10 @@ class PostgresBackend(PostgresHome):
 
         async def do(conn: AsyncConnection[Any]) -> int:
             async with conn.transaction():
-                at = (await self._lock(conn, key)) or 0
+                found = await self._lock(conn, key)
+                if found is None:
+                    raise missing_error(key)
+                at = found
                 if version is not None and not 0 <= version <= at:
                     raise ConfigurationError(
                         f"conversation {key!r} has versions 0 to {at}; fork at one of those."

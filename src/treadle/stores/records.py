@@ -308,6 +308,14 @@ def exists_error(key: str, version: int) -> ConflictError:
     )
 
 
+def missing_error(key: str) -> ConfigurationError:
+    """The error of a fork of `key` where no conversation is (an empty one exists: it forks)."""
+    return ConfigurationError(
+        f"conversation {key!r} does not exist, so there is nothing to fork; fork an existing "
+        "conversation (store.conversations() lists them)."
+    )
+
+
 def journal_text(entry: tuple[str, Any]) -> tuple[str, str, str]:
     """`(entry, kind, body)` columns of a journal entry."""
     what, value = entry

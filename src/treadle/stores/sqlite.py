@@ -35,8 +35,8 @@ from treadle.stores.records import (
     decode_json,
     decode_row,
     encode_json,
-    encode_usage,
     exists_error,
+    missing_error,
 )
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
@@ -399,7 +399,9 @@ class SqliteBackend:
             head = conn.execute(
                 "SELECT version, usage FROM conversations WHERE key = ?", (key,)
             ).fetchone()
-            at = head[0] if head is not None else 0
+            if head is None:
+                raise missing_error(key)
+            at = head[0]
             if version is not None and not 0 <= version <= at:
                 raise ConfigurationError(
                     f"conversation {key!r} has versions 0 to {at}; fork at one of those."
@@ -414,7 +416,7 @@ class SqliteBackend:
                 " kind, payload FROM rows WHERE key = ? AND seq < ?",
                 (new_key, key, at),
             )
-            usage = head[1] if head is not None else encode_usage(Usage())
+            usage = head[1]
             advance(
                 conn, new_key, None, at, time.time(),
                 usage=usage, parent_key=key, parent_version=at,

@@ -264,7 +264,8 @@ class Store:
         `new_key`; the branch as a `Session`. Its lineage names the parent conversation. Its
         usage starts as the parent's whole total when forked, not the usage up to `version`
         (the store keeps one usage total a conversation, none a pass). `version` must be an
-        int of 0 or more (`ConfigurationError` otherwise, before the store is asked)."""
+        int of 0 or more (`ConfigurationError` otherwise, before the store is asked); a `key`
+        that holds no conversation is a `ConfigurationError` too, and makes no branch."""
         check_key(key)
         check_key(new_key, "new key")
         # A float, bool or str slips through a range check (1.5 made a head at a version no
