@@ -13,6 +13,7 @@ Both store backends: a SQLite file and a database of the throwaway PostgreSQL cl
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,3 +159,32 @@ async def test_results_that_follow_their_calls_without_a_store_are_kept() -> Non
     (sent,) = requests
     assert sorted(m["tool_call_id"] for m in sent if m["role"] == "tool") == ["c1", "c2"]
     assert out.rows[-1].kind == "assistant"
+
+
+async def test_an_append_of_a_second_result_is_refused(store: Store) -> None:
+    """`store.append` checks results as a pass's input is checked: rows of results only too."""
+    await store.aappend("k", [ChunkRow.user("look x up"), _calls("c1", "c2"), _result("c1")])
+    with pytest.raises(ConfigurationError, match="second result"):
+        await store.aappend("k", [_result("c1", "again")])
+    with pytest.raises(ConfigurationError, match="does not follow"):
+        await store.aappend("k", [ChunkRow.user("and?"), _result("c2")])
+    assert len((await store.conversation("k")).rows) == 3
+    assert await store.aappend("k", [_result("c2")]) == 4  # its own result, once: kept
+
+
+async def test_an_import_of_a_misplaced_result_is_refused(store: Store, tmp_path: Any) -> None:
+    """A transcript whose result follows a later message (one a pass refused to send: its
+    input rows were persisted first) is refused whole; nothing is written."""
+    path = tmp_path / "old.jsonl"
+    lines = [
+        {"type": "header", "schema": 1, "session_id": "old", "parent_ids": [],
+         "operator": "run_session_loop", "created_at": 1.0, "placement": None, "agent_rows": []},
+        *({"type": "row", "kind": r.kind, "payload": r.payload}
+          for r in BAD["after_a_later_message"][0]),
+        {"type": "trailer", "rows": 4, "usage": {}, "stop_reason": "final_answer",
+         "metadata": {}},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ConfigurationError, match="does not follow"):
+        await store.aimport_jsonl(path)
+    assert [c.key for c in await store.aconversations()] == []

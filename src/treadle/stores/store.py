@@ -235,8 +235,8 @@ class Store:
     ) -> int:
         # Rows that go on past tool calls without results get "no result" rows first (as a
         # pass's input does): written at the version read, so the calls answered are the last.
-        if all(r.kind == "tool_result" for r in rows):
-            return await self.backend.append(key, rows, expected)
+        # Results are checked against the conversation's last calls (`answer_gaps` refuses a
+        # misplaced or repeated one), so rows of results only are read against it too.
         for _ in range(3):  # another writer moved the conversation between read and write
             stored = await self.backend.load(key)
             version = len(stored.rows)
