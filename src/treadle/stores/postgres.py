@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from treadle.errors import ConfigurationError, ConflictError, StoreError
+from treadle.errors import ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.backend import JournalEntry
 from treadle.stores.batching import OFF_LOOP_ROWS, Batcher, encode_rows
@@ -46,9 +46,9 @@ from treadle.stores.records import (
     decode_json,
     encode_json,
     exists_error,
+    fork_point,
     journal_record,
     journal_text,
-    missing_error,
     rows_text,
 )
 
@@ -432,15 +432,7 @@ class PostgresBackend(PostgresHome):
 
         async def do(conn: AsyncConnection[Any]) -> int:
             async with conn.transaction():
-                found = await self._lock(conn, key)
-                if found is None:
-                    raise missing_error(key)
-                at = found
-                if version is not None and not 0 <= version <= at:
-                    raise ConfigurationError(
-                        f"conversation {key!r} has versions 0 to {at}; fork at one of those."
-                    )
-                at = at if version is None else version
+                at = fork_point(key, await self._lock(conn, key), version)
                 if await self._lock(conn, new_key) is not None:
                     raise ConflictError(
                         f"conversation {new_key!r} already exists; fork to a new key.",

@@ -308,12 +308,20 @@ def exists_error(key: str, version: int) -> ConflictError:
     )
 
 
-def missing_error(key: str) -> ConfigurationError:
-    """The error of a fork of `key` where no conversation is (an empty one exists: it forks)."""
-    return ConfigurationError(
-        f"conversation {key!r} does not exist, so there is nothing to fork; fork an existing "
-        "conversation (store.conversations() lists them)."
-    )
+def fork_point(key: str, found: int | None, version: int | None) -> int:
+    """The version a fork of `key` (at version `found`; None: no conversation) copies up to:
+    `version`, or all of it. No conversation there (an empty one exists: it forks at 0), or a
+    version past its end, is a `ConfigurationError`."""
+    if found is None:
+        raise ConfigurationError(
+            f"conversation {key!r} does not exist, so there is nothing to fork; fork an "
+            "existing conversation (store.conversations() lists them)."
+        )
+    if version is not None and not 0 <= version <= found:
+        raise ConfigurationError(
+            f"conversation {key!r} has versions 0 to {found}; fork at one of those."
+        )
+    return found if version is None else version
 
 
 def journal_text(entry: tuple[str, Any]) -> tuple[str, str, str]:

@@ -36,7 +36,7 @@ from treadle.stores.records import (
     decode_row,
     encode_json,
     exists_error,
-    missing_error,
+    fork_point,
 )
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
@@ -399,14 +399,7 @@ class SqliteBackend:
             head = conn.execute(
                 "SELECT version, usage FROM conversations WHERE key = ?", (key,)
             ).fetchone()
-            if head is None:
-                raise missing_error(key)
-            at = head[0]
-            if version is not None and not 0 <= version <= at:
-                raise ConfigurationError(
-                    f"conversation {key!r} has versions 0 to {at}; fork at one of those."
-                )
-            at = at if version is None else version
+            at = fork_point(key, None if head is None else int(head[0]), version)
             if version_of(conn, new_key) is not None:
                 raise ConflictError(
                     f"conversation {new_key!r} already exists; fork to a new key.", key=new_key
