@@ -110,3 +110,56 @@ def test_an_import_stopped_at_an_existing_key_can_be_run_again(tmp_path: Path) -
         assert sorted(i.key for i in target.conversations()) == ["a", "b", "c", "d"]
         assert [r.content for r in target.conversation("c").rows] == ["another c"]
         assert [r.content for r in target.conversation("d").rows] == ["text of d"]
+
+
+def _session_file(path: Path, session_id: str, text: str) -> None:
+    """A one-row session file whose header names `session_id`."""
+    lines = [
+        {"type": "header", "schema": 1, "session_id": session_id, "parent_ids": [],
+         "operator": "run_session_loop", "created_at": 1.0, "placement": None, "agent_rows": []},
+        {"type": "row", "kind": "user", "payload": {"content": text}},
+        {"type": "trailer", "rows": 1, "usage": {}, "stop_reason": "final_answer",
+         "metadata": {}},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_skip_existing_reports_a_file_with_an_unusable_key_and_goes_on(tmp_path: Path) -> None:
+    """A file whose session id is no usable store key (here it holds a NUL) is reported with
+    its reason; the files after it are imported all the same, and the exit code says one was
+    refused."""
+    files = tmp_path / "files"
+    files.mkdir()
+    _session_file(files / "a.jsonl", "a", "text of a")
+    _session_file(files / "b.jsonl", "bad\x00key", "text of b")
+    _session_file(files / "c.jsonl", "c", "text of c")
+    url = f"sqlite:///{tmp_path / 'dst.db'}"
+    ran = treadle(
+        "sessions", "--store", url, "--import", str(files), "--skip-existing", cwd=tmp_path
+    )
+    assert ran.returncode != 0
+    assert "b.jsonl" in ran.stderr + ran.stdout and "NUL" in ran.stderr + ran.stdout
+    assert "1 file(s) were not imported" in ran.stderr
+    with Store.open(url) as target:
+        assert sorted(i.key for i in target.conversations()) == ["a", "c"]
+
+
+def test_skip_existing_skips_an_existing_empty_conversation(tmp_path: Path) -> None:
+    """A key the store has counts as existing whatever its row count (as `fork` counts it): an
+    empty conversation there is skipped, not imported into."""
+    files = tmp_path / "files"
+    files.mkdir()
+    _session_file(files / "e.jsonl", "e", "text of e")
+    dst = tmp_path / "dst.db"
+    with Store.sqlite(dst) as target:
+        assert target.append("e", []) == 0
+    url = f"sqlite:///{dst}"
+    plain = treadle("sessions", "--store", url, "--import", str(files), cwd=tmp_path)
+    assert plain.returncode != 0 and "'e' already exists" in plain.stderr
+    ran = treadle(
+        "sessions", "--store", url, "--import", str(files), "--skip-existing", cwd=tmp_path
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "skipped" in ran.stdout and "e.jsonl" in ran.stdout
+    with Store.sqlite(dst) as target:
+        assert target.conversation("e").rows == ()

@@ -1,7 +1,8 @@
 """Bad arguments and hostile store files say what is wrong: `fork(version=)` takes only an int of
 0 or more (checked before any I/O), a `treadle_schema` table that holds text is a
 `ConfigurationError` naming it (both backends), and a SQLite path that cannot hold a database
-(`/dev/null`) reports its own error, not the failed rollback after it.
+(`/dev/null`) reports its own error, not the failed rollback after it. A key holding an empty
+conversation exists: an import into it is a `ConflictError`, as a fork onto it is.
 
 Real parts: SQLite files, a throwaway PostgreSQL database (the `url` fixture, `pg`).
 """
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from pg_cluster import Cluster
-from treadle.errors import ConfigurationError
+from treadle.errors import ConfigurationError, ConflictError
 from treadle.session import ChunkRow
 from treadle.stores import Store
 
@@ -66,3 +67,30 @@ def test_a_sqlite_path_that_holds_no_database_reports_its_own_error() -> None:
         Store.sqlite("/dev/null")
     assert "rollback" not in str(caught.value)
     assert "/dev/null" in str(caught.value)
+
+
+def test_an_import_into_an_existing_empty_conversation_is_refused(url: str, tmp_path: Path) -> None:
+    """`import_jsonl` writes to a new key only: a key holding an empty conversation exists
+    (as `fork` counts it)."""
+    source = tmp_path / "e.jsonl"
+    with Store.open(url) as store:
+        store.append("src", [ChunkRow.user("hello")])
+        store.export_jsonl("src", source)
+        assert store.append("e", []) == 0
+        with pytest.raises(ConflictError, match="already exists"):
+            store.import_jsonl(source, key="e")
+        assert store.conversation("e").rows == ()
+
+
+@pytest.mark.parametrize("version", [None, 0])
+def test_a_fork_of_a_key_that_does_not_exist_is_refused(url: str, version: int | None) -> None:
+    """No branch naming a conversation that is not there: a `ConfigurationError` naming the
+    key, as a version out of range is, and nothing is made. An empty conversation exists and
+    forks (at version 0)."""
+    with Store.open(url) as store:
+        with pytest.raises(ConfigurationError, match="'nowhere' does not exist"):
+            store.fork("nowhere", "f", version=version)
+        assert store.conversations() == []
+        store.append("empty", [])
+        assert store.fork("empty", "f", version=version).rows == ()
+        assert sorted(c.key for c in store.conversations()) == ["empty", "f"]

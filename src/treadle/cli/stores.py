@@ -133,8 +133,12 @@ def _import_files(
     """`--import`: each file (or each `.jsonl` of a directory, in name order) as a new
     conversation. The first file that fails stops the import (each file is its own transaction:
     the ones before it stay imported); its error says how to go on. With `skip_existing` a file
-    whose key the store already has is left out instead, so a stopped import can be run again."""
+    whose key the store already has (whatever its row count) is left out instead, so a stopped
+    import can be run again, and a file the store refuses (unreadable, or its session id is no
+    usable key) is reported and the import goes on: the command then fails once every other
+    file is in."""
     imported = 0
+    refused = 0
     for path in imports:
         files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
         for file in files:
@@ -151,16 +155,27 @@ def _import_files(
                     "",
                     EXIT_CODES["usage"],
                 ) from None
-            except PersistenceError as err:
+            except (PersistenceError, ConfigurationError) as err:  # this file, not the store
+                if skip_existing:
+                    refused += 1
+                    console.line(f"refused {file}: {err}", "warn")
+                    continue
                 raise CliFailure(
                     f"{file} was not imported: {err} {imported} file(s) were imported before "
                     "it; fix or move the file, then run the same command again with "
-                    "--skip-existing (files already imported are left out).",
+                    "--skip-existing (files already imported are left out, files refused are "
+                    "reported).",
                     "",
                     EXIT_CODES["usage"],
                 ) from None
             imported += 1
             console.line(f"imported {file} as {key} ({version} rows)")
+    if refused:
+        raise CliFailure(
+            f"{refused} file(s) were not imported (see above); {imported} file(s) were.",
+            "fix or move those files, then run the same command again with --skip-existing.",
+            EXIT_CODES["usage"],
+        )
 
 
 def show_stored(target: str, url: str | None, console: Console) -> int:

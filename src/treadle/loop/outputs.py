@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from treadle.loop.plan import PassPlan, plain_metadata
 from treadle.session import ChunkRow, ChunkTable, SessionData
 from treadle.session.stops import StopReason
-from treadle.tools.unanswered import no_result_rows, unanswered_gap
+from treadle.tools.unanswered import answer_gaps
 
 if TYPE_CHECKING:
     from treadle.loop.engine import _Pass
@@ -28,12 +28,13 @@ async def open_conversation_of(
     """With `store=` and `conversation=`: the stored conversation first, then the input (see
     `treadle.stores.journal`); the input as it is otherwise."""
     if plan.store is None or plan.conversation is None:
-        gap = unanswered_gap(user.table.rows)
-        if gap is None:
-            return user
-        at, missing = gap  # a new message after calls without results: answered first
+        # Calls a new message goes on past are answered first; misplaced or repeated results
+        # the caller supplied are refused here, before anything is requested.
         rows = user.table.rows
-        run.table = ChunkTable._trusted([*rows[:at], *no_result_rows(missing), *rows[at:]])
+        answered = answer_gaps(rows)
+        if answered is rows:
+            return user
+        run.table = ChunkTable._trusted(list(answered))
         return dataclasses.replace(user, table=run.table)
     # Imported here: `import treadle` and passes without a store never load the stores. From
     # the module, not the package: a package's `from ... import` is a Python call every pass.

@@ -135,8 +135,11 @@ class StoreBackend(Protocol):
         that far leaves it to be taken over again once this process no longer runs it."""
         ...
 
-    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
-        """Append rows (at the end, or only at version `expected`); the new version."""
+    async def append(
+        self, key: str, rows: Sequence[ChunkRow], expected: int | None, *, new: bool = False
+    ) -> int:
+        """Append rows (at the end, or only at version `expected`); the new version. With `new`
+        only to a key that holds no conversation, not even an empty one (`exists_error`)."""
         ...
 
     async def pending(self, key: str | None) -> list[PendingPass]:

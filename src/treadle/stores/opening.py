@@ -274,7 +274,8 @@ def _answered_first(committed: tuple[ChunkRow, ...], new: Sequence[ChunkRow]) ->
     mid-round), the input can hold such a gap itself (a session interrupted, then given a new
     message), and a message after calls without results is a transcript the model's API
     refuses. Input of results only leaves the pass to run the calls still unanswered (a resume:
-    `pending_tool_calls`); results the input brings itself are kept."""
+    `pending_tool_calls`); results the input brings itself are kept, and a misplaced or
+    repeated one is a `ConfigurationError` (nothing is written yet)."""
     return answer_gaps(new, committed) if new else new
 
 

@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from treadle.errors import ConfigurationError, ConflictError, StoreError
+from treadle.errors import ConflictError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.batching import OFF_LOOP_ROWS, Batcher, encode_rows
 from treadle.stores.pass_records import (
@@ -38,6 +38,8 @@ from treadle.stores.records import (
     StoredConversation,
     conflict_error,
     decode_json,
+    exists_error,
+    fork_point,
     rows_text,
 )
 
@@ -211,13 +213,18 @@ class PostgresBackend(PostgresPasses):
 
         self._batchers()[1].submit_then(call, settle)
 
-    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
-        """Append rows at the end (or only at version `expected`)."""
+    async def append(
+        self, key: str, rows: Sequence[ChunkRow], expected: int | None, *, new: bool = False
+    ) -> int:
+        """Append rows at the end (or only at version `expected`; with `new`, only to a key
+        that holds no conversation)."""
         encoded = await encode_rows(rows)  # a large import is encoded off the loop
 
         async def do(conn: AsyncConnection[Any]) -> int:
             async with conn.transaction():
                 found = await self._lock(conn, key)
+                if new and found is not None:
+                    raise exists_error(key, found)
                 base = found or 0
                 if found is not None:  # a pass waiting for decisions keeps its rows last
                     cur = await conn.execute(
@@ -281,12 +288,7 @@ class PostgresBackend(PostgresPasses):
 
         async def do(conn: AsyncConnection[Any]) -> int:
             async with conn.transaction():
-                at = (await self._lock(conn, key)) or 0
-                if version is not None and not 0 <= version <= at:
-                    raise ConfigurationError(
-                        f"conversation {key!r} has versions 0 to {at}; fork at one of those."
-                    )
-                at = at if version is None else version
+                at = fork_point(key, await self._lock(conn, key), version)
                 if await self._lock(conn, new_key) is not None:
                     raise ConflictError(
                         f"conversation {new_key!r} already exists; fork to a new key.",

@@ -297,6 +297,33 @@ def conflict_error(key: str, expected: int, actual: int, rows: Sequence[ChunkRow
     )
 
 
+def exists_error(key: str, version: int) -> ConflictError:
+    """The `ConflictError` of a write meant for a new key (an import) to `key`, which holds a
+    conversation at `version` (0: created, no rows yet; it exists all the same, as for a fork)."""
+    return ConflictError(
+        f"conversation {key!r} already exists (version {version}), so nothing was written.",
+        key=key,
+        expected=0,
+        actual=version,
+    )
+
+
+def fork_point(key: str, found: int | None, version: int | None) -> int:
+    """The version a fork of `key` (at version `found`; None: no conversation) copies up to:
+    `version`, or all of it. No conversation there (an empty one exists: it forks at 0), or a
+    version past its end, is a `ConfigurationError`."""
+    if found is None:
+        raise ConfigurationError(
+            f"conversation {key!r} does not exist, so there is nothing to fork; fork an "
+            "existing conversation (store.conversations() lists them)."
+        )
+    if version is not None and not 0 <= version <= found:
+        raise ConfigurationError(
+            f"conversation {key!r} has versions 0 to {found}; fork at one of those."
+        )
+    return found if version is None else version
+
+
 def journal_text(entry: tuple[str, Any]) -> tuple[str, str, str]:
     """`(entry, kind, body)` columns of a journal entry."""
     what, value = entry

@@ -35,7 +35,8 @@ from treadle.stores.records import (
     decode_json,
     decode_row,
     encode_json,
-    encode_usage,
+    exists_error,
+    fork_point,
 )
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
@@ -346,8 +347,11 @@ class SqliteBackend:
         """Take over a pending pass: its journal, or `ConflictError`."""
         return await self._run(claim_job(pass_id, key))
 
-    async def append(self, key: str, rows: Sequence[ChunkRow], expected: int | None) -> int:
-        """Append rows at the end (or only at version `expected`)."""
+    async def append(
+        self, key: str, rows: Sequence[ChunkRow], expected: int | None, *, new: bool = False
+    ) -> int:
+        """Append rows at the end (or only at version `expected`; with `new`, only to a key
+        that holds no conversation)."""
 
         def do(conn: sqlite3.Connection) -> int:
             now = time.time()
@@ -355,6 +359,8 @@ class SqliteBackend:
                 "SELECT version, metadata FROM conversations WHERE key = ?", (key,)
             ).fetchone()
             found = None if head is None else int(head[0])
+            if new and found is not None:
+                raise exists_error(key, found)
             base = found or 0
             if expected is not None and expected != base:
                 raise conflict_error(key, expected, base, rows)
@@ -393,12 +399,7 @@ class SqliteBackend:
             head = conn.execute(
                 "SELECT version, usage FROM conversations WHERE key = ?", (key,)
             ).fetchone()
-            at = head[0] if head is not None else 0
-            if version is not None and not 0 <= version <= at:
-                raise ConfigurationError(
-                    f"conversation {key!r} has versions 0 to {at}; fork at one of those."
-                )
-            at = at if version is None else version
+            at = fork_point(key, None if head is None else int(head[0]), version)
             if version_of(conn, new_key) is not None:
                 raise ConflictError(
                     f"conversation {new_key!r} already exists; fork to a new key.", key=new_key
@@ -408,7 +409,7 @@ class SqliteBackend:
                 " kind, payload FROM rows WHERE key = ? AND seq < ?",
                 (new_key, key, at),
             )
-            usage = head[1] if head is not None else encode_usage(Usage())
+            usage = head[1]
             advance(
                 conn, new_key, None, at, time.time(),
                 usage=usage, parent_key=key, parent_version=at,

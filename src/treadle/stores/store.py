@@ -238,8 +238,8 @@ class Store:
     ) -> int:
         # Rows that go on past tool calls without results get "no result" rows first (as a
         # pass's input does): written at the version read, so the calls answered are the last.
-        if all(r.kind == "tool_result" for r in rows):
-            return await self.backend.append(key, rows, expected)
+        # Results are checked against the conversation's last calls (`answer_gaps` refuses a
+        # misplaced or repeated one), so rows of results only are read against it too.
         for _ in range(3):  # another writer moved the conversation between read and write
             stored = await self.backend.load(key)
             version = len(stored.rows)
@@ -267,7 +267,8 @@ class Store:
         `new_key`; the branch as a `Session`. Its lineage names the parent conversation. Its
         usage starts as the parent's whole total when forked, not the usage up to `version`
         (the store keeps one usage total a conversation, none a pass). `version` must be an
-        int of 0 or more (`ConfigurationError` otherwise, before the store is asked)."""
+        int of 0 or more (`ConfigurationError` otherwise, before the store is asked); a `key`
+        that holds no conversation is a `ConfigurationError` too, and makes no branch."""
         check_key(key)
         check_key(new_key, "new key")
         # A float, bool or str slips through a range check (1.5 made a head at a version no

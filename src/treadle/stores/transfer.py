@@ -74,13 +74,14 @@ async def import_jsonl(
     backend: StoreBackend, path: str | os.PathLike[str], key: str | None = None
 ) -> tuple[str, int]:
     """Write the rows of the session file at `path` to the new conversation `key` (default: the
-    file's session id); `(key, version)`. An existing key is a `ConflictError`."""
+    file's session id); `(key, version)`. An existing key is a `ConflictError`, whatever its
+    row count (an empty conversation exists, as `fork` counts it)."""
     loaded = await run_internal_io(lambda: _load_bounded(Path(path)))
     target = check_key(key if key is not None else loaded.session.id)
     try:
         # A transcript written before passes answered calls left without results (a session
         # interrupted, then given a message) is stored as a model would accept it.
-        version = await backend.append(target, answer_gaps(loaded.session.rows), 0)
+        version = await backend.append(target, answer_gaps(loaded.session.rows), 0, new=True)
     except ConflictError as err:
         raise ConflictError(
             f"conversation {target!r} already exists in the store (version {err.actual}); "

@@ -5,27 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from treadle.errors import ConfigurationError
 from treadle.session import ChunkRow, ToolCall
 from treadle.tools.results import error_content
 
-__all__ = ["answer_gaps", "no_result_rows", "unanswered_gap"]
-
-
-def unanswered_gap(rows: Sequence[ChunkRow]) -> tuple[int, list[ToolCall]] | None:
-    """Where `rows` go on past tool calls that have no result: the index of the first row after
-    the last assistant row's calls (and their results) that is not a tool result, with the calls
-    still unanswered; None when there is no such gap (calls at the very end are pending: a
-    resume runs them). Scans back only to the last assistant row."""
-    last = next((i for i in range(len(rows) - 1, -1, -1) if rows[i].kind == "assistant"), None)
-    if last is None or not rows[last].calls:
-        return None
-    after = rows[last + 1 :]
-    answered = {str(r.payload.get("tool_call_id")) for r in after if r.kind == "tool_result"}
-    missing = [c for c in rows[last].calls if c.id not in answered]
-    at = next((i for i, r in enumerate(after) if r.kind != "tool_result"), None)
-    if not missing or at is None:
-        return None
-    return last + 1 + at, missing
+__all__ = ["answer_gaps", "no_result_rows"]
 
 
 def no_result_rows(calls: Sequence[ToolCall]) -> list[ChunkRow]:
@@ -44,34 +28,70 @@ def no_result_rows(calls: Sequence[ToolCall]) -> list[ChunkRow]:
     ]
 
 
-def answer_gaps(rows: Sequence[ChunkRow], after: Sequence[ChunkRow] = ()) -> list[ChunkRow]:
+def answer_gaps(rows: Sequence[ChunkRow], after: Sequence[ChunkRow] = ()) -> Sequence[ChunkRow]:
     """`rows` with a "no result" row before each row that follows tool calls without results
     (every gap, not only the last: a whole transcript written before the rule, or appended
     rows); `after` is what `rows` continue (a conversation's rows so far: its last calls are
-    answered too when `rows` go on with a message). Calls at the very end stay pending."""
-    waiting = unanswered_tail(after)
-    fixed: list[ChunkRow] = []
-    for row in rows:
-        if row.kind == "tool_result":
-            waiting.pop(str(row.payload.get("tool_call_id")), None)
-        elif waiting:
-            fixed.extend(no_result_rows(list(waiting.values())))
-            waiting = {}
-        if row.kind == "assistant":
-            waiting = {c.id: c for c in row.calls}
-        fixed.append(row)
-    return fixed
+    answered too when `rows` go on with a message). Calls at the very end stay pending.
+    `rows` itself (not a copy) when there is no gap.
+
+    A tool result in `rows` must answer a call of the assistant row it follows, with only
+    results between them, once: a result a message separates from its call, a second result
+    for a call and a result for no call are a `ConfigurationError` (the model's API refuses
+    such a transcript, and a gap filled before the message would answer the call twice)."""
+    calls, answered, open_round = _tail_state(after)
+    fixed: list[ChunkRow] | None = None
+    for i, row in enumerate(rows):
+        kind = row.kind
+        if kind == "tool_result":
+            call_id = str(row.payload.get("tool_call_id"))
+            if not open_round or call_id not in calls or call_id in answered:
+                raise _misplaced(call_id, open_round, call_id in calls, i)
+            answered.add(call_id)
+            if fixed is not None:
+                fixed.append(row)
+            continue
+        if open_round and calls:
+            missing = [c for c in calls.values() if c.id not in answered]
+            if missing:
+                if fixed is None:
+                    fixed = list(rows[:i])
+                fixed.extend(no_result_rows(missing))
+        open_round = kind == "assistant"
+        if open_round:
+            # Most assistant rows make no calls: their payload says so without parsing any.
+            calls = {c.id: c for c in row.calls} if row.payload.get("tool_calls") else {}
+            answered = set()
+        if fixed is not None:
+            fixed.append(row)
+    return rows if fixed is None else fixed
 
 
-def unanswered_tail(rows: Sequence[ChunkRow]) -> dict[str, ToolCall]:
-    """The calls of the last assistant row of `rows` that no later row answers, when only tool
-    results follow it (by id; empty otherwise)."""
+def _misplaced(call_id: str, open_round: bool, known: bool, at: int) -> ConfigurationError:
+    if not open_round:
+        why = (
+            "does not follow the assistant row that made the call (a message or other row "
+            "comes between them)"
+        )
+    elif known:
+        why = "is a second result for that call"
+    else:
+        why = "answers no call of the assistant row before it"
+    return ConfigurationError(
+        f"input row {at}: the tool result for call {call_id[:80]!r} {why}; a call's results "
+        "must come right after its assistant row, one per call, before any other message."
+    )
+
+
+def _tail_state(rows: Sequence[ChunkRow]) -> tuple[dict[str, ToolCall], set[str], bool]:
+    """Where `rows` leave off: the last assistant row's calls and the ids answered after it,
+    and whether only tool results follow it (more of them may come)."""
     answered: set[str] = set()
     for row in reversed(rows):
         if row.kind == "tool_result":
             answered.add(str(row.payload.get("tool_call_id")))
         elif row.kind == "assistant":
-            return {c.id: c for c in row.calls if c.id not in answered}
+            return {c.id: c for c in row.calls}, answered, True
         else:
-            return {}
-    return {}
+            break
+    return {}, answered, False
