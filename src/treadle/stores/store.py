@@ -47,6 +47,10 @@ _DAY = 86_400.0
 log = logging.getLogger("treadle.stores")
 
 
+#: How many times `append` (without `expected_version`) reads and writes again when other
+#: writers keep moving the conversation between its read and its write.
+APPEND_ATTEMPTS = 10
+
 class Store:
     """Conversations that outlive the process, by key.
 
@@ -237,24 +241,29 @@ class Store:
         self, key: str, rows: Sequence[ChunkRow], expected: int | None
     ) -> int:
         # Rows that go on past tool calls without results get "no result" rows first (as a
-        # pass's input does): written at the version read, so the calls answered are the last.
-        # Results are checked against the conversation's last calls (`answer_gaps` refuses a
-        # misplaced or repeated one), so rows of results only are read against it too.
-        for _ in range(3):  # another writer moved the conversation between read and write
+        # pass's input does), and results are checked against the conversation's last calls
+        # (`answer_gaps` refuses a misplaced or repeated one). Both depend on the rows they
+        # follow, so the rows are written at the version read: a writer that moved the
+        # conversation meanwhile (its own calls, its own results) makes the write conflict,
+        # and it is read and checked again; one that keeps losing gets the `ConflictError`
+        # (nothing written), never rows checked against a tail that is not theirs.
+        conflict: ConflictError | None = None
+        for _ in range(APPEND_ATTEMPTS):
             stored = await self.backend.load(key)
             version = len(stored.rows)
             if refused := waiting_error(key, stored.metadata, version):
                 raise refused  # its calls wait for decisions, not for "no result"
             answered = answer_gaps(rows, stored.rows)
-            if len(answered) == len(rows):
-                return await self.backend.append(key, rows, expected)
-            at = expected if expected is not None else version
             try:
-                return await self.backend.append(key, answered, at)
-            except ConflictError:
+                return await self.backend.append(
+                    key, answered, expected if expected is not None else version
+                )
+            except ConflictError as err:
                 if expected is not None:
                     raise
-        return await self.backend.append(key, answer_gaps(rows), expected)
+                conflict = err
+        assert conflict is not None
+        raise conflict
 
     def append(
         self, key: str, rows: Iterable[ChunkRow] | Session, *, expected_version: int | None = None
