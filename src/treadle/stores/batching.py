@@ -96,6 +96,11 @@ class Batcher(Generic[A, R]):
         """The loop the batches run on (None before the first call sets it)."""
         return self._home
 
+    @property
+    def tasks(self) -> tuple[asyncio.Task[None], ...]:
+        """The batches running now (their drains)."""
+        return tuple(self._tasks)
+
     async def close(self) -> None:
         """Fail the queued requests, cancel the running batches (their callers get a
         `StoreError`) and refuse later requests: on the home loop, before it stops."""

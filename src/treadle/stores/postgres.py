@@ -115,7 +115,9 @@ class PostgresBackend(PostgresPasses):
         for call, result in zip(calls, results, strict=True):
             if isinstance(result, int) and result >= 0:
                 rows, usage = call[-1]
-                self._cache.extend(call[1], call[2], rows)  # a new key: by its first read
+                # A new key is cached by its first read; `born` (call[12]): the conversation
+                # the commit checked, not one a delete and a new first turn made meanwhile.
+                self._cache.extend(call[1], call[2], rows, call[12])
                 self._cache.keep_usage(call[1], call[5], usage)  # the next read's head
         return [self._failed(r) if isinstance(r, psycopg.Error) else r for r in results]
 

@@ -26,7 +26,7 @@ from treadle.stores import postgres_loops
 from treadle.stores.batching import Batcher
 from treadle.stores.hop import LoopHop
 from treadle.stores.postgres_loops import LoopPool, SharedRowCache
-from treadle.stores.postgres_open import connect, display_url, open_pool, prepare
+from treadle.stores.postgres_open import alive, connect, display_url, open_pool, prepare
 from treadle.stores.queueing import HeldLocks, PostgresKeyLock
 from treadle.stores.records import StoredConversation
 
@@ -162,6 +162,12 @@ class PostgresHome:
         else:
             pool = await self._connection_pool()
             async with pool.connection() as conn:
+                if alive(conn):
+                    yield conn
+                    return
+                await conn.close()  # the server ended it while idle (a restart): discarded
+            await pool.check()  # the others it ended too are replaced, not handed out later
+            async with pool.connection() as conn:
                 yield conn
 
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -271,7 +277,7 @@ class PostgresHome:
             if pool is not None:
                 await pool.close()
 
-        await self._close_loop_pools()
+        await self._close_loop_pools(grace)
         runtime = self._runtime
         if runtime is not None and runtime.in_loop_thread():
             await close()  # the runtime's own shutdown hook lands here
@@ -280,19 +286,19 @@ class PostgresHome:
         else:  # never connected, or its loop is gone along with the pool's connections
             self._closed, self._pool = True, None
 
-    async def _close_loop_pools(self) -> None:
+    async def _close_loop_pools(self, grace: float) -> None:
         """Close every loop's own pool: this loop's now, another's on it (a closed loop's
         sockets at once)."""
         self._closed = True  # no loop gets a new pool, no call starts
         here = asyncio.get_running_loop()
         for pool in list(self._loop_pools.values()):
             if pool.loop is here:
-                await pool.close()
+                await pool.close(grace)
                 continue
             if pool.loop.is_closed():
                 pool.abandon()
                 continue
-            closing = pool.close()
+            closing = pool.close(grace)
             try:
                 asyncio.run_coroutine_threadsafe(closing, pool.loop)
             except RuntimeError:  # its loop closed just now

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections import deque
 from collections.abc import (
@@ -39,9 +40,10 @@ from collections.abc import (
 )  # fmt: skip
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from treadle.errors import StoreError
+from treadle.errors import ConfigurationError, StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.batching import Batcher
+from treadle.stores.postgres_open import alive
 from treadle.stores.records import RowCache, StoredConversation
 
 if TYPE_CHECKING:
@@ -60,6 +62,18 @@ OWN_POOL_AFTER = 16
 
 #: How often the runtime's loop looks for loops closed with their pool still open.
 SWEEP_SECONDS = 1.0
+
+#: How long a call waits for a connection when none can be opened and none is open to come back
+#: (the server at `max_connections`, a role's connection limit, no file descriptor left): as
+#: long as the runtime's pool waits (psycopg_pool's `timeout`) before the call fails.
+CONNECT_WAIT_SECONDS = 30.0
+
+#: While this pool's connections serve its calls, how long after a refused connect it waits for
+#: them instead of trying to open more.
+REFUSED_BACKOFF_SECONDS = 1.0
+
+#: With no connection open, how long after a refused connect it tries again.
+REFUSED_RETRY_SECONDS = 0.25
 
 
 class LoopPool:
@@ -84,6 +98,8 @@ class LoopPool:
         self._opening = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._running: set[asyncio.Task[Any]] = set()  # operations started by `run`
+        self._refused_until = 0.0  # loop time before which no new connection is tried
+        self._pid = os.getpid()  # a forked child must not end its parent's connections
         self._end = _until_loop_ends(self)
         with contextlib.suppress(StopIteration):
             # Started here, on the loop: the loop now knows the generator, and closes it (which
@@ -98,7 +114,7 @@ class LoopPool:
 
     async def run(self, operation: Coroutine[Any, Any, T]) -> T:
         """Await `operation` as a task of this pool: once started, it runs to its end even if
-        its caller is cancelled; closing the pool cancels it (its caller gets `StoreError`)."""
+        its caller is cancelled; closing the pool lets it end (within the close's grace)."""
         task = asyncio.ensure_future(operation)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -120,15 +136,40 @@ class LoopPool:
             await self._put(conn)
 
     async def _get(self) -> AsyncConnection[Any]:
+        first_refusal: float | None = None  # when this call's first connect was refused
         while True:
             if self.closed:
                 raise _closed()
-            if self._idle:
-                return self._idle.pop()  # the most recently used: its caches are warm
-            if len(self._open) + self._opening < self._size:
+            while self._idle:
+                conn = self._idle.pop()  # the most recently used: its caches are warm
+                if alive(conn):
+                    return conn
+                self._discard(conn)  # the server ended it while it sat idle (a restart)
+            now = self.loop.time()
+            room = len(self._open) + self._opening < self._size
+            if room and now >= self._refused_until:
                 self._opening += 1
                 try:
                     conn = await self._connect()
+                except ConfigurationError:  # the store's first connection: fails fast
+                    self._wake()
+                    raise
+                except Exception as err:
+                    # Refused (the server's or a role's connection limit, no descriptor
+                    # left): wait for this pool's connections in use to come back, or, with
+                    # none, try again shortly, as the runtime's pool waits, up to its timeout.
+                    now = self.loop.time()
+                    first_refusal = now if first_refusal is None else first_refusal
+                    if not self._open and now - first_refusal >= CONNECT_WAIT_SECONDS:
+                        self._wake()  # a caller waiting for room may try in its place
+                        raise StoreError(
+                            f"no connection to the PostgreSQL store after waiting "
+                            f"{CONNECT_WAIT_SECONDS:.0f} s: {' '.join(str(err).split())}"
+                        ) from err
+                    pause = REFUSED_BACKOFF_SECONDS if self._open else REFUSED_RETRY_SECONDS
+                    self._refused_until = now + pause
+                    self._wake()
+                    continue
                 except BaseException:
                     self._wake()  # a caller waiting for room may try in its place
                     raise
@@ -137,8 +178,13 @@ class LoopPool:
                 if self.closed:  # closed meanwhile: nobody will give it back
                     await conn.close()
                     raise _closed()
+                self._refused_until = 0.0
                 self._open.add(conn)
                 return conn
+            if room and not self._open and not self._opening:
+                # Refused a moment ago and no connection will come back: try again then.
+                await asyncio.sleep(self._refused_until - now)
+                continue
             waiter: asyncio.Future[None] = self.loop.create_future()
             self._waiters.append(waiter)
             try:
@@ -163,6 +209,12 @@ class LoopPool:
                 await conn.close()
         self._wake()
 
+    def _discard(self, conn: AsyncConnection[Any]) -> None:
+        """Forget a connection the server has ended and close its socket."""
+        self._open.discard(conn)
+        with contextlib.suppress(Exception):
+            conn.pgconn.finish()
+
     def _wake(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -170,9 +222,12 @@ class LoopPool:
                 waiter.set_result(None)
                 return
 
-    async def close(self) -> None:
-        """Fail the calls waiting for a connection and the batches queued or running (each
-        caller gets a `StoreError`), then close the connections: on `loop`."""
+    async def close(self, grace: float = 30.0) -> None:
+        """Close the pool, on `loop`: calls waiting for a connection, and batches queued, fail
+        with `StoreError` at once, and so do reads running; the writes running (a commit, an
+        append, a pass record) end as they would, within `grace` seconds, so none is reported
+        failed after the server committed it; what is still running then is cancelled. Then
+        the connections close."""
         if self.closed:
             return
         self.closed = True
@@ -181,8 +236,14 @@ class LoopPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(_closed())
-        for batcher in self.batchers or ():
-            await batcher.close()
+        loads, commits = self.batchers or (None, None)
+        if loads is not None:
+            await loads.close()  # a read has nothing to finish
+        writes = [*self._running, *(commits.tasks if commits is not None else ())]
+        if writes:
+            await asyncio.wait(writes, timeout=max(0.0, grace))
+        if commits is not None:
+            await commits.close()
         running = list(self._running)
         for task in running:
             task.cancel()
@@ -191,8 +252,9 @@ class LoopPool:
         idle, self._idle = self._idle, []
         for conn in idle:  # those in use are closed as they come back (`_put`)
             self._open.discard(conn)
-            with contextlib.suppress(Exception):
-                await conn.close()
+            if self._pid == os.getpid():
+                with contextlib.suppress(Exception):
+                    await conn.close()
         with contextlib.suppress(RuntimeError, StopIteration):  # no need to close it again
             self._end.aclose().send(None)
 
@@ -202,6 +264,8 @@ class LoopPool:
         self.closed = True
         self._gone(self)
         conns, self._open, self._idle = list(self._open), set(), []
+        if self._pid != os.getpid():  # a forked child: the sockets are its parent's too
+            conns = []
         for conn in conns:
             with contextlib.suppress(Exception):
                 conn.pgconn.finish()
@@ -260,10 +324,12 @@ class SharedRowCache(RowCache):
         with self._lock:
             super().put(key, created_at, rows)
 
-    def extend(self, key: str, base: int, rows: Sequence[ChunkRow]) -> None:
+    def extend(
+        self, key: str, base: int, rows: Sequence[ChunkRow], created_at: float | None = None
+    ) -> None:
         """See `RowCache.extend`."""
         with self._lock:
-            super().extend(key, base, rows)
+            super().extend(key, base, rows, created_at)
 
     def drop(self, key: str) -> None:
         """See `RowCache.drop`."""

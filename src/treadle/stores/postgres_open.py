@@ -8,6 +8,7 @@ opens the connections of a calling loop's own pool (`treadle.stores.postgres_loo
 from __future__ import annotations
 
 import asyncio
+import select
 from typing import TYPE_CHECKING, Any
 
 from treadle.errors import ConfigurationError
@@ -246,6 +247,20 @@ async def open_pool(
     )
     await pool.open(wait=True, timeout=connect_seconds)
     return pool
+
+
+def alive(conn: AsyncConnection[Any]) -> bool:
+    """Whether an idle connection is still up, without a round trip: a server that ends a
+    connection (a restart, `pg_terminate_backend`) says so on its socket and closes it, so an
+    idle connection with anything to read is one the server has ended (or, rarely, one that got
+    a notice: it is opened again, a reconnect at most). One `select` with no wait."""
+    if conn.closed or conn.broken:
+        return False
+    try:
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except Exception:  # OSError, ValueError, psycopg's: the connection is gone
+        return False
+    return not readable
 
 
 async def connect(dsn: str, connect_seconds: float) -> AsyncConnection[Any]:

@@ -394,10 +394,16 @@ class RowCache:
         if len(self._rows) > self.size:
             del self._rows[next(iter(self._rows))]
 
-    def extend(self, key: str, base: int, rows: Sequence[ChunkRow]) -> None:
-        """A commit of `rows` at version `base`: cached rows that end at `base` grow by them."""
+    def extend(
+        self, key: str, base: int, rows: Sequence[ChunkRow], created_at: float | None = None
+    ) -> None:
+        """A commit of `rows` at version `base`: cached rows that end at `base` grow by them,
+        if they are of the conversation the commit checked (`created_at`; None: not checked):
+        one deleted and started again meanwhile may hold `base` rows of its own."""
         found = self._rows.get(key)
-        if found is not None and len(found[1]) == base:
+        if found is None or (created_at is not None and found[0] != created_at):
+            return
+        if len(found[1]) == base:
             self.put(key, found[0], found[1] + tuple(rows))
 
     def drop(self, key: str) -> None:

@@ -51,6 +51,7 @@ log = logging.getLogger("treadle.stores")
 #: writers keep moving the conversation between its read and its write.
 APPEND_ATTEMPTS = 10
 
+
 class Store:
     """Conversations that outlive the process, by key.
 
