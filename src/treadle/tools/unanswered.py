@@ -4,6 +4,7 @@ them (`no_result`): used where a pass starts, with a store or without."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from treadle.errors import ConfigurationError
 from treadle.session import ChunkRow, ToolCall
@@ -39,7 +40,7 @@ def answer_gaps(rows: Sequence[ChunkRow], after: Sequence[ChunkRow] = ()) -> Seq
     results between them, once: a result a message separates from its call, a second result
     for a call and a result for no call are a `ConfigurationError` (the model's API refuses
     such a transcript, and a gap filled before the message would answer the call twice)."""
-    calls, answered, open_round = _tail_state(after)
+    asker, calls, answered, open_round = _tail_state(after)
     fixed: list[ChunkRow] | None = None
     for i, row in enumerate(rows):
         kind = row.kind
@@ -51,20 +52,33 @@ def answer_gaps(rows: Sequence[ChunkRow], after: Sequence[ChunkRow] = ()) -> Seq
             if fixed is not None:
                 fixed.append(row)
             continue
-        if open_round and calls:
-            missing = [c for c in calls.values() if c.id not in answered]
+        if open_round and calls and len(answered) < len(calls):
+            missing = [c for c in asker.calls if c.id not in answered] if asker else []
             if missing:
                 if fixed is None:
                     fixed = list(rows[:i])
                 fixed.extend(no_result_rows(missing))
         open_round = kind == "assistant"
         if open_round:
-            # Most assistant rows make no calls: their payload says so without parsing any.
-            calls = {c.id: c for c in row.calls} if row.payload.get("tool_calls") else {}
+            # Most assistant rows make no calls: their payload says so without parsing any;
+            # the ids are read from the wire (typed calls are made only for a gap).
+            wire = row.payload.get("tool_calls")
+            calls = _call_ids(wire) if wire else _NO_CALLS
+            asker = row
             answered = set()
         if fixed is not None:
             fixed.append(row)
     return rows if fixed is None else fixed
+
+
+_NO_CALLS: frozenset[str] = frozenset()
+
+
+def _call_ids(wire: Any) -> frozenset[str]:
+    """The ids of a row's wire `tool_calls`, as `ToolCall.from_wire` reads them."""
+    return frozenset(
+        str(call.get("id")) if call.get("id") else f"call_{i}" for i, call in enumerate(wire)
+    )
 
 
 def _misplaced(call_id: str, open_round: bool, known: bool, at: int) -> ConfigurationError:
@@ -83,15 +97,18 @@ def _misplaced(call_id: str, open_round: bool, known: bool, at: int) -> Configur
     )
 
 
-def _tail_state(rows: Sequence[ChunkRow]) -> tuple[dict[str, ToolCall], set[str], bool]:
-    """Where `rows` leave off: the last assistant row's calls and the ids answered after it,
-    and whether only tool results follow it (more of them may come)."""
+def _tail_state(
+    rows: Sequence[ChunkRow],
+) -> tuple[ChunkRow | None, frozenset[str], set[str], bool]:
+    """Where `rows` leave off: the last assistant row, its calls' ids and the ids answered
+    after it, and whether only tool results follow it (more of them may come)."""
     answered: set[str] = set()
     for row in reversed(rows):
         if row.kind == "tool_result":
             answered.add(str(row.payload.get("tool_call_id")))
         elif row.kind == "assistant":
-            return {c.id: c for c in row.calls}, answered, True
+            wire = row.payload.get("tool_calls")
+            return row, (_call_ids(wire) if wire else _NO_CALLS), answered, True
         else:
             break
-    return {}, answered, False
+    return None, _NO_CALLS, answered, False
