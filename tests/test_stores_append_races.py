@@ -147,3 +147,31 @@ def test_an_append_that_keeps_losing_is_a_conflict_and_writes_nothing(
     finally:
         first.close()
         second.close()
+
+
+def test_plain_messages_appended_by_many_writers_all_land(url: str) -> None:
+    # Writers that meet spread out before they read again: none of 8, each appending 25
+    # messages as fast as it can, runs out of attempts.
+    stores = [Store.open(url) for _ in range(8)]
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def write(i: int, store: Store) -> None:
+        barrier.wait()
+        for n in range(25):
+            try:
+                store.append("k", [ChunkRow.user(f"w{i} {n}")])
+            except BaseException as err:  # read by the test
+                errors.append(err)
+
+    threads = [threading.Thread(target=write, args=(i, s)) for i, s in enumerate(stores)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(stores[0].conversation("k").rows) == 200
+    finally:
+        for s in stores:
+            s.close()

@@ -214,3 +214,56 @@ def test_a_commit_extends_cached_rows_only_of_the_conversation_it_checked() -> N
     assert cache.get("k", 2.0, 1) == again
     cache.extend("k", 1, [ChunkRow.user("next")], created_at=2.0)
     assert [r.payload["content"] for r in cache.get("k", 2.0, 2)] == ["new one", "next"]
+
+
+def test_a_loop_refused_its_first_connection_uses_the_runtimes_pool(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The role's two connections: one in the runtime's pool, one in another loop's own pool,
+    # both idle. A new loop's own pool is refused its first: the call takes the runtime's pool
+    # (whose idle connection is there) instead of waiting for a connection that never frees.
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
+    store = Store.postgres(_limited_database(pg, 2), pool_size=2)
+    store.append("warm", [ChunkRow.user("hi")])  # the runtime's pool and its connection
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+    try:
+        first = asyncio.run_coroutine_threadsafe(
+            store.aappend("a", [ChunkRow.user("a")]), other
+        ).result(GUARD)  # that loop's own pool keeps its connection, idle
+        assert first == 1
+        assert asyncio.run(asyncio.wait_for(store.aappend("b", [ChunkRow.user("b")]), GUARD)) == 1
+    finally:  # closed on the other loop first: its pool closes there, awaited
+        asyncio.run_coroutine_threadsafe(store.aclose(), other).result(GUARD)
+        other.call_soon_threadsafe(other.stop)
+        thread.join(GUARD)
+        other.close()
+
+
+def test_a_connection_past_descriptor_1023_is_seen_alive(pg: Cluster) -> None:
+    import resource
+
+    import psycopg
+
+    from treadle.stores.postgres_open import alive
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"needs 1,200 file descriptors (ulimit -n is {soft})")
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the socket lands past
+    try:
+
+        async def check() -> tuple[int, bool]:
+            conn = await psycopg.AsyncConnection.connect(pg.dsn(), autocommit=True)
+            try:
+                return conn.pgconn.socket, alive(conn)
+            finally:
+                await conn.close()
+
+        socket, up = asyncio.run(check())
+        assert socket >= 1024
+        assert up
+    finally:
+        for fd in spare:
+            os.close(fd)

@@ -26,7 +26,7 @@ from treadle.stores.pass_records import (
     waiting_error,
 )
 from treadle.stores.postgres_batch import commit_call, commit_many, commit_task, load_many
-from treadle.stores.postgres_loops import LoopPool
+from treadle.stores.postgres_loops import LoopPool, PoolRefused
 from treadle.stores.postgres_open import DB_NOW
 from treadle.stores.postgres_passes import PostgresPasses
 from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations, prune_orphans
@@ -92,11 +92,14 @@ class PostgresBackend(PostgresPasses):
         `postgres_batch.load_many`)."""
         import psycopg
 
-        async def body() -> list[StoredConversation | BaseException]:
-            async with self._connection(local) as conn:
+        async def body(where: LoopPool | None = local) -> list[StoredConversation | BaseException]:
+            async with self._connection(where) as conn:
                 return await load_many(conn, keys, self._cache)
 
-        results = await self._guarded(body)
+        try:
+            results = await self._guarded(body)
+        except PoolRefused:  # nothing was sent: the runtime's pool waits for a connection
+            results = await self._on_runtime(functools.partial(body, None))
         return [self._failed(r) if isinstance(r, psycopg.Error) else r for r in results]
 
     async def _commit_many(
@@ -107,11 +110,14 @@ class PostgresBackend(PostgresPasses):
         returns it."""
         import psycopg
 
-        async def body() -> list[int | BaseException]:
-            async with self._connection(local) as conn:
+        async def body(where: LoopPool | None = local) -> list[int | BaseException]:
+            async with self._connection(where) as conn:
                 return await commit_many(conn, [call[:-1] for call in calls])
 
-        results = await self._guarded(body)
+        try:
+            results = await self._guarded(body)
+        except PoolRefused:  # nothing was sent: the runtime's pool waits for a connection
+            results = await self._on_runtime(functools.partial(body, None))
         for call, result in zip(calls, results, strict=True):
             if isinstance(result, int) and result >= 0:
                 rows, usage = call[-1]

@@ -25,7 +25,7 @@ from treadle.runtime import get_runtime
 from treadle.stores import postgres_loops
 from treadle.stores.batching import Batcher
 from treadle.stores.hop import LoopHop
-from treadle.stores.postgres_loops import LoopPool, SharedRowCache
+from treadle.stores.postgres_loops import LoopPool, PoolRefused, SharedRowCache
 from treadle.stores.postgres_open import alive, connect, display_url, open_pool, prepare
 from treadle.stores.queueing import HeldLocks, PostgresKeyLock
 from treadle.stores.records import StoredConversation
@@ -106,7 +106,7 @@ class PostgresHome:
         if pool.calls < postgres_loops.OWN_POOL_AFTER:
             pool.calls += 1
             return None
-        return None if pool.closed else pool
+        return None if pool.closed or pool.refused else pool
 
     def _new_loop_pool(self, loop: asyncio.AbstractEventLoop) -> LoopPool | None:
         runtime = self._home()
@@ -243,8 +243,9 @@ class PostgresHome:
         async with self._opening:
             if self._pool is None:
                 self._pool = await open_pool(
-                    self._dsn, self._url, self._pool_size, self._connect_timeout
-                )
+                    self._dsn, self._url, self._pool_size, self._connect_timeout,
+                    prepared=self._prepared,
+                )  # fmt: skip
                 self._prepared = True
                 # A store never closed still closes its pool when the runtime stops (its
                 # connections and maintenance tasks live on the runtime's loop).
@@ -254,14 +255,17 @@ class PostgresHome:
     async def _run(self, fn: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
         local = self._local()
 
-        async def body() -> T:
-            async with self._connection(local) as conn:
+        async def body(where: LoopPool | None = local) -> T:
+            async with self._connection(where) as conn:
                 return await fn(conn)
 
         if local is None:
             return await self._on_runtime(body)
         # Once started, it runs to its end even if its caller is cancelled (as on the runtime).
-        return await local.run(self._guarded(body))
+        try:
+            return await local.run(self._guarded(body))
+        except PoolRefused:  # nothing was sent: the runtime's pool waits for a connection
+            return await self._on_runtime(functools.partial(body, None))
 
     async def aclose(self, grace: float = 30.0) -> None:
         """Close the pool (safe to call twice; `grace` is the protocol's: the pool's close

@@ -49,7 +49,9 @@ from treadle.stores.records import RowCache, StoredConversation
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
-__all__ = ["LOOP_POOLS", "OWN_POOL_AFTER", "SWEEP_SECONDS", "LoopPool", "SharedRowCache"]
+__all__ = [
+    "LOOP_POOLS", "OWN_POOL_AFTER", "SWEEP_SECONDS", "LoopPool", "PoolRefused", "SharedRowCache",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -63,17 +65,9 @@ OWN_POOL_AFTER = 16
 #: How often the runtime's loop looks for loops closed with their pool still open.
 SWEEP_SECONDS = 1.0
 
-#: How long a call waits for a connection when none can be opened and none is open to come back
-#: (the server at `max_connections`, a role's connection limit, no file descriptor left): as
-#: long as the runtime's pool waits (psycopg_pool's `timeout`) before the call fails.
-CONNECT_WAIT_SECONDS = 30.0
-
 #: While this pool's connections serve its calls, how long after a refused connect it waits for
 #: them instead of trying to open more.
 REFUSED_BACKOFF_SECONDS = 1.0
-
-#: With no connection open, how long after a refused connect it tries again.
-REFUSED_RETRY_SECONDS = 0.25
 
 
 class LoopPool:
@@ -99,6 +93,9 @@ class LoopPool:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._running: set[asyncio.Task[Any]] = set()  # operations started by `run`
         self._refused_until = 0.0  # loop time before which no new connection is tried
+        self.refused: str | None = None
+        """Why the server refused this pool its first connection: the loop then uses the
+        runtime's pool (see `_get`)."""
         self._pid = os.getpid()  # a forked child must not end its parent's connections
         self._end = _until_loop_ends(self)
         with contextlib.suppress(StopIteration):
@@ -136,10 +133,11 @@ class LoopPool:
             await self._put(conn)
 
     async def _get(self) -> AsyncConnection[Any]:
-        first_refusal: float | None = None  # when this call's first connect was refused
         while True:
             if self.closed:
                 raise _closed()
+            if self.refused:
+                raise PoolRefused(self.refused)
             while self._idle:
                 conn = self._idle.pop()  # the most recently used: its caches are warm
                 if alive(conn):
@@ -156,18 +154,15 @@ class LoopPool:
                     raise
                 except Exception as err:
                     # Refused (the server's or a role's connection limit, no descriptor
-                    # left): wait for this pool's connections in use to come back, or, with
-                    # none, try again shortly, as the runtime's pool waits, up to its timeout.
-                    now = self.loop.time()
-                    first_refusal = now if first_refusal is None else first_refusal
-                    if not self._open and now - first_refusal >= CONNECT_WAIT_SECONDS:
-                        self._wake()  # a caller waiting for room may try in its place
-                        raise StoreError(
-                            f"no connection to the PostgreSQL store after waiting "
-                            f"{CONNECT_WAIT_SECONDS:.0f} s: {' '.join(str(err).split())}"
-                        ) from err
-                    pause = REFUSED_BACKOFF_SECONDS if self._open else REFUSED_RETRY_SECONDS
-                    self._refused_until = now + pause
+                    # left). With connections of its own in use, the pool waits for one to
+                    # come back; with none, it gives up its place: this call and the loop's
+                    # later ones take the runtime's pool, which waits for a connection (and
+                    # may hold the idle ones the server counts against this pool).
+                    if not self._open and self._opening == 1:  # this call's own attempt
+                        self.refused = " ".join(str(err).split()) or type(err).__name__
+                        self._wake()
+                        raise PoolRefused(self.refused) from err
+                    self._refused_until = self.loop.time() + REFUSED_BACKOFF_SECONDS
                     self._wake()
                     continue
                 except BaseException:
@@ -181,10 +176,6 @@ class LoopPool:
                 self._refused_until = 0.0
                 self._open.add(conn)
                 return conn
-            if room and not self._open and not self._opening:
-                # Refused a moment ago and no connection will come back: try again then.
-                await asyncio.sleep(self._refused_until - now)
-                continue
             waiter: asyncio.Future[None] = self.loop.create_future()
             self._waiters.append(waiter)
             try:
@@ -290,6 +281,11 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+class PoolRefused(StoreError):
+    """A loop's pool could not open a connection and holds none: its call (nothing sent yet)
+    goes to the runtime's pool instead."""
 
 
 def _closed() -> StoreError:

@@ -231,12 +231,16 @@ def display_url(dsn: str) -> str:
 
 
 async def open_pool(
-    dsn: str, url: str, pool_size: int, connect_seconds: float
+    dsn: str, url: str, pool_size: int, connect_seconds: float, *, prepared: bool = False
 ) -> AsyncConnectionPool[AsyncConnection[Any]]:
-    """Connect once (a clear error if that fails), create or migrate the schema, open the pool."""
+    """Connect once (a clear error if that fails), create or migrate the schema, open the pool.
+    `prepared`: the store has connected before (a loop's own pool did): the pool opens without
+    waiting for its first connection, so a server refusing connections now makes its callers
+    wait (up to the pool's timeout) instead of failing fast."""
     from psycopg_pool import AsyncConnectionPool
 
-    await prepare(dsn, url, connect_seconds)
+    if not prepared:
+        await prepare(dsn, url, connect_seconds)
     pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
         dsn,
         min_size=1,
@@ -245,7 +249,7 @@ async def open_pool(
         timeout=max(connect_seconds, 30.0),
         open=False,
     )
-    await pool.open(wait=True, timeout=connect_seconds)
+    await pool.open(wait=not prepared, timeout=connect_seconds)
     return pool
 
 
@@ -253,14 +257,15 @@ def alive(conn: AsyncConnection[Any]) -> bool:
     """Whether an idle connection is still up, without a round trip: a server that ends a
     connection (a restart, `pg_terminate_backend`) says so on its socket and closes it, so an
     idle connection with anything to read is one the server has ended (or, rarely, one that got
-    a notice: it is opened again, a reconnect at most). One `select` with no wait."""
+    a notice: it is opened again, a reconnect at most). One `poll` with no wait."""
     if conn.closed or conn.broken:
         return False
     try:
-        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
-    except Exception:  # OSError, ValueError, psycopg's: the connection is gone
+        poller = select.poll()  # not select.select: it refuses descriptors past 1023
+        poller.register(conn.pgconn.socket, select.POLLIN)
+        return not poller.poll(0)
+    except Exception:  # OSError, psycopg's: the connection is gone
         return False
-    return not readable
 
 
 async def connect(dsn: str, connect_seconds: float) -> AsyncConnection[Any]:

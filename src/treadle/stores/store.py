@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import re
 import time
 from collections.abc import Coroutine, Iterable, Sequence
@@ -49,7 +50,7 @@ log = logging.getLogger("treadle.stores")
 
 #: How many times `append` (without `expected_version`) reads and writes again when other
 #: writers keep moving the conversation between its read and its write.
-APPEND_ATTEMPTS = 10
+APPEND_ATTEMPTS = 20
 
 
 class Store:
@@ -249,7 +250,9 @@ class Store:
         # and it is read and checked again; one that keeps losing gets the `ConflictError`
         # (nothing written), never rows checked against a tail that is not theirs.
         conflict: ConflictError | None = None
-        for _ in range(APPEND_ATTEMPTS):
+        for attempt in range(APPEND_ATTEMPTS):
+            if attempt:  # writers that met here spread out (up to 1 ms, 2, 4, ... 128, at random)
+                await asyncio.sleep(random.uniform(0.0, 0.001 * 2 ** min(attempt, 7)))
             stored = await self.backend.load(key)
             version = len(stored.rows)
             if refused := waiting_error(key, stored.metadata, version):
