@@ -267,3 +267,54 @@ def test_a_connection_past_descriptor_1023_is_seen_alive(pg: Cluster) -> None:
     finally:
         for fd in spare:
             os.close(fd)
+
+
+def test_a_call_waiting_on_a_connection_the_server_then_ends_tries_again(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop's pool holds one connection, in use; its second is refused (the role's limit):
+    # the next call waits for the first. The server ends that one: the waiting call must try to
+    # connect again (and, refused still, take the runtime's pool), not wait for ever.
+    import psycopg
+
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
+    url = _limited_database(pg, 2)
+    database = url.split("@/", 1)[1].split("?")[0]
+    admin = psycopg.connect(pg.dsn(database), autocommit=True)  # a superuser: not limited
+    store = Store.postgres(url, pool_size=2)
+
+    def lock_waiter() -> int | None:
+        found = admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        ).fetchone()
+        return int(found[0]) if found else None
+
+    async def main() -> tuple[object, object]:
+        await store.aappend("warm", [ChunkRow.user("hi")])  # the pool's one connection
+        blocker = await asyncio.to_thread(psycopg.connect, url, autocommit=True)  # the other
+        await asyncio.to_thread(admin.execute, "BEGIN")
+        await asyncio.to_thread(
+            admin.execute, "SELECT pg_advisory_xact_lock(hashtextextended('k', 0))"
+        )
+        held = asyncio.ensure_future(store.aappend("k", [ChunkRow.user("x")]))  # waits on it
+        while (pid := await asyncio.to_thread(lock_waiter)) is None:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(store.aappend("j", [ChunkRow.user("y")]))
+        (pool,) = store.backend._loop_pools.values()
+        while not pool._waiters:  # refused its own connection: waits for the one in use
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(admin.execute, "SELECT pg_terminate_backend(%s)", (pid,))
+        await asyncio.to_thread(admin.execute, "ROLLBACK")
+        await asyncio.to_thread(blocker.close)  # room again, for whoever tries
+        gathered = await asyncio.wait_for(
+            asyncio.gather(held, waiting, return_exceptions=True), GUARD
+        )
+        return gathered[0], gathered[1]
+
+    try:
+        lost, waited = asyncio.run(main())
+        assert isinstance(lost, Exception)  # its connection was ended under it
+        assert waited == 1
+    finally:
+        admin.close()
+        store.close()

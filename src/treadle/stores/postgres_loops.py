@@ -176,6 +176,11 @@ class LoopPool:
                 self._refused_until = 0.0
                 self._open.add(conn)
                 return conn
+            if room and not self._open and not self._opening:
+                # Refused a moment ago, and the connections it waited for are gone since
+                # (broken, not given back): nothing will wake a waiter; try again then.
+                await asyncio.sleep(self._refused_until - now)
+                continue
             waiter: asyncio.Future[None] = self.loop.create_future()
             self._waiters.append(waiter)
             try:
