@@ -50,7 +50,7 @@ log = logging.getLogger("treadle.stores")
 
 #: How many times `append` (without `expected_version`) reads and writes again when other
 #: writers keep moving the conversation between its read and its write.
-APPEND_ATTEMPTS = 20
+APPEND_ATTEMPTS = 30
 
 
 class Store:
@@ -251,8 +251,8 @@ class Store:
         # (nothing written), never rows checked against a tail that is not theirs.
         conflict: ConflictError | None = None
         for attempt in range(APPEND_ATTEMPTS):
-            if attempt:  # writers that met here spread out (up to 1 ms, 2, 4, ... 128, at random)
-                await asyncio.sleep(random.uniform(0.0, 0.001 * 2 ** min(attempt, 7)))
+            if attempt:  # writers that met here spread out (up to 1 ms, 2, 4, ... 256, at random)
+                await asyncio.sleep(random.uniform(0.0, 0.001 * 2 ** min(attempt, 8)))
             stored = await self.backend.load(key)
             version = len(stored.rows)
             if refused := waiting_error(key, stored.metadata, version):
