@@ -144,7 +144,9 @@ def test_closing_the_store_lets_another_loops_running_append_finish(
 
     monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
     url = pg.new_database()
-    store = Store.postgres(url, pool_size=2)
+    # A connect slowed past 5 s by a loaded machine would send the append to the runtime's
+    # pool (see the refused-connection tests): this test is about the loop's own.
+    store = Store.postgres(url, pool_size=2, connect_timeout=60.0)
     store.append("k", [ChunkRow.user("hi")])
     blocker = psycopg.connect(url, autocommit=True)
     blocker.execute("BEGIN")
@@ -155,6 +157,9 @@ def test_closing_the_store_lets_another_loops_running_append_finish(
     async def append() -> None:
         task = asyncio.ensure_future(store.aappend("k", [ChunkRow.user("more")]))
         while not store.backend._loop_pools:
+            await asyncio.sleep(0.01)
+        (own,) = store.backend._loop_pools.values()
+        while not own.connections:  # the append holds the pool's connection (on the lock)
             await asyncio.sleep(0.01)
         appending.set()
         try:
