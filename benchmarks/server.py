@@ -26,9 +26,26 @@ def can_pin() -> bool:
     return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
 
 
+def machine_cpus() -> list[int]:
+    """Every CPU of the machine (not this process's affinity, which the harness narrows)."""
+    return list(range(os.cpu_count() or 1))
+
+
+def unpin(pid: int) -> None:
+    """Let `pid` (0: this process) run on any CPU of the machine, where affinity exists.
+
+    `can_pin()` cannot guard this: it reads the caller's own affinity, and a process the
+    harness pinned to the client CPU sees one CPU, so a check through it unpinned nothing
+    (scenario 13's workers inherited the driver's CPU and ran on it, three processes on one CPU).
+    """
+    if hasattr(os, "sched_setaffinity") and len(machine_cpus()) >= 2:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, machine_cpus())
+
+
 def pin(pid: int, cpu: int) -> None:
     """Pin `pid` to `cpu` when the machine allows it (no-op otherwise)."""
-    if can_pin():
+    if hasattr(os, "sched_setaffinity") and len(machine_cpus()) >= 2:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(pid, {cpu})
 

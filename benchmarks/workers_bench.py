@@ -145,8 +145,9 @@ def many_cores(h: Harness, size: dict[str, Any]) -> Result:
         " start-up and close included, and have no target"
     )
     result.notes.append(
-        "the driver runs on the client CPU, the workers on any CPU, the fake server on its own: "
-        "on a 2-CPU machine two workers share a CPU with the server"
+        "the driver runs on the client CPU, the fake server on its own, worker i of a warm pool"
+        " on CPU i (on a 2-CPU machine worker 0 shares the driver's CPU and worker 1 the"
+        " server's); the 'fresh' rows' workers are free to use any CPU, as a user's are"
     )
     return result
 

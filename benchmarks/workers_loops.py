@@ -16,7 +16,7 @@ import os
 import resource
 from typing import Any
 
-from benchmarks.server import can_pin, proc_cpu_seconds
+from benchmarks.server import machine_cpus, pin, proc_cpu_seconds, unpin
 from benchmarks.worker import Meter
 from benchmarks.workload import API_KEY, SYSTEM_PROMPT
 
@@ -47,8 +47,8 @@ def single(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
 
 
 def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
-    """The same map on `workers` worker processes (what `backend="process"` runs), each free to
-    use any CPU; the reported CPU adds the workers' to this driver's. The driver's share counts
+    """The same map on `workers` worker processes (what `backend="process"` runs), worker `i`
+    pinned to CPU `i` (modulo the machine's); the reported CPU adds the workers' to this driver's. The driver's share counts
     rebuilding every outcome as an output session, as `treadle.map` returns them."""
     import treadle.distributed.process as pool_module
     from treadle import Session
@@ -64,9 +64,15 @@ def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
         pool = pool_module.ProcessPool(spec.to_json(), size=job["workers"], api_key=API_KEY)
         await pool.start()  # start-up is not timed
         pids = [pid for pid in pool.pids() if pid is not None]
-        for pid in pids:  # the harness pins this driver to one CPU; the workers may use all
-            if can_pin():
-                os.sched_setaffinity(pid, range(os.cpu_count() or 1))
+        # Each worker on a CPU of its own, as the harness pins the single process to the
+        # client CPU: what is measured is the workers' work, not where the scheduler moved
+        # them. Free to move, a worker migrated between the CPUs (the fake server's is one)
+        # and cost 5-15% more CPU a completion (docs/performance.md, issue 33, S13 placement).
+        # On a 2-CPU machine worker 0 shares the client CPU with this driver and worker 1
+        # the server's: no placement gives two workers a CPU each beside those two.
+        cpus = machine_cpus()
+        for i, pid in enumerate(pids):
+            pin(pid, cpus[i % len(cpus)])
         try:
             # Every worker warms as many passes as it runs at once, as the single process
             # does: with one warm-up of CONCURRENCY for the pool, each of two workers opened
@@ -96,11 +102,10 @@ def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     return {"errors": errors, "worker_cpu": worker_cpu}
 
 
-def unpin() -> None:
+def unpin_worker() -> None:
     """A `worker_init`: the harness pins the driver to one CPU and spawned workers inherit it;
     `process` unpins its pool's workers the same way."""
-    if can_pin():
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    unpin(0)
 
 
 def _children_cpu() -> float:
@@ -117,7 +122,7 @@ def fresh_map(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     agent = _agent(job)
     inputs = [f"item {i}" for i in range(job["n"])]
     options = {"backend": "process", "workers": job["workers"], "concurrency": CONCURRENCY,
-               "worker_init": unpin, "return_exceptions": True}  # fmt: skip
+               "worker_init": unpin_worker, "return_exceptions": True}  # fmt: skip
     treadle.map(agent, inputs[:CONCURRENCY], **options)  # the driver's own imports and code
     before = _children_cpu()
     meter.start()
