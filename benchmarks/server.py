@@ -50,6 +50,22 @@ def pin(pid: int, cpu: int) -> None:
             os.sched_setaffinity(pid, {cpu})
 
 
+def yield_to_clients() -> None:
+    """Run this process (and the threads it starts) as `SCHED_BATCH`: its wake-ups no longer
+    preempt the process running on its CPU, which then runs to the end of its slice or until it
+    waits, and the server answers what came in meanwhile at once.
+
+    For a scenario that must put a client on the server's CPU (scenario 13's second worker on
+    a 2-CPU machine): the fake server stands for a model on another machine, whose requests
+    would not interrupt the client. Woken on every request, it preempted the worker sharing its
+    CPU thousands of times a second and the worker's CPU a completion rose by 10-20% with the
+    cache refills (docs/performance.md, S13 placement). No effect on a CPU the server has alone.
+    A no-op where the policy does not exist."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds of `pid` so far, from /proc (0.0 where unavailable)."""
     try:
@@ -71,8 +87,10 @@ class ServerProcess:
         latency_ms: float = 0,
         calls: int = 8,
         rate_limits: tuple[int, int, float] | None = None,
+        batch: bool = False,
     ) -> None:
-        """`rate_limits`: (requests, tokens, window seconds) the server enforces (None: none)."""
+        """`rate_limits`: (requests, tokens, window seconds) the server enforces (None: none).
+        `batch`: the server runs as `SCHED_BATCH` (see `yield_to_clients`)."""
         self.args = [
             "--script",
             script,
@@ -86,6 +104,8 @@ class ServerProcess:
         if rate_limits is not None:
             rpm, tpm, window = rate_limits
             self.args += ["--rpm", str(rpm), "--tpm", str(tpm), "--rate-window", str(window)]
+        if batch:
+            self.args.append("--batch")
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
 
@@ -169,7 +189,10 @@ def main() -> None:
     parser.add_argument("--rpm", default=None, help="requests per rate window")
     parser.add_argument("--tpm", default=None, help="tokens per rate window")
     parser.add_argument("--rate-window", default="60", help="seconds standing for a minute")
+    parser.add_argument("--batch", action="store_true", help="run as SCHED_BATCH")
     args = parser.parse_args()
+    if args.batch:
+        yield_to_clients()
     limits = []
     if args.rpm is not None:
         limits += ["--rpm", args.rpm, "--tpm", args.tpm, "--rate-window", args.rate_window]

@@ -12,7 +12,6 @@ pays each worker's start-up (spawn, imports, the agent's rebuild, the start-up c
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
 from typing import Any
 
@@ -48,8 +47,9 @@ def single(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
 
 def process(job: dict[str, Any], meter: Meter) -> dict[str, Any]:
     """The same map on `workers` worker processes (what `backend="process"` runs), worker `i`
-    pinned to CPU `i` (modulo the machine's); the reported CPU adds the workers' to this driver's. The driver's share counts
-    rebuilding every outcome as an output session, as `treadle.map` returns them."""
+    pinned to CPU `i` (modulo the machine's); the reported CPU adds the workers' to this
+    driver's. The driver's share counts rebuilding every outcome as an output session, as
+    `treadle.map` returns them."""
     import treadle.distributed.process as pool_module
     from treadle import Session
     from treadle.distributed import AgentSpec
