@@ -94,7 +94,7 @@ def test_an_append_still_reading_when_its_loops_pool_closes_fails_as_closed(
     monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
     held = Held(pg, HOLD_READ)
     try:
-        assert list(held.store.backend._loop_pools.values())[0].connections == 1
+        assert [p.connections for p in held.store.backend._loop_pools.values()] == [1]
         held.store.close(grace=GUARD)
         held.release()
         held.thread.join(GUARD)

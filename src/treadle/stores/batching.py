@@ -90,6 +90,7 @@ class Batcher(Generic[A, R]):
         self._running = 0  # drains started or about to be (a wake-up on its way counts)
         self._tasks: set[asyncio.Task[None]] = set()  # strong references while they run
         self._closed = False
+        self._why: StoreError | None = None  # what `close` was given: the callers' error
 
     @property
     def home(self) -> asyncio.AbstractEventLoop | None:
@@ -101,13 +102,15 @@ class Batcher(Generic[A, R]):
         """The batches running now (their drains)."""
         return tuple(self._tasks)
 
-    async def close(self) -> None:
+    async def close(self, why: StoreError | None = None) -> None:
         """Fail the queued requests, cancel the running batches (their callers get a
-        `StoreError`) and refuse later requests: on the home loop, before it stops."""
+        `StoreError`: `why`, or by default that the home loop stops) and refuse later
+        requests: on the home loop, before it stops (or as the store closes)."""
         with self._lock:
             self._closed = True
+            self._why = why
             rest, self._queue = self._queue, []
-        _deliver(rest, [_stopped()] * len(rest))
+        _deliver(rest, [self._stopped()] * len(rest))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -134,7 +137,7 @@ class Batcher(Generic[A, R]):
             home = self._home = loop
         with self._lock:
             if self._closed:
-                raise _stopped()
+                raise self._stopped()
             self._queue.append((request, loop, target))
             start = self._running < self._concurrency
             if start:
@@ -169,7 +172,7 @@ class Batcher(Generic[A, R]):
             except BaseException as err:  # every request of the batch fails with it
                 if self._closed and isinstance(err, asyncio.CancelledError):
                     # Cancelled by `close`, not by its callers (who may share its loop).
-                    err = _stopped()
+                    err = self._stopped()
                 results = [err] * len(batch)
                 if not isinstance(err, Exception):  # cancelled or destroyed (the loop stops)
                     with self._lock:
@@ -178,6 +181,14 @@ class Batcher(Generic[A, R]):
                     _deliver([*batch, *rest], [*results, *[err] * len(rest)])
                     raise
             _deliver(batch, results)
+
+    def _stopped(self) -> StoreError:
+        """The error of a caller failed by `close` (a new one each: each caller raises its
+        own)."""
+        why = self._why
+        if why is None:
+            return _stopped()
+        return StoreError(str(why))
 
 
 def _stopped() -> StoreError:

@@ -70,6 +70,8 @@ class PostgresHome:
         self._handovers: list[Batcher[Any, Any] | LoopHop] = []  # closed when its loop stops
         self._locks = HeldLocks()  # queue mode: the conversation locks its passes hold
         self._waiting: set[asyncio.Future[Any]] = set()  # on the runtime loop: lock waits
+        self._running: set[asyncio.Future[Any]] = set()  # on the runtime loop: see `_on_runtime`
+        self._closing_writes: tuple[asyncio.Future[Any], ...] = ()  # what `aclose` waits for
 
     @property
     def url(self) -> str:
@@ -175,12 +177,30 @@ class PostgresHome:
         # (a pass recording its own cancellation must not be cut short by it).
         runtime = self._home()
         if runtime.in_loop_thread():
-            return await asyncio.shield(asyncio.ensure_future(self._guarded(fn)))
+            return await asyncio.shield(asyncio.ensure_future(self._tracked(fn)))
         hop = self._hop
         if hop is None or hop.home is not runtime.loop:
             hop = self._hop = LoopHop(runtime.loop)
             self._handovers.append(hop)
-        return await hop.run(lambda: self._guarded(fn))
+        return await hop.run(lambda: self._tracked(fn))
+
+    async def _tracked(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """`_guarded(fn)` as a task the store's close knows (on the runtime's loop): it lets
+        the task end within its grace and cancels it past that, as a loop's pool does with its
+        own (`LoopPool.close`), so nothing of it lands after the close has returned."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            return await self._guarded(fn)
+        except asyncio.CancelledError:
+            # No caller cancels this task (it is shielded from them, or the hop's own): the
+            # close did, past its grace (or the runtime stops): a typed error for the caller.
+            if self._closed:
+                raise StoreError(str(postgres_loops.WRITE_CLOSED)) from None
+            raise
+        finally:
+            self._running.discard(task)
 
     async def _on_home(self, fn: Callable[[], Awaitable[T]], cancellable: bool) -> T:
         # A conversation lock: waiting for it is cancelled with its caller; anything else (a
@@ -268,16 +288,36 @@ class PostgresHome:
             return await self._on_runtime(functools.partial(body, None))
 
     async def aclose(self, grace: float = 30.0) -> None:
-        """Close the pool (safe to call twice; `grace` is the protocol's: the pool's close
-        bounds its own wait)."""
+        """Close the pools (safe to call twice): calls waiting, and reads, fail at once with
+        `StoreError`; writes running end as they would within `grace` seconds, and what still
+        runs then is cancelled (on the runtime's pool as on a loop's own: `LoopPool.close`)."""
         if self._closed:
             return
 
         async def close() -> None:
-            pool, self._pool = self._pool, None
-            self._closed = True
+            self._closed = True  # no call starts (one waiting for the runtime fails at once)
             for wait in list(self._waiting):  # passes waiting for their turn: a StoreError
                 wait.cancel()
+            # As on a loop's own pool (`LoopPool.close`): the reads fail at once, the writes
+            # running (an append, a commit, a pass record) end as they would within the grace,
+            # so none is reported failed after the server committed it; what still runs then
+            # is cancelled (its transaction rolled back), so nothing lands after the close.
+            loads, commits = self._loads, self._commits
+            if loads is not None:
+                await loads.close(postgres_loops.READ_CLOSED)
+            writes = (*self._running, *(commits.tasks if commits is not None else ()))
+            if writes:
+                self._closing_writes = writes
+                await asyncio.wait(writes, timeout=max(0.0, grace))
+                self._closing_writes = ()
+            if commits is not None:
+                await commits.close(postgres_loops.WRITE_CLOSED)
+            running = list(self._running)
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)
+            pool, self._pool = self._pool, None
             if pool is not None:
                 await pool.close()
 

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
 __all__ = [
-    "LOOP_POOLS", "OWN_POOL_AFTER", "SWEEP_SECONDS", "LoopPool", "PoolRefused", "SharedRowCache",
+    "LOOP_POOLS", "OWN_POOL_AFTER", "READ_CLOSED", "SWEEP_SECONDS", "WRITE_CLOSED", "LoopPool",
+    "PoolRefused", "SharedRowCache",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -234,12 +235,12 @@ class LoopPool:
                 waiter.set_exception(_closed())
         loads, commits = self.batchers or (None, None)
         if loads is not None:
-            await loads.close()  # a read has nothing to finish
+            await loads.close(READ_CLOSED)  # a read has nothing to finish
         writes = [*self._running, *(commits.tasks if commits is not None else ())]
         if writes:
             await asyncio.wait(writes, timeout=max(0.0, grace))
         if commits is not None:
-            await commits.close()
+            await commits.close(WRITE_CLOSED)
         running = list(self._running)
         for task in running:
             task.cancel()
@@ -291,6 +292,19 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 class PoolRefused(StoreError):
     """A loop's pool could not open a connection and holds none: its call (nothing sent yet)
     goes to the runtime's pool instead."""
+
+
+#: What a read running (or a call waiting) as the store closes fails with: the store closed, not
+#: the loop stopped (it has not), and nothing of the call written (an append still reading the
+#: conversation it checks its rows against has not begun its write).
+READ_CLOSED = StoreError("the store was closed before this call ended; nothing of it was written.")
+
+#: What a write not ended within the close's grace fails with (it is cancelled: its transaction
+#: is rolled back).
+WRITE_CLOSED = StoreError(
+    "the store was closed and this write, not ended within the close's grace, was cancelled;"
+    " its transaction was rolled back."
+)
 
 
 def _closed() -> StoreError:
