@@ -12,7 +12,9 @@ in real threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
 from pathlib import Path
 
@@ -150,8 +152,8 @@ def test_a_write_on_the_runtimes_pool_still_running_past_the_grace_never_lands_l
     held = Held(pg, HOLD_WRITE)
     try:
         held.store.close(grace=0.0)
+        held.thread.join(GUARD)  # ended by the close, the lock still held
         held.release()
-        held.thread.join(GUARD)
         (outcome,) = held.outcome
         assert isinstance(outcome, StoreError), outcome
         assert "event loop has stopped" not in str(outcome)
@@ -168,8 +170,8 @@ def test_a_loops_own_pool_write_past_the_grace_fails_typed_with_nothing_written(
     held = Held(pg, HOLD_WRITE)
     try:
         held.store.close(grace=0.0)
+        held.thread.join(GUARD)  # ended by the close, the lock still held
         held.release()
-        held.thread.join(GUARD)
         (outcome,) = held.outcome
         assert isinstance(outcome, StoreError), outcome
         assert held.rows() == ["hi"]
@@ -194,3 +196,99 @@ def test_a_sqlite_job_handed_to_a_database_thread_that_has_stopped_fails_not_han
 
     with pytest.raises(StoreError):
         asyncio.run(late())
+
+
+#: The server's answer to a COMMIT (a CommandComplete message tagged "COMMIT").
+_COMMIT_DONE = b"C\x00\x00\x00\x0bCOMMIT\x00"
+
+
+class CommitHoldingProxy:
+    """A TCP proxy in front of the cluster's socket that, once `armed`, holds the server's
+    answer to a COMMIT (the server has committed; the client has not heard) until a client
+    opens a new connection (a cancel request: the close asking the server to cancel what
+    still runs), then lets it through."""
+
+    def __init__(self, socket_path: str) -> None:
+        self._path = socket_path
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.armed = threading.Event()
+        self.holding = threading.Event()
+        self.released = threading.Event()
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._listener.accept()
+                if self.holding.is_set():  # the cancel request: the answer may go on now
+                    self.released.set()
+                server = socket.socket(socket.AF_UNIX)
+                server.connect(self._path)
+                self._sockets += [client, server]
+                threading.Thread(
+                    target=self._pipe, args=(client, server, False), daemon=True
+                ).start()
+                threading.Thread(
+                    target=self._pipe, args=(server, client, True), daemon=True
+                ).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        tail = b""
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if answers and self.armed.is_set() and _COMMIT_DONE in tail + data:
+                    self.armed.clear()
+                    self.holding.set()
+                    self.released.wait(GUARD)
+                dst.sendall(data)
+                tail = data[-len(_COMMIT_DONE) :]
+        for end in (src, dst):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.released.set()
+        for s in self._sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@pytest.mark.parametrize("pools", ["own pool", "runtime pool"])
+def test_a_write_whose_commit_the_server_made_as_the_grace_ended_is_reported_landed(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch, pools: str
+) -> None:
+    # The server has committed the append; its answer is on its way when the close's grace
+    # (0 here) ends. Cancelling the write's task then reports it failed, and psycopg raises
+    # the cancellation whatever the answer: a phantom failure of a write that landed. The
+    # close asks the server to cancel what still runs instead, and the write ends on what the
+    # server answers (here: committed).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0 if pools == "own pool" else 10**9)
+    url = pg.new_database()
+    proxy = CommitHoldingProxy(f"{pg.dir}/.s.PGSQL.{pg.port}")
+    database = url.split("@/", 1)[1].split("?")[0]
+    store = Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
+    outcome: list[object] = []
+
+    async def append() -> None:
+        try:
+            outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
+        except BaseException as err:  # read by the test
+            outcome.append(err)
+
+    try:
+        store.append("k", [ChunkRow.user("hi")])
+        proxy.armed.set()
+        thread = threading.Thread(target=asyncio.run, args=(append(),))
+        thread.start()
+        assert proxy.holding.wait(GUARD)  # committed on the server, unheard by the store
+        store.close(grace=0.0)
+        thread.join(GUARD)
+        with Store.postgres(url) as check:
+            rows = [r.payload["content"] for r in check.conversation("k").rows]
+        assert rows == ["hi", "more"]
+        assert outcome == [2]  # landed, and said so
+    finally:
+        proxy.close()
+        store.close()

@@ -72,6 +72,7 @@ class PostgresHome:
         self._waiting: set[asyncio.Future[Any]] = set()  # on the runtime loop: lock waits
         self._running: set[asyncio.Future[Any]] = set()  # on the runtime loop: see `_on_runtime`
         self._closing_writes: tuple[asyncio.Future[Any], ...] = ()  # what `aclose` waits for
+        self._in_use: set[AsyncConnection[Any]] = set()  # the runtime pool's, lent out now
 
     @property
     def url(self) -> str:
@@ -165,12 +166,20 @@ class PostgresHome:
             pool = await self._connection_pool()
             async with pool.connection() as conn:
                 if alive(conn):
-                    yield conn
+                    self._in_use.add(conn)  # the close may ask the server to cancel its work
+                    try:
+                        yield conn
+                    finally:
+                        self._in_use.discard(conn)
                     return
                 await conn.close()  # the server ended it while idle (a restart): discarded
             await pool.check()  # the others it ended too are replaced, not handed out later
             async with pool.connection() as conn:
-                yield conn
+                self._in_use.add(conn)
+                try:
+                    yield conn
+                finally:
+                    self._in_use.discard(conn)
 
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
         # An operation, once started, runs to its end even if its caller is cancelled meanwhile
@@ -195,9 +204,9 @@ class PostgresHome:
             return await self._guarded(fn)
         except asyncio.CancelledError:
             # No caller cancels this task (it is shielded from them, or the hop's own): the
-            # close did, past its grace (or the runtime stops): a typed error for the caller.
+            # close did, the server not answering (or the runtime stops): a typed error.
             if self._closed:
-                raise StoreError(str(postgres_loops.WRITE_CLOSED)) from None
+                raise StoreError(str(postgres_loops.WRITE_GIVEN_UP)) from None
             raise
         finally:
             self._running.discard(task)
@@ -253,6 +262,10 @@ class PostgresHome:
             raise self._failed(err) from None
 
     def _failed(self, err: BaseException) -> StoreError:
+        import psycopg
+
+        if self._closed and isinstance(err, psycopg.errors.QueryCanceled):  # by the close
+            return StoreError(str(postgres_loops.WRITE_CLOSED))
         return StoreError(f"the PostgreSQL store {self._url} failed: {' '.join(str(err).split())}.")
 
     async def _connection_pool(self) -> AsyncConnectionPool[AsyncConnection[Any]]:
@@ -290,7 +303,8 @@ class PostgresHome:
     async def aclose(self, grace: float = 30.0) -> None:
         """Close the pools (safe to call twice): calls waiting, and reads, fail at once with
         `StoreError`; writes running end as they would within `grace` seconds, and what still
-        runs then is cancelled (on the runtime's pool as on a loop's own: `LoopPool.close`)."""
+        runs then is cancelled by the server (on the runtime's pool as on a loop's own:
+        `LoopPool.close`)."""
         if self._closed:
             return
 
@@ -299,9 +313,9 @@ class PostgresHome:
             for wait in list(self._waiting):  # passes waiting for their turn: a StoreError
                 wait.cancel()
             # As on a loop's own pool (`LoopPool.close`): the reads fail at once, the writes
-            # running (an append, a commit, a pass record) end as they would within the grace,
-            # so none is reported failed after the server committed it; what still runs then
-            # is cancelled (its transaction rolled back), so nothing lands after the close.
+            # running (an append, a commit, a pass record) end as they would within the grace;
+            # past that the server cancels what still runs and each write ends on its answer
+            # (`stop_writes`), so none is reported failed after the server committed it.
             loads, commits = self._loads, self._commits
             if loads is not None:
                 await loads.close(postgres_loops.READ_CLOSED)
@@ -309,9 +323,10 @@ class PostgresHome:
             if writes:
                 self._closing_writes = writes
                 await asyncio.wait(writes, timeout=max(0.0, grace))
+                await postgres_loops.stop_writes(writes, lambda: list(self._in_use))
                 self._closing_writes = ()
             if commits is not None:
-                await commits.close(postgres_loops.WRITE_CLOSED)
+                await commits.close(postgres_loops.WRITE_GIVEN_UP)
             running = list(self._running)
             for task in running:
                 task.cancel()
