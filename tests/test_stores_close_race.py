@@ -1,12 +1,12 @@
 """Closing a store while another loop's `append` is in flight (a race seen once under load: the
 append got "the store's event loop has stopped" from a close). Each case holds the append at a
-known point with a lock another connection holds (a lock waiter the server reports, no sleep),
-closes the store, lets the lock go and compares what the append said with what the database
-holds: a write that landed is reported landed, one reported failed is not there, and nothing
-lands after `close()` has returned.
+known point (a lock another connection holds, which the server reports waited on; or a proxy
+holding the server's answer to the append's COMMIT), closes the store, lets go and compares what
+the append said with what the database holds: a write that landed is reported landed, one
+reported failed is not there (unless the server never answered: then the error says so).
 
-Real parts: a throwaway PostgreSQL cluster (tests/pg_cluster.py), real SQLite files, event loops
-in real threads.
+Real parts: a throwaway PostgreSQL cluster (tests/pg_cluster.py), a TCP proxy in front of it,
+real SQLite files, event loops in real threads.
 """
 
 from __future__ import annotations
@@ -208,8 +208,9 @@ class CommitHoldingProxy:
     opens a new connection (a cancel request: the close asking the server to cancel what
     still runs), then lets it through."""
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, *, release_on_cancel: bool = True) -> None:
         self._path = socket_path
+        self._release_on_cancel = release_on_cancel
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.armed = threading.Event()
@@ -222,7 +223,7 @@ class CommitHoldingProxy:
         with contextlib.suppress(OSError):
             while True:
                 client, _ = self._listener.accept()
-                if self.holding.is_set():  # the cancel request: the answer may go on now
+                if self.holding.is_set() and self._release_on_cancel:  # the cancel request
                     self.released.set()
                 server = socket.socket(socket.AF_UNIX)
                 server.connect(self._path)
@@ -289,6 +290,46 @@ def test_a_write_whose_commit_the_server_made_as_the_grace_ended_is_reported_lan
             rows = [r.payload["content"] for r in check.conversation("k").rows]
         assert rows == ["hi", "more"]
         assert outcome == [2]  # landed, and said so
+    finally:
+        proxy.close()
+        store.close()
+
+
+def test_a_write_whose_server_never_answers_the_close_is_given_up_as_unknown(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server committed, and nothing of its answers reaches the store until the close has
+    # returned (a network gone quiet): past `CANCEL_SECONDS` the close gives the write up. Its
+    # caller gets a typed error that says the write may have landed, never one that says it
+    # was rolled back.
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
+    monkeypatch.setattr(postgres_loops, "CANCEL_SECONDS", 0.2)
+    url = pg.new_database()
+    proxy = CommitHoldingProxy(f"{pg.dir}/.s.PGSQL.{pg.port}", release_on_cancel=False)
+    database = url.split("@/", 1)[1].split("?")[0]
+    store = Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
+    outcome: list[object] = []
+
+    async def append() -> None:
+        try:
+            outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
+        except BaseException as err:  # read by the test
+            outcome.append(err)
+
+    try:
+        store.append("k", [ChunkRow.user("hi")])
+        proxy.armed.set()
+        thread = threading.Thread(target=asyncio.run, args=(append(),))
+        thread.start()
+        assert proxy.holding.wait(GUARD)
+        store.close(grace=0.0)
+        proxy.released.set()
+        thread.join(GUARD)
+        (error,) = outcome
+        assert isinstance(error, StoreError), error
+        assert "may have committed" in str(error)
+        with Store.postgres(url) as check:
+            assert [r.payload["content"] for r in check.conversation("k").rows] == ["hi", "more"]
     finally:
         proxy.close()
         store.close()
