@@ -326,7 +326,9 @@ class PostgresHome:
                 await postgres_loops.stop_writes(writes, lambda: list(self._in_use))
                 self._closing_writes = ()
             if commits is not None:
-                await commits.close(postgres_loops.WRITE_GIVEN_UP)
+                await commits.close(
+                    postgres_loops.READ_CLOSED, running=postgres_loops.WRITE_GIVEN_UP
+                )
             running = list(self._running)
             for task in running:
                 task.cancel()

@@ -251,7 +251,7 @@ class LoopPool:
             await asyncio.wait(writes, timeout=max(0.0, grace))
             await stop_writes(writes, lambda: [c for c in self._open if c not in self._idle])
         if commits is not None:
-            await commits.close(WRITE_GIVEN_UP)
+            await commits.close(READ_CLOSED, running=WRITE_GIVEN_UP)
         running = list(self._running)
         for task in running:
             task.cancel()
@@ -329,9 +329,9 @@ class PoolRefused(StoreError):
     goes to the runtime's pool instead."""
 
 
-#: What a read running (or a call waiting) as the store closes fails with: the store closed, not
-#: the loop stopped (it has not), and nothing of the call written (an append still reading the
-#: conversation it checks its rows against has not begun its write).
+#: What a read running, or a call waiting (a commit still queued too), fails with as the store
+#: closes: the store closed, not the loop stopped (it has not), and nothing of the call written
+#: (an append still reading the conversation it checks its rows against has not begun its write).
 READ_CLOSED = StoreError("the store was closed before this call ended; nothing of it was written.")
 
 #: What a write not ended within the close's grace fails with once the server has cancelled it
