@@ -195,8 +195,8 @@ class PostgresHome:
 
     async def _tracked(self, fn: Callable[[], Awaitable[T]]) -> T:
         """`_guarded(fn)` as a task the store's close knows (on the runtime's loop): it lets
-        the task end within its grace and cancels it past that, as a loop's pool does with its
-        own (`LoopPool.close`), so nothing of it lands after the close has returned."""
+        the task end within its grace and has the server cancel it past that, as a loop's pool
+        does with its own (`LoopPool.close`, `postgres_loops.stop_writes`)."""
         task = asyncio.current_task()
         assert task is not None
         self._running.add(task)

@@ -289,10 +289,10 @@ async def stop_writes(
     `in_use`, round after round, until `writes` have ended (or `CANCEL_SECONDS` have passed).
 
     Each write then ends on the server's answer: cancelled (its transaction rolled back, a
-    `StoreError`) or committed (its result). Cancelling a write's task instead reports it
+    `StoreError`) or committed (its result). Cancelling a write's task instead would report it
     failed even when the server had committed it and its answer was on its way (psycopg
-    raises the cancellation whatever the answer): what is left after this is cancelled so,
-    only when the server does not answer."""
+    raises the cancellation whatever the answer): the close does that only with what the
+    server leaves unanswered (its outcome unknown: `WRITE_GIVEN_UP`)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + CANCEL_SECONDS
     while (pending := [w for w in writes if not w.done()]) and (left := end - loop.time()) > 0:
