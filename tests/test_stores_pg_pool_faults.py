@@ -151,16 +151,24 @@ def test_closing_the_store_lets_another_loops_running_append_finish(
     blocker = psycopg.connect(url, autocommit=True)
     blocker.execute("BEGIN")
     blocker.execute("SELECT pg_advisory_xact_lock(hashtextextended('k', 0))")  # k's write lock
+    watcher = psycopg.connect(url, autocommit=True)
     outcome: list[object] = []
     appending = threading.Event()
 
+    def lock_waiters() -> int:
+        found = watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database()"
+        ).fetchone()
+        return int(found[0]) if found else 0
+
     async def append() -> None:
         task = asyncio.ensure_future(store.aappend("k", [ChunkRow.user("more")]))
-        while not store.backend._loop_pools:
+        # The append's write waits on the lock (its read has ended: a close during the read
+        # fails the append, nothing written, which this test is not about).
+        while not await asyncio.to_thread(lock_waiters):
             await asyncio.sleep(0.01)
-        (own,) = store.backend._loop_pools.values()
-        while not own.connections:  # the append holds the pool's connection (on the lock)
-            await asyncio.sleep(0.01)
+        assert [p.connections for p in store.backend._loop_pools.values()] == [1]  # its own
         appending.set()
         try:
             outcome.append(await task)
@@ -184,6 +192,7 @@ def test_closing_the_store_lets_another_loops_running_append_finish(
             assert [r.payload["content"] for r in check.conversation("k").rows] == ["hi", "more"]
     finally:
         blocker.close()
+        watcher.close()
         store.close()
 
 

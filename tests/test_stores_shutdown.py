@@ -137,6 +137,32 @@ def test_closing_a_batcher_fails_running_queued_and_later_callers(
     asyncio.run(main())
 
 
+def test_a_batcher_closed_with_the_store_tells_queued_and_running_callers_apart(
+    home: asyncio.AbstractEventLoop,
+) -> None:
+    # A store's close (not its loop stopping): a queued or later request was never sent
+    # (nothing of it written), a running batch's request was cut off mid-way (outcome as the
+    # close says): each caller hears which, never "the store's event loop has stopped".
+    async def main() -> None:
+        batcher: Batcher[int, int] = Batcher(_never, home=home, concurrency=1)
+        running = asyncio.ensure_future(batcher(0))
+        while not batcher._tasks:
+            await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(batcher(1))
+        while not batcher._queue:
+            await asyncio.sleep(0.01)
+        closing = batcher.close(StoreError("not sent"), running=StoreError("cut off"))
+        asyncio.run_coroutine_threadsafe(closing, home).result(GUARD_SECONDS)
+        with pytest.raises(StoreError, match="cut off"):
+            await asyncio.wait_for(running, GUARD_SECONDS)
+        with pytest.raises(StoreError, match="not sent"):
+            await asyncio.wait_for(queued, GUARD_SECONDS)
+        with pytest.raises(StoreError, match="not sent"):
+            await batcher(9)
+
+    asyncio.run(main())
+
+
 def test_closing_a_loop_hop_fails_running_and_later_operations(
     home: asyncio.AbstractEventLoop,
 ) -> None:

@@ -90,6 +90,8 @@ class Batcher(Generic[A, R]):
         self._running = 0  # drains started or about to be (a wake-up on its way counts)
         self._tasks: set[asyncio.Task[None]] = set()  # strong references while they run
         self._closed = False
+        self._why: StoreError | None = None  # what `close` was given: the callers' error
+        self._why_running: StoreError | None = None  # ... for the batches it cancels
 
     @property
     def home(self) -> asyncio.AbstractEventLoop | None:
@@ -101,13 +103,18 @@ class Batcher(Generic[A, R]):
         """The batches running now (their drains)."""
         return tuple(self._tasks)
 
-    async def close(self) -> None:
-        """Fail the queued requests, cancel the running batches (their callers get a
-        `StoreError`) and refuse later requests: on the home loop, before it stops."""
+    async def close(
+        self, why: StoreError | None = None, *, running: StoreError | None = None
+    ) -> None:
+        """Fail the queued requests, cancel the running batches and refuse later requests: on
+        the home loop, before it stops (or as the store closes). Each caller gets a
+        `StoreError`: `why` (by default: the home loop stops), or `running` (by default `why`)
+        for those of a batch it cancels."""
         with self._lock:
             self._closed = True
+            self._why, self._why_running = why, running
             rest, self._queue = self._queue, []
-        _deliver(rest, [_stopped()] * len(rest))
+        _deliver(rest, [self._stopped()] * len(rest))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -134,7 +141,7 @@ class Batcher(Generic[A, R]):
             home = self._home = loop
         with self._lock:
             if self._closed:
-                raise _stopped()
+                raise self._stopped()
             self._queue.append((request, loop, target))
             start = self._running < self._concurrency
             if start:
@@ -169,7 +176,7 @@ class Batcher(Generic[A, R]):
             except BaseException as err:  # every request of the batch fails with it
                 if self._closed and isinstance(err, asyncio.CancelledError):
                     # Cancelled by `close`, not by its callers (who may share its loop).
-                    err = _stopped()
+                    err = self._stopped(running=True)
                 results = [err] * len(batch)
                 if not isinstance(err, Exception):  # cancelled or destroyed (the loop stops)
                     with self._lock:
@@ -178,6 +185,14 @@ class Batcher(Generic[A, R]):
                     _deliver([*batch, *rest], [*results, *[err] * len(rest)])
                     raise
             _deliver(batch, results)
+
+    def _stopped(self, *, running: bool = False) -> StoreError:
+        """The error of a caller failed by `close` (a new one each: each caller raises its
+        own)."""
+        why = (self._why_running if running else None) or self._why
+        if why is None:
+            return _stopped()
+        return StoreError(str(why))
 
 
 def _stopped() -> StoreError:

@@ -70,6 +70,9 @@ class PostgresHome:
         self._handovers: list[Batcher[Any, Any] | LoopHop] = []  # closed when its loop stops
         self._locks = HeldLocks()  # queue mode: the conversation locks its passes hold
         self._waiting: set[asyncio.Future[Any]] = set()  # on the runtime loop: lock waits
+        self._running: set[asyncio.Future[Any]] = set()  # on the runtime loop: see `_on_runtime`
+        self._closing_writes: tuple[asyncio.Future[Any], ...] = ()  # what `aclose` waits for
+        self._in_use: set[AsyncConnection[Any]] = set()  # the runtime pool's, lent out now
 
     @property
     def url(self) -> str:
@@ -163,24 +166,50 @@ class PostgresHome:
             pool = await self._connection_pool()
             async with pool.connection() as conn:
                 if alive(conn):
-                    yield conn
+                    self._in_use.add(conn)  # the close may ask the server to cancel its work
+                    try:
+                        yield conn
+                    finally:
+                        self._in_use.discard(conn)
                     return
                 await conn.close()  # the server ended it while idle (a restart): discarded
             await pool.check()  # the others it ended too are replaced, not handed out later
             async with pool.connection() as conn:
-                yield conn
+                self._in_use.add(conn)
+                try:
+                    yield conn
+                finally:
+                    self._in_use.discard(conn)
 
     async def _on_runtime(self, fn: Callable[[], Awaitable[T]]) -> T:
         # An operation, once started, runs to its end even if its caller is cancelled meanwhile
         # (a pass recording its own cancellation must not be cut short by it).
         runtime = self._home()
         if runtime.in_loop_thread():
-            return await asyncio.shield(asyncio.ensure_future(self._guarded(fn)))
+            return await asyncio.shield(asyncio.ensure_future(self._tracked(fn)))
         hop = self._hop
         if hop is None or hop.home is not runtime.loop:
             hop = self._hop = LoopHop(runtime.loop)
             self._handovers.append(hop)
-        return await hop.run(lambda: self._guarded(fn))
+        return await hop.run(lambda: self._tracked(fn))
+
+    async def _tracked(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """`_guarded(fn)` as a task the store's close knows (on the runtime's loop): it lets
+        the task end within its grace and has the server cancel it past that, as a loop's pool
+        does with its own (`LoopPool.close`, `postgres_loops.stop_writes`)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            return await self._guarded(fn)
+        except asyncio.CancelledError:
+            # No caller cancels this task (it is shielded from them, or the hop's own): the
+            # close did, the server not answering (or the runtime stops): a typed error.
+            if self._closed:
+                raise StoreError(str(postgres_loops.WRITE_GIVEN_UP)) from None
+            raise
+        finally:
+            self._running.discard(task)
 
     async def _on_home(self, fn: Callable[[], Awaitable[T]], cancellable: bool) -> T:
         # A conversation lock: waiting for it is cancelled with its caller; anything else (a
@@ -233,6 +262,10 @@ class PostgresHome:
             raise self._failed(err) from None
 
     def _failed(self, err: BaseException) -> StoreError:
+        import psycopg
+
+        if self._closed and isinstance(err, psycopg.errors.QueryCanceled):  # by the close
+            return StoreError(str(postgres_loops.WRITE_CLOSED))
         return StoreError(f"the PostgreSQL store {self._url} failed: {' '.join(str(err).split())}.")
 
     async def _connection_pool(self) -> AsyncConnectionPool[AsyncConnection[Any]]:
@@ -268,16 +301,40 @@ class PostgresHome:
             return await self._on_runtime(functools.partial(body, None))
 
     async def aclose(self, grace: float = 30.0) -> None:
-        """Close the pool (safe to call twice; `grace` is the protocol's: the pool's close
-        bounds its own wait)."""
+        """Close the pools (safe to call twice): calls waiting, and reads, fail at once with
+        `StoreError`; writes running end as they would within `grace` seconds, and what still
+        runs then is cancelled by the server (on the runtime's pool as on a loop's own:
+        `LoopPool.close`)."""
         if self._closed:
             return
 
         async def close() -> None:
-            pool, self._pool = self._pool, None
-            self._closed = True
+            self._closed = True  # no call starts (one waiting for the runtime fails at once)
             for wait in list(self._waiting):  # passes waiting for their turn: a StoreError
                 wait.cancel()
+            # As on a loop's own pool (`LoopPool.close`): the reads fail at once, the writes
+            # running (an append, a commit, a pass record) end as they would within the grace;
+            # past that the server cancels what still runs and each write ends on its answer
+            # (`stop_writes`), so none is reported failed after the server committed it.
+            loads, commits = self._loads, self._commits
+            if loads is not None:
+                await loads.close(postgres_loops.READ_CLOSED)
+            writes = (*self._running, *(commits.tasks if commits is not None else ()))
+            if writes:
+                self._closing_writes = writes
+                await asyncio.wait(writes, timeout=max(0.0, grace))
+                await postgres_loops.stop_writes(writes, lambda: list(self._in_use))
+                self._closing_writes = ()
+            if commits is not None:
+                await commits.close(
+                    postgres_loops.READ_CLOSED, running=postgres_loops.WRITE_GIVEN_UP
+                )
+            running = list(self._running)
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)
+            pool, self._pool = self._pool, None
             if pool is not None:
                 await pool.close()
 

@@ -36,6 +36,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Coroutine,
+    Iterable,
     Sequence,
 )  # fmt: skip
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,7 +51,9 @@ if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
 __all__ = [
-    "LOOP_POOLS", "OWN_POOL_AFTER", "SWEEP_SECONDS", "LoopPool", "PoolRefused", "SharedRowCache",
+    "CANCEL_ROUND_SECONDS", "CANCEL_SECONDS", "LOOP_POOLS", "OWN_POOL_AFTER", "READ_CLOSED",
+    "SWEEP_SECONDS", "WRITE_CLOSED", "WRITE_GIVEN_UP", "LoopPool", "PoolRefused",
+    "SharedRowCache", "stop_writes",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -64,6 +67,14 @@ OWN_POOL_AFTER = 16
 
 #: How often the runtime's loop looks for loops closed with their pool still open.
 SWEEP_SECONDS = 1.0
+
+#: Past the close's grace, how long the writes still running are given to end once the server
+#: is asked to cancel their statements (it answers at once unless it is unreachable).
+CANCEL_SECONDS = 5.0
+
+#: ... asked again this often (a write between two statements as it was asked goes on to
+#: the next one).
+CANCEL_ROUND_SECONDS = 0.25
 
 #: While this pool's connections serve its calls, how long after a refused connect it waits for
 #: them instead of trying to open more.
@@ -119,7 +130,7 @@ class LoopPool:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if task.cancelled() and self.closed:  # cancelled by `close`, not by its caller
-                raise _closed() from None
+                raise StoreError(str(WRITE_GIVEN_UP)) from None
             raise
 
     @contextlib.asynccontextmanager
@@ -221,9 +232,9 @@ class LoopPool:
     async def close(self, grace: float = 30.0) -> None:
         """Close the pool, on `loop`: calls waiting for a connection, and batches queued, fail
         with `StoreError` at once, and so do reads running; the writes running (a commit, an
-        append, a pass record) end as they would, within `grace` seconds, so none is reported
-        failed after the server committed it; what is still running then is cancelled. Then
-        the connections close."""
+        append, a pass record) end as they would, within `grace` seconds; past that the server
+        is asked to cancel what still runs, and each write ends on its answer (`stop_writes`),
+        so none is reported failed after the server committed it. Then the connections close."""
         if self.closed:
             return
         self.closed = True
@@ -234,12 +245,13 @@ class LoopPool:
                 waiter.set_exception(_closed())
         loads, commits = self.batchers or (None, None)
         if loads is not None:
-            await loads.close()  # a read has nothing to finish
+            await loads.close(READ_CLOSED)  # a read has nothing to finish
         writes = [*self._running, *(commits.tasks if commits is not None else ())]
         if writes:
             await asyncio.wait(writes, timeout=max(0.0, grace))
+            await stop_writes(writes, lambda: [c for c in self._open if c not in self._idle])
         if commits is not None:
-            await commits.close()
+            await commits.close(READ_CLOSED, running=WRITE_GIVEN_UP)
         running = list(self._running)
         for task in running:
             task.cancel()
@@ -269,6 +281,30 @@ class LoopPool:
             self._end.aclose().send(None)
 
 
+async def stop_writes(
+    writes: Sequence[asyncio.Future[Any]],
+    in_use: Callable[[], Iterable[AsyncConnection[Any]]],
+) -> None:
+    """Past a close's grace: ask the server to cancel the statements running on the connections
+    `in_use`, round after round, until `writes` have ended (or `CANCEL_SECONDS` have passed).
+
+    Each write then ends on the server's answer: cancelled (its transaction rolled back, a
+    `StoreError`) or committed (its result). Cancelling a write's task instead would report it
+    failed even when the server had committed it and its answer was on its way (psycopg
+    raises the cancellation whatever the answer): the close does that only with what the
+    server leaves unanswered (its outcome unknown: `WRITE_GIVEN_UP`)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + CANCEL_SECONDS
+    while (pending := [w for w in writes if not w.done()]) and (left := end - loop.time()) > 0:
+        await asyncio.gather(*(_cancel(conn, left) for conn in in_use()))
+        await asyncio.wait(pending, timeout=min(CANCEL_ROUND_SECONDS, left))
+
+
+async def _cancel(conn: AsyncConnection[Any], seconds: float) -> None:
+    with contextlib.suppress(Exception):  # gone meanwhile, or no answer: the caller goes on
+        await conn.cancel_safe(timeout=seconds)
+
+
 async def _until_loop_ends(pool: LoopPool) -> AsyncGenerator[None, None]:
     """Closes `pool` when its loop shuts down its async generators (see `LoopPool`)."""
     try:
@@ -291,6 +327,25 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 class PoolRefused(StoreError):
     """A loop's pool could not open a connection and holds none: its call (nothing sent yet)
     goes to the runtime's pool instead."""
+
+
+#: What a read running, or a call waiting (a commit still queued too), fails with as the store
+#: closes: the store closed, not the loop stopped (it has not), and nothing of the call written
+#: (an append still reading the conversation it checks its rows against has not begun its write).
+READ_CLOSED = StoreError("the store was closed before this call ended; nothing of it was written.")
+
+#: What a write not ended within the close's grace fails with once the server has cancelled it
+#: (its transaction rolled back: see `stop_writes`).
+WRITE_CLOSED = StoreError(
+    "the store was closed and this write, not ended within the close's grace, was cancelled by"
+    " the server; its transaction was rolled back."
+)
+
+#: ... and one the server did not answer for (see `stop_writes`): its outcome is unknown.
+WRITE_GIVEN_UP = StoreError(
+    "the store was closed and this write, not ended within the close's grace, was given up: the"
+    " server did not answer the request to cancel it, so it may have committed or not."
+)
 
 
 def _closed() -> StoreError:

@@ -59,7 +59,7 @@ class DatabaseThread:
         self.lost: str | None = None
         """Why the file this thread opened is no longer at its path (deleted, replaced)."""
         self.dead: StoreError | None = None
-        """What every job gets once the thread has died (see `_die`)."""
+        """What every job gets once the thread has died (see `_die`) or stopped."""
         self._identity: tuple[int, int] | None = None
         self._wal: tuple[int, int] | None = None  # the -wal file's identity once it exists
         self._fd: int | None = None  # the database file, read-only: its header is checked
@@ -103,6 +103,12 @@ class DatabaseThread:
                     batch.append(more)
                 self._run_batch(conn, batch)
                 batch = []
+            # Stopped (its last user closed the store). A call that took this thread just
+            # before that close, on another thread, may hand it a job after the stop: it and
+            # any later one fail with a StoreError (`submit` drains what it adds once `dead`
+            # is set) instead of waiting for ever for a thread that has gone.
+            self.dead = StoreError(f"the SQLite store {self.path} is closed; open a new Store.")
+            self._drain()
         except BaseException as err:  # a bug: no caller may wait on a thread that is gone
             self._die(conn, batch, err)
         finally:

@@ -1,0 +1,335 @@
+"""Closing a store while another loop's `append` is in flight (a race seen once under load: the
+append got "the store's event loop has stopped" from a close). Each case holds the append at a
+known point (a lock another connection holds, which the server reports waited on; or a proxy
+holding the server's answer to the append's COMMIT), closes the store, lets go and compares what
+the append said with what the database holds: a write that landed is reported landed, one
+reported failed is not there (unless the server never answered: then the error says so).
+
+Real parts: a throwaway PostgreSQL cluster (tests/pg_cluster.py), a TCP proxy in front of it,
+real SQLite files, event loops in real threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from pg_cluster import Cluster
+from treadle.errors import StoreError
+from treadle.session import ChunkRow
+from treadle.stores import Store, postgres_loops
+
+#: A hang guard (generous, for a loaded machine), never a time assertion.
+GUARD = 60.0
+
+#: Hold an append's write: the conversation's write lock (see `PostgresBackend._lock`).
+HOLD_WRITE = "SELECT pg_advisory_xact_lock(hashtextextended('k', 0))"
+#: Hold an append's first read (the conversation it checks its rows against).
+HOLD_READ = "LOCK TABLE treadle_conversations IN ACCESS EXCLUSIVE MODE"
+
+
+class Held:
+    """A store with conversation "k" (one row), and another client holding `hold` on it; an
+    append of "more" from a loop of its own thread waits on that lock."""
+
+    def __init__(self, pg: Cluster, hold: str) -> None:
+        import psycopg
+
+        self.url = pg.new_database()
+        # connect_timeout 60: a connect slowed by a loaded machine must not change the path
+        # (a refused first connection sends a loop's calls to the runtime's pool).
+        self.store = Store.postgres(self.url, pool_size=2, connect_timeout=60.0)
+        self.store.append("k", [ChunkRow.user("hi")])
+        self.admin = psycopg.connect(self.url, autocommit=True)
+        self.blocker = psycopg.connect(self.url, autocommit=True)
+        self.blocker.execute("BEGIN")
+        self.blocker.execute(hold)
+        self.outcome: list[object] = []
+        self.thread = threading.Thread(target=asyncio.run, args=(self._append(),))
+        self.thread.start()
+        while not self._lock_waiters():  # the append waits on the lock: held where we want it
+            threading.Event().wait(0.01)
+
+    async def _append(self) -> None:
+        try:
+            self.outcome.append(await self.store.aappend("k", [ChunkRow.user("more")]))
+        except BaseException as err:  # read by the test
+            self.outcome.append(err)
+
+    def _lock_waiters(self) -> int:
+        found = self.admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database()"
+        ).fetchone()
+        return int(found[0]) if found else 0
+
+    def rows(self) -> list[str]:
+        """The conversation's rows as the database holds them now."""
+        found = self.admin.execute(
+            "SELECT payload FROM treadle_rows WHERE key = 'k' ORDER BY seq"
+        ).fetchall()
+        return [str(json.loads(payload)["content"]) for (payload,) in found]
+
+    def release(self) -> None:
+        self.blocker.execute("ROLLBACK")
+
+    def end(self) -> None:
+        self.blocker.close()
+        self.thread.join(GUARD)
+        self.store.close()
+        self.admin.close()
+
+
+def test_an_append_still_reading_when_its_loops_pool_closes_fails_as_closed(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race seen once: the close began while the append was still reading the conversation
+    # on its loop's own pool. A read fails at once (nothing of the append was written), but
+    # with what happened, the store closed, not "the store's event loop has stopped": that
+    # loop was running, and the message sends the reader after a loop that never stopped.
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
+    held = Held(pg, HOLD_READ)
+    try:
+        assert [p.connections for p in held.store.backend._loop_pools.values()] == [1]
+        held.store.close(grace=GUARD)
+        held.release()
+        held.thread.join(GUARD)
+        (outcome,) = held.outcome
+        assert isinstance(outcome, StoreError), outcome
+        assert "event loop has stopped" not in str(outcome)
+        assert "closed" in str(outcome)
+        assert held.rows() == ["hi"]
+    finally:
+        held.end()
+
+
+def test_closing_waits_within_grace_for_a_write_running_on_the_runtimes_pool(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The append reaches the runtime's pool by the hop (a loop's first calls do, and every call
+    # of a loop refused a pool of its own). Running when the close begins, it ends as it would
+    # within the grace, as on a loop's own pool: the close returns after it has landed, and
+    # the append says so.
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
+    held = Held(pg, HOLD_WRITE)
+    seen: list[list[str]] = []
+
+    def close() -> None:
+        held.store.close(grace=GUARD)
+        seen.append(held.rows())  # what the database holds as the close returns
+
+    closing = threading.Thread(target=close)
+    try:
+        pools = held.store.backend._loop_pools.values()
+        assert not any(p.connections for p in pools)  # the runtime's pool, by the hop
+        closing.start()
+        # The close has returned (before the fix: without waiting for the write) or waits for
+        # the write it let run (`_closing_writes`).
+        while closing.is_alive() and not getattr(held.store.backend, "_closing_writes", None):
+            threading.Event().wait(0.01)
+        held.release()
+        closing.join(GUARD)
+        held.thread.join(GUARD)
+        assert seen == [["hi", "more"]]  # landed before the close returned
+        assert held.outcome == [2]  # and said so
+    finally:
+        held.end()
+
+
+def test_a_write_on_the_runtimes_pool_still_running_past_the_grace_never_lands_later(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the grace the close cancels what still runs, as a loop's own pool does: the append,
+    # stuck on the lock, fails with a typed error and nothing of it is written, then or after
+    # the close has returned (before the fix it went on and landed once the lock was let go).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
+    held = Held(pg, HOLD_WRITE)
+    try:
+        held.store.close(grace=0.0)
+        held.thread.join(GUARD)  # ended by the close, the lock still held
+        held.release()
+        (outcome,) = held.outcome
+        assert isinstance(outcome, StoreError), outcome
+        assert "event loop has stopped" not in str(outcome)
+        assert held.rows() == ["hi"]
+    finally:
+        held.end()
+
+
+def test_a_loops_own_pool_write_past_the_grace_fails_typed_with_nothing_written(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same close on a loop's own pool (already so before: the runtime's now matches it).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
+    held = Held(pg, HOLD_WRITE)
+    try:
+        held.store.close(grace=0.0)
+        held.thread.join(GUARD)  # ended by the close, the lock still held
+        held.release()
+        (outcome,) = held.outcome
+        assert isinstance(outcome, StoreError), outcome
+        assert held.rows() == ["hi"]
+    finally:
+        held.end()
+
+
+def test_a_sqlite_job_handed_to_a_database_thread_that_has_stopped_fails_not_hangs(
+    tmp_path: Path,
+) -> None:
+    # A call that read the store's database thread just before a close stopped it (the close on
+    # another thread) hands its job over after the thread's last one: it must fail with a
+    # typed error, not wait for ever for a thread that has gone.
+    store = Store.sqlite(tmp_path / "s.db")
+    store.append("k", [ChunkRow.user("hi")])
+    writer = store.backend._writer
+    assert writer is not None
+    store.close()  # stops the thread: the close came between that call's read and its hand-over
+
+    async def late() -> object:
+        return await asyncio.wait_for(writer.submit(lambda conn: 1), GUARD)
+
+    with pytest.raises(StoreError):
+        asyncio.run(late())
+
+
+#: The server's answer to a COMMIT (a CommandComplete message tagged "COMMIT").
+_COMMIT_DONE = b"C\x00\x00\x00\x0bCOMMIT\x00"
+
+
+class CommitHoldingProxy:
+    """A TCP proxy in front of the cluster's socket that, once `armed`, holds the server's
+    answer to a COMMIT (the server has committed; the client has not heard) until a client
+    opens a new connection (a cancel request: the close asking the server to cancel what
+    still runs), then lets it through."""
+
+    def __init__(self, socket_path: str, *, release_on_cancel: bool = True) -> None:
+        self._path = socket_path
+        self._release_on_cancel = release_on_cancel
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.armed = threading.Event()
+        self.holding = threading.Event()
+        self.released = threading.Event()
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._listener.accept()
+                if self.holding.is_set() and self._release_on_cancel:  # the cancel request
+                    self.released.set()
+                server = socket.socket(socket.AF_UNIX)
+                server.connect(self._path)
+                self._sockets += [client, server]
+                threading.Thread(
+                    target=self._pipe, args=(client, server, False), daemon=True
+                ).start()
+                threading.Thread(
+                    target=self._pipe, args=(server, client, True), daemon=True
+                ).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        tail = b""
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if answers and self.armed.is_set() and _COMMIT_DONE in tail + data:
+                    self.armed.clear()
+                    self.holding.set()
+                    self.released.wait(GUARD)
+                dst.sendall(data)
+                tail = data[-len(_COMMIT_DONE) :]
+        for end in (src, dst):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.released.set()
+        for s in self._sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@pytest.mark.parametrize("pools", ["own pool", "runtime pool"])
+def test_a_write_whose_commit_the_server_made_as_the_grace_ended_is_reported_landed(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch, pools: str
+) -> None:
+    # The server has committed the append; its answer is on its way when the close's grace
+    # (0 here) ends. Cancelling the write's task then reports it failed, and psycopg raises
+    # the cancellation whatever the answer: a phantom failure of a write that landed. The
+    # close asks the server to cancel what still runs instead, and the write ends on what the
+    # server answers (here: committed).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0 if pools == "own pool" else 10**9)
+    url = pg.new_database()
+    proxy = CommitHoldingProxy(f"{pg.dir}/.s.PGSQL.{pg.port}")
+    database = url.split("@/", 1)[1].split("?")[0]
+    store = Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
+    outcome: list[object] = []
+
+    async def append() -> None:
+        try:
+            outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
+        except BaseException as err:  # read by the test
+            outcome.append(err)
+
+    try:
+        store.append("k", [ChunkRow.user("hi")])
+        proxy.armed.set()
+        thread = threading.Thread(target=asyncio.run, args=(append(),))
+        thread.start()
+        assert proxy.holding.wait(GUARD)  # committed on the server, unheard by the store
+        store.close(grace=0.0)
+        thread.join(GUARD)
+        with Store.postgres(url) as check:
+            rows = [r.payload["content"] for r in check.conversation("k").rows]
+        assert rows == ["hi", "more"]
+        assert outcome == [2]  # landed, and said so
+    finally:
+        proxy.close()
+        store.close()
+
+
+def test_a_write_whose_server_never_answers_the_close_is_given_up_as_unknown(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server committed, and nothing of its answers reaches the store until the close has
+    # returned (a network gone quiet): past `CANCEL_SECONDS` the close gives the write up. Its
+    # caller gets a typed error that says the write may have landed, never one that says it
+    # was rolled back.
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
+    monkeypatch.setattr(postgres_loops, "CANCEL_SECONDS", 0.2)
+    url = pg.new_database()
+    proxy = CommitHoldingProxy(f"{pg.dir}/.s.PGSQL.{pg.port}", release_on_cancel=False)
+    database = url.split("@/", 1)[1].split("?")[0]
+    store = Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
+    outcome: list[object] = []
+
+    async def append() -> None:
+        try:
+            outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
+        except BaseException as err:  # read by the test
+            outcome.append(err)
+
+    try:
+        store.append("k", [ChunkRow.user("hi")])
+        proxy.armed.set()
+        thread = threading.Thread(target=asyncio.run, args=(append(),))
+        thread.start()
+        assert proxy.holding.wait(GUARD)
+        store.close(grace=0.0)
+        proxy.released.set()
+        thread.join(GUARD)
+        (error,) = outcome
+        assert isinstance(error, StoreError), error
+        assert "may have committed" in str(error)
+        with Store.postgres(url) as check:
+            assert [r.payload["content"] for r in check.conversation("k").rows] == ["hi", "more"]
+    finally:
+        proxy.close()
+        store.close()
