@@ -12,6 +12,13 @@ Lists are merged item by item when items carry an `index` (tool calls, `reasonin
 without id continues the last one; a repeated index with a different id is a new call too.
 `content` given as a list of parts (Mistral's thinking and text parts) is merged part by part.
 Pure: no I/O, never raises on unknown fields (they are kept).
+
+Linear in the reply's length: a text field that grows piece by piece (`content`, a tool call's
+`arguments`, `reasoning_content`, an item's `text`) keeps its pieces while the stream goes on
+(`_Text`) and is joined once, when the fold is read (`result`, `plain_turn`). Adding each piece
+to a `str` held in a dict copied everything before it: a reply of 50,000 text events cost 10 µs
+an event to fold, one of 200,000 events 87 µs an event (17 s for the reply, on the event loop
+every pass shares), where a 1,000-event reply costs about 1 µs an event.
 """
 
 from __future__ import annotations
@@ -41,6 +48,45 @@ MESSAGE_TEXT_FIELDS = frozenset(
 _ITEM_TEXT_FIELDS = frozenset({"text", "summary", "thinking"})
 
 
+class _Text:
+    """A text field while its stream goes on: its pieces, joined once when the fold is read.
+
+    Only made for a second non-empty piece (most fields arrive whole, in one piece), and only
+    ever held in the dicts being folded: `StreamAccumulator._joined` replaces each by its `str`
+    before anything reads them, and a merge that reads the field's value (not to add text to
+    it) joins it first (`_take`). Truthy, as the non-empty text it stands for."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+
+#: Where `_Text`s were put: (dict, key) pairs, one list per accumulator.
+_Texts = list[tuple[dict[str, Any], str]]
+
+
+def _add_text(acc: dict[str, Any], key: str, value: str, texts: _Texts) -> None:
+    """`acc[key] + value` when `acc[key]` is a text, else `value`: without copying the text."""
+    old = acc.get(key)
+    if type(old) is _Text:
+        old.pieces.append(value)
+    elif isinstance(old, str) and old:
+        if value:
+            acc[key] = _Text([old, value])
+            texts.append((acc, key))
+    else:
+        acc[key] = value
+
+
+def _take(acc: dict[str, Any], key: str) -> Any:
+    """`acc.get(key)`, a streamed text joined (and kept joined) first."""
+    value = acc.get(key)
+    if type(value) is _Text:
+        value = acc[key] = "".join(value.pieces)
+    return value
+
+
 def _replace(acc: dict[str, Any], key: str, value: Any) -> None:
     """Set an identity/enum field; an empty string never wipes a value already known."""
     if value == "" and acc.get(key):
@@ -48,27 +94,27 @@ def _replace(acc: dict[str, Any], key: str, value: Any) -> None:
     acc[key] = value
 
 
-def _merge_item(acc: dict[str, Any], delta: dict[str, Any]) -> None:
+def _merge_item(acc: dict[str, Any], delta: dict[str, Any], texts: _Texts) -> None:
     """Merge one indexed list item: its text fields concatenate, the rest is replaced."""
     for key, value in delta.items():
         if value is None:
             acc.setdefault(key, None)
         elif key in _ITEM_TEXT_FIELDS and isinstance(value, str):
-            old = acc.get(key)
-            acc[key] = old + value if isinstance(old, str) else value
+            _add_text(acc, key, value, texts)
         elif key in _ITEM_TEXT_FIELDS and isinstance(value, list):
-            _merge_parts(acc.setdefault(key, []), value)
+            _take(acc, key)
+            _merge_parts(acc.setdefault(key, []), value, texts)
         else:
             _replace(acc, key, value)
 
 
-def _merge_indexed(acc: list[Any], items: list[Any]) -> None:
+def _merge_indexed(acc: list[Any], items: list[Any], texts: _Texts) -> None:
     """Merge list items by their `index`; items without one are appended."""
     for item in items:
         if isinstance(item, dict) and isinstance(item.get("index"), int):
             for existing in acc:
                 if isinstance(existing, dict) and existing.get("index") == item["index"]:
-                    _merge_item(existing, item)
+                    _merge_item(existing, item, texts)
                     break
             else:
                 acc.append(dict(item))
@@ -76,7 +122,7 @@ def _merge_indexed(acc: list[Any], items: list[Any]) -> None:
             acc.append(item)
 
 
-def _merge_parts(acc: list[Any], parts: list[Any]) -> None:
+def _merge_parts(acc: list[Any], parts: list[Any], texts: _Texts) -> None:
     """Merge content parts: a part of the same type as the last one continues it."""
     for part in parts:
         last = acc[-1] if acc else None
@@ -86,29 +132,30 @@ def _merge_parts(acc: list[Any], parts: list[Any]) -> None:
             and part.get("type") == last.get("type")
             and "index" not in part
         ):
-            _merge_item(last, part)
+            _merge_item(last, part, texts)
         elif isinstance(part, dict):
             acc.append({k: (list(v) if isinstance(v, list) else v) for k, v in part.items()})
         else:
             acc.append(part)
 
 
-def _merge_content(message: dict[str, Any], value: str | list[Any]) -> None:
-    old = message.get("content")
+def _merge_content(message: dict[str, Any], value: str | list[Any], texts: _Texts) -> None:
     if isinstance(value, str):
+        old = message.get("content")
         if isinstance(old, list):
-            _merge_parts(old, [{"type": "text", "text": value}] if value else [])
+            _merge_parts(old, [{"type": "text", "text": value}] if value else [], texts)
         else:
-            message["content"] = (old or "") + value
+            _add_text(message, "content", value, texts)
         return
+    old = _take(message, "content")
     if not isinstance(old, list):
         # Text streamed before the first parts list becomes a leading text part.
         old = [{"type": "text", "text": old}] if old else []
         message["content"] = old
-    _merge_parts(old, value)
+    _merge_parts(old, value, texts)
 
 
-def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
+def _merge_message(message: dict[str, Any], delta: dict[str, Any], texts: _Texts) -> None:
     for key, value in delta.items():
         if value is None or key == "tool_calls":
             continue  # an absent field; tool calls are merged by `_merge_calls`
@@ -116,19 +163,18 @@ def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
             if value or not message.get("role"):
                 message["role"] = value
         elif key == "content" and isinstance(value, (str, list)):
-            _merge_content(message, value)
+            _merge_content(message, value, texts)
         elif key in MESSAGE_TEXT_FIELDS and isinstance(value, str):
-            old = message.get(key)
-            message[key] = old + value if isinstance(old, str) else value
+            _add_text(message, key, value, texts)
         elif isinstance(value, list):
-            old = message.get(key)
+            old = _take(message, key)
             if isinstance(old, list):
-                _merge_indexed(old, value)
+                _merge_indexed(old, value, texts)
             else:
                 message[key] = []
-                _merge_indexed(message[key], value)
+                _merge_indexed(message[key], value, texts)
         elif isinstance(value, dict) and isinstance(message.get(key), dict):
-            _merge_item(message[key], value)
+            _merge_item(message[key], value, texts)
         else:
             _replace(message, key, value)
 
@@ -144,7 +190,7 @@ _DECLARED_TOP = frozenset({"id", "created", "model", "usage"})  # the rest: prov
 _index_of = operator.itemgetter("index")
 
 
-def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]], texts: _Texts) -> None:
     """Fold tool-call deltas in; a delta without `index` gets the one it belongs to (in place)."""
     for delta in deltas:
         index = delta.get("index")
@@ -179,7 +225,7 @@ def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> N
             for key, value in fn.items():
                 if key == "arguments":
                     if value:
-                        function["arguments"] += value
+                        _add_text(function, "arguments", value, texts)
                 elif key == "name":
                     if value:
                         function["name"] = value
@@ -193,10 +239,11 @@ def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> N
 class StreamAccumulator:
     """Collects `ChatCompletionChunk`s; `result()` gives the equivalent `ChatCompletion`."""
 
-    __slots__ = ("_calls", "_choices", "_finish", "_top", "chunks")
+    __slots__ = ("_calls", "_choices", "_finish", "_texts", "_top", "chunks")
 
     def __init__(self) -> None:
         self._top: dict[str, Any] = {}
+        self._texts: _Texts = []  # where streamed texts are kept as pieces (`_joined`)
         self._choices: dict[int, dict[str, Any]] = {}
         self._calls: dict[int, list[dict[str, Any]]] = {}
         self._finish: dict[int, str | None] = {}
@@ -259,10 +306,10 @@ class StreamAccumulator:
                 self._finish[index] = None
             delta = get("delta")
             if delta:
-                _merge_message(message, delta)
+                _merge_message(message, delta, self._texts)
                 calls = delta.get("tool_calls")
                 if calls:
-                    _merge_calls(self._calls[index], calls)
+                    _merge_calls(self._calls[index], calls, self._texts)
             reason = get("finish_reason")
             if reason is not None:
                 self._finish[index] = reason
@@ -274,10 +321,10 @@ class StreamAccumulator:
             self._calls[index] = []
             self._finish[index] = None
         if delta:
-            _merge_message(message, delta)
+            _merge_message(message, delta, self._texts)
             calls = delta.get("tool_calls")
             if calls:
-                _merge_calls(self._calls[index], calls)
+                _merge_calls(self._calls[index], calls, self._texts)
         if reason is not None:
             self._finish[index] = reason
 
@@ -297,6 +344,8 @@ class StreamAccumulator:
         choices = self._choices
         if not choices:
             raise MalformedResponse("The stream ended without any choices; retry the request.")
+        if self._texts:
+            self._joined()
         index = min(choices) if len(choices) > 1 else next(iter(choices))
         message = choices[index]
         content = message["content"]
@@ -335,6 +384,14 @@ class StreamAccumulator:
             return None
         return payload, self._finish[index], usage, top
 
+    def _joined(self) -> None:
+        """Every text kept as pieces joined into its `str` (the fold can go on after it)."""
+        for container, key in self._texts:
+            value = container.get(key)
+            if type(value) is _Text:
+                container[key] = "".join(value.pieces)
+        self._texts = []
+
     def provider_fields(self) -> dict[str, Any]:
         """The completion's fields beyond the schema's (`x_groq`, `system_fingerprint`, ...)."""
         return {k: v for k, v in self._top.items() if k not in _DECLARED_TOP}
@@ -343,6 +400,8 @@ class StreamAccumulator:
         """The accumulated completion; `MalformedResponse` if no choice was ever streamed."""
         if not self._choices:
             raise MalformedResponse("The stream ended without any choices; retry the request.")
+        if self._texts:
+            self._joined()
         choices = []
         for index in sorted(self._choices):
             message = dict(self._choices[index])
