@@ -171,3 +171,44 @@ def test_a_text_field_replaced_by_another_type_is_replaced_whole() -> None:
         "content": "a",
         "refusal": [{"index": 0, "text": "x"}],
     }
+
+
+def test_many_tool_calls_are_each_found_in_one_lookup() -> None:
+    """A reply of many calls: each delta finds its call by index without scanning the others."""
+    acc = StreamAccumulator()
+    n = 2_000
+    for i in range(n):
+        call = {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": "f"}}
+        acc.add_event(_event({"tool_calls": [call]}))
+    looked: list[int] = []
+    for i in range(n):
+        # An index that counts how often it is compared: a scan compares it with every call.
+        acc.add_event(
+            _event({"tool_calls": [{"index": _Index(i, looked), "function": {"arguments": "{}"}}]})
+        )
+    # A server numbering every call 0 with new ids: each becomes a new call after the highest.
+    acc.add_event(
+        _event(
+            {"tool_calls": [{"index": 0, "id": "other", "function": {"name": "g"}}]}, "tool_calls"
+        )
+    )
+    calls = acc.result().choices[0].message.tool_calls
+    assert calls is not None and len(calls) == n + 1
+    assert [c.function.arguments for c in calls[:n]] == ["{}"] * n
+    assert calls[-1].id == "other" and calls[-1].function.name == "g"
+    assert len(looked) <= 4 * n  # a scan: about n * n / 2 comparisons
+
+
+class _Index(int):
+    """An int that records each equality test made with it."""
+
+    def __new__(cls, value: int, log: list[int]) -> _Index:
+        made = super().__new__(cls, value)
+        made.log = log  # type: ignore[attr-defined]
+        return made
+
+    def __eq__(self, other: object) -> bool:
+        self.log.append(1)  # type: ignore[attr-defined]
+        return int(self) == other
+
+    __hash__ = int.__hash__

@@ -190,7 +190,22 @@ _DECLARED_TOP = frozenset({"id", "created", "model", "usage"})  # the rest: prov
 _index_of = operator.itemgetter("index")
 
 
-def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]], texts: _Texts) -> None:
+class _Calls(list[dict[str, Any]]):
+    """A choice's folded tool calls in arrival order, found by index in one lookup (`at`).
+
+    A scan of the calls for each delta's index, and `max` over them for a renumbered one, made
+    the fold quadratic in the number of calls a reply makes: a hostile reply of 100,000 calls
+    (8 MB, far under `MAX_BODY_BYTES`) would have held the event loop for minutes."""
+
+    __slots__ = ("at", "highest")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: dict[int, dict[str, Any]] = {}
+        self.highest = -1  # the highest index of a call so far
+
+
+def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], texts: _Texts) -> None:
     """Fold tool-call deltas in; a delta without `index` gets the one it belongs to (in place)."""
     for delta in deltas:
         index = delta.get("index")
@@ -201,19 +216,18 @@ def _merge_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]], text
                 index = len(calls)
             else:
                 index = last["index"]
-        current = None
-        for call in calls:  # a loop, not `next()` over a generator: per tool-call delta
-            if call["index"] == index:
-                current = call
-                break
+        current = calls.at.get(index)
         if current is not None and call_id and current.get("id") and call_id != current["id"]:
             # The same index with another id: a server numbering every call 0. A new call.
-            index = max(c["index"] for c in calls) + 1
+            index = calls.highest + 1
             current = None
         delta["index"] = index  # callbacks see the call each piece belongs to
         if current is None:
             current = {"index": index, "function": {"name": "", "arguments": ""}}
             calls.append(current)
+            calls.at[index] = current
+            if index > calls.highest:
+                calls.highest = index
         if call_id:
             current["id"] = call_id
         kind = delta.get("type")
@@ -245,7 +259,7 @@ class StreamAccumulator:
         self._top: dict[str, Any] = {}
         self._texts: _Texts = []  # where streamed texts are kept as pieces (`_joined`)
         self._choices: dict[int, dict[str, Any]] = {}
-        self._calls: dict[int, list[dict[str, Any]]] = {}
+        self._calls: dict[int, _Calls] = {}
         self._finish: dict[int, str | None] = {}
         self.chunks = 0
         """Number of chunks added."""
@@ -302,7 +316,7 @@ class StreamAccumulator:
             message = self._choices.get(index)
             if message is None:
                 message = self._choices[index] = {"role": "assistant", "content": None}
-                self._calls[index] = []
+                self._calls[index] = _Calls()
                 self._finish[index] = None
             delta = get("delta")
             if delta:
@@ -318,7 +332,7 @@ class StreamAccumulator:
         message = self._choices.get(index)
         if message is None:
             message = self._choices[index] = {"role": "assistant", "content": None}
-            self._calls[index] = []
+            self._calls[index] = _Calls()
             self._finish[index] = None
         if delta:
             _merge_message(message, delta, self._texts)
@@ -352,7 +366,7 @@ class StreamAccumulator:
         if (content is not None and type(content) is not str) or type(message["role"]) is not str:
             return None
         payload: dict[str, Any] = {"content": content}
-        calls = self._calls[index]
+        calls: list[dict[str, Any]] = self._calls[index]
         if calls:
             if len(calls) > 1:
                 calls = sorted(calls, key=_index_of)
