@@ -212,3 +212,102 @@ class _Index(int):
         return int(self) == other
 
     __hash__ = int.__hash__
+
+
+def test_a_line_in_tiny_reads_holds_about_a_byte_per_byte() -> None:
+    """Reads of two bytes are not each kept as an object of their own while the line grows."""
+    import tracemalloc
+
+    decoder = SSEDecoder()
+    decoder.feed(b"data: ")
+    reads = 50_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(reads):
+            decoder.feed(b"ab")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= 4 * 2 * reads  # a list of 2-byte `bytes` held about 20 times that
+    assert decoder.feed(b"\n\n") == [b"ab" * reads]
+
+
+def test_negative_tool_call_indexes_are_renumbered_after_the_highest() -> None:
+    """A call renumbered (same index, new id) goes after the highest index so far, even when
+    every index is negative, and later pieces reach the calls they name."""
+    acc = StreamAccumulator()
+    acc.add_event(
+        _event(
+            {"tool_calls": [{"index": -3, "id": "a", "function": {"name": "fa", "arguments": "{"}}]}
+        )
+    )
+    acc.add_event(
+        _event(
+            {"tool_calls": [{"index": -3, "id": "b", "function": {"name": "fb", "arguments": "{"}}]}
+        )
+    )
+    acc.add_event(
+        _event(
+            {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "fc", "arguments": "{"}}]}
+        )
+    )
+    acc.add_event(_event({"tool_calls": [{"index": 0, "function": {"arguments": "3}"}}]}))
+    acc.add_event(
+        _event({"tool_calls": [{"index": -2, "function": {"arguments": "2}"}}]}, "tool_calls")
+    )
+    calls = acc.result().choices[0].message.tool_calls
+    assert calls is not None
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
+        ("a", "fa", "{"),
+        ("b", "fb", "{2}"),
+        ("c", "fc", "{3}"),
+    ]
+
+
+def test_what_a_read_hands_out_and_the_events_folded_stay_as_they_were() -> None:
+    """A completion read mid-stream is a snapshot, and the fold never changes a caller's event."""
+    acc = StreamAccumulator()
+    first = _event(
+        {
+            "role": "assistant",
+            "content": "hi",
+            "audio": {"id": "a1", "text": "x"},
+            "reasoning_details": [{"index": 0, "type": "reasoning.text", "text": "a"}],
+        }
+    )
+    acc.add_event(first)
+    plain = acc.plain_turn()
+    held = acc.result()
+    for piece in ("b", "c"):
+        acc.add_event(
+            _event({"audio": {"text": piece}, "reasoning_details": [{"index": 0, "text": piece}]})
+        )
+    assert plain is not None and plain[0]["reasoning_details"][0]["text"] == "a"
+    extra = held.choices[0].message.model_extra or {}
+    assert extra["reasoning_details"][0]["text"] == "a"
+    assert '"text":"a"' in held.model_dump_json()  # nothing unserialisable crept in
+    assert first["choices"][0]["delta"]["audio"] == {"id": "a1", "text": "x"}
+    final = acc.result().choices[0].message.model_extra or {}
+    assert final["reasoning_details"][0]["text"] == "abc"
+    assert final["audio"] == {"id": "a1", "text": "xbc"}
+
+
+def test_many_indexed_items_are_each_found_in_one_lookup() -> None:
+    """`reasoning_details` items, one event per item or all in one event, are found by index
+    through a map once the list is long, not by a scan per item."""
+    n = 2_000
+    for one_event in (False, True):
+        acc = StreamAccumulator()
+        first = [{"index": i, "type": "reasoning.text", "text": "a"} for i in range(n)]
+        if one_event:
+            acc.add_event(_event({"reasoning_details": first}))
+        else:
+            for item in first:
+                acc.add_event(_event({"reasoning_details": [item]}))
+        looked: list[int] = []
+        more = [{"index": _Index(i, looked), "text": "b"} for i in range(n)]
+        acc.add_event(_event({"reasoning_details": more}, "stop"))
+        extra = acc.result().choices[0].message.model_extra or {}
+        assert [d["text"] for d in extra["reasoning_details"]] == ["ab"] * n
+        assert len(looked) <= 4 * n, one_event  # a scan: about n * n / 2 comparisons

@@ -23,6 +23,7 @@ every pass shares), where a 1,000-event reply costs about 1 µs an event.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -62,11 +63,23 @@ class _Text:
         self.pieces = pieces
 
 
-#: Where `_Text`s were put: (dict, key) pairs, one list per accumulator.
-_Texts = list[tuple[dict[str, Any], str]]
+class _Fold:
+    """What a fold keeps beside the dicts it folds into: `StreamAccumulator` is one (a base
+    class, not an object of its own: one object fewer per streamed reply)."""
+
+    __slots__ = ("_items", "_texts")
+    _texts: list[tuple[dict[str, Any], str]]
+    """Where `_Text`s were put: (dict, key) pairs, joined by `StreamAccumulator._joined`."""
+    _items: dict[int, tuple[list[Any], dict[Any, Any]]]
+    """For an indexed list past `_SCAN_ITEMS` items (by `id`): the list itself (so that its id
+    is not reused while mapped) and its items by index (see `_merge_indexed`)."""
 
 
-def _add_text(acc: dict[str, Any], key: str, value: str, texts: _Texts) -> None:
+#: An indexed list up to this long is scanned for an item's index; a longer one is mapped.
+_SCAN_ITEMS = 8
+
+
+def _add_text(acc: dict[str, Any], key: str, value: str, fold: _Fold) -> None:
     """`acc[key] + value` when `acc[key]` is a text, else `value`: without copying the text."""
     old = acc.get(key)
     if type(old) is _Text:
@@ -74,9 +87,21 @@ def _add_text(acc: dict[str, Any], key: str, value: str, texts: _Texts) -> None:
     elif isinstance(old, str) and old:
         if value:
             acc[key] = _Text([old, value])
-            texts.append((acc, key))
+            fold._texts.append((acc, key))
     else:
         acc[key] = value
+
+
+def _own(value: Any) -> Any:
+    """`value` with every dict and list in it copied: what the fold keeps of an event never
+    aliases the event (a later merge would change the caller's event), and what a read hands
+    out never aliases the fold (a later event would change what the caller holds)."""
+    kind = type(value)
+    if kind is dict:
+        return {k: _own(v) for k, v in value.items()}
+    if kind is list:
+        return [_own(v) for v in value]
+    return value
 
 
 def _take(acc: dict[str, Any], key: str) -> Any:
@@ -91,38 +116,72 @@ def _replace(acc: dict[str, Any], key: str, value: Any) -> None:
     """Set an identity/enum field; an empty string never wipes a value already known."""
     if value == "" and acc.get(key):
         return
-    acc[key] = value
+    acc[key] = _own(value)
 
 
-def _merge_item(acc: dict[str, Any], delta: dict[str, Any], texts: _Texts) -> None:
+def _merge_item(acc: dict[str, Any], delta: dict[str, Any], fold: _Fold) -> None:
     """Merge one indexed list item: its text fields concatenate, the rest is replaced."""
     for key, value in delta.items():
         if value is None:
             acc.setdefault(key, None)
         elif key in _ITEM_TEXT_FIELDS and isinstance(value, str):
-            _add_text(acc, key, value, texts)
+            _add_text(acc, key, value, fold)
         elif key in _ITEM_TEXT_FIELDS and isinstance(value, list):
             _take(acc, key)
-            _merge_parts(acc.setdefault(key, []), value, texts)
+            _merge_parts(acc.setdefault(key, []), value, fold)
         else:
             _replace(acc, key, value)
 
 
-def _merge_indexed(acc: list[Any], items: list[Any], texts: _Texts) -> None:
-    """Merge list items by their `index`; items without one are appended."""
+def _merge_indexed(acc: list[Any], items: list[Any], fold: _Fold) -> None:
+    """Merge list items by their `index`; items without one are appended.
+
+    An item merges into the first dict of `acc` whose `index` equals its own. A short list is
+    scanned; past `_SCAN_ITEMS` the dicts are found through a map by index kept in `fold`
+    (first one per index, as the scan finds it), or a reply of many items would fold in
+    quadratic time."""
+    mapped = fold._items.get(id(acc)) if len(acc) > _SCAN_ITEMS else None
+    if mapped is not None and mapped[0] is not acc:
+        mapped = None  # pragma: no cover - the mapped list is held, so its id is not reused
     for item in items:
         if isinstance(item, dict) and isinstance(item.get("index"), int):
-            for existing in acc:
-                if isinstance(existing, dict) and existing.get("index") == item["index"]:
-                    _merge_item(existing, item, texts)
-                    break
+            index = item["index"]
+            if mapped is None and len(acc) > _SCAN_ITEMS:
+                mapped = fold._items[id(acc)] = (acc, _by_index(acc))
+            if mapped is not None:
+                existing = mapped[1].get(index)
             else:
-                acc.append(dict(item))
+                existing = None
+                for candidate in acc:
+                    if isinstance(candidate, dict) and candidate.get("index") == index:
+                        existing = candidate
+                        break
+            if existing is not None:
+                _merge_item(existing, item, fold)
+                continue
+            item = _own(item)
         else:
-            acc.append(item)
+            item = _own(item)
+        acc.append(item)
+        if mapped is not None:
+            _map_item(mapped[1], item)
 
 
-def _merge_parts(acc: list[Any], parts: list[Any], texts: _Texts) -> None:
+def _by_index(items: list[Any]) -> dict[Any, Any]:
+    """The dicts of `items` by their `index` (the first of each index)."""
+    by_index: dict[Any, Any] = {}
+    for item in items:
+        _map_item(by_index, item)
+    return by_index
+
+
+def _map_item(by_index: dict[Any, Any], item: Any) -> None:
+    if isinstance(item, dict):
+        with contextlib.suppress(TypeError):  # an unhashable index equals no int index
+            by_index.setdefault(item.get("index"), item)
+
+
+def _merge_parts(acc: list[Any], parts: list[Any], fold: _Fold) -> None:
     """Merge content parts: a part of the same type as the last one continues it."""
     for part in parts:
         last = acc[-1] if acc else None
@@ -132,20 +191,20 @@ def _merge_parts(acc: list[Any], parts: list[Any], texts: _Texts) -> None:
             and part.get("type") == last.get("type")
             and "index" not in part
         ):
-            _merge_item(last, part, texts)
+            _merge_item(last, part, fold)
         elif isinstance(part, dict):
-            acc.append({k: (list(v) if isinstance(v, list) else v) for k, v in part.items()})
+            acc.append(_own(part))
         else:
             acc.append(part)
 
 
-def _merge_content(message: dict[str, Any], value: str | list[Any], texts: _Texts) -> None:
+def _merge_content(message: dict[str, Any], value: str | list[Any], fold: _Fold) -> None:
     if isinstance(value, str):
         old = message.get("content")
         if isinstance(old, list):
-            _merge_parts(old, [{"type": "text", "text": value}] if value else [], texts)
+            _merge_parts(old, [{"type": "text", "text": value}] if value else [], fold)
         elif old:
-            _add_text(message, "content", value, texts)
+            _add_text(message, "content", value, fold)
         else:  # the first piece (or the whole text), as most replies send it
             message["content"] = value
         return
@@ -154,10 +213,10 @@ def _merge_content(message: dict[str, Any], value: str | list[Any], texts: _Text
         # Text streamed before the first parts list becomes a leading text part.
         old = [{"type": "text", "text": old}] if old else []
         message["content"] = old
-    _merge_parts(old, value, texts)
+    _merge_parts(old, value, fold)
 
 
-def _merge_message(message: dict[str, Any], delta: dict[str, Any], texts: _Texts) -> None:
+def _merge_message(message: dict[str, Any], delta: dict[str, Any], fold: _Fold) -> None:
     for key, value in delta.items():
         if value is None or key == "tool_calls":
             continue  # an absent field; tool calls are merged by `_merge_calls`
@@ -165,18 +224,18 @@ def _merge_message(message: dict[str, Any], delta: dict[str, Any], texts: _Texts
             if value or not message.get("role"):
                 message["role"] = value
         elif key == "content" and isinstance(value, (str, list)):
-            _merge_content(message, value, texts)
+            _merge_content(message, value, fold)
         elif key in MESSAGE_TEXT_FIELDS and isinstance(value, str):
-            _add_text(message, key, value, texts)
+            _add_text(message, key, value, fold)
         elif isinstance(value, list):
             old = _take(message, key)
             if isinstance(old, list):
-                _merge_indexed(old, value, texts)
+                _merge_indexed(old, value, fold)
             else:
                 message[key] = []
-                _merge_indexed(message[key], value, texts)
+                _merge_indexed(message[key], value, fold)
         elif isinstance(value, dict) and isinstance(message.get(key), dict):
-            _merge_item(message[key], value, texts)
+            _merge_item(message[key], value, fold)
         else:
             _replace(message, key, value)
 
@@ -201,18 +260,18 @@ class _Calls(list[dict[str, Any]]):
 
     __slots__ = ("at", "highest")
     at: dict[int, dict[str, Any]]
-    highest: int  # the highest index of a call so far
+    highest: int | None  # the highest index of a call so far (indexes may be negative)
 
 
 def _new_calls() -> _Calls:
     # No `__init__` of its own: one Python frame fewer per choice of every streamed reply.
     calls = _Calls()
     calls.at = {}
-    calls.highest = -1
+    calls.highest = None
     return calls
 
 
-def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], texts: _Texts) -> None:
+def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], fold: _Fold) -> None:
     """Fold tool-call deltas in; a delta without `index` gets the one it belongs to (in place)."""
     for delta in deltas:
         index = delta.get("index")
@@ -226,14 +285,14 @@ def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], texts: _Texts) -> 
         current = calls.at.get(index)
         if current is not None and call_id and current.get("id") and call_id != current["id"]:
             # The same index with another id: a server numbering every call 0. A new call.
-            index = calls.highest + 1
+            index = (calls.highest if calls.highest is not None else index) + 1
             current = None
         delta["index"] = index  # callbacks see the call each piece belongs to
         if current is None:
             current = {"index": index, "function": {"name": "", "arguments": ""}}
             calls.append(current)
             calls.at[index] = current
-            if index > calls.highest:
+            if calls.highest is None or index > calls.highest:
                 calls.highest = index
         if call_id:
             current["id"] = call_id
@@ -247,7 +306,7 @@ def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], texts: _Texts) -> 
                 if key == "arguments":
                     if value:
                         if function["arguments"]:
-                            _add_text(function, "arguments", value, texts)
+                            _add_text(function, "arguments", value, fold)
                         else:  # the usual first piece, or the arguments whole
                             function["arguments"] = value
                 elif key == "name":
@@ -260,14 +319,15 @@ def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], texts: _Texts) -> 
                 _replace(current, key, value)
 
 
-class StreamAccumulator:
+class StreamAccumulator(_Fold):
     """Collects `ChatCompletionChunk`s; `result()` gives the equivalent `ChatCompletion`."""
 
-    __slots__ = ("_calls", "_choices", "_finish", "_texts", "_top", "chunks")
+    __slots__ = ("_calls", "_choices", "_finish", "_top", "chunks")
 
     def __init__(self) -> None:
         self._top: dict[str, Any] = {}
-        self._texts: _Texts = []  # where streamed texts are kept as pieces (`_joined`)
+        self._texts = []  # texts kept as pieces (`_joined`)
+        self._items = {}  # long indexed lists' item maps
         self._choices: dict[int, dict[str, Any]] = {}
         self._calls: dict[int, _Calls] = {}
         self._finish: dict[int, str | None] = {}
@@ -330,10 +390,10 @@ class StreamAccumulator:
                 self._finish[index] = None
             delta = get("delta")
             if delta:
-                _merge_message(message, delta, self._texts)
+                _merge_message(message, delta, self)
                 calls = delta.get("tool_calls")
                 if calls:
-                    _merge_calls(self._calls[index], calls, self._texts)
+                    _merge_calls(self._calls[index], calls, self)
             reason = get("finish_reason")
             if reason is not None:
                 self._finish[index] = reason
@@ -345,10 +405,10 @@ class StreamAccumulator:
             self._calls[index] = _new_calls()
             self._finish[index] = None
         if delta:
-            _merge_message(message, delta, self._texts)
+            _merge_message(message, delta, self)
             calls = delta.get("tool_calls")
             if calls:
-                _merge_calls(self._calls[index], calls, self._texts)
+                _merge_calls(self._calls[index], calls, self)
         if reason is not None:
             self._finish[index] = reason
 
@@ -401,7 +461,7 @@ class StreamAccumulator:
         if len(message) > 2:  # provider fields such as reasoning_content, kept as sent
             for key, value in message.items():
                 if key != "role" and key != "content" and value is not None:
-                    payload[key] = value
+                    payload[key] = _own(value)
         top = self._top
         usage = top.get("usage")
         if usage is not None and type(usage) is not dict:
@@ -428,7 +488,7 @@ class StreamAccumulator:
             self._joined()
         choices = []
         for index in sorted(self._choices):
-            message = dict(self._choices[index])
+            message = _own(self._choices[index])
             calls = self._calls[index]
             if calls:
                 ordered = sorted(calls, key=lambda c: c["index"])
