@@ -15,7 +15,7 @@ Pure: no I/O, never raises on unknown fields (they are kept).
 
 Linear in the reply's length: a text field that grows piece by piece (`content`, a tool call's
 `arguments`, `reasoning_content`, an item's `text`) keeps its pieces while the stream goes on
-(`_Text`) and is joined once, when the fold is read (`result`, `plain_turn`). Adding each piece
+(`Text`) and is joined once, when the fold is read (`result`, `plain_turn`). Adding each piece
 to a `str` held in a dict copied everything before it: a reply of 50,000 text events cost 10 µs
 an event to fold, one of 200,000 events 87 µs an event (17 s for the reply, on the event loop
 every pass shares), where a 1,000-event reply costs about 1 µs an event.
@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from treadle.errors import MalformedResponse
+from treadle.llm.fold_pieces import SCAN_ITEMS, Fold, Text, add_text, own, take
 from treadle.llm.wire import ChatCompletion, ChatCompletionChunk
 
 __all__ = ["MESSAGE_TEXT_FIELDS", "StreamAccumulator"]
@@ -49,104 +50,41 @@ MESSAGE_TEXT_FIELDS = frozenset(
 _ITEM_TEXT_FIELDS = frozenset({"text", "summary", "thinking"})
 
 
-class _Text:
-    """A text field while its stream goes on: its pieces, joined once when the fold is read.
-
-    Only made for a second non-empty piece (most fields arrive whole, in one piece), and only
-    ever held in the dicts being folded: `StreamAccumulator._joined` replaces each by its `str`
-    before anything reads them, and a merge that reads the field's value (not to add text to
-    it) joins it first (`_take`). Truthy, as the non-empty text it stands for."""
-
-    __slots__ = ("pieces",)
-
-    def __init__(self, pieces: list[str]) -> None:
-        self.pieces = pieces
-
-
-class _Fold:
-    """What a fold keeps beside the dicts it folds into: `StreamAccumulator` is one (a base
-    class, not an object of its own: one object fewer per streamed reply)."""
-
-    __slots__ = ("_items", "_texts")
-    _texts: list[tuple[dict[str, Any], str]]
-    """Where `_Text`s were put: (dict, key) pairs, joined by `StreamAccumulator._joined`."""
-    _items: dict[int, tuple[list[Any], dict[Any, Any]]]
-    """For an indexed list past `_SCAN_ITEMS` items (by `id`): the list itself (so that its id
-    is not reused while mapped) and its items by index (see `_merge_indexed`)."""
-
-
-#: An indexed list up to this long is scanned for an item's index; a longer one is mapped.
-_SCAN_ITEMS = 8
-
-
-def _add_text(acc: dict[str, Any], key: str, value: str, fold: _Fold) -> None:
-    """`acc[key] + value` when `acc[key]` is a text, else `value`: without copying the text."""
-    old = acc.get(key)
-    if type(old) is _Text:
-        old.pieces.append(value)
-    elif isinstance(old, str) and old:
-        if value:
-            acc[key] = _Text([old, value])
-            fold._texts.append((acc, key))
-    else:
-        acc[key] = value
-
-
-def _own(value: Any) -> Any:
-    """`value` with every dict and list in it copied: what the fold keeps of an event never
-    aliases the event (a later merge would change the caller's event), and what a read hands
-    out never aliases the fold (a later event would change what the caller holds)."""
-    kind = type(value)
-    if kind is dict:
-        return {k: _own(v) for k, v in value.items()}
-    if kind is list:
-        return [_own(v) for v in value]
-    return value
-
-
-def _take(acc: dict[str, Any], key: str) -> Any:
-    """`acc.get(key)`, a streamed text joined (and kept joined) first."""
-    value = acc.get(key)
-    if type(value) is _Text:
-        value = acc[key] = "".join(value.pieces)
-    return value
-
-
 def _replace(acc: dict[str, Any], key: str, value: Any) -> None:
     """Set an identity/enum field; an empty string never wipes a value already known."""
     if value == "" and acc.get(key):
         return
-    acc[key] = _own(value)
+    acc[key] = own(value)
 
 
-def _merge_item(acc: dict[str, Any], delta: dict[str, Any], fold: _Fold) -> None:
+def _merge_item(acc: dict[str, Any], delta: dict[str, Any], fold: Fold) -> None:
     """Merge one indexed list item: its text fields concatenate, the rest is replaced."""
     for key, value in delta.items():
         if value is None:
             acc.setdefault(key, None)
         elif key in _ITEM_TEXT_FIELDS and isinstance(value, str):
-            _add_text(acc, key, value, fold)
+            add_text(acc, key, value, fold)
         elif key in _ITEM_TEXT_FIELDS and isinstance(value, list):
-            _take(acc, key)
+            take(acc, key)
             _merge_parts(acc.setdefault(key, []), value, fold)
         else:
             _replace(acc, key, value)
 
 
-def _merge_indexed(acc: list[Any], items: list[Any], fold: _Fold) -> None:
+def _merge_indexed(acc: list[Any], items: list[Any], fold: Fold) -> None:
     """Merge list items by their `index`; items without one are appended.
 
     An item merges into the first dict of `acc` whose `index` equals its own. A short list is
-    scanned; past `_SCAN_ITEMS` the dicts are found through a map by index kept in `fold`
+    scanned; past `SCAN_ITEMS` the dicts are found through a map by index kept in `fold`
     (first one per index, as the scan finds it), or a reply of many items would fold in
     quadratic time."""
-    mapped = fold._items.get(id(acc)) if len(acc) > _SCAN_ITEMS else None
+    mapped = fold._items.get(id(acc)) if len(acc) > SCAN_ITEMS else None
     if mapped is not None and mapped[0] is not acc:
         mapped = None  # pragma: no cover - the mapped list is held, so its id is not reused
     for item in items:
         if isinstance(item, dict) and isinstance(item.get("index"), int):
             index = item["index"]
-            if mapped is None and len(acc) > _SCAN_ITEMS:
+            if mapped is None and len(acc) > SCAN_ITEMS:
                 mapped = fold._items[id(acc)] = (acc, _by_index(acc))
             if mapped is not None:
                 existing = mapped[1].get(index)
@@ -159,9 +97,9 @@ def _merge_indexed(acc: list[Any], items: list[Any], fold: _Fold) -> None:
             if existing is not None:
                 _merge_item(existing, item, fold)
                 continue
-            item = _own(item)
+            item = own(item)
         else:
-            item = _own(item)
+            item = own(item)
         acc.append(item)
         if mapped is not None:
             _map_item(mapped[1], item)
@@ -181,7 +119,7 @@ def _map_item(by_index: dict[Any, Any], item: Any) -> None:
             by_index.setdefault(item.get("index"), item)
 
 
-def _merge_parts(acc: list[Any], parts: list[Any], fold: _Fold) -> None:
+def _merge_parts(acc: list[Any], parts: list[Any], fold: Fold) -> None:
     """Merge content parts: a part of the same type as the last one continues it."""
     for part in parts:
         last = acc[-1] if acc else None
@@ -193,22 +131,22 @@ def _merge_parts(acc: list[Any], parts: list[Any], fold: _Fold) -> None:
         ):
             _merge_item(last, part, fold)
         elif isinstance(part, dict):
-            acc.append(_own(part))
+            acc.append(own(part))
         else:
             acc.append(part)
 
 
-def _merge_content(message: dict[str, Any], value: str | list[Any], fold: _Fold) -> None:
+def _merge_content(message: dict[str, Any], value: str | list[Any], fold: Fold) -> None:
     if isinstance(value, str):
         old = message.get("content")
         if isinstance(old, list):
             _merge_parts(old, [{"type": "text", "text": value}] if value else [], fold)
         elif old:
-            _add_text(message, "content", value, fold)
+            add_text(message, "content", value, fold)
         else:  # the first piece (or the whole text), as most replies send it
             message["content"] = value
         return
-    old = _take(message, "content")
+    old = take(message, "content")
     if not isinstance(old, list):
         # Text streamed before the first parts list becomes a leading text part.
         old = [{"type": "text", "text": old}] if old else []
@@ -216,7 +154,7 @@ def _merge_content(message: dict[str, Any], value: str | list[Any], fold: _Fold)
     _merge_parts(old, value, fold)
 
 
-def _merge_message(message: dict[str, Any], delta: dict[str, Any], fold: _Fold) -> None:
+def _merge_message(message: dict[str, Any], delta: dict[str, Any], fold: Fold) -> None:
     for key, value in delta.items():
         if value is None or key == "tool_calls":
             continue  # an absent field; tool calls are merged by `_merge_calls`
@@ -226,9 +164,9 @@ def _merge_message(message: dict[str, Any], delta: dict[str, Any], fold: _Fold) 
         elif key == "content" and isinstance(value, (str, list)):
             _merge_content(message, value, fold)
         elif key in MESSAGE_TEXT_FIELDS and isinstance(value, str):
-            _add_text(message, key, value, fold)
+            add_text(message, key, value, fold)
         elif isinstance(value, list):
-            old = _take(message, key)
+            old = take(message, key)
             if isinstance(old, list):
                 _merge_indexed(old, value, fold)
             else:
@@ -271,7 +209,7 @@ def _new_calls() -> _Calls:
     return calls
 
 
-def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], fold: _Fold) -> None:
+def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], fold: Fold) -> None:
     """Fold tool-call deltas in; a delta without `index` gets the one it belongs to (in place)."""
     for delta in deltas:
         index = delta.get("index")
@@ -306,7 +244,7 @@ def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], fold: _Fold) -> No
                 if key == "arguments":
                     if value:
                         if function["arguments"]:
-                            _add_text(function, "arguments", value, fold)
+                            add_text(function, "arguments", value, fold)
                         else:  # the usual first piece, or the arguments whole
                             function["arguments"] = value
                 elif key == "name":
@@ -319,7 +257,7 @@ def _merge_calls(calls: _Calls, deltas: list[dict[str, Any]], fold: _Fold) -> No
                 _replace(current, key, value)
 
 
-class StreamAccumulator(_Fold):
+class StreamAccumulator(Fold):
     """Collects `ChatCompletionChunk`s; `result()` gives the equivalent `ChatCompletion`."""
 
     __slots__ = ("_calls", "_choices", "_finish", "_top", "chunks")
@@ -461,7 +399,7 @@ class StreamAccumulator(_Fold):
         if len(message) > 2:  # provider fields such as reasoning_content, kept as sent
             for key, value in message.items():
                 if key != "role" and key != "content" and value is not None:
-                    payload[key] = _own(value)
+                    payload[key] = own(value)
         top = self._top
         usage = top.get("usage")
         if usage is not None and type(usage) is not dict:
@@ -472,7 +410,7 @@ class StreamAccumulator(_Fold):
         """Every text kept as pieces joined into its `str` (the fold can go on after it)."""
         for container, key in self._texts:
             value = container.get(key)
-            if type(value) is _Text:
+            if type(value) is Text:
                 container[key] = "".join(value.pieces)
         self._texts = []
 
@@ -488,7 +426,7 @@ class StreamAccumulator(_Fold):
             self._joined()
         choices = []
         for index in sorted(self._choices):
-            message = _own(self._choices[index])
+            message = own(self._choices[index])
             calls = self._calls[index]
             if calls:
                 ordered = sorted(calls, key=lambda c: c["index"])
