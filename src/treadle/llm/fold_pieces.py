@@ -34,7 +34,7 @@ class Fold:
     """Where `Text`s were put: (dict, key) pairs, joined by `StreamAccumulator._joined`."""
     _items: dict[int, tuple[list[Any], dict[Any, Any]]]
     """For an indexed list past `SCAN_ITEMS` items (by `id`): the list itself (so that its id
-    is not reused while mapped) and its items by index (see `_merge_indexed` in `llm/accumulate.py`)."""
+    is not reused while mapped) and its items by index (`_merge_indexed`, `llm/accumulate.py`)."""
 
 
 #: An indexed list up to this long is scanned for an item's index; a longer one is mapped.
