@@ -256,6 +256,31 @@ class CommitHoldingProxy:
                 s.close()
 
 
+def _through_proxy(
+    pg: Cluster, url: str, *, release_on_cancel: bool = True
+) -> tuple[CommitHoldingProxy, Store]:
+    """A store reaching the database of `url` through a proxy that can hold COMMIT replies."""
+    proxy = CommitHoldingProxy(f"{pg.dir}/.s.PGSQL.{pg.port}", release_on_cancel=release_on_cancel)
+    database = url.split("@/", 1)[1].split("?")[0]
+    return proxy, Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
+
+
+def _append_on_a_thread(store: Store) -> tuple[threading.Thread, list[object]]:
+    """`store.aappend("k", more)` on a loop of its own thread; its result or error lands in the
+    list once the thread ends."""
+    outcome: list[object] = []
+
+    async def append() -> None:
+        try:
+            outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
+        except BaseException as err:  # read by the test
+            outcome.append(err)
+
+    thread = threading.Thread(target=asyncio.run, args=(append(),))
+    thread.start()
+    return thread, outcome
+
+
 @pytest.mark.parametrize("pools", ["own pool", "runtime pool"])
 def test_a_write_whose_commit_the_server_made_as_the_grace_ended_is_reported_landed(
     pg: Cluster, monkeypatch: pytest.MonkeyPatch, pools: str
@@ -267,22 +292,12 @@ def test_a_write_whose_commit_the_server_made_as_the_grace_ended_is_reported_lan
     # server answers (here: committed).
     monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0 if pools == "own pool" else 10**9)
     url = pg.new_database()
-    proxy = CommitHoldingProxy(f"{pg.dir}/.s.PGSQL.{pg.port}")
-    database = url.split("@/", 1)[1].split("?")[0]
-    store = Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
-    outcome: list[object] = []
-
-    async def append() -> None:
-        try:
-            outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
-        except BaseException as err:  # read by the test
-            outcome.append(err)
+    proxy, store = _through_proxy(pg, url)
 
     try:
         store.append("k", [ChunkRow.user("hi")])
         proxy.armed.set()
-        thread = threading.Thread(target=asyncio.run, args=(append(),))
-        thread.start()
+        thread, outcome = _append_on_a_thread(store)
         assert proxy.holding.wait(GUARD)  # committed on the server, unheard by the store
         store.close(grace=0.0)
         thread.join(GUARD)
@@ -305,22 +320,12 @@ def test_a_write_whose_server_never_answers_the_close_is_given_up_as_unknown(
     monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
     monkeypatch.setattr(postgres_loops, "CANCEL_SECONDS", 0.2)
     url = pg.new_database()
-    proxy = CommitHoldingProxy(f"{pg.dir}/.s.PGSQL.{pg.port}", release_on_cancel=False)
-    database = url.split("@/", 1)[1].split("?")[0]
-    store = Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
-    outcome: list[object] = []
-
-    async def append() -> None:
-        try:
-            outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
-        except BaseException as err:  # read by the test
-            outcome.append(err)
+    proxy, store = _through_proxy(pg, url, release_on_cancel=False)
 
     try:
         store.append("k", [ChunkRow.user("hi")])
         proxy.armed.set()
-        thread = threading.Thread(target=asyncio.run, args=(append(),))
-        thread.start()
+        thread, outcome = _append_on_a_thread(store)
         assert proxy.holding.wait(GUARD)
         store.close(grace=0.0)
         proxy.released.set()
