@@ -142,13 +142,15 @@ def test_closing_waits_within_grace_for_a_write_running_on_the_runtimes_pool(
         held.end()
 
 
-def test_a_write_on_the_runtimes_pool_still_running_past_the_grace_never_lands_later(
-    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("pools", ["runtime pool", "own pool"])
+def test_a_write_still_running_past_the_grace_fails_typed_and_never_lands_later(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch, pools: str
 ) -> None:
-    # Past the grace the close cancels what still runs, as a loop's own pool does: the append,
-    # stuck on the lock, fails with a typed error and nothing of it is written, then or after
-    # the close has returned (before the fix it went on and landed once the lock was let go).
-    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
+    # Past the grace the close cancels what still runs: the append, stuck on the lock, fails
+    # with a typed error and nothing of it is written, then or after the close has returned.
+    # On the runtime's pool it went on before the fix and landed once the lock was let go; a
+    # loop's own pool did this already (the runtime's now matches it).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9 if pools == "runtime pool" else 0)
     held = Held(pg, HOLD_WRITE)
     try:
         held.store.close(grace=0.0)
@@ -157,23 +159,6 @@ def test_a_write_on_the_runtimes_pool_still_running_past_the_grace_never_lands_l
         (outcome,) = held.outcome
         assert isinstance(outcome, StoreError), outcome
         assert "event loop has stopped" not in str(outcome)
-        assert held.rows() == ["hi"]
-    finally:
-        held.end()
-
-
-def test_a_loops_own_pool_write_past_the_grace_fails_typed_with_nothing_written(
-    pg: Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The same close on a loop's own pool (already so before: the runtime's now matches it).
-    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
-    held = Held(pg, HOLD_WRITE)
-    try:
-        held.store.close(grace=0.0)
-        held.thread.join(GUARD)  # ended by the close, the lock still held
-        held.release()
-        (outcome,) = held.outcome
-        assert isinstance(outcome, StoreError), outcome
         assert held.rows() == ["hi"]
     finally:
         held.end()
