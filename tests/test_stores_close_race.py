@@ -16,13 +16,15 @@ import contextlib
 import json
 import socket
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pg_cluster import Cluster
-from treadle.errors import StoreError
-from treadle.session import ChunkRow
+from treadle.errors import StoreError, WriteOutcomeUnknown
+from treadle.session import ChunkRow, Usage
 from treadle.stores import Store, postgres_loops
 
 #: A hang guard (generous, for a loaded machine), never a time assertion.
@@ -196,6 +198,7 @@ class CommitHoldingProxy:
     def __init__(self, socket_path: str, *, release_on_cancel: bool = True) -> None:
         self._path = socket_path
         self._release_on_cancel = release_on_cancel
+        self.answer = _COMMIT_DONE  # the answer held (a COMMIT's, by default)
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.armed = threading.Event()
@@ -224,12 +227,12 @@ class CommitHoldingProxy:
         tail = b""
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
-                if answers and self.armed.is_set() and _COMMIT_DONE in tail + data:
+                if answers and self.armed.is_set() and self.answer in tail + data:
                     self.armed.clear()
                     self.holding.set()
                     self.released.wait(GUARD)
                 dst.sendall(data)
-                tail = data[-len(_COMMIT_DONE) :]
+                tail = data[-len(self.answer) :]
         for end in (src, dst):
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
@@ -250,13 +253,18 @@ def _through_proxy(
     return proxy, Store.postgres(f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}")
 
 
-def _append_on_a_thread(store: Store) -> tuple[threading.Thread, list[object]]:
-    """`store.aappend("k", more)` on a loop of its own thread; its result or error lands in the
-    list once the thread ends."""
+def _append_on_a_thread(
+    store: Store, write: Callable[[], Awaitable[object]] | None = None
+) -> tuple[threading.Thread, list[object]]:
+    """`store.aappend("k", more)` (or `write()`) on a loop of its own thread; its result or
+    error lands in the list once the thread ends."""
     outcome: list[object] = []
 
     async def append() -> None:
         try:
+            if write is not None:
+                outcome.append(await write())
+                return
             outcome.append(await store.aappend("k", [ChunkRow.user("more")]))
         except BaseException as err:  # read by the test
             outcome.append(err)
@@ -321,5 +329,90 @@ def test_a_write_whose_server_never_answers_the_close_is_given_up_as_unknown(
         with Store.postgres(url) as check:
             assert [r.payload["content"] for r in check.conversation("k").rows] == ["hi", "more"]
     finally:
+        proxy.close()
+        store.close()
+
+
+#: The server's answer to a pass's commit (one autocommit statement: `SELECT treadle_commit`).
+_SELECTED_ONE = b"C\x00\x00\x00\x0dSELECT 1\x00"
+
+
+async def _commit_more(store: Store) -> int:
+    backend: Any = store.backend
+    version: int = await backend.commit(
+        "p1", "k", 1, [ChunkRow.user("more")], usage=Usage(), stop_reason="stop", metadata={},
+        agent_rows=[],
+    )  # fmt: skip
+    return version
+
+
+@pytest.mark.parametrize("write", ["append", "pass commit"])
+@pytest.mark.parametrize("pools", ["own pool", "runtime pool"])
+def test_a_write_whose_connection_is_lost_after_its_commit_was_sent_is_reported_unknown(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch, pools: str, write: str
+) -> None:
+    # The server committed the write; the link drops before its answer reaches the store (a
+    # network failure, the server killed just then). The store cannot know the outcome: it
+    # says so with a typed error (a caller retrying on a plain failure writes the turn twice).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0 if pools == "own pool" else 10**9)
+    url = pg.new_database()
+    proxy, store = _through_proxy(pg, url, release_on_cancel=False)
+    if write == "pass commit":  # its statement is its commit (autocommit)
+        proxy.answer = _SELECTED_ONE
+
+    try:
+        store.append("k", [ChunkRow.user("hi")])
+        proxy.armed.set()
+        if write == "append":
+            thread, outcome = _append_on_a_thread(store)
+        else:
+            thread, outcome = _append_on_a_thread(store, lambda: _commit_more(store))
+        assert proxy.holding.wait(GUARD)  # committed on the server, unheard by the store
+        for sock in proxy._sockets[1:]:  # the link drops (the listener stays)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        proxy.released.set()
+        thread.join(GUARD)
+        (error,) = outcome
+        assert isinstance(error, WriteOutcomeUnknown), repr(error)
+        assert "may have committed" in str(error)
+        with Store.postgres(url) as check:
+            assert [r.payload["content"] for r in check.conversation("k").rows] == ["hi", "more"]
+    finally:
+        proxy.close()
+        store.close()
+
+
+def test_a_write_whose_connection_is_lost_before_its_commit_was_sent_is_a_plain_failure(
+    pg: Cluster,
+) -> None:
+    # The link drops while the append waits for the conversation's lock (its COMMIT not sent):
+    # the server rolls it back, and the store says it failed (not that it may have landed).
+    url = pg.new_database()
+    proxy, store = _through_proxy(pg, url)
+    held = Held.__new__(Held)  # only its lock-waiter count, on an admin connection
+    import psycopg
+
+    held.admin = psycopg.connect(url, autocommit=True)
+    blocker = psycopg.connect(url, autocommit=True)
+    try:
+        store.append("k", [ChunkRow.user("hi")])
+        blocker.execute("BEGIN")
+        blocker.execute(HOLD_WRITE)
+        thread, outcome = _append_on_a_thread(store)
+        while not held._lock_waiters():
+            threading.Event().wait(0.01)
+        for sock in proxy._sockets[1:]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        thread.join(GUARD)
+        blocker.execute("ROLLBACK")
+        (error,) = outcome
+        assert isinstance(error, StoreError), repr(error)
+        assert not isinstance(error, WriteOutcomeUnknown), repr(error)
+        assert held.rows() == ["hi"]
+    finally:
+        blocker.close()
+        held.admin.close()
         proxy.close()
         store.close()

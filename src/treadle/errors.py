@@ -34,7 +34,8 @@ TreadleError
 │   ├── EvalLogDamagedError                   an eval log line is not a valid record (file:line)
 │   ├── EvalLogBusyError                      another run holds the eval log's lock
 │   └── StoreError                            a conversation store failed (lost, damaged)
-│       └── ConflictError                     another writer moved the conversation first
+│       ├── ConflictError                     another writer moved the conversation first
+│       └── WriteOutcomeUnknown               a write's connection ended after its commit was sent
 ├── StructuredOutputError                     no valid structured output within `output_retries`
 ├── ModelRefusalError                         the model refused to answer (never retried)
 ├── HookError                                 a lifecycle hook raised or ran over its timeout
@@ -96,6 +97,7 @@ __all__ = [
     "ToolTimeoutError",
     "TreadleError",
     "WorkerLost",
+    "WriteOutcomeUnknown",
 ]
 
 
@@ -352,6 +354,15 @@ class ConflictError(StoreError):
         self.expected = expected
         self.actual = actual
         self.rows = rows
+
+
+class WriteOutcomeUnknown(StoreError):
+    """A write whose outcome the store cannot know: its connection ended (or the server never
+    answered a close's request to cancel it) after its commit was sent, so the server may have
+    committed it or not. Read the conversation before writing the turn again (a retry on a
+    write that landed writes it twice); a failure before the commit was sent is a plain
+    `StoreError` (nothing was written).
+    """
 
 
 class StructuredOutputError(TreadleError):

@@ -192,7 +192,7 @@ class Batcher(Generic[A, R]):
         why = (self._why_running if running else None) or self._why
         if why is None:
             return _stopped()
-        return StoreError(str(why))
+        return type(why)(str(why))  # its type too (`WriteOutcomeUnknown` says what it is)
 
 
 def _stopped() -> StoreError:

@@ -28,6 +28,7 @@ from treadle.stores.pass_records import (
 from treadle.stores.postgres_batch import commit_call, commit_many, commit_task, load_many
 from treadle.stores.postgres_loops import LoopPool, PoolRefused
 from treadle.stores.postgres_open import DB_NOW
+from treadle.stores.postgres_outcome import committing
 from treadle.stores.postgres_passes import PostgresPasses
 from treadle.stores.postgres_retention import PRUNE_CHUNK, delete_conversations, prune_orphans
 from treadle.stores.postgres_rows import write_rows
@@ -229,7 +230,7 @@ class PostgresBackend(PostgresPasses):
         encoded = await encode_rows(rows)  # a large import is encoded off the loop
 
         async def do(conn: AsyncConnection[Any]) -> int:
-            async with conn.transaction():
+            async with committing(conn):
                 found = await self._lock(conn, key)
                 if new and found is not None:
                     raise exists_error(key, found)
@@ -295,7 +296,7 @@ class PostgresBackend(PostgresPasses):
         """Copy `key` up to `version` to `new_key` (which must be new)."""
 
         async def do(conn: AsyncConnection[Any]) -> int:
-            async with conn.transaction():
+            async with committing(conn):
                 at = fork_point(key, await self._lock(conn, key), version)
                 if await self._lock(conn, new_key) is not None:
                     raise ConflictError(
@@ -324,7 +325,7 @@ class PostgresBackend(PostgresPasses):
         records of passes that never committed); True when the key held anything."""
 
         async def do(conn: AsyncConnection[Any]) -> bool:
-            async with conn.transaction():
+            async with committing(conn):
                 gone = await delete_conversations(conn, [key], None)
             self._cache.drop(key)
             return bool(gone)
@@ -349,7 +350,7 @@ class PostgresBackend(PostgresPasses):
             candidates = [str(k) for (k,) in await cur.fetchall()]
             gone = 0
             for at in range(0, len(candidates), PRUNE_CHUNK):
-                async with conn.transaction():
+                async with committing(conn):
                     keys = await delete_conversations(
                         conn, candidates[at : at + PRUNE_CHUNK], before
                     )

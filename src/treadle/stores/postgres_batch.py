@@ -38,6 +38,7 @@ import pydantic_core
 from treadle.errors import StoreError
 from treadle.session import ChunkRow, Usage
 from treadle.stores.batching import off_loop
+from treadle.stores.postgres_outcome import commit_statement
 from treadle.stores.records import (
     KEPT_METADATA,
     RowCache,
@@ -310,7 +311,7 @@ async def _commit_group(
             results[i] = await _commit_alone(conn, calls[i], chars[i])
         return
     try:
-        cur = await conn.execute(_COMMIT_MANY, (param,))
+        cur = await commit_statement(conn, _COMMIT_MANY, (param,))
         for i, version in await cur.fetchall():
             results[int(i)] = int(version)
         return
@@ -425,7 +426,7 @@ async def _commit_alone(
 
 
 async def _commit_one(conn: AsyncConnection[Any], call: tuple[Any, ...]) -> int:
-    cur = await conn.execute(COMMIT_CALL, call)
+    cur = await commit_statement(conn, COMMIT_CALL, call)
     return int(((await cur.fetchone()) or (-1,))[0])
 
 

@@ -20,7 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from treadle.errors import ConfigurationError, StoreError
+from treadle.errors import ConfigurationError, StoreError, WriteOutcomeUnknown
 from treadle.runtime import get_runtime
 from treadle.stores import postgres_loops
 from treadle.stores.batching import Batcher
@@ -206,7 +206,7 @@ class PostgresHome:
             # No caller cancels this task (it is shielded from them, or the hop's own): the
             # close did, the server not answering (or the runtime stops): a typed error.
             if self._closed:
-                raise StoreError(str(postgres_loops.WRITE_GIVEN_UP)) from None
+                raise WriteOutcomeUnknown(str(postgres_loops.WRITE_GIVEN_UP)) from None
             raise
         finally:
             self._running.discard(task)

@@ -41,7 +41,7 @@ from collections.abc import (
 )  # fmt: skip
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from treadle.errors import ConfigurationError, StoreError
+from treadle.errors import ConfigurationError, StoreError, WriteOutcomeUnknown
 from treadle.session import ChunkRow, Usage
 from treadle.stores.batching import Batcher
 from treadle.stores.postgres_open import alive
@@ -130,7 +130,7 @@ class LoopPool:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if task.cancelled() and self.closed:  # cancelled by `close`, not by its caller
-                raise StoreError(str(WRITE_GIVEN_UP)) from None
+                raise WriteOutcomeUnknown(str(WRITE_GIVEN_UP)) from None
             raise
 
     @contextlib.asynccontextmanager
@@ -342,7 +342,7 @@ WRITE_CLOSED = StoreError(
 )
 
 #: ... and one the server did not answer for (see `stop_writes`): its outcome is unknown.
-WRITE_GIVEN_UP = StoreError(
+WRITE_GIVEN_UP = WriteOutcomeUnknown(
     "the store was closed and this write, not ended within the close's grace, was given up: the"
     " server did not answer the request to cancel it, so it may have committed or not."
 )

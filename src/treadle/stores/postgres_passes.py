@@ -22,6 +22,7 @@ from treadle.stores.pass_records import (
 )
 from treadle.stores.postgres_home import PostgresHome
 from treadle.stores.postgres_open import DB_NOW
+from treadle.stores.postgres_outcome import commit_statement, committing
 from treadle.stores.records import (
     RESUMABLE,
     PassRecord,
@@ -59,7 +60,7 @@ class PostgresPasses(PostgresHome):
         agents = encode_json([r.to_message() for r in agent_rows])
 
         async def do(conn: AsyncConnection[Any]) -> None:
-            async with conn.transaction():
+            async with committing(conn):
                 # The owner's lease runs on the server's clock (`DB_NOW`): every machine
                 # judges it the same way, whatever its own clock says.
                 cur = await conn.execute(
@@ -130,7 +131,8 @@ class PostgresPasses(PostgresHome):
         """Move a pass from status `was` to `status` (no effect from any other status)."""
 
         async def do(conn: AsyncConnection[Any]) -> None:
-            await conn.execute(
+            await commit_statement(
+                conn,
                 "UPDATE treadle_passes SET status = %s, updated_at = %s WHERE pass_id = %s"
                 " AND status = %s",
                 (status, time.time(), pass_id, was),
@@ -155,7 +157,7 @@ class PostgresPasses(PostgresHome):
         claimed_key = key
 
         async def do(conn: AsyncConnection[Any]) -> PassRecord:
-            async with conn.transaction():
+            async with committing(conn):
                 cur = await conn.execute(
                     "SELECT key, status, version, metadata, updated_at,"
                     f" {DB_NOW} FROM treadle_passes WHERE pass_id = %s FOR UPDATE",

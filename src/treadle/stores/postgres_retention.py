@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from treadle.stores.postgres_outcome import committing
+
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
@@ -77,7 +79,7 @@ async def prune_orphans(conn: AsyncConnection[Any], before: float) -> int:
     gone = 0
     for at in range(0, len(candidates), PRUNE_CHUNK):
         chunk = candidates[at : at + PRUNE_CHUNK]
-        async with conn.transaction():
+        async with committing(conn):
             for key in chunk:
                 await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
             cur = await conn.execute(_DELETE_ORPHANS, (chunk, before))
