@@ -416,3 +416,152 @@ def test_a_write_whose_connection_is_lost_before_its_commit_was_sent_is_a_plain_
         held.admin.close()
         proxy.close()
         store.close()
+
+
+def test_closing_waits_within_grace_for_a_write_running_on_another_loops_pool(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The append runs on its own loop's pool (another thread's loop) when the close begins on
+    # the main thread: the close lets it end within the grace, as on the runtime's pool, and
+    # returns after it has landed (before the fix: at once, the write still running).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
+    held = Held(pg, HOLD_WRITE)
+    seen: list[list[str]] = []
+
+    def close() -> None:
+        held.store.close(grace=GUARD)
+        seen.append(held.rows())  # what the database holds as the close returns
+
+    closing = threading.Thread(target=close)
+    try:
+        pools = list(held.store.backend._loop_pools.values())
+        assert [p.connections for p in pools] == [1]  # the append's loop's own pool
+        closing.start()
+        while closing.is_alive() and not pools[0].closed:  # its close has begun
+            threading.Event().wait(0.01)
+        held.release()
+        closing.join(GUARD)
+        held.thread.join(GUARD)
+        assert seen == [["hi", "more"]]  # landed before the close returned
+        assert held.outcome == [2]
+    finally:
+        held.end()
+
+
+def test_one_grace_bounds_the_whole_close_of_every_pool(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two writes stuck on locks past the grace: one on the closing loop's own pool, one on the
+    # runtime's. The grace is one deadline for both: the server is asked to cancel each as it
+    # ends (before the fix the runtime's pool got a whole grace more once this loop's was shut).
+    import psycopg
+
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
+    held = Held(pg, HOLD_WRITE)  # "k": its append on the runtime's pool, by the hop
+    blocker = psycopg.connect(held.url, autocommit=True)
+    held.store.append("j", [ChunkRow.user("hi")])
+    blocker.execute("BEGIN")
+    blocker.execute("SELECT pg_advisory_xact_lock(hashtextextended('j', 0))")
+    met = {"own": threading.Event(), "runtime": threading.Event()}
+    seen: dict[str, bool] = {}
+    real = postgres_loops.stop_writes
+
+    async def main() -> list[object]:
+        here = asyncio.get_running_loop()
+
+        async def stop_writes(*args: Any) -> None:
+            me = "own" if asyncio.get_running_loop() is here else "runtime"
+            met[me].set()  # past the grace here: is the other pool past it too?
+            other = met["runtime" if me == "own" else "own"]
+            seen[me] = await asyncio.to_thread(other.wait, GUARD)
+            await real(*args)
+
+        monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
+        monkeypatch.setattr(postgres_loops, "stop_writes", stop_writes)
+        outcome: list[object] = []
+
+        async def append() -> None:
+            try:
+                outcome.append(await held.store.aappend("j", [ChunkRow.user("more")]))
+            except BaseException as err:  # read below
+                outcome.append(err)
+
+        task = asyncio.ensure_future(append())
+        while held._lock_waiters() < 2:
+            await asyncio.sleep(0.01)
+        await held.store.aclose(grace=0.2)
+        await task
+        return outcome
+
+    try:
+        (own,) = asyncio.run(main())
+        held.thread.join(GUARD)
+        assert seen == {"own": True, "runtime": True}
+        assert isinstance(own, StoreError), own
+        assert isinstance(held.outcome[0], StoreError), held.outcome
+        assert held.rows() == ["hi"]
+    finally:
+        blocker.close()
+        held.release()
+        held.end()
+
+
+def test_a_second_close_waits_for_the_first_to_settle_the_writes(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two threads close the store while a write runs: the second close returns once the first
+    # has let the write land (before the fix: at once, the write still running).
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
+    held = Held(pg, HOLD_WRITE)
+    seen: list[list[str]] = []
+
+    def second() -> None:
+        held.store.close(grace=GUARD)
+        seen.append(held.rows())
+
+    first = threading.Thread(target=held.store.close, kwargs={"grace": GUARD})
+    closing = threading.Thread(target=second)
+    try:
+        first.start()
+        while first.is_alive() and not getattr(held.store.backend, "_closing_writes", None):
+            threading.Event().wait(0.01)
+        closing.start()
+        closes = getattr(held.store, "_closing", None)  # the store's closes (`CloseOnce`)
+        while closing.is_alive() and not (closes is not None and closes.waiters):
+            threading.Event().wait(0.01)
+        held.release()
+        closing.join(GUARD)
+        first.join(GUARD)
+        assert seen == [["hi", "more"]]
+        assert held.outcome == [2]
+    finally:
+        held.end()
+
+
+def test_a_close_does_not_hang_on_another_loop_that_is_blocked(
+    pg: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another loop holds a pool of its own and is blocked (a sync call on it): its pool's
+    # close cannot run there, so the store's close waits for it no longer than the grace.
+    monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
+    store = Store.postgres(pg.new_database(), connect_timeout=60.0)
+    ready, unblock = threading.Event(), threading.Event()
+
+    async def blocked_loop() -> None:
+        await store.aappend("k", [ChunkRow.user("hi")])  # its own pool, one connection
+        ready.set()
+        unblock.wait(GUARD)  # blocks this loop (on purpose)
+
+    thread = threading.Thread(target=asyncio.run, args=(blocked_loop(),))
+    thread.start()
+    closing = threading.Thread(target=store.close, kwargs={"grace": 0.1})
+    try:
+        assert ready.wait(GUARD)
+        closing.start()
+        closing.join(GUARD)
+        assert not closing.is_alive()  # returned, the other loop still blocked
+        assert thread.is_alive()
+    finally:
+        unblock.set()
+        thread.join(GUARD)
+        closing.join(GUARD)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -304,9 +305,14 @@ class PostgresHome:
         """Close the pools (safe to call twice): calls waiting, and reads, fail at once with
         `StoreError`; writes running end as they would within `grace` seconds, and what still
         runs then is cancelled by the server (on the runtime's pool as on a loop's own:
-        `LoopPool.close`)."""
+        `LoopPool.close`). One deadline for every pool: they close at once, each given what
+        is left of `grace`, and the close returns once all have (another loop's too)."""
         if self._closed:
             return
+        deadline = time.monotonic() + max(0.0, grace)
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
 
         async def close() -> None:
             self._closed = True  # no call starts (one waiting for the runtime fails at once)
@@ -322,7 +328,7 @@ class PostgresHome:
             writes = (*self._running, *(commits.tasks if commits is not None else ()))
             if writes:
                 self._closing_writes = writes
-                await asyncio.wait(writes, timeout=max(0.0, grace))
+                await asyncio.wait(writes, timeout=left())
                 await postgres_loops.stop_writes(writes, lambda: list(self._in_use))
                 self._closing_writes = ()
             if commits is not None:
@@ -338,33 +344,71 @@ class PostgresHome:
             if pool is not None:
                 await pool.close()
 
-        await self._close_loop_pools(grace)
+        self._closed = True  # no loop gets a new pool, no call starts
+        others = self._close_other_loops(left)
+        parts = [pool.close(left()) for pool in self._pools_of(asyncio.get_running_loop())]
         runtime = self._runtime
         if runtime is not None and runtime.in_loop_thread():
-            await close()  # the runtime's own shutdown hook lands here
+            parts.append(close())  # the runtime's own shutdown hook lands here
         elif runtime is not None and runtime.alive:
-            await runtime.submit(close()).wait()
+            parts.append(runtime.submit(close()).wait())
         else:  # never connected, or its loop is gone along with the pool's connections
-            self._closed, self._pool = True, None
+            self._pool = None
+        ended = await asyncio.gather(*parts, return_exceptions=True)
+        await _wait_for_loops(others, left)
+        for outcome in ended:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
-    async def _close_loop_pools(self, grace: float) -> None:
-        """Close every loop's own pool: this loop's now, another's on it (a closed loop's
-        sockets at once)."""
-        self._closed = True  # no loop gets a new pool, no call starts
+    def _pools_of(self, loop: asyncio.AbstractEventLoop) -> list[LoopPool]:
+        return [pool for pool in list(self._loop_pools.values()) if pool.loop is loop]
+
+    def _close_other_loops(
+        self, left: Callable[[], float]
+    ) -> list[tuple[threading.Event, asyncio.Future[None]]]:
+        """Start closing every other loop's own pool on its loop (a closed loop's sockets at
+        once): each close, with the event set once it has begun on its loop."""
         here = asyncio.get_running_loop()
+        started: list[tuple[threading.Event, asyncio.Future[None]]] = []
         for pool in list(self._loop_pools.values()):
             if pool.loop is here:
-                await pool.close(grace)
                 continue
             if pool.loop.is_closed():
                 pool.abandon()
                 continue
-            closing = pool.close(grace)
+            begun = threading.Event()
+
+            async def closing(pool: LoopPool = pool, begun: threading.Event = begun) -> None:
+                begun.set()
+                await pool.close(left())
+
+            coro = closing()
             try:
-                asyncio.run_coroutine_threadsafe(closing, pool.loop)
+                future = asyncio.run_coroutine_threadsafe(coro, pool.loop)
             except RuntimeError:  # its loop closed just now
-                closing.close()
+                coro.close()
                 pool.abandon()
+                continue
+            started.append((begun, asyncio.wrap_future(future)))
+        return started
+
+
+async def _wait_for_loops(
+    closes: list[tuple[threading.Event, asyncio.Future[None]]], left: Callable[[], float]
+) -> None:
+    """Wait for other loops' pools to close: within the grace, then (past it) the server's
+    answers to the cancels of the writes still running there (`CANCEL_SECONDS` and a second
+    to close the connections) for each close that has begun. A loop that never ran its close
+    (blocked, or ended meanwhile) is not waited for past the grace: nothing hangs on it."""
+    if not closes:
+        return
+    await asyncio.wait([f for _, f in closes], timeout=left())
+    begun = [f for started, f in closes if started.is_set() and not f.done()]
+    if begun:
+        await asyncio.wait(begun, timeout=postgres_loops.CANCEL_SECONDS + 1.0)
+    for _, future in closes:
+        if future.done() and not future.cancelled():
+            future.exception()  # retrieved: a close that failed is not logged as unretrieved
 
 
 async def _close_all(handovers: list[Batcher[Any, Any] | LoopHop]) -> None:

@@ -29,6 +29,7 @@ from treadle.runtime import submit
 from treadle.session import ChunkRow, Session, SessionData
 from treadle.session.session import new_session_id
 from treadle.stores.backend import StoreBackend
+from treadle.stores.close_once import CloseOnce
 from treadle.stores.journal import inflight
 from treadle.stores.pass_records import waiting_error
 from treadle.stores.queueing import OnConflict, check_on_conflict
@@ -74,6 +75,7 @@ class Store:
         self.backend = backend
         self.on_conflict: OnConflict = check_on_conflict(on_conflict)
         """`"raise"` or `"queue"` (see the class)."""
+        self._closing = CloseOnce()
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -391,21 +393,26 @@ class Store:
         rolls it back when its connection goes; its pass is then recorded as that transaction
         leaves it (`done`, or `running` until its lease runs out and another process resumes it).
         """
+        if not await self._closing.first(grace):  # closed by another call: it has ended now
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         try:
-            async with asyncio.timeout(grace):
-                await self.asettled()
-        except TimeoutError:
-            log.warning(
-                "closing the store %s with %d commit(s) still in flight after %ss",
-                self.url,
-                sum(not c.done() for c in inflight(self.backend)),
-                grace,
-            )
-        # The rest of `grace` bounds the backend's own wait (SQLite's database thread, still
-        # busy with a commit stuck on another client's lock, is then left to end alone).
-        await self.backend.aclose(grace=max(0.0, deadline - loop.time()))
+            try:
+                async with asyncio.timeout(grace):
+                    await self.asettled()
+            except TimeoutError:
+                log.warning(
+                    "closing the store %s with %d commit(s) still in flight after %ss",
+                    self.url,
+                    sum(not c.done() for c in inflight(self.backend)),
+                    grace,
+                )
+            # The rest of `grace` bounds the backend's own wait (SQLite's database thread,
+            # still busy with a commit stuck on another client's lock, is left to end alone).
+            await self.backend.aclose(grace=max(0.0, deadline - loop.time()))
+        finally:
+            self._closing.end()
 
     def close(self, grace: float = 30.0) -> None:
         """Release the store's connections (blocks; safe to call twice; see `aclose`)."""

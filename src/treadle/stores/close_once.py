@@ -1,0 +1,50 @@
+"""`CloseOnce`: a store's first close runs; a later one (any thread, any loop) waits for it to
+end instead of returning while the first still settles the writes running (bounded: its own
+grace, then `AFTER_GRACE_SECONDS`)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+__all__ = ["AFTER_GRACE_SECONDS", "CloseOnce"]
+
+#: Past its grace, how long a later close still waits for the first: the server's answers to
+#: a PostgreSQL close's cancels (`postgres_loops.CANCEL_SECONDS`), and a second to close.
+AFTER_GRACE_SECONDS = 6.0
+
+
+class CloseOnce:
+    """Which close of a store runs (the first), and the end the later ones wait for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: concurrent.futures.Future[None] | None = None
+        self.waiters = 0
+        """Later closes waiting for the first now."""
+
+    async def first(self, grace: float) -> bool:
+        """True for the first close (which calls `end` once it has ended); a later one waits
+        for that end (at most `grace` and `AFTER_GRACE_SECONDS` more), then False."""
+        with self._lock:
+            done = self._done
+            if done is None:
+                self._done = concurrent.futures.Future()
+                return True
+            self.waiters += 1
+        try:
+            if not done.done():  # asyncio.wait never cancels what it waits for
+                ended = asyncio.wrap_future(done)
+                await asyncio.wait([ended], timeout=max(0.0, grace) + AFTER_GRACE_SECONDS)
+        finally:
+            with self._lock:
+                self.waiters -= 1
+        return False
+
+    def end(self) -> None:
+        """The first close has ended: the later ones return."""
+        with self._lock:
+            done = self._done
+        if done is not None and not done.done():
+            done.set_result(None)
