@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from treadle.session.session import new_session_id
 from treadle.stores.backend import StoreBackend
 from treadle.stores.close_once import CloseOnce
 from treadle.stores.journal import inflight
+from treadle.stores.locations import KEYWORD_DSN, check_location, redact
 from treadle.stores.pass_records import waiting_error
 from treadle.stores.queueing import OnConflict, check_on_conflict
 from treadle.stores.records import ConversationInfo, PendingPass, check_key
@@ -89,7 +89,7 @@ class Store:
         from treadle.stores.sqlite import SqliteBackend
 
         mode = check_on_conflict(on_conflict)
-        return cls(SqliteBackend(_check_location(path, "SQLite store path")), on_conflict=mode)
+        return cls(SqliteBackend(check_location(path, "SQLite store path")), on_conflict=mode)
 
     @classmethod
     def postgres(
@@ -110,7 +110,7 @@ class Store:
         """
         from treadle.stores.postgres import PostgresBackend
 
-        _check_location(dsn, "PostgreSQL DSN")
+        check_location(dsn, "PostgreSQL DSN")
         mode = check_on_conflict(on_conflict)
         backend = PostgresBackend(dsn, pool_size=pool_size, connect_timeout=connect_timeout)
         return cls(backend, on_conflict=mode)
@@ -119,7 +119,7 @@ class Store:
     def open(cls, url: str | os.PathLike[str], *, on_conflict: OnConflict = "raise") -> Store:
         """A store from a URL: `postgresql://...` (or `postgres://`), `sqlite:///path`, or a
         path to a SQLite file."""
-        text = _check_location(url, "store URL")
+        text = check_location(url, "store URL")
         mode = check_on_conflict(on_conflict)
         scheme, sep, rest = text.partition("://")
         if sep:  # schemes are case-insensitive (RFC 3986): POSTGRESQL:// is postgresql://
@@ -128,7 +128,7 @@ class Store:
         shown = redact(text)  # what error messages may repeat: never a password
         if scheme in ("postgresql", "postgres") and sep:
             return cls.postgres(text, on_conflict=mode)
-        if _KEYWORD_DSN.match(text):  # libpq's "host=... dbname=..." form
+        if KEYWORD_DSN.match(text):  # libpq's "host=... dbname=..." form
             return cls.postgres(text, on_conflict=mode)
         if scheme == "sqlite" and sep:
             if not rest.startswith("/"):
@@ -433,38 +433,6 @@ class Store:
     @staticmethod
     def _wait(coro: Coroutine[Any, Any, T]) -> T:
         return submit(coro).result()
-
-
-#: A libpq keyword/value DSN ("host=db dbname=app ..."): it starts with one of libpq's
-#: connection keywords and `=`, which no sensible SQLite file name does.
-_KEYWORD_DSN = re.compile(
-    r"\s*(host|hostaddr|port|dbname|user|password|passfile|service|sslmode|connect_timeout"
-    r"|options|application_name|target_session_attrs)\s*=",
-    re.IGNORECASE,
-)
-_SECRETS = (
-    (re.compile(r"(://[^/@:]*:)[^/@]*@"), r"\1***@"),  # scheme://user:password@host
-    (re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE), r"\1***"),
-)
-
-
-def redact(location: str) -> str:
-    """`location` with any password in it replaced by `***` (for error messages)."""
-    for pattern, replacement in _SECRETS:
-        location = pattern.sub(replacement, location)
-    return location
-
-
-def _check_location(where: object, what: str) -> str:
-    """`where` as text, or a `ConfigurationError` for what no store can open (not text, NUL)."""
-    if isinstance(where, bytes) or not isinstance(where, str | os.PathLike):
-        raise ConfigurationError(f"a {what} must be a str or a path, got {type(where).__name__}.")
-    text = os.fspath(where)
-    if not isinstance(text, str):
-        raise ConfigurationError(f"a {what} must be text, not bytes.")
-    if "\x00" in text:
-        raise ConfigurationError(f"the {what} {redact(text)!r:.80} contains a NUL character.")
-    return text
 
 
 def store_options(store: Store | None, conversation: str | PendingPass | None) -> dict[str, Any]:
