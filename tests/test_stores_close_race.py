@@ -565,3 +565,80 @@ def test_a_close_does_not_hang_on_another_loop_that_is_blocked(
         unblock.set()
         thread.join(GUARD)
         closing.join(GUARD)
+
+
+def test_calls_made_while_the_close_settles_the_commits_fail_and_the_commits_land(
+    pg: Cluster,
+) -> None:
+    # The close first waits (within the grace) for the commits of passes already running; a
+    # read or an append its caller makes meanwhile fails at once as closed (before the fix:
+    # served, an append written after the close began), while the pass's commit still lands.
+    import psycopg
+
+    from treadle import Session, arun_session_loop
+    from treadle.testing import ScriptedExecutor
+
+    url = pg.new_database()
+    store = Store.postgres(url, connect_timeout=60.0)
+    store.append("k", [ChunkRow.user("hi")])
+    admin = psycopg.connect(url, autocommit=True)
+    blocker = psycopg.connect(url, autocommit=True)
+    blocker.execute("BEGIN")
+    blocker.execute(HOLD_WRITE)
+    outcome: list[object] = []
+
+    async def run_pass() -> None:
+        try:
+            outcome.append(
+                await arun_session_loop(
+                    Session.from_user_message("u"),
+                    Session.from_agent_prompt("A."),
+                    executor=ScriptedExecutor(["x"]),
+                    store=store,
+                    conversation="k",
+                )
+            )
+        except BaseException as err:  # read below
+            outcome.append(err)
+
+    passing = threading.Thread(target=asyncio.run, args=(run_pass(),))
+    closing = threading.Thread(target=store.close, kwargs={"grace": GUARD})
+    late: dict[str, object] = {}
+    try:
+        passing.start()
+        waiting = Held.__new__(Held)
+        waiting.admin = admin
+        while not waiting._lock_waiters():  # the pass's commit waits for the lock
+            threading.Event().wait(0.01)
+        closing.start()
+        closes = getattr(store, "_closing", None)
+        while closing.is_alive() and not (closes is not None and closes.begun):
+            threading.Event().wait(0.01)
+        for name, call in (
+            ("read", lambda: store.conversations()),
+            ("append", lambda: store.append("z", [ChunkRow.user("late")])),
+        ):
+            try:
+                late[name] = call()
+            except StoreError as err:
+                late[name] = err
+        blocker.execute("ROLLBACK")
+        closing.join(GUARD)
+        passing.join(GUARD)
+        assert all(isinstance(e, StoreError) and "closed" in str(e) for e in late.values()), late
+        assert [type(o).__name__ for o in outcome] == ["Session"], outcome
+        assert held_rows(admin, "z") == []
+        assert held_rows(admin, "k")[:2] == ["hi", "u"]  # the pass's turn landed
+    finally:
+        blocker.close()
+        admin.close()
+        passing.join(GUARD)
+        closing.join(GUARD)
+
+
+def held_rows(admin: Any, key: str) -> list[str]:
+    """Conversation `key`'s rows in the database now (their content)."""
+    found = admin.execute(
+        "SELECT payload FROM treadle_rows WHERE key = %s ORDER BY seq", (key,)
+    ).fetchall()
+    return [str(json.loads(payload)["content"]) for (payload,) in found]

@@ -8,6 +8,8 @@ import asyncio
 import concurrent.futures
 import threading
 
+from treadle.errors import StoreError
+
 __all__ = ["AFTER_GRACE_SECONDS", "CloseOnce"]
 
 #: Past its grace, how long a later close still waits for the first: the server's answers to
@@ -23,6 +25,20 @@ class CloseOnce:
         self._done: concurrent.futures.Future[None] | None = None
         self.waiters = 0
         """Later closes waiting for the first now."""
+
+    @property
+    def begun(self) -> bool:
+        """A close has begun (the store takes no new call)."""
+        return self._done is not None
+
+    def check(self, url: str) -> None:
+        """A `StoreError` once a close has begun: a new call of the store's caller fails at once
+        (the commits of passes already running still land, within the close's grace)."""
+        if self._done is not None:
+            raise StoreError(
+                f"the store {url} was closed (its close has begun) before this call; nothing of"
+                " it was written; open a new Store."
+            )
 
     async def first(self, grace: float) -> bool:
         """True for the first close (which calls `end` once it has ended); a later one waits

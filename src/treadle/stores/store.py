@@ -173,6 +173,7 @@ class Store:
         )
 
     async def _conversation_data(self, key: str) -> SessionData:
+        self._closing.check(self.url)
         stored = await self.backend.load(key)
         metadata = {**stored.metadata, "conversation": key, "version": stored.version}
         from treadle.session import ChunkTable
@@ -184,6 +185,7 @@ class Store:
 
     async def aconversations(self) -> list[ConversationInfo]:
         """Every conversation, most recently changed first."""
+        self._closing.check(self.url)
         return await self.backend.conversations()
 
     def conversations(self) -> list[ConversationInfo]:
@@ -193,6 +195,7 @@ class Store:
     async def apending(self, key: str | None = None) -> list[PendingPass]:
         """Passes another process may resume, oldest first: stopped for approvals or an
         interrupt, cancelled, or not ended (running, or their process died)."""
+        self._closing.check(self.url)
         return await self.backend.pending(None if key is None else check_key(key))
 
     def pending(self, key: str | None = None) -> list[PendingPass]:
@@ -214,6 +217,7 @@ class Store:
         version (else `ConflictError`, nothing written); without it they go at the end (in
         queue mode, after the running pass on the conversation, if any, has ended).
         """
+        self._closing.check(self.url)
         check_key(key)
         if isinstance(rows, Session):
             found: Sequence[ChunkRow] = (await rows.wait_ready()).table.rows
@@ -284,6 +288,7 @@ class Store:
         (the store keeps one usage total a conversation, none a pass). `version` must be an
         int of 0 or more (`ConfigurationError` otherwise, before the store is asked); a `key`
         that holds no conversation is a `ConfigurationError` too, and makes no branch."""
+        self._closing.check(self.url)
         check_key(key)
         check_key(new_key, "new key")
         # A float, bool or str slips through a range check (1.5 made a head at a version no
@@ -312,6 +317,7 @@ class Store:
         """Delete a conversation with its passes (also the records of passes on `key` that
         never committed, such as a first turn cancelled); True when the key held any of them.
         A pass still running on it then fails with `ConflictError` and writes nothing back."""
+        self._closing.check(self.url)
         return await self.backend.delete(check_key(key))
 
     def delete(self, key: str) -> bool:
@@ -321,6 +327,7 @@ class Store:
     async def aprune(self, *, older_than_days: float) -> int:
         """Delete conversations not changed for `older_than_days` days, and the records of
         passes that never committed on keys without a conversation, as old; how many keys."""
+        self._closing.check(self.url)
         if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)):
             raise ConfigurationError("older_than_days must be a number of days.")
         if older_than_days < 0:
@@ -337,6 +344,7 @@ class Store:
     ) -> tuple[str, int]:
         """Import a JSONL session file (written with `persist=True`) as the new conversation
         `key` (default: the file's session id); `(key, version)`."""
+        self._closing.check(self.url)
         from treadle.stores.transfer import import_jsonl
 
         return await import_jsonl(self.backend, path, key)
@@ -350,6 +358,7 @@ class Store:
     async def aexport_jsonl(self, key: str, path: str | os.PathLike[str]) -> Path:
         """Write conversation `key` as a JSONL session file (`treadle show` and
         `load_session` read it); the path."""
+        self._closing.check(self.url)
         from treadle.stores.transfer import export_jsonl
 
         return await export_jsonl(self.backend, key, path)
