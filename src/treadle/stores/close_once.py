@@ -23,18 +23,19 @@ class CloseOnce:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: concurrent.futures.Future[None] | None = None
+        self._begun = False  # a close has begun (and ended without closing, maybe)
         self.waiters = 0
         """Later closes waiting for the first now."""
 
     @property
     def begun(self) -> bool:
         """A close has begun (the store takes no new call)."""
-        return self._done is not None
+        return self._begun or self._done is not None
 
     def check(self, url: str) -> None:
         """A `StoreError` once a close has begun: a new call of the store's caller fails at once
         (the commits of passes already running still land, within the close's grace)."""
-        if self._done is not None:
+        if self.begun:
             raise StoreError(
                 f"the store {url} was closed (its close has begun) before this call; nothing of"
                 " it was written; open a new Store."
@@ -58,9 +59,13 @@ class CloseOnce:
                 self.waiters -= 1
         return False
 
-    def end(self) -> None:
-        """The first close has ended: the later ones return."""
+    def end(self, *, ran: bool = True) -> None:
+        """The first close has ended: the later ones return. Without `ran` (it was cancelled,
+        or failed, before the store was closed) the next close runs again in its place."""
         with self._lock:
             done = self._done
+            if not ran:
+                self._done = None
+                self._begun = True  # still refusing new calls (`check`)
         if done is not None and not done.done():
             done.set_result(None)

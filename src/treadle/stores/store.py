@@ -406,6 +406,7 @@ class Store:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
+        ran = False
         try:
             try:
                 async with asyncio.timeout(grace):
@@ -420,8 +421,9 @@ class Store:
             # The rest of `grace` bounds the backend's own wait (SQLite's database thread,
             # still busy with a commit stuck on another client's lock, is left to end alone).
             await self.backend.aclose(grace=max(0.0, deadline - loop.time()))
+            ran = True
         finally:
-            self._closing.end()
+            self._closing.end(ran=ran)  # a close cancelled midway lets the next one run
 
     def close(self, grace: float = 30.0) -> None:
         """Release the store's connections (blocks; safe to call twice; see `aclose`)."""
