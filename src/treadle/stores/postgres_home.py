@@ -365,11 +365,11 @@ class PostgresHome:
 
     def _close_other_loops(
         self, left: Callable[[], float]
-    ) -> list[tuple[threading.Event, asyncio.Future[None]]]:
+    ) -> list[tuple[threading.Event, asyncio.Future[None], asyncio.AbstractEventLoop]]:
         """Start closing every other loop's own pool on its loop (a closed loop's sockets at
         once): each close, with the event set once it has begun on its loop."""
         here = asyncio.get_running_loop()
-        started: list[tuple[threading.Event, asyncio.Future[None]]] = []
+        started: list[tuple[threading.Event, asyncio.Future[None], asyncio.AbstractEventLoop]] = []
         for pool in list(self._loop_pools.values()):
             if pool.loop is here:
                 continue
@@ -389,26 +389,35 @@ class PostgresHome:
                 coro.close()
                 pool.abandon()
                 continue
-            started.append((begun, asyncio.wrap_future(future)))
+            started.append((begun, asyncio.wrap_future(future), pool.loop))
         return started
 
 
 async def _wait_for_loops(
-    closes: list[tuple[threading.Event, asyncio.Future[None]]], left: Callable[[], float]
+    closes: list[tuple[threading.Event, asyncio.Future[None], asyncio.AbstractEventLoop]],
+    left: Callable[[], float],
 ) -> None:
     """Wait for other loops' pools to close: within the grace, then (past it) the server's
     answers to the cancels of the writes still running there (`CANCEL_SECONDS` and a second
     to close the connections) for each close that has begun. A loop that never ran its close
-    (blocked, or ended meanwhile) is not waited for past the grace: nothing hangs on it."""
-    if not closes:
-        return
-    await asyncio.wait([f for _, f in closes], timeout=left())
-    begun = [f for started, f in closes if started.is_set() and not f.done()]
+    (blocked) is not waited for past the grace, and one closed meanwhile not at all (its
+    pool's sockets are closed by `_until_loop_ends` or the sweep): nothing hangs on them."""
+
+    def waited() -> list[asyncio.Future[None]]:
+        return [f for _, f, loop in closes if not f.done() and not loop.is_closed()]
+
+    while (pending := waited()) and left() > 0:  # a closed loop is seen within a round
+        await asyncio.wait(pending, timeout=min(left(), _LOOP_ROUND_SECONDS))
+    begun = [f for started, f, _ in closes if started.is_set() and f in waited()]
     if begun:
         await asyncio.wait(begun, timeout=postgres_loops.CANCEL_SECONDS + 1.0)
-    for _, future in closes:
+    for _, future, _ in closes:
         if future.done() and not future.cancelled():
             future.exception()  # retrieved: a close that failed is not logged as unretrieved
+
+
+#: How often a close waiting for other loops' pools looks for loops closed meanwhile.
+_LOOP_ROUND_SECONDS = 0.1
 
 
 async def _close_all(handovers: list[Batcher[Any, Any] | LoopHop]) -> None:
