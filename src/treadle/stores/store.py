@@ -195,8 +195,9 @@ class Store:
     async def apending(self, key: str | None = None) -> list[PendingPass]:
         """Passes another process may resume, oldest first: stopped for approvals or an
         interrupt, cancelled, or not ended (running, or their process died)."""
+        key = None if key is None else check_key(key)
         self._closing.check(self.url)
-        return await self.backend.pending(None if key is None else check_key(key))
+        return await self.backend.pending(key)
 
     def pending(self, key: str | None = None) -> list[PendingPass]:
         """Passes another process may resume, oldest first (blocks; see `apending`).
@@ -217,7 +218,6 @@ class Store:
         version (else `ConflictError`, nothing written); without it they go at the end (in
         queue mode, after the running pass on the conversation, if any, has ended).
         """
-        self._closing.check(self.url)
         check_key(key)
         if isinstance(rows, Session):
             found: Sequence[ChunkRow] = (await rows.wait_ready()).table.rows
@@ -229,6 +229,7 @@ class Store:
             isinstance(expected_version, bool) or not isinstance(expected_version, int)
         ):
             raise ConfigurationError("expected_version must be an int (a version read earlier).")
+        self._closing.check(self.url)  # its arguments refused first, as by a closed store
         try:
             if self.on_conflict != "queue":
                 return await self._append_answered(key, found, expected_version)
@@ -288,7 +289,6 @@ class Store:
         (the store keeps one usage total a conversation, none a pass). `version` must be an
         int of 0 or more (`ConfigurationError` otherwise, before the store is asked); a `key`
         that holds no conversation is a `ConfigurationError` too, and makes no branch."""
-        self._closing.check(self.url)
         check_key(key)
         check_key(new_key, "new key")
         # A float, bool or str slips through a range check (1.5 made a head at a version no
@@ -300,6 +300,7 @@ class Store:
                 f"fork(version=) takes an int of 0 or more (or None: the latest), got "
                 f"{version!r:.60}."
             )
+        self._closing.check(self.url)
         at = await self.backend.fork(key, new_key, version)
         return Session._derive(
             await self._conversation_data(new_key),
@@ -317,8 +318,9 @@ class Store:
         """Delete a conversation with its passes (also the records of passes on `key` that
         never committed, such as a first turn cancelled); True when the key held any of them.
         A pass still running on it then fails with `ConflictError` and writes nothing back."""
+        key = check_key(key)
         self._closing.check(self.url)
-        return await self.backend.delete(check_key(key))
+        return await self.backend.delete(key)
 
     def delete(self, key: str) -> bool:
         """Delete a conversation with its passes (blocks)."""
@@ -327,11 +329,11 @@ class Store:
     async def aprune(self, *, older_than_days: float) -> int:
         """Delete conversations not changed for `older_than_days` days, and the records of
         passes that never committed on keys without a conversation, as old; how many keys."""
-        self._closing.check(self.url)
         if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)):
             raise ConfigurationError("older_than_days must be a number of days.")
         if older_than_days < 0:
             raise ConfigurationError("older_than_days cannot be negative.")
+        self._closing.check(self.url)
         return await self.backend.prune(time.time() - older_than_days * _DAY)
 
     def prune(self, *, older_than_days: float) -> int:
