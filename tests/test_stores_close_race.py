@@ -532,6 +532,7 @@ def test_a_second_close_waits_for_the_first_to_settle_the_writes(
         held.release()
         closing.join(GUARD)
         first.join(GUARD)
+        held.thread.join(GUARD)  # the append's answer reaches its thread after the close
         assert seen == [["hi", "more"]]
         assert held.outcome == [2]
     finally:
