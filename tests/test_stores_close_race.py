@@ -111,6 +111,18 @@ def test_an_append_still_reading_when_its_loops_pool_closes_fails_as_closed(
         held.end()
 
 
+def _closing_thread(held: Held) -> tuple[threading.Thread, list[list[str]]]:
+    """A thread (not started) that closes the store with the whole guard as grace, and the list
+    where it puts what the database holds as its close returns."""
+    seen: list[list[str]] = []
+
+    def close() -> None:
+        held.store.close(grace=GUARD)
+        seen.append(held.rows())
+
+    return threading.Thread(target=close), seen
+
+
 def test_closing_waits_within_grace_for_a_write_running_on_the_runtimes_pool(
     pg: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,13 +132,7 @@ def test_closing_waits_within_grace_for_a_write_running_on_the_runtimes_pool(
     # the append says so.
     monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
     held = Held(pg, HOLD_WRITE)
-    seen: list[list[str]] = []
-
-    def close() -> None:
-        held.store.close(grace=GUARD)
-        seen.append(held.rows())  # what the database holds as the close returns
-
-    closing = threading.Thread(target=close)
+    closing, seen = _closing_thread(held)
     try:
         pools = held.store.backend._loop_pools.values()
         assert not any(p.connections for p in pools)  # the runtime's pool, by the hop
@@ -426,13 +432,7 @@ def test_closing_waits_within_grace_for_a_write_running_on_another_loops_pool(
     # returns after it has landed (before the fix: at once, the write still running).
     monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 0)
     held = Held(pg, HOLD_WRITE)
-    seen: list[list[str]] = []
-
-    def close() -> None:
-        held.store.close(grace=GUARD)
-        seen.append(held.rows())  # what the database holds as the close returns
-
-    closing = threading.Thread(target=close)
+    closing, seen = _closing_thread(held)
     try:
         pools = list(held.store.backend._loop_pools.values())
         assert [p.connections for p in pools] == [1]  # the append's loop's own pool
@@ -513,14 +513,8 @@ def test_a_second_close_waits_for_the_first_to_settle_the_writes(
     # has let the write land (before the fix: at once, the write still running).
     monkeypatch.setattr(postgres_loops, "OWN_POOL_AFTER", 10**9)
     held = Held(pg, HOLD_WRITE)
-    seen: list[list[str]] = []
-
-    def second() -> None:
-        held.store.close(grace=GUARD)
-        seen.append(held.rows())
-
     first = threading.Thread(target=held.store.close, kwargs={"grace": GUARD})
-    closing = threading.Thread(target=second)
+    closing, seen = _closing_thread(held)
     try:
         first.start()
         while first.is_alive() and not getattr(held.store.backend, "_closing_writes", None):
