@@ -64,11 +64,10 @@ async def commit_statement(
     connection lost once it was sent is `WriteOutcomeUnknown`; one already lost is not."""
     import psycopg
 
-    if _lost(conn):  # nothing will be sent: psycopg's own error, a plain failure
-        return await conn.execute(query, params)
+    lost_before = _lost(conn)  # then nothing is sent: psycopg's own error, a plain failure
     try:
         return await conn.execute(query, params)
     except psycopg.Error as err:
-        if _lost(conn):
+        if not lost_before and _lost(conn):
             raise outcome_unknown(err) from err
         raise
