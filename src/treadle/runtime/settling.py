@@ -5,7 +5,8 @@ A hundred thousand submitted passes each hold one until they settle. A `concurre
 carries a `Condition` (with its `RLock`, five bound lock methods and a deque), a waiter list and a
 callback list: 11 objects the garbage collector tracks and about 2.5 us to build, for a slot that
 is set once. This one holds its state in five slots and shares one module lock for its few state
-changes; a blocking reader gets a lock of its own only when it actually waits
+changes; a blocking reader waits on its thread's wake-up (`runtime/wakeup.py`) only
+when it actually waits
 (docs/performance.md, submitting 100,000 passes).
 
 It keeps the `concurrent.futures.Future` contract that Treadle uses: `result(timeout)` raises
@@ -20,8 +21,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from treadle.runtime.wakeup import Waiter, thread_waiter
 
 __all__ = ["Settling"]
 
@@ -49,7 +53,7 @@ class Settling(Generic[T]):
         self._callbacks: (
             Callable[[Settling[T]], object] | list[Callable[[Settling[T]], object]] | None
         ) = None
-        self._waiters: list[threading.Lock] | None = None
+        self._waiters: list[Waiter] | None = None
 
     def done(self) -> bool:
         """True once settled (a value, an error or cancelled)."""
@@ -122,7 +126,7 @@ class Settling(Generic[T]):
             waiters, self._waiters = self._waiters, None
         if waiters is not None:
             for waiter in waiters:
-                waiter.release()
+                waiter.wake()
         if type(callbacks) is list:
             for fn in callbacks:
                 self._call(fn)
@@ -137,8 +141,7 @@ class Settling(Generic[T]):
             log.exception("a done callback of %r raised", self)
 
     def _wait(self, timeout: float | None) -> None:
-        waiter = threading.Lock()
-        waiter.acquire()
+        waiter = thread_waiter()
         with _state_lock:
             if self._state != _PENDING:
                 return
@@ -146,13 +149,26 @@ class Settling(Generic[T]):
                 self._waiters = [waiter]
             else:
                 self._waiters.append(waiter)
-        if waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-            return
-        with _state_lock:
-            if self._waiters is not None and waiter in self._waiters:
-                self._waiters.remove(waiter)
-            if self._state == _PENDING:
-                raise concurrent.futures.TimeoutError()
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
+        waiter.busy = True
+        try:
+            while True:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0)
+                woken = waiter.wait(left)
+                if self._state != _PENDING:  # set before any wake-up, under the lock
+                    return
+                if not woken:
+                    raise concurrent.futures.TimeoutError()
+                # else a wake-up left from an earlier wait of this thread's: wait again
+        except BaseException as err:  # the timeout, or a signal handler's (KeyboardInterrupt)
+            with _state_lock:
+                if self._waiters is not None and waiter in self._waiters:
+                    self._waiters.remove(waiter)  # no longer a blocked reader
+                if self._state != _PENDING and type(err) is concurrent.futures.TimeoutError:
+                    return  # settled as the time ran out: the value is read
+            raise
+        finally:
+            waiter.busy = False
 
     def _read(self) -> T:
         if self._state == _CANCELLED:

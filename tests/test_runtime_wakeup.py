@@ -1,0 +1,187 @@
+"""How a blocked reader is woken (`treadle.runtime.wakeup`): a thread's eventfd, written with the
+GIL let go, and the lock it falls back to; the cases where a wake-up could reach the wrong wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from treadle.runtime import wakeup
+from treadle.runtime.settling import Settling
+
+linux_only = pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux's")
+
+
+def _settle_later(slot: Settling[Any], value: Any, after: float = 0.05) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(after), slot.set_result(value)))
+    thread.start()
+    return thread
+
+
+def _fds() -> int:
+    """The process's open eventfds (nothing else in a test process makes them)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventfd]"
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return count
+
+
+@linux_only
+def test_a_thread_keeps_one_eventfd_for_all_its_reads() -> None:
+    first = wakeup.thread_waiter()
+    assert type(first).__name__ == "_EventWaiter"
+    for value in range(20):
+        slot: Settling[int] = Settling()
+        thread = _settle_later(slot, value, after=0.001)
+        assert slot.result(30) == value
+        thread.join()
+    assert wakeup.thread_waiter() is first
+
+
+@linux_only
+def test_a_left_over_wake_up_does_not_end_the_next_wait_early() -> None:
+    """A wake-up that reached the eventfd after its wait ended (the value settled as the read
+    timed out) makes the thread's next wait look again, not return or time out wrongly."""
+    wakeup.thread_waiter().wake()  # as a settler would have, for a wait that is over
+    pending: Settling[int] = Settling()
+    with pytest.raises(TimeoutError):
+        pending.result(0.05)  # the left-over wake-up is read; the slot is still pending
+    wakeup.thread_waiter().wake()
+    slot: Settling[str] = Settling()
+    thread = _settle_later(slot, "late")
+    assert slot.result() == "late"  # no limit: it waited for the value, past the wake-up
+    thread.join()
+    assert not slot.has_blocked_reader()
+
+
+@linux_only
+def test_a_timed_out_reader_is_no_longer_listed_and_a_later_value_still_arrives() -> None:
+    slot: Settling[int] = Settling()
+    with pytest.raises(TimeoutError):
+        slot.result(0.01)
+    assert not slot.has_blocked_reader()
+    slot.set_result(3)
+    assert slot.result(0) == 3
+
+
+def test_without_eventfd_the_reader_waits_on_a_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: Any) -> int:
+        raise OSError(24, "Too many open files")
+
+    results: list[Any] = []
+
+    def read() -> None:  # a new thread: no eventfd of its own yet
+        results.append(type(wakeup.thread_waiter()).__name__)
+        slot: Settling[int] = Settling()
+        thread = _settle_later(slot, 5)
+        results.append(slot.result(30))
+        thread.join()
+
+    monkeypatch.setattr(os, "eventfd", refuse, raising=False)
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join()
+    assert results == ["_LockWaiter", 5]
+
+
+@linux_only
+def test_reading_threads_past_the_cap_wait_on_locks_and_threads_give_their_fds_back() -> None:
+    """Hundreds of reading threads must not take hundreds of descriptors: past
+    `MAX_EVENT_WAITERS` they wait on locks, and a thread's eventfd closes when it ends."""
+    count = wakeup.MAX_EVENT_WAITERS + 20
+    before = _fds()
+    slot: Settling[int] = Settling()
+    kinds: list[str] = []
+    got: list[int] = []
+    ready = threading.Barrier(count + 1)
+
+    def read() -> None:
+        kinds.append(type(wakeup.thread_waiter()).__name__)
+        ready.wait()
+        got.append(slot.result(30))
+
+    readers = [threading.Thread(target=read) for _ in range(count)]
+    for reader in readers:
+        reader.start()
+    ready.wait()
+    assert _fds() - before <= wakeup.MAX_EVENT_WAITERS
+    slot.set_result(9)
+    for reader in readers:
+        reader.join()
+    assert got == [9] * count
+    assert kinds.count("_LockWaiter") >= count - wakeup.MAX_EVENT_WAITERS
+    del readers
+    assert _fds() <= before + 1  # this test thread's own, at most
+
+
+@linux_only
+@pytest.mark.skipif(sys.platform == "win32", reason="fork")
+def test_a_forked_child_does_not_share_its_parents_eventfd() -> None:
+    """The forking thread's eventfd would be the same file in both processes: a wake-up for one
+    could be read by the other. The child makes its own."""
+    parent = wakeup.thread_waiter()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            child = wakeup.thread_waiter()
+            slot: Settling[int] = Settling()
+            threading.Thread(target=lambda: (time.sleep(0.02), slot.set_result(1))).start()
+            ok = child is not parent and slot.result(10) == 1
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    parent.wake()  # the parent's own is still open and its own
+    pending: Settling[int] = Settling()
+    with pytest.raises(TimeoutError):
+        pending.result(0.01)
+
+
+@linux_only
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_ctrl_c_during_a_read_raises_and_a_read_inside_a_signal_handler_gets_its_own_wake_up() -> (
+    None
+):
+    """A signal handler that reads a value while the main thread is blocked in a read gets a
+    lock, not the thread's eventfd (its wait would take the outer read's wake-up); and
+    KeyboardInterrupt leaves the interrupted read, which is no longer a blocked reader."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread")
+    outer: Settling[str] = Settling()
+    inner: Settling[str] = Settling()
+    seen: list[Any] = []
+
+    def handler(*_: Any) -> None:
+        seen.append(type(wakeup.thread_waiter()).__name__)
+        threading.Thread(target=lambda: (time.sleep(0.02), outer.set_result("outer"))).start()
+        threading.Thread(target=lambda: (time.sleep(0.05), inner.set_result("inner"))).start()
+        seen.append(inner.result(30))
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        assert outer.result(30) == "outer"
+        assert seen == ["_LockWaiter", "inner"]
+        signal.signal(signal.SIGUSR1, signal.default_int_handler)
+        stuck: Settling[str] = Settling()
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(KeyboardInterrupt):
+            stuck.result(30)
+        assert not stuck.has_blocked_reader()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
