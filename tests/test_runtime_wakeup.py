@@ -3,6 +3,7 @@ GIL let go, and the lock it falls back to; the cases where a wake-up could reach
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -28,10 +29,8 @@ def _fds() -> int:
     """The process's open eventfds (nothing else in a test process makes them)."""
     count = 0
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own descriptor)
             count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventfd]"
-        except OSError:  # closed meanwhile (the listing's own descriptor)
-            pass
     return count
 
 
@@ -185,3 +184,27 @@ def test_ctrl_c_during_a_read_raises_and_a_read_inside_a_signal_handler_gets_its
         assert not stuck.has_blocked_reader()
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_blocked_reader_wakes_after_the_done_callbacks_ran() -> None:
+    """What a done callback records (a pass's usage in its lineage) is there when a blocked
+    reader wakes, even when the callback lets go of the GIL."""
+    slot: Settling[int] = Settling()
+    recorded: list[int] = []
+    slot.add_done_callback(lambda s: (time.sleep(0.05), recorded.append(s.result())))
+    seen: list[list[int]] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        ready.set()
+        slot.result(30)
+        seen.append(list(recorded))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    ready.wait()
+    while not slot.has_blocked_reader():
+        time.sleep(0.001)
+    slot.set_result(4)
+    reader.join()
+    assert seen == [[4]]

@@ -13,7 +13,8 @@ It keeps the `concurrent.futures.Future` contract that Treadle uses: `result(tim
 `TimeoutError` when not ready and `concurrent.futures.CancelledError` once cancelled; a second
 `set_result` / `set_exception` raises `InvalidStateError`; `cancel()` on a finished value returns
 False; done callbacks run on the settling thread (at once when added after it settled), and an
-error one raises is logged, never propagated to the settling thread.
+error one raises is logged, never propagated to the settling thread. Blocked readers are woken
+after the callbacks ran, so a reader sees what they did.
 """
 
 from __future__ import annotations
@@ -124,14 +125,17 @@ class Settling(Generic[T]):
             self._value, self._error, self._state = value, error, state
             callbacks, self._callbacks = self._callbacks, None
             waiters, self._waiters = self._waiters, None
-        if waiters is not None:
-            for waiter in waiters:
-                waiter.wake()
         if type(callbacks) is list:
             for fn in callbacks:
                 self._call(fn)
         elif callbacks is not None:
             self._call(callbacks)  # type: ignore[arg-type]  # one callable
+        # Blocked readers after the callbacks: a reader's wake-up lets go of the GIL, and the
+        # woken reader runs at once (`runtime/wakeup.py`); it must find what the callbacks record
+        # (a pass's usage in its lineage) as it did when the settling thread kept the GIL.
+        if waiters is not None:
+            for waiter in waiters:
+                waiter.wake()
         return True
 
     def _call(self, fn: Callable[[Settling[T]], object]) -> None:
