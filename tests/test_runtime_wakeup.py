@@ -20,7 +20,13 @@ linux_only = pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is L
 
 
 def _settle_later(slot: Settling[Any], value: Any, after: float = 0.05) -> threading.Thread:
-    thread = threading.Thread(target=lambda: (time.sleep(after), slot.set_result(value)))
+    """A started thread that sets `value` on `slot` after `after` seconds."""
+
+    def settle() -> None:
+        time.sleep(after)
+        slot.set_result(value)
+
+    thread = threading.Thread(target=settle)
     thread.start()
     return thread
 
@@ -134,7 +140,7 @@ def test_a_forked_child_does_not_share_its_parents_eventfd() -> None:
         try:
             child = wakeup.thread_waiter()
             slot: Settling[int] = Settling()
-            threading.Thread(target=lambda: (time.sleep(0.02), slot.set_result(1))).start()
+            _settle_later(slot, 1, after=0.02)
             ok = child is not parent and slot.result(10) == 1
             os.write(write, b"1" if ok else b"0")
         finally:
@@ -167,8 +173,8 @@ def test_ctrl_c_during_a_read_raises_and_a_read_inside_a_signal_handler_gets_its
 
     def handler(*_: Any) -> None:
         seen.append(type(wakeup.thread_waiter()).__name__)
-        threading.Thread(target=lambda: (time.sleep(0.02), outer.set_result("outer"))).start()
-        threading.Thread(target=lambda: (time.sleep(0.05), inner.set_result("inner"))).start()
+        _settle_later(outer, "outer", after=0.02)
+        _settle_later(inner, "inner", after=0.05)
         seen.append(inner.result(30))
 
     old = signal.signal(signal.SIGUSR1, handler)
@@ -191,7 +197,12 @@ def test_a_blocked_reader_wakes_after_the_done_callbacks_ran() -> None:
     reader wakes, even when the callback lets go of the GIL."""
     slot: Settling[int] = Settling()
     recorded: list[int] = []
-    slot.add_done_callback(lambda s: (time.sleep(0.05), recorded.append(s.result())))
+
+    def record(done: Settling[int]) -> None:
+        time.sleep(0.05)  # lets go of the GIL: a reader woken already would run now
+        recorded.append(done.result())
+
+    slot.add_done_callback(record)
     seen: list[list[int]] = []
     ready = threading.Event()
 
