@@ -31,6 +31,13 @@ def _settle_later(slot: Settling[Any], value: Any, after: float = 0.05) -> threa
     return thread
 
 
+def _own_waiter() -> wakeup.Waiter:
+    """This thread's waiter, as a read gets it, handed back (not busy) at once."""
+    waiter = wakeup.thread_waiter()
+    waiter.busy = False
+    return waiter
+
+
 def _fds() -> int:
     """The process's open eventfds (nothing else in a test process makes them)."""
     count = 0
@@ -42,25 +49,25 @@ def _fds() -> int:
 
 @linux_only
 def test_a_thread_keeps_one_eventfd_for_all_its_reads() -> None:
-    first = wakeup.thread_waiter()
+    first = _own_waiter()
     assert type(first).__name__ == "_EventWaiter"
     for value in range(20):
         slot: Settling[int] = Settling()
         thread = _settle_later(slot, value, after=0.001)
         assert slot.result(30) == value
         thread.join()
-    assert wakeup.thread_waiter() is first
+    assert _own_waiter() is first
 
 
 @linux_only
 def test_a_left_over_wake_up_does_not_end_the_next_wait_early() -> None:
     """A wake-up that reached the eventfd after its wait ended (the value settled as the read
     timed out) makes the thread's next wait look again, not return or time out wrongly."""
-    wakeup.thread_waiter().wake()  # as a settler would have, for a wait that is over
+    _own_waiter().wake()  # as a settler would have, for a wait that is over
     pending: Settling[int] = Settling()
     with pytest.raises(TimeoutError):
         pending.result(0.05)  # the left-over wake-up is read; the slot is still pending
-    wakeup.thread_waiter().wake()
+    _own_waiter().wake()
     slot: Settling[str] = Settling()
     thread = _settle_later(slot, "late")
     assert slot.result() == "late"  # no limit: it waited for the value, past the wake-up
@@ -85,7 +92,7 @@ def test_without_eventfd_the_reader_waits_on_a_lock(monkeypatch: pytest.MonkeyPa
     results: list[Any] = []
 
     def read() -> None:  # a new thread: no eventfd of its own yet
-        results.append(type(wakeup.thread_waiter()).__name__)
+        results.append(type(_own_waiter()).__name__)
         slot: Settling[int] = Settling()
         thread = _settle_later(slot, 5)
         results.append(slot.result(30))
@@ -110,7 +117,7 @@ def test_reading_threads_past_the_cap_wait_on_locks_and_threads_give_their_fds_b
     ready = threading.Barrier(count + 1)
 
     def read() -> None:
-        kinds.append(type(wakeup.thread_waiter()).__name__)
+        kinds.append(type(_own_waiter()).__name__)
         ready.wait()
         got.append(slot.result(30))
 
@@ -133,12 +140,12 @@ def test_reading_threads_past_the_cap_wait_on_locks_and_threads_give_their_fds_b
 def test_a_forked_child_does_not_share_its_parents_eventfd() -> None:
     """The forking thread's eventfd would be the same file in both processes: a wake-up for one
     could be read by the other. The child makes its own."""
-    parent = wakeup.thread_waiter()
+    parent = _own_waiter()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         try:
-            child = wakeup.thread_waiter()
+            child = _own_waiter()
             slot: Settling[int] = Settling()
             _settle_later(slot, 1, after=0.02)
             ok = child is not parent and slot.result(10) == 1
@@ -172,23 +179,28 @@ def test_ctrl_c_during_a_read_raises_and_a_read_inside_a_signal_handler_gets_its
     seen: list[Any] = []
 
     def handler(*_: Any) -> None:
-        seen.append(type(wakeup.thread_waiter()).__name__)
+        seen.append(type(_own_waiter()).__name__)
         _settle_later(outer, "outer", after=0.02)
         _settle_later(inner, "inner", after=0.05)
         seen.append(inner.result(30))
 
+    timers = [threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1)) for _ in range(2)]
     old = signal.signal(signal.SIGUSR1, handler)
     try:
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        timers[0].start()
         assert outer.result(30) == "outer"
         assert seen == ["_LockWaiter", "inner"]
         signal.signal(signal.SIGUSR1, signal.default_int_handler)
         stuck: Settling[str] = Settling()
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        timers[1].start()
         with pytest.raises(KeyboardInterrupt):
             stuck.result(30)
         assert not stuck.has_blocked_reader()
     finally:
+        for timer in timers:  # no signal may come once the default action (exit) is back
+            timer.cancel()
+            if timer.is_alive():
+                timer.join()
         signal.signal(signal.SIGUSR1, old)
 
 
@@ -219,3 +231,110 @@ def test_a_blocked_reader_wakes_after_the_done_callbacks_ran() -> None:
     slot.set_result(4)
     reader.join()
     assert seen == [[4]]
+
+
+@linux_only
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_a_signal_handler_that_returns_does_not_end_a_read_without_a_timeout() -> None:
+    """`os.eventfd_read` fails with EINTR when a handler ran; a read retries, as `Lock.acquire`
+    did (a SIGALRM timer or a SIGCHLD handler made passes fail with InterruptedError)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread")
+    calls: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: calls.append(1))
+    timers = [
+        threading.Timer(after, os.kill, (os.getpid(), signal.SIGUSR1)) for after in (0.02, 0.04)
+    ]
+    slot: Settling[str] = Settling()
+    thread = _settle_later(slot, "value", after=0.15)
+    try:
+        for timer in timers:
+            timer.start()
+        assert slot.result() == "value"
+        assert calls == [1, 1]
+    finally:
+        for timer in timers:  # no signal may come once the default action (exit) is back
+            timer.cancel()
+            timer.join()
+        thread.join()
+        signal.signal(signal.SIGUSR1, old)
+
+
+@linux_only
+def test_a_waiter_is_handed_out_busy_and_a_read_inside_it_gets_a_lock() -> None:
+    """Busy from the moment a read has it, before the read lists it on a value: a nested read
+    (a signal handler's, a finaliser's) in between must not share its eventfd."""
+    outer = wakeup.thread_waiter()
+    try:
+        assert outer.busy and type(outer).__name__ == "_EventWaiter"
+        assert type(wakeup.thread_waiter()).__name__ == "_LockWaiter"
+    finally:
+        outer.busy = False
+    assert wakeup.thread_waiter() is outer
+    outer.busy = False
+
+
+@linux_only
+def test_a_waiter_finalised_while_its_count_is_being_taken_does_not_deadlock() -> None:
+    """The collector may free a dead waiter during any allocation, also on a thread inside
+    `thread_waiter`'s counting: its finaliser takes no lock (it deadlocked there)."""
+    box: list[wakeup.Waiter] = []
+    maker = threading.Thread(target=lambda: box.append(_own_waiter()))
+    maker.start()
+    maker.join()
+
+    def finalise_under_the_lock() -> None:
+        with wakeup._count_lock:
+            box.clear()  # the last reference: the finaliser runs here
+
+    finaliser = threading.Thread(target=finalise_under_the_lock, daemon=True)
+    finaliser.start()
+    finaliser.join(10)
+    assert not finaliser.is_alive()
+
+
+def test_a_timeout_longer_than_poll_takes_still_waits_for_the_value() -> None:
+    """`poll` takes a C int of milliseconds (24.8 days); `Lock.acquire` took far more."""
+    for timeout in (30 * 86400.0, 1e7, threading.TIMEOUT_MAX):
+        slot: Settling[float] = Settling()
+        thread = _settle_later(slot, timeout, after=0.01)
+        assert slot.result(timeout) == timeout
+        thread.join()
+
+
+@linux_only
+@pytest.mark.skipif(sys.platform == "win32", reason="fork")
+def test_a_forked_child_closes_every_eventfd_it_inherited() -> None:
+    gate: Settling[None] = Settling()
+    started = threading.Barrier(5)
+
+    def read() -> None:
+        started.wait()
+        with contextlib.suppress(Exception):
+            gate.result(30)
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    for reader in readers:
+        reader.start()
+    started.wait()
+    while len(gate._waiters or ()) < 4:
+        time.sleep(0.001)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            inherited = list(gate._waiters or ())
+            gate.cancel()  # wakes the parent's readers' copies: must write nowhere
+            ok = _fds() == 0 and all(getattr(w, "_fd", -1) == -1 for w in inherited)
+            os.write(write_end, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"1"
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        gate.set_result(None)
+        for reader in readers:
+            reader.join()

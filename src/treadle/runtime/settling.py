@@ -145,25 +145,25 @@ class Settling(Generic[T]):
             log.exception("a done callback of %r raised", self)
 
     def _wait(self, timeout: float | None) -> None:
-        waiter = thread_waiter()
-        with _state_lock:
-            if self._state != _PENDING:
-                return
-            if self._waiters is None:
-                self._waiters = [waiter]
-            else:
-                self._waiters.append(waiter)
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
-        waiter.busy = True
+        waiter = thread_waiter()  # busy: a read inside this one (a signal handler's) gets a lock
         try:
+            with _state_lock:
+                if self._state != _PENDING:
+                    return
+                if self._waiters is None:
+                    self._waiters = [waiter]
+                else:
+                    self._waiters.append(waiter)
+            deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
             while True:
                 left = None if deadline is None else max(deadline - time.monotonic(), 0)
                 woken = waiter.wait(left)
                 if self._state != _PENDING:  # set before any wake-up, under the lock
                     return
-                if not woken:
+                if not woken and deadline is not None and time.monotonic() >= deadline:
                     raise concurrent.futures.TimeoutError()
-                # else a wake-up left from an earlier wait of this thread's: wait again
+                # else a wake-up left from an earlier read of this thread's, or a very long
+                # timeout's next round: wait again
         except BaseException as err:  # the timeout, or a signal handler's (KeyboardInterrupt)
             with _state_lock:
                 if self._waiters is not None and waiter in self._waiters:
@@ -173,6 +173,9 @@ class Settling(Generic[T]):
             raise
         finally:
             waiter.busy = False
+            # A raised error's traceback holds this frame: not the thread's waiter with it (its
+            # eventfd would stay open, and counted, until the collector freed the traceback).
+            del waiter
 
     def _read(self) -> T:
         if self._state == _CANCELLED:
