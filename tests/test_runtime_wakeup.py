@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,6 +37,23 @@ def _own_waiter() -> wakeup.Waiter:
     waiter = wakeup.thread_waiter()
     waiter.busy = False
     return waiter
+
+
+def _in_a_forked_child(check: Callable[[], bool]) -> bool:
+    """`check()` run in a forked child, its answer reported through a pipe."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.write(write, b"1" if check() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        return os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
 
 
 def _fds() -> int:
@@ -141,23 +159,14 @@ def test_a_forked_child_does_not_share_its_parents_eventfd() -> None:
     """The forking thread's eventfd would be the same file in both processes: a wake-up for one
     could be read by the other. The child makes its own."""
     parent = _own_waiter()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
-        try:
-            child = _own_waiter()
-            slot: Settling[int] = Settling()
-            _settle_later(slot, 1, after=0.02)
-            ok = child is not parent and slot.result(10) == 1
-            os.write(write, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    try:
-        assert os.read(read, 1) == b"1"
-    finally:
-        os.close(read)
-        os.waitpid(pid, 0)
+
+    def in_the_child() -> bool:
+        child = _own_waiter()
+        slot: Settling[int] = Settling()
+        _settle_later(slot, 1, after=0.02)
+        return child is not parent and slot.result(10) == 1
+
+    assert _in_a_forked_child(in_the_child)
     parent.wake()  # the parent's own is still open and its own
     pending: Settling[int] = Settling()
     with pytest.raises(TimeoutError):
@@ -319,22 +328,15 @@ def test_a_forked_child_closes_every_eventfd_it_inherited() -> None:
     started.wait()
     while len(gate._waiters or ()) < 4:
         time.sleep(0.001)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
-        try:
-            inherited = list(gate._waiters or ())
-            gate.cancel()  # wakes the parent's readers' copies: must write nowhere
-            ok = _fds() == 0 and all(getattr(w, "_fd", -1) == -1 for w in inherited)
-            os.write(write_end, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write_end)
+
+    def in_the_child() -> bool:
+        inherited = list(gate._waiters or ())
+        gate.cancel()  # wakes the parent's readers' copies: must write nowhere
+        return _fds() == 0 and all(getattr(w, "_fd", -1) == -1 for w in inherited)
+
     try:
-        assert os.read(read_end, 1) == b"1"
+        assert _in_a_forked_child(in_the_child)
     finally:
-        os.close(read_end)
-        os.waitpid(pid, 0)
         gate.set_result(None)
         for reader in readers:
             reader.join()
