@@ -5,8 +5,7 @@ A hundred thousand submitted passes each hold one until they settle. A `concurre
 carries a `Condition` (with its `RLock`, five bound lock methods and a deque), a waiter list and a
 callback list: 11 objects the garbage collector tracks and about 2.5 us to build, for a slot that
 is set once. This one holds its state in five slots and shares one module lock for its few state
-changes; a blocking reader waits on its thread's wake-up (`runtime/wakeup.py`) only
-when it actually waits
+changes; a reader takes its thread's wake-up (`runtime/wakeup.py`) only when it actually blocks
 (docs/performance.md, submitting 100,000 passes).
 
 It keeps the `concurrent.futures.Future` contract that Treadle uses: `result(timeout)` raises
