@@ -69,9 +69,14 @@ def _nested(wire: Any, group: str, key: str) -> Any:
     (a streamed reply's), or None."""
     if wire is None:
         return None
-    fields = wire if isinstance(wire, Mapping) else wire.model_extra
+    # `type(...) is dict` first: a streamed reply's usage and its details are plain dicts, and
+    # `isinstance` against the `Mapping` ABC runs a Python-level `__instancecheck__` (four a
+    # request).
+    fields = wire if type(wire) is dict or isinstance(wire, Mapping) else wire.model_extra
     details = fields.get(group) if fields else None
-    return details.get(key) if isinstance(details, Mapping) else None
+    if details is not None and (type(details) is dict or isinstance(details, Mapping)):
+        return details.get(key)
+    return None
 
 
 def request_usage_of(

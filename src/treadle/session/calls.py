@@ -32,7 +32,7 @@ class ToolCall:
         """The value of one wire-shaped call; missing fields become empty, never an error."""
         function = call.get("function")
         name = arguments = ""
-        if isinstance(function, Mapping):
+        if type(function) is dict or isinstance(function, Mapping):  # a dict: no ABC check
             name = str(function.get("name") or "")
             raw = function.get("arguments")
             if isinstance(raw, str):

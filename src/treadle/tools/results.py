@@ -251,7 +251,7 @@ def success_content(value: Any, *, max_chars: int | None = None) -> str:
     if isinstance(value, EncodedResult):
         return value.text
     limit = max_chars if max_chars is not None else MAX_TEXT_CHARS
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):  # a dict: no ABC check
         body: dict[str, Any] = {"ok": True}
         body.update({str(k): v for k, v in value.items()})
     else:
