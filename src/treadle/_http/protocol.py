@@ -252,8 +252,9 @@ class Connection(asyncio.BufferedProtocol):
             self.close()
             return
         if ex.complete:
-            self.exchange = None  # nothing of a later read can reach this exchange
-            self._disarm()
+            # Nothing of a later read can reach this exchange. The read timer stays armed for
+            # the next request on this connection (`begin`); firing while idle, it ends.
+            self.exchange = None
         elif ex.queued >= PAUSE_BYTES and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
@@ -381,7 +382,17 @@ class Connection(asyncio.BufferedProtocol):
         self.pooled = False
         now = self.written_at = self.last_data = loop.time()
         self._read = read
-        if read is not None:
+        timer = self._timer
+        if read is None:
+            if timer is not None:
+                self._disarm()
+        elif timer is None or timer.when() > now + read:
+            # The read timer is kept from one reply to the next on a kept-alive connection (it
+            # checks `last_data` when it fires and re-arms itself, `_check`): a timer armed and
+            # cancelled per request was two asyncio handles' work a round. Armed anew only
+            # when there is none, or the kept one is due later than this read allows.
+            if timer is not None:
+                timer.cancel()
             self._timer = loop.call_at(now + read, self._check)
         return ex
 
