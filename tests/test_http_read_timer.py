@@ -2,7 +2,7 @@
 
 One timer is armed per connection, not per request: it stays armed from one reply to the next
 and re-arms itself from the time of the last byte when it fires (docs/performance.md, "Streamed
-rounds: four trims of a round"). What that must not change: every request's read timeout holds,
+rounds: two trims of a round"). What that must not change: every request's read timeout holds,
 also a shorter one than the request before it had, also after the timer fired while the
 connection sat idle in the pool. Real sockets on loopback: a raw asyncio server that counts its
 connections and answers each request after the delay the test queued for it.
