@@ -387,10 +387,8 @@ class Connection(asyncio.BufferedProtocol):
             if timer is not None:
                 self._disarm()
         elif timer is None or timer.when() > now + read:
-            # The read timer is kept from one reply to the next on a kept-alive connection (it
-            # checks `last_data` when it fires and re-arms itself, `_check`): a timer armed and
-            # cancelled per request was two asyncio handles' work a round. Armed anew only
-            # when there is none, or the kept one is due later than this read allows.
+            # One timer is kept from reply to reply (`_check` re-arms from `last_data`); armed
+            # anew only when there is none, or the kept one is due later than this read allows.
             if timer is not None:
                 timer.cancel()
             self._timer = loop.call_at(now + read, self._check)
