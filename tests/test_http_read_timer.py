@@ -129,5 +129,16 @@ async def test_closing_the_pool_cancels_the_kept_timer(pool: Pool) -> None:
         timer = conn._timer
         assert timer is not None
         await pool.aclose()
-        await asyncio.sleep(0)  # connection_lost runs
+        # At the close itself, not at `connection_lost`: over TLS a peer that never answers the
+        # close_notify holds that back for up to 30 s (asyncio's ssl_shutdown_timeout).
+        assert timer.cancelled() and conn._timer is None
+
+
+async def test_closing_a_connection_cancels_its_kept_timer_at_once(pool: Pool) -> None:
+    async with serving([]) as (_, url):
+        await pool.post(url, BODY, HEADERS, Timeouts(5, 30, 5))
+        conn = only_connection(pool)
+        timer = conn._timer
+        assert timer is not None
+        conn.close()  # `connection_lost` comes later (a loop turn; over TLS up to 30 s)
         assert timer.cancelled() and conn._timer is None

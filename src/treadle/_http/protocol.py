@@ -444,6 +444,7 @@ class Connection(asyncio.BufferedProtocol):
         """Close the connection (idempotent); an unfinished exchange fails when it is lost."""
         self._by_client = self._by_client or by_client  # the pool closed: say so, not "server"
         self.closed = True
+        self._disarm()  # now: a TLS close can hold `connection_lost` back for 30 s
         if self.transport is not None:
             self.transport.close()
 
