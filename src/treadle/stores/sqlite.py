@@ -192,7 +192,8 @@ class SqliteBackend:
                 ).fetchall()
                 known += tuple(decode_row(k, p, key) for k, p in found_rows)
                 cache.put(key, head.created_at, known)
-            # `Head.stored`, inline (every turn's read): its own copy of the metadata.
+            # Built here (every turn's read; a method of `Head` was one Python call more), with
+            # its own copy of the metadata, which its reader may change.
             meta = {} if head.metadata == "{}" else decode_json(head.metadata, key)
             return stored_conversation(
                 key, known, head.usage, head.stop_reason, meta, head.parent_key,
