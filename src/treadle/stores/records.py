@@ -400,11 +400,12 @@ class RowCache:
         """A commit of `rows` at version `base`: cached rows that end at `base` grow by them,
         if they are of the conversation the commit checked (`created_at`; None: not checked):
         one deleted and started again meanwhile may hold `base` rows of its own."""
-        found = self._rows.get(key)
-        if found is None or (created_at is not None and found[0] != created_at):
+        found = self._rows.pop(key, None)
+        if found is None:
             return
-        if len(found[1]) == base:
-            self.put(key, found[0], found[1] + tuple(rows))
+        if len(found[1]) == base and (created_at is None or found[0] == created_at):
+            found = (found[0], found[1] + tuple(rows))
+        self._rows[key] = found  # most recently used last (`put`'s order, without its call)
 
     def drop(self, key: str) -> None:
         """Forget `key` (deleted)."""

@@ -37,11 +37,13 @@ from treadle.stores.records import (
     encode_json,
     exists_error,
     fork_point,
+    stored_conversation,
 )
 from treadle.stores.sqlite_passes import claim_job, pending_job, record_job
 from treadle.stores.sqlite_thread import DatabaseThread, Head, release, thread_for
 from treadle.stores.sqlite_writes import (
     ORPHAN_KEYS,
+    StoreConnection,
     advance,
     commit_job,
     delete_keys,
@@ -88,7 +90,9 @@ assert max(MIGRATIONS) == SCHEMA_VERSION
 def _connect(path: Path) -> sqlite3.Connection:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, factory=StoreConnection
+        )
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
@@ -188,7 +192,13 @@ class SqliteBackend:
                 ).fetchall()
                 known += tuple(decode_row(k, p, key) for k, p in found_rows)
                 cache.put(key, head.created_at, known)
-            return head.stored(key, known)
+            # Built here (every turn's read; a method of `Head` was one Python call more), with
+            # its own copy of the metadata, which its reader may change.
+            meta = {} if head.metadata == "{}" else decode_json(head.metadata, key)
+            return stored_conversation(
+                key, known, head.usage, head.stop_reason, meta, head.parent_key,
+                head.parent_version, head.created_at,
+            )  # fmt: skip
 
         # Runs to its end even if the caller is cancelled; a `sqlite3.Error` arrives as the
         # `StoreError` `_run` would raise (`DatabaseThread` maps it).

@@ -3,18 +3,12 @@ wrote them (used from the database thread only; see `HeadCache`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.session import ChunkRow, Usage
-from treadle.stores.records import (
-    ROW_CACHE_CONVERSATIONS,
-    StoredConversation,
-    decode_json,
-    decode_usage,
-    stored_conversation,
-)
+from treadle.session import Usage
+from treadle.stores.records import ROW_CACHE_CONVERSATIONS, decode_usage
 
 __all__ = ["Head", "HeadCache"]
 
@@ -43,14 +37,6 @@ class Head:
             decode_usage(usage, key), stop, meta, parent_key, parent_version, created_at, version
         )
 
-    def stored(self, key: str, rows: tuple[ChunkRow, ...]) -> StoredConversation:
-        """The conversation with this head and its `rows` (its own copy of the metadata)."""
-        meta = {} if self.metadata == "{}" else decode_json(self.metadata, key)
-        return stored_conversation(
-            key, rows, self.usage, self.stop_reason, meta, self.parent_key, self.parent_version,
-            self.created_at,
-        )  # fmt: skip
-
 
 class HeadCache:
     """Conversation heads as this thread's connection last read or wrote them, so a read (and a
@@ -63,10 +49,9 @@ class HeadCache:
     def __init__(self, size: int = ROW_CACHE_CONVERSATIONS) -> None:
         self.size = size
         self._heads: dict[str, Head] = {}
-
-    def get(self, key: str) -> Head | None:
-        """The head of `key`, if known."""
-        return self._heads.get(key)
+        self.get: Callable[[str], Head | None] = self._heads.get
+        """The head of `key`, if known (the dictionary's own `get`: every read and commit asks,
+        and a method of this class would cost each a Python call)."""
 
     def put(self, key: str, head: Head) -> None:
         """Remember the head of `key` (the oldest goes past `size`)."""

@@ -38,6 +38,17 @@ HERE = Here()
 
 def deliver(path: Path, outcomes: list[tuple[Job, Any, BaseException | None]]) -> None:
     """Settle each job's future on its own loop: one thread-safe call per loop."""
+    if not outcomes:
+        return
+    first = outcomes[0][0][1]
+    for job, _, _ in outcomes:
+        if job[1] is not first:
+            break
+    else:  # every job of the batch from one loop (the common case): no grouping by loop
+        settled = [(job[2], value, error) for job, value, error in outcomes]
+        with contextlib.suppress(RuntimeError):  # that loop has closed: no one waits any more
+            first.call_soon_threadsafe(_settle, path, settled)
+        return
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Target, Any, Any]]] = {}
     for (_, loop, target, _), value, error in outcomes:
         by_loop.setdefault(loop, []).append((target, value, error))

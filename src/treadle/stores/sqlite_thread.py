@@ -92,11 +92,13 @@ class DatabaseThread:
                 if job is None:
                     break
                 batch = [job]
-                # What queued meanwhile shares one commit (this thread is the queue's only
-                # reader: not empty means a job is there, and no `queue.Empty` is raised and
-                # caught at the end of every batch).
-                while len(batch) < MAX_BATCH and not self._jobs.empty():
-                    more = self._jobs.get_nowait()
+                # What queued meanwhile shares one commit. This thread is the queue's only
+                # reader, so the jobs `qsize` counts are there to take: one call a batch to
+                # count them, not an `empty()` and a `len()` a job (nor a `queue.Empty`
+                # raised and caught at the end of every batch).
+                take = self._jobs.get_nowait
+                for _ in range(min(self._jobs.qsize(), MAX_BATCH - 1)):
+                    more = take()
                     if more is None:
                         stopping = True
                         break
