@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from treadle.distributed.frozen import positional
 from treadle.errors import ConfigurationError, PassFailed, PassLost
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
@@ -197,7 +198,7 @@ class PassOutcome:
                 pass  # another key: the keyword call refuses it as it always did
             else:
                 values[_HISTORY] = tuple(values[_HISTORY])
-                return cls(*values)
+                return _build_outcome(*values)
         return cls(**{**data, "history": tuple(data.get("history", ()))})
 
 
@@ -233,10 +234,9 @@ def received_session(outcome: PassOutcome) -> Session:
     }
     metadata = local_metadata(outcome.metadata)
     metadata[OUTCOME_METADATA_KEY] = info
-    usage = outcome.usage
-    data = SessionData(
-        table, Usage(**usage) if usage else Usage(), cast(Any, outcome.stop_reason), metadata
-    )
+    # The frozen values built without `__init__`'s per-field `object.__setattr__`
+    # (`treadle.distributed.frozen`), as `_request_usages` and `from_json` build theirs.
+    data = _build_data(table, _usage(outcome.usage), cast(Any, outcome.stop_reason), metadata)
     return Session._derive(data, operator="from_messages", kind="user", parents=(), sandbox=None)
 
 
@@ -324,6 +324,24 @@ _OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(PassOutcome))
 _JSON_FIELDS = tuple(name for name in _OUTCOME_FIELDS if name != "rows")
 _outcome_values = operator.itemgetter(*_OUTCOME_FIELDS)
 _HISTORY = _OUTCOME_FIELDS.index("history")
+_build_outcome = positional(PassOutcome)
+_build_data = positional(SessionData)
+_build_usage = positional(Usage)
+_USAGE_TOTALS = tuple(f.name for f in dataclasses.fields(Usage))
+_usage_totals = operator.itemgetter(*_USAGE_TOTALS)
+
+
+def _usage(usage: dict[str, int]) -> Usage:
+    """An outcome's usage counters as the output's `Usage` (a worker's: its four, unpickled)."""
+    if not usage:
+        return Usage()
+    if type(usage) is dict and len(usage) == len(_USAGE_TOTALS):
+        try:
+            return _build_usage(*_usage_totals(usage))
+        except KeyError:
+            pass  # another key: the keyword call refuses it as it always did
+    return Usage(**usage)
+
 
 _PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
 
@@ -368,6 +386,7 @@ def portable_metadata(metadata: Mapping[str, Any], *, compact: bool = False) -> 
 _USAGE_NAMES = tuple(f.name for f in dataclasses.fields(RequestUsage))
 _usage_values = operator.attrgetter(*_USAGE_NAMES)
 _usage_items = operator.itemgetter(*_USAGE_NAMES)
+_build_request_usage = positional(RequestUsage)
 
 
 _SCALARS = frozenset({str, int, float, bool})
@@ -460,10 +479,11 @@ def _request_usages(entries: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
         # compared each keyword with the names before it (a fifth of the driver's rebuild, in
         # instructions; docs/performance.md). An entry with other keys takes the keyword path.
         n, values = len(_USAGE_NAMES), _usage_items
+        build = _build_request_usage  # one per completion: no `__init__` (`frozen.positional`)
         if all(type(e) is tuple and len(e) == n for e in entries):  # a worker's compact form
-            return tuple([RequestUsage(*e) for e in entries])
+            return tuple([build(*e) for e in entries])
         if all(type(e) is dict and len(e) == n for e in entries):
-            return tuple([RequestUsage(*values(e)) for e in entries])
+            return tuple([build(*values(e)) for e in entries])
         if all(type(e) is dict for e in entries):
             return tuple([RequestUsage(**e) for e in entries])
     except (KeyError, TypeError, ValueError):
