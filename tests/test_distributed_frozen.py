@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from treadle.distributed.frozen import positional
-from treadle.distributed.outcome import PassOutcome
+from treadle.distributed.outcome import PassItem, PassOutcome
 from treadle.loop import RequestUsage
 from treadle.session import SessionData, Usage
 from treadle.session.rows import ChunkRow, ChunkTable
@@ -21,6 +21,7 @@ from treadle.session.rows import ChunkRow, ChunkTable
 VALUES: list[tuple[type[Any], tuple[Any, ...]]] = [
     (RequestUsage, (110, 4, 1, 2, "chatcmpl-1", 0.25, "cpu-bound", "req_1")),
     (Usage, (808, 20, 828, 4)),
+    (PassItem, (0, "id", [{"role": "user", "content": "hi"}], None, 1, {"traceparent": "x"}, None)),
     (
         PassOutcome,
         (3, "in-id", "ok", 1, "host:1", None, {"requests": 1}, "final_answer", None, (), {}, []),
@@ -52,6 +53,13 @@ def test_a_fast_built_value_is_the_one_its_constructor_builds(
     assert copy.copy(fast) == plain and dataclasses.replace(fast) == plain
     with pytest.raises(TypeError):  # every field must be given, as positional callers do
         build(*values[:-1])
+
+
+def test_an_item_from_a_str_is_the_one_its_constructor_builds() -> None:
+    item = PassItem.from_input(3, "hello", {"traceparent": "x"})
+    assert type(item) is PassItem
+    assert item == PassItem(3, item.session_id, [{"role": "user", "content": "hello"}],
+                            trace_context={"traceparent": "x"})  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ class PassItem:
         """An item from a map input: a finished `Session` or a user message string."""
         if isinstance(value, str):  # the message `Session.from_user_message` holds, without it
             message = {"role": "user", "content": value}
+            if cls is PassItem:  # one per input: no `__init__` (`frozen.positional`)
+                return _build_item(index, new_session_id(), [message], None, 1, trace_context, None)
             return cls(index, new_session_id(), [message], trace_context=trace_context)
         if not isinstance(value, Session):
             raise ConfigurationError(
@@ -324,6 +326,7 @@ _OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(PassOutcome))
 _JSON_FIELDS = tuple(name for name in _OUTCOME_FIELDS if name != "rows")
 _outcome_values = operator.itemgetter(*_OUTCOME_FIELDS)
 _HISTORY = _OUTCOME_FIELDS.index("history")
+_build_item = positional(PassItem)
 _build_outcome = positional(PassOutcome)
 _build_data = positional(SessionData)
 _build_usage = positional(Usage)
