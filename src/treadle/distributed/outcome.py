@@ -94,7 +94,9 @@ class PassItem:
 
     def to_json(self) -> dict[str, Any]:
         """The item as a JSON-able dict (its fields are JSON data already: not copied)."""
-        return {name: getattr(self, name) for name in _ITEM_FIELDS}
+        # Read in C (`attrgetter`, `zip`): a `getattr` per field in a comprehension was a
+        # tenth of the driver's own Python per input.
+        return dict(zip(_ITEM_FIELDS, _item_attributes(self), strict=True))
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PassItem:
@@ -326,6 +328,7 @@ def rows_messages(pairs: list[tuple[RowKind, dict[str, Any]]]) -> list[dict[str,
 
 # Field names, once: `dataclasses.fields` on every item and outcome was a driver's hot spot.
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PassItem))
+_item_attributes = operator.attrgetter(*_ITEM_FIELDS)
 _OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(PassOutcome))
 _JSON_FIELDS = tuple(name for name in _OUTCOME_FIELDS if name != "rows")
 _outcome_values = operator.itemgetter(*_OUTCOME_FIELDS)
