@@ -7,6 +7,7 @@ backend has its own module (tests/test_distributed_ray.py, `make test-ray`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from treadle.distributed import (
 from treadle.distributed.janitor import ROOT_PREFIX, make_sandbox_root, owner_of
 from treadle.distributed.worker import PassWorker
 from treadle.llm import Provider
+from treadle.loop import RequestUsage
 from treadle.testing import FakeOpenAIServer, Reply
 from treadle.testing.sample_tools import shout, shout_inputs, shout_script, shouter
 
@@ -133,6 +135,38 @@ async def test_process_backend_matches_local_and_writes_results(tmp_path: Path) 
     assert len({o.worker for o in outcomes}) == 2  # both workers ran passes
     assert all(o.usage["requests"] == 2 and o.stop_reason == "final_answer" for o in outcomes)
     assert _left(sandboxes) == []  # every pass's and every worker's directory is gone
+
+
+def _whole(session: Session) -> dict[str, Any]:
+    """Everything of an output but what differs between two runs of the same pass (its ids,
+    the request ids the server numbers and latencies), what says where it ran, and its lineage
+    (a process backend's output is rebuilt: `from_messages`, not `run_session_loop`)."""
+    metadata = {k: v for k, v in session.metadata.items() if k != OUTCOME_METADATA_KEY}
+    entries = metadata.pop("request_usage")
+    assert all(type(e) is RequestUsage for e in entries)
+    metadata["request_usage"] = [
+        dataclasses.replace(e, response_id="", request_id="", latency_seconds=0.0) for e in entries
+    ]
+    rows = [(type(r), r.kind, r.payload) for r in session.chunk_table]
+    return {
+        "rows": rows,
+        "messages": session.to_messages(),
+        "usage": (type(session.usage), session.usage),
+        "stop_reason": session.stop_reason,
+        "metadata": metadata,
+    }
+
+
+async def test_a_process_backends_outputs_are_the_local_backends() -> None:
+    # Each output as the local backend makes it (rows, usage, stop reason, metadata and the
+    # types of its frozen values), however the driver rebuilds it from what crossed.
+    with FakeOpenAIServer(script=shout_script) as server:
+        agent = _agent(server.base_url)
+        inputs = [f"item {i}" for i in range(24)] + [Session.from_user_message("a session")]
+        local = await amap(agent, inputs, concurrency=8)
+        remote = await amap(agent, inputs, backend="process", workers=2, concurrency=4)
+    assert [_whole(s) for s in remote] == [_whole(s) for s in local]
+    assert remote[-1].metadata[OUTCOME_METADATA_KEY]["input_session_id"] == inputs[-1].id
 
 
 def _faulty(request: dict[str, Any]) -> Reply:

@@ -120,9 +120,9 @@ class PassWorker:
 
     async def run(self, item: PassItem | Mapping[str, Any]) -> PassOutcome:
         """Run one pass; every failure (error, timeout) is reported in the outcome."""
-        return PassOutcome.from_json(await self._run(item))._public()
+        return PassOutcome.from_json(await self.run_wire(item))._public()
 
-    async def _run(self, item: PassItem | Mapping[str, Any]) -> dict[str, Any]:
+    async def run_wire(self, item: PassItem | Mapping[str, Any]) -> dict[str, Any]:
         """`run`, as the wire form a process worker sends (`PassOutcome.from_json` takes it
         back; the output's rows as `PassOutcome.rows`).
 
@@ -201,19 +201,24 @@ class PassWorker:
         gets an answer."""
         try:
             # Its metadata is `portable_metadata`'s, JSON data already: not walked again.
-            return await self._run(item)
+            return await self.run_wire(item)
         except Exception as err:
-            log.exception("a worker's item failed outside its pass")
-            data = item if isinstance(item, Mapping) else {}
-            index = data.get("index", -1)
-            return {
-                "index": index if type(index) is int else -1,
-                "session_id": str(data.get("session_id", "")),
-                "status": "error",
-                "attempts": data.get("attempt", 1) if type(data.get("attempt")) is int else 1,
-                "worker": self.name,
-                "error": f"input {index} could not be run: {_error_text(err)}"[:2000],
-            }
+            return self.unrunnable(item, err)
+
+    def unrunnable(self, item: Any, err: Exception) -> dict[str, Any]:
+        """The error outcome of an item `run_wire` raised for (not a pass's failure: an item
+        that is not one, an outcome that cannot be made, a bug), logged."""
+        log.exception("a worker's item failed outside its pass", exc_info=err)
+        data = item if isinstance(item, Mapping) else {}
+        index = data.get("index", -1)
+        return {
+            "index": index if type(index) is int else -1,
+            "session_id": str(data.get("session_id", "")),
+            "status": "error",
+            "attempts": data.get("attempt", 1) if type(data.get("attempt")) is int else 1,
+            "worker": self.name,
+            "error": f"input {index} could not be run: {_error_text(err)}"[:2000],
+        }
 
     def _failed(
         self, index: int, session_id: str, attempt: int, status: str, error: str
