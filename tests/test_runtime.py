@@ -7,6 +7,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -201,6 +202,31 @@ def test_a_forked_child_is_refused_by_its_parents_runtime() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def _asleep_in_epoll(rt: Runtime) -> None:
+    """Return once the runtime's loop thread sleeps in `epoll_wait` (up to 10 s; where there is
+    no /proc, after a pause).
+
+    A fork outside Python's at-fork hooks copies into the child whatever the other threads held
+    at that moment, and the child has no such threads to let go of it: the loop thread, still
+    finishing the step that woke this one, may hold a lock or, around a call that releases it,
+    the GIL. A C extension forking a threaded program runs that risk; this test forks when the
+    loop thread holds nothing, to test what it is about (the child's process id check)."""
+    tid = rt._thread.native_id
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/self/task/{tid}/wchan") as f:
+                wchan = f.read()
+        except (OSError, IndexError):
+            time.sleep(0.2)
+            return
+        if state == "S" and "epoll" in wchan:
+            return
+        time.sleep(0.001)
+
+
 def test_a_child_forked_by_libc_gets_a_fresh_runtime() -> None:
     # A C extension's fork() runs none of Python's at-fork hooks: only the process id tells
     # the child that the runtime it inherited has no thread here.
@@ -209,7 +235,9 @@ def test_a_child_forked_by_libc_gets_a_fresh_runtime() -> None:
     parent_rt = get_runtime()
     assert parent_rt.run(_value(1)) == 1
     read_end, write_end = os.pipe()
-    pid = ctypes.CDLL(None).fork()
+    _asleep_in_epoll(parent_rt)
+    # `PyDLL`: the call keeps the GIL, as a C extension's code does (`CDLL` lets go of it).
+    pid = ctypes.PyDLL(None).fork()
     if pid == 0:
         code = 1
         try:
