@@ -62,3 +62,14 @@ async def _eventually(condition: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0.01)
     assert condition()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request (head and Content-Length body) off a raw connection."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return head + await reader.readexactly(length)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from net_helpers import cancel_held_requests, unanswered_port
+from net_helpers import cancel_held_requests, read_request, unanswered_port
 from treadle import ConfigurationError, Provider, Session, run_session_loop
 from treadle._http import protocol
 from treadle._http.errors import (
@@ -73,17 +73,6 @@ async def post_stream(
 
 def chat(server: FakeOpenAIServer) -> str:
     return f"{server.base_url}/chat/completions"
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    """One request (head and Content-Length body) off a raw connection; b"" at EOF."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.lower() == b"content-length":
-            length = int(value)
-    return head + await reader.readexactly(length)
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from net_helpers import read_request
 from treadle._http.errors import ReadTimeout
 from treadle._http.pool import Pool
 from treadle._http.protocol import Connection
@@ -38,13 +39,7 @@ class Delayed:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                await reader.readexactly(length)
+                await read_request(reader)
                 index, self.requests = self.requests, self.requests + 1
                 delay = self.delays[index] if index < len(self.delays) else 0.0
                 await asyncio.sleep(delay)
@@ -122,23 +117,17 @@ async def test_a_request_without_a_read_timeout_drops_the_kept_timer(pool: Pool)
         assert only_connection(pool)._timer is None
 
 
-async def test_closing_the_pool_cancels_the_kept_timer(pool: Pool) -> None:
+@pytest.mark.parametrize("closing", ["the pool", "the connection"])
+async def test_closing_cancels_the_kept_timer_at_once(pool: Pool, closing: str) -> None:
     async with serving([]) as (_, url):
         await pool.post(url, BODY, HEADERS, Timeouts(5, 30, 5))
         conn = only_connection(pool)
         timer = conn._timer
         assert timer is not None
-        await pool.aclose()
-        # At the close itself, not at `connection_lost`: over TLS a peer that never answers the
-        # close_notify holds that back for up to 30 s (asyncio's ssl_shutdown_timeout).
-        assert timer.cancelled() and conn._timer is None
-
-
-async def test_closing_a_connection_cancels_its_kept_timer_at_once(pool: Pool) -> None:
-    async with serving([]) as (_, url):
-        await pool.post(url, BODY, HEADERS, Timeouts(5, 30, 5))
-        conn = only_connection(pool)
-        timer = conn._timer
-        assert timer is not None
-        conn.close()  # `connection_lost` comes later (a loop turn; over TLS up to 30 s)
+        if closing == "the pool":
+            await pool.aclose()
+        else:
+            conn.close()
+        # At the close itself, not at `connection_lost`, a loop turn later: over TLS a peer that
+        # never answers the close_notify holds that back for up to 30 s (ssl_shutdown_timeout).
         assert timer.cancelled() and conn._timer is None
