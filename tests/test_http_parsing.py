@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from net_helpers import read_request
 from treadle._http.errors import HTTPError, MalformedReply, RemoteProtocolError, UnsupportedReply
 from treadle._http.pool import Pool
 from treadle._http.protocol import (
@@ -43,13 +44,7 @@ async def raw_server(wire: bytes) -> AsyncIterator[tuple[str, list[int]]]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.lower() == b"content-length":
-                        length = int(value)
-                await reader.readexactly(length)
+                await read_request(reader)
                 seen.append(1)
                 writer.write(wire)
                 await writer.drain()
