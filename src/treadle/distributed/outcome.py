@@ -16,8 +16,8 @@ from typing import Any, Literal, cast
 
 from treadle.distributed.frozen import positional
 from treadle.distributed.outcome_metadata import (
-    _expanded_usage,
-    _json_data,
+    expanded_usage,
+    json_data,
     local_metadata,
     portable_metadata,
 )
@@ -154,7 +154,7 @@ class PassOutcome:
         """This outcome as a caller sees it: `messages` made from the worker's `rows`."""
         if self.rows is None:
             return self
-        metadata = _expanded_usage(self.metadata)  # a failed item's caller gets the dicts too
+        metadata = expanded_usage(self.metadata)  # a failed item's caller gets the dicts too
         try:
             messages = rows_messages(self.rows)
         except _MalformedRows as err:  # that pass fails, naming the row (not the whole map)
@@ -190,7 +190,7 @@ class PassOutcome:
             return self._public().to_json()
         data = {name: getattr(self, name) for name in _JSON_FIELDS}
         data["history"] = list(self.history)
-        data["metadata"] = _json_data(self.metadata)
+        data["metadata"] = json_data(self.metadata)
         return data
 
     @classmethod

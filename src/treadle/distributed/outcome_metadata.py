@@ -16,7 +16,7 @@ from treadle.distributed.frozen import positional
 from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.loop.request_usage import RequestUsage
 
-__all__ = ["local_metadata", "portable_metadata"]
+__all__ = ["expanded_usage", "json_data", "local_metadata", "portable_metadata"]
 
 _PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
 
@@ -30,19 +30,19 @@ def portable_metadata(metadata: Mapping[str, Any], *, compact: bool = False) -> 
     and unpickle (docs/performance.md, process workers, ninth round)."""
     import pydantic
 
-    out: dict[str, Any] = {k: _json_data(metadata[k]) for k in _PORTABLE if k in metadata}
+    out: dict[str, Any] = {k: json_data(metadata[k]) for k in _PORTABLE if k in metadata}
     value = metadata.get("output")
     if isinstance(value, pydantic.BaseModel):
         out["output"] = value.model_dump(mode="json")
     elif value is not None:
-        out["output"] = _json_data(value)
+        out["output"] = json_data(value)
     trip = metadata.get("tripwire")
     if trip is not None and dataclasses.is_dataclass(trip) and not isinstance(trip, type):
-        out["tripwire"] = _json_data(_plain(trip))
+        out["tripwire"] = json_data(_plain(trip))
     if metadata.get("guardrail_results"):
         results = metadata["guardrail_results"]
         out["guardrail_results"] = [
-            _json_data({**_plain(r), "tripped": bool(r.tripped)}) for r in results
+            json_data({**_plain(r), "tripped": bool(r.tripped)}) for r in results
         ]
     if metadata.get("request_usage"):
         # A `RequestUsage`'s fields are scalars: its plain dict is JSON data as it is, made in
@@ -52,7 +52,7 @@ def portable_metadata(metadata: Mapping[str, Any], *, compact: bool = False) -> 
         out["request_usage"] = [
             (values(v) if compact else dict(zip(names, values(v), strict=True)))
             if type(v) is RequestUsage
-            else _json_data(_plain(v))
+            else json_data(_plain(v))
             for v in entries
         ]
     return out
@@ -67,7 +67,7 @@ _build_request_usage = positional(RequestUsage)
 _SCALARS = frozenset({str, int, float, bool})
 
 
-def _json_data(value: Any) -> Any:
+def json_data(value: Any) -> Any:
     """`value` with every dataclass in it as a dict (what `dataclasses.asdict` does to fields).
 
     Plain dicts and lists (nearly all of an outcome's metadata) are told by their exact type
@@ -78,18 +78,18 @@ def _json_data(value: Any) -> Any:
         return value
     if kind is dict:  # scalars inline: a call per value was most of this walk
         return {
-            k: v if v is None or type(v) in _SCALARS else _json_data(v) for k, v in value.items()
+            k: v if v is None or type(v) in _SCALARS else json_data(v) for k, v in value.items()
         }
     if kind is list:
-        return [_json_data(v) for v in value]
+        return [json_data(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, dict):
-        return {k: _json_data(v) for k, v in value.items()}
+        return {k: json_data(v) for k, v in value.items()}
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple, as asdict does
-        return type(value)(*[_json_data(v) for v in value])
+        return type(value)(*[json_data(v) for v in value])
     if isinstance(value, list | tuple):
-        return type(value)(_json_data(v) for v in value)
+        return type(value)(json_data(v) for v in value)
     return value
 
 
@@ -135,7 +135,7 @@ def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _expanded_usage(metadata: dict[str, Any]) -> dict[str, Any]:
+def expanded_usage(metadata: dict[str, Any]) -> dict[str, Any]:
     """A worker's wire metadata with its compact request usage as the dicts `to_json` gives."""
     entries = metadata.get("request_usage") if type(metadata) is dict else None
     if type(entries) is not list or not all(type(e) is tuple for e in entries):
