@@ -62,11 +62,9 @@ def test_a_v2_group_bounds_memory_and_swap(cgroup2: Path) -> None:
     assert group.oom_kills() == 0
     (group.path / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
     assert group.oom_kills() == 2
-    # As root the box's first process joins as root, then becomes the box's uid.
-    assert group.join_argv(as_uid=4242)[3:] == [
-        str(group.path / "cgroup.procs"), "setpriv", "--reuid=4242", "--regid=4242",
-        "--clear-groups", "--",
-    ]  # fmt: skip
+    # v2 moves a process through cgroup.procs (v1 through tasks: test_v1_...).
+    assert group.procs_file == group.path / "cgroup.procs"
+    assert group.join_argv()[3:] == [str(group.path / "cgroup.procs")]
 
 
 def test_v2_enables_the_memory_controller_for_children_when_it_may(cgroup2: Path) -> None:

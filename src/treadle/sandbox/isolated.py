@@ -28,6 +28,7 @@ import anyio
 
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
+from treadle.sandbox.box_reaping import kill_box, open_leader, reaped_argv
 from treadle.sandbox.box_tree import give_tree_to
 from treadle.sandbox.bwrap import (
     BOX_ENV,
@@ -146,6 +147,15 @@ class IsolatedBackend(LocalBackend):
         self._own_uid = os.geteuid() == 0
         self.host_uid = _allocate_uid() if self._own_uid else os.geteuid()
         """The host uid every process of this box runs as."""
+        # As root, each command's box is started in a PID namespace of its own, which reaps it
+        # whole (see `treadle.sandbox.box_reaping`); pidfds of the running commands' first
+        # processes, by group, let a kill stop that namespace's init alone.
+        self._tools = [self._bwrap, self._prlimit]
+        if self._own_uid:
+            self._unshare = find_executable("unshare")
+            self._setpriv = find_executable("setpriv")
+            self._tools += [self._unshare, self._setpriv]
+        self._leaders: dict[int, int] = {}
         self._env = {**BOX_ENV, **self.options.env}
         self._memory: MemoryGroup | None = None
         self.memory_bound: str | None = None
@@ -178,6 +188,27 @@ class IsolatedBackend(LocalBackend):
             if self._memory is not None and self._owner_pid == os.getpid():
                 self._memory.close()
 
+    def _started(self, pgid: int) -> None:
+        if self._own_uid:  # before the group is known as live: a close may kill it at once
+            leader = open_leader(pgid)
+            if leader is not None:
+                with self._lock:
+                    self._leaders[pgid] = leader
+        super()._started(pgid)
+
+    def _exited(self, pgid: int) -> None:
+        super()._exited(pgid)
+        with self._lock:
+            leader = self._leaders.pop(pgid, None)
+        if leader is not None:
+            os.close(leader)
+
+    def _kill(self, pgid: int) -> None:
+        # Under the lock: `_exited` (another thread, for a close) may not close the pidfd while
+        # it is used here.
+        with self._lock:
+            kill_box(pgid, self._leaders.get(pgid))
+
     @property
     def memory_group(self) -> MemoryGroup | None:
         """The box's memory cgroup, or None where the machine gives none (see docs/sandbox.md)."""
@@ -191,7 +222,7 @@ class IsolatedBackend(LocalBackend):
     ) -> CommandResult:
         """Run `command` with `/bin/sh -c` in a fresh box over the workspace (at `/workspace`)."""
         root = self._live_root()
-        for tool in (self._bwrap, self._prlimit):
+        for tool in self._tools:
             if not os.access(tool, os.X_OK):  # removed (or upgraded away) since the box was made
                 raise SandboxUnavailable(
                     f"{tool} is gone since this sandbox was made; reinstall it "
@@ -211,15 +242,12 @@ class IsolatedBackend(LocalBackend):
             processes_already=0 if self._own_uid else _processes_of(self.host_uid),
         )
         memory = self._memory
-        oom_before = 0
-        as_uid = self.host_uid if self._own_uid else None
-        if memory is not None:
-            if memory.version == 2 and as_uid is not None:  # only root may move it (see there)
-                launcher = [*memory.join_argv(as_uid=as_uid), *launcher]
-                as_uid = None
-            else:
-                launcher = [*memory.join_argv(), *launcher]
-            oom_before = memory.oom_kills()
+        oom_before = 0 if memory is None else memory.oom_kills()
+        if self._own_uid:  # starts as root, joins the memory group, then becomes the box's uid
+            join = None if memory is None else memory.procs_file
+            launcher = [*reaped_argv(self._unshare, self._setpriv, self.host_uid, join), *launcher]
+        elif memory is not None:
+            launcher = [*memory.join_argv(), *launcher]
         result = await run_command(
             command,
             cwd=root,
@@ -229,8 +257,12 @@ class IsolatedBackend(LocalBackend):
             on_start=self._started,
             on_exit=self._exited,
             launcher=launcher,
-            as_uid=as_uid,
+            kill=self._kill,
         )
+        if result.timed_out and result.exit_code == 128 + signal.SIGKILL:
+            # As root the timeout killed bubblewrap's monitor and its namespace init reported
+            # 137 (see box_reaping); a killed command reads -9 on every backend.
+            result = dataclasses.replace(result, exit_code=-signal.SIGKILL)
         # The kernel's OOM killer may kill the shell (137) or bwrap itself (-9).
         killed = result.exit_code in (128 + signal.SIGKILL, -signal.SIGKILL)
         if memory is not None and killed and memory.oom_kills() > oom_before:

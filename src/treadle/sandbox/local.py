@@ -111,7 +111,7 @@ class LocalBackend:
         if self._owner_pid != os.getpid():
             return  # a forked child's copy: the workspace and commands are the parent's
         for pgid in groups:
-            kill_process_group(pgid)
+            self._kill(pgid)
         if self._owns_root and self._root is not None:
             remove_workspace(self._root)
 
@@ -127,11 +127,15 @@ class LocalBackend:
             if not closed:
                 self._groups.add(pgid)
         if closed:  # closed while the command was starting
-            kill_process_group(pgid)
+            self._kill(pgid)
 
     def _exited(self, pgid: int) -> None:
         with self._lock:
             self._groups.discard(pgid)
+
+    def _kill(self, pgid: int) -> None:
+        """SIGKILL command group `pgid` (the isolated backend stops its box's init first)."""
+        kill_process_group(pgid)
 
     async def run_command(
         self,
@@ -149,6 +153,7 @@ class LocalBackend:
             max_bytes=self.max_output_bytes,
             on_start=self._started,
             on_exit=self._exited,
+            kill=self._kill,
         )
 
     # -- files ------------------------------------------------------------------------------------

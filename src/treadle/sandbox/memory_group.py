@@ -107,20 +107,20 @@ class MemoryGroup:
         group, _ = make_memory_group(name, limit, uid)
         return group
 
-    def join_argv(self, *, as_uid: int | None = None) -> list[str]:
-        """An argv prefix that moves the process into the group, then runs the rest.
+    @property
+    def procs_file(self) -> Path:
+        """The file a process writes "0" into to move itself into the group.
 
-        `as_uid`: the process starts as root, joins, then runs the rest as that uid and gid
-        (cgroup v2 as root: only root may make the move).
+        In v1, "0" into `tasks` moves only the writing thread (a shell has one), which skips the
+        kernel's global threadgroup lock and its RCU wait that a move through `cgroup.procs`
+        pays (about 5 ms a command here).
         """
-        procs = self.path / ("tasks" if self.version == 1 else "cgroup.procs")
-        # "0": the writing process itself. In v1, "0" into `tasks` moves only the writing
-        # thread (the shell has one), which skips the kernel's global threadgroup lock and its
-        # RCU wait that a move through `cgroup.procs` pays (about 5 ms a command here).
-        argv = ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', str(procs)]
-        if as_uid is not None:
-            argv += ["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups", "--"]
-        return argv
+        return self.path / ("tasks" if self.version == 1 else "cgroup.procs")
+
+    def join_argv(self) -> list[str]:
+        """An argv prefix that moves the process into the group, then runs the rest (as root,
+        the box's namespace init joins it instead: see `treadle.sandbox.box_reaping`)."""
+        return ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', str(self.procs_file)]
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed in this group for going over the limit."""

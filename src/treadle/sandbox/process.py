@@ -77,6 +77,7 @@ async def _spawn(
     env: Mapping[str, str],
     launcher: Sequence[str] = (),
     as_uid: int | None = None,
+    kill: Callable[[int], None] = kill_process_group,
 ) -> anyio.abc.Process:
     """Start `/bin/sh -c command` in a new session; a cancellation waits for the start, then kills.
 
@@ -107,7 +108,7 @@ async def _spawn(
                 process = await start
             except Exception:  # the start itself failed: nothing is left running
                 raise asyncio.CancelledError from None
-            kill_process_group(process.pid)
+            kill(process.pid)
             await process.aclose()
         raise
 
@@ -123,12 +124,15 @@ async def run_command(
     on_exit: Callable[[int], None] | None = None,
     launcher: Sequence[str] = (),
     as_uid: int | None = None,
+    kill: Callable[[int], None] = kill_process_group,
 ) -> CommandResult:
     """Run `command` through `/bin/sh -c` in `cwd`; kill its process group when done or late.
 
     `on_start(pgid)` / `on_exit(pgid)` let the backend track live groups (to kill them on close).
     `launcher` is an argv prefix the shell runs under (the isolated backend's box); `as_uid`
-    runs it all as that uid and gid, without supplementary groups (only root can ask).
+    runs it all as that uid and gid, without supplementary groups (only root can ask). `kill(pgid)`
+    stops the group (the isolated backend stops its box's namespace init first, see
+    `treadle.sandbox.box_reaping`).
     Cancelling the caller kills the group too, then re-raises the cancellation. `timeout` is None
     (no limit) or a finite number of seconds > 0; anything else is a `ConfigurationError`.
     """
@@ -137,7 +141,7 @@ async def run_command(
             f"a command timeout must be a number of seconds > 0 (or None), got {timeout!r}."
         )
     started = time.monotonic()
-    process = await _spawn(command, cwd, env, launcher, as_uid)
+    process = await _spawn(command, cwd, env, launcher, as_uid, kill)
     pgid = process.pid  # a new session's leader: its pid is the group id
     if on_start is not None:
         on_start(pgid)
@@ -148,9 +152,9 @@ async def run_command(
                 group.start_soon(_pump, process.stdout, out)
                 group.start_soon(_pump, process.stderr, err)
                 await process.wait()
-                kill_process_group(pgid)  # background jobs would hold the pipes open
+                kill(pgid)  # background jobs would hold the pipes open
     finally:
-        kill_process_group(pgid)
+        kill(pgid)
         with anyio.CancelScope(shield=True):
             await process.aclose()
         if on_exit is not None:
