@@ -112,7 +112,7 @@ async def test_cpu_and_file_size_limits_say_which_limit_stopped_the_command(
 ) -> None:
     spin = await tight_box.run_command("while :; do :; done", timeout=30)
     assert not spin.timed_out and spin.exit_code == 128 + 24  # SIGXCPU after 1 s of CPU
-    assert spin.stderr.endswith("stopped by the box's the CPU-time limit (1 s)]")
+    assert spin.stderr.endswith("stopped by the box's CPU-time limit (1 s)]")
     big = await tight_box.run_command("head -c 2000000 /dev/zero > big")
     assert big.exit_code == 128 + 25  # SIGXFSZ
     assert "file-size limit (1000000 bytes)" in big.stderr

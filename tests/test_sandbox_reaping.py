@@ -9,6 +9,7 @@ processes these tests cannot tell apart).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -117,19 +118,80 @@ def test_a_kill_signals_only_the_leaders_own_grandchildren() -> None:
         leader.wait()
 
 
-def test_a_kill_after_the_leader_was_reaped_signals_no_one_by_its_old_pid() -> None:
-    leader = subprocess.Popen(["/bin/true"], start_new_session=True)
-    leader_fd = open_leader(leader.pid)
-    assert leader_fd is not None
-    leader.wait()
-    bystander = subprocess.Popen(["sleep", "60"])  # may even get the old pid one day
-    try:
-        kill_box(leader.pid, leader_fd)  # the group is gone: nothing to kill, no error
-        assert bystander.poll() is None
-    finally:
-        os.close(leader_fd)
-        bystander.kill()
-        bystander.wait()
+_REUSED_PID = """
+import os, subprocess, sys
+from treadle.sandbox.box_reaping import kill_box, open_leader
+leader = subprocess.Popen(["/bin/true"], start_new_session=True)  # as `unshare`: a group leader
+fd = open_leader(leader.pid)
+leader.wait()  # reaped, as after a command's end
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # the next process gets the leader's pid
+    f.write(str(leader.pid - 1))
+bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)  # another group's leader
+assert bystander.pid == leader.pid, (bystander.pid, leader.pid)
+assert kill_box(leader.pid, fd) is False
+try:
+    bystander.wait(timeout=0.5)
+    sys.exit("the bystander that got the reaped leader's pid was killed")
+except subprocess.TimeoutExpired:
+    bystander.kill()
+    bystander.wait()
+"""
+
+
+def test_a_kill_after_the_leader_was_reaped_signals_no_one_by_its_old_number() -> None:
+    # In a PID namespace of its own, where the next pid can be set: a new group leader gets the
+    # reaped leader's pid, and the kill must leave it be (a `killpg` by number would not).
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _REUSED_PID],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+async def test_a_close_reads_as_a_kill_with_the_commands_output_only(box: Sandbox) -> None:
+    # A close kills the box as a timeout does: -9, and stderr holds the command's output only
+    # (the namespace init's shell says "Killed" when its child dies by a signal: not there).
+    results = []
+
+    async def run() -> None:
+        results.append(await box.run_command("echo started >&2; sleep 60"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        with anyio.fail_after(10):
+            while len(_processes_of(_uid_of(box))) < 4:
+                await anyio.sleep(0.01)
+        await anyio.to_thread.run_sync(box.backend.close)
+    assert (results[0].exit_code, results[0].stderr) == (-signal.SIGKILL, "started\n")
+
+
+async def test_a_memory_kill_adds_only_its_note() -> None:
+    limits = ResourceLimits(max_processes=8, memory_bytes=64 * 1024**2)
+    for box in open_sandbox(Isolated(limits=limits)):
+        assert isinstance(box.backend, IsolatedBackend)
+        if box.backend.memory_group is None:
+            pytest.skip("no memory cgroup here")
+        result = await box.run_command("head -c 200000000 /dev/zero > /tmp/big")
+        assert result.exit_code in (128 + signal.SIGKILL, -signal.SIGKILL), result
+        assert result.stderr.startswith("\n[treadle: the command was stopped by the box's memory")
+
+
+async def test_a_command_beyond_the_process_limit_says_so(box: Sandbox) -> None:
+    # A running command's box holds 4 processes (bubblewrap's two, the shell, `sleep`) of the 6
+    # the limit allows (4 + bubblewrap's 2): the next command cannot start its box, and says
+    # why instead of blaming user namespaces (SandboxUnavailable).
+    async with anyio.create_task_group() as group:
+        group.start_soon(functools.partial(box.run_command, "sleep 60", timeout=5))
+        with anyio.fail_after(10):
+            while len(_processes_of(_uid_of(box))) < 4:
+                await anyio.sleep(0.01)
+        result = await box.run_command("true")
+        group.cancel_scope.cancel()
+    assert result.exit_code == 1
+    assert "could not start a process: its process limit (max_processes=4)" in result.stderr
 
 
 def _grandchildren(pid: int) -> list[int]:

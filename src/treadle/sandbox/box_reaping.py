@@ -17,9 +17,14 @@ status: `unshare` 2.38 turns a child's death by a signal into exit 1 and a line 
 
 A kill (a timeout, a cancellation, the sandbox's close) stops bubblewrap's monitor, the shell's
 child, and lets the shell and `unshare` end as above; killing the whole group at once would
-orphan the shell (a zombie again, of root's, until the machine's init reaps it). `kill_box`
-finds the monitor through pidfds, so a pid reused meanwhile is never signalled, and kills the
-whole group when there is no monitor yet or any more.
+orphan the shell (a zombie again, of root's, until the machine's init reaps it). Before the
+monitor exists (a kill within a millisecond or so of the start) the init itself is killed, and
+`unshare` reaps it with the garbled status above: `kill_box` says which it did, and the backend
+reports a command it killed (its timeout, its close) as exit -9 either way. The processes are
+found through pidfds, so a pid reused meanwhile is never signalled; once `unshare` has been
+reaped nothing of the command is left, and nothing is signalled by its old number. The shell's
+own notices ("Killed" when its child dies by a signal) go to /dev/null: stderr holds the
+command's output only.
 """
 
 from __future__ import annotations
@@ -31,10 +36,16 @@ from pathlib import Path
 
 from treadle.sandbox.process import kill_process_group
 
-__all__ = ["kill_box", "open_leader", "reaped_argv"]
+__all__ = ["UNSHARE_NOTICE", "kill_box", "open_leader", "reaped_argv"]
 
-# $0: the memory group's procs file ("" for none); "$@": what runs as the shell's child.
-_INIT_SCRIPT = '[ -z "$0" ] || echo 0 > "$0" || exit; "$@"; exit $?'
+# $0: the memory group's procs file ("" for none); "$@": what runs as the shell's child, in a
+# subshell that gets the shell's stderr back (fd 3): the shell's own notices go to /dev/null (a
+# simple command's redirections would be the shell's too while it waits and says "Killed").
+_INIT_SCRIPT = (
+    '[ -z "$0" ] || echo 0 > "$0" || exit; exec 3>&2 2>/dev/null; (exec "$@" 2>&3 3>&-); exit $?'
+)
+#: The line `unshare` writes when the namespace init it waited for died by a signal (2.38).
+UNSHARE_NOTICE = "unshare: "
 
 
 def reaped_argv(unshare: str, setpriv: str, uid: int, join: Path | None) -> list[str]:
@@ -60,33 +71,41 @@ def open_leader(pid: int) -> int | None:
         return None
 
 
-def kill_box(pgid: int, leader: int | None) -> None:
+def kill_box(pgid: int, leader: int | None) -> bool:
     """SIGKILL the box of command group `pgid` so that nothing it ran is left unreaped.
 
     With `leader` (the pidfd of `unshare`, the group's leader) not yet reaped, bubblewrap's
-    monitor (the child of `unshare`'s child) is killed and the rest ends by itself. Otherwise,
-    or when there is no monitor, the whole group is killed, as for a command outside a box.
+    monitor (the child of `unshare`'s child), or before it exists that child itself, is killed,
+    and the rest ends by itself: True. Once `leader` was reaped nothing of the command is left
+    and nothing is signalled. Without a pidfd, or before `unshare` forked, the whole group.
     """
-    if leader is None or not _kill_grandchildren(pgid, leader):
+    if leader is None:
         kill_process_group(pgid)
-
-
-def _kill_grandchildren(pid: int, pidfd: int) -> bool:
-    """SIGKILL the children of `pid`'s children; False when there were none."""
+        return False
+    if not _unreaped(leader):
+        return False
     killed = False
-    for init, init_fd in _children(pid, pidfd):
+    for init, init_fd in _children(pgid, leader):
         try:
-            for _, monitor_fd in _children(init, init_fd):
+            monitors = _children(init, init_fd)
+            for _, monitor_fd in monitors:
                 try:
-                    signal.pidfd_send_signal(monitor_fd, signal.SIGKILL)
-                    killed = True
-                except OSError:  # exited meanwhile: its status is on its way
-                    killed = True
+                    _kill(monitor_fd)
                 finally:
                     os.close(monitor_fd)
+            if not monitors:  # not forked yet: the init goes, `unshare` reaps it
+                _kill(init_fd)
+            killed = True
         finally:
             os.close(init_fd)
+    if not killed:  # `unshare` has not forked yet: it is the group's only process
+        kill_process_group(pgid)
     return killed
+
+
+def _kill(pidfd: int) -> None:
+    with contextlib.suppress(OSError):  # reaped meanwhile: its parent goes on as after a kill
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
 
 def _children(pid: int, pidfd: int) -> list[tuple[int, int]]:

@@ -28,7 +28,7 @@ import anyio
 
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
-from treadle.sandbox.box_reaping import kill_box, open_leader, reaped_argv
+from treadle.sandbox.box_reaping import UNSHARE_NOTICE, kill_box, open_leader, reaped_argv
 from treadle.sandbox.box_tree import give_tree_to
 from treadle.sandbox.bwrap import (
     BOX_ENV,
@@ -39,7 +39,12 @@ from treadle.sandbox.bwrap import (
 )
 from treadle.sandbox.local import _IO, LocalBackend, _list, _read, _write
 from treadle.sandbox.memory_group import MemoryGroup, make_memory_group
-from treadle.sandbox.process import DEFAULT_COMMAND_TIMEOUT, MAX_STREAM_BYTES, run_command
+from treadle.sandbox.process import (
+    DEFAULT_COMMAND_TIMEOUT,
+    MAX_STREAM_BYTES,
+    kill_process_group,
+    run_command,
+)
 
 __all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
 
@@ -107,6 +112,18 @@ def _warn_memory_once(bound: str) -> None:
         log.warning("treadle: the isolated box's memory_bytes is %s", bound)
 
 
+def _as_killed(result: CommandResult) -> CommandResult:
+    """`result` of a command whose box Treadle killed (its timeout, the sandbox's close): exit -9
+    as on `local`, whichever status the box's namespace init or `unshare` reported for the
+    kill, without the line `unshare` writes when it reaps an init killed before it started
+    bubblewrap (see `treadle.sandbox.box_reaping`)."""
+    stderr = result.stderr
+    head, _, last = stderr.rstrip("\n").rpartition("\n")
+    if last.startswith(UNSHARE_NOTICE):
+        stderr = head + "\n" if head else ""
+    return dataclasses.replace(result, exit_code=-signal.SIGKILL, stderr=stderr)
+
+
 def _allocate_uid() -> int:
     # Spread by pid so two Treadle processes on one machine rarely share a uid.
     return BOX_UID_BASE + (os.getpid() * 7919 + next(_next_uid)) % BOX_UID_COUNT
@@ -155,7 +172,8 @@ class IsolatedBackend(LocalBackend):
             self._unshare = find_executable("unshare")
             self._setpriv = find_executable("setpriv")
             self._tools += [self._unshare, self._setpriv]
-        self._leaders: dict[int, int] = {}
+        self._leaders: dict[int, int | None] = {}  # None: no pidfd (no descriptor to spare)
+        self._killed: set[int] = set()  # groups whose box `_kill` stopped (their status: -9)
         self._env = {**BOX_ENV, **self.options.env}
         self._memory: MemoryGroup | None = None
         self.memory_bound: str | None = None
@@ -191,9 +209,8 @@ class IsolatedBackend(LocalBackend):
     def _started(self, pgid: int) -> None:
         if self._own_uid:  # before the group is known as live: a close may kill it at once
             leader = open_leader(pgid)
-            if leader is not None:
-                with self._lock:
-                    self._leaders[pgid] = leader
+            with self._lock:
+                self._leaders[pgid] = leader
         super()._started(pgid)
 
     def _exited(self, pgid: int) -> None:
@@ -207,7 +224,12 @@ class IsolatedBackend(LocalBackend):
         # Under the lock: `_exited` (another thread, for a close) may not close the pidfd while
         # it is used here.
         with self._lock:
-            kill_box(pgid, self._leaders.get(pgid))
+            if not self._own_uid:
+                kill_process_group(pgid)
+            elif pgid in self._leaders and kill_box(pgid, self._leaders[pgid]):
+                self._killed.add(pgid)
+            # Not in `_leaders`: the command ended and was reaped (a close that listed it just
+            # before): its number may be another group's by now, so nothing is signalled.
 
     @property
     def memory_group(self) -> MemoryGroup | None:
@@ -248,21 +270,30 @@ class IsolatedBackend(LocalBackend):
             launcher = [*reaped_argv(self._unshare, self._setpriv, self.host_uid, join), *launcher]
         elif memory is not None:
             launcher = [*memory.join_argv(), *launcher]
-        result = await run_command(
-            command,
-            cwd=root,
-            env=self._env,
-            timeout=self.command_timeout if timeout is None else timeout,
-            max_bytes=self.max_output_bytes,
-            on_start=self._started,
-            on_exit=self._exited,
-            launcher=launcher,
-            kill=self._kill,
-        )
-        if result.timed_out and result.exit_code == 128 + signal.SIGKILL:
-            # As root the timeout killed bubblewrap's monitor and its namespace init reported
-            # 137 (see box_reaping); a killed command reads -9 on every backend.
-            result = dataclasses.replace(result, exit_code=-signal.SIGKILL)
+        group: list[int] = []
+
+        def started(pgid: int) -> None:
+            group.append(pgid)
+            self._started(pgid)
+
+        try:
+            result = await run_command(
+                command,
+                cwd=root,
+                env=self._env,
+                timeout=self.command_timeout if timeout is None else timeout,
+                max_bytes=self.max_output_bytes,
+                on_start=started,
+                on_exit=self._exited,
+                launcher=launcher,
+                kill=self._kill,
+            )
+        finally:
+            with self._lock:
+                killed = bool(group) and group[0] in self._killed
+                self._killed.difference_update(group)
+        if killed:
+            result = _as_killed(result)
         # The kernel's OOM killer may kill the shell (137) or bwrap itself (-9).
         killed = result.exit_code in (128 + signal.SIGKILL, -signal.SIGKILL)
         if memory is not None and killed and memory.oom_kills() > oom_before:
@@ -281,19 +312,29 @@ class IsolatedBackend(LocalBackend):
             raise SandboxUnavailable(
                 f"bubblewrap could not be started ({result.stderr.strip()}); {BWRAP_INSTALL_HINT}."
             )
+        limits = self.options.limits
         # bwrap's own failures (before the command starts) are exit 1 with "bwrap: ..." alone.
-        if code == 1 and not result.stdout and result.stderr.startswith("bwrap: "):
+        bwrap_failed = code == 1 and not result.stdout and result.stderr.startswith("bwrap: ")
+        if bwrap_failed and "Resource temporarily unavailable" in result.stderr:
+            # EAGAIN from fork: the uid's process limit is reached, by the sandbox's other
+            # commands running at once (they share it), not a machine that cannot make boxes.
+            note = (
+                "\n[treadle: the box could not start a process: its process limit "
+                f"(max_processes={limits.max_processes}) counts the sandbox's other running "
+                "commands too, or the machine has no process to spare]"
+            )
+            return dataclasses.replace(result, stderr=result.stderr + note)
+        if bwrap_failed:
             raise SandboxUnavailable(
                 f"bubblewrap could not build the box ({result.stderr.strip()}); it needs "
                 "unprivileged user namespaces (on Ubuntu 24.04+ an AppArmor profile for bwrap), "
                 "and the box's uid must be able to reach the workspace (TMPDIR) and every extra "
                 "mount."
             )
-        limits = self.options.limits
         # bubblewrap reports a command killed by signal N as exit status 128 + N.
         notes = {
-            128 + signal.SIGXCPU: f"the CPU-time limit ({limits.cpu_seconds} s)",
-            128 + signal.SIGXFSZ: f"the file-size limit ({limits.file_size_bytes} bytes)",
+            128 + signal.SIGXCPU: f"CPU-time limit ({limits.cpu_seconds} s)",
+            128 + signal.SIGXFSZ: f"file-size limit ({limits.file_size_bytes} bytes)",
         }
         if code not in notes:
             return result

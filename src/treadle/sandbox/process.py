@@ -78,13 +78,16 @@ async def _spawn(
     launcher: Sequence[str] = (),
     as_uid: int | None = None,
     kill: Callable[[int], None] = kill_process_group,
+    on_start: Callable[[int], None] | None = None,
+    on_exit: Callable[[int], None] | None = None,
 ) -> anyio.abc.Process:
     """Start `/bin/sh -c command` in a new session; a cancellation waits for the start, then kills.
 
     asyncio, cancelled while it still sets a child up, waits for the child's pipes to close, and
     a grandchild (`sleep 60` under the shell) holds them open for as long as it lives. So the
     start runs in its own task; if the caller is cancelled meanwhile, the group it started is
-    killed as soon as its id is known, and the cancellation goes on.
+    killed as soon as its id is known, and the cancellation goes on (`on_start` and `on_exit`
+    see that group too: a backend's `kill` may need what it tracks from the start).
     """
     start = asyncio.ensure_future(
         anyio.open_process(
@@ -108,8 +111,14 @@ async def _spawn(
                 process = await start
             except Exception:  # the start itself failed: nothing is left running
                 raise asyncio.CancelledError from None
-            kill(process.pid)
-            await process.aclose()
+            if on_start is not None:
+                on_start(process.pid)
+            try:
+                kill(process.pid)
+                await process.aclose()
+            finally:
+                if on_exit is not None:
+                    on_exit(process.pid)
         raise
 
 
@@ -141,7 +150,7 @@ async def run_command(
             f"a command timeout must be a number of seconds > 0 (or None), got {timeout!r}."
         )
     started = time.monotonic()
-    process = await _spawn(command, cwd, env, launcher, as_uid, kill)
+    process = await _spawn(command, cwd, env, launcher, as_uid, kill, on_start, on_exit)
     pgid = process.pid  # a new session's leader: its pid is the group id
     if on_start is not None:
         on_start(pgid)
