@@ -76,7 +76,6 @@ async def _spawn(
     cwd: Path,
     env: Mapping[str, str],
     launcher: Sequence[str] = (),
-    as_uid: int | None = None,
     kill: Callable[[int], None] = kill_process_group,
     on_start: Callable[[int], None] | None = None,
     on_exit: Callable[[int], None] | None = None,
@@ -92,9 +91,6 @@ async def _spawn(
     start = asyncio.ensure_future(
         anyio.open_process(
             [*launcher, "/bin/sh", "-c", command],
-            user=as_uid,
-            group=as_uid,
-            extra_groups=None if as_uid is None else (),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -132,16 +128,14 @@ async def run_command(
     on_start: Callable[[int], None] | None = None,
     on_exit: Callable[[int], None] | None = None,
     launcher: Sequence[str] = (),
-    as_uid: int | None = None,
     kill: Callable[[int], None] = kill_process_group,
 ) -> CommandResult:
     """Run `command` through `/bin/sh -c` in `cwd`; kill its process group when done or late.
 
     `on_start(pgid)` / `on_exit(pgid)` let the backend track live groups (to kill them on close).
-    `launcher` is an argv prefix the shell runs under (the isolated backend's box); `as_uid`
-    runs it all as that uid and gid, without supplementary groups (only root can ask). `kill(pgid)`
-    stops the group (the isolated backend stops its box's namespace init first, see
-    `treadle.sandbox.box_reaping`).
+    `launcher` is an argv prefix the shell runs under (the isolated backend's box, which as root
+    switches to the box's uid itself). `kill(pgid)` stops the group (the isolated backend stops
+    its box's namespace init first, see `treadle.sandbox.box_reaping`).
     Cancelling the caller kills the group too, then re-raises the cancellation. `timeout` is None
     (no limit) or a finite number of seconds > 0; anything else is a `ConfigurationError`.
     """
@@ -150,7 +144,7 @@ async def run_command(
             f"a command timeout must be a number of seconds > 0 (or None), got {timeout!r}."
         )
     started = time.monotonic()
-    process = await _spawn(command, cwd, env, launcher, as_uid, kill, on_start, on_exit)
+    process = await _spawn(command, cwd, env, launcher, kill, on_start, on_exit)
     pgid = process.pid  # a new session's leader: its pid is the group id
     if on_start is not None:
         on_start(pgid)
