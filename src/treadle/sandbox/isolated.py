@@ -206,12 +206,12 @@ class IsolatedBackend(LocalBackend):
             if self._memory is not None and self._owner_pid == os.getpid():
                 self._memory.close()
 
-    def _started(self, pgid: int) -> None:
+    def _started(self, pgid: int) -> bool:
         if self._own_uid:  # before the group is known as live: a close may kill it at once
             leader = open_leader(pgid)
             with self._lock:
                 self._leaders[pgid] = leader
-        super()._started(pgid)
+        return super()._started(pgid)
 
     def _exited(self, pgid: int) -> None:
         super()._exited(pgid)
@@ -271,10 +271,12 @@ class IsolatedBackend(LocalBackend):
         elif memory is not None:
             launcher = [*memory.join_argv(), *launcher]
         group: list[int] = []
+        late: list[int] = []
 
         def started(pgid: int) -> None:
             group.append(pgid)
-            self._started(pgid)
+            if not self._started(pgid):
+                late.append(pgid)
 
         try:
             result = await run_command(
@@ -288,10 +290,16 @@ class IsolatedBackend(LocalBackend):
                 launcher=launcher,
                 kill=self._kill,
             )
+        except OSError:
+            if self._closed:  # the close removed the workspace, the command's cwd
+                raise self._closed_at_start() from None
+            raise
         finally:
             with self._lock:
                 killed = bool(group) and group[0] in self._killed
                 self._killed.difference_update(group)
+        if late:  # its stderr may hold bubblewrap's or the memory group's word on the removal
+            raise self._closed_at_start()
         if killed:
             result = _as_killed(result)
         # The kernel's OOM killer may kill the shell (137) or bwrap itself (-9).

@@ -121,13 +121,16 @@ class LocalBackend:
         return self.workspace
 
     # -- commands -----------------------------------------------------------------------------
-    def _started(self, pgid: int) -> None:
+    def _started(self, pgid: int) -> bool:
+        """Register group `pgid` as running; False (and the group killed) when the sandbox was
+        closed first: that close did not know the command, so it is reported as never run."""
         with self._lock:
             closed = self._closed
             if not closed:
                 self._groups.add(pgid)
         if closed:  # closed while the command was starting
             self._kill(pgid)
+        return not closed
 
     def _exited(self, pgid: int) -> None:
         with self._lock:
@@ -145,15 +148,38 @@ class LocalBackend:
     ) -> CommandResult:
         """Run `command` with `/bin/sh -c` in the workspace; `timeout` defaults per backend."""
         root = self._live_root()
-        return await run_command(
-            command,
-            cwd=root,
-            env=scrubbed_environment(allow=self.env_allow, extra=self.extra_env),
-            timeout=self.command_timeout if timeout is None else timeout,
-            max_bytes=self.max_output_bytes,
-            on_start=self._started,
-            on_exit=self._exited,
-            kill=self._kill,
+        late: list[int] = []
+
+        def started(pgid: int) -> None:
+            if not self._started(pgid):
+                late.append(pgid)
+
+        try:
+            result = await run_command(
+                command,
+                cwd=root,
+                env=scrubbed_environment(allow=self.env_allow, extra=self.extra_env),
+                timeout=self.command_timeout if timeout is None else timeout,
+                max_bytes=self.max_output_bytes,
+                on_start=started,
+                on_exit=self._exited,
+                kill=self._kill,
+            )
+        except OSError:
+            if self._closed:  # the close removed the workspace, the command's cwd
+                raise self._closed_at_start() from None
+            raise
+        if late:  # killed at once and reaped: what it printed came from a removed workspace
+            raise self._closed_at_start()
+        return result
+
+    def _closed_at_start(self) -> SandboxError:
+        """The error of a command whose sandbox was closed while it was starting (the start
+        failed on the removed workspace, or the close came before the command was registered
+        as running): the same error as a command on a closed sandbox, not a raw OS error."""
+        return SandboxError(
+            "this sandbox was closed while the command was starting, so the command did not "
+            "run; bind a new one with session.to(...)."
         )
 
     # -- files ------------------------------------------------------------------------------------
