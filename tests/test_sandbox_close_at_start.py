@@ -152,3 +152,34 @@ async def test_a_close_racing_the_memory_group_join_raises_the_closed_error(
         assert _removed(group_path)
     finally:
         opened.close()
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="only as root does a box have a uid of its own")
+async def test_a_close_removes_the_workspace_only_once_its_killed_boxes_exited(
+    monkeypatch: pytest.MonkeyPatch, marker: str
+) -> None:
+    # A box killed by the close but not yet gone could still be setting up: bubblewrap looking
+    # for the removed workspace wrote its own error as the command's stderr (the attack's
+    # "bwrap: Can't get type of source"). So no process of the box may be left at the removal.
+    opened = open_sandbox(Isolated())
+    sandbox = next(opened)
+    backend = sandbox.backend
+    assert isinstance(backend, IsolatedBackend)
+    real_remove = local_module.remove_workspace
+    at_removal: list[list[str]] = []
+
+    def remove_workspace(path: Path) -> None:
+        at_removal.append(_processes_of(backend.host_uid))
+        real_remove(path)
+
+    monkeypatch.setattr(local_module, "remove_workspace", remove_workspace)
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(sandbox.run_command, f"sleep {marker}")
+            while not processes_with(marker):  # the box runs the command
+                await anyio.sleep(0.01)
+            await anyio.to_thread.run_sync(backend.close)
+        assert at_removal == [[]]
+    finally:
+        opened.close()

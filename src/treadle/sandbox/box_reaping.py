@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import time
 from pathlib import Path
 
 from treadle.sandbox.process import kill_process_group
 
-__all__ = ["UNSHARE_NOTICE", "kill_box", "open_leader", "reaped_argv"]
+__all__ = ["UNSHARE_NOTICE", "kill_box", "open_leader", "reaped_argv", "wait_exited"]
 
 # $0: the memory group's procs file ("" for none); "$@": what runs as the shell's child, in a
 # subshell that gets the shell's stderr back (fd 3): the shell's own notices go to /dev/null (a
@@ -101,6 +103,25 @@ def kill_box(pgid: int, leader: int | None) -> bool:
     if not killed:  # `unshare` has not forked yet: it is the group's only process
         kill_process_group(pgid)
     return killed
+
+
+def wait_exited(leaders: list[int], seconds: float) -> None:
+    """Wait up to `seconds` until the processes of pidfds `leaders` (`unshare`s whose boxes were
+    killed) have exited: `unshare` exits only after its namespace init, and the kernel ends every
+    process of the namespace before that init's exit completes, so nothing of the box runs then.
+    An exited, unreaped `unshare` counts (its reaping is its command's own task's job)."""
+    poller = select.poll()
+    for pidfd in leaders:
+        poller.register(pidfd, select.POLLIN)  # readable once the process exited
+    pending = len(leaders)
+    deadline = time.monotonic() + seconds
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for pidfd, _ in poller.poll(left * 1000):
+            poller.unregister(pidfd)
+            pending -= 1
 
 
 def _kill(pidfd: int) -> None:

@@ -28,7 +28,13 @@ import anyio
 
 from treadle.errors import SandboxError, SandboxUnavailable
 from treadle.sandbox.backend import CommandResult, DirEntry, FileContent
-from treadle.sandbox.box_reaping import UNSHARE_NOTICE, kill_box, open_leader, reaped_argv
+from treadle.sandbox.box_reaping import (
+    UNSHARE_NOTICE,
+    kill_box,
+    open_leader,
+    reaped_argv,
+    wait_exited,
+)
 from treadle.sandbox.box_tree import give_tree_to
 from treadle.sandbox.bwrap import (
     BOX_ENV,
@@ -48,6 +54,8 @@ from treadle.sandbox.process import (
 
 __all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
 
+#: Seconds a close waits for the boxes it killed to exit before it deletes their workspace.
+_KILLED_EXIT_WAIT_SECONDS = 2.0
 #: First host uid handed to boxes when Treadle runs as root (no passwd entry needed).
 BOX_UID_BASE = 2_100_000_000
 #: How many uids boxes cycle through (sandboxes open at once in one process never share one).
@@ -219,6 +227,18 @@ class IsolatedBackend(LocalBackend):
             leader = self._leaders.pop(pgid, None)
         if leader is not None:
             os.close(leader)
+
+    def _wait_killed(self, groups: set[int]) -> None:
+        # A killed box can still run for a moment (its PID 1 goes when the namespace init
+        # does): one still setting up would find the workspace gone and report bubblewrap's
+        # error as the command's stderr, and one still writing could leave files behind.
+        with self._lock:  # copies: `_exited` may close the originals meanwhile
+            leaders = [os.dup(fd) for g in groups if (fd := self._leaders.get(g)) is not None]
+        try:
+            wait_exited(leaders, _KILLED_EXIT_WAIT_SECONDS)
+        finally:
+            for fd in leaders:
+                os.close(fd)
 
     def _kill(self, pgid: int) -> None:
         # Under the lock: `_exited` (another thread, for a close) may not close the pidfd while

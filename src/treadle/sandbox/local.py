@@ -112,8 +112,13 @@ class LocalBackend:
             return  # a forked child's copy: the workspace and commands are the parent's
         for pgid in groups:
             self._kill(pgid)
+        self._wait_killed(groups)
         if self._owns_root and self._root is not None:
             remove_workspace(self._root)
+
+    def _wait_killed(self, groups: set[int]) -> None:
+        """Before the workspace goes, wait for the killed `groups` to exit (the isolated backend
+        does; here the group's processes have no handle to wait on)."""
 
     def _live_root(self) -> Path:
         if self._closed:
