@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 mkdir -p .peers && echo "*" > .peers/.gitignore  # never committed
 peers=("$@")
-[ ${#peers[@]} -eq 0 ] && peers=(openai-agents pydantic-ai)  # openrath: no runner yet
+[ ${#peers[@]} -eq 0 ] && peers=(openai-agents pydantic-ai openrath)
 for peer in "${peers[@]}"; do
   case "$peer" in
     openai-agents) pkgs="openai-agents" ;;
