@@ -49,7 +49,6 @@ from treadle.sandbox.process import (
     DEFAULT_COMMAND_TIMEOUT,
     MAX_STREAM_BYTES,
     kill_process_group,
-    run_command,
 )
 
 __all__ = ["BOX_UID_BASE", "BOX_UID_COUNT", "IsolatedBackend"]
@@ -291,35 +290,12 @@ class IsolatedBackend(LocalBackend):
         elif memory is not None:
             launcher = [*memory.join_argv(), *launcher]
         group: list[int] = []
-        late: list[int] = []
-
-        def started(pgid: int) -> None:
-            group.append(pgid)
-            if not self._started(pgid):
-                late.append(pgid)
-
         try:
-            result = await run_command(
-                command,
-                cwd=root,
-                env=self._env,
-                timeout=self.command_timeout if timeout is None else timeout,
-                max_bytes=self.max_output_bytes,
-                on_start=started,
-                on_exit=self._exited,
-                launcher=launcher,
-                kill=self._kill,
-            )
-        except OSError:
-            if self._closed:  # the close removed the workspace, the command's cwd
-                raise self._closed_at_start() from None
-            raise
+            result = await self._run_tracked(command, root, self._env, timeout, launcher, group)
         finally:
             with self._lock:
                 killed = bool(group) and group[0] in self._killed
                 self._killed.difference_update(group)
-        if late:  # its stderr may hold bubblewrap's or the memory group's word on the removal
-            raise self._closed_at_start()
         if killed:
             result = _as_killed(result)
         # The kernel's OOM killer may kill the shell (137) or bwrap itself (-9).

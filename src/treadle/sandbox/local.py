@@ -15,7 +15,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -153,9 +153,27 @@ class LocalBackend:
     ) -> CommandResult:
         """Run `command` with `/bin/sh -c` in the workspace; `timeout` defaults per backend."""
         root = self._live_root()
+        env = scrubbed_environment(allow=self.env_allow, extra=self.extra_env)
+        return await self._run_tracked(command, root, env, timeout)
+
+    async def _run_tracked(
+        self,
+        command: str,
+        root: Path,
+        env: Mapping[str, str],
+        timeout: float | None,  # noqa: ASYNC109 (reported)
+        launcher: Sequence[str] = (),
+        group: list[int] | None = None,
+    ) -> CommandResult:
+        """`run_command` with this backend's start, exit and kill hooks (the group id appended
+        to `group`); a command its sandbox's close raced at its start raises
+        `_closed_at_start` instead of a raw OS error or what it printed from a removed
+        workspace."""
         late: list[int] = []
 
         def started(pgid: int) -> None:
+            if group is not None:
+                group.append(pgid)
             if not self._started(pgid):
                 late.append(pgid)
 
@@ -163,19 +181,20 @@ class LocalBackend:
             result = await run_command(
                 command,
                 cwd=root,
-                env=scrubbed_environment(allow=self.env_allow, extra=self.extra_env),
+                env=env,
                 timeout=self.command_timeout if timeout is None else timeout,
                 max_bytes=self.max_output_bytes,
                 on_start=started,
                 on_exit=self._exited,
+                launcher=launcher,
                 kill=self._kill,
             )
         except OSError:
             if self._closed:  # the close removed the workspace, the command's cwd
                 raise self._closed_at_start() from None
             raise
-        if late:  # killed at once and reaped: what it printed came from a removed workspace
-            raise self._closed_at_start()
+        if late:  # killed at once and reaped: its output (bubblewrap's, the memory group's or
+            raise self._closed_at_start()  # the shell's word on the removed workspace) is not kept
         return result
 
     def _closed_at_start(self) -> SandboxError:
