@@ -193,8 +193,10 @@ class LocalBackend:
             if self._closed:  # the close removed the workspace, the command's cwd
                 raise self._closed_at_start() from None
             raise
-        if late:  # killed at once and reaped: its output (bubblewrap's, the memory group's or
-            raise self._closed_at_start()  # the shell's word on the removed workspace) is not kept
+        if late:
+            # Killed at once and reaped: its output (bubblewrap's, the memory group's or the
+            # shell's word on the removed workspace) is not the command's, so it is not kept.
+            raise self._closed_at_start()
         return result
 
     def _closed_at_start(self) -> SandboxError:
