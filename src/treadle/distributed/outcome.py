@@ -39,6 +39,7 @@ __all__ = [
     "PassLost",
     "PassOutcome",
     "PassStatus",
+    "input_data",
     "local_metadata",
     "pass_failure",
     "portable_metadata",
@@ -339,6 +340,15 @@ _build_data = positional(SessionData)
 _build_usage = positional(Usage)
 _USAGE_TOTALS = tuple(f.name for f in dataclasses.fields(Usage))
 _usage_totals = operator.itemgetter(*_USAGE_TOTALS)
+
+
+def input_data(table: ChunkTable) -> SessionData:
+    """The data `Session(table)` holds (no usage, stop reason or metadata), built without the
+    frozen dataclasses' `__init__`s (`frozen.positional`): a worker's input session."""
+    return _build_data(table, _build_usage(0, 0, 0, 0), None, _NO_METADATA)
+
+
+_NO_METADATA = SessionData(ChunkTable._trusted([])).metadata  # the default, shared (read-only)
 
 
 def _usage(usage: dict[str, int]) -> Usage:

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from treadle.distributed.janitor import clean_orphans, make_sandbox_root
-from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata, received_rows
+from treadle.distributed.outcome import (
+    PassItem,
+    PassOutcome,
+    input_data,
+    portable_metadata,
+    received_rows,
+)
 from treadle.distributed.spec import AgentSpec, resolve_tool
 from treadle.loop import Guardrail
 from treadle.session import Session, Usage
@@ -41,6 +47,7 @@ _usage_values = operator.attrgetter(*_USAGE_FIELDS)
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PassItem))
 _item_values = operator.itemgetter(*_ITEM_FIELDS)
 _item_attributes = operator.attrgetter(*_ITEM_FIELDS)
+_kind_payload = operator.attrgetter("kind", "payload")
 
 RateGate = Callable[[], Awaitable[None]]
 """Awaited before every model request when the rate limit is one shared bucket."""
@@ -82,7 +89,11 @@ def _input_session(messages: Any) -> Session:
     table = received_rows(messages) if type(messages) is list else None
     if table is None:
         return Session.from_messages(messages)
-    return Session(table, operator="from_messages", kind="user")
+    # `Session(table, operator=..., kind=...)` without its frozen values' `__init__`s
+    # (`input_data`): a third of the worker's own work on an input (docs/performance.md).
+    return Session._derive(
+        input_data(table), operator="from_messages", kind="user", parents=(), sandbox=None
+    )
 
 
 class PassWorker:
@@ -174,8 +185,10 @@ class PassWorker:
                 # Request usage as tuples: `_public` and `received_session` take them back.
                 "metadata": portable_metadata(out.metadata, compact=True),
                 # The rows as they are: `to_messages` built a dict per row here, and the driver
-                # took each apart again into a row (docs/performance.md, process workers).
-                "rows": [(row.kind, row.payload) for row in out.chunk_table],
+                # took each apart again into a row (docs/performance.md, process workers). Read
+                # in C from the table's tuple: a comprehension over the table's generator cost
+                # 2 k instructions a row.
+                "rows": list(map(_kind_payload, out.chunk_table.rows)),
             }
         except TimeoutError as err:
             if deadline is None or not deadline.expired():  # inside the pass (ProviderTimeout)
