@@ -16,7 +16,15 @@ import pydantic
 import pytest
 
 from treadle import Session
-from treadle.distributed.outcome import input_data, local_metadata, portable_metadata
+from treadle.distributed.mapping import _result
+from treadle.distributed.outcome import (
+    PassFailed,
+    PassOutcome,
+    input_data,
+    local_metadata,
+    portable_metadata,
+    received_session,
+)
 from treadle.distributed.outcome_metadata import _plain, json_data
 from treadle.distributed.worker import _input_session
 from treadle.loop import RequestUsage
@@ -172,3 +180,122 @@ def test_a_workers_input_session_is_the_one_the_constructor_makes() -> None:
     # A message no worker of this version is sent takes the validating path, as before.
     with pytest.raises(Exception, match="narrator"):
         _input_session([{"role": "narrator", "content": "x"}])
+
+
+def _finished(**changes: Any) -> dict[str, Any]:
+    """A finished pass as a process worker sends it (`PassWorker.run_wire`)."""
+    return {
+        "index": 3,
+        "session_id": "s-3",
+        "status": "ok",
+        "attempts": 2,
+        "worker": "host:9",
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "requests": 1},
+        "stop_reason": "final_answer",
+        "metadata": {"agent": "a", "request_usage": [tuple(USAGE.values())]},
+        "kinds": ["user", "assistant"],
+        "payloads": [{"content": "hi"}, {"content": "done"}],
+        **changes,
+    }
+
+
+def _crossed(value: Any) -> Any:
+    """`value` as it comes out of a worker's socket (the pipe's own pickling)."""
+    from treadle.distributed.pipe import Frames, dumps_batch, frame, messages, refuse_outcome
+
+    (batch,) = messages(Frames(), frame(dumps_batch([("done", 1, value)], refuse_outcome)))
+    return batch[0][2]
+
+
+def test_a_finished_pass_crosses_without_what_the_driver_can_make() -> None:
+    # No `messages`, `error` or `history` cross, and the rows as two lists: the outcome built
+    # from it is the one the full form (every field, the rows as pairs) built before.
+    wire = _crossed(_finished())
+    rows = [("user", {"content": "hi"}), ("assistant", {"content": "done"})]
+    record = {"attempt": 2, "worker": "host:9", "status": "ok", "error": None}
+    full = {
+        **{k: v for k, v in wire.items() if k not in ("kinds", "payloads")},
+        "messages": None,
+        "error": None,
+        "history": [record],
+        "rows": rows,
+    }
+    built, before = PassOutcome.from_json(wire), PassOutcome.from_json(full)
+    assert built == before and built.rows == before.rows == rows
+    assert built.history == (record,) and type(built.history) is tuple
+    assert built._public() == before._public()
+    assert built._public().to_json() == before._public().to_json()
+    got, want = received_session(built), received_session(before)
+    assert (
+        got.to_messages()
+        == want.to_messages()
+        == [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "done"},
+        ]
+    )
+    assert got.usage == want.usage and got.metadata == want.metadata
+    assert got.metadata["treadle.distributed"]["attempts"] == 2
+
+
+def test_a_callers_values_in_a_finished_pass_cross_as_they_do_today() -> None:
+    # Buffer-protocol values and other picklable objects stay themselves (pickle, not marshal),
+    # shared references included; a payload with the role of its kind is kept.
+    shared = [1, 2]
+    payloads = [
+        {"role": "developer", "content": "brief"},
+        {"content": bytearray(b"raw"), "a": shared, "b": shared, "when": ("t", 1.5)},
+        {"content": None, "tool_calls": [], "odd": {1: frozenset({"x"}), None: b"\x00"}},
+    ]
+    wire = _crossed(_finished(kinds=["system", "user", "assistant"], payloads=payloads))
+    outcome = PassOutcome.from_json(wire)
+    assert outcome.rows is not None
+    user = outcome.rows[1][1]
+    assert type(user["content"]) is bytearray and user["content"] == bytearray(b"raw")
+    assert user["a"] is user["b"] and type(user["when"]) is tuple
+    assert outcome.rows[2][1]["odd"] == {1: frozenset({"x"}), None: b"\x00"}
+    session = received_session(outcome)
+    assert session.chunk_table.rows[1].payload is user  # taken as it came, not copied
+    assert session.to_messages()[0] == {"role": "developer", "content": "brief"}
+
+
+@pytest.mark.parametrize(
+    "kinds, payloads",
+    [
+        (["user"], [{"content": "a"}, {"content": "b"}]),  # lengths that differ
+        ("user", [{"content": "a"}]),  # not a list
+        (["user"], ({"content": "a"},)),
+        (["narrator"], [{"content": "a"}]),  # a kind no row has
+        (["user"], ["not a dict"]),
+        (["user"], [{"role": "assistant", "content": "a"}]),  # a role its kind does not have
+        ([["unhashable"]], [{"content": "a"}]),
+    ],
+)
+def test_a_finished_pass_with_rows_no_worker_sends_fails_alone(kinds: Any, payloads: Any) -> None:
+    outcome = PassOutcome.from_json(_crossed(_finished(kinds=kinds, payloads=payloads)))
+    public = outcome._public()
+    assert public.status in ("ok", "error")
+    result = _result(outcome, None)
+    assert isinstance(result, (PassFailed, Exception)), result
+    with pytest.raises(Exception):  # noqa: B017  # PassFailed or ConfigurationError, naming it
+        received_session(outcome)
+
+
+def test_a_finished_pass_pickle_refuses_names_the_message_and_keeps_its_attempt() -> None:
+    import threading
+
+    from treadle.distributed.pipe import refuse_outcome
+
+    lock = threading.Lock()
+    wire = _finished(payloads=[{"content": "hi"}, {"content": "x", "extra": [lock]}])
+    try:
+        pickle.dumps(wire)
+    except TypeError as err:
+        kind, call_id, failed = refuse_outcome(("done", 7, wire), err)
+    assert (kind, call_id, failed["status"], failed["index"]) == ("done", 7, "error", 3)
+    assert "(messages[1]['extra'][0] (_thread.lock)" in failed["error"], failed["error"]
+    assert failed["history"] == [
+        {"attempt": 2, "worker": "host:9", "status": "error", "error": failed["error"]}
+    ]
+    outcome = PassOutcome.from_json(_crossed(failed))
+    assert outcome.status == "error" and outcome.attempts == 2 and len(outcome.history) == 1
