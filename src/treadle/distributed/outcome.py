@@ -39,6 +39,7 @@ __all__ = [
     "PassLost",
     "PassOutcome",
     "PassStatus",
+    "input_data",
     "local_metadata",
     "pass_failure",
     "portable_metadata",
@@ -207,6 +208,29 @@ class PassOutcome:
             else:
                 values[_HISTORY] = tuple(values[_HISTORY])
                 return _build_outcome(*values)
+        if cls is PassOutcome and type(data) is dict and len(data) == len(_FINISHED_FIELDS):
+            try:  # a worker's finished pass (`PassWorker.run_wire`)
+                (
+                    index,
+                    session_id,
+                    status,
+                    attempts,
+                    worker,
+                    usage,
+                    stop,
+                    metadata,
+                    kinds,
+                    payloads,
+                ) = _finished_values(data)
+            except KeyError:
+                pass  # another key: the keyword call refuses it as it always did
+            else:
+                record = {"attempt": attempts, "worker": worker, "status": status, "error": None}
+                rows = _wire_rows(kinds, payloads)
+                return _build_outcome(
+                    index, session_id, status, attempts, worker, None, usage, stop, None,
+                    (record,), metadata, rows,
+                )  # fmt: skip
         return cls(**{**data, "history": tuple(data.get("history", ()))})
 
 
@@ -333,12 +357,38 @@ _OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(PassOutcome))
 _JSON_FIELDS = tuple(name for name in _OUTCOME_FIELDS if name != "rows")
 _outcome_values = operator.itemgetter(*_OUTCOME_FIELDS)
 _HISTORY = _OUTCOME_FIELDS.index("history")
+#: A finished pass's wire form (`PassWorker.run_wire`): no `messages`, `error` or `history`, the
+#: rows as two lists.
+_FINISHED_FIELDS = (
+    "index", "session_id", "status", "attempts", "worker", "usage", "stop_reason", "metadata",
+    "kinds", "payloads",
+)  # fmt: skip
+_finished_values = operator.itemgetter(*_FINISHED_FIELDS)
+
+
+def _wire_rows(kinds: Any, payloads: Any) -> Any:
+    """A finished pass's rows as `PassOutcome.rows`' `(kind, payload)` pairs; two lists that do
+    not pair up are kept as they came (a tuple of the two), which the rows' checks refuse."""
+    if type(kinds) is list and type(payloads) is list and len(kinds) == len(payloads):
+        return list(zip(kinds, payloads, strict=True))
+    return (kinds, payloads)
+
+
 _build_item = positional(PassItem)
 _build_outcome = positional(PassOutcome)
 _build_data = positional(SessionData)
 _build_usage = positional(Usage)
 _USAGE_TOTALS = tuple(f.name for f in dataclasses.fields(Usage))
 _usage_totals = operator.itemgetter(*_USAGE_TOTALS)
+
+
+def input_data(table: ChunkTable) -> SessionData:
+    """The data `Session(table)` holds (no usage, stop reason or metadata), built without the
+    frozen dataclasses' `__init__`s (`frozen.positional`): a worker's input session."""
+    return _build_data(table, _build_usage(0, 0, 0, 0), None, _NO_METADATA)
+
+
+_NO_METADATA = SessionData(ChunkTable._trusted([])).metadata  # the default, shared (read-only)
 
 
 def _usage(usage: dict[str, int]) -> Usage:

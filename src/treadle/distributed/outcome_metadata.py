@@ -8,9 +8,12 @@ know into something else: what does not fit stays data.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Mapping
 from typing import Any
+
+import pydantic
 
 from treadle.distributed.frozen import positional
 from treadle.loop.control import GuardrailResult, Tripwire
@@ -28,34 +31,51 @@ def portable_metadata(metadata: Mapping[str, Any], *, compact: bool = False) -> 
     `compact` (a process worker's wire form): each `RequestUsage` entry as the tuple of its
     fields, not a dict (`_public`, `received_session` take it back): fewer objects to pickle
     and unpickle (docs/performance.md, process workers, ninth round)."""
-    import pydantic
-
-    out: dict[str, Any] = {k: json_data(metadata[k]) for k in _PORTABLE if k in metadata}
-    value = metadata.get("output")
-    if isinstance(value, pydantic.BaseModel):
-        out["output"] = value.model_dump(mode="json")
-    elif value is not None:
-        out["output"] = json_data(value)
-    trip = metadata.get("tripwire")
-    if trip is not None and dataclasses.is_dataclass(trip) and not isinstance(trip, type):
-        out["tripwire"] = json_data(_plain(trip))
-    if metadata.get("guardrail_results"):
+    # The keys it knows, in one pass over the few the metadata has (a membership test per
+    # known key, and a `get` per object key, was a third of this function).
+    out: dict[str, Any] = {}
+    present = metadata.keys() & _KNOWN if type(metadata) is dict else _KNOWN
+    for k in _PORTABLE:
+        if k in present and k in metadata:
+            value = metadata[k]
+            out[k] = value if value is None or type(value) in _SCALARS else json_data(value)
+    if "output" in present:
+        value = metadata.get("output")
+        if isinstance(value, pydantic.BaseModel):
+            out["output"] = value.model_dump(mode="json")
+        elif value is not None:
+            out["output"] = json_data(value)
+    if "tripwire" in present:
+        trip = metadata.get("tripwire")
+        if trip is not None and dataclasses.is_dataclass(trip) and not isinstance(trip, type):
+            out["tripwire"] = json_data(_plain(trip))
+    if "guardrail_results" in present and metadata.get("guardrail_results"):
         results = metadata["guardrail_results"]
         out["guardrail_results"] = [
             json_data({**_plain(r), "tripped": bool(r.tripped)}) for r in results
         ]
-    if metadata.get("request_usage"):
+    if "request_usage" in present and metadata.get("request_usage"):
         # A `RequestUsage`'s fields are scalars: its plain dict is JSON data as it is, made in
-        # C (`attrgetter`, `zip`): `_plain`'s loop per field was a third of this function.
+        # C (`attrgetter`, `zip`, `map`): `_plain`'s loop per field was a third of this
+        # function, and a comprehension per entry most of the rest.
         names, values, entries = _USAGE_NAMES, _usage_values, metadata["request_usage"]
-        compact = compact and all(type(v) is RequestUsage for v in entries)  # else all dicts
-        out["request_usage"] = [
-            (values(v) if compact else dict(zip(names, values(v), strict=True)))
-            if type(v) is RequestUsage
-            else json_data(_plain(v))
-            for v in entries
-        ]
+        if set(map(type, entries)) == _ONLY_REQUEST_USAGE:  # every entry (not a subclass)
+            if compact:
+                out["request_usage"] = list(map(values, entries))
+            else:
+                out["request_usage"] = [dict(zip(names, values(v), strict=True)) for v in entries]
+        else:  # a mix: every entry as a dict
+            out["request_usage"] = [
+                dict(zip(names, values(v), strict=True))
+                if type(v) is RequestUsage
+                else json_data(_plain(v))
+                for v in entries
+            ]
     return out
+
+
+_KNOWN = frozenset({*_PORTABLE, "output", "tripwire", "guardrail_results", "request_usage"})
+_ONLY_REQUEST_USAGE = {RequestUsage}
 
 
 _USAGE_NAMES = tuple(f.name for f in dataclasses.fields(RequestUsage))
@@ -123,8 +143,9 @@ def local_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     values a local pass holds (what does not fit those types, e.g. a record written by another
     version, stays as data)."""
     out = dict(metadata)
+    # A key absent is the common case: `isinstance(None, Mapping)` is an ABC check.
     trip = metadata.get("tripwire")
-    if isinstance(trip, Mapping):
+    if trip is not None and isinstance(trip, Mapping):
         out["tripwire"] = _rebuilt(_tripwire, trip)
     results = metadata.get("guardrail_results")
     if isinstance(results, (list, tuple)):
@@ -156,7 +177,7 @@ def _request_usages(entries: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
         n, values = len(_USAGE_NAMES), _usage_items
         build = _build_request_usage  # one per completion: no `__init__` (`frozen.positional`)
         if all(type(e) is tuple and len(e) == n for e in entries):  # a worker's compact form
-            return tuple([build(*e) for e in entries])
+            return tuple(itertools.starmap(build, entries))  # each built in C's loop
         if all(type(e) is dict and len(e) == n for e in entries):
             return tuple([build(*values(e)) for e in entries])
         if all(type(e) is dict for e in entries):

@@ -185,9 +185,12 @@ def refuse_outcome(message: Any, err: Exception) -> Any:
         f"{type(err).__name__}: the pass's output cannot be sent back from its worker"
         f" ({where or 'its data'} cannot be pickled: {err})"
     )[:2000]
+    records = outcome.get("history")
+    if records is None and "kinds" in outcome:  # a finished pass's form: its one attempt
+        records = [{"attempt": outcome.get("attempts"), "worker": outcome.get("worker")}]
     history = [
         {**record, "status": "error", "error": error}
-        for record in outcome.get("history", ())
+        for record in records or ()
         if isinstance(record, dict)
     ]
     failed = {
@@ -207,7 +210,7 @@ def _where_in_outcome(outcome: Any) -> str:
     if type(outcome) is not dict:
         return what_cannot_cross(outcome)
     for name, value in outcome.items():
-        if name == "rows" and type(value) is list:
+        if name in ("rows", "payloads") and type(value) is list:
             for i, row in enumerate(value):
                 payload = row[1] if type(row) is tuple and len(row) == 2 else row
                 found = what_cannot_cross(payload, f"messages[{i}]")

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from treadle.distributed.janitor import clean_orphans, make_sandbox_root
-from treadle.distributed.outcome import PassItem, PassOutcome, portable_metadata, received_rows
+from treadle.distributed.outcome import (
+    PassItem,
+    PassOutcome,
+    input_data,
+    portable_metadata,
+    received_rows,
+)
 from treadle.distributed.spec import AgentSpec, resolve_tool
 from treadle.loop import Guardrail
 from treadle.session import Session, Usage
@@ -41,6 +47,8 @@ _usage_values = operator.attrgetter(*_USAGE_FIELDS)
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PassItem))
 _item_values = operator.itemgetter(*_ITEM_FIELDS)
 _item_attributes = operator.attrgetter(*_ITEM_FIELDS)
+_kind = operator.attrgetter("kind")
+_payload = operator.attrgetter("payload")
 
 RateGate = Callable[[], Awaitable[None]]
 """Awaited before every model request when the rate limit is one shared bucket."""
@@ -82,7 +90,11 @@ def _input_session(messages: Any) -> Session:
     table = received_rows(messages) if type(messages) is list else None
     if table is None:
         return Session.from_messages(messages)
-    return Session(table, operator="from_messages", kind="user")
+    # `Session(table, operator=..., kind=...)` without its frozen values' `__init__`s
+    # (`input_data`): a third of the worker's own work on an input (docs/performance.md).
+    return Session._derive(
+        input_data(table), operator="from_messages", kind="user", parents=(), sandbox=None
+    )
 
 
 class PassWorker:
@@ -124,7 +136,8 @@ class PassWorker:
 
     async def run_wire(self, item: PassItem | Mapping[str, Any]) -> dict[str, Any]:
         """`run`, as the wire form a process worker sends (`PassOutcome.from_json` takes it
-        back; the output's rows as `PassOutcome.rows`).
+        back; the output's rows as `PassOutcome.rows`; a finished pass's form has no
+        `messages`, `error` or `history` and its rows as `kinds` and `payloads`).
 
         No `PassItem` and no `PassOutcome` is built on this path: a frozen dataclass costs
         about 1.6 k instructions a field to build (`object.__setattr__` per field); without the
@@ -158,24 +171,28 @@ class PassWorker:
                     async with deadline or contextlib.nullcontext():
                         out = await self.agent.run(session)
             usage = out.usage
-            name = self.name
+            rows = out.chunk_table.rows
+            # A finished pass's wire form (`PassOutcome.from_json` takes it back): no
+            # `messages`, `error` or `history` (the one attempt's record is made from `attempts`
+            # and `worker` there), and the rows as their kinds and their payloads, two lists
+            # rather than a pair a row: fewer objects to pickle and unpickle (docs/performance.md,
+            # process workers, second round).
             return {
                 "index": index,
                 "session_id": session_id,
                 "status": "ok",
                 "attempts": attempt,
-                "worker": name,
-                "messages": None,
+                "worker": self.name,
                 # Four ints: `dataclasses.asdict` deep-copies, at a worker's per-pass cost.
                 "usage": dict(zip(_USAGE_FIELDS, _usage_values(usage), strict=True)),
                 "stop_reason": out.stop_reason,
-                "error": None,
-                "history": [{"attempt": attempt, "worker": name, "status": "ok", "error": None}],
                 # Request usage as tuples: `_public` and `received_session` take them back.
                 "metadata": portable_metadata(out.metadata, compact=True),
                 # The rows as they are: `to_messages` built a dict per row here, and the driver
-                # took each apart again into a row (docs/performance.md, process workers).
-                "rows": [(row.kind, row.payload) for row in out.chunk_table],
+                # took each apart again into a row. Read in C from the table's tuple: a
+                # comprehension over the table's generator cost 2 k instructions a row.
+                "kinds": list(map(_kind, rows)),
+                "payloads": list(map(_payload, rows)),
             }
         except TimeoutError as err:
             if deadline is None or not deadline.expired():  # inside the pass (ProviderTimeout)
