@@ -204,8 +204,8 @@ class LocalBackend:
         failed on the removed workspace, or the close came before the command was registered
         as running): the same error as a command on a closed sandbox, not a raw OS error."""
         return SandboxError(
-            "this sandbox was closed while the command was starting, so the command did not "
-            "run; bind a new one with session.to(...)."
+            "this sandbox was closed while the command was starting, so the command was "
+            "stopped and nothing it printed is kept; bind a new one with session.to(...)."
         )
 
     # -- files ------------------------------------------------------------------------------------
