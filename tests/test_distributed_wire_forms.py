@@ -15,6 +15,7 @@ from typing import Any
 import pydantic
 import pytest
 
+from test_distributed_outcome import USAGE  # one request's usage, as the outcome tests use it
 from treadle import Session
 from treadle.distributed.mapping import _result
 from treadle.distributed.outcome import (
@@ -32,16 +33,6 @@ from treadle.loop.control import GuardrailResult, Tripwire
 from treadle.session import SessionData, Usage
 from treadle.session.rows import ChunkRow, ChunkTable
 
-USAGE: dict[str, Any] = {
-    "input_tokens": 5,
-    "output_tokens": 2,
-    "cached_tokens": 0,
-    "reasoning_tokens": 0,
-    "response_id": "r1",
-    "latency_seconds": 0.5,
-    "agent": "a",
-    "request_id": "q1",
-}
 _NAMES = tuple(f.name for f in dataclasses.fields(RequestUsage))
 
 
