@@ -28,6 +28,36 @@ locker = Agent(
 )
 
 
+class BadRepr:
+    """A dict key whose `repr` raises (what naming the value that cannot cross must survive)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def lock_under_a_bad_key(output: Any) -> Any:
+    """For `evil`: a lock (pickle refuses it) under a key whose `repr` raises; for `deep`: a
+    list nested 3,000 deep around a lock (too deep to walk for its path)."""
+    text = str(output).lower()
+    if "evil" in text:
+        return {"answer": str(output), "held": {BadRepr(): threading.Lock()}}
+    if "deep" in text:
+        nested: Any = [threading.Lock()]
+        for _ in range(3000):
+            nested = [nested]
+        return {"answer": str(output), "deep": nested}
+    return output
+
+
+bad_key_locker = Agent(
+    "bad-key-locker",
+    "Shout.",
+    tools=[shout_upper],
+    provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
+    output_validators=[lock_under_a_bad_key],
+)
+
+
 def _driver_link_transport() -> Any:
     """This worker's end of its socket (the worker process's `_DriverLink`)."""
     import gc

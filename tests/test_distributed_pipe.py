@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipe_agents import garbler, locker
+from pipe_agents import BadRepr, bad_key_locker, garbler, locker
 from treadle import Session
 from treadle.distributed import AgentSpec, PassFailed, PassLost, amap
 from treadle.distributed.process import ProcessPool
@@ -78,6 +78,56 @@ async def test_an_output_that_cannot_be_pickled_fails_alone(
     assert isinstance(failed, PassFailed)
     assert "_thread.lock" in str(failed.outcome.error), failed.outcome.error
     assert failed.outcome.history[-1]["status"] == "error"
+
+
+async def test_an_output_whose_path_cannot_be_named_still_fails_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Naming where the value is raised (a key's repr, a list too deep to walk): the refusal
+    # failed, the worker dropped the whole batch, and with no call timeout the map never ended.
+    with FakeOpenAIServer(script=shout_script) as server:
+        monkeypatch.setattr(
+            bad_key_locker,
+            "provider",
+            Provider(model="fake", base_url=server.base_url, api_key="k"),
+        )
+        inputs = ["a", "evil", "b", "deep", "c"]
+        out = await asyncio.wait_for(
+            amap(bad_key_locker, inputs, backend="process", workers=1, return_exceptions=True),
+            60,
+        )
+    kinds = [type(o).__name__ for o in out]
+    assert kinds == ["Session", "PassFailed", "Session", "PassFailed", "Session"], kinds
+    evil, deep = out[1], out[3]
+    assert isinstance(evil, PassFailed) and isinstance(deep, PassFailed)
+    assert "<BadRepr key>" in str(evil.outcome.error), evil.outcome.error
+    assert "_thread.lock" in str(evil.outcome.error), evil.outcome.error
+    # Too deep for the worker to make its wire form: that pass fails there, alone.
+    assert "RecursionError" in str(deep.outcome.error), deep.outcome.error
+
+
+def test_refusing_an_outcome_never_raises() -> None:
+    import pickle
+    import threading
+
+    from treadle.distributed.pipe import refuse_outcome
+
+    nested: Any = [threading.Lock()]
+    for _ in range(3000):
+        nested = [nested]
+    for payload in ({"extra": {BadRepr(): threading.Lock()}}, {"extra": nested}):
+        outcome = {"index": 0, "session_id": "s", "status": "ok", "attempts": 1,
+                   "worker": "w", "usage": {}, "stop_reason": "final_answer", "metadata": {},
+                   "kinds": ["assistant"], "payloads": [payload]}  # fmt: skip
+        try:
+            pickle.dumps(outcome)
+        except Exception as err:  # TypeError, or RecursionError for the deep one
+            kind, call_id, failed = refuse_outcome(("done", 1, outcome), err)
+        else:
+            raise AssertionError("the outcome pickled")
+        assert (kind, call_id, failed["status"], failed["index"]) == ("done", 1, "error", 0)
+        assert failed["history"][0]["status"] == "error"
+        pickle.dumps(failed)  # the failure itself crosses
 
 
 async def test_a_worker_out_of_file_descriptors_still_closes() -> None:

@@ -156,7 +156,7 @@ def what_cannot_cross(value: Any, where: str = "") -> str:
     kind = type(value)
     if kind is dict:
         for key, item in value.items():
-            found = what_cannot_cross(item, f"{where}[{key!r}]")
+            found = what_cannot_cross(item, f"{where}[{_key_text(key)}]")
             if found:
                 return found
         return ""
@@ -173,6 +173,14 @@ def what_cannot_cross(value: Any, where: str = "") -> str:
     return ""
 
 
+def _key_text(key: Any) -> str:
+    """A dict key as `what_cannot_cross` names it: its repr, or its type when that raises."""
+    try:
+        return repr(key)
+    except Exception:  # a caller's key whose __repr__ raises: the path is still named
+        return f"<{type(key).__qualname__} key>"
+
+
 def refuse_outcome(message: Any, err: Exception) -> Any:
     """(a worker, sending a batch) An outcome pickle refused: that pass fails, naming the value
     as a caller reads the output (`messages[1]['content']`, `metadata['output']['lock']`)."""
@@ -180,10 +188,19 @@ def refuse_outcome(message: Any, err: Exception) -> Any:
         log.error("a message to the driver could not be pickled: %r", err)
         return None
     _kind, call_id, outcome = message
-    where = _where_in_outcome(outcome)
+    try:
+        where = _where_in_outcome(outcome)
+    except Exception:  # RecursionError (nested too deep to walk), a hostile __eq__ or hash...
+        # The pass must still fail alone: a refusal that raised dropped its whole batch, and
+        # with no call timeout the map waited for those passes for good.
+        where = ""
+    try:
+        said = str(err)
+    except Exception:  # an error raised by a caller's __reduce__ whose own text raises
+        said = "its error cannot be shown"
     error = (
         f"{type(err).__name__}: the pass's output cannot be sent back from its worker"
-        f" ({where or 'its data'} cannot be pickled: {err})"
+        f" ({where or 'its data'} cannot be pickled: {said})"
     )[:2000]
     records = outcome.get("history")
     if records is None and "kinds" in outcome:  # a finished pass's form: its one attempt
