@@ -87,3 +87,14 @@ garbler = Agent(
     tools=[shout],
     provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
 )
+
+
+stopper = Agent(
+    "stopper",
+    "Shout.",
+    tools=[shout_upper],
+    provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
+    tool_use_behavior="stop_on_first_tool",
+)
+"""An agent whose first tool call's result is its output (a setting `AgentSpec`'s data does not
+carry: it crosses by its import path)."""

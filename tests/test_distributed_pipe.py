@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipe_agents import BadRepr, bad_key_locker, garbler, locker
+from pipe_agents import BadRepr, bad_key_locker, garbler, locker, stopper
 from treadle import Session
 from treadle.distributed import AgentSpec, PassFailed, PassLost, amap
 from treadle.distributed.process import ProcessPool
@@ -260,3 +260,38 @@ def test_an_output_that_cannot_be_pickled_names_the_field_a_caller_knows() -> No
             kind, call_id, failed = refuse_outcome(("done", 7, outcome), err)
         assert (kind, call_id, failed["status"], failed["index"]) == ("done", 7, "error", 3)
         assert f"({where}" in failed["error"], failed["error"]
+
+
+async def test_a_stop_on_first_tool_agent_stops_on_a_worker_as_it_does_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `tool_use_behavior` is not in an `AgentSpec`'s data: the agent crossed as data without it,
+    # and its worker asked the model again (4 rows and 2 requests where a local pass has 3 and 1,
+    # no `stopped_at_tool`).
+    with FakeOpenAIServer(script=shout_script) as server:
+        provider = Provider(model="fake", base_url=server.base_url, api_key="k")
+        monkeypatch.setattr(stopper, "provider", provider)
+        monkeypatch.setattr(stopper, "_provider", provider)  # what a local pass sends with
+        assert AgentSpec.from_agent(stopper).agent_path == "pipe_agents:stopper"
+        here = await amap(stopper, ["hello"])
+        there = await asyncio.wait_for(amap(stopper, ["hello"], backend="process", workers=1), 60)
+    local, remote = here[0], there[0]
+    assert isinstance(local, Session) and isinstance(remote, Session)
+    assert [r.kind for r in remote.rows] == [r.kind for r in local.rows]
+    assert remote.output == local.output
+    assert remote.metadata["stopped_at_tool"] == local.metadata["stopped_at_tool"]
+    assert len(remote.metadata["request_usage"]) == len(local.metadata["request_usage"]) == 1
+
+
+def test_an_agent_with_settings_the_spec_cannot_carry_is_refused_unless_importable() -> None:
+    from treadle.agents import Agent
+    from treadle.errors import ConfigurationError
+
+    built_here = Agent(
+        "local-stopper",
+        "Shout.",
+        provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    with pytest.raises(ConfigurationError, match="tool_use_behavior"):
+        AgentSpec.from_agent(built_here)

@@ -21,7 +21,9 @@ from treadle.loop.request_usage import RequestUsage
 
 __all__ = ["expanded_usage", "json_data", "local_metadata", "portable_metadata"]
 
-_PORTABLE = ("agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason")
+_PORTABLE = (
+    "agent", "handoffs", "handled_error", "cancel_mode", "interrupt_reason", "stopped_at_tool",
+)  # fmt: skip
 
 
 def portable_metadata(metadata: Mapping[str, Any], *, compact: bool = False) -> dict[str, Any]:

@@ -142,8 +142,25 @@ def _code_parts(
     return parts
 
 
+def _settings_off_spec(agent: Any) -> list[str]:
+    """The `Agent` settings an `AgentSpec`'s data does not carry that differ from their
+    defaults: such an agent crosses by its import path, or a worker would run it without them
+    (a `tool_use_behavior` of `"stop_on_first_tool"` asked the model again)."""
+    from treadle.agents.compaction import DEFAULT_KEEP_LAST
+
+    defaults = {
+        "tool_use_behavior": "run_llm_again",
+        "reset_tool_choice": True,
+        "compact_at_tokens": None,
+        "compact_keep_last": DEFAULT_KEEP_LAST,
+        "compact_on_overflow": True,
+        "compaction_instruction": None,
+    }
+    return [name for name, value in defaults.items() if getattr(agent, name, value) != value]
+
+
 def _needs_path(agent: Any) -> bool:
-    if _code_parts(agent):
+    if _code_parts(agent) or _settings_off_spec(agent):
         return True
     try:
         for t in agent.tools:
@@ -229,9 +246,13 @@ def agent_path(agent: Any) -> str:
         if (why := _not_importable(obj)) is not None
     ]
     parts = f" What cannot be imported: {'; '.join(named)}." if named else ""
+    settings = _settings_off_spec(agent)
+    if settings:
+        parts += f" Settings that cross only with it: {', '.join(settings)}."
     raise ConfigurationError(
         f"Agent {agent.name!r} cannot cross to a worker: workers import an agent with code parts "
-        f"(output type, guardrails, validators, hooks, handoffs) by its path, and {built}."
+        f"(output type, guardrails, validators, hooks, handoffs) or settings beyond the model's "
+        f"and its limits (tool_use_behavior, compaction) by its path, and {built}."
         f"{parts} Fix: define the agent and those parts at the top level of an importable "
         "module (e.g. myapp/agents.py), then pass it or 'myapp.agents:agent'."
     )
