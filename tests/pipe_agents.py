@@ -12,6 +12,12 @@ from treadle.testing.sample_tools import shout as shout_upper
 from treadle.tools import tool
 
 
+def _shouter(name: str, shouting: Any = shout_upper, **settings: Any) -> Agent:
+    """A shouting agent with a placeholder endpoint (each test points it at its fake server)."""
+    provider = Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k")
+    return Agent(name, "Shout.", tools=[shouting], provider=provider, **settings)
+
+
 def lock_the_evil_one(output: Any) -> Any:
     """An output validator whose value for one input holds a lock (pickle refuses it)."""
     if "evil" in str(output).lower():
@@ -19,13 +25,7 @@ def lock_the_evil_one(output: Any) -> Any:
     return output
 
 
-locker = Agent(
-    "locker",
-    "Shout.",
-    tools=[shout_upper],
-    provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
-    output_validators=[lock_the_evil_one],
-)
+locker = _shouter("locker", output_validators=[lock_the_evil_one])
 
 
 class BadRepr:
@@ -49,13 +49,7 @@ def lock_under_a_bad_key(output: Any) -> Any:
     return output
 
 
-bad_key_locker = Agent(
-    "bad-key-locker",
-    "Shout.",
-    tools=[shout_upper],
-    provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
-    output_validators=[lock_under_a_bad_key],
-)
+bad_key_locker = _shouter("bad-key-locker", output_validators=[lock_under_a_bad_key])
 
 
 def _driver_link_transport() -> Any:
@@ -81,20 +75,9 @@ async def shout(text: str) -> str:
     return text.upper()
 
 
-garbler = Agent(
-    "garbler",
-    "Shout.",
-    tools=[shout],
-    provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
-)
+garbler = _shouter("garbler", shout)
 
 
-stopper = Agent(
-    "stopper",
-    "Shout.",
-    tools=[shout_upper],
-    provider=Provider(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k"),
-    tool_use_behavior="stop_on_first_tool",
-)
+stopper = _shouter("stopper", tool_use_behavior="stop_on_first_tool")
 """An agent whose first tool call's result is its output (a setting `AgentSpec`'s data does not
 carry: it crosses by its import path)."""
