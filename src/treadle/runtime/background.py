@@ -30,6 +30,7 @@ from treadle.errors import SessionFailedError
 from treadle.runtime import progress
 from treadle.runtime.busy_gc import BusyCollector
 from treadle.runtime.lazy import LazyValue
+from treadle.runtime.quiet_wake import new_runtime_loop
 from treadle.runtime.settling import Settling
 from treadle.runtime.threads import in_worker_thread, thread_stats
 
@@ -77,7 +78,8 @@ class Runtime:
     def __init__(self, max_started: int | None = None) -> None:
         """`max_started`: passes from other threads running at once (None: the
         `TREADLE_MAX_STARTED_PASSES` environment variable or `DEFAULT_MAX_STARTED`; 0: no cap)."""
-        self.loop = asyncio.new_event_loop()
+        # `_wake(fn)`: `fn` on the loop from another thread, unwoken while busy (`quiet_wake`).
+        self.loop, self._wake = new_runtime_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lazies: dict[asyncio.Task[Any], Settling[Any]] = {}
         self._hooks: list[ShutdownHook] = []
@@ -109,8 +111,7 @@ class Runtime:
             target=self._run, args=(started,), name="treadle-runtime", daemon=True
         )
         self._thread.start()
-        # Compared on every submission and blocking read: an attribute, not `Thread.ident`'s
-        # property call.
+        # Compared on every submission and blocking read: not `Thread.ident`'s property call.
         self._ident = self._thread.ident
         started.wait()
 
@@ -199,7 +200,7 @@ class Runtime:
         if self.in_loop_thread():
             self.loop.call_soon(fn)
         else:
-            self.loop.call_soon_threadsafe(fn)
+            self._wake(fn)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> LazyValue[T]:
         """Schedule `coro` on the runtime and return its `LazyValue` at once."""
@@ -228,7 +229,7 @@ class Runtime:
         if not self._inbox_armed:  # else a wake-up is on its way and will see this one too
             self._inbox_armed = True
             try:
-                self.loop.call_soon_threadsafe(self._start_inbox)
+                self._wake(self._start_inbox)
             except RuntimeError:  # the loop closed meanwhile (it died): nothing will run this
                 self._inbox_armed = False
                 with self._state:
