@@ -15,6 +15,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "treadle"
 #: The packages (and top-level modules) of Treadle, lowest first: each may import only from its
 #: own package and the ones before it.
 LAYERS = [
+    "_frozen",  # a dataclass helper: imports nothing of Treadle's
     "errors",
     "session",
     "runtime",

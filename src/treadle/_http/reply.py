@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from treadle._frozen import quick_init
 from treadle._http.errors import DecodeError, UnsupportedReply
 
 __all__ = [
@@ -108,6 +109,7 @@ def headers_of(raw: list[tuple[bytes, bytes]]) -> Headers:
     return headers
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Reply:
     """A whole reply: status, headers and the (decompressed) body."""
@@ -128,6 +130,7 @@ class BodyStream(Protocol):
     async def aclose(self) -> None: ...
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class StreamReply:
     """A reply whose head arrived: status, headers and the body still to read."""

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from treadle._frozen import quick_init
 from treadle.errors import MAX_ID_CHARS, clean_id
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["RequestUsage", "request_entries", "request_usage_of"]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RequestUsage:
     """The usage of one model request."""

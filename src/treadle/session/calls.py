@@ -13,9 +13,12 @@ from typing import Any
 
 import pydantic_core
 
+from treadle._frozen import quick_init
+
 __all__ = ["ToolCall", "tool_calls_of"]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """A call the model asked for: its id, the tool name and the raw JSON arguments text."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, cast
 
 from typing_extensions import TypeVar
 
+from treadle._frozen import quick_init
 from treadle.errors import ConfigurationError
 from treadle.session import ports
 from treadle.session.combine import check_data_fields, merged_rows_and_usage, require_text
@@ -44,6 +45,7 @@ Output = TypeVar("Output", default=Any)
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SessionData:
     """What a session holds once materialised (shared between a facade and its result)."""

@@ -6,9 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from treadle._frozen import quick_init
+
 __all__ = ["Usage", "merged_usage"]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Token usage summed over the completions that produced a session."""

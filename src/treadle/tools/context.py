@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Union
 
 from typing_extensions import TypeVar
 
+from treadle._frozen import quick_init
 from treadle.errors import ToolError
 from treadle.session import Session, ToolCall, Usage
 
@@ -36,6 +37,7 @@ Deps = TypeVar("Deps", default=Any)
 _USAGE = Usage()
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ToolContext(Generic[Deps]):
     """The calling pass, as a tool, guardrail or callback sees it.

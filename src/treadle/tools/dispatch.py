@@ -32,6 +32,7 @@ from typing import Any, NoReturn, Protocol, runtime_checkable
 import anyio
 import anyio.lowlevel
 
+from treadle._frozen import quick_init
 from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
 from treadle.session import Session, ToolCall
 from treadle.telemetry import tool_span
@@ -78,6 +79,7 @@ class AsyncToolExecutor(Protocol):
         ...
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ToolOutcome:
     """The result of one tool call, ready to become a `tool_result` row."""
