@@ -53,7 +53,7 @@ from treadle.loop.outputs import (
 )
 from treadle.loop.plan import PassPlan, pending_tool_calls, unique_call_ids
 from treadle.loop.request_usage import request_entries
-from treadle.loop.snapshot import Snapshot
+from treadle.loop.snapshot import NO_SNAPSHOT, Snapshot, blind_round
 from treadle.loop.soft_stop import registered
 from treadle.loop.tooling import choice_extra, gated_tools, offered, stop_after_tools
 from treadle.runtime.busy_gc import RUNNING_PASS
@@ -170,8 +170,7 @@ class _Pass:
             await fire(self.hooks, "on_model_start", self.hook_context(), request.messages())
         started = time.monotonic()
         turn = await self.complete_traced(request)
-        # Entries are built when the pass ends. `turn.wire`, not `turn.completion` (a streamed
-        # turn builds that only when read): the reply's usage as sent and its id.
+        # Entries built at the end, from `turn.wire` (a streamed `completion` is built if read).
         wire, reply_id = turn.wire
         latency = time.monotonic() - started
         self.entries.append((wire, reply_id, turn.usage, latency, turn.request_id or reply_id))
@@ -211,7 +210,7 @@ class _Pass:
         if self.events is not None:
             self.events.deltas(delta)
 
-    def context(self, session: Session) -> ToolContext:
+    def context(self, session: Session | None) -> ToolContext:
         """The context tools, guardrails and callbacks of this pass see, as of now."""
         plan, limit = self.plan, self.plan.limits.tool_timeout_seconds
         return ToolContext(
@@ -371,7 +370,8 @@ class _Pass:
                 await self.journal.rows([row], turn_boundary=True)
 
         try:
-            with self.snapshot() as session:
+            blind = blind_round(self.tools, calls, plan.executor)  # no snapshot to build
+            with NO_SNAPSHOT if blind else self.snapshot() as session:
                 await run_tool_calls(
                     calls,
                     self.tools,

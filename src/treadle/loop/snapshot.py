@@ -7,9 +7,14 @@ as much as building the snapshot's session (docs/performance.md, issue 33's fift
 
 from __future__ import annotations
 
-from treadle.session import Session
+from collections.abc import Mapping, Sequence
 
-__all__ = ["Snapshot"]
+from treadle.llm.turn import HttpExecutor
+from treadle.session import Session, ToolCall
+from treadle.tools import BaseTool, FunctionTool, Tool
+from treadle.tools.dispatch import has_tool_dispatch
+
+__all__ = ["NO_SNAPSHOT", "Snapshot", "blind_round"]
 
 
 class Snapshot:
@@ -25,3 +30,37 @@ class Snapshot:
 
     def __exit__(self, *exc: object) -> None:
         self.session.close_sandbox()
+
+
+class _NoSnapshot:
+    """`with NO_SNAPSHOT as session`: None, for a round whose tools cannot see a session."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+NO_SNAPSHOT = _NoSnapshot()
+
+
+def blind_round(tools: Mapping[str, Tool], calls: Sequence[ToolCall], executor: object) -> bool:
+    """True when no tool of the round can read the pass's session, so none is built for it: each
+    call's tool is a `@tool` function or `BaseTool` asking for no context, session or sandbox (or
+    a name no tool has: answered without running anything), and no executor of the user's runs
+    them (it is handed the session). Tools with an `invoke` of their own (MCP, agents as tools,
+    a user's `Tool`) get the whole context, so a snapshot."""
+    if type(executor) is not HttpExecutor and has_tool_dispatch(executor):  # the usual one first
+        return False
+    for call in calls:
+        item = tools.get(call.name)
+        if item is not None and (item.injected or type(item).invoke not in _INJECTING):
+            return False
+    return True
+
+
+_INJECTING = frozenset({FunctionTool.invoke, BaseTool.invoke})
+"""The `invoke`s that hand a tool only what its `injected` names."""
