@@ -103,6 +103,9 @@ async def test_empty_arguments_mean_empty_object(arguments: str) -> None:
         ("[1, 2]", "must be a JSON object"),
         ('"text"', "must be a JSON object"),
         ('{"text": ', "not valid JSON"),
+        ('{"text": "\\ud800"}', "not valid JSON"),  # a lone surrogate: no file could hold it
+        ('{"text": ' + "[" * 300 + "]" * 300 + "}", "not valid JSON"),  # too deep to parse
+        ('{"text": "a"} trailing', "not valid JSON"),
         ('{"text": 5}', "text: Input should be a valid string"),
         ('{"nope": 1}', "nope: Extra inputs are not permitted"),
     ],
