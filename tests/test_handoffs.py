@@ -225,8 +225,17 @@ class Reason(BaseModel):
     reason: str
 
 
+@pytest.mark.parametrize(
+    ("arguments", "agent"),
+    [
+        ('{"reason": "\\ud83d\\ude00"}', "humans"),  # an escaped surrogate pair: one emoji
+        # A lone surrogate escape: bad JSON to the dispatcher (no file could hold the text), so
+        # the transfer fails as a tool call and no handoff claims otherwise.
+        ('{"reason": "\\ud800"}', "triage"),
+    ],
+)
 def test_typed_input_is_validated_once_and_the_result_matches_the_handoff(
-    server: FakeOpenAIServer,
+    server: FakeOpenAIServer, arguments: str, agent: str
 ) -> None:
     provider = _provider(server)
     humans = Agent("humans", "People.", provider=provider)
@@ -244,13 +253,16 @@ def test_typed_input_is_validated_once_and_the_result_matches_the_handoff(
             )
         ],
     )
-    # an escaped lone surrogate: json.loads accepts it, model_validate_json would not
-    server.enqueue(Reply.tool_call("escalate", '{"reason": "\\ud800"}'), Reply.text("humans"))
+    server.enqueue(Reply.tool_call("escalate", arguments), Reply.text(agent))
     out = triage("x")
-    result = next(r for r in out.rows if r.kind == "tool_result")
-    claimed = json.loads(result.payload["content"]).get("assistant")
-    assert claimed == out.metadata["agent"] == "humans"
-    assert len(seen) == 1
+    result = json.loads(next(r for r in out.rows if r.kind == "tool_result").payload["content"])
+    assert out.metadata["agent"] == agent
+    if agent == "humans":
+        assert result.get("assistant") == "humans"
+        assert [v.reason for v in seen] == ["\U0001f600"]
+    else:
+        assert result["error_kind"] == "invalid_tool_arguments" and "assistant" not in result
+        assert seen == []
 
 
 def test_only_the_first_of_two_transfers_in_one_reply_takes_effect(

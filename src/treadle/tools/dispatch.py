@@ -107,9 +107,7 @@ def _parse_arguments(raw: str) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:
-        # pydantic-core's parser: a seventh of `json.loads`'s time for a small object. It also
-        # refuses a lone surrogate escape (text no file or store could hold) and nesting over
-        # 200 levels, as bad JSON the model is told about.
+        # A seventh of `json.loads`'s time; refuses lone surrogates and nesting over 200 levels.
         value = from_json(raw)
     except (ValueError, RecursionError) as e:
         raise ToolArgumentsError(
