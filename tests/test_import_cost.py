@@ -7,6 +7,7 @@ benchmark's S5 measures the time; this keeps the cause from coming back).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -245,3 +246,49 @@ def test_a_stand_in_does_not_keep_a_patch_of_its_home_module(
     assert namespace["dumps"] is stand_in  # ...but not kept: it is not json's own function
     monkeypatch.undo()
     assert stand_in(1) == "1" and namespace["dumps"] is real
+
+
+_FORK_WHILE_BUILDING = r"""
+import os, sys, threading, time
+from treadle.session import deferred
+from treadle.llm.wire import ChatCompletion
+
+held, release = threading.Event(), threading.Event()
+
+def builder():  # another thread inside a build when the process forks
+    with deferred._BUILD_LOCK:
+        held.set()
+        release.wait()
+
+thread = threading.Thread(target=builder)
+thread.start()
+held.wait()
+pid = os.fork()
+if pid == 0:  # the child: its first validation builds under a lock nobody here holds
+    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                          "finish_reason": "stop"}]}
+    ok = ChatCompletion.model_validate(reply).choices[0].message.content == "hi"
+    os._exit(0 if ok else 3)
+release.set()
+thread.join()
+for _ in range(600):  # the child hung if it has not exited within a minute
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("exit", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    print("hung")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_child_forked_while_another_thread_builds_a_schema_builds_its_own() -> None:
+    # The schema-build lock held by a thread the child does not have would make the child's
+    # first validation wait forever.
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_BUILDING], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "exit 0", out.stdout + out.stderr

@@ -10,6 +10,7 @@ builds, the others wait for it and then find the model complete.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -19,6 +20,18 @@ __all__ = ["DeferredModel"]
 
 _BUILD_LOCK = threading.RLock()
 """Held while a deferred schema builds (re-entrant: a model's build builds the models it uses)."""
+
+
+def _fresh_lock_in_child() -> None:
+    # A fork while another thread builds copies the lock held by a thread the child does not
+    # have: every build in the child (its first pass) would wait forever. The child's copy of a
+    # half-built model is not complete, so its first use builds it again under the new lock.
+    global _BUILD_LOCK
+    _BUILD_LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 class DeferredModel(BaseModel):
