@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 from typing import Any, TypeVar
 
 __all__ = ["quick_init"]
@@ -33,34 +34,52 @@ def quick_init(cls: C) -> C:
         raise TypeError(f"quick_init is for frozen, slotted dataclasses; {cls.__name__} is not")
     fields = dataclasses.fields(cls)
     generated = cls.__dict__["__init__"]  # the dataclass's own: its parameters are the fields'
-    params_of = list(inspect.signature(generated).parameters)[1:]
-    if params_of != [f.name for f in fields] or not all(f.init for f in fields):
+    order = [f.name for f in fields if not f.kw_only] + [f.name for f in fields if f.kw_only]
+    if list(inspect.signature(generated).parameters)[1:] != order or not all(
+        f.init for f in fields
+    ):
         raise TypeError(
-            f"{cls.__name__} has fields quick_init does not build (InitVar, init=False)"
+            f"quick_init cannot build {cls.__name__}: its __init__ takes other parameters than "
+            "its fields (an InitVar, an init=False field)"
         )
-    names: dict[str, Any] = {}
+    # Every name the generated code uses starts with `__qi_`, which no field of a class body can
+    # (a `__` name there is mangled to `_Class__...`); one made by `make_dataclass` is refused.
+    if any(f.name.startswith("__qi_") for f in fields):
+        raise TypeError(f"quick_init cannot build {cls.__name__}: a field is named __qi_...")
+    names: dict[str, Any] = {"__qi_cls": cls, "__qi_own": generated, "__qi_FACTORY": _FACTORY}
     positional: list[str] = []
     keyword: list[str] = []
     body: list[str] = []
     for i, field in enumerate(fields):
-        setter, value = f"_set{i}", field.name
-        names[setter] = cls.__dict__[field.name].__set__  # the slot's member descriptor
-        param = field.name
+        slot = _slot_of(cls, field.name)
+        setter, value, param = f"__qi_set{i}", field.name, field.name
+        names[setter] = slot.__set__
         if field.default is not _NO_DEFAULT:
-            names[f"_default{i}"] = field.default
-            param += f"=_default{i}"
+            names[f"__qi_default{i}"] = field.default
+            param += f"=__qi_default{i}"
         elif field.default_factory is not _NO_DEFAULT:
-            names[f"_factory{i}"] = field.default_factory
-            param += "=_FACTORY"
-            value = f"_factory{i}() if {field.name} is _FACTORY else {field.name}"
+            names[f"__qi_factory{i}"] = field.default_factory
+            param += "=__qi_FACTORY"
+            value = f"__qi_factory{i}() if {field.name} is __qi_FACTORY else {field.name}"
         (keyword if field.kw_only else positional).append(param)
-        body.append(f"    {setter}(self, {value})")
+        body.append(f"    {setter}(__qi_self, {value})")
     if hasattr(cls, "__post_init__"):
-        body.append("    self.__post_init__()")
-    names["_FACTORY"] = _FACTORY
-    signature = ", ".join(["self", *positional, *(["*", *keyword] if keyword else [])])
-    source = f"def __init__({signature}):\n" + ("\n".join(body) or "    pass") + "\n"
-    exec(source, names)
+        body.append("    __qi_self.__post_init__()")
+    # A subclass that is not a dataclass itself inherits this `__init__`; it may have replaced a
+    # field by a property, which only the dataclass's own `__init__` (by attribute name) honours.
+    passed = [f"{f.name}={f.name}" for f in fields]
+    fallback = [
+        "    if type(__qi_self) is not __qi_cls:",
+        *(
+            f"        {f.name} = __qi_factory{i}() if {f.name} is __qi_FACTORY else {f.name}"
+            for i, f in enumerate(fields)
+            if f.default_factory is not _NO_DEFAULT
+        ),
+        f"        return __qi_own({', '.join(['__qi_self', *passed])})",
+    ]
+    signature = ", ".join(["__qi_self", *positional, *(["*", *keyword] if keyword else [])])
+    source = f"def __init__({signature}):\n" + "\n".join([*fallback, *body]) + "\n"
+    exec(source, names)  # built from the dataclass's own field names only
     init = names["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
@@ -68,6 +87,17 @@ def quick_init(cls: C) -> C:
     init.__annotations__ = dict(generated.__annotations__)
     type.__setattr__(cls, "__init__", init)
     return cls
+
+
+def _slot_of(cls: type, name: str) -> Any:
+    """The member descriptor of slot `name` (on `cls` or the dataclass it extends)."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            found = klass.__dict__[name]
+            if isinstance(found, types.MemberDescriptorType):
+                return found
+            break
+    raise TypeError(f"quick_init cannot build {cls.__name__}: field {name!r} is not a slot")
 
 
 class _Factory:
