@@ -181,6 +181,25 @@ def test_another_policys_loop_is_left_alone() -> None:
         loop.close()
 
 
+def test_a_policys_own_loop_class_is_kept() -> None:
+    class Loop(asyncio.SelectorEventLoop):
+        """A program's own loop class, set on the stock policy."""
+
+    policy = asyncio.DefaultEventLoopPolicy()
+    policy._loop_factory = Loop  # type: ignore[attr-defined]
+    old = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(policy)
+    try:
+        loop, quiet = new_runtime_loop()
+    finally:
+        asyncio.set_event_loop_policy(old)
+    try:
+        assert type(loop) is Loop
+        assert quiet == loop.call_soon_threadsafe
+    finally:
+        loop.close()
+
+
 def test_the_runtime_passes_still_run_from_many_threads() -> None:
     # End to end through the runtime: submissions from threads while others' passes settle.
     from treadle.runtime.background import get_runtime

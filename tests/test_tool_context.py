@@ -130,3 +130,26 @@ def test_a_round_of_plain_tools_alone_still_runs_them_all() -> None:
     out = _round_with(first, Second())
     assert out.final_text == "ok" and sorted(calls) == ["first", "second"]
     assert [json.loads(r.payload["content"])["result"] for r in out.rows[2:4]] == ["1", "2"]
+
+
+def test_a_tool_whose_invoke_is_wrapped_on_the_instance_sees_the_session() -> None:
+    # A tracing wrapper put on one tool's `invoke` may read the context: not one of the
+    # `invoke`s known to hand a tool only what it asks for, so the round builds the snapshot.
+    seen: list[Session | None] = []
+
+    @tool
+    def traced() -> str:
+        """Ask for nothing."""
+        return "t"
+
+    inner = traced.invoke
+
+    async def wrapper(arguments: Mapping[str, Any], *, context: ToolContext) -> Any:
+        seen.append(context.session)
+        return await inner(arguments, context=context)
+
+    traced.invoke = wrapper  # type: ignore[method-assign]
+    out = _round_with(traced)
+    assert out.final_text == "ok"
+    [session] = seen
+    assert session is not None and [r.kind for r in session.rows] == ["user", "assistant"]

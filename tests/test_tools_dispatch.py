@@ -104,6 +104,7 @@ async def test_empty_arguments_mean_empty_object(arguments: str) -> None:
         ('"text"', "must be a JSON object"),
         ('{"text": ', "not valid JSON"),
         ('{"text": "\\ud800"}', "not valid JSON"),  # a lone surrogate: no file could hold it
+        ('{"text": "\ud800"}', "not valid JSON"),  # the same as a character, not an escape
         ('{"text": ' + "[" * 300 + "]" * 300 + "}", "not valid JSON"),  # too deep to parse
         ('{"text": "a"} trailing', "not valid JSON"),
         ('{"text": 5}', "text: Input should be a valid string"),

@@ -28,7 +28,7 @@ from treadle.errors import ConfigurationError, ToolArgumentsError, ToolError
 from treadle.loop.control import call_user
 from treadle.session import ChunkRow, Session, ToolCall
 from treadle.tools import Tool, ToolContext
-from treadle.tools.dispatch import _parse_arguments
+from treadle.tools.arguments import parse_arguments
 from treadle.tools.results import success_content
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class Handoff:
         exactly as the tool dispatcher reads them for the transfer tool's own validation."""
         if self.input_type is None:
             return None
-        return self.input_type.model_validate(_parse_arguments(arguments))
+        return self.input_type.model_validate(parse_arguments(arguments))
 
     @property
     def result_content(self) -> str:

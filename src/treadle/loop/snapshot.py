@@ -57,7 +57,11 @@ def blind_round(tools: Mapping[str, Tool], calls: Sequence[ToolCall], executor: 
         return False
     for call in calls:
         item = tools.get(call.name)
-        if item is not None and (item.injected or type(item).invoke not in _INJECTING):
+        # The bound method's function: an `invoke` replaced on the instance (a tracing
+        # wrapper) is not one of ours, so it gets the session.
+        if item is not None and (
+            item.injected or getattr(item.invoke, "__func__", None) not in _INJECTING
+        ):
             return False
     return True
 

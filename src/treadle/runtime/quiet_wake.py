@@ -78,7 +78,8 @@ def new_runtime_loop() -> tuple[asyncio.AbstractEventLoop, Wake]:
     loop and its `call_soon_threadsafe`."""
     policy = asyncio.get_event_loop_policy()
     stock = type(policy) is asyncio.DefaultEventLoopPolicy and hasattr(asyncio, "SelectorEventLoop")
-    if not stock or not issubclass(policy._loop_factory, asyncio.SelectorEventLoop):  # type: ignore[attr-defined]
+    # The policy's own loop class exactly: a program's subclass (set as `_loop_factory`) is its.
+    if not stock or policy._loop_factory is not asyncio.SelectorEventLoop:  # type: ignore[attr-defined]
         loop = asyncio.new_event_loop()
         return loop, loop.call_soon_threadsafe
     selector = _WatchedSelector()

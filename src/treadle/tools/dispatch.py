@@ -30,12 +30,12 @@ from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import anyio
 import anyio.lowlevel
-from pydantic_core import from_json
 
 from treadle._frozen import quick_init
-from treadle.errors import ToolArgumentsError, ToolError, ToolTimeoutError, TreadleError
+from treadle.errors import ToolError, ToolTimeoutError, TreadleError
 from treadle.session import Session, ToolCall
 from treadle.telemetry import tool_span
+from treadle.tools.arguments import parse_arguments
 from treadle.tools.context import ToolContext
 from treadle.tools.results import (
     ResultSerialisationError,
@@ -100,25 +100,6 @@ class ToolOutcome:
 
 def _failure(call: ToolCall, kind: str, message: str, detail: str | None = None) -> ToolOutcome:
     return ToolOutcome(call.id, call.name, error_content(kind, message, detail), False, kind)
-
-
-def _parse_arguments(raw: str) -> dict[str, Any]:
-    """The arguments object of a call; empty or whitespace text means `{}`."""
-    if not raw.strip():
-        return {}
-    try:
-        # A seventh of `json.loads`'s time; refuses lone surrogates and nesting over 200 levels.
-        value = from_json(raw)
-    except (ValueError, RecursionError) as e:
-        raise ToolArgumentsError(
-            f"the arguments are not valid JSON ({e}); send a JSON object.",
-        ) from None
-    if not isinstance(value, dict):
-        raise ToolArgumentsError(
-            f"the arguments must be a JSON object, got {type(value).__name__}; "
-            'send e.g. {"name": value}.'
-        )
-    return value
 
 
 Runner = Callable[[Tool, dict[str, Any], ToolContext], Awaitable[Any]]
@@ -444,7 +425,7 @@ async def run_tool_calls(
             )
             continue
         try:
-            arguments = found.validate(_parse_arguments(call.arguments))
+            arguments = found.validate(parse_arguments(call.arguments))
         except ToolError as error:
             failure = _failure(call, error.error_kind, error.message, error.detail)
             outcomes[index] = _answered(call, failure)
