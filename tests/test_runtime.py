@@ -338,3 +338,53 @@ def test_cancel_asked_before_the_first_step_stops_a_pass_whose_input_ends_meanwh
     assert done.stop_reason == "cancelled"
     assert [r.payload["content"] for r in done.rows] == ["late"]
     assert executor.requests == []
+
+
+def test_a_submission_accepted_as_shutdown_begins_runs_or_fails_never_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A thread's submission passed the closed check just before `shutdown` closed the runtime,
+    # and reaches the inbox only while the drain waits for an earlier pass: the drain must wait
+    # for it too (it was accepted), not stop the loop with it running and its reader waiting
+    # forever.
+    from treadle.runtime import background
+
+    runtime = Runtime()
+    between, release = threading.Event(), threading.Event()
+    real = background.in_worker_thread
+
+    def held() -> bool:  # called in `_submit` after the check, before the inbox
+        if threading.current_thread().name == "late-submitter":
+            between.set()
+            release.wait(10)
+        return real()
+
+    monkeypatch.setattr(background, "in_worker_thread", held)
+
+    async def value(seconds: float, result: int) -> int:
+        await asyncio.sleep(seconds)
+        return result
+
+    early = runtime.submit(value(0.3, 1))
+    accepted: list[Any] = []
+    late = threading.Thread(
+        target=lambda: accepted.append(runtime.submit(value(0.6, 2))), name="late-submitter"
+    )
+    late.start()
+    assert between.wait(10)
+    closing = threading.Thread(target=runtime.shutdown, kwargs={"drain_seconds": 5})
+    closing.start()
+    for _ in range(1000):  # until the runtime is closed and its drain waits for `early`
+        if runtime.closed:
+            break
+        time.sleep(0.001)
+    time.sleep(0.1)
+    release.set()
+    late.join(10)
+    closing.join(30)
+    assert early.result(timeout=5) == 1
+    [lazy] = accepted
+    try:
+        assert lazy.result(timeout=5) == 2
+    except TimeoutError:
+        pytest.fail("a submission accepted before the close was never run nor failed")

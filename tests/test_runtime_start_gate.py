@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from treadle.runtime.background import DEFAULT_MAX_STARTED, STALL_SECONDS, Runtime
+from treadle.runtime.background import Runtime
+from treadle.runtime.start_gate import DEFAULT_MAX_STARTED, STALL_SECONDS
 from treadle.session.session import new_session_id
 
 

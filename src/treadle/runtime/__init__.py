@@ -3,7 +3,6 @@
 
 from treadle.runtime.background import (
     DEFAULT_DRAIN_SECONDS,
-    DEFAULT_MAX_STARTED,
     Runtime,
     add_shutdown_hook,
     get_runtime,
@@ -13,6 +12,7 @@ from treadle.runtime.background import (
 )
 from treadle.runtime.lazy import LazyValue
 from treadle.runtime.lazy_session import run_lazy
+from treadle.runtime.start_gate import DEFAULT_MAX_STARTED
 from treadle.runtime.threads import thread_stats
 
 __all__ = [

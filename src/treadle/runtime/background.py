@@ -32,6 +32,7 @@ from treadle.runtime.busy_gc import BusyCollector
 from treadle.runtime.lazy import LazyValue
 from treadle.runtime.quiet_wake import new_runtime_loop
 from treadle.runtime.settling import Settling
+from treadle.runtime.start_gate import STALL_SECONDS, max_started_default
 from treadle.runtime.threads import in_worker_thread, thread_stats
 
 __all__ = [
@@ -58,18 +59,6 @@ whether a pass's own worker thread submitted it (a sync tool running a sub-agent
 
 INBOX_LINGER_SECONDS = 0.002
 """While passes arrive in a burst, how often the loop looks for more without being woken."""
-DEFAULT_MAX_STARTED = 4096
-"""Passes submitted from other threads that run at once (override with the
-TREADLE_MAX_STARTED_PASSES environment variable, 0 for no cap); the rest wait, not yet started,
-until one ends. Four times the default cap on requests in flight: enough to keep every connection
-busy while passes run their tools, few enough that a hundred thousand submitted passes do not
-each hold a started coroutine chain (memory, and the garbage collector walking it)."""
-STALL_SECONDS = 0.5
-"""With passes waiting to start and none of the started ones ending, nor any HTTP reply arriving,
-for this long, more start anyway: passes that wait on later passes cannot deadlock (replies
-count too: a pass queued behind thousands for a connection takes far longer than this to end
-while the others move, see `treadle.runtime.progress`). (Passes submitted by a pass's own worker
-thread, a sync tool running a sub-agent, never wait: they start at once.)"""
 
 
 class Runtime:
@@ -100,7 +89,7 @@ class Runtime:
         self._inbox_armed = False
         # Moved from the inbox, waiting for a start (see `DEFAULT_MAX_STARTED`); loop thread only.
         self._waiting: deque[_Item] = deque()
-        self._max_started = _max_started() if max_started is None else max_started
+        self._max_started = max_started_default() if max_started is None else max_started
         self._ended = 0  # passes ended so far (the stall check compares it between looks)
         # `_ended` plus `progress.steps()` at the last look (None: no look armed).
         self._stall_seen: int | None = None
@@ -355,9 +344,12 @@ class Runtime:
 
     def shutdown(self, drain_seconds: float = DEFAULT_DRAIN_SECONDS) -> None:
         """Let running tasks finish for up to `drain_seconds`, cancel the rest, stop the loop."""
-        if self._closed or self._pid != os.getpid():
+        if self._pid != os.getpid():
             return
-        self._closed = True
+        with self._state:  # as `_submit` checks it: a submission is refused or seen by the drain
+            if self._closed:
+                return
+            self._closed = True
         if self.in_loop_thread():
             raise RuntimeError("the Treadle runtime cannot shut itself down from its own loop.")
         if self._thread.is_alive():
@@ -370,14 +362,22 @@ class Runtime:
             self.loop.close()
 
     async def _drain(self, drain_seconds: float) -> None:
-        self._start_inbox()  # closed: every waiting pass starts now (and drains like the others)
-        tasks = set(self._tasks)
-        if tasks:
-            _, still = await asyncio.wait(tasks, timeout=drain_seconds)
+        # Closed: every waiting pass starts now and drains like the others, and so does one
+        # accepted just before the close that reaches the inbox while the drain waits.
+        end = self.loop.time() + drain_seconds
+        self._start_inbox()  # even with no time to drain: a waiting pass is cancelled, not lost
+        while (left := end - self.loop.time()) > 0:
+            self._start_inbox()
+            if tasks := set(self._tasks):
+                await asyncio.wait(tasks, timeout=left)
+            elif self._unstarted:  # accepted, on its way to the inbox
+                await asyncio.sleep(0.001)
+            else:
+                break
+        if still := set(self._tasks):
             for task in still:
                 task.cancel()
-            if still:
-                await asyncio.wait(still, timeout=5)
+            await asyncio.wait(still, timeout=5)
         for hook in self._hooks:
             try:
                 await hook()
@@ -406,16 +406,6 @@ async def _started(coro: Coroutine[Any, Any, T], lazy: LazyValue[T], runtime: Ru
     if task is not None and lazy._future.has_blocked_reader():
         runtime._finished(task, value)
     return value
-
-
-def _max_started() -> int:
-    value = os.environ.get("TREADLE_MAX_STARTED_PASSES", "")
-    try:
-        return int(value) if value.strip() else DEFAULT_MAX_STARTED
-    except ValueError:
-        log.warning("TREADLE_MAX_STARTED_PASSES=%r is not an integer; using %d", value,
-                    DEFAULT_MAX_STARTED)  # fmt: skip
-        return DEFAULT_MAX_STARTED
 
 
 _lock = threading.Lock()
