@@ -35,6 +35,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from treadle.runtime.environment import int_setting
+
 __all__ = [
     "BUSY_FULL_THRESHOLD",
     "BUSY_PASSES",
@@ -111,13 +113,7 @@ class BusyCollector:
 
 
 def _from_environment() -> int:
-    value = os.environ.get("TREADLE_BUSY_GC_THRESHOLD", "")
-    try:
-        return int(value) if value.strip() else DEFAULT_BUSY_THRESHOLD
-    except ValueError:
-        log.warning("TREADLE_BUSY_GC_THRESHOLD=%r is not an integer; using %d", value,
-                    DEFAULT_BUSY_THRESHOLD)  # fmt: skip
-        return DEFAULT_BUSY_THRESHOLD
+    return int_setting("TREADLE_BUSY_GC_THRESHOLD", DEFAULT_BUSY_THRESHOLD)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -3,12 +3,9 @@ long a full gate may show no progress before more start anyway (`Runtime`)."""
 
 from __future__ import annotations
 
-import logging
-import os
+from treadle.runtime.environment import int_setting
 
 __all__ = ["DEFAULT_MAX_STARTED", "STALL_SECONDS", "max_started_default"]
-
-log = logging.getLogger("treadle.runtime")
 
 DEFAULT_MAX_STARTED = 4096
 """Passes submitted from other threads that run at once (override with the
@@ -26,10 +23,4 @@ thread, a sync tool running a sub-agent, never wait: they start at once.)"""
 
 def max_started_default() -> int:
     """The cap from `TREADLE_MAX_STARTED_PASSES`, else `DEFAULT_MAX_STARTED` (0: no cap)."""
-    value = os.environ.get("TREADLE_MAX_STARTED_PASSES", "")
-    try:
-        return int(value) if value.strip() else DEFAULT_MAX_STARTED
-    except ValueError:
-        log.warning("TREADLE_MAX_STARTED_PASSES=%r is not an integer; using %d", value,
-                    DEFAULT_MAX_STARTED)  # fmt: skip
-        return DEFAULT_MAX_STARTED
+    return int_setting("TREADLE_MAX_STARTED_PASSES", DEFAULT_MAX_STARTED)
