@@ -365,9 +365,10 @@ class Runtime:
         # Closed: every waiting pass starts now and drains like the others, and so does one
         # accepted just before the close that reaches the inbox while the drain waits.
         end = self.loop.time() + drain_seconds
-        self._start_inbox()  # even with no time to drain: a waiting pass is cancelled, not lost
-        while (left := end - self.loop.time()) > 0:
+        while True:  # a first look even with no time to drain: a waiting pass is cancelled
             self._start_inbox()
+            if (left := end - self.loop.time()) <= 0:
+                break
             if tasks := set(self._tasks):
                 await asyncio.wait(tasks, timeout=left)
             elif self._unstarted:  # accepted, on its way to the inbox
